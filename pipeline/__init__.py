@@ -1,0 +1,1 @@
+"""The build pipeline: recipe, stage graph, content-addressed cache, executors, ingest."""

@@ -1,0 +1,107 @@
+"""Tiny random models of each supported family, written as a release directory would be.
+
+Random weights are enough to check that a converter and a runtime compute the same function;
+quality figures come from the trained example model in examples/.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sysconfig
+from pathlib import Path
+
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@functools.cache
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = [(stdlib / name).read_text(encoding="utf-8") for name in ("textwrap.py", "shlex.py", "heapq.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text, trainer)
+    return tok.to_str()
+
+
+def make_model(
+    out: Path,
+    family: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    hidden_size: int = 64,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 512,
+    dtype: str = "bfloat16",
+    shards: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Write a random model of `family` with a real BPE tokenizer into `out` and return `out`."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(out)
+    eot = fast.convert_tokens_to_ids("<|endoftext|>")
+    arch = FAMILIES[family]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)  # non-trivial norms catch a missing or misplaced norm
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.02)
+    model.to(getattr(torch, dtype)).save_pretrained(
+        out, safe_serialization=True, max_shard_size=_shard_size(model, shards)
+    )
+    config_path = out / "config.json"
+    cfg = json.loads(config_path.read_text())
+    cfg["architectures"] = [arch]
+    config_path.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _shard_size(model: object, shards: int) -> str:
+    if shards <= 1:
+        return "10GB"
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # type: ignore[attr-defined]
+    return f"{max(1, total // shards // 1000)}KB"
