@@ -198,8 +198,12 @@ class SourceModel:
         self._handles.clear()
 
 
-def open_source(root: str | Path) -> SourceModel:
-    """Validate a model directory and plan from its headers; reads no tensor data."""
+def open_source(root: str | Path, known_files: list[FileEntry] | None = None) -> SourceModel:
+    """Validate a model directory and plan from its headers; reads no tensor data.
+
+    Every file is hashed unless `known_files` (from a finished ingest stage, whose output is
+    immutable and was hashed when it was committed) already gives the digests.
+    """
     root = Path(root)
     if not root.is_dir():
         raise SourceInvalid(f"source {str(root)!r} is not a directory", details={"field": "source"})
@@ -223,7 +227,12 @@ def open_source(root: str | Path) -> SourceModel:
     _check_against_config(shape, tensors)
 
     used = [*CONFIG_FILES, *TOKENIZER_FILES, *( [INDEX_FILE] if INDEX_FILE in present else []), *weight_files]
-    files = [FileEntry(path=p, sha256=sha256_file(root / p), size=(root / p).stat().st_size) for p in used if p in present]
+    known = {f.path: f for f in known_files or []}
+    files = [
+        known[p] if p in known else FileEntry(path=p, sha256=sha256_file(root / p), size=(root / p).stat().st_size)
+        for p in used
+        if p in present
+    ]
     expected = shape.expected_tensors()
     ordered = {n: tensors[n] for n in expected}  # canonical order: embeddings, layers, norm, head
     return SourceModel(root=root, config=config, shape=shape, tensors=ordered, files=files)

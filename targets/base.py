@@ -70,7 +70,9 @@ def register(spec: TargetSpec) -> TargetSpec:
 
 def _load_builtin() -> None:
     for module in BUILTIN_TARGET_MODULES:
-        importlib.import_module(module)
+        spec = getattr(importlib.import_module(module), "SPEC", None)
+        if not isinstance(spec, TargetSpec) or _REGISTRY.get(spec.name) is not spec:
+            raise KilnError(f"target module {module} did not register its SPEC", code="TARGET_NOT_REGISTERED")
 
 
 def all_targets() -> dict[str, TargetSpec]:

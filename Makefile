@@ -1,0 +1,55 @@
+# kiln: `make demo` and `make test` work from a fresh clone with only python3 and pip.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip --disable-pip-version-check
+TORCH_VERSION := 2.13.0
+LLAMA_CPP_VERSION := 0.3.36
+# This CPU kind advertises AMX but faults on it: build llama.cpp for AVX2 and cap oneDNN at AVX512-BF16.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# pip's wheel cache does not key on CMAKE_ARGS, so the built wheel is kept here.
+WHEELHOUSE := .wheelhouse
+LLAMA_WHEEL := $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
+export ONEDNN_MAX_CPU_ISA := AVX512_CORE_BF16
+
+RECIPE := examples/tiny-llama/kiln.yaml
+REGISTRY_DIR := .kiln/registry
+
+.PHONY: install demo test test-fast lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt $(LLAMA_WHEEL)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q --no-deps $(LLAMA_WHEEL)
+	$(PIP) install -q -c constraints.txt -e ".[build,postgres,dev]"
+	touch $@
+
+$(LLAMA_WHEEL):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	mkdir -p $(WHEELHOUSE)
+	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for AVX2 (about 10 minutes, once)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel -q --no-deps --no-cache-dir -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
+
+demo: install
+	$(BIN)/kiln build $(RECIPE)
+	$(BIN)/kiln publish $(RECIPE) --registry $(REGISTRY_DIR)
+	$(BIN)/kiln promote tiny-llama@1.0.0 --channel prod --registry $(REGISTRY_DIR)
+	$(BIN)/kiln resolve tiny-llama --hardware cpu --channel prod --registry $(REGISTRY_DIR)
+
+test: install
+	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy kiln pipeline targets eval registry
+
+bench: install
+	$(BIN)/python bench/gguf_convert.py
+
+clean:
+	rm -rf .kiln

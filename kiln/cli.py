@@ -1,0 +1,294 @@
+"""The `kiln` command line: build, plan, publish, promote, resolve, serve, db upgrade, inspect.
+
+Exit codes (stable, for CI): 0 ok; 1 a stage or the service failed; 2 bad input (recipe, source,
+arguments); 3 an eval gate failed; 4 not found; 5 conflict with what is stored; 6 not allowed;
+7 a backend is unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kiln.console import ProgressReporter, err
+from kiln.errors import (
+    Conflict,
+    Forbidden,
+    GateFailed,
+    InvalidInput,
+    KilnError,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
+
+EXIT_CODES: list[tuple[type[KilnError], int]] = [
+    (GateFailed, 3),
+    (InvalidInput, 2),
+    (NotFound, 4),
+    (Conflict, 5),
+    (Unauthorized, 6),
+    (Forbidden, 6),
+    (Unavailable, 7),
+    (KilnError, 1),
+]
+EXIT_GATE_FAILED = 3
+
+app = typer.Typer(
+    name="kiln",
+    help="Build verified, hardware-specific LLM artifacts from one SafeTensors release, and serve them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+db_app = typer.Typer(help="Manage the registry database schema.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
+WorkDirOpt = Annotated[
+    Path, typer.Option("--work-dir", envvar="KILN_WORK_DIR", help="Content-addressed stage outputs.")
+]
+RegistryOpt = Annotated[
+    str,
+    typer.Option("--registry", envvar="KILN_REGISTRY", help="Registry URL (http://...) or embedded registry directory."),
+]
+DEFAULT_WORK = Path(".kiln/work")
+DEFAULT_REGISTRY = ".kiln/registry"
+
+
+def _emit(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _peak_rss_mib() -> float:
+    # ru_maxrss is KiB on Linux; include finished children (llama.cpp's quantizer runs in-process).
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+def _fmt_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _artifact_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="artifacts")
+    for col in ("artifact", "size", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
+        table.add_column(col, justify="left" if col in ("artifact", "eval") else "right")
+    for r in rows:
+        m = r.get("metrics") or {}
+        colour = {"passed": "green", "failed": "red"}.get(r["eval"], "yellow")
+        table.add_row(
+            r["artifact"],
+            _fmt_size(r.get("size")),
+            f"[{colour}]{r['eval']}[/{colour}]",
+            f"{m['ppl']:.3f}" if "ppl" in m else "-",
+            f"{m['ppl_change']:+.2%}" if "ppl_change" in m else "-",
+            f"{m['kl']:.2e}" if "kl" in m else "-",
+            f"{m['top1']:.4f}" if "top1" in m else "-",
+            f"{m['greedy_match']:.3f}" if "greedy_match" in m else "-",
+        )
+    return table
+
+
+def _run_build(recipe_path: Path, work_dir: Path, registry: str | None, as_json: bool) -> None:
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+
+    started = time.time()
+    recipe = load_recipe(recipe_path)
+    result = build.run(recipe, work_dir, registry=registry, reporter=ProgressReporter(quiet=as_json))
+    summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    if as_json:
+        _emit(summary)
+    else:
+        err.print(_artifact_table(summary["artifacts"]))
+        err.print(
+            f"{recipe.model}@{recipe.version}: {summary['stages']} in {summary['seconds']:.1f}s, "
+            f"peak RSS {summary['peak_rss_mib']:.0f} MiB"
+        )
+        for r in summary["artifacts"]:
+            for failure in r["failures"]:
+                err.print(f"[red]gate failed[/red] {r['artifact']}: {failure}")
+    if result.failed_gates:
+        raise typer.Exit(EXIT_GATE_FAILED)
+
+
+@app.command()
+def build(recipe: Path, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = False) -> None:
+    """Build and evaluate every artifact of RECIPE, reusing finished stages."""
+    _run_build(recipe, work_dir, None, as_json)
+
+
+@app.command()
+def publish(
+    recipe: Path, registry: RegistryOpt = DEFAULT_REGISTRY, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = False
+) -> None:
+    """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
+    _run_build(recipe, work_dir, registry, as_json)
+
+
+@app.command()
+def plan(recipe: Path, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = False) -> None:
+    """Show the stage graph of RECIPE: each stage, its cache key and whether it is already built."""
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+
+    rows = build.status(load_recipe(recipe), work_dir)
+    if as_json:
+        _emit(rows)
+        return
+    table = Table(title=str(recipe))
+    for col in ("stage", "inputs", "key", "state"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["node"], ", ".join(r["inputs"]), (r["key"] or "-")[:12], r["state"])
+    err.print(table)
+
+
+@app.command()
+def promote(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    channel: Annotated[str, typer.Option(help="Channel to point at the release, e.g. prod.")],
+    force: Annotated[bool, typer.Option(help="Promote although an eval gate failed (needs --reason).")] = False,
+    reason: Annotated[str | None, typer.Option(help="Why; recorded in the audit log.")] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Point CHANNEL of MODEL at VERSION (refused while an artifact failed its eval gate)."""
+    from registry.client import RegistryClient
+
+    model, sep, version = ref.partition("@")
+    if not sep or not model or not version:
+        raise InvalidInput(f"expected MODEL@VERSION, got {ref!r}")
+    with RegistryClient.connect(registry) as client:
+        out = client.promote(model, version, channel, force=force, reason=reason, actor=os.environ.get("USER"))
+    if as_json:
+        _emit(out)
+    else:
+        err.print(f"{model}: channel {channel} -> {version}" + (" (forced)" if force else ""))
+
+
+@app.command()
+def resolve(
+    model: str,
+    hardware: Annotated[str, typer.Option(help="Hardware profile of the serving pool, e.g. cpu, h100.")],
+    channel: Annotated[str, typer.Option(help="Channel to resolve.")] = "prod",
+    context: Annotated[int, typer.Option(help="Context length to size the KV cache for.")] = 4096,
+    concurrency: Annotated[int, typer.Option(help="Concurrent sequences per node.")] = 1,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which artifact a node of HARDWARE should load for MODEL on CHANNEL, and why."""
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        answer = client.resolve(model, hardware, channel, context=context, concurrency=concurrency)
+    if as_json:
+        _emit(answer)
+        return
+    a, why = answer["artifact"], answer["reason"]
+    print(f"{answer['model']}@{answer['version']} ({answer['channel']}) on {answer['hardware']}: {a['name']}")
+    print(f"  {why.get('explanation', '')}")
+    for f in a["files"]:
+        print(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes\n    {f['url']}")
+    if answer.get("fallbacks"):
+        print("  fallbacks: " + ", ".join(fb["artifact"]["name"] for fb in answer["fallbacks"]))
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    workers: Annotated[int, typer.Option(help="uvicorn worker processes.")] = 1,
+    data_dir: Annotated[
+        str | None, typer.Option(envvar="KILN_REGISTRY_DATA_DIR", help="Embedded registry directory.")
+    ] = None,
+) -> None:
+    """Run the registry server (uvicorn with uvloop and httptools)."""
+    import uvicorn
+
+    if data_dir:
+        os.environ["KILN_REGISTRY_DATA_DIR"] = data_dir
+    uvicorn.run(
+        "registry.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        loop="uvloop",
+        http="httptools",
+        log_level="info",
+    )
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: Annotated[
+        str | None, typer.Option(envvar="KILN_REGISTRY_DATABASE_URL", help="SQLAlchemy URL; default: embedded SQLite.")
+    ] = None,
+    revision: Annotated[str, typer.Option(help="Alembic revision.")] = "head",
+) -> None:
+    """Apply the registry's database migrations."""
+    from registry.migrate import upgrade
+    from registry.settings import RegistrySettings
+
+    settings = RegistrySettings() if database_url is None else RegistrySettings(database_url=database_url)
+    upgrade(settings.database_url, revision)
+    err.print(f"database at revision {revision}")
+
+
+@app.command()
+def inspect(file: Path, as_json: JsonOpt = False) -> None:
+    """Show the header of a SafeTensors or GGUF file (tensors, dtypes, shapes, metadata)."""
+    from kiln.inspect import inspect_file
+
+    info = inspect_file(file)
+    if as_json:
+        _emit(info)
+        return
+    err.print(f"{file}: {info['format']}, {len(info['tensors'])} tensors")
+    for k, v in info["metadata"].items():
+        text = str(v)
+        print(f"  {k} = {text[:100] + '...' if len(text) > 100 else text}")
+    table = Table()
+    for col in ("tensor", "dtype", "shape", "bytes"):
+        table.add_column(col)
+    for t in info["tensors"]:
+        table.add_row(t["name"], t["dtype"], str(t["shape"]), str(t["nbytes"]))
+    err.print(table)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except KilnError as e:
+        err.print(f"[red]error[/red] [{e.code}] {e.message}")
+        if "--json" in sys.argv:
+            _emit({"error": e.to_dict()})
+        sys.exit(next(code for cls, code in EXIT_CODES if isinstance(e, cls)))
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise

@@ -1,0 +1,55 @@
+"""`kiln inspect`: read the header of a SafeTensors or GGUF file without loading its data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import InvalidInput
+
+GGUF_MAGIC = b"GGUF"
+
+
+def inspect_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise InvalidInput(f"{path} is not a file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        return _gguf(path)
+    if path.suffix == ".safetensors":
+        return _safetensors(path)
+    raise InvalidInput(f"{path}: neither a GGUF file (magic {magic!r}) nor a .safetensors file")
+
+
+def _safetensors(path: Path) -> dict[str, Any]:
+    from pipeline.safetensors_header import read_header
+
+    tensors, meta = read_header(path, path.name)
+    return {
+        "format": "safetensors",
+        "metadata": meta,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes} for t in tensors],
+    }
+
+
+def _gguf(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta: dict[str, Any] = {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, list) and len(value) > 8:
+            value = f"[{len(value)} items]"
+        meta[field.name] = value
+    return {
+        "format": "gguf",
+        "metadata": meta,
+        "tensors": [
+            {"name": t.name, "dtype": t.tensor_type.name, "shape": [int(x) for x in t.shape], "nbytes": int(t.n_bytes)}
+            for t in reader.tensors
+        ],
+    }

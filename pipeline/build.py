@@ -1,0 +1,140 @@
+"""From a recipe to a stage graph, and running it: the `kiln build` / `kiln plan` / `kiln publish` core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.digest import sha256_file
+from pipeline.executors.local import LocalExecutor, NodeOutcome, Reporter
+from pipeline.ingest import open_source
+from pipeline.recipe import Recipe
+from pipeline.stage import Node, WorkDir
+from pipeline.stages import eval as eval_stage
+from pipeline.stages import export as export_stage
+from pipeline.stages import ingest as ingest_stage
+from pipeline.stages import publish as publish_stage
+from pipeline.stages import reference as reference_stage
+from targets.base import get_target
+
+
+def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
+    """The stage graph in run order. With `registry`, publish nodes are added after each eval."""
+    source = open_source(recipe.source_dir)
+    ingest = Node("ingest/source", ingest_stage.STAGE, params={}, external={"source": source.digest},
+                  args={"source_dir": str(recipe.source_dir)})
+    ev = recipe.eval
+    text_digest = sha256_file(recipe.eval_text)
+    reference = Node(
+        "reference/source",
+        reference_stage.STAGE,
+        params={"window": ev.window, "max_tokens": ev.max_tokens, "greedy_prompts": ev.greedy_prompts,
+                "greedy_tokens": ev.greedy_tokens},
+        inputs=(ingest.id,),
+        external={"text": text_digest},
+        args={"text": str(recipe.eval_text)},
+    )
+    nodes = [ingest, reference]
+    for name, entry, quant in recipe.artifacts():
+        spec = get_target(entry.target)
+        export = Node(
+            f"export/{name}",
+            export_stage.STAGE,
+            params={"artifact": name, "target": spec.name, "target_code_version": spec.code_version,
+                    "quant": quant, "params": entry.params},
+            inputs=(ingest.id,),
+        )
+        from eval.gates import gate_for
+
+        gate = gate_for(quant, ev.gates.get(quant))
+        evaluate = Node(
+            f"eval/{name}",
+            eval_stage.STAGE,
+            params={"artifact": name, "quant": quant, "gate": gate.model_dump()},
+            inputs=(ingest.id, reference.id, export.id),
+        )
+        nodes += [export, evaluate]
+        if registry is not None:
+            nodes.append(
+                Node(
+                    f"publish/{name}",
+                    publish_stage.STAGE,
+                    params={"model": recipe.model, "version": recipe.version, "artifact": name,
+                            "description": recipe.description},
+                    inputs=(ingest.id, export.id, evaluate.id),
+                    args={"registry": registry},
+                )
+            )
+    return nodes
+
+
+@dataclass
+class BuildResult:
+    recipe: Recipe
+    outcomes: dict[str, NodeOutcome]
+
+    def artifacts(self) -> list[dict[str, Any]]:
+        """One row per artifact: where it is, its size and its eval outcome."""
+        rows = []
+        for name, _entry, quant in self.recipe.artifacts():
+            export = self.outcomes[f"export/{name}"]
+            ev = self.outcomes[f"eval/{name}"]
+            report = ev.output.result if ev.output else None
+            rows.append(
+                {
+                    "artifact": name,
+                    "quant": quant,
+                    "export": export.status,
+                    "path": str(export.output.files_dir) if export.output else None,
+                    "size": sum(f.size for f in export.output.files) if export.output else None,
+                    "eval": report["status"] if report else ev.status,
+                    "metrics": report.get("metrics") if report else None,
+                    "failures": report.get("failures", []) if report else [],
+                    "published": self.outcomes[f"publish/{name}"].status if f"publish/{name}" in self.outcomes else None,
+                }
+            )
+        return rows
+
+    @property
+    def failed_gates(self) -> list[str]:
+        return [r["artifact"] for r in self.artifacts() if r["eval"] == "failed"]
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for o in self.outcomes.values():
+            counts[o.status] = counts.get(o.status, 0) + 1
+        return {
+            "model": self.recipe.model,
+            "version": self.recipe.version,
+            "stages": counts,
+            "artifacts": self.artifacts(),
+            "failed_gates": self.failed_gates,
+        }
+
+
+def run(recipe: Recipe, work_dir: Path, *, registry: str | None = None, reporter: Reporter | None = None) -> BuildResult:
+    nodes = plan(recipe, registry=registry)
+    outcomes = LocalExecutor(WorkDir(work_dir), reporter).run(nodes)
+    return BuildResult(recipe, outcomes)
+
+
+def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
+    """What `kiln plan` shows: each node, its cache key, and whether its output is already there."""
+    workdir = WorkDir(work_dir)
+    nodes = plan(recipe)
+    digests: dict[str, str | None] = {}
+    rows = []
+    for node in nodes:
+        ins = [digests.get(i) for i in node.inputs]
+        if all(d is not None for d in ins):
+            key: str | None = node.cache_key({i: d for i, d in zip(node.inputs, ins, strict=True)})  # type: ignore[misc]
+            out = workdir.lookup(node, key)  # type: ignore[arg-type]
+            digests[node.id] = out.digest if out else None
+            state = "cached" if out else "to build"
+        else:
+            key, state = None, "to build"
+            digests[node.id] = None
+        rows.append({"node": node.id, "stage": node.stage.name, "inputs": list(node.inputs), "key": key,
+                     "state": state, "resources": node.stage.resources})
+    return rows

@@ -1,0 +1,1 @@
+"""The stages kiln runs: ingest, reference, export, eval, publish."""

@@ -1,0 +1,44 @@
+"""Export stage: one target's artifact for one quant, written by the target's export function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.stage import Stage, StageContext
+from pipeline.stages.ingest import open_ingested
+from targets.base import ExportRequest, get_target
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    p = ctx.node.params
+    spec = get_target(p["target"])
+    source = open_ingested(ctx.input("ingest"))
+    total = sum(t.nbytes for t in source.tensors.values())
+    try:
+        result = spec.export(
+            source,
+            ExportRequest(
+                quant=p["quant"],
+                out_dir=ctx.out_dir,
+                params=p["params"],
+                on_progress=lambda n: ctx.progress(n, total),
+            ),
+        )
+    finally:
+        source.close()
+    produced = sorted(x.relative_to(ctx.out_dir).as_posix() for x in ctx.out_dir.rglob("*") if x.is_file())
+    if produced != sorted(result.files):
+        raise RuntimeError(f"target {spec.name} reported files {result.files} but wrote {produced}")
+    return {
+        "artifact": p["artifact"],
+        "target": spec.name,
+        "format": spec.format,
+        "quant": p["quant"],
+        "hardware": list(spec.hardware),
+        "runtime": result.runtime,
+        "runtime_name": spec.runtime,
+        "details": result.details,
+    }
+
+
+STAGE = Stage("export", "1", run, "write one target's artifact for one quant")

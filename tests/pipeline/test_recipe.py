@@ -1,0 +1,94 @@
+"""Recipe validation: every bad field gets an error that points at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.errors import RecipeInvalid
+from pipeline.recipe import load_recipe
+
+GOOD = {
+    "model": "tiny",
+    "version": "1.0.0",
+    "source": "model",
+    "eval": {"text": "heldout.txt"},
+    "targets": [{"target": "gguf", "quants": ["f16", "q8_0"]}, {"target": "hf-bundle", "quants": ["bf16"]}],
+}
+
+
+def _write(tmp_path: Path, data: object) -> Path:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "heldout.txt").write_text("def f():\n    return 1\n")
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _error(tmp_path: Path, data: object) -> RecipeInvalid:
+    with pytest.raises(RecipeInvalid) as info:
+        load_recipe(_write(tmp_path, data))
+    return info.value
+
+
+def test_good_recipe_names_one_artifact_per_target_and_quant(tmp_path: Path) -> None:
+    recipe = load_recipe(_write(tmp_path, GOOD))
+    assert [name for name, _, _ in recipe.artifacts()] == ["gguf-f16", "gguf-q8_0", "hf-bundle-bf16"]
+    assert recipe.source_dir == (tmp_path / "model").resolve()
+
+
+def test_unknown_target_lists_known_ones(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "targets": [{"target": "onnx", "quants": ["f16"]}]})
+    assert "targets[0]" in e.message and "known: gguf, hf-bundle" in e.message
+
+
+def test_unknown_quant_points_at_the_list_entry(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "targets": [{"target": "gguf", "quants": ["q3_k"]}]})
+    assert "targets[0]" in e.message and "q3_k" in e.message and "q4_k_m" in e.message
+
+
+def test_unknown_field_is_named(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "sorce": "model"})
+    assert "sorce: unknown field" in e.message
+    assert e.details["errors"][0]["field"] == "sorce"
+
+
+def test_bad_version_and_model_name(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "model": "Bad Name", "version": "../1"})
+    fields = {err["field"] for err in e.details["errors"]}
+    assert fields == {"model", "version"}
+
+
+def test_gate_override_with_unknown_key_is_refused(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "eval": {"text": "heldout.txt", "gates": {"q8_0": {"max_kld": 0.1}}}})
+    assert "eval" in e.message and "max_kld" in e.message
+
+
+def test_gate_for_a_quant_no_target_builds_is_refused(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "eval": {"text": "heldout.txt", "gates": {"q4_0": {"max_kl": 0.1}}}})
+    assert "q4_0" in e.message
+
+
+def test_missing_source_dir_and_text(tmp_path: Path) -> None:
+    path = _write(tmp_path, {**GOOD, "source": "nowhere"})
+    with pytest.raises(RecipeInvalid, match="source: directory"):
+        load_recipe(path)
+    path = _write(tmp_path, {**GOOD, "eval": {"text": "missing.txt"}})
+    with pytest.raises(RecipeInvalid, match="eval.text"):
+        load_recipe(path)
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: [unclosed")
+    with pytest.raises(RecipeInvalid, match="not valid YAML"):
+        load_recipe(path)
+    with pytest.raises(RecipeInvalid, match="mapping"):
+        load_recipe(_write(tmp_path, ["a", "b"]))
+
+
+def test_pickle_source_is_refused(tmp_path: Path) -> None:
+    e = _error(tmp_path, {**GOOD, "source": "model/pytorch_model.bin"})
+    assert "pickle" in e.message

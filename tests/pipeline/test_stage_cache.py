@@ -1,0 +1,129 @@
+"""The content-addressed stage cache: keys, reuse, atomic commits, and recovery after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import Deferred, StageFailed
+from pipeline.executors.local import LocalExecutor
+from pipeline.stage import Node, Stage, StageContext, WorkDir
+
+calls: list[str] = []
+
+
+def _write(ctx: StageContext) -> dict:
+    calls.append(ctx.node.id)
+    (ctx.out_dir / "out.txt").write_text(f"{ctx.node.params}")
+    return {"n": ctx.node.params.get("n", 0)}
+
+
+def _upper(ctx: StageContext) -> dict:
+    calls.append(ctx.node.id)
+    text = (ctx.input("write").files_dir / "out.txt").read_text()
+    (ctx.out_dir / "upper.txt").write_text(text.upper())
+    return {}
+
+
+WRITE = Stage("write", "1", _write)
+UPPER = Stage("upper", "1", _upper)
+
+
+def _graph(n: int = 1) -> list[Node]:
+    a = Node("write/a", WRITE, params={"n": n})
+    return [a, Node("upper/a", UPPER, params={}, inputs=(a.id,))]
+
+
+def test_second_run_reuses_every_stage(tmp_path: Path) -> None:
+    calls.clear()
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    second = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    assert [o.status for o in first.values()] == ["built", "built"]
+    assert [o.status for o in second.values()] == ["cached", "cached"]
+    assert calls == ["write/a", "upper/a"]
+    assert (second["upper/a"].output.files_dir / "upper.txt").read_text() == "{'N': 1}"
+
+
+def test_changed_params_change_the_key_and_invalidate_downstream(tmp_path: Path) -> None:
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph(1))
+    second = LocalExecutor(WorkDir(tmp_path)).run(_graph(2))
+    assert first["write/a"].key != second["write/a"].key
+    assert first["upper/a"].key != second["upper/a"].key
+    assert second["upper/a"].status == "built"
+
+
+def test_cache_key_is_hash_of_canonical_json_not_concatenation() -> None:
+    # ("ab", "c") and ("a", "bc") must not collide the way joined strings would.
+    n1 = Node("write/x", WRITE, params={"a": "ab", "b": "c"})
+    n2 = Node("write/x", WRITE, params={"a": "a", "b": "bc"})
+    assert n1.cache_key({}) != n2.cache_key({})
+    assert n1.cache_key({}) == Node("write/y", WRITE, params={"b": "c", "a": "ab"}).cache_key({})
+
+
+def test_failed_stage_leaves_nothing_that_looks_done(tmp_path: Path) -> None:
+    def boom(ctx: StageContext) -> dict:
+        (ctx.out_dir / "half.bin").write_bytes(b"x" * 100)
+        raise ValueError("disk on fire")
+
+    node = Node("boom/a", Stage("boom", "1", boom), params={})
+    with pytest.raises(StageFailed, match="disk on fire"):
+        LocalExecutor(WorkDir(tmp_path)).run([node])
+    assert not any((tmp_path / "boom").iterdir())
+
+
+def test_deferred_stage_defers_its_dependents(tmp_path: Path) -> None:
+    def needs_gpu(ctx: StageContext) -> dict:
+        raise Deferred("deferred to a runner with an H100")
+
+    a = Node("gpu/a", Stage("gpu", "1", needs_gpu), params={})
+    b = Node("upper/a", UPPER, params={}, inputs=(a.id,))
+    out = LocalExecutor(WorkDir(tmp_path)).run([a, b])
+    assert out["gpu/a"].status == "deferred" and "H100" in out["gpu/a"].reason
+    assert out["upper/a"].status == "deferred" and "gpu/a" in out["upper/a"].reason
+
+
+KILLED_STAGE = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from pipeline.executors.local import LocalExecutor
+    from pipeline.stage import Node, Stage, WorkDir
+
+    def slow(ctx):
+        (ctx.out_dir / "part.bin").write_bytes(b"half")
+        if sys.argv[2] == "hang":
+            print("started", flush=True)
+            time.sleep(60)
+        (ctx.out_dir / "part.bin").write_bytes(b"whole")
+        return {}
+
+    out = LocalExecutor(WorkDir(Path(sys.argv[1]))).run([Node("slow/a", Stage("slow", "1", slow), params={})])
+    print(out["slow/a"].status, flush=True)
+    """
+)
+
+
+def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_STAGE)
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with subprocess.Popen(
+        [sys.executable, str(script), str(work), "hang"], stdout=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert [p.name for p in (work / "slow").iterdir()][0].startswith(".tmp-")  # half output, not a key dir
+
+    done = subprocess.run([sys.executable, str(script), str(work), "finish"], capture_output=True, text=True, env=env)
+    assert done.stdout.strip() == "built", done.stderr
+    (key_dir,) = list((work / "slow").iterdir())  # the stale temp dir was swept
+    assert (key_dir / "files" / "part.bin").read_bytes() == b"whole"
+
