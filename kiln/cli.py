@@ -58,7 +58,9 @@ WorkDirOpt = Annotated[
 ]
 RegistryOpt = Annotated[
     str,
-    typer.Option("--registry", envvar="KILN_REGISTRY", help="Registry URL (http://...) or embedded registry directory."),
+    typer.Option(
+        "--registry", envvar="KILN_REGISTRY", help="Registry URL (http://...) or embedded registry directory."
+    ),
 ]
 DEFAULT_WORK = Path(".kiln/work")
 DEFAULT_REGISTRY = ".kiln/registry"
@@ -136,7 +138,10 @@ def build(recipe: Path, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = 
 
 @app.command()
 def publish(
-    recipe: Path, registry: RegistryOpt = DEFAULT_REGISTRY, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = False
+    recipe: Path,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    work_dir: WorkDirOpt = DEFAULT_WORK,
+    as_json: JsonOpt = False,
 ) -> None:
     """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
     _run_build(recipe, work_dir, registry, as_json)

@@ -52,6 +52,8 @@ class ProgressReporter:
         if outcome.status == "cached":
             self.console.print(f"[dim]= {outcome.node.id:<28} cached  {key}[/dim]")
         elif outcome.status in ("built", "ran"):
-            self.console.print(f"[green]+ {outcome.node.id:<28} {outcome.status:<7} {key} in {outcome.seconds:.1f}s[/green]")
+            self.console.print(
+                f"[green]+ {outcome.node.id:<28} {outcome.status:<7} {key} in {outcome.seconds:.1f}s[/green]"
+            )
         else:
             self.console.print(f"[yellow]~ {outcome.node.id:<28} deferred: {outcome.reason}[/yellow]")

@@ -22,15 +22,24 @@ from targets.base import get_target
 def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
     """The stage graph in run order. With `registry`, publish nodes are added after each eval."""
     source = open_source(recipe.source_dir)
-    ingest = Node("ingest/source", ingest_stage.STAGE, params={}, external={"source": source.digest},
-                  args={"source_dir": str(recipe.source_dir)})
+    ingest = Node(
+        "ingest/source",
+        ingest_stage.STAGE,
+        params={},
+        external={"source": source.digest},
+        args={"source_dir": str(recipe.source_dir)},
+    )
     ev = recipe.eval
     text_digest = sha256_file(recipe.eval_text)
     reference = Node(
         "reference/source",
         reference_stage.STAGE,
-        params={"window": ev.window, "max_tokens": ev.max_tokens, "greedy_prompts": ev.greedy_prompts,
-                "greedy_tokens": ev.greedy_tokens},
+        params={
+            "window": ev.window,
+            "max_tokens": ev.max_tokens,
+            "greedy_prompts": ev.greedy_prompts,
+            "greedy_tokens": ev.greedy_tokens,
+        },
         inputs=(ingest.id,),
         external={"text": text_digest},
         args={"text": str(recipe.eval_text)},
@@ -41,8 +50,13 @@ def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
         export = Node(
             f"export/{name}",
             export_stage.STAGE,
-            params={"artifact": name, "target": spec.name, "target_code_version": spec.code_version,
-                    "quant": quant, "params": entry.params},
+            params={
+                "artifact": name,
+                "target": spec.name,
+                "target_code_version": spec.code_version,
+                "quant": quant,
+                "params": entry.params,
+            },
             inputs=(ingest.id,),
         )
         from eval.gates import gate_for
@@ -60,8 +74,12 @@ def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
                 Node(
                     f"publish/{name}",
                     publish_stage.STAGE,
-                    params={"model": recipe.model, "version": recipe.version, "artifact": name,
-                            "description": recipe.description},
+                    params={
+                        "model": recipe.model,
+                        "version": recipe.version,
+                        "artifact": name,
+                        "description": recipe.description,
+                    },
                     inputs=(ingest.id, export.id, evaluate.id),
                     args={"registry": registry},
                 )
@@ -91,7 +109,9 @@ class BuildResult:
                     "eval": report["status"] if report else ev.status,
                     "metrics": report.get("metrics") if report else None,
                     "failures": report.get("failures", []) if report else [],
-                    "published": self.outcomes[f"publish/{name}"].status if f"publish/{name}" in self.outcomes else None,
+                    "published": self.outcomes[f"publish/{name}"].status
+                    if f"publish/{name}" in self.outcomes
+                    else None,
                 }
             )
         return rows
@@ -113,7 +133,9 @@ class BuildResult:
         }
 
 
-def run(recipe: Recipe, work_dir: Path, *, registry: str | None = None, reporter: Reporter | None = None) -> BuildResult:
+def run(
+    recipe: Recipe, work_dir: Path, *, registry: str | None = None, reporter: Reporter | None = None
+) -> BuildResult:
     nodes = plan(recipe, registry=registry)
     outcomes = LocalExecutor(WorkDir(work_dir), reporter).run(nodes)
     return BuildResult(recipe, outcomes)
@@ -135,6 +157,14 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
         else:
             key, state = None, "to build"
             digests[node.id] = None
-        rows.append({"node": node.id, "stage": node.stage.name, "inputs": list(node.inputs), "key": key,
-                     "state": state, "resources": node.stage.resources})
+        rows.append(
+            {
+                "node": node.id,
+                "stage": node.stage.name,
+                "inputs": list(node.inputs),
+                "key": key,
+                "state": state,
+                "resources": node.stage.resources,
+            }
+        )
     return rows

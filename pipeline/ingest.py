@@ -107,7 +107,9 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_theta=float(
+                config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+            ),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=need_int("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -118,7 +120,12 @@ class ModelShape:
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every weight tensor name the checkpoint must contain, with its shape."""
-        h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, q, kv, ff = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_size, h)
@@ -212,7 +219,9 @@ def open_source(root: str | Path, known_files: list[FileEntry] | None = None) ->
     config = _read_json(root, "config.json")
     shape = ModelShape.from_config(config)
     if "tokenizer.json" not in present:
-        raise SourceInvalid("source has no tokenizer.json (a fast BPE tokenizer is required)", details={"file": "tokenizer.json"})
+        raise SourceInvalid(
+            "source has no tokenizer.json (a fast BPE tokenizer is required)", details={"file": "tokenizer.json"}
+        )
 
     tensors: dict[str, TensorInfo] = {}
     for wf in weight_files:
@@ -226,7 +235,7 @@ def open_source(root: str | Path, known_files: list[FileEntry] | None = None) ->
     tensors = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_TENSOR_SUFFIXES)}
     _check_against_config(shape, tensors)
 
-    used = [*CONFIG_FILES, *TOKENIZER_FILES, *( [INDEX_FILE] if INDEX_FILE in present else []), *weight_files]
+    used = [*CONFIG_FILES, *TOKENIZER_FILES, *([INDEX_FILE] if INDEX_FILE in present else []), *weight_files]
     known = {f.path: f for f in known_files or []}
     files = [
         known[p] if p in known else FileEntry(path=p, sha256=sha256_file(root / p), size=(root / p).stat().st_size)
@@ -282,7 +291,9 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
             )
     extra = sorted(set(tensors) - set(wmap))
     if extra:
-        raise SourceInvalid(f"{INDEX_FILE}: tensors not listed in the index: {extra[:5]}", details={"tensors": extra[:20]})
+        raise SourceInvalid(
+            f"{INDEX_FILE}: tensors not listed in the index: {extra[:5]}", details={"tensors": extra[:20]}
+        )
 
 
 def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> None:
@@ -296,7 +307,8 @@ def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> 
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise SourceInvalid(
-            f"{len(unexpected)} tensor(s) not expected for {shape.architecture} with this config, e.g. {unexpected[0]!r}",
+            f"{len(unexpected)} tensor(s) not expected for {shape.architecture} with this config, "
+            f"e.g. {unexpected[0]!r}",
             details={"unexpected": unexpected[:20]},
         )
     for name, want in expected.items():
@@ -307,7 +319,9 @@ def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> 
                 details={"tensor": name, "shape": list(t.shape), "expected": list(want)},
             )
         if t.dtype not in ("F32", "F16", "BF16"):
-            raise SourceInvalid(f"{t.file}: tensor {name!r} has dtype {t.dtype}; source weights must be F32, F16 or BF16")
+            raise SourceInvalid(
+                f"{t.file}: tensor {name!r} has dtype {t.dtype}; source weights must be F32, F16 or BF16"
+            )
 
 
 def _read_json(root: Path, name: str) -> dict[str, Any]:

@@ -141,11 +141,15 @@ def parse_recipe(data: Any, *, base_dir: Path, origin: str = "recipe") -> Recipe
             details={"errors": [{"field": loc, "message": msg} for loc, msg in errors]},
         ) from None
     if not recipe.source_dir.is_dir():
-        raise RecipeInvalid(f"{origin}: source: directory {str(recipe.source_dir)!r} does not exist",
-                            details={"errors": [{"field": "source", "message": "directory does not exist"}]})
+        raise RecipeInvalid(
+            f"{origin}: source: directory {str(recipe.source_dir)!r} does not exist",
+            details={"errors": [{"field": "source", "message": "directory does not exist"}]},
+        )
     if not recipe.eval_text.is_file():
-        raise RecipeInvalid(f"{origin}: eval.text: file {str(recipe.eval_text)!r} does not exist",
-                            details={"errors": [{"field": "eval.text", "message": "file does not exist"}]})
+        raise RecipeInvalid(
+            f"{origin}: eval.text: file {str(recipe.eval_text)!r} does not exist",
+            details={"errors": [{"field": "eval.text", "message": "file does not exist"}]},
+        )
     return recipe
 
 
@@ -155,7 +159,7 @@ def _describe(err: Any) -> tuple[str, str]:
         loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     return loc or "recipe", msg

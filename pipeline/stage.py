@@ -125,7 +125,9 @@ class WorkDir:
         (tmp / OUTPUT_DIR).mkdir(parents=True)
         return tmp
 
-    def commit(self, node: Node, key: str, tmp: Path, result: dict[str, Any], provenance: dict[str, Any]) -> StageOutput:
+    def commit(
+        self, node: Node, key: str, tmp: Path, result: dict[str, Any], provenance: dict[str, Any]
+    ) -> StageOutput:
         """Manifest the temp output, write stage.json last, then rename the directory into place."""
         files_dir = tmp / OUTPUT_DIR
         files = [

@@ -126,4 +126,3 @@ def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
     assert done.stdout.strip() == "built", done.stderr
     (key_dir,) = list((work / "slow").iterdir())  # the stale temp dir was swept
     assert (key_dir / "files" / "part.bin").read_bytes() == b"whole"
-
