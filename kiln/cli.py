@@ -225,20 +225,11 @@ def serve(
     ] = None,
 ) -> None:
     """Run the registry server (uvicorn with uvloop and httptools)."""
-    import uvicorn
+    from registry.server import serve as run_server
 
     if data_dir:
         os.environ["KILN_REGISTRY_DATA_DIR"] = data_dir
-    uvicorn.run(
-        "registry.app:create_app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        loop="uvloop",
-        http="httptools",
-        log_level="info",
-    )
+    run_server(host=host, port=port, workers=workers)
 
 
 @db_app.command("upgrade")

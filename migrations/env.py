@@ -1,0 +1,69 @@
+"""Alembic environment: runs migrations against the URL (or connection) `registry.migrate` passes in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alembic import context
+from alembic.autogenerate.api import AutogenContext
+from sqlalchemy import Connection
+
+from registry.db import UTCDateTime, create_db_engine, registry_metadata
+
+config = context.config
+target_metadata = registry_metadata()
+
+
+def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
+    """Autogenerate writes our UTC timestamp decorator as the plain column type it stores."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        compare_type=True,
+        render_item=render_item,
+        # SQLite cannot ALTER most things; batch mode copies the table instead.
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _configure(connection)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    url = config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("no database URL: use registry.migrate, which sets sqlalchemy.url")
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            _configure(conn)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

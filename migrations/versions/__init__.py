@@ -1,0 +1,1 @@
+"""Migration scripts, one per revision (a package so that setuptools installs them)."""

@@ -1,0 +1,117 @@
+"""The one place where kiln errors become HTTP responses.
+
+Every error body has the shape `{"error": {"code": ..., "message": ..., "details": {...}}}`;
+request validation errors become `INVALID_INPUT` (422) in the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
+
+# Codes whose status differs from their class's. Looked up first.
+STATUS_BY_CODE: dict[str, int] = {
+    "PAYLOAD_TOO_LARGE": 413,
+    "RANGE_NOT_SATISFIABLE": 416,
+}
+
+# Error classes to statuses; the first class in an error's MRO found here wins.
+STATUS_BY_CLASS: dict[type[KilnError], int] = {
+    InvalidInput: 422,
+    NotFound: 404,
+    Conflict: 409,
+    Unauthorized: 401,
+    Forbidden: 403,
+    Unavailable: 503,
+}
+
+_CODE_BY_HTTP_STATUS = {
+    400: "BAD_REQUEST",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    413: "PAYLOAD_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+}
+
+
+def http_status(error: KilnError) -> int:
+    """The HTTP status for a kiln error: by code, then by class; 500 for anything unmapped."""
+    if error.code in STATUS_BY_CODE:
+        return STATUS_BY_CODE[error.code]
+    for cls in type(error).__mro__:
+        if cls in STATUS_BY_CLASS:
+            return STATUS_BY_CLASS[cls]
+    return 500
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "details": jsonable_encoder(details or {})}}
+
+
+def error_response(error: KilnError) -> JSONResponse:
+    headers = {}
+    if error.code == "RANGE_NOT_SATISFIABLE" and "size" in error.details:
+        headers["Content-Range"] = f"bytes */{error.details['size']}"
+    return JSONResponse(
+        error_body(error.code, error.message, error.details), status_code=http_status(error), headers=headers
+    )
+
+
+async def _kiln_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, KilnError)
+    return error_response(exc)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+    ]
+    summary = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in problems)
+    return JSONResponse(
+        error_body("INVALID_INPUT", f"invalid request: {summary}", {"errors": problems}), status_code=422
+    )
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _CODE_BY_HTTP_STATUS.get(exc.status_code, "HTTP_ERROR")
+    return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    # The driver's message can hold connection details; name the failure, not the DSN.
+    return error_response(Unavailable(f"database unavailable ({type(exc).__name__})"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(KilnError, _kiln_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. NOT_FOUND, EVAL_GATE_FAILED")
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorInfo
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` entries for the error statuses a route can answer."""
+    return {status: {"model": ErrorResponse} for status in statuses}

@@ -1,0 +1,86 @@
+"""ORM rows for artifacts, their files and their eval results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from registry.db import Base, utcnow
+
+if TYPE_CHECKING:
+    from registry.releases.models import Release
+
+EvalStatus = Literal["passed", "failed", "not_evaluated"]
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("release_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    release_id: Mapped[int] = mapped_column(ForeignKey("releases.id"))
+    name: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    format: Mapped[str] = mapped_column(String(64))
+    quant: Mapped[str] = mapped_column(String(64))
+    hardware: Mapped[list[str]]
+    runtime: Mapped[dict[str, Any]]
+    provenance: Mapped[dict[str, Any]]
+    # ArtifactManifest.content_digest(): what a consumer gets, provenance excluded.
+    manifest_digest: Mapped[str] = mapped_column(String(64))
+    total_size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    release: Mapped[Release] = relationship(back_populates="artifacts", lazy="raise")
+    files: Mapped[list[ArtifactFile]] = relationship(
+        back_populates="artifact", lazy="raise", order_by="ArtifactFile.path"
+    )
+    evals: Mapped[list[EvalResult]] = relationship(
+        back_populates="artifact", lazy="raise", order_by="EvalResult.runtime"
+    )
+
+
+class ArtifactFile(Base):
+    __tablename__ = "artifact_files"
+
+    artifact_id: Mapped[int] = mapped_column(ForeignKey("artifacts.id"), primary_key=True)
+    path: Mapped[str] = mapped_column(String(512), primary_key=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+
+    artifact: Mapped[Artifact] = relationship(back_populates="files", lazy="raise")
+
+
+class EvalResult(Base):
+    """One runtime's verdict on an artifact; one row per (artifact, runtime), never overwritten."""
+
+    __tablename__ = "eval_results"
+    __table_args__ = (
+        UniqueConstraint("artifact_id", "runtime"),
+        CheckConstraint("status IN ('passed', 'failed', 'not_evaluated')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    artifact_id: Mapped[int] = mapped_column(ForeignKey("artifacts.id"))
+    runtime: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    metrics: Mapped[dict[str, Any]]
+    gates: Mapped[dict[str, Any]]
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    artifact: Mapped[Artifact] = relationship(back_populates="evals", lazy="raise")
+
+
+def eval_status(evals: Iterable[EvalResult]) -> EvalStatus:
+    """An artifact's gate status: failed if any runtime failed it, passed if any passed, else not_evaluated."""
+    statuses = {e.status for e in evals}
+    if "failed" in statuses:
+        return "failed"
+    if "passed" in statuses:
+        return "passed"
+    return "not_evaluated"

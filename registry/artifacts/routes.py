@@ -1,0 +1,122 @@
+"""HTTP routes for artifacts, their file downloads and eval results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from sqlalchemy.orm import Session
+
+from kiln.manifest import ArtifactManifest
+from registry.api.errors import error_responses
+from registry.api.params import ArtifactName, ModelName, Version
+from registry.api.urls import artifact_file_url, base_url
+from registry.artifacts import service
+from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut, FileOut
+from registry.blobs.download import blob_response
+from registry.deps import BlobStoreDep, SessionDep, SettingsDep
+from registry.settings import RegistrySettings
+
+router = APIRouter(tags=["artifacts"])
+
+ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
+
+
+def _detail(
+    request: Request, settings: RegistrySettings, session: Session, model: str, version: str, name: str
+) -> ArtifactDetail:
+    row = service.get_artifact(session, model, version, name)
+    base = base_url(request, settings)
+    files = [
+        FileOut(path=f.path, sha256=f.sha256, size=f.size, url=artifact_file_url(base, model, version, name, f.path))
+        for f in row.files
+    ]
+    return ArtifactDetail.from_row(row, model=model, version=version, manifest=service.manifest_of(row), files=files)
+
+
+@router.post(
+    ARTIFACTS,
+    status_code=201,
+    summary="Publish an artifact manifest whose blobs are uploaded (200 if identical, 409 if different)",
+    responses={
+        200: {"model": ArtifactDetail, "description": "an identical artifact already existed"},
+        **error_responses(404, 409, 422),
+    },
+)
+def publish_artifact(
+    model: ModelName,
+    version: Version,
+    manifest: ArtifactManifest,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> ArtifactDetail:
+    _row, created = service.publish_artifact(session, model, version, manifest)
+    if not created:
+        response.status_code = 200
+    return _detail(request, settings, session, model, version, manifest.name)
+
+
+@router.get(ARTIFACTS, summary="List a release's artifacts with their eval status", responses=error_responses(404))
+def list_artifacts(model: ModelName, version: Version, session: SessionDep) -> list[ArtifactSummary]:
+    return [ArtifactSummary.from_row(a) for a in service.list_artifacts(session, model, version)]
+
+
+@router.get(
+    ARTIFACTS + "/{name}",
+    summary="An artifact: manifest, download URL per file, eval results",
+    responses=error_responses(404),
+)
+def get_artifact(
+    model: ModelName, version: Version, name: ArtifactName, request: Request, session: SessionDep, settings: SettingsDep
+) -> ArtifactDetail:
+    return _detail(request, settings, session, model, version, name)
+
+
+FILE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+    206: {"description": "the requested byte range"},
+    304: {"description": "not modified"},
+    **error_responses(404, 416, 422),
+}
+
+
+@router.head(
+    ARTIFACTS + "/{name}/files/{path:path}",
+    summary="Headers of one file of an artifact",
+    response_class=Response,
+    responses=FILE_RESPONSES,
+)
+@router.get(
+    ARTIFACTS + "/{name}/files/{path:path}",
+    summary="Download one file of an artifact (Range, ETag, If-None-Match)",
+    response_class=Response,
+    responses=FILE_RESPONSES,
+)
+def download_file(
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    path: str,
+    request: Request,
+    session: SessionDep,
+    store: BlobStoreDep,
+) -> Response:
+    row = service.get_artifact_file(session, model, version, name, path)
+    return blob_response(request, store, row.sha256)
+
+
+@router.post(
+    ARTIFACTS + "/{name}/evals",
+    status_code=201,
+    summary="Record one runtime's eval result (200 if identical, 409 if different)",
+    responses={200: {"model": EvalOut, "description": "an identical result existed"}, **error_responses(404, 409, 422)},
+)
+def post_eval(
+    model: ModelName, version: Version, name: ArtifactName, spec: EvalCreate, session: SessionDep, response: Response
+) -> EvalOut:
+    row, created = service.post_eval(session, model, version, name, spec)
+    if not created:
+        response.status_code = 200
+    return EvalOut.from_row(row)

@@ -1,0 +1,35 @@
+"""HTTP routes for the audit log."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from registry.api.params import MODEL_NAME_PATTERN
+from registry.audit import service
+from registry.audit.schemas import AuditEventOut
+from registry.deps import SessionDep
+
+router = APIRouter(tags=["audit"])
+
+
+@router.get("/audit", summary="Audit events, newest first")
+def list_audit_events(
+    session: SessionDep,
+    model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[AuditEventOut]:
+    return [
+        AuditEventOut(
+            id=e.id,
+            actor=e.actor,
+            action=e.action,
+            model=e.model,
+            target=e.target,
+            details=e.details,
+            reason=e.reason,
+            at=e.at,
+        )
+        for e in service.list_events(session, model, limit)
+    ]

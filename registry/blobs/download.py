@@ -1,0 +1,92 @@
+"""HTTP downloads of blobs: ETag, conditional requests and single byte ranges, in one place.
+
+Both `GET /v1/blobs/{sha256}` and artifact file downloads answer through `blob_response`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from kiln.errors import InvalidInput
+from registry.blobs.store import BlobStore
+
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The inclusive byte range `(first, last)` a `Range` header asks for, or None for the whole blob.
+
+    Supports one range: `bytes=a-b`, `bytes=a-`, `bytes=-n`. Headers we do not understand
+    (other units, several ranges, bad syntax) are ignored, as RFC 9110 allows; a well-formed
+    range outside the blob raises RANGE_NOT_SATISFIABLE.
+    """
+    if header is None:
+        return None
+    match = _RANGE.match(header.strip())
+    if match is None:
+        return None
+    first_s, last_s = match.groups()
+    if first_s == "" and last_s == "":
+        return None
+    if first_s == "":  # suffix: the last n bytes
+        n = int(last_s)
+        if n == 0 or size == 0:
+            raise _unsatisfiable(header, size)
+        return max(0, size - n), size - 1
+    first = int(first_s)
+    last = size - 1 if last_s == "" else int(last_s)
+    if last_s != "" and last < first:
+        return None  # syntactically invalid: ignore
+    if first >= size:
+        raise _unsatisfiable(header, size)
+    return first, min(last, size - 1)
+
+
+def _unsatisfiable(header: str, size: int) -> InvalidInput:
+    return InvalidInput(
+        f"range {header!r} is outside the {size}-byte content",
+        code="RANGE_NOT_SATISFIABLE",
+        details={"range": header, "size": size},
+    )
+
+
+def _etag_matches(header: str, etag: str) -> bool:
+    candidates = [c.strip() for c in header.split(",")]
+    return any(c == "*" or c.removeprefix("W/") == etag for c in candidates)
+
+
+def blob_response(request: Request, store: BlobStore, sha256: str, media_type: str | None = None) -> Response:
+    """Answer GET/HEAD for a blob: 200, 206 (Range), 304 (If-None-Match) or 416; streamed in large chunks."""
+    size = store.size(sha256)  # BlobNotFound → 404 before anything is sent
+    etag = f'"{sha256}"'
+    headers = {
+        "ETag": etag,
+        "Accept-Ranges": "bytes",
+        # Content-addressed: the bytes behind this URL never change.
+        "Cache-Control": "public, max-age=31536000, immutable",
+    }
+    if_none_match = request.headers.get("if-none-match")
+    if if_none_match is not None and _etag_matches(if_none_match, etag):
+        return Response(status_code=304, headers=headers)
+
+    range_header = request.headers.get("range")
+    if_range = request.headers.get("if-range")
+    if if_range is not None and if_range.strip() != etag:
+        range_header = None  # the client's copy is stale: send the whole thing
+    byte_range = parse_range(range_header, size)
+    if byte_range is None:
+        status, first, last = 200, 0, size - 1
+    else:
+        first, last = byte_range
+        status = 206
+        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+    headers["Content-Length"] = str(last - first + 1)
+    media_type = media_type or "application/octet-stream"
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers, media_type=media_type)
+    return StreamingResponse(
+        store.open_range(sha256, first, last + 1), status_code=status, headers=headers, media_type=media_type
+    )

@@ -1,0 +1,41 @@
+"""ORM rows for channels and their promotion history."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import ForeignKey, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from registry.db import Base, utcnow
+from registry.models.models import Model
+from registry.releases.models import Release
+
+
+class Channel(Base):
+    __tablename__ = "channels"
+    __table_args__ = (UniqueConstraint("model_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    name: Mapped[str] = mapped_column(String(32))
+    release_id: Mapped[int] = mapped_column(ForeignKey("releases.id"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    model: Mapped[Model] = relationship(lazy="raise")
+    release: Mapped[Release] = relationship(lazy="raise")
+
+
+class ChannelEvent(Base):
+    """One promotion: the channel moved from one version to another (None for its first)."""
+
+    __tablename__ = "channel_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    channel_id: Mapped[int] = mapped_column(ForeignKey("channels.id"), index=True)
+    from_version: Mapped[str | None] = mapped_column(String(64))
+    to_version: Mapped[str] = mapped_column(String(64))
+    forced: Mapped[bool]
+    reason: Mapped[str | None] = mapped_column(Text)
+    actor: Mapped[str | None] = mapped_column(String(128))
+    at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,130 @@
+"""Channels and promotion: where the eval gate is enforced and forced promotions are audited."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload
+
+from kiln.errors import Conflict, GateFailed, NotFound
+from registry.artifacts.models import Artifact, eval_status
+from registry.audit import service as audit
+from registry.channels.models import Channel, ChannelEvent
+from registry.channels.schemas import PromoteRequest
+from registry.db import utcnow
+from registry.models.service import get_model
+from registry.releases.models import Release
+from registry.releases.service import get_release
+
+
+def _find_channel(session: Session, model_id: int, name: str, *, for_update: bool = False) -> Channel | None:
+    query = select(Channel).where(Channel.model_id == model_id, Channel.name == name)
+    if for_update:
+        query = query.with_for_update()  # serialises promotions of one channel on PostgreSQL
+    return session.scalars(query.options(selectinload(Channel.release))).one_or_none()
+
+
+def list_channels(session: Session, model: str) -> list[tuple[Channel, str]]:
+    """(channel, version) pairs of a model, by name."""
+    model_row = get_model(session, model)
+    query = (
+        select(Channel, Release.version)
+        .join(Channel.release)
+        .where(Channel.model_id == model_row.id)
+        .order_by(Channel.name)
+    )
+    return [(c, v) for c, v in session.execute(query)]
+
+
+def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, list[ChannelEvent]]:
+    """A channel, the version it points at, and its history (newest first)."""
+    model_row = get_model(session, model)
+    channel = _find_channel(session, model_row.id, name)
+    if channel is None:
+        raise NotFound(f"model {model!r} has no channel {name!r}", details={"model": model, "channel": name})
+    history = session.scalars(
+        select(ChannelEvent).where(ChannelEvent.channel_id == channel.id).order_by(ChannelEvent.id.desc())
+    )
+    return channel, channel.release.version, list(history)
+
+
+def promote(session: Session, model: str, name: str, request: PromoteRequest) -> None:
+    """Point channel `name` of `model` at `request.version`.
+
+    Refused (RELEASE_EMPTY) for a release without artifacts, and (EVAL_GATE_FAILED) while any
+    artifact has a failed eval, unless forced with a reason. Every promotion is recorded in the
+    channel history and the audit log, a forced one with its reason and the failures it overrode.
+    """
+    release = get_release(session, model, request.version, selectinload(Release.artifacts).selectinload(Artifact.evals))
+    if not release.artifacts:
+        raise Conflict(
+            f"release {model}@{request.version} has no artifacts to serve; publish some before promoting",
+            code="RELEASE_EMPTY",
+            details={"model": model, "version": request.version},
+        )
+    failing = [
+        {
+            "artifact": a.name,
+            "failed": [{"runtime": e.runtime, "reason": e.reason} for e in a.evals if e.status == "failed"],
+        }
+        for a in release.artifacts
+        if eval_status(a.evals) == "failed"
+    ]
+    if failing and not request.force:
+        names = ", ".join(a.name for a in release.artifacts if eval_status(a.evals) == "failed")
+        raise GateFailed(
+            f"release {model}@{request.version} has artifacts that failed their eval gates: {names}; "
+            "promote with force and a reason to override",
+            details={"model": model, "version": request.version, "failing": failing},
+        )
+
+    channel = _find_channel(session, release.model_id, name, for_update=True)
+    before = channel.release.version if channel is not None else None
+    if channel is None:
+        channel = Channel(model_id=release.model_id, name=name, release_id=release.id)
+        session.add(channel)
+    else:
+        channel.release_id = release.id
+        channel.updated_at = utcnow()
+    session.flush()
+    session.add(
+        ChannelEvent(
+            channel_id=channel.id,
+            from_version=before,
+            to_version=release.version,
+            forced=request.force,
+            reason=request.reason,
+            actor=request.actor,
+        )
+    )
+    audit.record(
+        session,
+        action="channel.promote.forced" if request.force else "channel.promote",
+        target=f"{model}/{name}",
+        model=model,
+        actor=request.actor,
+        reason=request.reason,
+        details={
+            "before": {"version": before},
+            "after": {"version": release.version},
+            "overridden_failures": failing,
+        },
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        # Two first promotions of the same new channel raced; the other one won.
+        session.rollback()
+        raise Conflict(
+            f"channel {model}/{name} was changed concurrently; retry", details={"model": model, "channel": name}
+        ) from None
+
+
+def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:
+    query = select(Channel.name, Release.version).join(Channel.release).where(Channel.model_id == model_id)
+    return {name: version for name, version in session.execute(query)}
+
+
+def channels_of_release(session: Session, release_id: int) -> list[str]:
+    query = select(Channel.name).where(Channel.release_id == release_id).order_by(Channel.name)
+    return list(session.scalars(query))

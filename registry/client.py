@@ -1,0 +1,292 @@
+"""`RegistryClient`: the one way kiln's CLI (publish, promote, resolve) talks to a registry.
+
+`RegistryClient.connect("http://registry:8000")` talks to a server over HTTP;
+`RegistryClient.connect(".kiln/registry")` builds the embedded registry for that directory and
+talks to it in process through the same HTTP API (Starlette's TestClient, a synchronous
+httpx2.Client over ASGI), so both cases run the same code. (httpx2 is the maintained successor
+of httpx, same API; Starlette's TestClient is built on it, so both paths use it.) Server errors
+come back as the matching `kiln.errors` class, carrying the server's code, message and details.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx2
+
+from kiln import errors
+from kiln.digest import CHUNK
+from kiln.errors import DigestMismatch, KilnError, Unavailable
+from kiln.manifest import ArtifactManifest
+
+_ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
+    400: errors.InvalidInput,
+    401: errors.Unauthorized,
+    403: errors.Forbidden,
+    404: errors.NotFound,
+    409: errors.Conflict,
+    413: errors.InvalidInput,
+    416: errors.InvalidInput,
+    422: errors.InvalidInput,
+    503: errors.Unavailable,
+}
+
+
+def _kiln_error_classes() -> dict[str, type[KilnError]]:
+    found: dict[str, type[KilnError]] = {}
+    pending: list[type[KilnError]] = [KilnError]
+    while pending:
+        cls = pending.pop()
+        if cls.__module__ == errors.__name__:
+            found.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def error_from_response(response: httpx2.Response) -> KilnError:
+    """The kiln error a registry error response stands for: by its code, else by HTTP status."""
+    try:
+        body = response.json()["error"]
+        code, message, details = str(body["code"]), str(body["message"]), dict(body.get("details") or {})
+    except (ValueError, KeyError, TypeError):
+        code, message, details = f"HTTP_{response.status_code}", response.text[:500] or response.reason_phrase, {}
+    cls = _kiln_error_classes().get(code) or _ERRORS_BY_STATUS.get(response.status_code, KilnError)
+    return cls(message, code=code, details={**details, "http_status": response.status_code})
+
+
+@dataclass(frozen=True)
+class BlobUpload:
+    sha256: str
+    size: int
+    uploaded: bool  # False: the registry already had it
+
+
+def _file_chunks(path: Path, chunk: int = CHUNK) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            yield data
+
+
+def _sha256_and_size(path: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    for data in _file_chunks(path):
+        digest.update(data)
+        size += len(data)
+    return digest.hexdigest(), size
+
+
+class _StreamedBodyTransport(httpx2.BaseTransport):
+    """Lets the in-process client stream request bodies.
+
+    Starlette's TestClient transport reads a request body whole (`request.read()`) unless that
+    returns a generator, which it then feeds to the app chunk by chunk. Streamed bodies (blob
+    uploads) are presented that way, so an embedded upload never holds the file in memory.
+    """
+
+    def __init__(self, inner: httpx2.BaseTransport):
+        self._inner = inner
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        if not isinstance(request.stream, httpx2.ByteStream):
+            body = (bytes(chunk) for chunk in request.stream)  # type: ignore[union-attr]
+            request.read = lambda: body  # type: ignore[method-assign,assignment,return-value]
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")
+
+
+class RegistryClient:
+    """A registry over HTTP. Methods return the server's JSON; errors raise `kiln.errors`."""
+
+    def __init__(self, http: httpx2.Client, location: str, on_close: Callable[[], object] | None = None):
+        self._http = http
+        self.location = location
+        self._on_close = on_close or http.close
+
+    @classmethod
+    def connect(cls, url_or_dir: str | Path, *, headers: dict[str, str] | None = None) -> RegistryClient:
+        """A client for `http(s)://...` (a server) or a directory (the embedded registry, created if new)."""
+        target = str(url_or_dir)
+        if target.startswith(("http://", "https://")):
+            timeout = httpx2.Timeout(300.0, connect=10.0)
+            return cls(httpx2.Client(base_url=target.rstrip("/"), headers=headers, timeout=timeout), target)
+        # Imported here: talking to a server needs none of the server's code.
+        from starlette.testclient import TestClient
+
+        from registry.app import create_app
+        from registry.settings import RegistrySettings
+
+        app = create_app(RegistrySettings(data_dir=Path(target)))
+        client = TestClient(app, base_url="http://kiln-embedded", headers=headers)
+        client._transport = _StreamedBodyTransport(client._transport)
+        client.__enter__()  # one event loop and app lifespan for the client's lifetime
+        return cls(client, str(Path(target).resolve()), on_close=lambda: client.__exit__(None, None, None))
+
+    def close(self) -> None:
+        """Close the connection (embedded: shut the in-process app down and release its database)."""
+        self._on_close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RegistryClient({self.location!r})"
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx2.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx2.TransportError as exc:
+            raise Unavailable(f"registry {self.location} unreachable: {exc}") from exc
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._send(method, path, **kwargs).json()
+
+    # -- models and releases --------------------------------------------------------------------
+
+    def ensure_model(self, name: str, description: str | None = None) -> dict[str, Any]:
+        """Create the model if needed. With `description` None an existing model is accepted as is."""
+        body: dict[str, Any] = {"name": name}
+        if description is not None:
+            body["description"] = description
+        result: dict[str, Any] = self._json("POST", "/v1/models", json=body)
+        return result
+
+    def create_release(
+        self,
+        model: str,
+        version: str,
+        source_digest: str,
+        lineage: dict[str, Any] | None = None,
+        model_config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Create `model@version` (idempotent for identical content; Conflict if it differs)."""
+        body = {
+            "version": version,
+            "source_digest": source_digest,
+            "lineage": lineage or {},
+            "model_config": model_config or {},
+        }
+        result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/releases", json=body)
+        return result
+
+    def get_release(self, model: str, version: str) -> dict[str, Any]:
+        """The release with its artifacts, their eval results and gate status."""
+        result: dict[str, Any] = self._json("GET", f"/v1/models/{_seg(model)}/releases/{_seg(version)}")
+        return result
+
+    # -- blobs and artifacts --------------------------------------------------------------------
+
+    def blob_exists(self, sha256: str) -> bool:
+        try:
+            self._send("HEAD", f"/v1/blobs/{sha256}")
+        except errors.NotFound:
+            return False
+        return True
+
+    def upload_blob(self, path: str | Path, sha256: str | None = None) -> BlobUpload:
+        """Upload a file as a blob unless the registry has it; streamed, never read whole.
+
+        `sha256` (if known, e.g. from a manifest) is checked against the file before uploading.
+        """
+        path = Path(path)
+        actual, size = _sha256_and_size(path)
+        if sha256 is not None and sha256 != actual:
+            raise DigestMismatch(
+                f"{path} has sha256 {actual}, not {sha256}", details={"path": str(path), "expected": sha256}
+            )
+        if self.blob_exists(actual):
+            return BlobUpload(actual, size, uploaded=False)
+        self._send(
+            "PUT",
+            f"/v1/blobs/{actual}",
+            content=_file_chunks(path),
+            headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        )
+        return BlobUpload(actual, size, uploaded=True)
+
+    def publish_artifact(
+        self,
+        model: str,
+        version: str,
+        manifest: ArtifactManifest | dict[str, Any],
+        files_root: str | Path | None = None,
+    ) -> dict[str, Any]:
+        """Publish an artifact manifest. With `files_root`, first upload each file from `files_root/path`."""
+        manifest = manifest if isinstance(manifest, ArtifactManifest) else ArtifactManifest.model_validate(manifest)
+        if files_root is not None:
+            for entry in manifest.files:
+                self.upload_blob(Path(files_root) / entry.path, sha256=entry.sha256)
+        result: dict[str, Any] = self._json(
+            "POST",
+            f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts",
+            json=manifest.model_dump(mode="json"),
+        )
+        return result
+
+    def post_eval(
+        self,
+        model: str,
+        version: str,
+        artifact: str,
+        runtime: str,
+        status: str,
+        metrics: dict[str, Any] | None = None,
+        gates: dict[str, Any] | None = None,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        """Record an eval result (status: passed | failed | not_evaluated)."""
+        body = {"runtime": runtime, "status": status, "metrics": metrics or {}, "gates": gates or {}, "reason": reason}
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}/evals"
+        result: dict[str, Any] = self._json("POST", path, json=body)
+        return result
+
+    # -- channels and resolve -------------------------------------------------------------------
+
+    def promote(
+        self,
+        model: str,
+        version: str,
+        channel: str,
+        force: bool = False,
+        reason: str | None = None,
+        actor: str | None = None,
+    ) -> dict[str, Any]:
+        """Point `channel` at `model@version`; GateFailed if an artifact failed its eval and not forced."""
+        body = {"version": version, "force": force, "reason": reason, "actor": actor}
+        result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/channels/{_seg(channel)}", json=body)
+        return result
+
+    def resolve(
+        self, model: str, hardware: str, channel: str = "prod", context: int = 4096, concurrency: int = 1
+    ) -> dict[str, Any]:
+        """The artifact a node of `hardware` should load from `channel`, why, and ranked fallbacks."""
+        params = {
+            "model": model,
+            "hardware": hardware,
+            "channel": channel,
+            "context": context,
+            "concurrency": concurrency,
+        }
+        result: dict[str, Any] = self._json("GET", "/v1/resolve", params=params)
+        return result

@@ -1,0 +1,127 @@
+"""Database plumbing: the declarative base with one MetaData, engine and session factories.
+
+Nothing here connects at import time; `create_app` calls `create_db_engine` with its settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import JSON, DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy.engine import URL, Dialect, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.types import TypeDecorator
+
+T = TypeVar("T")
+
+# Deterministic constraint names, so migrations can name (and later drop) every constraint.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend (SQLite stores naive text, so we add UTC back)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: registry timestamps must be timezone-aware")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[str]: JSON(),
+    }
+
+
+def registry_metadata() -> MetaData:
+    """The whole schema: imports every domain's ORM module so that its tables are registered."""
+    from registry.artifacts import models as _artifacts  # noqa: F401
+    from registry.audit import models as _audit  # noqa: F401
+    from registry.blobs import models as _blobs  # noqa: F401
+    from registry.channels import models as _channels  # noqa: F401
+    from registry.models import models as _models  # noqa: F401
+    from registry.releases import models as _releases  # noqa: F401
+
+    return Base.metadata
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse a database URL; a bare `postgresql://` means psycopg 3, the driver we ship."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys=ON")
+        # WAL: readers (resolve, downloads) never wait for a writer.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=10000")
+    finally:
+        cursor.close()
+
+
+def create_db_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """An engine for the registry database, with SQLite set up for foreign keys and WAL."""
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_engine(parsed, **kwargs)
+        event.listen(engine, "connect", _sqlite_on_connect)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 20)
+    return create_engine(parsed, **kwargs)
+
+
+def create_session_factory(engine: Engine) -> sessionmaker[Session]:
+    # expire_on_commit=False: services return rows that routes read after the commit.
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def insert_once(session: Session, row: T, find: Callable[[], T | None]) -> tuple[T, bool]:
+    """Insert `row` and commit, returning `(row, True)`.
+
+    When a concurrent writer committed the same unique key first, return `(their_row, False)`
+    so the caller can compare it, as it would have if it had seen that row before inserting.
+    """
+    session.add(row)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        existing = find()
+        if existing is None:
+            raise
+        return existing, False
+    return row, True

@@ -1,0 +1,1 @@
+"""Models: a named model (e.g. `tiny-llama`) that releases belong to."""

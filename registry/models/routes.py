@@ -1,0 +1,48 @@
+"""HTTP routes for models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from registry.api.errors import error_responses
+from registry.api.params import ModelName
+from registry.channels.service import model_channel_versions
+from registry.deps import SessionDep
+from registry.models import service
+from registry.models.models import Model
+from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
+from registry.releases.service import list_releases
+
+router = APIRouter(tags=["models"])
+
+
+def _out(row: Model) -> ModelOut:
+    return ModelOut(name=row.name, description=row.description, created_at=row.created_at)
+
+
+@router.post(
+    "/models",
+    status_code=201,
+    summary="Create a model (200 if an identical one exists)",
+    responses={200: {"model": ModelOut, "description": "the model already existed"}, **error_responses(409, 422)},
+)
+def create_model(spec: ModelCreate, session: SessionDep, response: Response) -> ModelOut:
+    row, created = service.create_model(session, spec)
+    if not created:
+        response.status_code = 200
+    return _out(row)
+
+
+@router.get("/models", summary="List models")
+def list_models(session: SessionDep) -> list[ModelOut]:
+    return [_out(m) for m in service.list_models(session)]
+
+
+@router.get("/models/{model}", summary="A model with its releases and channels", responses=error_responses(404))
+def get_model(model: ModelName, session: SessionDep) -> ModelDetail:
+    row = service.get_model(session, model)
+    return ModelDetail(
+        **_out(row).model_dump(),
+        releases=[r.version for r in list_releases(session, model)],
+        channels=model_channel_versions(session, row.id),
+    )

@@ -1,0 +1,46 @@
+"""Model operations over a Session."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kiln.errors import Conflict, NotFound
+from registry.db import insert_once
+from registry.models.models import Model
+from registry.models.schemas import ModelCreate
+
+
+def find_model(session: Session, name: str) -> Model | None:
+    return session.scalars(select(Model).where(Model.name == name)).one_or_none()
+
+
+def get_model(session: Session, name: str) -> Model:
+    model = find_model(session, name)
+    if model is None:
+        raise NotFound(f"model {name!r} not found", details={"model": name})
+    return model
+
+
+def list_models(session: Session) -> list[Model]:
+    return list(session.scalars(select(Model).order_by(Model.name)))
+
+
+def create_model(session: Session, spec: ModelCreate) -> tuple[Model, bool]:
+    """Create a model; an existing one is returned unchanged when the description agrees (or is omitted)."""
+
+    def same(existing: Model) -> Model:
+        if spec.description is not None and spec.description != existing.description:
+            raise Conflict(
+                f"model {spec.name!r} exists with a different description",
+                details={"model": spec.name, "stored": existing.description, "sent": spec.description},
+            )
+        return existing
+
+    existing = find_model(session, spec.name)
+    if existing is not None:
+        return same(existing), False
+    row, created = insert_once(
+        session, Model(name=spec.name, description=spec.description or ""), lambda: find_model(session, spec.name)
+    )
+    return (row, True) if created else (same(row), False)

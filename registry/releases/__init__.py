@@ -1,0 +1,1 @@
+"""Releases: one immutable version of a model (source digest, lineage, architecture config)."""

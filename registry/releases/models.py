@@ -1,0 +1,32 @@
+"""ORM row for a release."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import ForeignKey, String, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from registry.db import Base, utcnow
+from registry.models.models import Model
+
+if TYPE_CHECKING:
+    from registry.artifacts.models import Artifact
+
+
+class Release(Base):
+    __tablename__ = "releases"
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    version: Mapped[str] = mapped_column(String(64))
+    source_digest: Mapped[str] = mapped_column(String(64))
+    lineage: Mapped[dict[str, Any]]
+    # The architecture (layers, KV heads, head_dim, ...) that resolve uses to size the KV cache.
+    model_config: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    model: Mapped[Model] = relationship(lazy="raise")
+    artifacts: Mapped[list[Artifact]] = relationship(back_populates="release", lazy="raise", order_by="Artifact.name")

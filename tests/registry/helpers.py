@@ -1,0 +1,108 @@
+"""Small builders for registry tests: upload bytes, publish releases and artifacts through the API."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from starlette.testclient import TestClient
+
+LLAMA_CONFIG = {  # Llama-3-8B-like: 128 KiB of KV cache per token
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "vocab_size": 128256,
+}
+SOURCE_DIGEST = "a" * 64
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def assert_error(response: Any, status: int, code: str) -> dict[str, Any]:
+    """Check the error shape and return `error`."""
+    assert response.status_code == status, response.text[:500]
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"code", "message", "details"}
+    assert error["code"] == code, error
+    assert error["message"]
+    return error
+
+
+def upload(client: TestClient, data: bytes) -> str:
+    digest = sha(data)
+    response = client.put(f"/v1/blobs/{digest}", content=data)
+    assert response.status_code in (200, 201), response.text
+    return digest
+
+
+def make_release(
+    client: TestClient, model: str = "tiny", version: str = "1.0", model_config: dict[str, Any] | None = None
+) -> None:
+    assert client.post("/v1/models", json={"name": model}).status_code in (200, 201)
+    response = client.post(
+        f"/v1/models/{model}/releases",
+        json={
+            "version": version,
+            "source_digest": SOURCE_DIGEST,
+            "lineage": {"source": "hf:tiny"},
+            "model_config": LLAMA_CONFIG if model_config is None else model_config,
+        },
+    )
+    assert response.status_code in (200, 201), response.text
+
+
+def manifest(name: str, files: dict[str, bytes], hardware: list[str], quant: str = "q8_0", **extra: Any) -> dict:
+    return {
+        "name": name,
+        "target": extra.pop("target", "gguf"),
+        "format": extra.pop("format", "gguf-v3"),
+        "quant": quant,
+        "hardware": hardware,
+        "runtime": extra.pop("runtime", {"llama.cpp": ">=b4000"}),
+        "files": [{"path": p, "sha256": sha(d), "size": len(d)} for p, d in files.items()],
+        "provenance": extra.pop("provenance", {"host": "test"}),
+    }
+
+
+def publish(
+    client: TestClient,
+    name: str,
+    files: dict[str, bytes],
+    hardware: list[str],
+    model: str = "tiny",
+    version: str = "1.0",
+    **extra: Any,
+) -> dict[str, Any]:
+    for data in files.values():
+        upload(client, data)
+    response = client.post(
+        f"/v1/models/{model}/releases/{version}/artifacts", json=manifest(name, files, hardware, **extra)
+    )
+    assert response.status_code in (200, 201), response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def post_eval(
+    client: TestClient,
+    artifact: str,
+    status: str,
+    runtime: str = "llama.cpp",
+    model: str = "tiny",
+    version: str = "1.0",
+    **fields: Any,
+) -> Any:
+    return client.post(
+        f"/v1/models/{model}/releases/{version}/artifacts/{artifact}/evals",
+        json={"runtime": runtime, "status": status, **fields},
+    )
+
+
+def promote(client: TestClient, version: str = "1.0", channel: str = "prod", model: str = "tiny", **fields: Any) -> Any:
+    return client.post(f"/v1/models/{model}/channels/{channel}", json={"version": version, **fields})

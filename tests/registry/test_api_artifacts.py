@@ -1,0 +1,160 @@
+"""Artifacts and eval results through the HTTP API: blobs first, immutability, downloads, safe paths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.testclient import TestClient
+
+from tests.registry.helpers import assert_error, make_release, manifest, post_eval, publish, sha, upload
+
+FILES = {"model.gguf": b"G" * 3000, "tokenizer/tokenizer.json": b'{"v": 1}'}
+ARTIFACTS = "/v1/models/tiny/releases/1.0/artifacts"
+
+
+def test_publish_needs_blobs_first(client: TestClient) -> None:
+    make_release(client)
+    upload(client, FILES["model.gguf"])
+    body = manifest("gguf-q8", FILES, ["cpu"])
+    error = assert_error(client.post(ARTIFACTS, json=body), 422, "BLOB_MISSING")
+    assert "tokenizer/tokenizer.json" in error["message"]
+    assert [m["path"] for m in error["details"]["missing"]] == ["tokenizer/tokenizer.json"]
+    assert client.get(ARTIFACTS).json() == []
+
+
+def test_publish_checks_blob_sizes(client: TestClient) -> None:
+    make_release(client)
+    for data in FILES.values():
+        upload(client, data)
+    body = manifest("gguf-q8", FILES, ["cpu"])
+    body["files"][0]["size"] += 1
+    error = assert_error(client.post(ARTIFACTS, json=body), 422, "BLOB_MISSING")
+    assert "has 3000 bytes, not 3001" in error["message"]
+
+
+def test_publish_is_idempotent(client: TestClient) -> None:
+    make_release(client)
+    first = publish(client, "gguf-q8", FILES, ["cpu", "edge"])
+    assert first["manifest"]["files"][0]["path"] == "model.gguf"
+    assert first["eval_status"] == "not_evaluated"
+    assert first["total_size"] == 3000 + len(FILES["tokenizer/tokenizer.json"])
+    # Same content, different provenance: still the same artifact.
+    again = client.post(ARTIFACTS, json=manifest("gguf-q8", FILES, ["cpu", "edge"], provenance={"host": "other"}))
+    assert again.status_code == 200
+    assert again.json()["manifest_digest"] == first["manifest_digest"]
+    assert again.json()["manifest"]["provenance"] == {"host": "test"}
+
+
+def test_conflicting_artifact_is_409_and_changes_nothing(client: TestClient) -> None:
+    make_release(client)
+    first = publish(client, "gguf-q8", FILES, ["cpu"])
+    other = {**FILES, "model.gguf": b"H" * 3000}
+    upload(client, other["model.gguf"])
+    error = assert_error(client.post(ARTIFACTS, json=manifest("gguf-q8", other, ["cpu"])), 409, "CONFLICT")
+    assert error["details"]["stored_digest"] == first["manifest_digest"]
+    assert_error(client.post(ARTIFACTS, json=manifest("gguf-q8", FILES, ["cpu", "h100"])), 409, "CONFLICT")
+    stored = client.get(f"{ARTIFACTS}/gguf-q8").json()
+    assert stored["manifest_digest"] == first["manifest_digest"]
+    assert stored["hardware"] == ["cpu"]
+    assert client.get(f"{ARTIFACTS}/gguf-q8/files/model.gguf").content == FILES["model.gguf"]
+
+
+def test_publish_to_unknown_release_is_404(client: TestClient) -> None:
+    make_release(client)
+    error = assert_error(
+        client.post("/v1/models/tiny/releases/2.0/artifacts", json=manifest("a", FILES, [])), 404, "NOT_FOUND"
+    )
+    assert "tiny@2.0" in error["message"]
+
+
+def test_artifact_detail_has_download_urls(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu"])
+    detail = client.get(f"{ARTIFACTS}/gguf-q8").json()
+    assert detail["model"] == "tiny" and detail["version"] == "1.0"
+    urls = {f["path"]: f["url"] for f in detail["files"]}
+    assert urls["tokenizer/tokenizer.json"] == (
+        "http://testserver/v1/models/tiny/releases/1.0/artifacts/gguf-q8/files/tokenizer/tokenizer.json"
+    )
+    for path, url in urls.items():
+        response = client.get(url)
+        assert response.status_code == 200
+        assert response.content == FILES[path]
+        assert response.headers["etag"] == f'"{sha(FILES[path])}"'
+    assert [a["name"] for a in client.get(ARTIFACTS).json()] == ["gguf-q8"]
+    assert_error(client.get(f"{ARTIFACTS}/nope"), 404, "NOT_FOUND")
+
+
+def test_file_download_supports_range_and_etag(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu"])
+    url = f"{ARTIFACTS}/gguf-q8/files/model.gguf"
+    part = client.get(url, headers={"Range": "bytes=-100"})
+    assert part.status_code == 206
+    assert part.headers["content-range"] == "bytes 2900-2999/3000"
+    assert part.content == FILES["model.gguf"][-100:]
+    etag = part.headers["etag"]
+    assert client.get(url, headers={"If-None-Match": etag}).status_code == 304
+    assert_error(client.get(url, headers={"Range": "bytes=5000-"}), 416, "RANGE_NOT_SATISFIABLE")
+    head = client.head(url)
+    assert head.status_code == 200 and head.headers["content-length"] == "3000"
+    assert_error(client.get(f"{ARTIFACTS}/gguf-q8/files/other.gguf"), 404, "NOT_FOUND")
+
+
+def test_path_traversal_is_rejected(client: TestClient) -> None:
+    make_release(client)
+    upload(client, b"secret")
+    for path in ["../escape", "/etc/passwd", "a/../../b", "a//b", "a\\b", "./a"]:
+        body = manifest("evil", {"x": b"secret"}, ["cpu"])
+        body["files"][0]["path"] = path
+        assert_error(client.post(ARTIFACTS, json=body), 422, "INVALID_INPUT")
+    publish(client, "good", {"model.gguf": b"secret"}, ["cpu"])
+    for raw in ["..%2F..%2Fetc%2Fpasswd", "%2E%2E/x", "a/%2E%2E/model.gguf"]:
+        assert_error(client.get(f"{ARTIFACTS}/good/files/{raw}"), 422, "INVALID_INPUT")
+
+
+def test_manifest_is_validated(client: TestClient) -> None:
+    make_release(client)
+    changes: list[dict[str, Any]] = [{"name": "Bad Name"}, {"files": []}, {"extra": 1}, {"hardware": "cpu"}]
+    for change in changes:
+        body = {**manifest("a", FILES, ["cpu"]), **change}
+        assert_error(client.post(ARTIFACTS, json=body), 422, "INVALID_INPUT")
+    body = manifest("a", FILES, ["cpu"])
+    body["files"][0]["sha256"] = "XYZ"
+    assert_error(client.post(ARTIFACTS, json=body), 422, "INVALID_INPUT")
+
+
+def test_evals_are_idempotent_and_immutable(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu"])
+    fields: dict[str, Any] = {"metrics": {"kl": 0.01, "top1": 0.99}, "gates": {"kl": 0.05}}
+    first = post_eval(client, "gguf-q8", "passed", **fields)
+    assert first.status_code == 201, first.text
+    assert first.json()["status"] == "passed"
+    assert post_eval(client, "gguf-q8", "passed", **fields).status_code == 200
+    error = assert_error(post_eval(client, "gguf-q8", "failed", **fields, reason="kl 0.2 > 0.05"), 409, "CONFLICT")
+    assert error["details"]["stored_status"] == "passed"
+    assert_error(post_eval(client, "gguf-q8", "passed", metrics={"kl": 0.02}), 409, "CONFLICT")
+    # Another runtime is another result.
+    assert (
+        post_eval(client, "gguf-q8", "not_evaluated", runtime="vllm-rocm", reason="needs an MI300X").status_code == 201
+    )
+    evals = client.get(f"{ARTIFACTS}/gguf-q8").json()["evals"]
+    assert [(e["runtime"], e["status"]) for e in evals] == [("llama.cpp", "passed"), ("vllm-rocm", "not_evaluated")]
+    assert_error(post_eval(client, "gguf-q8", "great"), 422, "INVALID_INPUT")
+    assert_error(post_eval(client, "nope", "passed"), 404, "NOT_FOUND")
+
+
+def test_release_shows_artifacts_evals_and_gate_status(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "a-pass", {"a": b"1"}, ["cpu"])
+    publish(client, "b-fail", {"b": b"2"}, ["cpu"])
+    publish(client, "c-none", {"c": b"3"}, ["cpu"])
+    post_eval(client, "a-pass", "passed")
+    post_eval(client, "b-fail", "passed")
+    post_eval(client, "b-fail", "failed", runtime="vllm", reason="top1 0.7 < 0.9")
+    release = client.get("/v1/models/tiny/releases/1.0").json()
+    status = {a["name"]: a["eval_status"] for a in release["artifacts"]}
+    assert status == {"a-pass": "passed", "b-fail": "failed", "c-none": "not_evaluated"}
+    b = next(a for a in release["artifacts"] if a["name"] == "b-fail")
+    assert {e["runtime"]: e["reason"] for e in b["evals"]} == {"llama.cpp": None, "vllm": "top1 0.7 < 0.9"}

@@ -1,0 +1,98 @@
+"""Promotion through the HTTP API: the eval gate, forced promotions with a reason, history and audit."""
+
+from __future__ import annotations
+
+from starlette.testclient import TestClient
+
+from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish
+
+
+def two_releases(client: TestClient) -> None:
+    make_release(client, version="1.0")
+    make_release(client, version="2.0")
+    publish(client, "gguf-q8", {"m": b"one"}, ["cpu"], version="1.0")
+    publish(client, "gguf-q8", {"m": b"two"}, ["cpu"], version="2.0")
+    publish(client, "gguf-q4", {"m": b"two-q4"}, ["cpu"], version="2.0")
+
+
+def test_promote_and_history(client: TestClient) -> None:
+    two_releases(client)
+    first = promote(client, "1.0", actor="ci")
+    assert first.status_code == 200, first.text
+    assert first.json()["version"] == "1.0"
+    second = promote(client, "2.0", actor="alice", reason="new quant")
+    assert second.status_code == 200
+    channel = client.get("/v1/models/tiny/channels/prod").json()
+    assert channel["version"] == "2.0"
+    history = [(e["from_version"], e["to_version"], e["forced"], e["actor"]) for e in channel["history"]]
+    assert history == [("1.0", "2.0", False, "alice"), (None, "1.0", False, "ci")]
+    promote(client, "1.0", channel="dev")
+    listed = client.get("/v1/models/tiny/channels").json()
+    assert [(c["name"], c["version"]) for c in listed] == [("dev", "1.0"), ("prod", "2.0")]
+    assert client.get("/v1/models/tiny").json()["channels"] == {"dev": "1.0", "prod": "2.0"}
+    assert client.get("/v1/models/tiny/releases/1.0").json()["channels"] == ["dev"]
+
+
+def test_failed_gate_refuses_promotion(client: TestClient) -> None:
+    two_releases(client)
+    promote(client, "1.0")
+    post_eval(client, "gguf-q8", "passed", version="2.0")
+    post_eval(client, "gguf-q4", "failed", version="2.0", reason="kl 0.3 > 0.1")
+    error = assert_error(promote(client, "2.0"), 409, "EVAL_GATE_FAILED")
+    assert "gguf-q4" in error["message"] and "gguf-q8" not in error["message"]
+    assert error["details"]["failing"] == [
+        {"artifact": "gguf-q4", "failed": [{"runtime": "llama.cpp", "reason": "kl 0.3 > 0.1"}]}
+    ]
+    channel = client.get("/v1/models/tiny/channels/prod").json()
+    assert channel["version"] == "1.0" and len(channel["history"]) == 1
+    # not_evaluated does not block.
+    make_release(client, version="3.0")
+    publish(client, "gguf-q8", {"m": b"three"}, ["cpu"], version="3.0")
+    post_eval(client, "gguf-q8", "not_evaluated", version="3.0", reason="runner needed")
+    assert promote(client, "3.0").status_code == 200
+
+
+def test_forced_promotion_needs_a_reason(client: TestClient) -> None:
+    two_releases(client)
+    post_eval(client, "gguf-q4", "failed", version="2.0")
+    for reason in [None, "", "   "]:
+        error = assert_error(promote(client, "2.0", force=True, reason=reason), 422, "INVALID_INPUT")
+        assert "reason" in error["message"]
+    assert_error(client.get("/v1/models/tiny/channels/prod"), 404, "NOT_FOUND")
+
+
+def test_forced_promotion_is_audited(client: TestClient) -> None:
+    two_releases(client)
+    promote(client, "1.0", actor="ci")
+    post_eval(client, "gguf-q4", "failed", version="2.0", reason="top1 too low")
+    forced = promote(client, "2.0", force=True, reason="hotfix: q4 unused in prod", actor="alice")
+    assert forced.status_code == 200, forced.text
+    event = forced.json()["history"][0]
+    assert event["forced"] is True and event["reason"] == "hotfix: q4 unused in prod"
+    audit = client.get("/v1/audit", params={"model": "tiny"}).json()
+    assert [a["action"] for a in audit] == ["channel.promote.forced", "channel.promote"]
+    record = audit[0]
+    assert record["actor"] == "alice"
+    assert record["target"] == "tiny/prod"
+    assert record["reason"] == "hotfix: q4 unused in prod"
+    assert record["details"]["before"] == {"version": "1.0"}
+    assert record["details"]["after"] == {"version": "2.0"}
+    assert record["details"]["overridden_failures"][0]["artifact"] == "gguf-q4"
+    assert client.get("/v1/audit", params={"model": "other"}).json() == []
+    assert len(client.get("/v1/audit").json()) == 2
+
+
+def test_empty_release_cannot_be_promoted(client: TestClient) -> None:
+    make_release(client)
+    error = assert_error(promote(client, "1.0"), 409, "RELEASE_EMPTY")
+    assert "tiny@1.0" in error["message"]
+
+
+def test_promotion_errors(client: TestClient) -> None:
+    make_release(client)
+    assert_error(promote(client, "9.9"), 404, "NOT_FOUND")
+    assert_error(promote(client, "1.0", model="nope"), 404, "NOT_FOUND")
+    assert_error(promote(client, "1.0", channel="Prod"), 422, "INVALID_INPUT")
+    assert_error(promote(client, "1.0", force="maybe"), 422, "INVALID_INPUT")
+    assert_error(client.get("/v1/models/tiny/channels/prod"), 404, "NOT_FOUND")
+    assert client.get("/v1/models/tiny/channels").json() == []

@@ -1,0 +1,198 @@
+"""Resolve through the HTTP API: which artifact a node should load, why, and the fallbacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from registry.app import create_app
+from registry.resolve.service import ArtifactView, FileView, ReleaseView, rank_candidates
+from registry.settings import RegistrySettings
+from targets.hardware import get_profile
+from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish
+
+KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # LLAMA_CONFIG: 128 KiB
+
+
+def seed(client: TestClient, model_config: dict[str, Any] | None = None) -> None:
+    make_release(client, model_config=model_config)
+    publish(client, "gguf-q4", {"model.gguf": b"4" * 100}, ["cpu", "edge", "h100"], quant="q4_k_m")
+    publish(client, "gguf-q8", {"model.gguf": b"8" * 200}, ["cpu", "h100"], quant="q8_0")
+    publish(
+        client,
+        "hf-bf16",
+        {"config.json": b"{}", "model.safetensors": b"b" * 398},
+        ["h100", "a100"],
+        quant="bf16",
+        target="hf-bundle",
+        format="safetensors",
+    )
+    publish(client, "hf-fp8", {"model.safetensors": b"f" * 150}, ["h100", "l40s"], quant="fp8", target="hf-bundle")
+    post_eval(client, "gguf-q4", "passed", metrics={"kl": 0.05})
+    post_eval(client, "gguf-q8", "passed", metrics={"kl": 0.01})
+    post_eval(client, "hf-bf16", "not_evaluated", reason="needs a GPU runner")
+    post_eval(client, "hf-fp8", "failed", reason="kl 0.4 > 0.1")
+    assert promote(client, "1.0", force=True, reason="fp8 is not served").status_code == 200
+
+
+def resolve(client: TestClient, **params: Any) -> Any:
+    return client.get("/v1/resolve", params={"model": "tiny", **params})
+
+
+def test_resolve_picks_the_best_and_ranks_fallbacks(client: TestClient) -> None:
+    seed(client)
+    response = resolve(client, hardware="h100")
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert (answer["model"], answer["channel"], answer["version"], answer["hardware"]) == (
+        "tiny",
+        "prod",
+        "1.0",
+        "h100",
+    )
+    # Passed before not_evaluated; among passed the smaller (faster to decode) first; failed never.
+    assert answer["artifact"]["name"] == "gguf-q4"
+    assert [f["artifact"]["name"] for f in answer["fallbacks"]] == ["gguf-q8", "hf-bf16"]
+    artifact = answer["artifact"]
+    assert artifact["quant"] == "q4_k_m" and artifact["target"] == "gguf"
+    assert len(artifact["manifest_digest"]) == 64
+    assert artifact["files"] == [
+        {
+            "path": "model.gguf",
+            "sha256": artifact["files"][0]["sha256"],
+            "size": 100,
+            "url": "http://testserver/v1/models/tiny/releases/1.0/artifacts/gguf-q4/files/model.gguf",
+        }
+    ]
+    assert client.get(artifact["files"][0]["url"]).content == b"4" * 100
+    reason = answer["reason"]
+    assert reason["fits"] is True
+    assert reason["weights_bytes"] == 100
+    assert reason["kv_cache_bytes"] == KV_PER_TOKEN * 4096
+    assert reason["memory_bytes"] == 80 * 1024**3
+    assert reason["decode_tokens_per_s_bound"] == pytest.approx(3350e9 / 100)
+    assert reason["eval_status"] == "passed"
+    assert "fits in 80.00 GiB on h100" in reason["explanation"]
+    bf16 = answer["fallbacks"][1]["reason"]
+    assert bf16["eval_status"] == "not_evaluated" and bf16["weights_bytes"] == 400
+
+
+def test_kv_cache_scales_with_context_and_concurrency(client: TestClient) -> None:
+    seed(client)
+    reason = resolve(client, hardware="cpu", context=8192, concurrency=4).json()["reason"]
+    assert reason["kv_cache_bytes"] == KV_PER_TOKEN * 8192 * 4
+    assert reason["required_bytes"] == pytest.approx((100 + KV_PER_TOKEN * 8192 * 4) * 1.1, abs=1)
+    assert "context 8192 × concurrency 4" in reason["explanation"]
+
+
+def test_kl_breaks_ties(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "a-worse", {"m": b"a" * 100}, ["cpu"])
+    publish(client, "b-better", {"m": b"b" * 100}, ["cpu"])
+    post_eval(client, "a-worse", "passed", metrics={"kl": 0.2})
+    post_eval(client, "b-better", "passed", metrics={"kl": 0.01})
+    promote(client)
+    answer = resolve(client, hardware="cpu").json()
+    assert answer["artifact"]["name"] == "b-better"
+    assert [f["artifact"]["name"] for f in answer["fallbacks"]] == ["a-worse"]
+
+
+def test_nothing_fits_says_why_with_numbers(client: TestClient) -> None:
+    seed(client)
+    error = assert_error(resolve(client, hardware="edge", context=65536), 404, "NO_COMPATIBLE_ARTIFACT")
+    assert "fits in its 8.00 GiB" in error["message"]
+    assert "gguf-q4 needs 8.80 GiB" in error["message"]
+    assert error["details"]["candidates"][0]["artifact"] == "gguf-q4"
+    assert resolve(client, hardware="edge", context=4096).status_code == 200
+
+
+def test_no_artifact_for_hardware_lists_supported(client: TestClient) -> None:
+    seed(client)
+    error = assert_error(resolve(client, hardware="mi300x"), 404, "NO_COMPATIBLE_ARTIFACT")
+    assert "no artifact for hardware 'mi300x'" in error["message"]
+    assert "a100, cpu, edge, h100, l40s" in error["message"]
+    assert error["details"]["supported_hardware"] == ["a100", "cpu", "edge", "h100", "l40s"]
+
+
+def test_all_failed_for_hardware(client: TestClient) -> None:
+    seed(client)
+    error = assert_error(resolve(client, hardware="l40s"), 404, "NO_COMPATIBLE_ARTIFACT")
+    assert "failed its eval" in error["message"] and "kl 0.4 > 0.1" in error["message"]
+
+
+def test_unknown_hardware_is_422_listing_known(client: TestClient) -> None:
+    seed(client)
+    error = assert_error(resolve(client, hardware="tpu-v9"), 422, "UNKNOWN_NAME")
+    assert "h100" in error["message"] and "mi300x" in error["message"]
+
+
+def test_unknown_model_or_channel_is_404(client: TestClient) -> None:
+    seed(client)
+    error = assert_error(client.get("/v1/resolve", params={"model": "nope", "hardware": "cpu"}), 404, "NOT_FOUND")
+    assert "model 'nope' not found" in error["message"]
+    error = assert_error(resolve(client, hardware="cpu", channel="staging"), 404, "NOT_FOUND")
+    assert "no channel 'staging'" in error["message"] and "prod" in error["message"]
+    assert_error(resolve(client, hardware="cpu", context=0), 422, "INVALID_INPUT")
+    assert_error(client.get("/v1/resolve", params={"hardware": "cpu"}), 422, "INVALID_INPUT")
+
+
+def test_missing_model_config_is_explained(client: TestClient) -> None:
+    seed(client, model_config={"vocab_size": 32000})
+    reason = resolve(client, hardware="cpu").json()["reason"]
+    assert reason["kv_cache_bytes"] == 0
+    assert "lacks num_hidden_layers, num_key_value_heads, head_dim" in reason["explanation"]
+
+
+def test_resolve_sees_new_evals_and_promotions_at_once(client: TestClient) -> None:
+    seed(client)
+    assert resolve(client, hardware="a100").json()["artifact"]["name"] == "hf-bf16"
+    post_eval(client, "hf-bf16", "failed", runtime="vllm", reason="garbage output")
+    assert_error(resolve(client, hardware="a100"), 404, "NO_COMPATIBLE_ARTIFACT")
+    make_release(client, version="2.0")
+    publish(client, "hf-bf16", {"model.safetensors": b"c" * 50}, ["a100"], version="2.0")
+    promote(client, "2.0")
+    answer = resolve(client, hardware="a100").json()
+    assert (answer["version"], answer["artifact"]["name"]) == ("2.0", "hf-bf16")
+
+
+def test_public_url_is_used_for_downloads(settings: RegistrySettings) -> None:
+    app = create_app(settings.model_copy(update={"public_url": "https://registry.example/kiln/"}))
+    with TestClient(app) as client:
+        seed(client)
+        url = resolve(client, hardware="cpu").json()["artifact"]["files"][0]["url"]
+    assert url == "https://registry.example/kiln/v1/models/tiny/releases/1.0/artifacts/gguf-q4/files/model.gguf"
+
+
+def _view(*artifacts: ArtifactView) -> ReleaseView:
+    return ReleaseView("big", "1.0", LLAMA_CONFIG, artifacts)
+
+
+def _artifact(name: str, size: int, status: str = "passed", kl: float | None = None) -> ArtifactView:
+    return ArtifactView(
+        name=name,
+        target="hf-bundle",
+        format="safetensors",
+        quant="x",
+        manifest_digest="0" * 64,
+        hardware=("h100",),
+        total_size=size,
+        eval_status=status,  # type: ignore[arg-type]
+        kl=kl,
+        failed_reasons=(),
+        files=(FileView("m", "0" * 64, size),),
+    )
+
+
+def test_ranking_puts_what_fits_first() -> None:
+    gib = 1024**3
+    # 70B-class bf16 (140 GiB) does not fit an 80 GiB H100; int4 (38 GiB) does, even not evaluated.
+    ranked = rank_candidates(
+        _view(_artifact("bf16", 140 * gib), _artifact("int4", 38 * gib, "not_evaluated"), _artifact("fp8", 75 * gib)),
+        get_profile("h100"),
+        context=4096,
+        concurrency=1,
+        channel="prod",
+    )
+    assert [(c.artifact.name, c.fits) for c in ranked] == [("int4", True), ("fp8", False), ("bf16", False)]

@@ -1,0 +1,159 @@
+"""RegistryClient, embedded (in process) and against a real uvicorn server on a loopback port."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+import uvicorn
+
+from kiln import errors
+from kiln.manifest import ArtifactManifest, FileEntry
+from registry.app import create_app
+from registry.client import RegistryClient
+from registry.settings import RegistrySettings
+from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real registry server (uvicorn with uvloop + httptools, as in production) on a free port."""
+    app = create_app(RegistrySettings(data_dir=tmp_path_factory.mktemp("served")))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, loop="uvloop", http="httptools", ws="none", lifespan="on", log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "registry server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=20)
+    sock.close()
+
+
+def write_artifact(root: Path, files: dict[str, bytes]) -> ArtifactManifest:
+    entries = []
+    for path, data in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+        entries.append(FileEntry(path=path, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
+    return ArtifactManifest(
+        name="gguf-q8", target="gguf", format="gguf-v3", quant="q8_0", hardware=["cpu", "h100"], files=entries
+    )
+
+
+def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactManifest:
+    files = {"model.gguf": os.urandom(3 * 1024 * 1024 + 5), "tokenizer/tokenizer.json": b"{}"}
+    manifest = write_artifact(root, files)
+    assert client.ensure_model(model, "a test model")["name"] == model
+    client.ensure_model(model)  # exists: fine
+    client.create_release(model, "1.0", SOURCE_DIGEST, {"hf": "x"}, LLAMA_CONFIG)
+    client.create_release(model, "1.0", SOURCE_DIGEST, {"hf": "x"}, LLAMA_CONFIG)  # idempotent
+    published = client.publish_artifact(model, "1.0", manifest, files_root=root)
+    assert published["manifest_digest"] == manifest.content_digest()
+    assert client.publish_artifact(model, "1.0", manifest)["manifest_digest"] == manifest.content_digest()
+    client.post_eval(model, "1.0", "gguf-q8", "llama.cpp", "passed", metrics={"kl": 0.01})
+    channel = client.promote(model, "1.0", "prod", actor="ci")
+    assert channel["version"] == "1.0"
+    release = client.get_release(model, "1.0")
+    assert release["artifacts"][0]["eval_status"] == "passed"
+    return manifest
+
+
+def test_client_against_a_real_server(server_url: str, tmp_path: Path) -> None:
+    with RegistryClient.connect(server_url) as client:
+        manifest = publish_flow(client, tmp_path, "served-model")
+        answer = client.resolve("served-model", "h100")
+        assert answer["artifact"]["name"] == "gguf-q8"
+        upload = client.upload_blob(tmp_path / "model.gguf")
+        assert upload.uploaded is False and upload.size == manifest.files[0].size
+    url = next(f["url"] for f in answer["artifact"]["files"] if f["path"] == "model.gguf")
+    assert url.startswith(server_url + "/v1/models/served-model/releases/1.0/artifacts/gguf-q8/files/")
+    data = (tmp_path / "model.gguf").read_bytes()
+    with httpx2.Client() as http:
+        assert http.get(url).content == data
+        part = http.get(url, headers={"Range": "bytes=1000-1999"})
+        assert part.status_code == 206 and part.content == data[1000:2000]
+        assert http.get(f"{server_url}/healthz").json() == {"status": "ok"}
+
+
+def test_client_raises_kiln_errors(server_url: str, tmp_path: Path) -> None:
+    with RegistryClient.connect(server_url) as client:
+        client.ensure_model("errors-model")
+        with pytest.raises(errors.NotFound) as not_found:
+            client.get_release("errors-model", "9.9")
+        assert not_found.value.code == "NOT_FOUND" and "errors-model@9.9" in not_found.value.message
+        client.create_release("errors-model", "1.0", SOURCE_DIGEST)
+        with pytest.raises(errors.Conflict) as conflict:
+            client.create_release("errors-model", "1.0", "b" * 64)
+        assert conflict.value.details["http_status"] == 409
+        manifest = write_artifact(tmp_path, {"w.bin": b"weights"})
+        with pytest.raises(errors.InvalidInput) as missing:
+            client.publish_artifact("errors-model", "1.0", manifest)
+        assert missing.value.code == "BLOB_MISSING"
+        client.publish_artifact("errors-model", "1.0", manifest, files_root=tmp_path)
+        client.post_eval("errors-model", "1.0", "gguf-q8", "llama.cpp", "failed", reason="kl too high")
+        with pytest.raises(errors.GateFailed) as gate:
+            client.promote("errors-model", "1.0", "prod")
+        assert gate.value.code == "EVAL_GATE_FAILED"
+        with pytest.raises(errors.InvalidInput):
+            client.promote("errors-model", "1.0", "prod", force=True)
+        client.promote("errors-model", "1.0", "prod", force=True, reason="known issue", actor="alice")
+        with pytest.raises(errors.UnknownName):
+            client.resolve("errors-model", "no-such-gpu")
+        with pytest.raises(errors.NotFound) as nothing:
+            client.resolve("errors-model", "cpu")
+        assert nothing.value.code == "NO_COMPATIBLE_ARTIFACT"
+        (tmp_path / "w.bin").write_bytes(b"changed")
+        with pytest.raises(errors.DigestMismatch):
+            client.publish_artifact("errors-model", "1.0", manifest, files_root=tmp_path)
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    with RegistryClient.connect("http://127.0.0.1:1") as client, pytest.raises(errors.Unavailable):
+        client.ensure_model("m")
+
+
+def test_embedded_client(tmp_path: Path) -> None:
+    registry_dir = tmp_path / "registry"
+    with RegistryClient.connect(registry_dir) as client:
+        publish_flow(client, tmp_path, "embedded-model")
+        assert client.resolve("embedded-model", "cpu", context=1024)["artifact"]["name"] == "gguf-q8"
+    assert (registry_dir / "registry.db").is_file()
+    with RegistryClient.connect(str(registry_dir)) as client:  # a second process would see the same
+        assert client.get_release("embedded-model", "1.0")["version"] == "1.0"
+        with pytest.raises(errors.NotFound):
+            client.resolve("embedded-model", "cpu", channel="staging")
+
+
+def test_embedded_upload_is_streamed(tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for _ in range(12):
+            f.write(os.urandom(8 * 1024 * 1024))  # 96 MiB
+    with RegistryClient.connect(tmp_path / "registry") as client:
+        tracemalloc.start()
+        try:
+            upload = client.upload_blob(big)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert upload.uploaded and upload.size == 96 * 1024 * 1024
+        assert client.blob_exists(upload.sha256)
+    assert peak < 48 * 1024 * 1024, f"upload peaked at {peak / 2**20:.0f} MiB for a 96 MiB file"

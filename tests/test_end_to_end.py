@@ -1,0 +1,121 @@
+"""The whole path a user takes: build the example, serve a registry, publish, promote, resolve, download, load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "tiny-llama" / "kiln.yaml"
+KILN = [sys.executable, "-m", "kiln"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kiln(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*KILN, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    work = tmp_path_factory.mktemp("work")
+    return {**os.environ, "KILN_WORK_DIR": str(work), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Iterator[str]:
+    data = tmp_path_factory.mktemp("registry")
+    port = _free_port()
+    server_env = {**env, "KILN_REGISTRY_DATA_DIR": str(data)}
+    kiln("db", "upgrade", env=server_env)
+    log = open(data / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [*KILN, "serve", "--port", str(port)], env=server_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("registry did not start: " + (data / "server.log").read_text())
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
+    first = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
+    assert first["failed_gates"] == []
+    assert {a["eval"] for a in first["artifacts"]} == {"passed"}
+    f16 = next(a for a in first["artifacts"] if a["artifact"] == "gguf-f16")
+    assert f16["metrics"]["top1"] >= 0.99 and f16["metrics"]["kl"] <= 1e-3
+
+    second = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
+    assert set(second["stages"]) == {"cached"}
+
+
+def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, str], tmp_path: Path) -> None:
+    kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
+    again = json.loads(kiln("publish", str(RECIPE), "--registry", server, "--json", env=env).stdout)
+    assert again["failed_gates"] == []  # re-publishing identical content is accepted as is
+
+    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    answer = json.loads(kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env).stdout)
+    assert answer["version"] == "1.0.0" and answer["hardware"] == "cpu"
+    gguf = next(
+        (a for a in [answer, *answer["fallbacks"]] if a["artifact"]["target"] == "gguf"),
+        None,
+    )
+    assert gguf is not None, answer
+    (entry,) = gguf["artifact"]["files"]
+
+    path = tmp_path / entry["path"]
+    digest = hashlib.sha256()
+    with httpx.stream("GET", entry["url"], timeout=60) as r, open(path, "wb") as f:
+        assert r.status_code == 200
+        for chunk in r.iter_bytes():
+            digest.update(chunk)
+            f.write(chunk)
+    assert digest.hexdigest() == entry["sha256"]
+    assert path.stat().st_size == entry["size"]
+
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False)
+    try:
+        out = llm.create_completion("def ", max_tokens=8, temperature=0.0)
+        assert out["choices"][0]["text"]
+    finally:
+        llm.close()
+
+
+def test_unknown_hardware_and_missing_model_give_clear_errors(server: str, env: dict[str, str]) -> None:
+    bad = kiln("resolve", "tiny-llama", "--hardware", "tpu-v9", "--registry", server, env=env, check=False)
+    assert bad.returncode == 2 and "known" in bad.stderr
+    missing = kiln("resolve", "no-such-model", "--hardware", "cpu", "--registry", server, env=env, check=False)
+    assert missing.returncode == 4
