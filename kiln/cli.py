@@ -90,7 +90,7 @@ def _fmt_size(n: int | None) -> str:
 def _artifact_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="artifacts")
     for col in ("artifact", "size", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
-        table.add_column(col, justify="left" if col in ("artifact", "eval") else "right")
+        table.add_column(col, justify="left" if col in ("artifact", "eval") else "right", no_wrap=True)
     for r in rows:
         m = r.get("metrics") or {}
         colour = {"passed": "green", "failed": "red"}.get(r["eval"], "yellow")
@@ -107,11 +107,23 @@ def _artifact_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _quiet_libraries() -> None:
+    """Our progress bars, not each library's: transformers draws one per model load."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _run_build(recipe_path: Path, work_dir: Path, registry: str | None, as_json: bool) -> None:
     from pipeline import build
     from pipeline.recipe import load_recipe
 
     started = time.time()
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # some CPUs advertise AMX that faults
+    _quiet_libraries()
     recipe = load_recipe(recipe_path)
     result = build.run(recipe, work_dir, registry=registry, reporter=ProgressReporter(quiet=as_json))
     summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
@@ -244,7 +256,7 @@ def db_upgrade(
     from registry.settings import RegistrySettings
 
     settings = RegistrySettings() if database_url is None else RegistrySettings(database_url=database_url)
-    upgrade(settings.database_url, revision)
+    upgrade(settings.effective_database_url(), revision)
     err.print(f"database at revision {revision}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
     from pipeline.executors.local import NodeOutcome
     from pipeline.stage import Node
 
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 class ProgressReporter:

@@ -52,6 +52,7 @@ def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
             export_stage.STAGE,
             params={
                 "artifact": name,
+                "model": recipe.model,
                 "target": spec.name,
                 "target_code_version": spec.code_version,
                 "quant": quant,

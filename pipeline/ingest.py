@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +168,6 @@ class SourceModel:
     shape: ModelShape
     tensors: dict[str, TensorInfo]
     files: list[FileEntry]
-    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def digest(self) -> str:
@@ -184,15 +183,17 @@ class SourceModel:
         return [f.path for f in self.files if f.path in TOKENIZER_FILES]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Materialise one tensor (memory-mapped read) and check it is what the header planned."""
+        """Materialise one tensor (memory-mapped read) and check it is what the header planned.
+
+        Each call opens its own `safe_open` handle: the returned tensor may be a view of that
+        handle's memory map, which is released when the tensor is, so resident memory is bounded
+        by the tensors the caller still holds, not by the files read so far.
+        """
         from safetensors import safe_open
 
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = safe_open(str(self.root / info.file), framework="pt")
-            self._handles[info.file] = handle
-        t = handle.get_tensor(name)
+        with safe_open(str(self.root / info.file), framework="pt") as handle:
+            t = handle.get_tensor(name)
         if tuple(t.shape) != info.shape:
             raise SourceInvalid(f"{info.file}: tensor {name!r} loaded as {tuple(t.shape)}, header said {info.shape}")
         return t
@@ -202,7 +203,7 @@ class SourceModel:
             yield name, self.tensor(name)
 
     def close(self) -> None:
-        self._handles.clear()
+        """Kept for callers that scope a source with try/finally; tensors hold their own mappings."""
 
 
 def open_source(root: str | Path, known_files: list[FileEntry] | None = None) -> SourceModel:

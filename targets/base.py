@@ -26,6 +26,7 @@ class ExportRequest:
     quant: str
     out_dir: Path  # an empty temporary directory; the stage renames it into place when export returns
     params: dict[str, Any] = field(default_factory=dict)
+    model_name: str = ""  # the recipe's model name, for formats that record one (GGUF general.name)
     on_progress: Callable[[int], None] = lambda nbytes: None  # source bytes consumed so far (increment)
 
 

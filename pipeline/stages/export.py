@@ -21,6 +21,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 quant=p["quant"],
                 out_dir=ctx.out_dir,
                 params=p["params"],
+                model_name=p["model"],
                 on_progress=lambda n: ctx.progress(n, total),
             ),
         )

@@ -1,0 +1,200 @@
+"""The GGUF writer and encoders, read back with gguf-py's reader and checked against its quantizers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.errors import StageFailed
+from targets.gguf.constants import GGUF_ALIGNMENT, Keys, TensorType, ValueType
+from targets.gguf.quants import F16Overflow, encode, quantize_q4_0, quantize_q8_0
+from targets.gguf.writer import GGUFWriter, WriterMisuse, WriterState
+
+gguf = pytest.importorskip("gguf")
+
+
+def _written(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    tensors: dict[str, np.ndarray] = {
+        "a.weight": rng.standard_normal((3, 5)).astype(np.float32),  # 60 bytes: exercises padding
+        "b.weight": rng.standard_normal((4, 64)).astype(np.float16),
+        "c.weight": rng.standard_normal((2, 64)).astype(np.float32),
+    }
+    path = tmp_path / "m.gguf"
+    with GGUFWriter(path) as w:
+        w.add_string(Keys.ARCHITECTURE, "llama")
+        w.add_uint32("llama.block_count", 2)
+        w.add_float32("llama.rope.freq_base", 10000.0)
+        w.add_bool("tokenizer.ggml.add_bos_token", False)
+        w.add_array("tokenizer.ggml.tokens", ["a", "b c", "é"], ValueType.STRING)
+        w.add_array("tokenizer.ggml.token_type", [1, 3, 4], ValueType.INT32)
+        w.plan_tensor("a.weight", (3, 5), TensorType.F32)
+        w.plan_tensor("b.weight", (4, 64), TensorType.F16)
+        w.plan_tensor("c.weight", (2, 64), TensorType.Q8_0)
+        w.begin()
+        w.write_tensor("a.weight", tensors["a.weight"])
+        w.write_tensor("b.weight", iter([tensors["b.weight"][:2], tensors["b.weight"][2:]]))  # chunked
+        w.write_tensor("c.weight", gguf.quants.quantize(tensors["c.weight"], gguf.GGMLQuantizationType.Q8_0))
+        assert w.finish() == path
+    return path, tensors
+
+
+def test_written_file_reads_back_with_gguf_reader(tmp_path: Path) -> None:
+    path, tensors = _written(tmp_path)
+    r = gguf.GGUFReader(path)
+    assert r.fields[Keys.ARCHITECTURE].contents() == "llama"
+    assert r.fields["llama.block_count"].contents() == 2
+    assert r.fields["llama.rope.freq_base"].contents() == pytest.approx(10000.0)
+    assert r.fields["tokenizer.ggml.add_bos_token"].contents() is False
+    assert r.fields["tokenizer.ggml.tokens"].contents() == ["a", "b c", "é"]
+    assert r.fields["tokenizer.ggml.token_type"].contents() == [1, 3, 4]
+    assert r.fields[Keys.ALIGNMENT].contents() == GGUF_ALIGNMENT
+    by_name = {t.name: t for t in r.tensors}
+    assert [t.name for t in r.tensors] == ["a.weight", "b.weight", "c.weight"]
+    assert list(by_name["a.weight"].shape) == [5, 3]  # ggml order: row length first
+    assert by_name["c.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    for t in r.tensors:
+        assert t.data_offset % GGUF_ALIGNMENT == 0
+    np.testing.assert_array_equal(by_name["a.weight"].data, tensors["a.weight"])
+    np.testing.assert_array_equal(by_name["b.weight"].data, tensors["b.weight"])
+    deq = gguf.quants.dequantize(by_name["c.weight"].data, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_allclose(deq, tensors["c.weight"], atol=0.03)
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_misuse_of_the_state_machine_raises(tmp_path: Path) -> None:
+    w = GGUFWriter(tmp_path / "m.gguf")
+    w.plan_tensor("t", (32,), TensorType.F32)
+    with pytest.raises(WriterMisuse, match="state EMPTY"):
+        w.write_tensor("t", np.zeros(32, np.float32))
+    with pytest.raises(WriterMisuse, match="state EMPTY"):
+        w.finish()
+    with pytest.raises(WriterMisuse, match="planned twice"):
+        w.plan_tensor("t", (32,), TensorType.F32)
+    with pytest.raises(WriterMisuse, match="block size|multiple"):
+        w.plan_tensor("q", (2, 48), TensorType.Q8_0)
+    w.write_header()
+    with pytest.raises(WriterMisuse, match="state HEADER"):
+        w.add_uint32("late.key", 1)
+    with pytest.raises(WriterMisuse, match="state HEADER"):
+        w.write_tensor_infos()
+    w.write_kv()
+    w.write_tensor_infos()
+    with pytest.raises(WriterMisuse, match="state TENSOR_INFO"):
+        w.plan_tensor("u", (32,), TensorType.F32)
+    with pytest.raises(WriterMisuse, match="out of order"):
+        w.write_tensor("u", np.zeros(32, np.float32))
+    w.write_tensor("t", np.zeros(32, np.float32))
+    with pytest.raises(WriterMisuse, match="not planned"):
+        w.write_tensor("t", np.zeros(32, np.float32))
+    w.finish()
+    assert w.state is WriterState.DONE
+    with pytest.raises(WriterMisuse, match="state DONE"):
+        w.write_header()
+
+
+@pytest.mark.parametrize("nbytes", [31 * 4, 33 * 4])
+def test_written_size_must_match_the_plan_and_leaves_no_file(tmp_path: Path, nbytes: int) -> None:
+    path = tmp_path / "m.gguf"
+    with pytest.raises(StageFailed) as e, GGUFWriter(path) as w:
+        w.plan_tensor("t", (32,), TensorType.F32)
+        w.begin()
+        w.write_tensor("t", np.zeros(nbytes // 4, np.float32))
+    assert e.value.code == "GGUF_SIZE_MISMATCH"
+    assert "'t'" in e.value.message and "128" in e.value.message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tensor_never_written_fails_finish_and_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    with pytest.raises(StageFailed, match="never written.*'u'") as e, GGUFWriter(path) as w:
+        w.plan_tensor("t", (32,), TensorType.F32)
+        w.plan_tensor("u", (32,), TensorType.F32)
+        w.begin()
+        w.write_tensor("t", np.zeros(32, np.float32))
+        w.finish()
+    assert e.value.code == "GGUF_SIZE_MISMATCH"
+    assert list(tmp_path.iterdir()) == []
+
+
+def _edge_rows() -> np.ndarray:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 256)).astype(np.float32) * rng.uniform(1e-3, 50, (16, 1)).astype(np.float32)
+    x[0] = 0.0
+    x[1, :32] = -0.0
+    x[2, :32] = np.array([-0.0] + [0.0] * 31, dtype=np.float32)
+    x[3, :32] = np.arange(32, dtype=np.float32) - 16  # exact .5 after scaling: rounding ties
+    x[4, :32] = np.array([127.0] + [63.5] * 31, dtype=np.float32)
+    x[5, :32] = np.array([-127.0] + [0.49999997] * 15 + [-1.5] * 16, dtype=np.float32)
+    x[6, :32] = np.array([8.0] + [-8.0] * 31, dtype=np.float32)  # |max| tie, first wins
+    x[7, :32] = np.array([-8.0] + [8.0] * 31, dtype=np.float32)
+    x[8] = 1e-30  # subnormal scales
+    return x
+
+
+@pytest.mark.parametrize(
+    ("ours", "qtype"),
+    [(quantize_q8_0, "Q8_0"), (quantize_q4_0, "Q4_0")],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantizers_are_bit_exact_with_gguf_py(ours, qtype: str, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    t = torch.from_numpy(_edge_rows()).to(dtype)
+    coarse = (torch.randint(-4, 5, (64, 128)) * 0.25).to(dtype)  # many equal magnitudes: ties everywhere
+    for x in (t, coarse, torch.randn(300, 96).to(dtype)):
+        ref = gguf.quants.quantize(x.to(torch.float32).numpy(), gguf.GGMLQuantizationType[qtype])
+        np.testing.assert_array_equal(ours(x), ref)
+        streamed = np.concatenate([c.reshape(-1) for c in encode(x, TensorType[qtype])])
+        np.testing.assert_array_equal(streamed, ref.reshape(-1))
+
+
+def test_encode_f16_and_bf16_bytes() -> None:
+    x = torch.randn(70, 33, dtype=torch.bfloat16)
+    f16 = np.concatenate([c.reshape(-1) for c in encode(x, TensorType.F16)])
+    np.testing.assert_array_equal(f16, x.to(torch.float32).numpy().astype(np.float16).reshape(-1))
+    bf16 = np.concatenate([c.reshape(-1) for c in encode(x, TensorType.BF16)])
+    np.testing.assert_array_equal(bf16.view(np.uint16), x.view(torch.int16).numpy().view(np.uint16).reshape(-1))
+    with pytest.raises(F16Overflow, match="65504"):
+        list(encode(torch.full((4, 4), 1e6, dtype=torch.bfloat16), TensorType.F16))
+
+
+@pytest.mark.parametrize(("value", "in_place"), [("gpt-2", True), ("qwen2", True), ("a-much-longer-name" * 4, False)])
+def test_metadata_can_be_corrected_after_the_weights(tmp_path: Path, value: str, in_place: bool) -> None:
+    """The exporter streams weights on predicted metadata and fixes the header afterwards."""
+    from targets.gguf.writer import Metadata
+
+    data = np.arange(64 * 40, dtype=np.float32).reshape(40, 64)
+    path = tmp_path / "m.gguf"
+    with GGUFWriter(path) as w:
+        w.add_string("tokenizer.ggml.pre", "llama")
+        w.plan_tensor("a", (40, 64), TensorType.F32)
+        w.plan_tensor("b", (64,), TensorType.F32)
+        w.begin()
+        w.write_tensor("a", data)
+        fixed = Metadata()
+        fixed.add_string("tokenizer.ggml.pre", value)
+        assert w.rewrite_metadata(fixed) is in_place
+        w.write_tensor("b", data[0])
+        w.finish()
+    r = gguf.GGUFReader(path)
+    assert r.fields["tokenizer.ggml.pre"].contents() == value
+    tensors = {t.name: t for t in r.tensors}
+    np.testing.assert_array_equal(tensors["a"].data, data)
+    np.testing.assert_array_equal(tensors["b"].data, data[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_header_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
+    from targets.gguf.reader import read_header
+
+    path, _ = _written(tmp_path)
+    header = read_header(path)
+    ref = gguf.GGUFReader(path)
+    assert header.metadata["tokenizer.ggml.tokens"] == ["a", "b c", "é"]
+    assert header.metadata["llama.rope.freq_base"] == pytest.approx(10000.0)
+    assert header.metadata["tokenizer.ggml.add_bos_token"] is False
+    assert header.tensor_types() == {"a.weight": "F32", "b.weight": "F16", "c.weight": "Q8_0"}
+    assert [t.shape for t in header.tensors] == [(3, 5), (4, 64), (2, 64)]
+    assert [header.data_offset + t.offset for t in header.tensors] == [t.data_offset for t in ref.tensors]
