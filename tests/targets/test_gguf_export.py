@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
+import llama_cpp
 import numpy as np
 import pytest
 import torch
@@ -21,9 +23,6 @@ from targets.gguf import SPEC
 from targets.gguf.constants import LLAMA3_REGEX, FileType, Keys
 from targets.gguf.export import export
 from tests.model_factory import make_model
-
-gguf = pytest.importorskip("gguf")
-llama_cpp = pytest.importorskip("llama_cpp")
 
 EXAMPLE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "model"
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q6_k")
@@ -468,18 +467,11 @@ def test_f16_overflow_is_refused_and_leaves_no_file(models: dict[str, Path], tmp
     assert res.files == ["model-bf16.gguf"]
 
 
-needs_example = pytest.mark.skipif(
-    not (EXAMPLE_MODEL / "config.json").is_file(), reason="examples/tiny-llama/model not trained yet"
-)
-
-
-@needs_example
 def test_example_model_tokenizes_like_hf(tmp_path: Path) -> None:
     res = _export_and_compare_tokens(EXAMPLE_MODEL, tmp_path, quant="q8_0")
     assert res.details["tokenizer_pre"] == "gpt-2" and res.details["tokenizer_header"] == "as predicted"
 
 
-@needs_example
 def test_example_model_f16_logits_agree(tmp_path: Path) -> None:
     """On trained weights (confident predictions), F16 must pick the same next token nearly everywhere."""
     heldout = (EXAMPLE_MODEL.parent / "heldout.txt").read_text(encoding="utf-8")

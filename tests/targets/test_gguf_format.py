@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,8 +13,6 @@ from kiln.errors import StageFailed
 from targets.gguf.constants import GGUF_ALIGNMENT, Keys, TensorType, ValueType
 from targets.gguf.quants import F16Overflow, encode, quantize_q4_0, quantize_q8_0
 from targets.gguf.writer import GGUFWriter, WriterMisuse, WriterState
-
-gguf = pytest.importorskip("gguf")
 
 
 def _written(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:

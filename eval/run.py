@@ -1,0 +1,74 @@
+"""Run an eval: feed the same windows to the reference and a candidate, score, and judge the gate.
+
+    text = load_text(source_dir, heldout_path)
+    reference = CachedRuntime(TransformersRuntime(source_dir))       # computed once, reused
+    for artifact in artifacts:
+        report = evaluate_artifact(reference, "llama.cpp", artifact.path, text, gate_for(artifact.quant))
+
+Windows are processed one at a time (reference logits, candidate logits, accumulate), so memory is
+bounded by one window's logits plus whatever the reference cache holds (see `CachedRuntime`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eval.gates import Gate
+from eval.metrics import MetricAccumulator
+from eval.report import EvalMetrics, EvalReport
+from eval.runtimes import Runtime, open_runtime
+from eval.text import EvalText
+from kiln.errors import Deferred
+
+
+def measure(reference: Runtime, candidate: Runtime, text: EvalText) -> EvalMetrics:
+    """The metrics of `candidate` against `reference` on `text` (see `eval.metrics`)."""
+    acc = MetricAccumulator(text.vocab_size)
+    for window in text.windows:
+        ref = reference.logits(window)
+        cand = candidate.logits(window)
+        # Row t predicts token t + 1; the last row predicts past the window and is not scored.
+        acc.add(ref[:-1], cand[:-1], window[1:])
+    for prompt in text.prompts:
+        acc.add_greedy(reference.greedy(prompt, text.greedy_tokens), candidate.greedy(prompt, text.greedy_tokens))
+    return acc.result()
+
+
+def evaluate(reference: Runtime, candidate: Runtime, text: EvalText, gate: Gate) -> EvalReport:
+    """Compare `candidate` with `reference` on `text` and judge the result against `gate`."""
+    metrics = measure(reference, candidate, text)
+    return EvalReport.judged(
+        metrics,
+        gate,
+        runtime=candidate.name,
+        runtime_version=candidate.version,
+        reference=reference.name,
+        reference_version=reference.version,
+        text_digest=text.digest,
+    )
+
+
+def evaluate_artifact(
+    reference: Runtime,
+    runtime: str,
+    artifact: str | Path,
+    text: EvalText,
+    gate: Gate,
+    **runtime_options: Any,
+) -> EvalReport:
+    """Open `artifact` in `runtime` and evaluate it; *not evaluated here* when that runtime is absent.
+
+    llama.cpp is opened with a context that fits the text unless `n_ctx` is given.
+    """
+    if runtime == "llama.cpp":
+        runtime_options.setdefault("n_ctx", max(text.context_needed, 64))
+        runtime_options.setdefault("vocab_size", text.vocab_size)
+    try:
+        candidate = open_runtime(runtime, artifact, **runtime_options)
+    except Deferred as e:
+        return EvalReport.not_evaluated(str(e.details.get("runtime_needed", runtime)), e.message, gate=gate)
+    try:
+        return evaluate(reference, candidate, text, gate)
+    finally:
+        candidate.close()

@@ -1,0 +1,44 @@
+"""Runtimes that load an artifact and give logits for token ids, behind one small protocol.
+
+`open_runtime(name, path)` opens the runtime a target declares (`TargetSpec.runtime`). A runtime
+that has no implementation here, or whose package this machine lacks, raises `Deferred` with
+`details["runtime_needed"]`; the eval records that as *not evaluated here*, never as passed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eval.runtimes.base import CachedRuntime, Runtime, check_ids
+from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.errors import Deferred
+
+__all__ = [
+    "RUNTIMES",
+    "CachedRuntime",
+    "LlamaCppRuntime",
+    "Runtime",
+    "TransformersRuntime",
+    "check_ids",
+    "open_runtime",
+]
+
+# Runtime name (as targets declare it) -> the class that opens an artifact path with it.
+RUNTIMES: dict[str, Any] = {
+    TransformersRuntime.name: TransformersRuntime,
+    LlamaCppRuntime.name: LlamaCppRuntime,
+}
+
+
+def open_runtime(name: str, artifact: str | Path, **options: Any) -> Runtime:
+    """Open `artifact` (a directory or file) in runtime `name`, or raise `Deferred` if it is not here."""
+    cls = RUNTIMES.get(name)
+    if cls is None:
+        raise Deferred(
+            f"runtime {name!r} is not available on this machine (available: {', '.join(RUNTIMES)})",
+            details={"runtime_needed": name},
+        )
+    runtime: Runtime = cls(artifact, **options)
+    return runtime

@@ -1,0 +1,142 @@
+"""The `Runtime` protocol every evaluated runtime implements, and a caching wrapper for the reference.
+
+A runtime is given token ids, never text (see `eval.text`), and must use exactly those ids: no
+BOS or other special token of its own. Each call is independent: state (a KV cache) left by an
+earlier call must not influence a later one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO, Protocol, runtime_checkable
+
+import numpy as np
+
+from kiln.digest import sha256_json
+from kiln.errors import InvalidInput
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A model loaded in the runtime that serves it."""
+
+    @property
+    def name(self) -> str:
+        """The runtime, e.g. "transformers" or "llama.cpp"."""
+        ...
+
+    @property
+    def version(self) -> str:
+        """The runtime's package version(s), recorded in the report."""
+        ...
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits at every position of one window: float32 [len(token_ids), V]."""
+        ...
+
+    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+        """Exactly `n` tokens continuing `prompt_ids` by argmax (no stop at EOS)."""
+        ...
+
+    def close(self) -> None:
+        """Release the model; the runtime is unusable afterwards."""
+        ...
+
+
+def check_ids(token_ids: Sequence[int], vocab: int, who: str) -> list[int]:
+    """`token_ids` as a non-empty list of ints in [0, vocab); a clear error instead of a native crash."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise InvalidInput(f"{who}: no token ids given")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(f"{who}: token id {bad[0]} is outside the vocab [0, {vocab})", details={"id": bad[0]})
+    return ids
+
+
+class CachedRuntime:
+    """Wraps a runtime and computes each window's logits (and each greedy continuation) once.
+
+    The reference is evaluated once and compared with many candidates. Results are keyed by the
+    sha256 of (runtime name, version, `identity`, token ids). Two stores, chosen by `cache_dir`:
+
+    - `None` (default): kept in memory. 4096 tokens x vocab 4096 x float32 is 64 MiB; for larger
+      vocabularies or texts use a directory.
+    - a directory: each window's logits are written as one `.npy` (temp file, then rename, so a
+      crash leaves no partial entry) and read back memory-mapped, so memory does not grow with the
+      text. The directory may be shared between runs and processes; `identity` (e.g. the source
+      digest) must then tell apart models whose runtime and ids are the same.
+    """
+
+    def __init__(self, runtime: Runtime, cache_dir: str | Path | None = None, *, identity: str = "") -> None:
+        self.runtime = runtime
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.identity = identity
+        self._logits: dict[str, np.ndarray] = {}
+        self._greedy: dict[str, list[int]] = {}
+        self.computed = 0  # runtime calls actually made (a cache miss each)
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def name(self) -> str:
+        return self.runtime.name
+
+    @property
+    def version(self) -> str:
+        return self.runtime.version
+
+    def _key(self, kind: str, payload: object) -> str:
+        return sha256_json(
+            {"kind": kind, "runtime": self.name, "version": self.version, "identity": self.identity, "ids": payload}
+        )
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        key = self._key("logits", [int(t) for t in token_ids])
+        if self.cache_dir is None:
+            if key not in self._logits:
+                self.computed += 1
+                logits = np.asarray(self.runtime.logits(token_ids), dtype=np.float32)
+                logits.flags.writeable = False  # shared by every comparison that reads it
+                self._logits[key] = logits
+            return self._logits[key]
+        path = self.cache_dir / f"{key}.npy"
+        if not path.exists():
+            self.computed += 1
+            _atomic_write(path, lambda f: np.save(f, np.asarray(self.runtime.logits(token_ids), dtype=np.float32)))
+        arr: np.ndarray = np.load(path, mmap_mode="r")
+        return arr
+
+    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+        key = self._key("greedy", {"prompt": [int(t) for t in prompt_ids], "n": n})
+        if key in self._greedy:
+            return list(self._greedy[key])
+        path = self.cache_dir / f"{key}.json" if self.cache_dir is not None else None
+        if path is not None and path.exists():
+            tokens = [int(t) for t in json.loads(path.read_text())]
+        else:
+            self.computed += 1
+            tokens = [int(t) for t in self.runtime.greedy(prompt_ids, n)]
+            if path is not None:
+                _atomic_write(path, lambda f: f.write(json.dumps(tokens).encode()))
+        self._greedy[key] = tokens
+        return list(tokens)
+
+    def close(self) -> None:
+        self._logits.clear()
+        self.runtime.close()
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

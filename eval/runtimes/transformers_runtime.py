@@ -1,0 +1,89 @@
+"""transformers on CPU: the reference, and the runtime of the hf-bundle target.
+
+As the reference it loads the source release's bf16 SafeTensors and upcasts them to float32, so
+every matmul runs in float32: the reference is the checkpoint's exact weights with as little
+rounding in the arithmetic as this machine offers. For an hf-bundle artifact it loads the bundle
+directory the same way (`dtype="auto"` keeps the checkpoint's dtype, e.g. for quantized bundles
+whose kernels need it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from eval.runtimes.base import check_ids
+from kiln.errors import Deferred, InvalidInput, StageFailed
+
+TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+class TransformersRuntime:
+    """`AutoModelForCausalLM` from a model directory, run under `torch.inference_mode` on CPU."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: str | Path, dtype: TorchDtype = "float32") -> None:
+        try:
+            import torch
+            import transformers
+        except ImportError as e:
+            raise Deferred(
+                f"transformers/torch are not installed here ({e}); install kiln[build]",
+                details={"runtime_needed": "transformers"},
+            ) from None
+        if dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise InvalidInput(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
+        self._torch = torch
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
+        except ImportError as e:  # e.g. a quantized bundle whose kernels package is missing here
+            raise Deferred(
+                f"transformers cannot load {str(self.model_dir)!r} on this machine: {e}",
+                details={
+                    "runtime_needed": f"transformers with {getattr(e, 'name', None) or 'its quantization backend'}"
+                },
+            ) from None
+        except (OSError, ValueError, KeyError) as e:
+            raise StageFailed(
+                f"transformers could not load {str(self.model_dir)!r}: {e}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.model_dir)},
+            ) from None
+        self._model: Any = model.eval()
+        self.vocab_size = int(model.config.vocab_size)
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = check_ids(token_ids, self.vocab_size, self.name)
+        torch = self._torch
+        with torch.inference_mode():
+            out = self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
+        return np.ascontiguousarray(out.logits[0].float().numpy(), dtype=np.float32)
+
+    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+        ids = check_ids(prompt_ids, self.vocab_size, self.name)
+        torch = self._torch
+        generated: list[int] = []
+        with torch.inference_mode():
+            # One prompt pass, then one token at a time on the KV cache: how a server decodes.
+            out = self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True)
+            for i in range(n):
+                tok = int(torch.argmax(out.logits[0, -1, : self.vocab_size]))
+                generated.append(tok)
+                if i + 1 < n:
+                    out = self._model(
+                        input_ids=torch.tensor([[tok]], dtype=torch.long),
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                    )
+        return generated
+
+    def close(self) -> None:
+        self._model = None
