@@ -225,6 +225,8 @@ def resolve(
         print(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes\n    {f['url']}")
     if answer.get("fallbacks"):
         print("  fallbacks: " + ", ".join(fb["artifact"]["name"] for fb in answer["fallbacks"]))
+    if not registry.startswith(("http://", "https://")):
+        err.print(f"[dim]embedded registry: `kiln serve --data-dir {registry}` serves these URLs[/dim]")
 
 
 @app.command()

@@ -106,6 +106,9 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
+EMBEDDED_PUBLIC_URL = "http://127.0.0.1:8000"
+
+
 class RegistryClient:
     """A registry over HTTP. Methods return the server's JSON; errors raise `kiln.errors`."""
 
@@ -127,8 +130,12 @@ class RegistryClient:
         from registry.app import create_app
         from registry.settings import RegistrySettings
 
-        app = create_app(RegistrySettings(data_dir=Path(target)))
-        client = TestClient(app, base_url="http://kiln-embedded", headers=headers)
+        # Download URLs name the server `kiln serve --data-dir DIR` runs by default over the same directory.
+        settings = RegistrySettings(data_dir=Path(target))
+        if settings.public_url is None:
+            settings = settings.model_copy(update={"public_url": EMBEDDED_PUBLIC_URL})
+        app = create_app(settings)
+        client = TestClient(app, base_url=EMBEDDED_PUBLIC_URL, headers=headers)
         client._transport = _StreamedBodyTransport(client._transport)
         client.__enter__()  # one event loop and app lifespan for the client's lifetime
         return cls(client, str(Path(target).resolve()), on_close=lambda: client.__exit__(None, None, None))
