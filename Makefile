@@ -46,6 +46,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy kiln pipeline targets eval registry
 
 bench: install

@@ -127,13 +127,16 @@ def _run_build(recipe_path: Path, work_dir: Path, registry: str | None, as_json:
     recipe = load_recipe(recipe_path)
     result = build.run(recipe, work_dir, registry=registry, reporter=ProgressReporter(quiet=as_json))
     summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     if as_json:
         _emit(summary)
     else:
         err.print(_artifact_table(summary["artifacts"]))
         err.print(
             f"{recipe.model}@{recipe.version}: {summary['stages']} in {summary['seconds']:.1f}s, "
-            f"peak RSS {summary['peak_rss_mib']:.0f} MiB"
+            f"peak RSS {summary['peak_rss_mib']:.0f} MiB; report: {report}"
         )
         for r in summary["artifacts"]:
             for failure in r["failures"]:

@@ -6,7 +6,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 
 if TYPE_CHECKING:
     from pipeline.executors.local import NodeOutcome
@@ -22,7 +30,7 @@ class ProgressReporter:
         self.console = console
         self.quiet = quiet
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def start(self, node: Node, key: str) -> None:
         if self.quiet:

@@ -13,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from kiln.errors import KilnError
 
@@ -47,7 +48,7 @@ class SafeTensorsWriter:
         self.plan: list[PlannedTensor] = []
         self._offset = 0
         self._next = 0
-        self._file = None
+        self._file: BinaryIO | None = None
 
     def add(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         if self.state is not WriterState.PLANNING:

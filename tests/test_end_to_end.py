@@ -85,7 +85,8 @@ def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, s
     assert again["failed_gates"] == []  # re-publishing identical content is accepted as is
 
     kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
-    answer = json.loads(kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env).stdout)
+    resolved = kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env)
+    answer = json.loads(resolved.stdout)
     assert answer["version"] == "1.0.0" and answer["hardware"] == "cpu"
     gguf = next(
         (a for a in [answer, *answer["fallbacks"]] if a["artifact"]["target"] == "gguf"),

@@ -55,9 +55,7 @@ VOCAB_SIZE = 4096
 HELDOUT_FILES = ("bisect.py", "fractions.py", "heapq.py", "shlex.py", "textwrap.py")
 # Directories skipped anywhere in the stdlib tree: test suites, third-party
 # packages, bytecode caches, and generated data (doc dumps, codec tables).
-EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data", "encodings"}
-)
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data", "encodings"})
 
 
 def parse_args() -> argparse.Namespace:
@@ -263,8 +261,11 @@ def main() -> None:
     heldout_text = "\n\n".join(text for _, text in heldout_docs)
     (args.out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
     train_texts = [text for _, text in train_docs]
-    print(f"corpus: {len(train_docs)} train files, {len(heldout_docs)} held-out files "
-          f"({len(heldout_text.encode()):,} bytes)", flush=True)
+    print(
+        f"corpus: {len(train_docs)} train files, {len(heldout_docs)} held-out files "
+        f"({len(heldout_text.encode()):,} bytes)",
+        flush=True,
+    )
 
     tokenizer = train_tokenizer(train_texts)
     eot_id = tokenizer.token_to_id(EOT)
@@ -281,13 +282,16 @@ def main() -> None:
         stream.extend(encoding.ids)
         stream.append(eot_id)
     stream = torch.tensor(stream[:-1], dtype=torch.long)  # EOT between files only
-    print(f"tokenizer: vocab {tokenizer.get_vocab_size()}, eot id {eot_id}, "
-          f"{len(stream):,} training tokens", flush=True)
+    print(
+        f"tokenizer: vocab {tokenizer.get_vocab_size()}, eot id {eot_id}, {len(stream):,} training tokens", flush=True
+    )
 
     model = LlamaForCausalLM(model_config(eot_id))
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params:,} parameters; training {args.steps} steps of "
-          f"{args.batch_size}x{args.seq_len} tokens", flush=True)
+    print(
+        f"model: {params:,} parameters; training {args.steps} steps of {args.batch_size}x{args.seq_len} tokens",
+        flush=True,
+    )
     start = time.perf_counter()
     losses = train_model(model, stream, args)
     train_seconds = time.perf_counter() - start
@@ -353,16 +357,21 @@ def main() -> None:
     (args.out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
     write_readme(args.out / "README.md", card)
 
-    print(json.dumps({
-        "params": params,
-        "safetensors_bytes": card["safetensors_bytes"],
-        "model_dir_bytes": card["model_dir_bytes"],
-        "train_tokens": len(stream),
-        "steps": args.steps,
-        "train_seconds": card["training"]["train_seconds"],
-        "final_train_loss": card["training"]["final_loss"],
-        "heldout_perplexity": card["eval"]["perplexity"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "params": params,
+                "safetensors_bytes": card["safetensors_bytes"],
+                "model_dir_bytes": card["model_dir_bytes"],
+                "train_tokens": len(stream),
+                "steps": args.steps,
+                "train_seconds": card["training"]["train_seconds"],
+                "final_train_loss": card["training"]["final_loss"],
+                "heldout_perplexity": card["eval"]["perplexity"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

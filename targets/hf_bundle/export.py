@@ -60,7 +60,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         try:
             for n in members:
                 t = source.tensor(n).to(torch.bfloat16).contiguous()
-                writer.write(n, memoryview(t.view(torch.int16).numpy()).cast("B"))
+                writer.write(n, t.view(torch.int16).numpy().tobytes())
                 req.on_progress(source.tensors[n].nbytes)
                 weight_map[n] = fname
             writer.close()
