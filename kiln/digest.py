@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,44 @@ def sha256_file(path: str | Path) -> str:
 
 def is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+class HashCache:
+    """sha256 of local files, remembered by (device, inode, size, mtime, ctime).
+
+    Planning a build hashes every source file to compute cache keys; for a 140 GB release that is
+    minutes of reading on every `kiln build`. Any write to a file changes its ctime, which the
+    user cannot set, so a stale entry is never served. The cache is a JSON file, rewritten whole
+    (temp file + rename) after new entries; losing it only costs re-hashing.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._dirty = False
+        if path.is_file():
+            try:
+                self._entries = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self._entries = {}
+
+    def sha256(self, file: str | Path) -> str:
+        p = Path(file).resolve()
+        st = p.stat()
+        stamp = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        hit = self._entries.get(str(p))
+        if hit and hit.get("stat") == stamp:
+            return str(hit["sha256"])
+        digest = sha256_file(p)
+        self._entries[str(p)] = {"stat": stamp, "sha256": digest}
+        self._dirty = True
+        return digest
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._entries))
+        os.replace(tmp, self.path)
+        self._dirty = False

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.digest import sha256_file
+from kiln.digest import HashCache
 from pipeline.executors.local import LocalExecutor, NodeOutcome, Reporter
 from pipeline.ingest import open_source
 from pipeline.recipe import Recipe
@@ -18,19 +18,23 @@ from pipeline.stages import publish as publish_stage
 from pipeline.stages import reference as reference_stage
 from targets.base import get_target
 
+HASH_CACHE = "hash-cache.json"
 
-def plan(recipe: Recipe, *, registry: str | None = None) -> list[Node]:
+
+def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list[Node]:
     """The stage graph in run order. With `registry`, publish nodes are added after each eval."""
-    source = open_source(recipe.source_dir)
+    hashes = HashCache(work_dir / HASH_CACHE)
+    source = open_source(recipe.source_dir, hasher=hashes.sha256)
+    text_digest = hashes.sha256(recipe.eval_text)
+    hashes.save()
     ingest = Node(
         "ingest/source",
         ingest_stage.STAGE,
         params={},
         external={"source": source.digest},
-        args={"source_dir": str(recipe.source_dir)},
+        args={"source_dir": str(recipe.source_dir), "hash_cache": str(work_dir / HASH_CACHE)},
     )
     ev = recipe.eval
-    text_digest = sha256_file(recipe.eval_text)
     reference = Node(
         "reference/source",
         reference_stage.STAGE,
@@ -137,7 +141,7 @@ class BuildResult:
 def run(
     recipe: Recipe, work_dir: Path, *, registry: str | None = None, reporter: Reporter | None = None
 ) -> BuildResult:
-    nodes = plan(recipe, registry=registry)
+    nodes = plan(recipe, work_dir, registry=registry)
     outcomes = LocalExecutor(WorkDir(work_dir), reporter).run(nodes)
     return BuildResult(recipe, outcomes)
 
@@ -145,7 +149,7 @@ def run(
 def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
     """What `kiln plan` shows: each node, its cache key, and whether its output is already there."""
     workdir = WorkDir(work_dir)
-    nodes = plan(recipe)
+    nodes = plan(recipe, work_dir)
     digests: dict[str, str | None] = {}
     rows = []
     for node in nodes:

@@ -9,7 +9,7 @@ bounded by the largest tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,11 +206,16 @@ class SourceModel:
         """Kept for callers that scope a source with try/finally; tensors hold their own mappings."""
 
 
-def open_source(root: str | Path, known_files: list[FileEntry] | None = None) -> SourceModel:
+def open_source(
+    root: str | Path,
+    known_files: list[FileEntry] | None = None,
+    hasher: Callable[[Path], str] = sha256_file,
+) -> SourceModel:
     """Validate a model directory and plan from its headers; reads no tensor data.
 
-    Every file is hashed unless `known_files` (from a finished ingest stage, whose output is
-    immutable and was hashed when it was committed) already gives the digests.
+    Every file is hashed (with `hasher`, e.g. `kiln.digest.HashCache.sha256`) unless `known_files`
+    (from a finished ingest stage, whose output is immutable and was hashed when it was committed)
+    already gives the digests.
     """
     root = Path(root)
     if not root.is_dir():
@@ -239,7 +244,7 @@ def open_source(root: str | Path, known_files: list[FileEntry] | None = None) ->
     used = [*CONFIG_FILES, *TOKENIZER_FILES, *([INDEX_FILE] if INDEX_FILE in present else []), *weight_files]
     known = {f.path: f for f in known_files or []}
     files = [
-        known[p] if p in known else FileEntry(path=p, sha256=sha256_file(root / p), size=(root / p).stat().st_size)
+        known[p] if p in known else FileEntry(path=p, sha256=hasher(root / p), size=(root / p).stat().st_size)
         for p in used
         if p in present
     ]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from kiln.digest import HashCache
 from kiln.errors import SourceInvalid
 from kiln.manifest import FileEntry
 from pipeline.ingest import open_source
@@ -15,16 +15,14 @@ from pipeline.stage import Stage, StageContext, StageOutput
 
 def run(ctx: StageContext) -> dict[str, Any]:
     source_dir = Path(ctx.node.args["source_dir"])
-    source = open_source(source_dir)
+    hashes = HashCache(Path(ctx.node.args["hash_cache"]))
+    source = open_source(source_dir, hasher=hashes.sha256)
     if source.digest != ctx.node.external["source"]:
         raise SourceInvalid(f"{source_dir} changed while the build was planned; run again")
     total = sum(f.size for f in source.files)
     for f in source.files:
-        dst = ctx.out_dir / f.path
-        try:
-            os.link(source_dir / f.path, dst)
-        except OSError:
-            shutil.copyfile(source_dir / f.path, dst)
+        # A copy, never a hard link: editing the source in place must not change what is stored.
+        shutil.copyfile(source_dir / f.path, ctx.out_dir / f.path)
         ctx.progress(f.size, total)
     return {
         "source_digest": source.digest,

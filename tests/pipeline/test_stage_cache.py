@@ -126,3 +126,17 @@ def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
     assert done.stdout.strip() == "built", done.stderr
     (key_dir,) = list((work / "slow").iterdir())  # the stale temp dir was swept
     assert (key_dir / "files" / "part.bin").read_bytes() == b"whole"
+
+
+def test_hash_cache_never_serves_a_stale_digest(tmp_path: Path) -> None:
+    from kiln.digest import HashCache, sha256_file
+
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"a" * 1000)
+    cache = HashCache(tmp_path / "cache.json")
+    first = cache.sha256(f)
+    cache.save()
+    with open(f, "r+b") as fh:  # same size, rewritten in place
+        fh.write(b"b")
+    again = HashCache(tmp_path / "cache.json").sha256(f)
+    assert again != first and again == sha256_file(f)
