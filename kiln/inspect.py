@@ -34,22 +34,21 @@ def _safetensors(path: Path) -> dict[str, Any]:
 
 
 def _gguf(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader
+    from targets.gguf.reader import read_header, tensor_nbytes
 
-    reader = GGUFReader(str(path))
+    header = read_header(path)
     meta: dict[str, Any] = {}
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF."):
-            continue
-        value = field.contents()
+    for key, value in header.metadata.items():
+        if hasattr(value, "tolist"):  # numeric arrays come back as numpy arrays
+            value = value.tolist()
         if isinstance(value, list) and len(value) > 8:
             value = f"[{len(value)} items]"
-        meta[field.name] = value
+        meta[key] = value
     return {
         "format": "gguf",
         "metadata": meta,
         "tensors": [
-            {"name": t.name, "dtype": t.tensor_type.name, "shape": [int(x) for x in t.shape], "nbytes": int(t.n_bytes)}
-            for t in reader.tensors
+            {"name": t.name, "dtype": t.type_name, "shape": list(t.shape), "nbytes": tensor_nbytes(t)}
+            for t in header.tensors
         ],
     }

@@ -100,18 +100,11 @@ def _pack_value(vtype: ValueType, value: Any, sub_type: ValueType | None) -> byt
     return struct.pack(SCALAR_FORMATS[vtype], value)
 
 
-class Metadata:
-    """An ordered set of GGUF key/values, each key once."""
-
-    def __init__(self) -> None:
-        self._kv: dict[str, _KV] = {}
+class _TypedAdders:
+    """Typed shorthands over `add_kv`, shared by `Metadata` and `GGUFWriter`."""
 
     def add_kv(self, key: str, vtype: ValueType, value: Any, sub_type: ValueType | None = None) -> None:
-        if key in self._kv:
-            raise WriterMisuse(f"GGUF metadata key {key!r} added twice")
-        if vtype is ValueType.ARRAY and not len(value):
-            raise WriterMisuse(f"GGUF metadata array {key!r} is empty")
-        self._kv[key] = _KV(key, vtype, value, sub_type)
+        raise NotImplementedError
 
     def add_uint32(self, key: str, value: int) -> None:
         self.add_kv(key, ValueType.UINT32, int(value))
@@ -127,6 +120,20 @@ class Metadata:
 
     def add_array(self, key: str, values: Sequence[Any], sub_type: ValueType) -> None:
         self.add_kv(key, ValueType.ARRAY, values, sub_type)
+
+
+class Metadata(_TypedAdders):
+    """An ordered set of GGUF key/values, each key once."""
+
+    def __init__(self) -> None:
+        self._kv: dict[str, _KV] = {}
+
+    def add_kv(self, key: str, vtype: ValueType, value: Any, sub_type: ValueType | None = None) -> None:
+        if key in self._kv:
+            raise WriterMisuse(f"GGUF metadata key {key!r} added twice")
+        if vtype is ValueType.ARRAY and not len(value):
+            raise WriterMisuse(f"GGUF metadata array {key!r} is empty")
+        self._kv[key] = _KV(key, vtype, value, sub_type)
 
     def entries(self) -> list[_KV]:
         return list(self._kv.values())
@@ -150,7 +157,7 @@ class Metadata:
         return bytes(out)
 
 
-class GGUFWriter:
+class GGUFWriter(_TypedAdders):
     """Writes one GGUF v3 file to `path` through a temp file in the same directory.
 
     Use as a context manager: leaving the block with an exception (or without `finish`) removes the
@@ -189,21 +196,6 @@ class GGUFWriter:
         """Add one metadata key/value; keys are unique."""
         self._expect(WriterState.EMPTY, action=f"add metadata {key!r}")
         self.metadata.add_kv(key, vtype, value, sub_type)
-
-    def add_uint32(self, key: str, value: int) -> None:
-        self.add_kv(key, ValueType.UINT32, int(value))
-
-    def add_float32(self, key: str, value: float) -> None:
-        self.add_kv(key, ValueType.FLOAT32, float(value))
-
-    def add_bool(self, key: str, value: bool) -> None:
-        self.add_kv(key, ValueType.BOOL, bool(value))
-
-    def add_string(self, key: str, value: str) -> None:
-        self.add_kv(key, ValueType.STRING, value)
-
-    def add_array(self, key: str, values: Sequence[Any], sub_type: ValueType) -> None:
-        self.add_kv(key, ValueType.ARRAY, values, sub_type)
 
     def plan_tensor(self, name: str, shape: Sequence[int], ttype: TensorType) -> PlannedTensor:
         """Reserve a tensor: its size and offset are fixed now, before any data exists."""
