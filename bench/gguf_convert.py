@@ -129,7 +129,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--quants", default="f16,q8_0")
     ap.add_argument("--repeat", type=int, default=2, help="runs per quant; the best is reported")
-    ap.add_argument("--record", type=Path, help="append the run's JSON record to this file")
+    ap.add_argument(
+        "--record",
+        type=Path,
+        default=ROOT / "bench" / "results" / "gguf_convert.jsonl",
+        help="append the run's JSON record here",
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -190,6 +195,7 @@ def main() -> None:
     }
     print(json.dumps(record))
     if args.record:
+        args.record.parent.mkdir(parents=True, exist_ok=True)
         with open(args.record, "a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -61,11 +61,11 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE, help="output directory (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     return parser.parse_args()
@@ -274,7 +274,6 @@ def main() -> None:
         bos_token=EOT,
         eos_token=EOT,
         pad_token=EOT,
-        model_max_length=1024,
         clean_up_tokenization_spaces=False,
     )
     stream = []
