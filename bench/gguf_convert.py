@@ -30,6 +30,15 @@ PEERS_MB_S = {"f16": 150.0, "q8_0": 105.0}
 TARGET_X = {"f16": 3.0, "q8_0": 2.0}
 
 
+def _peak_rss_kb() -> int:
+    """This process's own high-water mark. VmHWM starts afresh at exec; ru_maxrss can carry the
+    parent's resident size across fork+exec (seen: the parent that generated the source)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def make_source(out: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int) -> Path:
     """A Llama-shaped random bf16 release: tokenizer and config from the test factory, weights written
     shard by shard (no full model in memory)."""
@@ -100,7 +109,7 @@ def _child(source: str, quant: str, out_dir: str) -> None:
     t0 = time.perf_counter()
     res = export(src, ExportRequest(quant=quant, out_dir=Path(out_dir)))
     wall = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = _peak_rss_kb()
     size = (Path(out_dir) / res.files[0]).stat().st_size
     print(
         json.dumps(
