@@ -61,11 +61,11 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE, help="output directory (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     return parser.parse_args()
@@ -179,7 +179,7 @@ def train_model(model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Na
 def heldout_perplexity(model_dir: Path, text: str, seq_len: int) -> tuple[float, int]:
     """Perplexity of the saved model (computed in fp32) over non-overlapping windows."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if tokenizer.decode(ids) != text:
         raise SystemExit("tokenizer round trip failed: decode(encode(heldout)) != heldout")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -274,6 +274,7 @@ def main() -> None:
         bos_token=EOT,
         eos_token=EOT,
         pad_token=EOT,
+        model_max_length=1024,
         clean_up_tokenization_spaces=False,
     )
     stream = []
