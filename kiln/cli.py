@@ -108,7 +108,9 @@ def _artifact_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _quiet_libraries() -> None:
-    """Our progress bars, not each library's: transformers draws one per model load."""
+    """Our progress bars, not each library's: transformers draws one per model load, compressed-tensors
+    one per decompression (both through tqdm, which honours TQDM_DISABLE)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

@@ -15,6 +15,7 @@ from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import publish as publish_stage
+from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from targets.base import get_target
 
@@ -49,8 +50,22 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
         args={"text": str(recipe.eval_text)},
     )
     nodes = [ingest, reference]
+    quantized: dict[str, Node] = {}  # one quantize node per scheme, shared by every target that needs it
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
+        export_inputs: tuple[str, ...] = (ingest.id,)
+        if quant in spec.quantized_input:
+            if quant not in quantized:
+                from targets.schemes import get_scheme
+
+                quantized[quant] = Node(
+                    f"quantize/{quant}",
+                    quantize_stage.STAGE,
+                    params={"scheme": get_scheme(quant).model_dump(mode="json")},
+                    inputs=(ingest.id,),
+                )
+                nodes.append(quantized[quant])
+            export_inputs = (ingest.id, quantized[quant].id)
         export = Node(
             f"export/{name}",
             export_stage.STAGE,
@@ -62,7 +77,7 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
                 "quant": quant,
                 "params": entry.params,
             },
-            inputs=(ingest.id,),
+            inputs=export_inputs,
         )
         from eval.gates import gate_for
 

@@ -28,6 +28,9 @@ class ExportRequest:
     params: dict[str, Any] = field(default_factory=dict)
     model_name: str = ""  # the recipe's model name, for formats that record one (GGUF general.name)
     on_progress: Callable[[int], None] = lambda nbytes: None  # source bytes consumed so far (increment)
+    # The shared quantize stage's output for this quant (`pipeline.quantize.store.QuantizedWeights`),
+    # given exactly when the target lists the quant in `TargetSpec.quantized_input`.
+    quantized: Any = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class ExportResult:
     files: list[str]  # paths relative to out_dir, every file the artifact consists of
     runtime: dict[str, Any]  # runtime requirements recorded in the manifest
     details: dict[str, Any] = field(default_factory=dict)  # extra provenance (e.g. fallbacks taken)
+    # Hardware this artifact runs on, with the reason for each; None: the target's `hardware` as declared.
+    hardware: dict[str, str] | None = None
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
@@ -50,6 +55,8 @@ class TargetSpec:
     code_version: str  # bump when the output for the same input changes; part of the cache key
     export: ExportFn
     description: str = ""
+    # Quants whose export consumes the shared `quantize/<quant>` stage (computed once, used by every target).
+    quantized_input: tuple[str, ...] = ()
 
     def check_quant(self, quant: str) -> None:
         if quant not in self.quants:

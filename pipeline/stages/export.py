@@ -1,4 +1,8 @@
-"""Export stage: one target's artifact for one quant, written by the target's export function."""
+"""Export stage: one target's artifact for one quant, written by the target's export function.
+
+Exports of a quant the target lists in `quantized_input` also get the shared quantize stage's
+output; every other export reads only the ingested source.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ from targets.base import ExportRequest, get_target
 def run(ctx: StageContext) -> dict[str, Any]:
     p = ctx.node.params
     spec = get_target(p["target"])
+    quantized = None
+    if p["quant"] in spec.quantized_input:
+        from pipeline.stages.quantize import open_output
+
+        quantized = open_output(ctx.input("quantize"))
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
     try:
@@ -23,6 +32,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 params=p["params"],
                 model_name=p["model"],
                 on_progress=lambda n: ctx.progress(n, total),
+                quantized=quantized,
             ),
         )
     finally:
@@ -35,11 +45,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "target": spec.name,
         "format": spec.format,
         "quant": p["quant"],
-        "hardware": list(spec.hardware),
+        # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+).
+        "hardware": list(result.hardware) if result.hardware is not None else list(spec.hardware),
         "runtime": result.runtime,
         "runtime_name": spec.runtime,
         "details": result.details,
     }
 
 
-STAGE = Stage("export", "1", run, "write one target's artifact for one quant")
+STAGE = Stage("export", "2", run, "write one target's artifact for one quant")

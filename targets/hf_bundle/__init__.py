@@ -1,7 +1,11 @@
-"""Target `hf-bundle`: an HF-format directory (config, tokenizer, SafeTensors shards) for vLLM and transformers."""
+"""Target `hf-bundle`: an HF-format directory (config, tokenizer, SafeTensors shards) for vLLM and transformers.
+
+bf16 copies the checkpoint's weights; every other scheme (`targets.schemes`) is written in the
+compressed-tensors format vLLM loads, from the shared quantize stage's output.
+"""
 
 from targets.base import TargetSpec, register
-from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTS, export
+from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export
 
 SPEC = register(
     TargetSpec(
@@ -12,6 +16,7 @@ SPEC = register(
         runtime="transformers",
         code_version=CODE_VERSION,
         export=export,
-        description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers",
+        description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers; quantized as compressed-tensors",
+        quantized_input=QUANTIZED,
     )
 )

@@ -1,23 +1,36 @@
-"""Write the HF-format bundle: config.json, tokenizer files and SafeTensors shards, tensor by tensor."""
+"""Write the HF-format bundle: config.json, tokenizer files and SafeTensors shards, tensor by tensor.
+
+For a quantized scheme the Linear weights come from the shared quantize stage's output (already in
+compressed-tensors' layout) and config.json gets its `quantization_config`; every other tensor is
+the source's, in bf16. Tensors keep the source's canonical order (a module's compressed tensors
+take its weight's place), so shards are planned from headers before anything is read.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import InvalidInput
 from targets.base import ExportRequest, ExportResult
 from targets.safetensors_writer import SafeTensorsWriter
+from targets.schemes import SCHEMES, compatibility, compatible_hardware, get_scheme
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeline.ingest import SourceModel
 
-CODE_VERSION = "1"
-QUANTS = ("bf16",)
-# bf16 runs everywhere vLLM or transformers does: NVIDIA sm80+, AMD gfx942/gfx950, and CPUs.
-HARDWARE = ("cpu", "a100", "l40s", "h100", "h200", "b200", "mi300x", "mi325x", "mi355x")
+CODE_VERSION = "2"
+QUANTS = tuple(SCHEMES)
+QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
+# Every hardware profile some scheme runs on; each artifact records its own list (see targets.schemes).
+HARDWARE = tuple(dict.fromkeys(hw for s in SCHEMES.values() for hw in compatible_hardware(s)))
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
 
@@ -35,17 +48,55 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     return shards
 
 
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    read: Callable[[], torch.Tensor]
+    source_bytes: int  # source bytes consumed once this tensor is written (for progress)
+
+
+def _plan_tensors(source: SourceModel, quantized: Any) -> list[_Planned]:
+    planned: list[_Planned] = []
+    for n, info in source.tensors.items():
+        if quantized is not None and quantized.replaces(n):
+            stored = quantized.module_tensors(n)
+            for i, q in enumerate(stored):
+                t = quantized.tensors[q]
+                last = i == len(stored) - 1
+                planned.append(
+                    _Planned(q, t.dtype, t.shape, t.nbytes, partial(quantized.tensor, q), info.nbytes if last else 0)
+                )
+        else:
+            planned.append(_Planned(n, "BF16", info.shape, info.numel * 2, partial(_bf16, source, n), info.nbytes))
+    return planned
+
+
+def _bf16(source: SourceModel, name: str) -> torch.Tensor:
+    import torch
+
+    return source.tensor(name).to(torch.bfloat16)
+
+
 def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     import torch
 
-    if req.quant != "bf16":
+    scheme = get_scheme(req.quant) if req.quant in SCHEMES else None
+    if scheme is None:
         raise InvalidInput(f"hf-bundle builds {', '.join(QUANTS)}; got {req.quant!r}")
+    quantized = req.quantized
+    if scheme.quantized != (quantized is not None) or (quantized is not None and quantized.scheme != scheme):
+        want = f"the quantize stage output for {scheme.name}" if scheme.quantized else "no quantized input"
+        raise InvalidInput(f"hf-bundle-{scheme.name}: needs {want}")
     max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
     if max_shard <= 0:
         raise InvalidInput("hf-bundle: params.max_shard_bytes must be positive")
     out = req.out_dir
-    names = list(source.tensors)
-    shards = plan_shards([(n, source.tensors[n].numel * 2) for n in names], max_shard)
+    planned = _plan_tensors(source, quantized)
+    by_name = {p.name: p for p in planned}
+    shards = plan_shards([(p.name, p.nbytes) for p in planned], max_shard)
     files = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -55,20 +106,20 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     for fname, members in zip(files, shards, strict=True):
         writer = SafeTensorsWriter(out / fname, metadata={"format": "pt"})
         for n in members:
-            writer.add(n, "BF16", source.tensors[n].shape)
+            writer.add(n, by_name[n].dtype, by_name[n].shape)
         writer.begin()
         try:
             for n in members:
-                t = source.tensor(n).to(torch.bfloat16).contiguous()
-                writer.write(n, t.view(torch.int16).numpy().tobytes())
-                req.on_progress(source.tensors[n].nbytes)
+                t = by_name[n].read().contiguous()
+                writer.write(n, t.view(torch.uint8).numpy().tobytes())
+                req.on_progress(by_name[n].source_bytes)
                 weight_map[n] = fname
             writer.close()
         except BaseException:
             writer.abort()
             raise
     if len(files) > 1:
-        total = sum(source.tensors[n].numel * 2 for n in names)
+        total = sum(p.nbytes for p in planned)
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
     config = dict(source.config)
@@ -77,18 +128,29 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             config[key] = "bfloat16"
     if "torch_dtype" not in config and "dtype" not in config:
         config["dtype"] = "bfloat16"
+    config.pop("quantization_config", None)
+    if quantized is not None:
+        config["quantization_config"] = quantized.config
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     copied = ["generation_config.json", *source.tokenizer_files]
     for name in copied:
         src: Path = source.root / name
         if src.is_file():
             shutil.copyfile(src, out / name)
+    runtime: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "loaders": {"vllm": ">=0.9", "transformers": ">=4.45"},
+        "architecture": source.shape.architecture,
+    }
+    if quantized is not None:
+        runtime["quantization"] = {"method": "compressed-tensors", "format": scheme.format, "scheme": scheme.name}
+        runtime["loaders"] = {"vllm": ">=0.9", "transformers": ">=5.0", "compressed-tensors": ">=0.19"}
     return ExportResult(
         files=sorted(p.name for p in out.iterdir()),
-        runtime={
-            "dtype": "bfloat16",
-            "loaders": {"vllm": ">=0.9", "transformers": ">=4.45"},
-            "architecture": source.shape.architecture,
+        runtime=runtime,
+        details={
+            "shards": len(files),
+            "hardware": {hw: v.model_dump() for hw, v in compatibility(scheme).items()},
         },
-        details={"shards": len(files)},
+        hardware=compatible_hardware(scheme),
     )

@@ -1,0 +1,121 @@
+"""The quantize stage's output: one scheme's quantized Linear tensors and its `quantization_config`.
+
+    out_dir/quantized.safetensors       every tensor the scheme stores quantized (compressed-tensors names)
+    out_dir/quantization_config.json    the config.json block, as compressed-tensors writes it
+
+Only the tensors the scheme changes are stored; everything else is the ingested source's own bf16
+tensor, so a consumer merges the two (`QuantizedWeights.replaces` says which source tensors are
+replaced). Written with the streaming SafeTensors writer, planned from the source header.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.errors import StageFailed
+from pipeline.quantize.rtn import check_shapes, planned_tensors, quantize_weight, quantizes
+from pipeline.safetensors_header import TensorInfo, read_header
+from targets.safetensors_writer import SafeTensorsWriter
+from targets.schemes import Scheme, get_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.ingest import SourceModel
+
+TENSORS_FILE = "quantized.safetensors"
+CONFIG_FILE = "quantization_config.json"
+_TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "I32": "int32", "I64": "int64"}
+
+
+def write_quantized(
+    source: SourceModel, scheme: Scheme, out_dir: Path, on_progress: Callable[[int], None] = lambda n: None
+) -> dict[str, Any]:
+    """Quantize `source` under `scheme` into `out_dir`, one tensor in memory at a time; returns a summary."""
+    from pipeline.quantize.compressed import quantization_config
+
+    if not scheme.quantized:
+        raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
+    check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})
+    replaced = [n for n in source.tensors if quantizes(scheme, n)]
+    writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name})
+    plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for n in replaced:
+        plan[n] = planned_tensors(scheme, n, source.tensors[n].shape)
+        for out_name, dtype, shape in plan[n]:
+            writer.add(out_name, dtype, shape)
+    writer.begin()
+    stored = 0
+    try:
+        for n in replaced:
+            produced = list(quantize_weight(n, source.tensor(n), scheme))
+            for (out_name, t), (want_name, dtype, shape) in zip(produced, plan[n], strict=True):
+                if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{_TORCH_DTYPES[dtype]}":
+                    raise StageFailed(
+                        f"{scheme.name}: quantizing {n} gave {out_name} {t.dtype} {tuple(t.shape)}, "
+                        f"planned {want_name} {dtype} {shape}",
+                        code="QUANTIZE_PLAN_MISMATCH",
+                    )
+                writer.write(out_name, _raw_bytes(t))
+                stored += t.numel() * t.element_size()
+            on_progress(source.tensors[n].nbytes)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    (out_dir / CONFIG_FILE).write_text(json.dumps(quantization_config(scheme), indent=2, sort_keys=True))
+    return {
+        "scheme": scheme.model_dump(mode="json"),
+        "format": scheme.format,
+        "replaced": len(replaced),
+        "stored_bytes": stored,
+        "source_bytes": sum(source.tensors[n].nbytes for n in replaced),
+    }
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    import torch
+
+    return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@dataclass
+class QuantizedWeights:
+    """A finished quantize output, opened lazily: header planned, tensors read one at a time."""
+
+    root: Path
+    scheme: Scheme
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def replaces(self, source_name: str) -> bool:
+        """Whether the source tensor `source_name` is stored quantized here (and so left out in bf16)."""
+        return quantizes(self.scheme, source_name)
+
+    def module_tensors(self, source_name: str) -> list[str]:
+        """The stored names that replace source tensor `<module>.weight`, in file order."""
+        prefix = source_name.removesuffix(".weight") + "."
+        names = [n for n in self.tensors if n.startswith(prefix)]
+        if not names:
+            raise StageFailed(f"quantized output for {self.scheme.name} has no tensors for {source_name}")
+        return names
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.root / TENSORS_FILE), framework="pt") as handle:
+            t: torch.Tensor = handle.get_tensor(name)
+        return t
+
+
+def open_quantized(root: Path, scheme_name: str) -> QuantizedWeights:
+    scheme = get_scheme(scheme_name)
+    infos, meta = read_header(root / TENSORS_FILE, TENSORS_FILE)
+    if meta.get("scheme") != scheme.name:
+        raise StageFailed(f"{root / TENSORS_FILE} holds scheme {meta.get('scheme')!r}, expected {scheme.name!r}")
+    config = json.loads((root / CONFIG_FILE).read_text())
+    return QuantizedWeights(root=root, scheme=scheme, config=config, tensors={t.name: t for t in infos})

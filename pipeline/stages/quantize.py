@@ -1,0 +1,34 @@
+"""Quantize stage: one scheme's quantized weights, computed once and shared by every target that ships them.
+
+Input: the ingested source. Output: `pipeline.quantize.store` (the quantized Linear tensors in
+compressed-tensors' layout and the `quantization_config`). Exports of that scheme (hf-bundle today,
+TensorRT-LLM checkpoints later) take it as an input instead of quantizing again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.stage import Stage, StageContext, StageOutput
+from pipeline.stages.ingest import open_ingested
+from targets.schemes import Scheme, get_scheme
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    from pipeline.quantize.store import write_quantized
+
+    scheme = Scheme.model_validate(ctx.node.params["scheme"])
+    if scheme != get_scheme(scheme.name):
+        raise ValueError(f"scheme {scheme.name!r} in the plan differs from the preset of that name")
+    source = open_ingested(ctx.input("ingest"))
+    total = sum(t.nbytes for t in source.tensors.values())
+    return write_quantized(source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total))
+
+
+def open_output(output: StageOutput):  # -> pipeline.quantize.store.QuantizedWeights
+    from pipeline.quantize.store import open_quantized
+
+    return open_quantized(output.files_dir, output.result["scheme"]["name"])
+
+
+STAGE = Stage("quantize", "1", run, "quantize the Linear weights once per scheme (compressed-tensors layout)")

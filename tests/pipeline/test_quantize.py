@@ -1,0 +1,156 @@
+"""Quantizers: the tensors compressed-tensors stores, within the error each scheme allows, planned from headers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.build import plan
+from pipeline.ingest import open_source
+from pipeline.quantize.rtn import (
+    QuantShapeError,
+    check_shapes,
+    dequantize,
+    planned_tensors,
+    quantize_tensors,
+    quantizes,
+    weight_scale,
+)
+from pipeline.recipe import parse_recipe
+from targets.schemes import get_scheme
+from tests.model_factory import make_model
+
+LAYER = "model.layers.3.mlp.down_proj.weight"
+
+
+def _weight(rows: int = 96, cols: int = 384, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[5, 7] = 0.5  # an outlier: its channel/group gets a coarse scale, the others must not
+    w[6] = 0.0  # an all-zero channel must survive (no division by zero)
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-rtn"])
+def test_int_rtn_error_is_at_most_half_a_step(name: str) -> None:
+    import torch
+
+    scheme = get_scheme(name)
+    w = _weight()
+    stored = dict(quantize_tensors(scheme, [(LAYER, w)]))
+    module = LAYER.removesuffix(".weight")
+    assert set(stored) == {f"{module}.weight_packed", f"{module}.weight_scale", f"{module}.weight_shape"}
+    assert stored[f"{module}.weight_packed"].dtype == torch.int32
+    assert stored[f"{module}.weight_scale"].dtype == torch.bfloat16
+    assert stored[f"{module}.weight_shape"].tolist() == [96, 384]
+    back = dequantize(scheme, module, stored)
+    assert back.shape == w.shape
+    scale = stored[f"{module}.weight_scale"].float()
+    per_elem = scale.repeat_interleave(384 // scale.shape[1], dim=1)
+    err = (back - w.float()).abs()
+    assert bool((err <= per_elem * 0.5 + 1e-8).all())
+    assert bool((back[6] == 0).all())
+    # The outlier's channel (int8) or group (int4) is coarse; a channel without one is fine-grained.
+    assert err[7].max() < err[5].max()
+
+
+def test_fp8_per_channel_scale_and_relative_error() -> None:
+    import torch
+
+    scheme = get_scheme("fp8")
+    w = _weight()
+    stored = dict(quantize_tensors(scheme, [(LAYER, w)]))
+    module = LAYER.removesuffix(".weight")
+    q, scale = stored[f"{module}.weight"], stored[f"{module}.weight_scale"]
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (96, 1) and scale.dtype == torch.bfloat16
+    absmax = w.float().abs().amax(dim=1, keepdim=True)
+    nonzero = absmax[:, 0] > 0
+    # absmax / 448 rounded up to bf16 (at most one bf16 step, 2^-7 relative, above it)
+    assert bool((scale.float()[nonzero] >= absmax[nonzero] / 448).all())
+    assert torch.allclose(scale.float()[nonzero], absmax[nonzero] / 448, rtol=2**-7)
+    back = dequantize(scheme, module, stored)
+    err = (back - w.float()).abs()
+    # 3 mantissa bits: half an ulp is 1/16 of the value; below E4M3's smallest normal (2^-6) the step is fixed.
+    bound = torch.maximum(w.float().abs() / 16, scale.float() * 2**-10)
+    assert bool((err <= bound * 1.001).all())
+
+
+def test_everything_but_decoder_linears_stays_bf16_and_input_is_untouched() -> None:
+    import torch
+
+    scheme = get_scheme("int4-rtn")
+    w = _weight(cols=128)
+    emb = torch.randn(16, 128)
+    before = w.clone()
+    out = dict(
+        quantize_tensors(
+            scheme,
+            [("model.embed_tokens.weight", emb), ("lm_head.weight", w), ("model.norm.weight", emb[0]), (LAYER, w)],
+        )
+    )
+    assert out["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"], w)
+    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert "model.norm.weight" in out
+    assert torch.equal(w, before)
+    assert not quantizes(scheme, "lm_head.weight") and not quantizes(scheme, "model.layers.0.self_attn.q_proj.bias")
+    assert not quantizes(get_scheme("bf16"), LAYER)
+
+
+def test_planned_tensors_match_what_is_produced() -> None:
+    for name in ("fp8", "int8", "int4-rtn"):
+        scheme = get_scheme(name)
+        w = _weight(cols=256)
+        produced = list(quantize_tensors(scheme, [(LAYER, w)]))
+        planned = planned_tensors(scheme, LAYER, (96, 256))
+        assert [n for n, _ in produced] == [n for n, _, _ in planned]
+        assert [tuple(t.shape) for _, t in produced] == [s for _, _, s in planned]
+
+
+def test_group_size_mismatch_names_the_layer() -> None:
+    scheme = get_scheme("int4-rtn")
+    with pytest.raises(QuantShapeError) as e:
+        check_shapes(scheme, {"model.layers.0.mlp.up_proj.weight": (256, 128), LAYER: (128, 200)})
+    assert LAYER in e.value.message and "128" in e.value.message and e.value.code == "QUANT_SHAPE"
+    check_shapes(get_scheme("int8"), {LAYER: (128, 200)})  # per channel: any width that packs
+
+
+def test_scales_never_zero() -> None:
+    import torch
+
+    s = weight_scale(torch.zeros(4, 256), get_scheme("int4-rtn").weights)  # type: ignore[arg-type]
+    assert bool((s > 0).all())
+
+
+def test_model_with_unfit_widths_fails_in_planning(tmp_path: Path) -> None:
+    from pipeline.quantize.store import write_quantized
+
+    src = open_source(make_model(tmp_path / "m", hidden_size=64, intermediate_size=192))
+    with pytest.raises(QuantShapeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
+        write_quantized(src, get_scheme("int4-rtn"), tmp_path)
+    assert not list(tmp_path.glob("*.safetensors*"))
+
+
+def test_plan_shares_one_quantize_node_per_scheme(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model", hidden_size=128, intermediate_size=256)
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 50)
+    recipe = parse_recipe(
+        {
+            "model": "m",
+            "version": "1",
+            "source": str(model),
+            "eval": {"text": "text.txt"},
+            "targets": [
+                {"target": "hf-bundle", "quants": ["bf16", "fp8", "int4-rtn"]},
+                {"target": "gguf", "quants": ["q8_0"]},
+            ],
+        },
+        base_dir=tmp_path,
+    )
+    nodes = {n.id: n for n in plan(recipe, tmp_path / "w")}
+    assert [n for n in nodes if n.startswith("quantize/")] == ["quantize/fp8", "quantize/int4-rtn"]
+    assert nodes["export/hf-bundle-fp8"].inputs == ("ingest/source", "quantize/fp8")
+    assert nodes["export/hf-bundle-bf16"].inputs == ("ingest/source",)
+    assert nodes["export/gguf-q8_0"].inputs == ("ingest/source",)

@@ -1,0 +1,93 @@
+"""Quantization schemes: validated presets, compressed-tensors' own format names, hardware with reasons."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kiln.errors import UnknownName
+from targets.hardware import PROFILES
+from targets.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compatible_hardware, get_scheme
+
+
+def test_presets_are_the_issue_schemes() -> None:
+    assert list(SCHEMES) == ["bf16", "fp8", "int8", "int4-rtn"]
+    fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8"), get_scheme("int4-rtn")
+    assert fp8.weights is not None and fp8.weights.type == "float" and fp8.weights.strategy == "channel"
+    assert fp8.input_activations is not None and fp8.input_activations.strategy == "token"
+    assert int8.weights is not None and int8.weights.num_bits == 8 and int8.input_activations is None
+    assert int4.weights is not None and (int4.weights.num_bits, int4.weights.group_size) == (4, 128)
+    assert all(s.ignore == ("lm_head",) and s.targets == ("Linear",) for s in SCHEMES.values())
+
+
+def test_unknown_scheme_lists_known() -> None:
+    with pytest.raises(UnknownName) as e:
+        get_scheme("int3")
+    assert "int3" in e.value.message and "bf16, fp8, int8, int4-rtn" in e.value.message
+
+
+def test_schemes_are_frozen() -> None:
+    with pytest.raises(ValidationError):
+        get_scheme("fp8").name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_bits": 4, "type": "int", "strategy": "group"},  # group without a size
+        {"num_bits": 4, "type": "int", "strategy": "channel", "group_size": 128},  # size without groups
+        {"num_bits": 4, "type": "float", "strategy": "channel"},  # fp4 is not fp8
+        {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False},
+        {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 0},
+    ],
+)
+def test_weight_args_are_rejected_not_rewritten(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        WeightQuant.model_validate(kwargs)
+
+
+def test_format_must_be_compressed_tensors_choice() -> None:
+    int8 = get_scheme("int8").model_dump()
+    with pytest.raises(ValidationError, match="pack-quantized"):
+        Scheme.model_validate({**int8, "format": "int-quantized"})
+
+
+def test_format_names_are_what_compressed_tensors_infers() -> None:
+    import torch
+    from compressed_tensors.compressors.format import infer_module_format
+
+    from pipeline.quantize.compressed import ct_scheme
+
+    for scheme in SCHEMES.values():
+        if scheme.quantized:
+            ct = ct_scheme(scheme).model_copy(update={"format": None})
+            assert infer_module_format(torch.nn.Linear, ct).value == scheme.format, scheme.name
+
+
+def test_hardware_with_reasons() -> None:
+    fp8 = compatibility(get_scheme("fp8"))
+    assert set(fp8) == set(PROFILES)
+    assert not fp8["a100"].compatible and "sm89" in fp8["a100"].reason
+    assert fp8["h100"].compatible and fp8["l40s"].compatible
+    assert fp8["mi300x"].compatible and "e4m3fnuz" in fp8["mi300x"].reason
+    assert fp8["mi355x"].compatible and "e4m3fn" in fp8["mi355x"].reason
+    assert not fp8["tpu-v5e"].compatible
+    for name in ("int8", "int4-rtn"):
+        hw = compatible_hardware(get_scheme(name))
+        assert {"a100", "h100", "mi300x", "mi355x", "cpu"} <= set(hw)
+        assert "sm80" in hw["a100"] and "ROCm" in hw["mi300x"]
+    assert all(compatible_hardware(s)["cpu"] for s in SCHEMES.values())
+
+
+def test_bf16_runs_where_hf_bundles_always_did() -> None:
+    assert list(compatible_hardware(get_scheme("bf16"))) == [
+        "cpu",
+        "a100",
+        "l40s",
+        "h100",
+        "h200",
+        "b200",
+        "mi300x",
+        "mi325x",
+        "mi355x",
+    ]
