@@ -9,7 +9,7 @@ from typing import Any
 from kiln.digest import HashCache
 from kiln.errors import SourceInvalid
 from kiln.manifest import FileEntry
-from pipeline.ingest import open_source
+from pipeline.ingest import SourceModel, open_source
 from pipeline.stage import Stage, StageContext, StageOutput
 
 
@@ -34,7 +34,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
 
 
-def open_ingested(output: StageOutput):  # -> SourceModel
+def open_ingested(output: StageOutput) -> SourceModel:
     """Open the ingested copy without hashing again: its files were hashed when the stage committed."""
     known = [FileEntry(**f) for f in output.result["source_files"]]
     committed = {f.path: f for f in output.files}

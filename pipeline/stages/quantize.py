@@ -7,11 +7,14 @@ TensorRT-LLM checkpoints later) take it as an input instead of quantizing again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.stage import Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
 from targets.schemes import Scheme, get_scheme
+
+if TYPE_CHECKING:
+    from pipeline.quantize.store import QuantizedWeights
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -25,7 +28,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return write_quantized(source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total))
 
 
-def open_output(output: StageOutput):  # -> pipeline.quantize.store.QuantizedWeights
+def open_output(output: StageOutput) -> QuantizedWeights:
     from pipeline.quantize.store import open_quantized
 
     return open_quantized(output.files_dir, output.result["scheme"]["name"])

@@ -8,17 +8,21 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kiln.errors import KilnError
 from pipeline.stage import Stage, StageContext, StageOutput
 
+if TYPE_CHECKING:
+    from eval.runtimes import CachedRuntime
+    from eval.text import EvalText
+
 TEXT_FILE = "heldout.txt"
 
 
-def eval_text(ingest: StageOutput, text_path: Path, params: dict[str, Any]):  # -> eval.text.EvalText
+def eval_text(ingest: StageOutput, text_path: Path, params: dict[str, Any]) -> EvalText:
     """The token windows and prompts every runtime is given, from the source's own tokenizer."""
     from eval.text import load_text
 
@@ -32,7 +36,7 @@ def eval_text(ingest: StageOutput, text_path: Path, params: dict[str, Any]):  # 
     )
 
 
-def stored_text(reference: StageOutput, ingest: StageOutput):  # -> eval.text.EvalText
+def stored_text(reference: StageOutput, ingest: StageOutput) -> EvalText:
     return eval_text(ingest, reference.files_dir / TEXT_FILE, reference.result["params"])
 
 
@@ -88,7 +92,7 @@ class StoredReference:
         pass
 
 
-def stored_reference(output: StageOutput):  # -> CachedRuntime
+def stored_reference(output: StageOutput) -> CachedRuntime:
     from eval.runtimes import CachedRuntime
 
     return CachedRuntime(StoredReference(output), output.files_dir, identity=output.result["source_digest"])
