@@ -290,7 +290,9 @@ def inspect(file: Path, as_json: JsonOpt = False) -> None:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns (not raises) the code of a typer.Exit.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except KilnError as e:
         err.print(f"[red]error[/red] [{e.code}] {e.message}")
         if "--json" in sys.argv:

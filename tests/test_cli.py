@@ -87,3 +87,18 @@ def test_plan_lists_stages_with_keys_and_nothing_built(tmp_path: Path, model_dir
 def test_promote_needs_model_at_version(tmp_path: Path) -> None:
     out = kiln("promote", "tiny-llama", "--channel", "prod", "--registry", str(tmp_path / "reg"))
     assert out.returncode == 2 and "MODEL@VERSION" in out.stderr
+
+
+def test_failed_gate_exits_3_and_says_which(tmp_path: Path, model_dir: Path) -> None:
+    (tmp_path / "heldout.txt").write_text((Path(__file__).parent / "model_factory.py").read_text())
+    recipe = {
+        "model": "m",
+        "version": "1",
+        "source": str(model_dir),
+        "eval": {"text": "heldout.txt", "max_tokens": 256, "gates": {"f16": {"max_kl": 0.0}}},
+        "targets": [{"target": "gguf", "quants": ["f16"]}],
+    }
+    (tmp_path / "kiln.yaml").write_text(yaml.safe_dump(recipe))
+    out = kiln("build", str(tmp_path / "kiln.yaml"), "--json", "--work-dir", str(tmp_path / "work"))
+    assert out.returncode == 3, out.stderr
+    assert json.loads(out.stdout)["failed_gates"] == ["gguf-f16"]
