@@ -300,12 +300,12 @@ def main() -> None:
         sys.exit(next(code for cls, code in EXIT_CODES if isinstance(e, cls)))
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as e:
+        # Usage errors (typer's own copy of click's ClickException): print the usage line, exit 2.
+        show, exit_code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(exit_code, int):
+            show()
+            sys.exit(exit_code)
         raise

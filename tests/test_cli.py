@@ -102,3 +102,10 @@ def test_failed_gate_exits_3_and_says_which(tmp_path: Path, model_dir: Path) -> 
     out = kiln("build", str(tmp_path / "kiln.yaml"), "--json", "--work-dir", str(tmp_path / "work"))
     assert out.returncode == 3, out.stderr
     assert json.loads(out.stdout)["failed_gates"] == ["gguf-f16"]
+
+
+def test_usage_errors_exit_2_with_a_usage_line() -> None:
+    out = kiln("build")
+    assert out.returncode == 2
+    assert "Missing argument" in out.stderr and "Traceback" not in out.stderr
+    assert kiln("no-such-command").returncode == 2
