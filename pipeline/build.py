@@ -27,6 +27,7 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
     hashes = HashCache(work_dir / HASH_CACHE)
     source = open_source(recipe.source_dir, hasher=hashes.sha256)
     text_digest = hashes.sha256(recipe.eval_text)
+    calibration_digest = hashes.sha256(recipe.calibration_text)
     hashes.save()
     ingest = Node(
         "ingest/source",
@@ -58,11 +59,25 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
             if quant not in quantized:
                 from targets.schemes import get_scheme
 
+                scheme = get_scheme(quant)
+                params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
+                external, args = {}, {}
+                if scheme.calibrated:
+                    cal = recipe.calibration
+                    params["calibration"] = {
+                        "samples": cal.samples,
+                        "seq_len": cal.seq_len,
+                        "skip_tokens": recipe.calibration_skip_tokens,
+                    }
+                    external = {"calibration_text": calibration_digest}
+                    args = {"calibration_text": str(recipe.calibration_text)}
                 quantized[quant] = Node(
                     f"quantize/{quant}",
                     quantize_stage.STAGE,
-                    params={"scheme": get_scheme(quant).model_dump(mode="json")},
+                    params=params,
                     inputs=(ingest.id,),
+                    external=external,
+                    args=args,
                 )
                 nodes.append(quantized[quant])
             export_inputs = (ingest.id, quantized[quant].id)

@@ -8,6 +8,10 @@
       max_tokens: 4096
       gates:                       # per-quant overrides of eval.gates defaults
         q4_0: {max_kl: 0.2}
+    calibration:                   # optional; for calibrated schemes (w4a16-gptq, w4a16-awq)
+      text: calib.txt              # default: eval.text, minus the tokens the eval scores
+      samples: 32
+      seq_len: 256
     targets:
       - target: gguf
         quants: [f16, q8_0, q4_k_m]
@@ -63,12 +67,25 @@ class EvalSettings(_Strict):
     gates: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 
+class CalibrationSettings(_Strict):
+    """Calibration text for GPTQ / AWQ: `samples` windows of `seq_len` tokens (see pipeline.quantize.calibrated).
+
+    Without `text`, the eval's held-out text is used after the `eval.max_tokens` tokens the eval
+    scores, so calibration never sees the text an artifact is judged on.
+    """
+
+    text: str | None = Field(default=None, description="calibration text file, relative to the recipe")
+    samples: int = Field(default=32, ge=1, le=4096)
+    seq_len: int = Field(default=256, ge=16, le=32768)
+
+
 class Recipe(_Strict):
     model: str = Field(pattern=_MODEL_NAME)
     version: str = Field(pattern=_VERSION)
     source: str
     description: str = ""
     eval: EvalSettings
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     targets: list[TargetEntry] = Field(min_length=1)
     base_dir: Path = Field(default=Path("."), exclude=True)
 
@@ -104,6 +121,15 @@ class Recipe(_Strict):
     @property
     def eval_text(self) -> Path:
         return (self.base_dir / self.eval.text).resolve()
+
+    @property
+    def calibration_text(self) -> Path:
+        return (self.base_dir / (self.calibration.text or self.eval.text)).resolve()
+
+    @property
+    def calibration_skip_tokens(self) -> int:
+        """Tokens at the start of the calibration text that the eval scores (skipped by calibration)."""
+        return self.eval.max_tokens if self.calibration_text == self.eval_text else 0
 
     def artifacts(self) -> list[tuple[str, TargetEntry, str]]:
         """(artifact name, target entry, quant) for every artifact the recipe builds, in order."""
@@ -149,6 +175,11 @@ def parse_recipe(data: Any, *, base_dir: Path, origin: str = "recipe") -> Recipe
         raise RecipeInvalid(
             f"{origin}: eval.text: file {str(recipe.eval_text)!r} does not exist",
             details={"errors": [{"field": "eval.text", "message": "file does not exist"}]},
+        )
+    if not recipe.calibration_text.is_file():
+        raise RecipeInvalid(
+            f"{origin}: calibration.text: file {str(recipe.calibration_text)!r} does not exist",
+            details={"errors": [{"field": "calibration.text", "message": "file does not exist"}]},
         )
     return recipe
 

@@ -22,6 +22,9 @@ Hardware compatibility (`compatibility(scheme)`), with the facts it rests on:
   double), so fp8 bundles list mi300x/mi325x with that note.
 - Weight-only int4/int8 (W4A16/W8A16, compressed-tensors `pack-quantized`) run through vLLM's
   WNA16 kernels (Marlin, Machete) on NVIDIA sm80+ and through its Triton/ExLlama kernels on ROCm.
+- GPTQ and AWQ (`method`) only choose the int4 values and scales, from calibration data; the
+  checkpoint is the same `pack-quantized` W4A16 layout as round-to-nearest, so it runs wherever
+  int4-rtn runs. On ROCm vLLM runs AWQ through Triton kernels (no Marlin there).
 - On an x86_64 CPU every scheme runs through transformers + compressed-tensors, which decompresses the
   weights to bf16/fp32 (no speed-up, same numbers as the GPU kernels up to arithmetic order).
 """
@@ -37,6 +40,11 @@ from targets.hardware import PROFILES, HardwareProfile
 
 QuantType = Literal["int", "float"]
 CompressionFormat = Literal["dense", "pack-quantized", "float-quantized", "int-quantized"]
+# How the quantized values are chosen: `none` (unquantized), round-to-nearest from the weights alone,
+# or calibrated on sample text by llm-compressor (GPTQ: Hessian-based error feedback; AWQ:
+# activation-aware per-channel smoothing, then round-to-nearest).
+QuantMethod = Literal["none", "rtn", "gptq", "awq"]
+CALIBRATED_METHODS: tuple[QuantMethod, ...] = ("gptq", "awq")
 
 
 class _Frozen(BaseModel):
@@ -81,6 +89,7 @@ class Scheme(_Frozen):
     weights: WeightQuant | None = None  # None: the checkpoint's bf16 weights, unquantized
     input_activations: ActivationQuant | None = None
     format: CompressionFormat
+    method: QuantMethod
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
 
@@ -89,11 +98,22 @@ class Scheme(_Frozen):
         want = _expected_format(self.weights, self.input_activations)
         if self.format != want:
             raise ValueError(f"scheme {self.name!r}: format {self.format!r} does not match its quantization; {want!r}")
+        if (self.method == "none") != (self.weights is None):
+            raise ValueError(f"scheme {self.name!r}: method 'none' is exactly for unquantized schemes")
+        if self.method in CALIBRATED_METHODS and (
+            self.weights is None or self.weights.type != "int" or self.input_activations is not None
+        ):
+            raise ValueError(f"scheme {self.name!r}: {self.method} calibrates int weights only (weight-only WnA16)")
         return self
 
     @property
     def quantized(self) -> bool:
         return self.weights is not None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration text (GPTQ, AWQ)."""
+        return self.method in CALIBRATED_METHODS
 
 
 def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> CompressionFormat:
@@ -118,25 +138,42 @@ _DEFAULT_GROUP = 128
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in [
-        Scheme(name="bf16", description="the checkpoint's bf16 weights, unquantized", format="dense"),
+        Scheme(name="bf16", description="the checkpoint's bf16 weights, unquantized", format="dense", method="none"),
         Scheme(
             name="fp8",
             description="FP8 E4M3 weights per output channel (scale = absmax / 448), dynamic per-token FP8 activations",
             weights=WeightQuant(num_bits=8, type="float", strategy="channel"),
             input_activations=ActivationQuant(num_bits=8, type="float"),
             format="float-quantized",
+            method="rtn",
         ),
         Scheme(
             name="int8",
             description="W8A16: symmetric int8 weights per output channel, bf16 activations",
             weights=WeightQuant(num_bits=8, type="int", strategy="channel"),
             format="pack-quantized",
+            method="rtn",
         ),
         Scheme(
             name="int4-rtn",
             description="W4A16: symmetric int4 weights, round-to-nearest, one scale per 128 input columns",
             weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
             format="pack-quantized",
+            method="rtn",
+        ),
+        Scheme(
+            name="w4a16-gptq",
+            description="W4A16: symmetric int4 weights, one scale per 128 input columns, chosen by GPTQ on sample text",
+            weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
+            format="pack-quantized",
+            method="gptq",
+        ),
+        Scheme(
+            name="w4a16-awq",
+            description="W4A16: symmetric int4 weights, one scale per 128 input columns, AWQ-smoothed on sample text",
+            weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
+            format="pack-quantized",
+            method="awq",
         ),
     ]
 }
@@ -201,6 +238,10 @@ def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
         if hw.arch == "gfx950":
             return Verdict(compatible=True, reason="gfx950 computes in OCP float8_e4m3fn, the checkpoint's own type")
         return Verdict(compatible=False, reason=f"no FP8 support known for {hw.arch}")
+    if scheme.method == "awq":
+        return Verdict(
+            compatible=True, reason=f"AWQ W{w.num_bits}A16 through vLLM's Triton AWQ kernels on ROCm ({hw.arch})"
+        )
     return Verdict(compatible=True, reason=f"W{w.num_bits}A16 through vLLM's Triton kernels on ROCm ({hw.arch})")
 
 

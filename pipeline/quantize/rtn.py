@@ -108,15 +108,20 @@ def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
     return torch.where(scale == 0, torch.full_like(scale, tiny), scale).float()
 
 
-def quantize_weight(name: str, weight: torch.Tensor, scheme: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
-    """The compressed-tensors tensors for one Linear weight `<module>.weight`, under `<module>.*` names."""
+def quantize_weight(
+    name: str, weight: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The compressed-tensors tensors for one Linear weight `<module>.weight`, under `<module>.*` names.
+
+    `scale` is the round-to-nearest scale by default; a calibrated quantizer (GPTQ, AWQ) passes its own.
+    """
     import torch
 
     from pipeline.quantize.compressed import compress
 
     module = name.removesuffix(".weight")
     assert scheme.weights is not None
-    scale = weight_scale(weight, scheme.weights)
+    scale = weight_scale(weight, scheme.weights) if scale is None else scale.float()
     stored = compress(scheme, weight.float(), scale)
     for key in sorted(stored):
         t = stored[key]

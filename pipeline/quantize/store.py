@@ -5,7 +5,9 @@
 
 Only the tensors the scheme changes are stored; everything else is the ingested source's own bf16
 tensor, so a consumer merges the two (`QuantizedWeights.replaces` says which source tensors are
-replaced). Written with the streaming SafeTensors writer, planned from the source header.
+replaced). Besides the quantized Linear weights that can be a few bf16 tensors under their source
+names: AWQ folds its smoothing scales into the layer before (the RMSNorm weights). Written with the
+streaming SafeTensors writer, planned from the source header.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from pipeline.ingest import SourceModel
+    from pipeline.quantize.calibrated import CalibratedWeights
 
 TENSORS_FILE = "quantized.safetensors"
 CONFIG_FILE = "quantization_config.json"
@@ -33,26 +36,51 @@ _TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "I32": "int32",
 
 
 def write_quantized(
-    source: SourceModel, scheme: Scheme, out_dir: Path, on_progress: Callable[[int], None] = lambda n: None
+    source: SourceModel,
+    scheme: Scheme,
+    out_dir: Path,
+    on_progress: Callable[[int], None] = lambda n: None,
+    calibrated: CalibratedWeights | None = None,
 ) -> dict[str, Any]:
-    """Quantize `source` under `scheme` into `out_dir`, one tensor in memory at a time; returns a summary."""
+    """Quantize `source` under `scheme` into `out_dir`, one tensor in memory at a time; returns a summary.
+
+    Round-to-nearest schemes read each weight from `source`. A calibrated scheme (GPTQ, AWQ) passes
+    what calibration chose (`pipeline.quantize.calibrated`): per Linear weight its values and scales,
+    plus the non-Linear tensors calibration changed; those are stored in bf16 under their own names.
+    """
+    import torch
+
     from pipeline.quantize.compressed import quantization_config
 
     if not scheme.quantized:
         raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
+    if scheme.calibrated != (calibrated is not None):
+        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}): calibrated weights given exactly for gptq/awq")
     check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})
     replaced = [n for n in source.tensors if quantizes(scheme, n)]
+    changed = dict(calibrated.changed) if calibrated is not None else {}
+    for n, t in changed.items():
+        if n not in source.tensors or quantizes(scheme, n) or tuple(t.shape) != source.tensors[n].shape:
+            raise StageFailed(
+                f"{scheme.name}: calibration changed {n!r} {tuple(t.shape)}, not a source tensor it keeps"
+            )
     writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name})
     plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
     for n in replaced:
         plan[n] = planned_tensors(scheme, n, source.tensors[n].shape)
         for out_name, dtype, shape in plan[n]:
             writer.add(out_name, dtype, shape)
+    kept = [n for n in source.tensors if n in changed]
+    for n in kept:
+        writer.add(n, "BF16", source.tensors[n].shape)
     writer.begin()
     stored = 0
     try:
         for n in replaced:
-            produced = list(quantize_weight(n, source.tensor(n), scheme))
+            if calibrated is None:
+                produced = list(quantize_weight(n, source.tensor(n), scheme))
+            else:
+                produced = list(quantize_weight(n, calibrated.weights[n], scheme, scale=calibrated.scales[n]))
             for (out_name, t), (want_name, dtype, shape) in zip(produced, plan[n], strict=True):
                 if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{_TORCH_DTYPES[dtype]}":
                     raise StageFailed(
@@ -63,6 +91,10 @@ def write_quantized(
                 writer.write(out_name, _raw_bytes(t))
                 stored += t.numel() * t.element_size()
             on_progress(source.tensors[n].nbytes)
+        for n in kept:
+            t = changed[n].to(torch.bfloat16)
+            writer.write(n, _raw_bytes(t))
+            stored += t.numel() * t.element_size()
         writer.close()
     except BaseException:
         writer.abort()
@@ -72,6 +104,7 @@ def write_quantized(
         "scheme": scheme.model_dump(mode="json"),
         "format": scheme.format,
         "replaced": len(replaced),
+        "changed_bf16": kept,
         "stored_bytes": stored,
         "source_bytes": sum(source.tensors[n].nbytes for n in replaced),
     }
@@ -93,13 +126,20 @@ class QuantizedWeights:
     tensors: dict[str, TensorInfo]
 
     def replaces(self, source_name: str) -> bool:
-        """Whether the source tensor `source_name` is stored quantized here (and so left out in bf16)."""
-        return quantizes(self.scheme, source_name)
+        """Whether the source tensor `source_name` is stored here (quantized, or changed by calibration)."""
+        return quantizes(self.scheme, source_name) or source_name in self.tensors
 
     def module_tensors(self, source_name: str) -> list[str]:
-        """The stored names that replace source tensor `<module>.weight`, in file order."""
-        prefix = source_name.removesuffix(".weight") + "."
-        names = [n for n in self.tensors if n.startswith(prefix)]
+        """The stored names that replace source tensor `source_name`, in file order.
+
+        For a quantized `<module>.weight` these are its compressed tensors (`<module>.weight_packed`, ...);
+        for a tensor calibration changed, the tensor itself.
+        """
+        if quantizes(self.scheme, source_name):
+            prefix = source_name.removesuffix(".weight") + "."
+            names = [n for n in self.tensors if n.startswith(prefix) and n.removeprefix(prefix).startswith("weight")]
+        else:
+            names = [source_name] if source_name in self.tensors else []
         if not names:
             raise StageFailed(f"quantized output for {self.scheme.name} has no tensors for {source_name}")
         return names

@@ -3,6 +3,9 @@
 Input: the ingested source. Output: `pipeline.quantize.store` (the quantized Linear tensors in
 compressed-tensors' layout and the `quantization_config`). Exports of that scheme (hf-bundle today,
 TensorRT-LLM checkpoints later) take it as an input instead of quantizing again.
+
+Calibrated schemes (GPTQ, AWQ) also take the calibration text (`args["calibration_text"]`, its
+digest in the key) and `params["calibration"]` = {samples, seq_len, skip_tokens}.
 """
 
 from __future__ import annotations
@@ -25,7 +28,24 @@ def run(ctx: StageContext) -> dict[str, Any]:
         raise ValueError(f"scheme {scheme.name!r} in the plan differs from the preset of that name")
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
-    return write_quantized(source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total))
+    calibrated = None
+    if scheme.calibrated:
+        from pathlib import Path
+
+        from pipeline.quantize.calibrated import calibrate, calibration_samples
+
+        cal = ctx.node.params["calibration"]
+        text = Path(ctx.node.args["calibration_text"]).read_text(encoding="utf-8")
+        samples = calibration_samples(
+            source.root, text, samples=cal["samples"], seq_len=cal["seq_len"], skip_tokens=cal["skip_tokens"]
+        )
+        calibrated = calibrate(source, scheme, samples)
+    result = write_quantized(
+        source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total), calibrated=calibrated
+    )
+    if scheme.calibrated:
+        result["calibration"] = ctx.node.params["calibration"]
+    return result
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:
@@ -34,4 +54,4 @@ def open_output(output: StageOutput) -> QuantizedWeights:
     return open_quantized(output.files_dir, output.result["scheme"]["name"])
 
 
-STAGE = Stage("quantize", "1", run, "quantize the Linear weights once per scheme (compressed-tensors layout)")
+STAGE = Stage("quantize", "2", run, "quantize the Linear weights once per scheme (compressed-tensors layout)")

@@ -118,7 +118,7 @@ def test_export_refuses_missing_or_mismatched_quantized_input(model_dir: Path, t
 
 def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_path: Path) -> None:
     spec = get_target("hf-bundle")
-    assert spec.quantized_input == ("fp8", "int8", "int4-rtn")
+    assert spec.quantized_input == ("fp8", "int8", "int4-rtn", "w4a16-gptq", "w4a16-awq")
     ingest = Node(
         "ingest/source",
         ingest_stage.STAGE,

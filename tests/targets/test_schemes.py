@@ -11,7 +11,7 @@ from targets.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compati
 
 
 def test_presets_are_the_issue_schemes() -> None:
-    assert list(SCHEMES) == ["bf16", "fp8", "int8", "int4-rtn"]
+    assert list(SCHEMES) == ["bf16", "fp8", "int8", "int4-rtn", "w4a16-gptq", "w4a16-awq"]
     fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8"), get_scheme("int4-rtn")
     assert fp8.weights is not None and fp8.weights.type == "float" and fp8.weights.strategy == "channel"
     assert fp8.input_activations is not None and fp8.input_activations.strategy == "token"
@@ -23,7 +23,7 @@ def test_presets_are_the_issue_schemes() -> None:
 def test_unknown_scheme_lists_known() -> None:
     with pytest.raises(UnknownName) as e:
         get_scheme("int3")
-    assert "int3" in e.value.message and "bf16, fp8, int8, int4-rtn" in e.value.message
+    assert "int3" in e.value.message and "bf16, fp8, int8, int4-rtn, w4a16-gptq, w4a16-awq" in e.value.message
 
 
 def test_schemes_are_frozen() -> None:
@@ -50,6 +50,26 @@ def test_format_must_be_compressed_tensors_choice() -> None:
     int8 = get_scheme("int8").model_dump()
     with pytest.raises(ValidationError, match="pack-quantized"):
         Scheme.model_validate({**int8, "format": "int-quantized"})
+
+
+def test_calibrated_schemes_share_int4_rtn_layout_and_hardware() -> None:
+    rtn = get_scheme("int4-rtn")
+    for name, method in (("w4a16-gptq", "gptq"), ("w4a16-awq", "awq")):
+        s = get_scheme(name)
+        assert s.method == method and s.calibrated and not rtn.calibrated
+        assert (s.weights, s.input_activations, s.format, s.ignore) == (rtn.weights, None, rtn.format, rtn.ignore)
+        assert set(compatible_hardware(s)) == set(compatible_hardware(rtn))
+    awq = compatible_hardware(get_scheme("w4a16-awq"))
+    assert "Triton" in awq["mi300x"] and "AWQ" in awq["mi300x"] and "Marlin" in awq["h100"]
+
+
+@pytest.mark.parametrize(
+    ("base", "method"),
+    [("fp8", "gptq"), ("bf16", "rtn"), ("int4-rtn", "none")],  # calibrated fp8; quantizing bf16; unquantized int4
+)
+def test_method_must_fit_the_quantization(base: str, method: str) -> None:
+    with pytest.raises(ValidationError, match="method|calibrates"):
+        Scheme.model_validate({**get_scheme(base).model_dump(), "method": method})
 
 
 def test_format_names_are_what_compressed_tensors_infers() -> None:

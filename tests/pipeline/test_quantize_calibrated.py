@@ -1,0 +1,154 @@
+"""Calibrated int4 (GPTQ, AWQ) through llm-compressor on CPU: bundles transformers loads, better than RTN."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from pipeline.ingest import open_source
+from pipeline.quantize.calibrated import CalibrationTooShort, calibrate, calibration_samples
+from pipeline.quantize.store import open_quantized, write_quantized
+from targets.base import ExportRequest
+from targets.hf_bundle.export import export
+from targets.schemes import get_scheme
+from tests.model_factory import make_model
+
+CALIBRATED = ["w4a16-gptq", "w4a16-awq"]
+
+
+def _stdlib_text(*names: str) -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return "".join((stdlib / n).read_text(encoding="utf-8") for n in names)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # hidden 128 / intermediate 256: every Linear input width is a multiple of the group of 128.
+    return make_model(tmp_path_factory.mktemp("llama128"), hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def held_out(model_dir: Path):
+    """Tokens calibration never sees (another file), for scoring."""
+    import torch
+
+    from eval.text import tokenize_text
+
+    text = tokenize_text(model_dir, _stdlib_text("heapq.py"), window=128, max_tokens=512, prompts=0)
+    return torch.tensor([list(w) for w in text.windows if len(w) == 128])
+
+
+@pytest.fixture(scope="module")
+def bundles(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    source = open_source(model_dir)
+    samples = calibration_samples(model_dir, _stdlib_text("argparse.py"), samples=8, seq_len=128)
+    out: dict[str, Path] = {}
+    for name in ["int4-rtn", *CALIBRATED]:
+        scheme = get_scheme(name)
+        root = tmp_path_factory.mktemp(name)
+        cal = calibrate(source, scheme, samples) if scheme.calibrated else None
+        (root / "q").mkdir()
+        write_quantized(source, scheme, root / "q", calibrated=cal)
+        export(source, ExportRequest(quant=name, out_dir=root, quantized=open_quantized(root / "q", name)))
+        out[name] = root
+    return out
+
+
+def _layer_outputs(path: Path, ids):
+    """Every decoder layer's output hidden states (transformers on CPU, float32 math)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(input_ids=ids, output_hidden_states=True).hidden_states[1:]
+
+
+@pytest.mark.parametrize("name", CALIBRATED)
+def test_calibrated_bundle_loads_and_beats_rtn_on_layer_outputs(
+    name: str, bundles: dict[str, Path], model_dir: Path, held_out
+) -> None:
+    import json
+
+    config = json.loads((bundles[name] / "config.json").read_text())["quantization_config"]
+    rtn_config = json.loads((bundles["int4-rtn"] / "config.json").read_text())["quantization_config"]
+    assert config == rtn_config  # same compressed-tensors layout: hf-bundle and eval need no change
+    reference = _layer_outputs(model_dir, held_out)
+    rtn = _layer_outputs(bundles["int4-rtn"], held_out)
+    calibrated = _layer_outputs(bundles[name], held_out)
+
+    def err(out, layer: int) -> float:
+        return float((out[layer] - reference[layer]).norm() / reference[layer].norm())
+
+    # The first layer's output: calibration chose better int4 values than round-to-nearest.
+    assert err(calibrated, 0) < err(rtn, 0), (name, err(calibrated, 0), err(rtn, 0))
+    assert err(calibrated, -1) < err(rtn, -1), (name, err(calibrated, -1), err(rtn, -1))
+
+
+def test_awq_stores_its_smoothed_norms(bundles: dict[str, Path]) -> None:
+    awq = open_quantized(bundles["w4a16-awq"] / "q", "w4a16-awq")
+    norms = [n for n in awq.tensors if n.endswith("layernorm.weight")]
+    assert norms and all(awq.replaces(n) and awq.module_tensors(n) == [n] for n in norms)
+    gptq = open_quantized(bundles["w4a16-gptq"] / "q", "w4a16-gptq")
+    assert not [n for n in gptq.tensors if n.endswith("norm.weight")]  # GPTQ changes only the Linear weights
+
+
+def test_too_short_calibration_text_is_an_error(model_dir: Path) -> None:
+    with pytest.raises(CalibrationTooShort) as e:
+        calibration_samples(model_dir, "def f():\n    return 1\n" * 20, samples=8, seq_len=128)
+    assert e.value.code == "CALIBRATION_TOO_SHORT" and "8 samples of 128 tokens" in e.value.message
+    # Skipping the eval's tokens counts against the text too.
+    text = _stdlib_text("heapq.py")
+    calibration_samples(model_dir, text, samples=4, seq_len=128)
+    with pytest.raises(CalibrationTooShort, match="after the 1000000 skipped"):
+        calibration_samples(model_dir, text, samples=4, seq_len=128, skip_tokens=1_000_000)
+
+
+def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_dir: Path, tmp_path: Path) -> None:
+    from kiln.errors import RecipeInvalid
+    from pipeline.build import plan
+    from pipeline.recipe import parse_recipe
+
+    (tmp_path / "text.txt").write_text(_stdlib_text("heapq.py"))
+    base = {
+        "model": "m",
+        "version": "1",
+        "source": str(model_dir),
+        "eval": {"text": "text.txt", "max_tokens": 512},
+        "targets": [{"target": "hf-bundle", "quants": ["int4-rtn", "w4a16-gptq"]}],
+    }
+    nodes = {n.id: n for n in plan(parse_recipe(base, base_dir=tmp_path), tmp_path / "w")}
+    assert nodes["quantize/w4a16-gptq"].params["calibration"] == {"samples": 32, "seq_len": 256, "skip_tokens": 512}
+    assert "calibration_text" in nodes["quantize/w4a16-gptq"].external
+    assert "calibration" not in nodes["quantize/int4-rtn"].params
+    (tmp_path / "calib.txt").write_text("x")
+    own = parse_recipe({**base, "calibration": {"text": "calib.txt", "samples": 4}}, base_dir=tmp_path)
+    assert own.calibration_skip_tokens == 0
+    with pytest.raises(RecipeInvalid, match="calibration.text"):
+        parse_recipe({**base, "calibration": {"text": "missing.txt"}}, base_dir=tmp_path)
+    with pytest.raises(RecipeInvalid, match="calibration.samples"):
+        parse_recipe({**base, "calibration": {"samples": 0}}, base_dir=tmp_path)
+
+
+def test_upstream_awq_still_pins_memory_on_cpu() -> None:
+    """The reason for `cpu_pin_memory_workaround`: when this test fails, upstream fixed it; remove the patch.
+
+    llm-compressor 0.14's AWQ calls `IntermediatesCache.pin_memory` on the cached activations before
+    every grid search; without an accelerator torch cannot pin memory and raises.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    from pipeline.quantize.calibrated import cpu_pin_memory_workaround
+
+    if torch.accelerator.is_available():
+        pytest.skip("pinning works with an accelerator; the workaround is a no-op there")
+    cache = IntermediatesCache.from_dataloader([{"hidden_states": torch.ones(2, 4)}])
+    with pytest.raises(RuntimeError):
+        cache.pin_memory(0)
+    with cpu_pin_memory_workaround():
+        cache.pin_memory(0)  # the workaround: a no-op
+    with pytest.raises(RuntimeError):
+        cache.pin_memory(0)  # and only inside it
