@@ -135,6 +135,9 @@ def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> Compre
 
 _DEFAULT_GROUP = 128
 
+# The int4 weight layout shared by round-to-nearest, GPTQ and AWQ: only how scales are chosen differs.
+_W4_GROUPED = WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP)
+
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in [
@@ -157,21 +160,21 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             name="int4-rtn",
             description="W4A16: symmetric int4 weights, round-to-nearest, one scale per 128 input columns",
-            weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
+            weights=_W4_GROUPED,
             format="pack-quantized",
             method="rtn",
         ),
         Scheme(
             name="w4a16-gptq",
             description="W4A16: symmetric int4 weights, one scale per 128 input columns, chosen by GPTQ on sample text",
-            weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
+            weights=_W4_GROUPED,
             format="pack-quantized",
             method="gptq",
         ),
         Scheme(
             name="w4a16-awq",
             description="W4A16: symmetric int4 weights, one scale per 128 input columns, AWQ-smoothed on sample text",
-            weights=WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP),
+            weights=_W4_GROUPED,
             format="pack-quantized",
             method="awq",
         ),
