@@ -17,8 +17,8 @@ where both pick the same next token, `ppl +` the relative perplexity increase
 | f32                      | 1e-4   | 0.995    | 0.001            | -                |
 | f16, bf16                | 1e-3   | 0.99     | 0.005            | -                |
 | q8_0                     | 5e-3   | 0.95     | 0.01             | -                |
-| q6_k, int8 (W8A8/W8A16)  | 0.015  | 0.93     | 0.02             | -                |
-| fp8                      | 0.02   | 0.92     | 0.03             | -                |
+| q6_k, int8-w8a8/-w8a16   | 0.015  | 0.93     | 0.02             | -                |
+| fp8, fp8-block           | 0.02   | 0.92     | 0.03             | -                |
 | q4_k_m                   | 0.06   | 0.85     | 0.08             | -                |
 | w4a16-gptq, w4a16-awq    | 0.06   | 0.85     | 0.08             | -                |
 | q4_0, int4-rtn           | 0.15   | 0.80     | 0.15             | -                |
@@ -102,8 +102,10 @@ DEFAULT_GATES: Mapping[str, Gate] = {
     "bf16": _LOSSLESS,
     "q8_0": Gate(max_kl=5e-3, min_top1=0.95, max_ppl_increase=0.01),
     "q6_k": _8BIT,
-    "int8": _8BIT,
+    "int8-w8a16": _8BIT,
+    "int8-w8a8": _8BIT,
     "fp8": Gate(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03),
+    "fp8-block": Gate(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03),
     "q4_k_m": _4BIT_CALIBRATED,
     "w4a16-gptq": _4BIT_CALIBRATED,
     "w4a16-awq": _4BIT_CALIBRATED,

@@ -91,6 +91,7 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
                 "target_code_version": spec.code_version,
                 "quant": quant,
                 "params": entry.params,
+                "hardware": entry.hardware,
             },
             inputs=export_inputs,
         )

@@ -45,6 +45,9 @@ class TargetEntry(_Strict):
     target: str
     quants: list[str] = Field(min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
+    # Only these hardware profiles: each must be able to serve every quant, and the artifacts are
+    # offered to these alone. None: every profile the artifact runs on.
+    hardware: list[str] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _known(self) -> TargetEntry:
@@ -55,6 +58,13 @@ class TargetEntry(_Strict):
             _as_value_error(spec.check_quant, q)
         if len(set(self.quants)) != len(self.quants):
             raise ValueError(f"quants list repeats a name: {self.quants}")
+        if spec.check_params is not None:
+            _as_value_error(spec.check_params, self.params)
+        for q in self.quants:
+            if self.hardware is not None:
+                _as_value_error(spec.check_hardware, q, self.params, self.hardware)
+            elif not any(v.compatible for v in spec.compatibility(q, self.params).values()):
+                raise ValueError(f"{self.target}-{q} runs on no known hardware")
         return self
 
 

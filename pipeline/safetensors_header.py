@@ -22,6 +22,7 @@ DTYPE_SIZES: dict[str, int] = {
     "F16": 2,
     "BF16": 2,
     "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
     "F8_E5M2": 1,
     "I64": 8,
     "I32": 4,

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError, UnknownName
+from targets.hardware import PROFILES
+from targets.schemes import Verdict
 
 if TYPE_CHECKING:
     from pipeline.ingest import SourceModel
 
 # The modules that define kiln's targets; each calls `register` once at import.
-BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle")
+BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class ExportResult:
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
+# (quant, params) -> for every hardware profile, whether that artifact runs there and why.
+CompatibilityFn = Callable[[str, dict[str, Any]], dict[str, Verdict]]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,36 @@ class TargetSpec:
     description: str = ""
     # Quants whose export consumes the shared `quantize/<quant>` stage (computed once, used by every target).
     quantized_input: tuple[str, ...] = ()
+    # Per-quant hardware verdicts; None: every quant runs on exactly `hardware`.
+    compatibility_fn: CompatibilityFn | None = None
+    # Validates the recipe's `params` for this target (raises KilnError naming the problem); None: no params.
+    check_params: Callable[[dict[str, Any]], None] | None = None
+
+    def compatibility(self, quant: str, params: dict[str, Any] | None = None) -> dict[str, Verdict]:
+        """For every hardware profile: whether this target's artifact for `quant` runs there, and why."""
+        if self.compatibility_fn is not None:
+            return self.compatibility_fn(quant, params or {})
+        return {
+            hw: Verdict(compatible=True, reason=f"{self.runtime} on {hw}")
+            if hw in self.hardware
+            else Verdict(compatible=False, reason=f"{self.name} artifacts run on {', '.join(self.hardware)}")
+            for hw in PROFILES
+        }
+
+    def check_hardware(self, quant: str, params: dict[str, Any], hardware: list[str]) -> None:
+        """Refuse hardware the artifact for `quant` cannot serve, naming the hardware and the reason."""
+        verdicts = self.compatibility(quant, params)
+        for hw in hardware:
+            if hw not in verdicts:
+                raise UnknownName(
+                    f"unknown hardware {hw!r}; known: {', '.join(verdicts)}", details={"known": list(verdicts)}
+                )
+            if not verdicts[hw].compatible:
+                raise KilnError(
+                    f"{self.name}-{quant} cannot serve {hw}: {verdicts[hw].reason}",
+                    code="HARDWARE_INCOMPATIBLE",
+                    details={"artifact": f"{self.name}-{quant}", "hardware": hw, "reason": verdicts[hw].reason},
+                )
 
     def check_quant(self, quant: str) -> None:
         if quant not in self.quants:

@@ -17,7 +17,17 @@ from typing import BinaryIO
 
 from kiln.errors import KilnError
 
-ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+ITEM_SIZES = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "I8": 1,
+    "U8": 1,
+    "I32": 4,
+    "I64": 8,
+}
 
 
 class WriterState(enum.Enum):

@@ -6,9 +6,11 @@ embeddings, norms and `lm_head` stay bf16. Its field names follow compressed-ten
 compressed-tensors' own name for how the weights lie on disk (its `CompressionFormat`), chosen
 exactly as compressed-tensors 0.19 `infer_module_format` would choose it:
 
-- float weights with activation quantization -> `float-quantized` (fp8 W8A8-dynamic)
+- float weights with activation quantization -> `float-quantized` (fp8 W8A8-dynamic, per channel or
+  in 128x128 blocks)
 - int weights, no activation quantization    -> `pack-quantized`  (W4A16 and W8A16 alike: 32 / bits
-  values per int32; `int-quantized` is only for int weights *with* int activations, W8A8)
+  values per int32)
+- int weights with int activations           -> `int-quantized`   (int8 W8A8: one int8 per weight)
 - no quantization                            -> `dense`
 
 This module is plain data (no torch): the registry imports `targets`.
@@ -16,7 +18,11 @@ This module is plain data (no torch): the registry imports `targets`.
 Hardware compatibility (`compatibility(scheme)`), with the facts it rests on:
 
 - NVIDIA FP8 tensor cores start at Ada/Hopper (sm89+), so fp8 does not run natively on an A100
-  (sm80); vLLM's compressed-tensors W8A8-FP8 path needs capability 89.
+  (sm80); vLLM's compressed-tensors W8A8-FP8 path needs capability 89. Block-scaled fp8 (128x128
+  weight blocks, activations per token in groups of 128) runs through CUTLASS/DeepGEMM on sm90+ and
+  vLLM's Triton block kernel on sm89.
+- int8 W8A8 (dynamic per-token int8 activations) runs through vLLM's CUTLASS int8 scaled-mm on
+  NVIDIA sm75+ and its Triton int8 scaled-mm on ROCm.
 - AMD MI300X/MI325X (gfx942) compute in float8_e4m3fnuz, MI350/MI355X (gfx950) in OCP e4m3fn.
   vLLM converts an e4m3fn checkpoint on gfx942 at load (the -128 bit pattern becomes 0, scales
   double), so fp8 bundles list mi300x/mi325x with that note.
@@ -56,14 +62,21 @@ class WeightQuant(_Frozen):
 
     num_bits: Literal[4, 8]
     type: QuantType
-    strategy: Literal["channel", "group"]
+    strategy: Literal["channel", "group", "block"]
     group_size: int | None = Field(default=None, gt=0, description="input columns per scale (group strategy only)")
+    block_structure: tuple[int, int] | None = Field(
+        default=None, description="(rows, columns) of weight per scale (block strategy only)"
+    )
     symmetric: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> WeightQuant:
         if (self.strategy == "group") != (self.group_size is not None):
             raise ValueError(f"group_size is set exactly when strategy is 'group'; got {self.strategy!r}")
+        if (self.strategy == "block") != (self.block_structure is not None):
+            raise ValueError(f"block_structure is set exactly when strategy is 'block'; got {self.strategy!r}")
+        if self.block_structure is not None and min(self.block_structure) <= 0:
+            raise ValueError(f"block_structure must be positive; got {list(self.block_structure)}")
         if self.type == "float" and self.num_bits != 8:
             raise ValueError("float weights are 8-bit (FP8 E4M3)")
         if not self.symmetric:
@@ -72,13 +85,21 @@ class WeightQuant(_Frozen):
 
 
 class ActivationQuant(_Frozen):
-    """Dynamic per-token activation quantization, computed at run time (no calibration)."""
+    """Dynamic activation quantization, computed at run time (no calibration): one scale per token, or
+    per token and group of `group_size` input columns."""
 
     num_bits: Literal[8]
     type: QuantType
-    strategy: Literal["token"] = "token"
+    strategy: Literal["token", "group"] = "token"
+    group_size: int | None = Field(default=None, gt=0)
     dynamic: Literal[True] = True
     symmetric: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ActivationQuant:
+        if (self.strategy == "group") != (self.group_size is not None):
+            raise ValueError(f"group_size is set exactly when strategy is 'group'; got {self.strategy!r}")
+        return self
 
 
 class Scheme(_Frozen):
@@ -151,7 +172,24 @@ SCHEMES: dict[str, Scheme] = {
             method="rtn",
         ),
         Scheme(
-            name="int8",
+            name="fp8-block",
+            description="FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token "
+            "and 128 columns",
+            weights=WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
+            input_activations=ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
+            format="float-quantized",
+            method="rtn",
+        ),
+        Scheme(
+            name="int8-w8a8",
+            description="W8A8: symmetric int8 weights per output channel, dynamic per-token int8 activations",
+            weights=WeightQuant(num_bits=8, type="int", strategy="channel"),
+            input_activations=ActivationQuant(num_bits=8, type="int"),
+            format="int-quantized",
+            method="rtn",
+        ),
+        Scheme(
+            name="int8-w8a16",
             description="W8A16: symmetric int8 weights per output channel, bf16 activations",
             weights=WeightQuant(num_bits=8, type="int", strategy="channel"),
             format="pack-quantized",
@@ -230,7 +268,12 @@ def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
                 return Verdict(
                     compatible=False, reason=f"FP8 tensor cores need sm89+ (Ada/Hopper); {hw.name} is {hw.arch}"
                 )
+            if w.strategy == "block":
+                kernel = "CUTLASS/DeepGEMM block-scaled" if cc >= 90 else "Triton block-scaled"
+                return Verdict(compatible=True, reason=f"FP8 (e4m3fn) 128x128-block matmuls via {kernel} on {hw.arch}")
             return Verdict(compatible=True, reason=f"native FP8 (e4m3fn) matmuls on {hw.arch}")
+        if scheme.input_activations is not None:
+            return Verdict(compatible=True, reason=f"int8 W8A8 through vLLM's CUTLASS int8 scaled-mm on {hw.arch}")
         return Verdict(compatible=True, reason=f"W{w.num_bits}A16 through vLLM's Marlin/Machete kernels on sm80+")
     # ROCm
     if w is None:
@@ -241,6 +284,8 @@ def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
         if hw.arch == "gfx950":
             return Verdict(compatible=True, reason="gfx950 computes in OCP float8_e4m3fn, the checkpoint's own type")
         return Verdict(compatible=False, reason=f"no FP8 support known for {hw.arch}")
+    if scheme.input_activations is not None:
+        return Verdict(compatible=True, reason=f"int8 W8A8 through vLLM's Triton int8 scaled-mm on ROCm ({hw.arch})")
     if scheme.method == "awq":
         return Verdict(
             compatible=True, reason=f"AWQ W{w.num_bits}A16 through vLLM's Triton AWQ kernels on ROCm ({hw.arch})"

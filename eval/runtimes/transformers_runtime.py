@@ -56,6 +56,7 @@ class TransformersRuntime:
                 code="EVAL_RUNTIME_LOAD_FAILED",
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
+        _load_e4m3fnuz_exactly(model, self.model_dir)
         self._model: Any = model.eval()
         self.vocab_size = int(model.config.vocab_size)
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
@@ -87,3 +88,34 @@ class TransformersRuntime:
 
     def close(self) -> None:
         self._model = None
+
+
+def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:
+    """Put a bundle's float8_e4m3fnuz weights (rocm-bundle for gfx942) into the model without rounding.
+
+    transformers copies them by value into compressed-tensors' float8_e4m3fn parameters, which rounds
+    e4m3fnuz's smallest subnormals; reading the same bits as e4m3fn with the scale halved keeps every
+    weight x scale product exact, so the eval scores the values the bundle holds.
+    """
+    from safetensors import safe_open
+
+    from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    fnuz: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                where[name] = f
+                if handle.get_slice(name).get_dtype() == "F8_E4M3FNUZ":
+                    fnuz.append(name)
+    for name in fnuz:
+        with safe_open(str(where[name]), framework="pt") as handle:
+            weight = handle.get_tensor(name)
+        with safe_open(str(where[name + "_scale"]), framework="pt") as handle:
+            scale = handle.get_tensor(name + "_scale")
+        fn, halved = e4m3fnuz_to_e4m3fn(weight, scale)
+        module = model.get_submodule(name.removesuffix(".weight"))
+        module.weight.data.copy_(fn)
+        module.weight_scale.data.copy_(halved.to(module.weight_scale.dtype))

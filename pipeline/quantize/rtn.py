@@ -54,17 +54,24 @@ def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
             continue
         if len(shape) != 2:
             raise QuantShapeError(f"{scheme.name}: layer {name!r} has shape {list(shape)}; a Linear weight is 2-D")
-        cols = shape[1]
+        rows, cols = shape
+        if w.block_structure is not None and (rows % w.block_structure[0] or cols % w.block_structure[1]):
+            br, bc = w.block_structure
+            raise QuantShapeError(
+                f"{scheme.name}: layer {name!r} has shape {list(shape)}, not a whole number of {br}x{bc} blocks; "
+                "use a per-channel scheme (fp8) for this model",
+                details={"layer": name, "shape": list(shape), "block_structure": [br, bc]},
+            )
         if w.group_size is not None and cols % w.group_size:
             raise QuantShapeError(
                 f"{scheme.name}: layer {name!r} has {cols} input columns, not a multiple of the group size "
                 f"{w.group_size}; use a per-channel scheme (int8, fp8) for this model",
                 details={"layer": name, "shape": list(shape), "group_size": w.group_size},
             )
-        if w.type == "int" and (cols * w.num_bits) % 32:
+        if scheme.format == "pack-quantized" and (cols * w.num_bits) % 32:
             raise QuantShapeError(
                 f"{scheme.name}: layer {name!r} has {cols} input columns; packing {w.num_bits}-bit values "
-                "into int32 needs a multiple of {32 // w.num_bits}",
+                f"into int32 needs a multiple of {32 // w.num_bits}",
                 details={"layer": name, "shape": list(shape)},
             )
 
@@ -78,9 +85,16 @@ def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[t
     assert w is not None and len(shape) == 2
     module = name.removesuffix(".weight")
     rows, cols = shape
-    scale = (rows, cols // w.group_size) if w.group_size is not None else (rows, 1)
-    if w.type == "float":
+    if w.block_structure is not None:
+        scale = (rows // w.block_structure[0], cols // w.block_structure[1])
+    elif w.group_size is not None:
+        scale = (rows, cols // w.group_size)
+    else:
+        scale = (rows, 1)
+    if scheme.format == "float-quantized":
         return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
+    if scheme.format == "int-quantized":
+        return [(f"{module}.weight", "I8", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
     return [
         (f"{module}.weight_packed", "I32", (rows, cols * w.num_bits // 32)),
         (f"{module}.weight_scale", "BF16", scale),
@@ -89,11 +103,16 @@ def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[t
 
 
 def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
-    """Per-channel [out, 1] or per-group [out, in / group] scales, rounded to bf16 and returned as float32."""
+    """Per-channel [out, 1], per-group [out, in / group] or per-block [out / rows, in / cols] scales, rounded to
+    bf16 and returned as float32."""
     import torch
 
     x = weight.float()
-    if w.strategy == "group":
+    if w.strategy == "block":
+        assert w.block_structure is not None
+        br, bc = w.block_structure
+        absmax = x.abs().unflatten(-1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
+    elif w.strategy == "group":
         assert w.group_size is not None
         absmax = x.abs().unflatten(-1, (-1, w.group_size)).amax(dim=-1)
     else:

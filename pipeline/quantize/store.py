@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 TENSORS_FILE = "quantized.safetensors"
 CONFIG_FILE = "quantization_config.json"
-_TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "I32": "int32", "I64": "int64"}
+TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "I8": "int8", "I32": "int32", "I64": "int64"}
 
 
 def write_quantized(
@@ -82,7 +82,7 @@ def write_quantized(
             else:
                 produced = list(quantize_weight(n, calibrated.weights[n], scheme, scale=calibrated.scales[n]))
             for (out_name, t), (want_name, dtype, shape) in zip(produced, plan[n], strict=True):
-                if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{_TORCH_DTYPES[dtype]}":
+                if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{TORCH_DTYPES[dtype]}":
                     raise StageFailed(
                         f"{scheme.name}: quantizing {n} gave {out_name} {t.dtype} {tuple(t.shape)}, "
                         f"planned {want_name} {dtype} {shape}",

@@ -40,17 +40,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
     produced = sorted(x.relative_to(ctx.out_dir).as_posix() for x in ctx.out_dir.rglob("*") if x.is_file())
     if produced != sorted(result.files):
         raise RuntimeError(f"target {spec.name} reported files {result.files} but wrote {produced}")
+    # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+); the recipe may narrow it.
+    hardware = list(result.hardware) if result.hardware is not None else list(spec.hardware)
+    if p.get("hardware") is not None:
+        hardware = [hw for hw in hardware if hw in p["hardware"]]
     return {
         "artifact": p["artifact"],
         "target": spec.name,
         "format": spec.format,
         "quant": p["quant"],
-        # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+).
-        "hardware": list(result.hardware) if result.hardware is not None else list(spec.hardware),
+        "hardware": hardware,
         "runtime": result.runtime,
         "runtime_name": spec.runtime,
         "details": result.details,
     }
 
 
-STAGE = Stage("export", "2", run, "write one target's artifact for one quant")
+STAGE = Stage("export", "3", run, "write one target's artifact for one quant")

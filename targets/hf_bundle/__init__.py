@@ -5,7 +5,7 @@ compressed-tensors format vLLM loads, from the shared quantize stage's output.
 """
 
 from targets.base import TargetSpec, register
-from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export
+from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export, scheme_compatibility
 
 SPEC = register(
     TargetSpec(
@@ -18,5 +18,6 @@ SPEC = register(
         export=export,
         description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers; quantized as compressed-tensors",
         quantized_input=QUANTIZED,
+        compatibility_fn=scheme_compatibility,
     )
 )

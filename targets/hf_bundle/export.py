@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.errors import InvalidInput
 from targets.base import ExportRequest, ExportResult
 from targets.safetensors_writer import SafeTensorsWriter
-from targets.schemes import SCHEMES, compatibility, compatible_hardware, get_scheme
+from targets.schemes import SCHEMES, Scheme, Verdict, compatibility, compatible_hardware, get_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -49,28 +49,34 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
 
 
 @dataclass(frozen=True)
-class _Planned:
+class Planned:
+    """One tensor of the bundle, known from headers; `read` materialises it when its turn comes."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     read: Callable[[], torch.Tensor]
     source_bytes: int  # source bytes consumed once this tensor is written (for progress)
+    progress: Callable[[int], None] = lambda n: None
 
 
-def _plan_tensors(source: SourceModel, quantized: Any) -> list[_Planned]:
-    planned: list[_Planned] = []
+def plan_tensors(source: SourceModel, quantized: Any, on_progress: Callable[[int], None]) -> list[Planned]:
+    """Every tensor of the bundle in the source's order: quantized modules from the quantize output, the rest bf16."""
+    planned: list[Planned] = []
     for n, info in source.tensors.items():
         if quantized is not None and quantized.replaces(n):
             stored = quantized.module_tensors(n)
             for i, q in enumerate(stored):
                 t = quantized.tensors[q]
-                last = i == len(stored) - 1
+                consumed = info.nbytes if i == len(stored) - 1 else 0
                 planned.append(
-                    _Planned(q, t.dtype, t.shape, t.nbytes, partial(quantized.tensor, q), info.nbytes if last else 0)
+                    Planned(q, t.dtype, t.shape, t.nbytes, partial(quantized.tensor, q), consumed, on_progress)
                 )
         else:
-            planned.append(_Planned(n, "BF16", info.shape, info.numel * 2, partial(_bf16, source, n), info.nbytes))
+            planned.append(
+                Planned(n, "BF16", info.shape, info.numel * 2, partial(_bf16, source, n), info.nbytes, on_progress)
+            )
     return planned
 
 
@@ -80,21 +86,26 @@ def _bf16(source: SourceModel, name: str) -> torch.Tensor:
     return source.tensor(name).to(torch.bfloat16)
 
 
-def export(source: SourceModel, req: ExportRequest) -> ExportResult:
-    import torch
-
+def checked_inputs(target: str, req: ExportRequest) -> tuple[Scheme, Any]:
+    """The scheme for `req.quant` and the shared quantize output, checked to belong together."""
     scheme = get_scheme(req.quant) if req.quant in SCHEMES else None
     if scheme is None:
-        raise InvalidInput(f"hf-bundle builds {', '.join(QUANTS)}; got {req.quant!r}")
+        raise InvalidInput(f"{target} builds {', '.join(QUANTS)}; got {req.quant!r}")
     quantized = req.quantized
     if scheme.quantized != (quantized is not None) or (quantized is not None and quantized.scheme != scheme):
         want = f"the quantize stage output for {scheme.name}" if scheme.quantized else "no quantized input"
-        raise InvalidInput(f"hf-bundle-{scheme.name}: needs {want}")
-    max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
+        raise InvalidInput(f"{target}-{scheme.name}: needs {want}")
+    return scheme, quantized
+
+
+def write_bundle(
+    source: SourceModel, out: Path, planned: list[Planned], quantization_config: dict[str, Any] | None, max_shard: int
+) -> list[str]:
+    """Write shards (+ index), config.json, generation config and tokenizer into `out`; returns the files."""
+    import torch
+
     if max_shard <= 0:
         raise InvalidInput("hf-bundle: params.max_shard_bytes must be positive")
-    out = req.out_dir
-    planned = _plan_tensors(source, quantized)
     by_name = {p.name: p for p in planned}
     shards = plan_shards([(p.name, p.nbytes) for p in planned], max_shard)
     files = (
@@ -112,7 +123,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             for n in members:
                 t = by_name[n].read().contiguous()
                 writer.write(n, t.view(torch.uint8).numpy().tobytes())
-                req.on_progress(by_name[n].source_bytes)
+                by_name[n].progress(by_name[n].source_bytes)
                 weight_map[n] = fname
             writer.close()
         except BaseException:
@@ -129,28 +140,45 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     if "torch_dtype" not in config and "dtype" not in config:
         config["dtype"] = "bfloat16"
     config.pop("quantization_config", None)
-    if quantized is not None:
-        config["quantization_config"] = quantized.config
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    copied = ["generation_config.json", *source.tokenizer_files]
-    for name in copied:
+    for name in ["generation_config.json", *source.tokenizer_files]:
         src: Path = source.root / name
         if src.is_file():
             shutil.copyfile(src, out / name)
+    return sorted(p.name for p in out.iterdir())
+
+
+def bundle_runtime(source: SourceModel, scheme: Scheme) -> dict[str, Any]:
+    """The runtime requirements a bundle of `scheme` records in its manifest."""
     runtime: dict[str, Any] = {
         "dtype": "bfloat16",
         "loaders": {"vllm": ">=0.9", "transformers": ">=4.45"},
         "architecture": source.shape.architecture,
     }
-    if quantized is not None:
+    if scheme.quantized:
         runtime["quantization"] = {"method": "compressed-tensors", "format": scheme.format, "scheme": scheme.name}
         runtime["loaders"] = {"vllm": ">=0.9", "transformers": ">=5.0", "compressed-tensors": ">=0.19"}
+    return runtime
+
+
+def export(source: SourceModel, req: ExportRequest) -> ExportResult:
+    scheme, quantized = checked_inputs("hf-bundle", req)
+    max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
+    planned = plan_tensors(source, quantized, req.on_progress)
+    files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, max_shard)
     return ExportResult(
-        files=sorted(p.name for p in out.iterdir()),
-        runtime=runtime,
+        files=files,
+        runtime=bundle_runtime(source, scheme),
         details={
-            "shards": len(files),
+            "shards": sum(f.endswith(".safetensors") for f in files),
             "hardware": {hw: v.model_dump() for hw, v in compatibility(scheme).items()},
         },
         hardware=compatible_hardware(scheme),
     )
+
+
+def scheme_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:
+    """`TargetSpec.compatibility_fn` of hf-bundle: the scheme's own hardware verdicts."""
+    return compatibility(get_scheme(quant))

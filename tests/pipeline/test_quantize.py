@@ -17,6 +17,7 @@ from pipeline.quantize.rtn import (
     quantizes,
     weight_scale,
 )
+from pipeline.quantize.store import TORCH_DTYPES
 from pipeline.recipe import parse_recipe
 from targets.schemes import get_scheme
 from tests.model_factory import make_model
@@ -34,7 +35,7 @@ def _weight(rows: int = 96, cols: int = 384, seed: int = 0):
     return w.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-rtn"])
+@pytest.mark.parametrize("name", ["int8-w8a16", "int4-rtn"])
 def test_int_rtn_error_is_at_most_half_a_step(name: str) -> None:
     import torch
 
@@ -100,13 +101,14 @@ def test_everything_but_decoder_linears_stays_bf16_and_input_is_untouched() -> N
 
 
 def test_planned_tensors_match_what_is_produced() -> None:
-    for name in ("fp8", "int8", "int4-rtn"):
+    for name in ("fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn"):
         scheme = get_scheme(name)
-        w = _weight(cols=256)
+        w = _weight(rows=256, cols=384)
         produced = list(quantize_tensors(scheme, [(LAYER, w)]))
-        planned = planned_tensors(scheme, LAYER, (96, 256))
+        planned = planned_tensors(scheme, LAYER, (256, 384))
         assert [n for n, _ in produced] == [n for n, _, _ in planned]
         assert [tuple(t.shape) for _, t in produced] == [s for _, _, s in planned]
+        assert [str(t.dtype) for _, t in produced] == [f"torch.{TORCH_DTYPES[d]}" for _, d, _ in planned]
 
 
 def test_group_size_mismatch_names_the_layer() -> None:
@@ -114,7 +116,11 @@ def test_group_size_mismatch_names_the_layer() -> None:
     with pytest.raises(QuantShapeError) as e:
         check_shapes(scheme, {"model.layers.0.mlp.up_proj.weight": (256, 128), LAYER: (128, 200)})
     assert LAYER in e.value.message and "128" in e.value.message and e.value.code == "QUANT_SHAPE"
-    check_shapes(get_scheme("int8"), {LAYER: (128, 200)})  # per channel: any width that packs
+    check_shapes(get_scheme("int8-w8a16"), {LAYER: (128, 200)})  # per channel: any width that packs
+    with pytest.raises(QuantShapeError, match="128x128 blocks") as e:
+        check_shapes(get_scheme("fp8-block"), {LAYER: (96, 256)})
+    assert e.value.details["layer"] == LAYER
+    check_shapes(get_scheme("fp8"), {LAYER: (96, 200)})
 
 
 def test_scales_never_zero() -> None:

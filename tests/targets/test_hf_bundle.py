@@ -19,13 +19,13 @@ from targets.hf_bundle.export import export
 from targets.schemes import get_scheme
 from tests.model_factory import make_model
 
-QUANTIZED = ["fp8", "int8", "int4-rtn"]
+QUANTIZED = ["fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # hidden 128 / intermediate 256: every Linear input width is a multiple of int4-rtn's group of 128.
-    return make_model(tmp_path_factory.mktemp("llama128"), hidden_size=128, intermediate_size=256)
+    # hidden 128 / intermediate 256, 4 kv heads of 32: every Linear is whole 128x128 blocks (fp8-block, int4 groups).
+    return make_model(tmp_path_factory.mktemp("llama128"), hidden_size=128, intermediate_size=256, num_kv_heads=4)
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +68,17 @@ def test_quantized_bundle_loads_in_transformers_on_cpu(
     assert qc["format"] == get_scheme(scheme).format
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and qc["ignore"] == ["lm_head"]
-    assert (group["input_activations"] is not None) == (scheme == "fp8")
+    assert (group["input_activations"] is not None) == (get_scheme(scheme).input_activations is not None)
 
     # transformers 5.17 loads compressed and compressed-tensors decompresses on the first forward pass
-    # (no `run_compressed=False` / `dequantize=True` needed on CPU); fp8 activations are quantized per token.
+    # (no `run_compressed=False` / `dequantize=True` needed on CPU); W8A8 activations are quantized at run time.
     logits = _logits(bundle)
     ref = reference_logits
     rel = (logits - ref).norm() / ref.norm()
-    assert float(rel) < {"fp8": 0.1, "int8": 0.02, "int4-rtn": 0.3}[scheme]
+    bounds = {"fp8": 0.1, "fp8-block": 0.1, "int8-w8a8": 0.05, "int8-w8a16": 0.02, "int4-rtn": 0.3}
+    assert float(rel) < bounds[scheme]
     top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-    assert top1 >= {"fp8": 0.8, "int8": 0.9, "int4-rtn": 0.6}[scheme]
+    assert top1 >= {"fp8": 0.8, "fp8-block": 0.8, "int8-w8a8": 0.85, "int8-w8a16": 0.9, "int4-rtn": 0.6}[scheme]
     assert torch.isfinite(logits).all()
 
 
@@ -96,7 +97,7 @@ def test_quantized_bundle_is_smaller_and_keeps_head_and_norms_bf16(model_dir: Pa
 
 
 def test_sharded_quantized_bundle_loads(model_dir: Path, tmp_path: Path, reference_logits) -> None:
-    bundle = _bundle(model_dir, tmp_path, "int8", max_shard_bytes=150_000)
+    bundle = _bundle(model_dir, tmp_path, "int8-w8a16", max_shard_bytes=150_000)
     index = json.loads((bundle / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert "model.layers.1.mlp.down_proj.weight_scale" in index["weight_map"]
@@ -111,14 +112,23 @@ def test_export_refuses_missing_or_mismatched_quantized_input(model_dir: Path, t
     with pytest.raises(InvalidInput, match="quantize stage"):
         export(source, ExportRequest(quant="fp8", out_dir=tmp_path))
     (tmp_path / "q").mkdir()
-    write_quantized(source, get_scheme("int8"), tmp_path / "q")
+    write_quantized(source, get_scheme("int8-w8a16"), tmp_path / "q")
     with pytest.raises(InvalidInput):
-        export(source, ExportRequest(quant="fp8", out_dir=tmp_path, quantized=open_quantized(tmp_path / "q", "int8")))
+        wrong = open_quantized(tmp_path / "q", "int8-w8a16")
+        export(source, ExportRequest(quant="fp8", out_dir=tmp_path, quantized=wrong))
 
 
 def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_path: Path) -> None:
     spec = get_target("hf-bundle")
-    assert spec.quantized_input == ("fp8", "int8", "int4-rtn", "w4a16-gptq", "w4a16-awq")
+    assert spec.quantized_input == (
+        "fp8",
+        "fp8-block",
+        "int8-w8a8",
+        "int8-w8a16",
+        "int4-rtn",
+        "w4a16-gptq",
+        "w4a16-awq",
+    )
     ingest = Node(
         "ingest/source",
         ingest_stage.STAGE,
@@ -142,6 +152,7 @@ def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_p
                     "target_code_version": spec.code_version,
                     "quant": quant,
                     "params": {},
+                    "hardware": None,
                 },
                 inputs=(ingest.id, quantize.id) if quant == "fp8" else (ingest.id,),
             )

@@ -11,11 +11,26 @@ from targets.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compati
 
 
 def test_presets_are_the_issue_schemes() -> None:
-    assert list(SCHEMES) == ["bf16", "fp8", "int8", "int4-rtn", "w4a16-gptq", "w4a16-awq"]
-    fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8"), get_scheme("int4-rtn")
+    assert list(SCHEMES) == [
+        "bf16",
+        "fp8",
+        "fp8-block",
+        "int8-w8a8",
+        "int8-w8a16",
+        "int4-rtn",
+        "w4a16-gptq",
+        "w4a16-awq",
+    ]
+    fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8-w8a16"), get_scheme("int4-rtn")
     assert fp8.weights is not None and fp8.weights.type == "float" and fp8.weights.strategy == "channel"
     assert fp8.input_activations is not None and fp8.input_activations.strategy == "token"
     assert int8.weights is not None and int8.weights.num_bits == 8 and int8.input_activations is None
+    w8a8 = get_scheme("int8-w8a8")
+    assert w8a8.weights == int8.weights and w8a8.format == "int-quantized"
+    assert w8a8.input_activations is not None and w8a8.input_activations.type == "int"
+    block = get_scheme("fp8-block")
+    assert block.weights is not None and block.weights.block_structure == (128, 128)
+    assert block.input_activations is not None and block.input_activations.group_size == 128
     assert int4.weights is not None and (int4.weights.num_bits, int4.weights.group_size) == (4, 128)
     assert all(s.ignore == ("lm_head",) and s.targets == ("Linear",) for s in SCHEMES.values())
 
@@ -23,7 +38,7 @@ def test_presets_are_the_issue_schemes() -> None:
 def test_unknown_scheme_lists_known() -> None:
     with pytest.raises(UnknownName) as e:
         get_scheme("int3")
-    assert "int3" in e.value.message and "bf16, fp8, int8, int4-rtn, w4a16-gptq, w4a16-awq" in e.value.message
+    assert "int3" in e.value.message and "bf16, fp8, fp8-block, int8-w8a8, int8-w8a16, int4-rtn" in e.value.message
 
 
 def test_schemes_are_frozen() -> None:
@@ -39,6 +54,9 @@ def test_schemes_are_frozen() -> None:
         {"num_bits": 4, "type": "float", "strategy": "channel"},  # fp4 is not fp8
         {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False},
         {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 0},
+        {"num_bits": 8, "type": "float", "strategy": "block"},  # block without a structure
+        {"num_bits": 8, "type": "float", "strategy": "channel", "block_structure": [128, 128]},
+        {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [0, 128]},
     ],
 )
 def test_weight_args_are_rejected_not_rewritten(kwargs: dict[str, object]) -> None:
@@ -47,9 +65,12 @@ def test_weight_args_are_rejected_not_rewritten(kwargs: dict[str, object]) -> No
 
 
 def test_format_must_be_compressed_tensors_choice() -> None:
-    int8 = get_scheme("int8").model_dump()
+    int8 = get_scheme("int8-w8a16").model_dump()
     with pytest.raises(ValidationError, match="pack-quantized"):
         Scheme.model_validate({**int8, "format": "int-quantized"})
+    w8a8 = get_scheme("int8-w8a8").model_dump()
+    with pytest.raises(ValidationError, match="int-quantized"):
+        Scheme.model_validate({**w8a8, "format": "pack-quantized"})
 
 
 def test_calibrated_schemes_share_int4_rtn_layout_and_hardware() -> None:
@@ -92,10 +113,15 @@ def test_hardware_with_reasons() -> None:
     assert fp8["mi300x"].compatible and "e4m3fnuz" in fp8["mi300x"].reason
     assert fp8["mi355x"].compatible and "e4m3fn" in fp8["mi355x"].reason
     assert not fp8["tpu-v5e"].compatible
-    for name in ("int8", "int4-rtn"):
+    block = compatibility(get_scheme("fp8-block"))
+    assert not block["a100"].compatible and "Triton" in block["l40s"].reason and "CUTLASS" in block["h100"].reason
+    w8a8 = compatible_hardware(get_scheme("int8-w8a8"))
+    assert "CUTLASS int8" in w8a8["a100"] and "Triton int8" in w8a8["mi300x"]
+    for name in ("int8-w8a8", "int8-w8a16", "int4-rtn"):
         hw = compatible_hardware(get_scheme(name))
         assert {"a100", "h100", "mi300x", "mi355x", "cpu"} <= set(hw)
-        assert "sm80" in hw["a100"] and "ROCm" in hw["mi300x"]
+        assert "sm80" in hw["a100"] or "CUTLASS" in hw["a100"]
+        assert "ROCm" in hw["mi300x"]
     assert all(compatible_hardware(s)["cpu"] for s in SCHEMES.values())
 
 

@@ -1,0 +1,170 @@
+"""Write a ROCm bundle: the hf-bundle layout for one AMD GPU architecture, with the runtime it is built for.
+
+The tensors, config.json and tokenizer are those of `hf-bundle` (`targets.hf_bundle.export`). On top:
+
+- the manifest records the runtime the bundle is validated for (vLLM and ROCm versions, from the
+  recipe, and the gfx architecture) and how FP8 runs there (`ROCM_ARCHES`);
+- the artifact is offered only to hardware of that architecture;
+- for gfx942 the FP8 weights can be written already converted to float8_e4m3fnuz
+  (`fp8_dtype: e4m3fnuz`, see `targets.rocm_bundle.fnuz`), instead of leaving vLLM to convert them
+  at every load.
+
+Only the numerics are evaluated on this machine (transformers + compressed-tensors on CPU, the same
+values vLLM's kernels compute up to arithmetic order); running the bundle under vLLM on that GPU is
+recorded as not done here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.errors import InvalidInput
+from targets.base import ExportRequest, ExportResult
+from targets.hardware import PROFILES
+from targets.hf_bundle.export import (
+    DEFAULT_SHARD_BYTES,
+    Planned,
+    bundle_runtime,
+    checked_inputs,
+    plan_tensors,
+    write_bundle,
+)
+from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
+from targets.schemes import SCHEMES, Scheme, Verdict, compatibility, get_scheme
+
+CODE_VERSION = "1"
+QUANTS = tuple(SCHEMES)
+QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
+
+
+@dataclass(frozen=True)
+class RocmArch:
+    """What one AMD GPU architecture computes FP8 in, and how an OCP e4m3fn checkpoint gets there."""
+
+    fp8_compute: str
+    fp8_checkpoint: tuple[str, ...]  # checkpoint FP8 dtypes a bundle for this arch may carry
+    conversion: str  # what happens to an e4m3fn checkpoint at load
+
+
+ROCM_ARCHES: dict[str, RocmArch] = {
+    "gfx942": RocmArch(
+        fp8_compute="float8_e4m3fnuz",
+        fp8_checkpoint=("e4m3fn", "e4m3fnuz"),
+        conversion="vLLM converts e4m3fn at load: the -128 bit pattern becomes 0, scales double",
+    ),
+    "gfx950": RocmArch(
+        fp8_compute="float8_e4m3fn",
+        fp8_checkpoint=("e4m3fn",),
+        conversion="none: gfx950 computes in OCP e4m3fn, the checkpoint's own type",
+    ),
+}
+_VERSION = r"^[0-9]+(\.[0-9]+){1,3}([.+-][A-Za-z0-9.]+)?$"
+
+
+class RocmParams(BaseModel):
+    """The recipe's `params` for a rocm-bundle entry."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gfx_arch: Literal["gfx942", "gfx950"]
+    vllm: str = Field(pattern=_VERSION, description="vLLM version the bundle is validated for")
+    rocm: str = Field(pattern=_VERSION, description="ROCm version the bundle is validated for")
+    fp8_dtype: Literal["e4m3fn", "e4m3fnuz"] = "e4m3fn"
+    max_shard_bytes: int = Field(default=DEFAULT_SHARD_BYTES, gt=0)
+
+
+def parse_params(params: dict[str, Any]) -> RocmParams:
+    """Validated params; an FP8 dtype the architecture does not compute in is refused."""
+    try:
+        parsed = RocmParams.model_validate(params)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors())
+        raise InvalidInput(f"rocm-bundle params: {problems}", code="TARGET_PARAMS") from None
+    arch = ROCM_ARCHES[parsed.gfx_arch]
+    if parsed.fp8_dtype not in arch.fp8_checkpoint:
+        raise InvalidInput(
+            f"rocm-bundle params: fp8_dtype {parsed.fp8_dtype} is not for {parsed.gfx_arch}, which computes in "
+            f"{arch.fp8_compute}; use {' or '.join(arch.fp8_checkpoint)}",
+            code="TARGET_PARAMS",
+        )
+    return parsed
+
+
+def check_params(params: dict[str, Any]) -> None:
+    parse_params(params)
+
+
+def arch_hardware(gfx_arch: str) -> list[str]:
+    return [name for name, hw in PROFILES.items() if hw.family == "rocm" and hw.arch == gfx_arch]
+
+
+def rocm_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:
+    """`TargetSpec.compatibility_fn`: the scheme's verdicts, on the bundle's own architecture only."""
+    arch = parse_params(params).gfx_arch
+    verdicts = compatibility(get_scheme(quant))
+    return {
+        hw: v if PROFILES[hw].arch == arch else Verdict(compatible=False, reason=f"this bundle is built for {arch}")
+        for hw, v in verdicts.items()
+    }
+
+
+def _is_fp8(scheme: Scheme) -> bool:
+    return scheme.weights is not None and scheme.weights.type == "float"
+
+
+def to_fnuz(planned: list[Planned]) -> list[Planned]:
+    """The plan with every FP8 weight stored as e4m3fnuz and its scale doubled (read lazily, one at a time)."""
+    fp8_modules = {p.name.removesuffix(".weight") for p in planned if p.dtype == "F8_E4M3"}
+    out = []
+    for p in planned:
+        if p.dtype == "F8_E4M3":
+            out.append(replace(p, dtype="F8_E4M3FNUZ", read=_compose(fnuz_weight, p.read)))
+        elif p.name.endswith(".weight_scale") and p.name.removesuffix(".weight_scale") in fp8_modules:
+            out.append(replace(p, read=_compose(fnuz_scale, p.read)))
+        else:
+            out.append(p)
+    return out
+
+
+def _compose(f: Any, read: Any) -> Any:
+    return lambda: f(read())
+
+
+def export(source: Any, req: ExportRequest) -> ExportResult:
+    params = parse_params(req.params)
+    scheme, quantized = checked_inputs("rocm-bundle", req)
+    arch = ROCM_ARCHES[params.gfx_arch]
+    planned = plan_tensors(source, quantized, req.on_progress)
+    fp8 = _is_fp8(scheme)
+    if fp8 and params.fp8_dtype == "e4m3fnuz":
+        planned = to_fnuz(planned)
+    files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, params.max_shard_bytes)
+    runtime = bundle_runtime(source, scheme)
+    runtime["platform"] = "rocm"
+    runtime["validated_for"] = {"vllm": params.vllm, "rocm": params.rocm, "gfx_arch": params.gfx_arch}
+    if fp8:
+        runtime["fp8"] = {
+            "checkpoint_dtype": f"float8_{params.fp8_dtype}",
+            "compute_dtype": arch.fp8_compute,
+            "conversion": "pre-converted by kiln (values halved exactly, scales doubled)"
+            if params.fp8_dtype == "e4m3fnuz"
+            else arch.conversion,
+        }
+    verdicts = rocm_compatibility(scheme.name, req.params)
+    return ExportResult(
+        files=files,
+        runtime=runtime,
+        details={
+            "shards": sum(f.endswith(".safetensors") for f in files),
+            "hardware": {hw: v.model_dump() for hw, v in verdicts.items()},
+            "validation": {
+                "numerics": "transformers + compressed-tensors on CPU",
+                "not_run_here": f"vLLM {params.vllm} on ROCm {params.rocm} ({params.gfx_arch}): "
+                f"needs a runner with {' or '.join(arch_hardware(params.gfx_arch))}",
+            },
+        },
+        hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
+    )
