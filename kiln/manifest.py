@@ -46,6 +46,9 @@ class ArtifactManifest(BaseModel):
     format: str = Field(description="file format, e.g. gguf-v3, safetensors")
     quant: str = Field(description="quantization scheme or GGUF type, e.g. bf16, q4_k_m")
     hardware: list[str] = Field(description="hardware profile names this artifact runs on")
+    unsupported: dict[str, str] = Field(
+        default_factory=dict, description="hardware profile names it does not run on, each with the reason"
+    )
     runtime: dict[str, Any] = Field(default_factory=dict, description="runtime requirements")
     files: list[FileEntry]
     provenance: dict[str, Any] = Field(default_factory=dict)

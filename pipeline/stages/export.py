@@ -44,16 +44,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     hardware = list(result.hardware) if result.hardware is not None else list(spec.hardware)
     if p.get("hardware") is not None:
         hardware = [hw for hw in hardware if hw in p["hardware"]]
+    verdicts = spec.compatibility(p["quant"], p["params"])
+    unsupported = {
+        hw: v.reason if not v.compatible else "not among the hardware the recipe builds this artifact for"
+        for hw, v in verdicts.items()
+        if hw not in hardware
+    }
     return {
         "artifact": p["artifact"],
         "target": spec.name,
         "format": spec.format,
         "quant": p["quant"],
         "hardware": hardware,
+        "unsupported": unsupported,
         "runtime": result.runtime,
         "runtime_name": spec.runtime,
         "details": result.details,
     }
 
 
-STAGE = Stage("export", "3", run, "write one target's artifact for one quant")
+STAGE = Stage("export", "4", run, "write one target's artifact for one quant")

@@ -21,6 +21,7 @@ def manifest_for(export: StageOutput) -> ArtifactManifest:
         format=r["format"],
         quant=r["quant"],
         hardware=r["hardware"],
+        unsupported=r.get("unsupported", {}),
         runtime=r["runtime"],
         files=export.files,
         provenance={**export.provenance, "details": r.get("details", {})},

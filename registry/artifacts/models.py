@@ -28,6 +28,8 @@ class Artifact(Base):
     format: Mapped[str] = mapped_column(String(64))
     quant: Mapped[str] = mapped_column(String(64))
     hardware: Mapped[list[str]]
+    # Hardware it does not run on -> why (e.g. "FP8 tensor cores need sm89+"); resolve's 404 names it.
+    unsupported: Mapped[dict[str, Any]]
     runtime: Mapped[dict[str, Any]]
     provenance: Mapped[dict[str, Any]]
     # ArtifactManifest.content_digest(): what a consumer gets, provenance excluded.

@@ -49,6 +49,7 @@ class ArtifactSummary(BaseModel):
     format: str
     quant: str
     hardware: list[str]
+    unsupported: dict[str, str] = Field(description="hardware it does not run on, with the reason")
     runtime: dict[str, Any]
     manifest_digest: str
     total_size: int
@@ -71,6 +72,7 @@ def _summary_fields(row: Artifact) -> dict[str, Any]:
         "format": row.format,
         "quant": row.quant,
         "hardware": row.hardware,
+        "unsupported": row.unsupported,
         "runtime": row.runtime,
         "manifest_digest": row.manifest_digest,
         "total_size": row.total_size,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -59,6 +60,7 @@ class ArtifactView:
     quant: str
     manifest_digest: str
     hardware: tuple[str, ...]
+    unsupported: Mapping[str, str]  # hardware it does not run on -> why
     total_size: int
     eval_status: EvalStatus
     kl: float | None  # best (lowest) metrics.kl over its evals
@@ -238,6 +240,7 @@ def _artifact_view(a: Artifact) -> ArtifactView:
         quant=a.quant,
         manifest_digest=a.manifest_digest,
         hardware=tuple(a.hardware),
+        unsupported=dict(a.unsupported),
         total_size=a.total_size,
         eval_status=eval_status(a.evals),
         kl=min(kls) if kls else None,
@@ -290,11 +293,16 @@ def rank_candidates(
     for_hw = [a for a in view.artifacts if profile.name in a.hardware]
     if not for_hw:
         supported = sorted({h for a in view.artifacts for h in a.hardware})
-        what = f"its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
+        # Why not, per reason (the capability the hardware lacks), with the artifacts it rules out.
+        why: dict[str, list[str]] = {}
+        for a in view.artifacts:
+            why.setdefault(a.unsupported.get(profile.name, "not built for it"), []).append(a.name)
+        reasons = "; ".join(f"{reason} ({', '.join(names)})" for reason, names in why.items())
+        what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
         raise NotFound(
-            f"release {where} has no artifact for hardware {profile.name!r}; {what}",
+            f"release {where} has no artifact for hardware {profile.name!r}: {what}",
             code="NO_COMPATIBLE_ARTIFACT",
-            details={**details, "supported_hardware": supported},
+            details={**details, "supported_hardware": supported, "reasons": why},
         )
     usable = [a for a in for_hw if a.eval_status != "failed"]
     if not usable:

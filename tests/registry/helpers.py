@@ -64,6 +64,7 @@ def manifest(name: str, files: dict[str, bytes], hardware: list[str], quant: str
         "format": extra.pop("format", "gguf-v3"),
         "quant": quant,
         "hardware": hardware,
+        "unsupported": extra.pop("unsupported", {}),
         "runtime": extra.pop("runtime", {"llama.cpp": ">=b4000"}),
         "files": [{"path": p, "sha256": sha(d), "size": len(d)} for p, d in files.items()],
         "provenance": extra.pop("provenance", {"host": "test"}),

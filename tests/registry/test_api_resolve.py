@@ -116,6 +116,21 @@ def test_no_artifact_for_hardware_lists_supported(client: TestClient) -> None:
     assert error["details"]["supported_hardware"] == ["a100", "cpu", "edge", "h100", "l40s"]
 
 
+def test_no_artifact_for_hardware_names_the_missing_capability(client: TestClient) -> None:
+    make_release(client)
+    sm89 = "FP8 tensor cores need sm89+ (Ada/Hopper); a100 is sm80"
+    for name in ("hf-fp8", "hf-fp8-block"):
+        publish(client, name, {"model.safetensors": name.encode()}, ["h100"], quant="fp8", unsupported={"a100": sm89})
+    publish(client, "gguf-q4", {"model.gguf": b"4"}, ["cpu"], unsupported={"a100": "gguf runs on cpu, apple-m2, edge"})
+    assert promote(client, "1.0", force=True, reason="not evaluated in this test").status_code == 200
+    error = assert_error(resolve(client, hardware="a100"), 404, "NO_COMPATIBLE_ARTIFACT")
+    assert f"{sm89} (hf-fp8, hf-fp8-block)" in error["message"]
+    assert "gguf runs on cpu, apple-m2, edge (gguf-q4)" in error["message"]
+    assert error["details"]["reasons"][sm89] == ["hf-fp8", "hf-fp8-block"]
+    listed = client.get("/v1/models/tiny/releases/1.0/artifacts/hf-fp8").json()
+    assert listed["unsupported"] == {"a100": sm89}
+
+
 def test_all_failed_for_hardware(client: TestClient) -> None:
     seed(client)
     error = assert_error(resolve(client, hardware="l40s"), 404, "NO_COMPATIBLE_ARTIFACT")
@@ -177,6 +192,7 @@ def _artifact(name: str, size: int, status: str = "passed", kl: float | None = N
         quant="x",
         manifest_digest="0" * 64,
         hardware=("h100",),
+        unsupported={},
         total_size=size,
         eval_status=status,  # type: ignore[arg-type]
         kl=kl,

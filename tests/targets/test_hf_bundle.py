@@ -167,3 +167,6 @@ def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_p
     assert reasons["a100"]["compatible"] is False and "sm89" in reasons["a100"]["reason"]
     assert "e4m3fnuz" in reasons["mi300x"]["reason"]
     assert fp8.result["runtime"]["quantization"]["format"] == "float-quantized"
+    # What resolve's 404 names: the capability the hardware lacks.
+    assert "sm89" in fp8.result["unsupported"]["a100"] and "tpu-v5e" in fp8.result["unsupported"]
+    assert "h100" not in fp8.result["unsupported"] and "a100" not in bf16.result["unsupported"]
