@@ -30,6 +30,7 @@ from registry.blobs.routes import router as blobs_router
 from registry.blobs.store import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
+from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
 from registry.releases.routes import router as releases_router
 from registry.resolve.routes import router as resolve_router
@@ -45,6 +46,7 @@ OPENAPI_TAGS = [
     {"name": "resolve", "description": "What a node of some hardware should load."},
     {"name": "audit", "description": "Audit log."},
     {"name": "health", "description": "Liveness."},
+    {"name": "hf-compat", "description": "Hugging Face Hub-compatible downloads (HF_ENDPOINT=<registry>)."},
 ]
 
 
@@ -113,4 +115,5 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     ):
         app.include_router(router, prefix="/v1")
     app.include_router(health_router)
+    app.include_router(hf_compat_router)  # last: its /{repo}/resolve/... patterns are the most general
     return app

@@ -20,6 +20,7 @@ from kiln.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, 
 
 # Codes whose status differs from their class's. Looked up first.
 STATUS_BY_CODE: dict[str, int] = {
+    "INVALID_REVISION": 400,
     "PAYLOAD_TOO_LARGE": 413,
     "RANGE_NOT_SATISFIABLE": 416,
 }
@@ -59,6 +60,9 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
 
 def error_response(error: KilnError) -> JSONResponse:
     headers = {}
+    if "hub_error_code" in error.details:  # Hub-compatible routes: what huggingface_hub maps to its errors
+        headers["X-Error-Code"] = str(error.details["hub_error_code"])
+        headers["X-Error-Message"] = error.message.encode("ascii", "replace").decode()[:1000]
     if error.code == "RANGE_NOT_SATISFIABLE" and "size" in error.details:
         headers["Content-Range"] = f"bytes */{error.details['size']}"
     return JSONResponse(
