@@ -37,6 +37,7 @@ demo: install
 	$(BIN)/kiln publish $(RECIPE) --registry $(REGISTRY_DIR)
 	$(BIN)/kiln promote tiny-llama@1.0.0 --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware cpu --channel prod --registry $(REGISTRY_DIR)
+	$(BIN)/kiln resolve tiny-llama --hardware tpu-v5e --channel prod --registry $(REGISTRY_DIR)
 
 test: install
 	$(BIN)/pytest -q

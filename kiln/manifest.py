@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kiln.digest import sha256_json
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+\-]*$")
+# A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")
 ARTIFACT_NAME = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,63}$")
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pipeline.ingest import SourceModel
 
 # The modules that define kiln's targets; each calls `register` once at import.
-BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle")
+BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax")
 
 
 @dataclass(frozen=True)

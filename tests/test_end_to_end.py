@@ -115,6 +115,39 @@ def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, s
         llm.close()
 
 
+def test_tpu_pools_resolve_to_orbax_which_restores_from_the_registry(
+    server: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A TPU v5e pool is offered only the orbax artifacts; every published file downloads, and the
+    checkpoint restores and runs in the JAX runtime from that download alone."""
+    kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
+    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    answer = json.loads(
+        kiln("resolve", "tiny-llama", "--hardware", "tpu-v5e", "--registry", server, "--json", env=env).stdout
+    )
+    assert answer["hardware"] == "tpu-v5e" and answer["reason"]["fits"]
+    candidates = [answer, *answer["fallbacks"]]
+    assert {c["artifact"]["target"] for c in candidates} == {"orbax"} and len(candidates) == 2
+    assert all(c["reason"]["eval_status"] == "passed" for c in candidates)
+
+    artifact = answer["artifact"]
+    for entry in artifact["files"]:
+        path = tmp_path / entry["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = httpx.get(entry["url"], timeout=60).content
+        assert hashlib.sha256(body).hexdigest() == entry["sha256"]
+        path.write_bytes(body)
+
+    from eval.runtimes import JaxRuntime
+
+    rt = JaxRuntime(tmp_path)
+    try:
+        assert rt.quant == artifact["quant"]
+        assert len(rt.greedy([0, 1, 2, 3], 4)) == 4
+    finally:
+        rt.close()
+
+
 def test_unknown_hardware_and_missing_model_give_clear_errors(server: str, env: dict[str, str]) -> None:
     bad = kiln("resolve", "tiny-llama", "--hardware", "tpu-v9", "--registry", server, env=env, check=False)
     assert bad.returncode == 2 and "known" in bad.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.runtimes.base import CachedRuntime, Runtime, check_ids
+from eval.runtimes.jax_runtime import JaxRuntime
 from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
 from eval.runtimes.transformers_runtime import TransformersRuntime
 from kiln.errors import Deferred
@@ -18,6 +19,7 @@ from kiln.errors import Deferred
 __all__ = [
     "RUNTIMES",
     "CachedRuntime",
+    "JaxRuntime",
     "LlamaCppRuntime",
     "Runtime",
     "TransformersRuntime",
@@ -29,6 +31,7 @@ __all__ = [
 RUNTIMES: dict[str, Any] = {
     TransformersRuntime.name: TransformersRuntime,
     LlamaCppRuntime.name: LlamaCppRuntime,
+    JaxRuntime.name: JaxRuntime,
 }
 
 

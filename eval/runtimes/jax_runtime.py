@@ -1,0 +1,303 @@
+"""JAX: the runtime of the orbax target, a Llama-family forward pass written in JAX and run under `jax.jit`.
+
+The artifact's orbax checkpoint is restored with orbax (`targets.orbax.layout` describes it): on one
+device by default, or, with `mesh=True`, onto the artifact's mesh with every array placed by its
+`sharding.json` partition spec (`NamedSharding`), the way a TPU slice loads it; XLA then partitions
+the same jitted program over the mesh.
+
+The forward is the transformers Llama/Mistral/Qwen2 computation: RMSNorm, rotary embeddings (plain
+RoPE with the config's rope_theta), grouped-query attention with a causal (and, for Mistral, a
+sliding-window) mask, SwiGLU MLP, tied or untied lm_head, and Qwen2's q/k/v biases. int8 weights are
+dequantized inside the program: a Linear layer's weight is q * scale with one scale per output
+channel, so x @ (q * scale)^T is computed as (x @ q^T) * scale, the form weight-only int8 kernels use.
+
+`compute_dtype` is the activation dtype: float32 (default) measures the artifact's weights with as
+little rounding in the arithmetic as the reference has (float32 matmuls at HIGHEST precision, which
+TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
+
+Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
+mask keeps it from influencing), so one compiled program serves every window of a bucket. `greedy`
+decodes on a KV cache: one prefill, then one jitted step per token at a traced position.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from eval.runtimes.base import check_ids
+from kiln.errors import Deferred, InvalidInput, KilnError, StageFailed
+
+ComputeDtype = Literal["float32", "bfloat16"]
+MIN_BUCKET = 16
+
+
+def bucket(n: int) -> int:
+    """The padded length that serves `n` tokens: the next power of two, at least `MIN_BUCKET`."""
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+
+
+class JaxRuntime:
+    """An orbax artifact directory restored into JAX arrays and served by a jitted forward pass."""
+
+    name = "jax"
+
+    def __init__(self, artifact: str | Path, *, mesh: bool = False, compute_dtype: ComputeDtype = "float32") -> None:
+        try:
+            import jax
+            import orbax.checkpoint
+        except ImportError as e:
+            raise Deferred(
+                f"jax/orbax-checkpoint are not installed here ({e}); install kiln[build]",
+                details={"runtime_needed": "jax"},
+            ) from None
+        from targets.orbax.layout import FORMAT, FORMAT_VERSION, forward_config
+
+        if compute_dtype not in ("float32", "bfloat16"):
+            raise InvalidInput(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
+        self.path = Path(artifact)
+        if not self.path.is_dir():
+            raise InvalidInput(
+                f"orbax artifact {str(self.path)!r} is not a directory", details={"path": str(self.path)}
+            )
+        weights, sharding, config = (self._read_json(n) for n in ("weights.json", "sharding.json", "config.json"))
+        try:
+            self.config = forward_config(config)
+        except KilnError as e:
+            raise StageFailed(
+                f"the JAX forward cannot serve {str(self.path)!r}: {e.message}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path)},
+            ) from None
+        if weights.get("format") != FORMAT or weights.get("format_version") != FORMAT_VERSION:
+            raise StageFailed(
+                f"{str(self.path)!r} is not a {FORMAT} artifact of version {FORMAT_VERSION} "
+                f"(weights.json says {weights.get('format')!r} version {weights.get('format_version')!r})",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path)},
+            )
+        self.quant = str(weights.get("quant"))
+        try:
+            self.mesh = _device_mesh(sharding["mesh"]) if mesh else None
+            self.params = _restore(self.path / weights["checkpoint"], weights["tensors"], sharding, self.mesh)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise StageFailed(
+                f"orbax artifact {str(self.path)!r}: weights.json or sharding.json is malformed ({e!r})",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path)},
+            ) from None
+        self.vocab_size = self.config.vocab_size
+        dtype = jax.numpy.dtype(compute_dtype)
+        precision = jax.lax.Precision.HIGHEST if compute_dtype == "float32" else jax.lax.Precision.DEFAULT
+        step = partial(_forward, cfg=self.config, dtype=dtype, precision=precision)
+        self._window = jax.jit(lambda params, tokens: _prefill(step, params, tokens, len(tokens))[0])
+        self._prefill = jax.jit(partial(_prefill, step), static_argnames=("cache_len",))
+        self._decode = jax.jit(step)
+        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax.checkpoint.__version__}"
+
+    def _read_json(self, name: str) -> dict[str, Any]:
+        try:
+            value = json.loads((self.path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise StageFailed(
+                f"orbax artifact {str(self.path)!r}: cannot read {name}: {e}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path), "file": name},
+            ) from None
+        if not isinstance(value, dict):
+            raise StageFailed(f"orbax artifact: {name} is not a JSON object", code="EVAL_RUNTIME_LOAD_FAILED")
+        return value
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = check_ids(token_ids, self.vocab_size, self.name)
+        padded = np.zeros(bucket(len(ids)), dtype=np.int32)
+        padded[: len(ids)] = ids
+        out = self._window(self.params, padded)
+        return np.array(out[: len(ids)], dtype=np.float32)  # a writable copy, as every runtime returns
+
+    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+        ids = check_ids(prompt_ids, self.vocab_size, self.name)
+        if n <= 0:
+            return []
+        padded = np.zeros(bucket(len(ids)), dtype=np.int32)
+        padded[: len(ids)] = ids
+        logits, cache = self._prefill(self.params, padded, cache_len=bucket(len(ids) + n))
+        tok = int(np.argmax(np.asarray(logits[len(ids) - 1])))
+        generated = [tok]
+        for i in range(1, n):
+            # The token generated last goes in at the next position; its logits give the next token.
+            position = np.int32(len(ids) + i - 1)
+            logits, cache = self._decode(self.params, np.array([tok], dtype=np.int32), position, cache)
+            tok = int(np.argmax(np.asarray(logits[0])))
+            generated.append(tok)
+        return generated
+
+    def close(self) -> None:
+        self.params = {}
+
+
+def _device_mesh(axes: dict[str, int]) -> Any:
+    """The artifact's mesh over this machine's first devices; deferred when it has too few."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    shape = tuple(int(s) for s in axes.values())
+    needed = int(np.prod(shape))
+    devices = jax.devices()
+    if len(devices) < needed:
+        raise Deferred(
+            f"the artifact's mesh {axes} needs {needed} devices; this machine has {len(devices)} "
+            f"({devices[0].platform})",
+            details={"runtime_needed": f"jax on {needed} devices"},
+        )
+    grid = np.array(devices[:needed]).reshape(shape)
+    return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _restore(checkpoint: Path, tensors: dict[str, Any], sharding: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """`{name: jax.Array}` restored by orbax, each placed by its partition spec on `mesh` (or on one device)."""
+    import jax
+    import orbax.checkpoint.experimental.v1 as ocp
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    from targets.orbax.layout import flatten, nest
+    from targets.orbax.writer import quiet_orbax
+
+    specs = sharding["partition_specs"]
+    if set(specs) != set(tensors):
+        raise StageFailed("orbax artifact: sharding.json and weights.json list different tensors")
+
+    def place(name: str) -> Any:
+        if mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(mesh, PartitionSpec(*specs[name]))
+
+    abstract = {
+        name: jax.ShapeDtypeStruct(tuple(t["shape"]), jax.numpy.dtype(t["dtype"]), sharding=place(name))
+        for name, t in tensors.items()
+    }
+    try:
+        with quiet_orbax():
+            stored = dict(flatten(ocp.metadata(checkpoint).metadata))
+            for name, want in abstract.items():
+                have = stored.get(name)
+                if have is None or tuple(have.shape) != want.shape or np.dtype(have.dtype) != want.dtype:
+                    raise StageFailed(
+                        f"orbax checkpoint {str(checkpoint)!r}: tensor {name!r} is "
+                        f"{'missing' if have is None else f'{have.dtype} {list(have.shape)}'}, weights.json says "
+                        f"{want.dtype} {list(want.shape)}",
+                        code="EVAL_RUNTIME_LOAD_FAILED",
+                        details={"tensor": name},
+                    )
+            restored = ocp.load(checkpoint, nest(abstract))
+    except (OSError, ValueError) as e:
+        raise StageFailed(
+            f"orbax could not restore {str(checkpoint)!r}: {e}",
+            code="EVAL_RUNTIME_LOAD_FAILED",
+            details={"runtime": "jax", "path": str(checkpoint)},
+        ) from None
+    return dict(flatten(restored))
+
+
+# --- the forward pass (pure functions of the parameters; traced once per padded shape) -----------------
+
+
+def _linear(params: dict[str, Any], module: str, x: Any, dtype: Any, precision: Any) -> Any:
+    import jax.numpy as jnp
+
+    w = params[module + ".weight"]
+    y = jnp.einsum("ti,oi->to", x, w.astype(dtype), precision=precision)
+    scale = params.get(module + ".weight_scale")
+    if scale is not None:  # int8: x @ (q * s)^T == (x @ q^T) * s, s per output channel
+        y = y * scale.astype(dtype)
+    bias = params.get(module + ".bias")
+    if bias is not None:
+        y = y + bias.astype(dtype)
+    return y
+
+
+def _rms_norm(x: Any, weight: Any, eps: float, dtype: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * normed).astype(dtype)
+
+
+def _rope(x: Any, positions: Any, theta: float) -> Any:
+    """Rotary embedding, transformers' layout: the two halves of each head are rotated as (x1, x2) pairs."""
+    import jax.numpy as jnp
+
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _forward(
+    params: dict[str, Any], tokens: Any, start: Any, cache: Any, *, cfg: Any, dtype: Any, precision: Any
+) -> tuple[Any, Any]:
+    """Logits [T, V] (float32) of `tokens` [T] at positions start..start+T-1, and the KV cache with them written.
+
+    `cache` holds one (keys, values) pair of [S, kv_heads, head_dim] per layer; a query attends to the
+    cached keys at positions up to its own (within the sliding window, if any).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    t = tokens.shape[0]
+    s = cache[0][0].shape[0]
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    positions = start + jnp.arange(t, dtype=jnp.int32)
+    keys_at = jnp.arange(s, dtype=jnp.int32)
+    visible = keys_at[None, :] <= positions[:, None]
+    if cfg.sliding_window is not None:
+        visible &= positions[:, None] - keys_at[None, :] < cfg.sliding_window
+
+    x = params["model.embed_tokens.weight"][tokens].astype(dtype)
+    new_cache = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = _rms_norm(x, params[p + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        q = _linear(params, p + "self_attn.q_proj", h, dtype, precision).reshape(t, nh, hd)
+        k = _linear(params, p + "self_attn.k_proj", h, dtype, precision).reshape(t, nkv, hd)
+        v = _linear(params, p + "self_attn.v_proj", h, dtype, precision).reshape(t, nkv, hd)
+        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        ck = jax.lax.dynamic_update_slice(cache[i][0], k.astype(cache[i][0].dtype), (start, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cache[i][1], v.astype(cache[i][1].dtype), (start, 0, 0))
+        new_cache.append((ck, cv))
+        # Grouped-query attention: query head j reads kv head j // (nh / nkv).
+        qg = q.reshape(t, nkv, nh // nkv, hd)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, ck, precision=precision).astype(jnp.float32) * hd**-0.5
+        scores = jnp.where(visible[None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        attn = jnp.einsum("kgts,skd->tkgd", probs, cv, precision=precision).reshape(t, nh * hd)
+        x = x + _linear(params, p + "self_attn.o_proj", attn, dtype, precision)
+        h = _rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        gate = _linear(params, p + "mlp.gate_proj", h, dtype, precision)
+        up = _linear(params, p + "mlp.up_proj", h, dtype, precision)
+        x = x + _linear(params, p + "mlp.down_proj", jax.nn.silu(gate) * up, dtype, precision)
+    h = _rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps, dtype)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    logits = jnp.einsum("th,vh->tv", h, head.astype(dtype), precision=precision)
+    return logits.astype(jnp.float32), tuple(new_cache)
+
+
+def _prefill(step: Any, params: dict[str, Any], tokens: Any, cache_len: int) -> tuple[Any, Any]:
+    """`step` over `tokens` from position 0 on an empty cache of `cache_len` positions."""
+    import jax.numpy as jnp
+
+    cfg, dtype = step.keywords["cfg"], step.keywords["dtype"]
+    shape = (cache_len, cfg.num_kv_heads, cfg.head_dim)
+    cache = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+    return step(params, tokens, 0, cache)  # type: ignore[no-any-return]

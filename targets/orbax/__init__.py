@@ -1,0 +1,51 @@
+"""The `orbax` target: the weights as an orbax checkpoint of JAX arrays, with a sharding plan for a TPU mesh.
+
+Layout: `layout` (the artifact's files, quants and the model features served, as data), `sharding`
+(the tensor-parallel plan on a mesh), `writer` (streaming orbax checkpoint writer, a state machine),
+`export` (the stage function). Served by kiln's JAX forward (`eval.runtimes.jax_runtime`), which
+restores the checkpoint with orbax, on CPU in tests and on TPU v5e/v5p in production.
+Only plain-data modules are imported here: the registry server imports `targets` and has no jax.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from targets.base import TargetSpec, register
+
+from .layout import INT8, QUANTS, TPU_HARDWARE, compatibility
+from .sharding import mesh_from_params
+
+if TYPE_CHECKING:
+    from pipeline.ingest import SourceModel
+    from targets.base import ExportRequest, ExportResult
+
+CODE_VERSION = "orbax-1"
+
+
+def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
+    from .export import export
+
+    return export(source, req)
+
+
+def _check_params(params: dict[str, Any]) -> None:
+    """Refuse a bad `mesh` when the recipe is read, before any stage runs (the model's fit is checked at export)."""
+    mesh_from_params(params)
+
+
+SPEC = register(
+    TargetSpec(
+        name="orbax",
+        format="orbax-checkpoint",
+        quants=tuple(QUANTS),
+        hardware=TPU_HARDWARE,
+        runtime="jax",
+        code_version=CODE_VERSION,
+        export=_export,
+        description="orbax checkpoint of JAX arrays with a tensor-parallel sharding plan, for JAX/XLA on TPU",
+        quantized_input=(INT8,),
+        compatibility_fn=compatibility,
+        check_params=_check_params,
+    )
+)

@@ -1,0 +1,175 @@
+"""Write the orbax artifact: the weights as JAX-ready arrays, streamed one source tensor at a time.
+
+Everything is planned from headers first (every tensor's dtype and shape, and its place on the
+mesh), so a model that cannot be sharded on the recipe's mesh is refused before anything is
+written. Then each source tensor is read (`SourceModel.tensor`, memory-mapped), converted and handed
+to the checkpoint writer, and dropped: peak memory is one tensor and its converted arrays.
+
+int8 takes its values from the shared quantize stage (the weight-only int8 scheme, `layout.INT8`),
+the same integers and scales the hf-bundle of that scheme packs for vLLM, stored here unpacked as
+int8 with float32 scales.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from kiln.errors import InvalidInput, StageFailed, UnknownName
+from targets.base import ExportRequest, ExportResult
+from targets.orbax.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    COPIED_FILES,
+    FORMAT,
+    FORMAT_VERSION,
+    QUANTS,
+    SCALE_SUFFIX,
+    SHARDING_FILE,
+    WEIGHTS_FILE,
+    QuantLayout,
+    compatibility,
+    forward_config,
+)
+from targets.orbax.sharding import TENSOR_AXIS, HeadLayout, mesh_from_params, plan_sharding
+from targets.orbax.writer import OrbaxWriter
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from pipeline.ingest import SourceModel
+    from pipeline.quantize.store import QuantizedWeights
+
+
+def plan_tensors(source: SourceModel, layout: QuantLayout, quantized: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every checkpoint tensor `{name: (dtype, shape)}` in write order, from the source header alone."""
+    planned: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, info in source.tensors.items():
+        if _quantized(quantized, name):
+            planned[name] = (layout.linear_dtype, info.shape)
+            planned[name + SCALE_SUFFIX] = ("float32", info.shape[:1])
+        else:
+            planned[name] = (layout.other_dtype, info.shape)
+    return planned
+
+
+def _quantized(quantized: QuantizedWeights | None, name: str) -> bool:
+    from pipeline.quantize.rtn import quantizes
+
+    return quantized is not None and quantizes(quantized.scheme, name)
+
+
+def bf16_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a numpy bfloat16 array (ml_dtypes), bit for bit what torch holds after rounding to bf16."""
+    import jax.numpy as jnp
+    import torch
+
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+
+
+def int8_arrays(name: str, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[str, np.ndarray]]:
+    """`<module>.weight` as int8 values q and `<module>.weight_scale` [out] from a weight that is exactly q * scale.
+
+    `weight` is the quantize stage's dequantized float32 weight and `scale` its per-channel scales; a
+    weight that is not exactly q * scale with q in int8 means the stage's layout changed, and is an error.
+    """
+    import torch
+
+    s = scale.float().reshape(-1, 1)
+    q = torch.round(weight.float() / s)
+    if q.min() < -128 or q.max() > 127 or not torch.equal(q * s, weight.float()):
+        raise StageFailed(
+            f"orbax: {name} from the quantize stage is not int8 values times per-channel scales",
+            code="ORBAX_INT8_MISMATCH",
+            details={"tensor": name},
+        )
+    yield name, q.to(torch.int8).numpy()
+    yield name + SCALE_SUFFIX, s.reshape(-1).numpy()
+
+
+def checkpoint_arrays(
+    source: SourceModel, quantized: QuantizedWeights | None
+) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """The checkpoint's arrays, one group per source tensor (a weight with its scale), in source order.
+
+    Each group is built by a call whose locals die when it returns, so nothing here keeps a tensor
+    alive while the next one is read.
+    """
+    for name in source.tensors:
+        yield _arrays_for(source, quantized, name)
+
+
+def _arrays_for(source: SourceModel, quantized: QuantizedWeights | None, name: str) -> list[tuple[str, np.ndarray]]:
+    from pipeline.quantize.rtn import dequantize
+
+    if quantized is not None and _quantized(quantized, name):
+        module = name.removesuffix(".weight")
+        stored = {q: quantized.tensor(q) for q in quantized.module_tensors(name)}
+        return list(int8_arrays(name, dequantize(quantized.scheme, module, stored), stored[f"{module}.weight_scale"]))
+    if quantized is not None and quantized.replaces(name):  # a tensor calibration changed
+        return [(name, bf16_array(quantized.tensor(name)))]
+    return [(name, bf16_array(source.tensor(name)))]
+
+
+def export(source: SourceModel, req: ExportRequest) -> ExportResult:
+    """Write the orbax artifact for `req.quant` into `req.out_dir` (see `targets.orbax.layout`)."""
+    layout = QUANTS.get(req.quant)
+    if layout is None:
+        raise UnknownName(
+            f"orbax: unknown quant {req.quant!r}; known: {', '.join(QUANTS)}", details={"known": list(QUANTS)}
+        )
+    quantized = req.quantized
+    if layout.quantized != (quantized is not None) or (quantized is not None and quantized.scheme.name != req.quant):
+        want = f"the quantize stage output for {req.quant}" if layout.quantized else "no quantized input"
+        raise InvalidInput(f"orbax-{req.quant}: needs {want}")
+    mesh = mesh_from_params(req.params)
+    cfg = forward_config(source.config)
+    planned = plan_tensors(source, layout, quantized)
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    specs, notes = plan_sharding({n: shape for n, (_, shape) in planned.items()}, heads, mesh)
+
+    out = req.out_dir
+    writer = OrbaxWriter(out / CHECKPOINT_DIR, planned)
+    for group in checkpoint_arrays(source, quantized):
+        writer.write(dict(group))
+        req.on_progress(source.tensors[group[0][0]].nbytes)
+        del group  # before the next tensor is read: one source tensor in memory at a time
+    writer.finish()
+
+    shutil.copyfile(source.root / CONFIG_FILE, out / CONFIG_FILE)
+    for name in (*COPIED_FILES, *source.tokenizer_files):
+        if (source.root / name).is_file():
+            shutil.copyfile(source.root / name, out / name)
+    weights = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "quant": layout.name,
+        "description": layout.description,
+        "checkpoint": CHECKPOINT_DIR,
+        "tensors": {n: {"dtype": d, "shape": list(s)} for n, (d, s) in planned.items()},
+    }
+    sharding = {
+        "mesh": mesh.as_dict(),
+        "tensor_parallel_axis": TENSOR_AXIS,
+        "partition_specs": {n: list(spec) for n, spec in specs.items()},
+        "notes": notes,
+    }
+    (out / WEIGHTS_FILE).write_text(json.dumps(weights, indent=2) + "\n")
+    (out / SHARDING_FILE).write_text(json.dumps(sharding, indent=2) + "\n")
+
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    return ExportResult(
+        files=files,
+        runtime={
+            "framework": "jax",
+            "loaders": {"jax": ">=0.10", "orbax-checkpoint": ">=0.12.8"},
+            "architecture": cfg.architecture,
+            "weights": layout.description,
+            "mesh": mesh.as_dict(),
+        },
+        details={"tensors": len(planned), "sharding_notes": notes},
+        hardware={hw: v.reason for hw, v in compatibility(req.quant, req.params).items() if v.compatible},
+    )
