@@ -51,6 +51,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Manage the registry database schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+token_app = typer.Typer(help="Manage registry API tokens (needs the admin scope).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
 WorkDirOpt = Annotated[
@@ -59,7 +61,9 @@ WorkDirOpt = Annotated[
 RegistryOpt = Annotated[
     str,
     typer.Option(
-        "--registry", envvar="KILN_REGISTRY", help="Registry URL (http://...) or embedded registry directory."
+        "--registry",
+        envvar="KILN_REGISTRY",
+        help="Registry URL (http://..., token from $KILN_TOKEN), embedded registry directory, or database URL.",
     ),
 ]
 DEFAULT_WORK = Path(".kiln/work")
@@ -194,9 +198,7 @@ def promote(
     """Point CHANNEL of MODEL at VERSION (refused while an artifact failed its eval gate)."""
     from registry.client import RegistryClient
 
-    model, sep, version = ref.partition("@")
-    if not sep or not model or not version:
-        raise InvalidInput(f"expected MODEL@VERSION, got {ref!r}")
+    model, version = _split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.promote(model, version, channel, force=force, reason=reason, actor=os.environ.get("USER"))
     if as_json:
@@ -286,6 +288,108 @@ def inspect(file: Path, as_json: JsonOpt = False) -> None:
     for t in info["tensors"]:
         table.add_row(t["name"], t["dtype"], str(t["shape"]), str(t["nbytes"]))
     err.print(table)
+
+
+def _split_ref(ref: str) -> tuple[str, str]:
+    model, sep, version = ref.partition("@")
+    if not sep or not model or not version:
+        raise InvalidInput(f"expected MODEL@VERSION, got {ref!r}")
+    return model, version
+
+
+@token_app.command("create")
+def token_create(
+    name: str,
+    scopes: Annotated[str, typer.Option(help="Comma-separated: read, publish, promote, admin.")],
+    models: Annotated[str, typer.Option(help="Comma-separated model name patterns (default: all).")] = "",
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create an API token; its secret is printed once, on stdout."""
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        out = client.create_token(name, [s for s in scopes.split(",") if s], [m for m in models.split(",") if m])
+    if as_json:
+        _emit(out)
+        return
+    err.print(f"token {out['id']} {out['name']!r}: scopes {', '.join(out['scopes'])}; store the secret now")
+    print(out["token"])
+
+
+@token_app.command("list")
+def token_list(registry: RegistryOpt = DEFAULT_REGISTRY, as_json: JsonOpt = False) -> None:
+    """API tokens (never their secrets)."""
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        tokens = client.list_tokens()
+    if as_json:
+        _emit(tokens)
+        return
+    for t in tokens:
+        state = f"revoked {t['revoked_at']}" if t["revoked_at"] else "active"
+        models = ", ".join(t["models"]) or "all models"
+        print(f"{t['id']:>4}  {t['name']:<24} {t['prefix']}…  {','.join(t['scopes']):<22} {models:<20} {state}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: int,
+    reason: Annotated[str | None, typer.Option(help="Why; recorded in the audit log.")] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Revoke an API token (audited)."""
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        out = client.revoke_token(token_id, reason)
+    if as_json:
+        _emit(out)
+    else:
+        err.print(f"token {out['id']} {out['name']!r} revoked")
+
+
+@app.command()
+def yank(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    reason: Annotated[str, typer.Option(help="Why; recorded in the audit log.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Yank a release: it stays stored, but resolve and downloads by channel never return it again."""
+    from registry.client import RegistryClient
+
+    model, version = _split_ref(ref)
+    with RegistryClient.connect(registry) as client:
+        out = client.yank(model, version, reason)
+    if as_json:
+        _emit(out)
+    else:
+        err.print(f"{model}@{version} yanked: {reason}")
+
+
+@app.command()
+def audit(
+    model: Annotated[str | None, typer.Option(help="Only events about this model.")] = None,
+    limit: Annotated[int, typer.Option(help="How many events, newest first.")] = 50,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit log: promotions, forced promotions, yanks and token changes (who, what, when, why)."""
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        events = client.audit(model, limit)
+    if as_json:
+        _emit(events)
+        return
+    for e in events:
+        why = f"  reason: {e['reason']}" if e.get("reason") else ""
+        change = e.get("details", {})
+        before_after = f"  {change.get('before')} -> {change.get('after')}" if "after" in change else ""
+        print(f"{e['at']}  {e['actor']:<28} {e['action']:<24} {e['target']}{before_after}{why}")
 
 
 def main() -> None:

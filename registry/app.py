@@ -26,10 +26,13 @@ from registry.api.errors import install_error_handlers
 from registry.api.health import router as health_router
 from registry.artifacts.routes import router as artifacts_router
 from registry.audit.routes import router as audit_router
+from registry.auth.cache import TokenCache
+from registry.auth.routes import router as auth_router
 from registry.blobs.routes import router as blobs_router
 from registry.blobs.store import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
+from registry.deps import require
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
 from registry.releases.routes import router as releases_router
@@ -45,6 +48,7 @@ OPENAPI_TAGS = [
     {"name": "channels", "description": "dev/staging/prod aliases; promotion is gated on evals."},
     {"name": "resolve", "description": "What a node of some hardware should load."},
     {"name": "audit", "description": "Audit log."},
+    {"name": "tokens", "description": "API tokens with scopes (admin)."},
     {"name": "health", "description": "Liveness."},
     {"name": "hf-compat", "description": "Hugging Face Hub-compatible downloads (HF_ENDPOINT=<registry>)."},
 ]
@@ -64,6 +68,9 @@ def _check_schema(engine: Engine, settings: RegistrySettings) -> None:
             code="DB_NOT_MIGRATED",
             details={"current": current, "head": head},
         )
+
+
+READ = require("read")
 
 
 def create_app(settings: RegistrySettings | None = None) -> FastAPI:
@@ -103,6 +110,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.session_factory = create_session_factory(engine)
     app.state.blob_store = blob_store
     app.state.resolve_cache = ResolveCache()
+    app.state.token_cache = TokenCache(app.state.session_factory)
     install_error_handlers(app)
     for router in (
         models_router,
@@ -112,8 +120,12 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         channels_router,
         resolve_router,
         audit_router,
+        auth_router,
     ):
-        app.include_router(router, prefix="/v1")
+        # Every API route needs at least `read` (anonymous when settings.anonymous_read); routes
+        # that change anything add their own scope.
+        app.include_router(router, prefix="/v1", dependencies=[READ])
     app.include_router(health_router)
-    app.include_router(hf_compat_router)  # last: its /{repo}/resolve/... patterns are the most general
+    # Last: its /{repo}/resolve/... patterns are the most general.
+    app.include_router(hf_compat_router, dependencies=[READ])
     return app

@@ -11,6 +11,7 @@ come back as the matching `kiln.errors` class, carrying the server's code, messa
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,11 +119,20 @@ class RegistryClient:
         self._on_close = on_close or http.close
 
     @classmethod
-    def connect(cls, url_or_dir: str | Path, *, headers: dict[str, str] | None = None) -> RegistryClient:
-        """A client for `http(s)://...` (a server) or a directory (the embedded registry, created if new)."""
+    def connect(
+        cls, url_or_dir: str | Path, *, headers: dict[str, str] | None = None, token: str | None = None
+    ) -> RegistryClient:
+        """A client for `http(s)://...` (a server), a database URL, or a directory (the embedded registry).
+
+        A server gets `token` (default: $KILN_TOKEN) as `Authorization: Bearer`. A directory or a
+        database URL (`postgresql://...`, `sqlite:///...`) is opened in process with access control
+        off: whoever can open the database is its administrator (how the first admin token is made).
+        """
         target = str(url_or_dir)
         if target.startswith(("http://", "https://")):
             timeout = httpx2.Timeout(300.0, connect=10.0)
+            token = token or os.environ.get("KILN_TOKEN")
+            headers = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token else {})}
             return cls(httpx2.Client(base_url=target.rstrip("/"), headers=headers, timeout=timeout), target)
         # Imported here: talking to a server needs none of the server's code.
         from starlette.testclient import TestClient
@@ -131,7 +141,10 @@ class RegistryClient:
         from registry.settings import RegistrySettings
 
         # Download URLs name the server `kiln serve --data-dir DIR` runs by default over the same directory.
-        settings = RegistrySettings(data_dir=Path(target))
+        if target.startswith(("postgresql", "sqlite:")):
+            settings = RegistrySettings(database_url=target, auth_required=False)
+        else:
+            settings = RegistrySettings(data_dir=Path(target), auth_required=False)
         if settings.public_url is None:
             settings = settings.model_copy(update={"public_url": EMBEDDED_PUBLIC_URL})
         app = create_app(settings)
@@ -296,4 +309,31 @@ class RegistryClient:
             "concurrency": concurrency,
         }
         result: dict[str, Any] = self._json("GET", "/v1/resolve", params=params)
+        return result
+
+    # -- access control and audit ----------------------------------------------------------------
+
+    def create_token(self, name: str, scopes: list[str], models: list[str] | None = None) -> dict[str, Any]:
+        """A new API token; the response holds its secret (shown once)."""
+        body = {"name": name, "scopes": scopes, "models": models or []}
+        result: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
+        return result
+
+    def list_tokens(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._json("GET", "/v1/tokens")
+        return result
+
+    def revoke_token(self, token_id: int, reason: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("POST", f"/v1/tokens/{token_id}/revoke", json={"reason": reason})
+        return result
+
+    def yank(self, model: str, version: str, reason: str) -> dict[str, Any]:
+        """Yank a release: kept, never resolved or promoted again."""
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/yank"
+        result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
+        return result
+
+    def audit(self, model: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"limit": limit} | ({"model": model} if model else {})
+        result: list[dict[str, Any]] = self._json("GET", "/v1/audit", params=params)
         return result

@@ -64,6 +64,7 @@ def registry_metadata() -> MetaData:
     """The whole schema: imports every domain's ORM module so that its tables are registered."""
     from registry.artifacts import models as _artifacts  # noqa: F401
     from registry.audit import models as _audit  # noqa: F401
+    from registry.auth import models as _auth  # noqa: F401
     from registry.blobs import models as _blobs  # noqa: F401
     from registry.channels import models as _channels  # noqa: F401
     from registry.models import models as _models  # noqa: F401

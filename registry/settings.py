@@ -29,6 +29,14 @@ class RegistrySettings(BaseSettings):
         default=None, description="base URL for download links; default: the URL the request came to"
     )
     max_upload_bytes: int = Field(default=256 * 1024**3, gt=0, description="largest accepted blob upload")
+    auth_required: bool = Field(
+        default=True,
+        description="requests need API tokens with scopes; off only for the in-process embedded registry",
+    )
+    anonymous_read: bool = Field(default=True, description="reads (list, resolve, download) without a token")
+    protected_channels: list[str] = Field(
+        default_factory=lambda: ["prod"], description="channels whose promotion needs the `promote` scope"
+    )
 
     @property
     def is_embedded(self) -> bool:

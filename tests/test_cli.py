@@ -109,3 +109,22 @@ def test_usage_errors_exit_2_with_a_usage_line() -> None:
     assert out.returncode == 2
     assert "Missing argument" in out.stderr and "Traceback" not in out.stderr
     assert kiln("no-such-command").returncode == 2
+
+
+def test_tokens_yank_and_audit_from_the_cli(tmp_path: Path) -> None:
+    registry = str(tmp_path / "registry")
+    made = kiln("token", "create", "ci", "--scopes", "publish,promote", "--models", "tiny*", "--registry", registry)
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    assert secret.startswith("kiln_") and "ci" in made.stderr
+    listed = json.loads(kiln("token", "list", "--registry", registry, "--json").stdout)
+    assert [(t["name"], t["scopes"], t["models"]) for t in listed] == [("ci", ["promote", "publish"], ["tiny*"])]
+    assert secret not in json.dumps(listed)
+    assert kiln("token", "create", "x", "--scopes", "root", "--registry", registry).returncode == 2
+    assert kiln("token", "revoke", "1", "--reason", "rotated", "--registry", registry).returncode == 0
+    assert kiln("token", "revoke", "99", "--registry", registry).returncode == 4
+    missing = kiln("yank", "tiny@1.0", "--reason", "bad", "--registry", registry)
+    assert missing.returncode == 4 and "not found" in missing.stderr
+    events = json.loads(kiln("audit", "--registry", registry, "--json").stdout)
+    assert [e["action"] for e in events] == ["token.revoke", "token.create"]
+    assert events[0]["reason"] == "rotated" and events[0]["actor"] == "local"

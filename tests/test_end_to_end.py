@@ -47,6 +47,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
     port = _free_port()
     server_env = {**env, "KILN_REGISTRY_DATA_DIR": str(data)}
     kiln("db", "upgrade", env=server_env)
+    # The operator's first admin token, made with direct access to the database; clients use $KILN_TOKEN.
+    made = kiln("token", "create", "e2e", "--scopes", "admin", "--registry", str(data), env=env)
+    env["KILN_TOKEN"] = made.stdout.strip()
     log = open(data / "server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [*KILN, "serve", "--port", str(port)], env=server_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -113,6 +116,43 @@ def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, s
         assert out["choices"][0]["text"]
     finally:
         llm.close()
+
+
+def test_huggingface_hub_pulls_the_gguf_and_the_bundle(server: str, env: dict[str, str], tmp_path: Path) -> None:
+    """A serving node with HF_ENDPOINT at the registry pulls with the stock client, then loads what it got."""
+    kiln("publish", str(RECIPE), "--registry", server, env=env)
+    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    script = (
+        "import sys; from huggingface_hub import snapshot_download; "
+        "print(snapshot_download('tiny-llama', revision=sys.argv[1], cache_dir=sys.argv[2]))"
+    )
+    node_env = {**env, "HF_ENDPOINT": server, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    node_env.pop("KILN_TOKEN")  # anonymous read, as a serving node
+    pulled = {}
+    for revision in ("prod/gguf-q4_k_m", "prod/hf-bundle-bf16"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, revision, str(tmp_path / "hf")],
+            capture_output=True,
+            text=True,
+            env=node_env,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        pulled[revision] = Path(proc.stdout.strip().splitlines()[-1])
+    (gguf,) = pulled["prod/gguf-q4_k_m"].glob("*.gguf")
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=64, n_threads=2, verbose=False)
+    llm.close()
+    import torch
+    import transformers
+
+    bundle = pulled["prod/hf-bundle-bf16"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(bundle), dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bundle))
+    with torch.inference_mode():
+        logits = model(**tokenizer("def main():", return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()
 
 
 def test_tpu_pools_resolve_to_orbax_which_restores_from_the_registry(

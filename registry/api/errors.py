@@ -21,6 +21,7 @@ from kiln.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, 
 # Codes whose status differs from their class's. Looked up first.
 STATUS_BY_CODE: dict[str, int] = {
     "INVALID_REVISION": 400,
+    "CHANNEL_RELEASE_YANKED": 410,
     "PAYLOAD_TOO_LARGE": 413,
     "RANGE_NOT_SATISFIABLE": 416,
 }

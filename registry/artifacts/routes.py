@@ -14,9 +14,10 @@ from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts import service
 from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut, FileOut
 from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep
+from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
 from registry.settings import RegistrySettings
 
+PUBLISH = require("publish")
 router = APIRouter(tags=["artifacts"])
 
 ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
@@ -36,6 +37,7 @@ def _detail(
 
 @router.post(
     ARTIFACTS,
+    dependencies=[PUBLISH],
     status_code=201,
     summary="Publish an artifact manifest whose blobs are uploaded (200 if identical, 409 if different)",
     responses={
@@ -109,6 +111,7 @@ def download_file(
 
 @router.post(
     ARTIFACTS + "/{name}/evals",
+    dependencies=[PUBLISH],
     status_code=201,
     summary="Record one runtime's eval result (200 if identical, 409 if different)",
     responses={200: {"model": EvalOut, "description": "an identical result existed"}, **error_responses(404, 409, 422)},

@@ -16,8 +16,9 @@ from registry.blobs import service
 from registry.blobs.download import blob_response
 from registry.blobs.schemas import BlobOut
 from registry.blobs.store import DEFAULT_CHUNK
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep
+from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
 
+PUBLISH = require("publish")
 router = APIRouter(tags=["blobs"])
 
 
@@ -54,6 +55,7 @@ def _blocking_chunks(stream: AsyncIterator[bytes], limit: int, block: int = DEFA
 
 @router.put(
     "/blobs/{sha256}",
+    dependencies=[PUBLISH],
     status_code=201,
     summary="Upload a blob as the raw request body; stored only if its sha256 matches",
     openapi_extra={

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from sqlalchemy.orm import Session
 
 from registry.api.errors import error_responses
 from registry.api.params import ChannelName, ModelName
+from registry.auth.principal import Principal
 from registry.channels import service
 from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest
-from registry.deps import SessionDep
+from registry.deps import PrincipalDep, SessionDep, SettingsDep
 
 router = APIRouter(tags=["channels"])
 
@@ -35,12 +38,31 @@ def _detail(session: Session, model: str, channel: str) -> ChannelDetail:
     )
 
 
+async def may_promote(request: Request, principal: PrincipalDep, settings: SettingsDep) -> Principal:
+    """Protected channels (default: prod) need `promote`; the others are part of publishing.
+
+    A dependency, so a caller without the scope is refused before the body is even read."""
+    channel, model = request.path_params["channel"], request.path_params["model"]
+    principal.require("promote" if channel in settings.protected_channels else "publish", model)
+    return principal
+
+
 @router.post(
     "/models/{model}/channels/{channel}",
     summary="Promote a release to a channel (refused while an artifact failed its eval, unless forced)",
     responses=error_responses(404, 409, 422),
 )
-def promote(model: ModelName, channel: ChannelName, request: PromoteRequest, session: SessionDep) -> ChannelDetail:
+def promote(
+    model: ModelName,
+    channel: ChannelName,
+    request: PromoteRequest,
+    session: SessionDep,
+    principal: Annotated[Principal, Depends(may_promote)],
+) -> ChannelDetail:
+    # Who is recorded: the token; a name the client gives (a CI job, a person) is kept beside it.
+    if principal.name != "local":
+        actor = f"{principal.name} ({request.actor})" if request.actor else principal.name
+        request = request.model_copy(update={"actor": actor[:128]})
     service.promote(session, model, channel, request)
     return _detail(session, model, channel)
 

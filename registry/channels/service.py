@@ -56,6 +56,12 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest) ->
     channel history and the audit log, a forced one with its reason and the failures it overrode.
     """
     release = get_release(session, model, request.version, selectinload(Release.artifacts).selectinload(Artifact.evals))
+    if release.yanked_at is not None:
+        raise Conflict(
+            f"release {model}@{request.version} is yanked ({release.yank_reason}); promote another release",
+            code="RELEASE_YANKED",
+            details={"model": model, "version": request.version},
+        )
     if not release.artifacts:
         raise Conflict(
             f"release {model}@{request.version} has no artifacts to serve; publish some before promoting",

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request, Response
 
 from kiln.errors import NotFound
 from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, SessionDep
+from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
 from registry.hf_compat import service
 from registry.hf_compat.service import COMMIT, Resolved
 
@@ -67,10 +67,11 @@ def _revision_info(resolved: Resolved) -> dict[str, Any]:
 
 
 @router.get("/api/models/{path:path}", summary="Hub API: revision info and tree listing of an artifact")
-def hub_api(path: str, request: Request, session: SessionDep, recursive: bool = False) -> Any:
+def hub_api(path: str, request: Request, session: SessionDep, principal: PrincipalDep, recursive: bool = False) -> Any:
     segments = _raw_segments(request)  # ["api", "models", ...]
     keyword = "tree" if "tree" in segments[3:5] else "revision"
     repo, revision, rest = _split(segments, keyword, 2)
+    principal.require("read", service.model_name(repo))
     resolved = service.resolve_revision(session, repo, revision)
     if keyword == "revision":
         if rest:
@@ -79,8 +80,9 @@ def hub_api(path: str, request: Request, session: SessionDep, recursive: bool = 
     return service.tree_entries(resolved, "/".join(rest), recursive=recursive)
 
 
-def _resolve_file(request: Request, session: SessionDep, store: BlobStoreDep) -> Response:
+def _resolve_file(request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep) -> Response:
     repo, revision, rest = _split(_raw_segments(request), "resolve", 0)
+    principal.require("read", service.model_name(repo))
     resolved = service.resolve_revision(session, repo, revision)
     entry = service.find_file(resolved, "/".join(rest))
     response = blob_response(request, store, entry.sha256)
@@ -91,11 +93,13 @@ def _resolve_file(request: Request, session: SessionDep, store: BlobStoreDep) ->
     return response
 
 
-for _pattern in ("/{repo}/resolve/{path:path}", "/{namespace}/{repo}/resolve/{path:path}"):
-    router.add_api_route(
-        _pattern,
-        _resolve_file,
-        methods=["GET", "HEAD"],
-        summary="Hub API: download one file of an artifact (Range, ETag, X-Repo-Commit)",
-        response_class=Response,
-    )
+for _pattern, _where in (("/{repo}/resolve/{path:path}", ""), ("/{namespace}/{repo}/resolve/{path:path}", "_ns")):
+    for _method in ("GET", "HEAD"):
+        router.add_api_route(
+            _pattern,
+            _resolve_file,
+            methods=[_method],
+            operation_id=f"hub_resolve{_where}_{_method.lower()}",
+            summary="Hub API: download one file of an artifact (Range, ETag, X-Repo-Commit)",
+            response_class=Response,
+        )

@@ -121,10 +121,12 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
         select(Artifact)
         .join(Artifact.release)
         .where(Release.model_id == model_row.id, Release.version == version, Artifact.name == name)
-        .options(with_files)
+        .options(with_files, selectinload(Artifact.release))
     ).one_or_none()
     if artifact is None:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} has no artifact {name!r}")
+    if artifact.release.yanked_at is not None:
+        raise _revision_not_found(repo_id, revision, f"release {model}@{version} is yanked")
     return Resolved(repo_id, model, version, artifact)
 
 

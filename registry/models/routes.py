@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Response
 
 from registry.api.errors import error_responses
 from registry.api.params import ModelName
+from registry.auth.principal import Principal
 from registry.channels.service import model_channel_versions
-from registry.deps import SessionDep
+from registry.deps import SessionDep, require
 from registry.models import service
 from registry.models.models import Model
 from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
 from registry.releases.service import list_releases
 
+PUBLISH = require("publish")
 router = APIRouter(tags=["models"])
 
 
@@ -26,7 +30,10 @@ def _out(row: Model) -> ModelOut:
     summary="Create a model (200 if an identical one exists)",
     responses={200: {"model": ModelOut, "description": "the model already existed"}, **error_responses(409, 422)},
 )
-def create_model(spec: ModelCreate, session: SessionDep, response: Response) -> ModelOut:
+def create_model(
+    spec: ModelCreate, session: SessionDep, response: Response, principal: Annotated[Principal, PUBLISH]
+) -> ModelOut:
+    principal.require("publish", spec.name)  # a token limited to model patterns creates only those
     row, created = service.create_model(session, spec)
     if not created:
         response.status_code = 200

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ForeignKey, String, UniqueConstraint
+from sqlalchemy import ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from registry.db import Base, utcnow
@@ -27,6 +27,10 @@ class Release(Base):
     # The architecture (layers, KV heads, head_dim, ...) that resolve uses to size the KV cache.
     model_config: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Yanked releases stay (a channel may still name one) but are never resolved, downloaded by
+    # revision, or promoted.
+    yanked_at: Mapped[datetime | None] = mapped_column(default=None)
+    yank_reason: Mapped[str | None] = mapped_column(Text, default=None)
 
     model: Mapped[Model] = relationship(lazy="raise")
     artifacts: Mapped[list[Artifact]] = relationship(back_populates="release", lazy="raise", order_by="Artifact.name")

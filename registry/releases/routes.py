@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Response
 from sqlalchemy.orm import selectinload
 
@@ -9,12 +11,14 @@ from registry.api.errors import error_responses
 from registry.api.params import ModelName, Version
 from registry.artifacts.models import Artifact
 from registry.artifacts.schemas import ArtifactSummary
+from registry.auth.principal import Principal
 from registry.channels.service import channels_of_release
-from registry.deps import SessionDep
+from registry.deps import SessionDep, require
 from registry.releases import service
 from registry.releases.models import Release
-from registry.releases.schemas import ReleaseCreate, ReleaseDetail, ReleaseOut
+from registry.releases.schemas import ReleaseCreate, ReleaseDetail, ReleaseOut, YankRequest
 
+PUBLISH = require("publish")
 router = APIRouter(tags=["releases"])
 
 
@@ -26,11 +30,14 @@ def _fields(row: Release, model: str) -> dict[str, object]:
         "lineage": row.lineage,
         "model_config": row.model_config,
         "created_at": row.created_at,
+        "yanked_at": row.yanked_at,
+        "yank_reason": row.yank_reason,
     }
 
 
 @router.post(
     "/models/{model}/releases",
+    dependencies=[PUBLISH],
     status_code=201,
     summary="Create a release (200 if identical; 409 if the version exists with other content)",
     responses={
@@ -64,3 +71,19 @@ def get_release(model: ModelName, version: Version, session: SessionDep) -> Rele
             "channels": channels_of_release(session, row.id),
         }
     )
+
+
+@router.post(
+    "/models/{model}/releases/{version}/yank",
+    summary="Yank a release: kept, but never resolved, downloaded by revision or promoted again",
+    responses=error_responses(404, 422),
+)
+def yank_release(
+    model: ModelName,
+    version: Version,
+    body: YankRequest,
+    session: SessionDep,
+    principal: Annotated[Principal, require("promote")],
+) -> ReleaseOut:
+    row = service.yank_release(session, model, version, body.reason, principal.name)
+    return ReleaseOut.model_validate(_fields(row, model))

@@ -36,6 +36,14 @@ class ReleaseOut(BaseModel):
     lineage: dict[str, Any]
     architecture: dict[str, Any] = Field(alias="model_config")
     created_at: datetime
+    yanked_at: datetime | None = Field(default=None, description="set when yanked: resolve never returns it")
+    yank_reason: str | None = None
+
+
+class YankRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=10_000, description="why (audited)")
 
 
 class ReleaseDetail(ReleaseOut):

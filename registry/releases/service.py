@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kiln.errors import Conflict, NotFound
-from registry.db import insert_once
+from registry.db import insert_once, utcnow
 from registry.models.models import Model
 from registry.models.service import get_model
 from registry.releases.models import Release
@@ -67,3 +67,29 @@ def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[R
     )
     row, created = insert_once(session, row, lambda: find_release(session, model, spec.version))
     return (row, True) if created else (same(row), False)
+
+
+def yank_release(session: Session, model: str, version: str, reason: str, actor: str) -> Release:
+    """Mark a release yanked (idempotent), audited with who, why and the channels still naming it."""
+    from registry.audit import service as audit
+    from registry.channels.service import channels_of_release
+
+    release = get_release(session, model, version)
+    if release.yanked_at is None:
+        release.yanked_at = utcnow()
+        release.yank_reason = reason
+        audit.record(
+            session,
+            action="release.yank",
+            target=f"{model}@{version}",
+            model=model,
+            actor=actor,
+            reason=reason,
+            details={
+                "before": {"yanked": False},
+                "after": {"yanked": True},
+                "channels": channels_of_release(session, release.id),
+            },
+        )
+        session.commit()
+    return release

@@ -139,7 +139,7 @@ _EVAL_COUNT = (
 )
 # Built once with bound parameters, so SQLAlchemy's compiled-statement cache hit is cheap.
 _FINGERPRINT = (
-    select(Release.id, Release.version, _ARTIFACT_COUNT, _EVAL_COUNT)
+    select(Release.id, Release.version, _ARTIFACT_COUNT, _EVAL_COUNT, Release.yanked_at)
     .join(Channel, Channel.release_id == Release.id)
     .join(Model, Model.id == Channel.model_id)
     .where(Model.name == bindparam("model"), Channel.name == bindparam("channel"))
@@ -203,7 +203,14 @@ def channel_snapshot(session: Session, model: str, channel: str) -> SnapshotKey:
     row = session.connection().execute(_FINGERPRINT, {"model": model, "channel": channel}).one_or_none()
     if row is None:
         raise _channel_not_found(session, model, channel)
-    release_id, version, n_artifacts, n_evals = row
+    release_id, version, n_artifacts, n_evals, yanked_at = row
+    if yanked_at is not None:
+        raise NotFound(
+            f"channel {channel!r} of {model!r} points at release {version}, which is yanked; "
+            "resolve never returns a yanked release: promote another one",
+            code="CHANNEL_RELEASE_YANKED",
+            details={"model": model, "channel": channel, "version": version},
+        )
     return SnapshotKey(release_id, version, n_artifacts, n_evals)
 
 

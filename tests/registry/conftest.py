@@ -102,7 +102,24 @@ def app(settings: RegistrySettings) -> FastAPI:
     return create_app(settings)
 
 
+def make_token(app: FastAPI, scopes: list[str], models: list[str] | None = None, name: str = "test") -> str:
+    """A token created straight in the app's database (how an operator bootstraps the first admin)."""
+    from registry.auth.principal import LOCAL
+    from registry.auth.service import create_token
+
+    with app.state.session_factory() as session:
+        _, secret = create_token(session, name, scopes, models or [], LOCAL)
+        session.commit()
+    return secret
+
+
 @pytest.fixture
-def client(app: FastAPI) -> Iterator[TestClient]:
-    with TestClient(app) as c:
+def admin_token(app: FastAPI) -> str:
+    return make_token(app, ["admin"], name="test-admin")
+
+
+@pytest.fixture
+def client(app: FastAPI, admin_token: str) -> Iterator[TestClient]:
+    """A client of the app acting with an admin token (auth is on, as in production)."""
+    with TestClient(app, headers={"Authorization": f"Bearer {admin_token}"}) as c:
         yield c

@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 
 from registry.app import create_app
 from registry.settings import RegistrySettings
+from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, sha, upload
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
@@ -64,7 +65,7 @@ def test_invalid_digest_in_path(client: TestClient) -> None:
 @pytest.fixture
 def small_limit_client(settings: RegistrySettings):
     app: FastAPI = create_app(settings.model_copy(update={"max_upload_bytes": 1000}))
-    with TestClient(app) as c:
+    with TestClient(app, headers={"Authorization": f"Bearer {make_token(app, ['publish'])}"}) as c:
         yield c
 
 

@@ -25,7 +25,10 @@ def test_promote_and_history(client: TestClient) -> None:
     channel = client.get("/v1/models/tiny/channels/prod").json()
     assert channel["version"] == "2.0"
     history = [(e["from_version"], e["to_version"], e["forced"], e["actor"]) for e in channel["history"]]
-    assert history == [("1.0", "2.0", False, "alice"), (None, "1.0", False, "ci")]
+    assert history == [
+        ("1.0", "2.0", False, "token:test-admin (alice)"),
+        (None, "1.0", False, "token:test-admin (ci)"),
+    ]
     promote(client, "1.0", channel="dev")
     listed = client.get("/v1/models/tiny/channels").json()
     assert [(c["name"], c["version"]) for c in listed] == [("dev", "1.0"), ("prod", "2.0")]
@@ -72,14 +75,14 @@ def test_forced_promotion_is_audited(client: TestClient) -> None:
     audit = client.get("/v1/audit", params={"model": "tiny"}).json()
     assert [a["action"] for a in audit] == ["channel.promote.forced", "channel.promote"]
     record = audit[0]
-    assert record["actor"] == "alice"
+    assert record["actor"] == "token:test-admin (alice)"
     assert record["target"] == "tiny/prod"
     assert record["reason"] == "hotfix: q4 unused in prod"
     assert record["details"]["before"] == {"version": "1.0"}
     assert record["details"]["after"] == {"version": "2.0"}
     assert record["details"]["overridden_failures"][0]["artifact"] == "gguf-q4"
     assert client.get("/v1/audit", params={"model": "other"}).json() == []
-    assert len(client.get("/v1/audit").json()) == 2
+    assert [a["action"] for a in client.get("/v1/audit").json()][-1] == "token.create"  # the test's own token
 
 
 def test_empty_release_cannot_be_promoted(client: TestClient) -> None:

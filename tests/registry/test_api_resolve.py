@@ -11,6 +11,7 @@ from registry.app import create_app
 from registry.resolve.service import ArtifactView, FileView, ReleaseView, rank_candidates
 from registry.settings import RegistrySettings
 from targets.hardware import get_profile
+from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish
 
 KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # LLAMA_CONFIG: 128 KiB
@@ -174,7 +175,7 @@ def test_resolve_sees_new_evals_and_promotions_at_once(client: TestClient) -> No
 
 def test_public_url_is_used_for_downloads(settings: RegistrySettings) -> None:
     app = create_app(settings.model_copy(update={"public_url": "https://registry.example/kiln/"}))
-    with TestClient(app) as client:
+    with TestClient(app, headers={"Authorization": f"Bearer {make_token(app, ['admin'])}"}) as client:
         seed(client)
         url = resolve(client, hardware="cpu").json()["artifact"]["files"][0]["url"]
     assert url == "https://registry.example/kiln/v1/models/tiny/releases/1.0/artifacts/gguf-q4/files/model.gguf"

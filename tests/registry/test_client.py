@@ -14,19 +14,26 @@ from pathlib import Path
 import httpx2
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from kiln import errors
 from kiln.manifest import ArtifactManifest, FileEntry
 from registry.app import create_app
 from registry.client import RegistryClient
 from registry.settings import RegistrySettings
+from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_app(tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
+    return create_app(RegistrySettings(data_dir=tmp_path_factory.mktemp("served")))
+
+
+@pytest.fixture(scope="module")
+def server_url(server_app: FastAPI) -> Iterator[str]:
     """A real registry server (uvicorn with uvloop + httptools, as in production) on a free port."""
-    app = create_app(RegistrySettings(data_dir=tmp_path_factory.mktemp("served")))
+    app = server_app
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -76,8 +83,10 @@ def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactMani
     return manifest
 
 
-def test_client_against_a_real_server(server_url: str, tmp_path: Path) -> None:
-    with RegistryClient.connect(server_url) as client:
+def test_client_against_a_real_server(server_url: str, server_app: FastAPI, tmp_path: Path) -> None:
+    with RegistryClient.connect(server_url) as anonymous, pytest.raises(errors.Unauthorized):
+        anonymous.ensure_model("served-model")
+    with RegistryClient.connect(server_url, token=make_token(server_app, ["publish", "promote"])) as client:
         manifest = publish_flow(client, tmp_path, "served-model")
         answer = client.resolve("served-model", "h100")
         assert answer["artifact"]["name"] == "gguf-q8"
@@ -93,7 +102,10 @@ def test_client_against_a_real_server(server_url: str, tmp_path: Path) -> None:
         assert http.get(f"{server_url}/healthz").json() == {"status": "ok"}
 
 
-def test_client_raises_kiln_errors(server_url: str, tmp_path: Path) -> None:
+def test_client_raises_kiln_errors(
+    server_url: str, server_app: FastAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KILN_TOKEN", make_token(server_app, ["admin"]))  # how the CLI passes it
     with RegistryClient.connect(server_url) as client:
         client.ensure_model("errors-model")
         with pytest.raises(errors.NotFound) as not_found:

@@ -76,7 +76,7 @@ def test_unreachable_database_is_unavailable(tmp_path: Path) -> None:
 
 def test_embedded_registry_migrates_itself(tmp_path: Path) -> None:
     data_dir = tmp_path / "registry"
-    with TestClient(create_app(RegistrySettings(data_dir=data_dir))) as client:
+    with TestClient(create_app(RegistrySettings(data_dir=data_dir, auth_required=False))) as client:
         assert client.post("/v1/models", json={"name": "m"}).status_code == 201
     assert (data_dir / "registry.db").is_file()
     assert (data_dir / "blobs").is_dir()

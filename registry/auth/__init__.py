@@ -1,0 +1,1 @@
+"""Access control: API tokens (stored hashed) with scopes, optionally limited to model name patterns."""

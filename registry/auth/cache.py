@@ -1,0 +1,43 @@
+"""A short-lived cache of token lookups, so authenticated reads do not cost a database query each.
+
+A revocation is seen at once by the process that made it and within `ttl_s` by the others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from registry.auth.principal import Principal
+from registry.auth.service import hash_token, principal_for
+
+
+class TokenCache:
+    def __init__(self, session_factory: Callable[[], Session], ttl_s: float = 5.0, size: int = 1024) -> None:
+        self._session_factory = session_factory
+        self._ttl_s = ttl_s
+        self._size = size
+        self._entries: dict[str, tuple[float, Principal | None]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, secret: str) -> Principal | None:
+        key = hash_token(secret)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is not None and now - hit[0] < self._ttl_s:
+            return hit[1]
+        with self._session_factory() as session:
+            principal = principal_for(session, secret)
+        with self._lock:
+            if len(self._entries) >= self._size:
+                self._entries.clear()
+            self._entries[key] = (now, principal)
+        return principal
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()

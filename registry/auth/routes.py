@@ -1,0 +1,42 @@
+"""/v1/tokens: create, list and revoke API tokens (admin scope); every change is audited."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+
+from registry.api.errors import error_responses
+from registry.auth import service
+from registry.auth.principal import Principal
+from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
+from registry.deps import SessionDep, require
+
+router = APIRouter(tags=["tokens"])
+Admin = Annotated[Principal, require("admin")]
+
+
+@router.post("/tokens", status_code=201, summary="Create an API token (its secret is returned once)")
+def create_token(spec: TokenCreate, session: SessionDep, principal: Admin) -> TokenCreated:
+    token, secret = service.create_token(session, spec.name, list(spec.scopes), spec.models, principal)
+    session.commit()
+    return TokenCreated(**TokenOut.from_row(token).model_dump(), token=secret)
+
+
+@router.get("/tokens", summary="List API tokens (never their secrets)")
+def list_tokens(session: SessionDep, principal: Admin) -> list[TokenOut]:
+    return [TokenOut.from_row(t) for t in service.list_tokens(session)]
+
+
+@router.post("/tokens/{token_id}/revoke", summary="Revoke an API token", responses=error_responses(404))
+def revoke_token(
+    token_id: int,
+    session: SessionDep,
+    request: Request,
+    principal: Admin,
+    body: TokenRevoke | None = None,
+) -> TokenOut:
+    token = service.revoke_token(session, token_id, principal, body.reason if body else None)
+    session.commit()
+    request.app.state.token_cache.clear()
+    return TokenOut.from_row(token)

@@ -1,0 +1,52 @@
+"""API shapes for tokens: the secret appears only in the creation response."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from registry.auth.models import Token
+from registry.auth.principal import Scope
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    scopes: list[Scope] = Field(min_length=1)
+    models: list[str] = Field(default_factory=list, description="model name patterns (fnmatch); empty: all models")
+
+
+class TokenRevoke(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(default=None, max_length=10_000)
+
+
+class TokenOut(BaseModel):
+    id: int
+    name: str
+    prefix: str
+    scopes: list[str]
+    models: list[str]
+    created_by: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Token) -> TokenOut:
+        return cls(
+            id=row.id,
+            name=row.name,
+            prefix=row.prefix,
+            scopes=row.scopes,
+            models=row.models,
+            created_by=row.created_by,
+            created_at=row.created_at,
+            revoked_at=row.revoked_at,
+        )
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="the secret; shown once, store it now")

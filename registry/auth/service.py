@@ -1,0 +1,89 @@
+"""Token operations: create (the secret is returned once), list, revoke, and look up by secret."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kiln.errors import InvalidInput, NotFound
+from registry.audit import service as audit
+from registry.auth.models import Token
+from registry.auth.principal import SCOPES, Principal, Scope
+from registry.db import utcnow
+
+TOKEN_PREFIX = "kiln_"
+_TOKEN = re.compile(r"^kiln_[A-Za-z0-9_-]{43}$")
+_PATTERN = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_token(
+    session: Session, name: str, scopes: list[str], models: list[str], actor: Principal
+) -> tuple[Token, str]:
+    """A new token and its secret (shown once; only its hash is stored). Audited."""
+    unknown = [s for s in scopes if s not in SCOPES]
+    if not scopes or unknown:
+        raise InvalidInput(
+            f"scopes must be some of {', '.join(SCOPES)}; got {scopes}", code="INVALID_SCOPE", details={"known": SCOPES}
+        )
+    bad = [p for p in models if not _PATTERN.match(p)]
+    if bad:
+        raise InvalidInput(f"model patterns must be lowercase names with * ? [ ]; got {bad}", code="INVALID_PATTERN")
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = Token(
+        name=name,
+        token_hash=hash_token(secret),
+        prefix=secret[: len(TOKEN_PREFIX) + 6],
+        scopes=sorted(set(scopes)),
+        models=list(models),
+        created_by=actor.name,
+    )
+    session.add(token)
+    session.flush()
+    audit.record(
+        session,
+        action="token.create",
+        target=f"token:{token.id}",
+        actor=actor.name,
+        details={"before": None, "after": {"name": name, "scopes": token.scopes, "models": token.models}},
+    )
+    return token, secret
+
+
+def list_tokens(session: Session) -> list[Token]:
+    return list(session.scalars(select(Token).order_by(Token.id)))
+
+
+def revoke_token(session: Session, token_id: int, actor: Principal, reason: str | None = None) -> Token:
+    token = session.get(Token, token_id)
+    if token is None:
+        raise NotFound(f"token {token_id} not found", details={"token": token_id})
+    if token.revoked_at is None:
+        token.revoked_at = utcnow()
+        audit.record(
+            session,
+            action="token.revoke",
+            target=f"token:{token.id}",
+            actor=actor.name,
+            reason=reason,
+            details={"before": {"name": token.name, "revoked": False}, "after": {"name": token.name, "revoked": True}},
+        )
+    return token
+
+
+def principal_for(session: Session, secret: str) -> Principal | None:
+    """The principal a bearer secret stands for, or None if it is unknown, malformed or revoked."""
+    if not _TOKEN.match(secret):
+        return None
+    token = session.scalars(select(Token).where(Token.token_hash == hash_token(secret))).one_or_none()
+    if token is None or token.revoked_at is not None:
+        return None
+    scopes: frozenset[Scope] = frozenset(s for s in SCOPES if s in token.scopes)
+    return Principal(f"token:{token.name}", scopes, tuple(token.models))
