@@ -1,4 +1,4 @@
-"""The `kiln` command line: build, plan, publish, promote, resolve, serve, db upgrade, inspect.
+"""The `kiln` command line: build, plan, publish, promote, resolve, serve, db upgrade, gc, inspect.
 
 Exit codes (stable, for CI): 0 ok; 1 a stage or the service failed; 2 bad input (recipe, source,
 arguments); 3 an eval gate failed; 4 not found; 5 conflict with what is stored; 6 not allowed;
@@ -267,6 +267,68 @@ def db_upgrade(
     settings = RegistrySettings() if database_url is None else RegistrySettings(database_url=database_url)
     upgrade(settings.effective_database_url(), revision)
     err.print(f"database at revision {revision}")
+
+
+@app.command()
+def gc(
+    registry: Annotated[
+        str,
+        typer.Option(
+            "--registry",
+            envvar="KILN_REGISTRY",
+            help="Embedded registry directory, or the registry's database URL (blob store: KILN_REGISTRY_BLOB_URL).",
+        ),
+    ] = DEFAULT_REGISTRY,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
+    grace_hours: Annotated[
+        float | None,
+        typer.Option(
+            min=0, help="Spare blobs uploaded within this many hours (default KILN_REGISTRY_BLOB_GC_GRACE_HOURS)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete blobs that no artifact references and that were not uploaded within the grace period.
+
+    Runs next to the registry's database and blob store (not over HTTP); safe while publishes run.
+    """
+    from datetime import timedelta
+
+    from registry.app import create_app
+    from registry.blobs.gc import collect_garbage
+    from registry.settings import RegistrySettings
+
+    if registry.startswith(("http://", "https://")):
+        raise InvalidInput(
+            "kiln gc works on the registry's database and blob store directly: "
+            "give --registry a directory or a database URL, not a server URL"
+        )
+    if registry.startswith(("postgresql", "sqlite:")):
+        settings = RegistrySettings(database_url=registry)
+    else:
+        if not (Path(registry) / "registry.db").is_file():  # never create a registry just to collect it
+            raise NotFound(f"no embedded registry in {registry!r}", details={"registry": registry})
+        settings = RegistrySettings(data_dir=Path(registry))
+    hours = settings.blob_gc_grace_hours if grace_hours is None else grace_hours
+    grace = timedelta(hours=hours)
+    registry_app = create_app(settings)  # the same schema check and blob store as the server
+    try:
+        report = collect_garbage(
+            registry_app.state.session_factory, registry_app.state.blob_store, grace, dry_run=dry_run
+        )
+    finally:
+        registry_app.state.engine.dispose()
+    if as_json:
+        _emit(report.to_dict())
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for blob in report.deleted:
+        print(f"{verb} {blob.sha256}  {_fmt_size(blob.size)}  uploaded {blob.uploaded_at:%Y-%m-%d %H:%M:%S}Z")
+    err.print(
+        f"{verb} {len(report.deleted)} unreferenced blobs ({_fmt_size(report.deleted_bytes)}); "
+        f"spared {report.spared_recent} uploaded within {hours:g} h"
+        + (f", {report.spared_raced} referenced or re-uploaded meanwhile" if report.spared_raced else "")
+    )
 
 
 @app.command()

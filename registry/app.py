@@ -86,7 +86,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     engine = create_db_engine(database_url)
     try:
         _check_schema(engine, settings)
-        blob_store = open_blob_store(settings.effective_blob_url())
+        blob_store = open_blob_store(settings.effective_blob_url(), settings)
     except BaseException:
         engine.dispose()
         raise

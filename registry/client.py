@@ -254,15 +254,20 @@ class RegistryClient:
     ) -> dict[str, Any]:
         """Publish an artifact manifest. With `files_root`, first upload each file from `files_root/path`."""
         manifest = manifest if isinstance(manifest, ArtifactManifest) else ArtifactManifest.model_validate(manifest)
-        if files_root is not None:
-            for entry in manifest.files:
-                self.upload_blob(Path(files_root) / entry.path, sha256=entry.sha256)
-        result: dict[str, Any] = self._json(
-            "POST",
-            f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts",
-            json=manifest.model_dump(mode="json"),
-        )
-        return result
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts"
+        for attempt in (1, 2):
+            if files_root is not None:
+                for entry in manifest.files:
+                    self.upload_blob(Path(files_root) / entry.path, sha256=entry.sha256)
+            try:
+                result: dict[str, Any] = self._json("POST", path, json=manifest.model_dump(mode="json"))
+                return result
+            except errors.InvalidInput as exc:
+                # A blob the registry already had (so we did not upload it) was old and unreferenced,
+                # and garbage collection took it before this publish: upload what is missing, once.
+                if exc.code != "BLOB_MISSING" or files_root is None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def post_eval(
         self,

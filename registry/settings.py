@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,7 +24,23 @@ class RegistrySettings(BaseSettings):
         default=None, description="SQLAlchemy URL; default sqlite:///<data_dir>/registry.db (embedded)"
     )
     blob_url: str | None = Field(
-        default=None, description="blob store URI, chosen by scheme (file://); default file://<data_dir>/blobs"
+        default=None,
+        description="blob store URI by scheme: file:///dir or s3://bucket/prefix; default file://<data_dir>/blobs",
+    )
+    # S3 (blob_url s3://...): region and credentials come from the standard AWS environment.
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, Ceph, ...); default: AWS S3 for the region"
+    )
+    s3_downloads: Literal["stream", "redirect"] = Field(
+        default="stream",
+        description="stream: bytes flow through the registry; redirect: 307 to a presigned S3 URL",
+    )
+    s3_presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600, description="presigned URL lifetime")
+    s3_part_size: int = Field(
+        default=64 * 1024**2, ge=5 * 1024**2, le=5 * 1024**3, description="multipart upload part size (bytes)"
+    )
+    blob_gc_grace_hours: float = Field(
+        default=24.0, ge=0, description="`kiln gc` spares unreferenced blobs uploaded more recently than this"
     )
     public_url: str | None = Field(
         default=None, description="base URL for download links; default: the URL the request came to"

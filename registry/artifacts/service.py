@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from kiln.errors import Conflict, InvalidInput, NotFound
@@ -129,7 +130,13 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
         files=[ArtifactFile(path=f.path, sha256=f.sha256, size=f.size) for f in manifest.files],
         evals=[],
     )
-    row, created = insert_once(session, artifact, lambda: find_artifact(session, model, version, manifest.name))
+    try:
+        row, created = insert_once(session, artifact, lambda: find_artifact(session, model, version, manifest.name))
+    except IntegrityError:
+        # A blob checked above was garbage-collected before our insert (its foreign key failed):
+        # the same BLOB_MISSING as if the check had seen it, so the client uploads it again.
+        _check_blobs(session, manifest)
+        raise
     return (row, True) if created else (same(row), False)
 
 

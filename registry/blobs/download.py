@@ -1,6 +1,8 @@
 """HTTP downloads of blobs: ETag, conditional requests and single byte ranges, in one place.
 
-Both `GET /v1/blobs/{sha256}` and artifact file downloads answer through `blob_response`.
+Both `GET /v1/blobs/{sha256}` and artifact file downloads answer through `blob_response`. A store
+that hands out direct URLs (S3 with KILN_REGISTRY_S3_DOWNLOADS=redirect) gets a 307 to a presigned
+URL instead of a stream; the client then sends its Range to S3 itself.
 """
 
 from __future__ import annotations
@@ -58,8 +60,20 @@ def _etag_matches(header: str, etag: str) -> bool:
     return any(c == "*" or c.removeprefix("W/") == etag for c in candidates)
 
 
-def blob_response(request: Request, store: BlobStore, sha256: str, media_type: str | None = None) -> Response:
-    """Answer GET/HEAD for a blob: 200, 206 (Range), 304 (If-None-Match) or 416; streamed in large chunks."""
+def blob_response(
+    request: Request,
+    store: BlobStore,
+    sha256: str,
+    media_type: str | None = None,
+    *,
+    redirect_head: bool = False,
+) -> Response:
+    """Answer GET/HEAD for a blob: 200, 206 (Range), 304 (If-None-Match) or 416; streamed in large chunks.
+
+    When the store gives a direct URL, a GET is answered with a 307 to it. A HEAD is answered here
+    (a presigned URL is signed for GET only) unless `redirect_head`: Hub clients read a HEAD's
+    redirect for the download location and do not follow it off this host.
+    """
     size = store.size(sha256)  # BlobNotFound → 404 before anything is sent
     etag = f'"{sha256}"'
     headers = {
@@ -71,6 +85,12 @@ def blob_response(request: Request, store: BlobStore, sha256: str, media_type: s
     if_none_match = request.headers.get("if-none-match")
     if if_none_match is not None and _etag_matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
+
+    if request.method != "HEAD" or redirect_head:
+        url = store.download_url(sha256)
+        if url is not None:
+            # The redirect itself must not outlive the presigned URL in any cache.
+            return Response(status_code=307, headers={"Location": url, "ETag": etag, "Cache-Control": "no-store"})
 
     range_header = request.headers.get("range")
     if_range = request.headers.get("if-range")

@@ -18,3 +18,7 @@ class Blob(Base):
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The latest upload of these bytes (or confirmation that they are already stored): garbage
+    # collection spares an unreferenced blob for a grace period after it, so the publish it was
+    # uploaded for can still reference it.
+    uploaded_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -81,7 +81,7 @@ async def upload_blob(
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    existing = await run_in_threadpool(service.stored_blob, session, store, sha256)
+    existing = await run_in_threadpool(service.confirm_stored, session, store, sha256)
     if existing is not None:
         async for _ in request.stream():  # read what was sent, so the connection stays usable
             pass

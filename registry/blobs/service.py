@@ -1,14 +1,23 @@
-"""Blob bookkeeping: bytes go to the BlobStore, a Blob row records them once they are verified."""
+"""Blob bookkeeping: bytes go to the BlobStore, a Blob row records them once they are verified.
+
+Every upload first marks the blob's row (if there is one) as uploaded now, and only then writes
+bytes. Garbage collection (`registry.blobs.gc`) deletes a row and its bytes in one transaction
+that re-checks "unreferenced and not uploaded within the grace period" under the row's lock, so
+an upload either lands before that check (and the blob is spared) or waits for the collection to
+finish and then stores its bytes afresh.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sqlalchemy import update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from registry.blobs.models import Blob
 from registry.blobs.store import BlobNotFound, BlobStore
-from registry.db import insert_once
+from registry.db import insert_once, utcnow
 
 
 def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:
@@ -20,14 +29,38 @@ def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:
 
 
 def get_blob(session: Session, store: BlobStore, sha256: str) -> Blob:
+    """The stored blob's row; BlobNotFound when the row or the bytes are missing."""
     row = stored_blob(session, store, sha256)
     if row is None:
         raise BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
     return row
 
 
+def touch_blob(session: Session, sha256: str) -> bool:
+    """Record that `sha256` is being uploaded now (committed); False when there is no row to touch.
+
+    On PostgreSQL this waits for a garbage collection holding the row; on SQLite for the write
+    lock. Either way it returns after that collection committed, and then finds no row.
+    """
+    result = session.execute(update(Blob).where(Blob.sha256 == sha256).values(uploaded_at=utcnow()))
+    session.commit()
+    assert isinstance(result, CursorResult)
+    return result.rowcount == 1
+
+
+def confirm_stored(session: Session, store: BlobStore, sha256: str) -> Blob | None:
+    """For an upload of a blob that may already be stored: its row, kept from collection for the grace
+    period, or None when it must be uploaded (never stored, bytes gone, or just collected)."""
+    row = stored_blob(session, store, sha256)
+    if row is None or not touch_blob(session, sha256):
+        return None
+    return row
+
+
 def put_blob(session: Session, store: BlobStore, sha256: str, chunks: Iterable[bytes]) -> tuple[Blob, bool]:
     """Stream `chunks` into the store (verified against `sha256`), then record it. True if it was new."""
+    # Before any byte is written: a row already there is now safe from collection (or was collected).
+    touch_blob(session, sha256)
     size = store.put_stream(sha256, chunks)
     existing = session.get(Blob, sha256)
     if existing is not None:  # the row survived but the bytes had gone: they are back now

@@ -1,7 +1,8 @@
 """Where blob bytes live: a small Protocol, its local-disk implementation, and the URI-scheme switch.
 
 Every backend streams (nothing is read whole into memory), verifies content against its sha256
-before it becomes visible, and reports a missing blob as `BlobNotFound`, whatever its own error.
+before it becomes visible, and reports a missing blob as `BlobNotFound`, whatever its own error
+(and a backend it cannot reach as `Unavailable`). The S3 backend lives in `registry.blobs.s3`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
 from kiln.digest import is_sha256
 from kiln.errors import DigestMismatch, InvalidInput, NotFound, UnknownName
+
+if TYPE_CHECKING:
+    from registry.settings import RegistrySettings
 
 DEFAULT_CHUNK = 8 * 1024 * 1024
 
@@ -56,8 +60,13 @@ class BlobStore(Protocol):
         """Remove the blob; deleting a missing blob is not an error."""
         ...
 
+    def download_url(self, sha256: str) -> str | None:
+        """A URL clients may fetch the bytes from directly (time-limited), or None: stream them through us."""
+        ...
+
 
 def check_sha256(sha256: str) -> str:
+    """`sha256` itself when it is 64 lowercase hex digits; InvalidInput otherwise."""
     if not is_sha256(sha256):
         raise InvalidInput(f"invalid sha256 {sha256!r}: expected 64 lowercase hex digits")
     return sha256
@@ -126,7 +135,11 @@ class LocalBlobStore:
 
     def _read(self, path: Path, start: int, stop: int) -> Iterator[bytes]:
         # The file is opened on first iteration, so an unconsumed iterator holds no handle.
-        with open(path, "rb", buffering=0) as f:
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError:
+            raise BlobNotFound(f"blob {path.name} was deleted before it was read") from None
+        with f:
             f.seek(start)
             remaining = stop - start
             while remaining > 0:
@@ -140,17 +153,41 @@ class LocalBlobStore:
         with contextlib.suppress(FileNotFoundError):
             self.path(sha256).unlink()
 
+    def download_url(self, sha256: str) -> str | None:
+        return None  # local files are always streamed by the registry
 
-SUPPORTED_SCHEMES = ("file",)
+
+SUPPORTED_SCHEMES = ("file", "s3")
 
 
-def open_blob_store(url: str) -> BlobStore:
-    """The blob store for a URI, chosen by scheme: `file:///abs/dir` (S3 comes later as `s3://`)."""
+def open_blob_store(url: str, settings: RegistrySettings | None = None) -> BlobStore:
+    """The blob store for a URI, chosen by scheme: `file:///abs/dir` or `s3://bucket/prefix`.
+
+    S3 takes its endpoint, part size and download mode from `settings` (KILN_REGISTRY_S3_*), and
+    region and credentials from the standard AWS environment. The bucket is checked now, so a
+    misconfigured store fails at startup (Unavailable) rather than on the first upload.
+    """
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
             raise InvalidInput(f"blob store URL {url!r}: file URLs need an absolute path (file:///dir)")
         return LocalBlobStore(Path(unquote(parsed.path)))
+    if parsed.scheme == "s3":
+        from registry.blobs.s3 import S3BlobStore, make_s3_client, parse_s3_url
+        from registry.settings import RegistrySettings
+
+        bucket, prefix = parse_s3_url(url)
+        settings = settings or RegistrySettings()
+        store = S3BlobStore(
+            bucket,
+            prefix,
+            client=make_s3_client(settings.s3_endpoint_url),
+            part_size=settings.s3_part_size,
+            downloads=settings.s3_downloads,
+            presign_expiry_s=settings.s3_presign_expiry_s,
+        )
+        store.check_bucket()
+        return store
     raise UnknownName(
         f"unsupported blob store URL scheme {parsed.scheme!r} in {url!r}; supported: " + ", ".join(SUPPORTED_SCHEMES),
         details={"known": list(SUPPORTED_SCHEMES)},

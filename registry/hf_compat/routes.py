@@ -85,7 +85,8 @@ def _resolve_file(request: Request, session: SessionDep, store: BlobStoreDep, pr
     principal.require("read", service.model_name(repo))
     resolved = service.resolve_revision(session, repo, revision)
     entry = service.find_file(resolved, "/".join(rest))
-    response = blob_response(request, store, entry.sha256)
+    # A HEAD may be a redirect (S3 presigned downloads): the client takes its location and these headers.
+    response = blob_response(request, store, entry.sha256, redirect_head=True)
     # What the client's HEAD reads: the commit its cache is keyed by, and the file's own digest and size.
     response.headers["X-Repo-Commit"] = resolved.commit
     response.headers["X-Linked-Etag"] = f'"{entry.sha256}"'

@@ -3,6 +3,8 @@
 `db_url` runs each test on SQLite (a copy of a migrated template file) and on PostgreSQL (one
 fresh database per session, migrated once, truncated before each test). PostgreSQL tests are
 skipped when the server is unreachable, unless KILN_REQUIRE_POSTGRES=1 makes that a failure.
+`settings` pairs them with the blob stores of the two deployments: SQLite with local disk,
+PostgreSQL with S3 (moto's server process, see s3_server.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from registry.app import create_app
 from registry.db import registry_metadata
 from registry.migrate import upgrade
 from registry.settings import RegistrySettings
+from tests.registry.s3_server import S3Server, s3_server  # noqa: F401 - the fixture, for every registry test
 
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
@@ -88,12 +91,15 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def settings(db_url: str, tmp_path: Path) -> RegistrySettings:
+def settings(request: pytest.FixtureRequest, db_url: str, tmp_path: Path) -> RegistrySettings:
+    """The two deployments: SQLite with blobs on local disk, PostgreSQL with blobs in S3 (moto's server)."""
+    if db_url.startswith("sqlite"):
+        return RegistrySettings(
+            database_url=db_url, data_dir=tmp_path / "data", blob_url=(tmp_path / "blobs").as_uri(), public_url=None
+        )
+    s3: S3Server = request.getfixturevalue("s3_server")
     return RegistrySettings(
-        database_url=db_url,
-        data_dir=tmp_path / "data",
-        blob_url=(tmp_path / "blobs").as_uri(),
-        public_url=None,
+        database_url=db_url, data_dir=tmp_path / "data", blob_url=s3.new_url(), public_url=None, **s3.settings()
     )
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 from starlette.testclient import TestClient
+
+from registry.blobs.s3 import make_s3_client, parse_s3_url
+from registry.settings import RegistrySettings
 
 LLAMA_CONFIG = {  # Llama-3-8B-like: 128 KiB of KV cache per token
     "num_hidden_layers": 32,
@@ -20,6 +24,21 @@ SOURCE_DIGEST = "a" * 64
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def stored_blob_objects(settings: RegistrySettings) -> list[str]:
+    """Everything the registry's blob store holds: files on disk, or S3 objects and unfinished uploads."""
+    url = settings.effective_blob_url()
+    if url.startswith("file://"):
+        root = Path(url.removeprefix("file://"))
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    bucket, prefix = parse_s3_url(url)
+    s3 = make_s3_client(settings.s3_endpoint_url)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    uploads = [
+        f"(unfinished) {u['Key']}" for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    ]
+    return sorted(keys + uploads)
 
 
 def assert_error(response: Any, status: int, code: str) -> dict[str, Any]:

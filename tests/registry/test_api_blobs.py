@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -12,14 +11,9 @@ from starlette.testclient import TestClient
 from registry.app import create_app
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
-from tests.registry.helpers import assert_error, sha, upload
+from tests.registry.helpers import assert_error, sha, stored_blob_objects, upload
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
-
-
-def blob_files(settings: RegistrySettings) -> list[Path]:
-    root = Path(settings.effective_blob_url().removeprefix("file://"))
-    return [p for p in root.rglob("*") if p.is_file()]
 
 
 def test_upload_then_present(client: TestClient) -> None:
@@ -54,7 +48,7 @@ def test_digest_mismatch_stores_nothing(client: TestClient, settings: RegistrySe
     assert error["details"]["actual"] == sha(DATA)
     assert client.head(f"/v1/blobs/{claimed}").status_code == 404
     assert client.get(f"/v1/blobs/{claimed}").status_code == 404
-    assert blob_files(settings) == []
+    assert stored_blob_objects(settings) == []
 
 
 def test_invalid_digest_in_path(client: TestClient) -> None:
@@ -80,7 +74,7 @@ def test_upload_over_limit_is_413(small_limit_client: TestClient, settings: Regi
 
     assert_error(small_limit_client.put(f"/v1/blobs/{digest}", content=body()), 413, "PAYLOAD_TOO_LARGE")
     assert small_limit_client.head(f"/v1/blobs/{digest}").status_code == 404
-    assert blob_files(settings) == []
+    assert stored_blob_objects(settings) == []
 
 
 def test_download_whole(client: TestClient) -> None:
