@@ -39,6 +39,8 @@ from registry.releases.routes import router as releases_router
 from registry.resolve.routes import router as resolve_router
 from registry.resolve.service import ResolveCache
 from registry.settings import RegistrySettings
+from registry.web.routes import not_found_router as web_not_found_router
+from registry.web.routes import router as web_router
 
 OPENAPI_TAGS = [
     {"name": "models", "description": "Named models."},
@@ -126,6 +128,10 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         # that change anything add their own scope.
         app.include_router(router, prefix="/v1", dependencies=[READ])
     app.include_router(health_router)
+    # The web pages read through the same services, under the same READ rule, as the API.
+    app.include_router(web_router, dependencies=[READ])
     # Last: its /{repo}/resolve/... patterns are the most general.
     app.include_router(hf_compat_router, dependencies=[READ])
+    # After those: any other /ui/ URL is an HTML 404 page.
+    app.include_router(web_not_found_router, dependencies=[READ])
     return app

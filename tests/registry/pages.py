@@ -1,0 +1,162 @@
+"""For the web page tests: a release worth looking at, and a small HTML tree to assert on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+
+from starlette.testclient import TestClient
+
+from tests.registry.helpers import make_release, post_eval, promote, publish
+
+DESCRIPTION = "Tiny test model <script>alert('description')</script>"
+FORCED_REASON = "<script>alert('reason')</script> ship despite the q4_0 regression"
+YANK_REASON = "<b>broken</b> tokenizer"
+FILES = {
+    "gguf-q8_0": {"model-q8_0.gguf": b"q8" * 400},
+    "gguf-q4_0": {"model-q4_0.gguf": b"q4" * 300},
+    "trtllm-fp8": {"config.json": b'{"architectures": ["LlamaForCausalLM"]}', "model.safetensors": b"fp8" * 900},
+    "hf-bundle-bf16": {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"bf" * 2000},
+}
+LOSSLESS_GATE = {"max_kl": 0.005, "min_top1": 0.95, "max_ppl_increase": 0.01, "min_greedy_match": None}
+ROUNDED_GATE = {"max_kl": 0.15, "min_top1": 0.8, "max_ppl_increase": 0.15, "min_greedy_match": None}
+FAILURES = "kl 0.31 is above max_kl 0.15; ppl_change 0.21 is above max_ppl_increase 0.15"
+
+
+def seed(client: TestClient) -> None:
+    """tiny@1.0 (promoted to prod, then yanked) and tiny@2.0 with four artifacts: one passed (and not
+    evaluated on a second runtime), one failed on two gates, one not evaluated here, one without any eval;
+    2.0 was forced to prod over the failure."""
+    assert client.post("/v1/models", json={"name": "tiny", "description": DESCRIPTION}).status_code == 201
+    make_release(client, version="1.0")
+    publish(client, "gguf-q8_0", {"old-q8_0.gguf": b"old" * 100}, ["cpu"], version="1.0")
+    assert promote(client, "1.0", actor="alice").status_code == 200
+    make_release(client, version="2.0")
+    publish(client, "gguf-q8_0", FILES["gguf-q8_0"], ["cpu", "apple"], version="2.0")
+    publish(client, "gguf-q4_0", FILES["gguf-q4_0"], ["cpu"], version="2.0", quant="q4_0")
+    publish(
+        client,
+        "trtllm-fp8",
+        FILES["trtllm-fp8"],
+        ["h100", "h200"],
+        version="2.0",
+        quant="fp8",
+        target="trtllm",
+        format="hf-checkpoint",
+        unsupported={"a100": "FP8 tensor cores need sm89+"},
+        runtime={"tensorrt_llm": ">=0.21"},
+    )
+    publish(
+        client,
+        "hf-bundle-bf16",
+        FILES["hf-bundle-bf16"],
+        ["cpu", "sm80"],
+        version="2.0",
+        quant="bf16",
+        target="hf-bundle",
+        format="safetensors",
+    )
+    passed = {"ppl_change": 0.0004, "kl": 8.1e-5, "top1": 0.992, "greedy_match": 0.91, "ppl": 53.7}
+    failed = {"ppl_change": 0.21, "kl": 0.31, "top1": 0.86, "greedy_match": 0.4, "ppl": 65.0}
+    ok = post_eval(client, "gguf-q8_0", "passed", version="2.0", metrics=passed, gates=LOSSLESS_GATE)
+    assert ok.status_code == 201
+    bad = post_eval(client, "gguf-q4_0", "failed", version="2.0", metrics=failed, gates=ROUNDED_GATE, reason=FAILURES)
+    assert bad.status_code == 201
+    not_here = "needs a runner with tensorrt_llm and an H100; this machine has neither"
+    assert (
+        post_eval(client, "trtllm-fp8", "not_evaluated", runtime="tensorrt_llm", version="2.0", reason=not_here)
+    ).status_code == 201
+    metal = "llama.cpp with Metal runs on an apple runner only"
+    assert (
+        post_eval(client, "gguf-q8_0", "not_evaluated", runtime="llama.cpp-metal", version="2.0", reason=metal)
+    ).status_code == 201
+    forced = promote(client, "2.0", force=True, reason=FORCED_REASON, actor="release-bot")
+    assert forced.status_code == 200, forced.text
+    assert client.post("/v1/models/tiny/releases/1.0/yank", json={"reason": YANK_REASON}).status_code == 200
+
+
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+@dataclass
+class Node:
+    """An element: tag, attributes and children (nodes and text)."""
+
+    tag: str
+    attrs: dict[str, str]
+    children: list[Node | str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The text inside, whitespace collapsed."""
+        parts: list[str] = []
+
+        def walk(node: Node) -> None:
+            for child in node.children:
+                if isinstance(child, str):
+                    parts.append(child)
+                else:
+                    walk(child)
+
+        walk(self)
+        return " ".join(" ".join(parts).split())
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+    def iter(self) -> Iterator[Node]:
+        yield self
+        for child in self.children:
+            if isinstance(child, Node):
+                yield from child.iter()
+
+    def find_all(self, tag: str, **attrs: str) -> list[Node]:
+        """Descendants (self included) with this tag and attributes (`class_` matches one class)."""
+        wanted_class = attrs.pop("class_", None)
+        return [
+            n
+            for n in self.iter()
+            if n.tag == tag
+            and all(n.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())
+            and (wanted_class is None or wanted_class in n.classes)
+        ]
+
+    def find(self, tag: str, **attrs: str) -> Node:
+        found = self.find_all(tag, **attrs)
+        assert len(found) == 1, f"expected one <{tag} {attrs}>, found {len(found)}"
+        return found[0]
+
+
+class _TreeBuilder(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.root = Node("#document", {})
+        self.stack = [self.root]
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        node = Node(tag, {k: v or "" for k, v in attrs})
+        self.stack[-1].children.append(node)
+        if tag not in VOID:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.stack[-1].children.append(Node(tag, {k: v or "" for k, v in attrs}))
+
+    def handle_endtag(self, tag: str) -> None:
+        for i in range(len(self.stack) - 1, 0, -1):
+            if self.stack[i].tag == tag:
+                del self.stack[i:]
+                return
+
+    def handle_data(self, data: str) -> None:
+        self.stack[-1].children.append(data)
+
+
+def parse(html: str) -> Node:
+    """The document as a tree of Nodes (text unescaped, as a browser shows it)."""
+    builder = _TreeBuilder()
+    builder.feed(html)
+    builder.close()
+    return builder.root
