@@ -35,6 +35,8 @@ from registry.db import create_db_engine, create_session_factory
 from registry.deps import require
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
+from registry.ops.metrics import RegistryMetrics
+from registry.ops.middleware import ObservabilityMiddleware
 from registry.releases.routes import router as releases_router
 from registry.resolve.routes import router as resolve_router
 from registry.resolve.service import ResolveCache
@@ -51,7 +53,7 @@ OPENAPI_TAGS = [
     {"name": "resolve", "description": "What a node of some hardware should load."},
     {"name": "audit", "description": "Audit log."},
     {"name": "tokens", "description": "API tokens with scopes (admin)."},
-    {"name": "health", "description": "Liveness."},
+    {"name": "health", "description": "Liveness, readiness and Prometheus metrics."},
     {"name": "hf-compat", "description": "Hugging Face Hub-compatible downloads (HF_ENDPOINT=<registry>)."},
 ]
 
@@ -113,6 +115,8 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.blob_store = blob_store
     app.state.resolve_cache = ResolveCache()
     app.state.token_cache = TokenCache(app.state.session_factory)
+    app.state.metrics = RegistryMetrics()
+    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)
     install_error_handlers(app)
     for router in (
         models_router,
@@ -126,7 +130,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     ):
         # Every API route needs at least `read` (anonymous when settings.anonymous_read); routes
         # that change anything add their own scope.
-        app.include_router(router, prefix="/v1", dependencies=[READ])
+        app.include_router(router, dependencies=[READ])  # each router carries its /v1 prefix
     app.include_router(health_router)
     # The web pages read through the same services, under the same READ rule, as the API.
     app.include_router(web_router, dependencies=[READ])

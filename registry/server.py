@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import tempfile
 
 import uvicorn
 from fastapi import FastAPI
 
 from registry.app import create_app
+from registry.ops.logs import log_config
 
 
 def create_server_app() -> FastAPI:
@@ -30,7 +33,13 @@ def create_server_app() -> FastAPI:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level: str = "info") -> None:
-    """Serve until interrupted; each worker process builds its app from the environment."""
+    """Serve until interrupted; each worker process builds its app from the environment.
+
+    Logs are JSON lines on stderr (one access line per request, with its request id). With several
+    workers, Prometheus values go to a shared directory so `/metrics` reports all of them.
+    """
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kiln-metrics-")
     uvicorn.run(
         "registry.server:create_server_app",
         factory=True,
@@ -40,7 +49,8 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
         loop="uvloop",
         http="httptools",
         log_level=log_level,
-        access_log=False,
+        log_config=log_config(log_level),
+        access_log=False,  # the registry writes its own, structured, access line
     )
 
 

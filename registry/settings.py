@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from kiln.errors import InvalidInput
 
 
 class RegistrySettings(BaseSettings):
@@ -54,6 +62,24 @@ class RegistrySettings(BaseSettings):
     protected_channels: list[str] = Field(
         default_factory=lambda: ["prod"], description="channels whose promotion needs the `promote` scope"
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, then `KILN_REGISTRY_*` variables, then the YAML file named by `KILN_REGISTRY_CONFIG`."""
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        config_file = os.environ.get("KILN_REGISTRY_CONFIG")
+        if config_file:
+            if not Path(config_file).is_file():
+                raise InvalidInput(f"KILN_REGISTRY_CONFIG names {config_file!r}, which is not a file")
+            sources += (YamlConfigSettingsSource(settings_cls, yaml_file=config_file),)
+        return sources
 
     @property
     def is_embedded(self) -> bool:

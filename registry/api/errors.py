@@ -13,11 +13,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
 
+RETRY_AFTER_S = 5
 # Codes whose status differs from their class's. Looked up first.
 STATUS_BY_CODE: dict[str, int] = {
     "INVALID_REVISION": 400,
@@ -61,6 +62,8 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
 
 def error_response(error: KilnError) -> JSONResponse:
     headers = {}
+    if http_status(error) == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)  # outages of the database or blob store pass; try again
     if "hub_error_code" in error.details:  # Hub-compatible routes: what huggingface_hub maps to its errors
         headers["X-Error-Code"] = str(error.details["hub_error_code"])
         headers["X-Error-Message"] = error.message.encode("ascii", "replace").decode()[:1000]
@@ -103,6 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(InterfaceError, _database_unavailable)
 
 
 class ErrorInfo(BaseModel):

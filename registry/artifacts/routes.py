@@ -18,7 +18,7 @@ from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
-router = APIRouter(tags=["artifacts"])
+router = APIRouter(prefix="/v1", tags=["artifacts"])
 
 ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
 
@@ -55,7 +55,9 @@ def publish_artifact(
     settings: SettingsDep,
 ) -> ArtifactDetail:
     _row, created = service.publish_artifact(session, model, version, manifest)
-    if not created:
+    if created:
+        request.app.state.metrics.publishes.labels(manifest.target).inc()
+    else:
         response.status_code = 200
     return _detail(request, settings, session, model, version, manifest.name)
 

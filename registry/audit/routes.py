@@ -11,7 +11,7 @@ from registry.audit import service
 from registry.audit.schemas import AuditEventOut
 from registry.deps import SessionDep
 
-router = APIRouter(tags=["audit"])
+router = APIRouter(prefix="/v1", tags=["audit"])
 
 
 @router.get("/audit", summary="Audit events, newest first")

@@ -12,7 +12,7 @@ from registry.auth.principal import Principal
 from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
 from registry.deps import SessionDep, require
 
-router = APIRouter(tags=["tokens"])
+router = APIRouter(prefix="/v1", tags=["tokens"])
 Admin = Annotated[Principal, require("admin")]
 
 

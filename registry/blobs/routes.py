@@ -19,7 +19,7 @@ from registry.blobs.store import DEFAULT_CHUNK
 from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
 
 PUBLISH = require("publish")
-router = APIRouter(tags=["blobs"])
+router = APIRouter(prefix="/v1", tags=["blobs"])
 
 
 def _too_large(limit: int) -> InvalidInput:

@@ -14,7 +14,7 @@ from registry.channels import service
 from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest
 from registry.deps import PrincipalDep, SessionDep, SettingsDep
 
-router = APIRouter(tags=["channels"])
+router = APIRouter(prefix="/v1", tags=["channels"])
 
 
 def _detail(session: Session, model: str, channel: str) -> ChannelDetail:

@@ -17,7 +17,7 @@ from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
 from registry.releases.service import list_releases
 
 PUBLISH = require("publish")
-router = APIRouter(tags=["models"])
+router = APIRouter(prefix="/v1", tags=["models"])
 
 
 def _out(row: Model) -> ModelOut:

@@ -19,7 +19,7 @@ from registry.releases.models import Release
 from registry.releases.schemas import ReleaseCreate, ReleaseDetail, ReleaseOut, YankRequest
 
 PUBLISH = require("publish")
-router = APIRouter(tags=["releases"])
+router = APIRouter(prefix="/v1", tags=["releases"])
 
 
 def _fields(row: Release, model: str) -> dict[str, object]:

@@ -20,7 +20,7 @@ from registry.resolve.service import (
 )
 from targets.hardware import get_profile
 
-router = APIRouter(tags=["resolve"])
+router = APIRouter(prefix="/v1", tags=["resolve"])
 
 
 def _candidate_out(c: Candidate, base: str, model: str, version: str) -> ResolveCandidate:

@@ -103,10 +103,10 @@ def test_error_shape_for_framework_errors(client: TestClient) -> None:
 
 
 def test_healthz_and_openapi(client: TestClient) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "checks": {}}
     spec = client.get("/openapi.json").json()
     tags = {op["tags"][0] for path in spec["paths"].values() for op in path.values()}
-    assert {"models", "releases", "artifacts", "blobs", "channels", "resolve", "audit"} <= tags
+    assert {"models", "releases", "artifacts", "blobs", "channels", "resolve", "audit", "tokens", "health"} <= tags
     release_schema = spec["components"]["schemas"]["ReleaseCreate"]
     assert "model_config" in release_schema["properties"]
     assert "ErrorResponse" in spec["components"]["schemas"]

@@ -1,0 +1,1 @@
+"""Operations: request ids, structured access logs, Prometheus metrics, liveness and readiness."""

@@ -1,0 +1,42 @@
+"""Structured logs: every record one JSON object per line (time, level, logger, message, request id)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        message = record.getMessage()
+        if record.name == "kiln.registry.access":
+            entry.update(json.loads(message))  # already structured
+        else:
+            entry["message"] = message
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, separators=(",", ":"))
+
+
+def log_config(level: str = "info") -> dict[str, Any]:
+    """A `logging.config.dictConfig` (also uvicorn's `log_config`) sending every log as JSON to stderr."""
+    handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {"stderr": handler},
+        "root": {"handlers": ["stderr"], "level": level.upper()},
+        "loggers": {
+            "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
+            "uvicorn.error": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
+            "kiln.registry.access": {"handlers": ["stderr"], "level": "INFO", "propagate": False},
+        },
+    }

@@ -1,0 +1,155 @@
+"""Operations: liveness, readiness, request ids, Prometheus metrics, JSON logs, the settings file, and
+503 + Retry-After while a real PostgreSQL server is down, recovering without a restart."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from registry import migrate
+from registry.app import create_app
+from registry.ops.logs import JsonFormatter
+from registry.settings import RegistrySettings
+from tests.registry.conftest import make_token
+from tests.registry.helpers import assert_error, make_release, publish, sha
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def test_health_readiness_and_request_ids(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok", "checks": {}}
+    ready = client.get("/readyz").json()
+    assert ready == {"status": "ready", "checks": {"database": "ok", "blob_store": "ok"}}
+    given = client.get("/v1/models", headers={"X-Request-ID": "ci-run-42"})
+    assert given.headers["X-Request-ID"] == "ci-run-42"
+    made = client.get("/v1/models", headers={"X-Request-ID": "bad id with spaces"}).headers["X-Request-ID"]
+    assert len(made) == 32 and made != client.get("/v1/models").headers["X-Request-ID"]
+
+
+def test_metrics_count_requests_bytes_and_publishes(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q4", {"model.gguf": b"m" * 1000}, ["cpu"])
+    publish(client, "gguf-q4", {"model.gguf": b"m" * 1000}, ["cpu"])  # identical again: not a new publish
+    assert client.get(f"/v1/blobs/{sha(b'm' * 1000)}").content == b"m" * 1000
+    text = client.get("/metrics").text
+    assert 'kiln_artifact_publishes_total{target="gguf"} 1.0' in text
+    assert 'kiln_http_requests_total{method="GET",route="/v1/blobs/{sha256}",status="200"} 1.0' in text
+    served = re.search(r'kiln_http_response_bytes_total\{route="/v1/blobs/\{sha256\}"\} ([0-9.e+]+)', text)
+    assert served is not None and float(served.group(1)) >= 1000  # the download, plus the upload answers
+    assert 'kiln_http_request_duration_seconds_count{method="POST",route="/v1/models"}' in text
+
+
+def test_access_log_is_one_json_line_per_request(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kiln.registry.access"):
+        client.get("/v1/models/nope", headers={"X-Request-ID": "req-1"})
+    (record,) = [r for r in caplog.records if r.name == "kiln.registry.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "req-1" and line["status"] == 404 and line["route"] == "/v1/models/{model}"
+    assert line["level"] == "info" and line["time"].endswith("Z") and line["duration_ms"] >= 0
+
+
+def test_settings_file_with_environment_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "registry.yaml"
+    config.write_text("anonymous_read: false\nprotected_channels: [prod, staging]\nmax_upload_bytes: 1000\n")
+    monkeypatch.setenv("KILN_REGISTRY_CONFIG", str(config))
+    monkeypatch.setenv("KILN_REGISTRY_MAX_UPLOAD_BYTES", "2000")
+    settings = RegistrySettings()
+    assert (settings.anonymous_read, settings.protected_channels, settings.max_upload_bytes) == (
+        False,
+        ["prod", "staging"],
+        2000,
+    )
+    monkeypatch.setenv("KILN_REGISTRY_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(Exception, match="not a file"):
+        RegistrySettings()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PostgresServer:
+    """A private PostgreSQL cluster (its own data directory and port), to stop and start in a test."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, _free_port()
+        self.data = root / "data"
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.chown(root, "postgres", "postgres")
+        self._as_postgres(PG_BIN / "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def _as_postgres(self, *cmd: object) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *map(str, cmd)], check=True, capture_output=True)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        self._as_postgres(PG_BIN / "pg_ctl", "-D", self.data, "-o", options, "-l", self.root / "log", "-w", "start")
+
+    def stop(self) -> None:
+        self._as_postgres(PG_BIN / "pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+
+@pytest.fixture
+def private_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    if not (PG_BIN / "pg_ctl").is_file() or shutil.which("runuser") is None:
+        pytest.fail("PostgreSQL 15 server binaries (postgresql package) and runuser are needed for this test")
+    server = PostgresServer(Path("/tmp") / f"kiln-pg-{_free_port()}")
+    server.start()
+    try:
+        yield server
+    finally:
+        subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(server.data),
+                "-m",
+                "immediate",
+                "stop",
+            ],
+            capture_output=True,
+        )
+        shutil.rmtree(server.root, ignore_errors=True)
+
+
+@pytest.mark.postgres
+def test_database_outage_is_503_with_retry_after_and_recovers(private_postgres: PostgresServer, tmp_path: Path) -> None:
+    migrate.upgrade(private_postgres.url)
+    app: FastAPI = create_app(
+        RegistrySettings(database_url=private_postgres.url, blob_url=(tmp_path / "blobs").as_uri(), data_dir=tmp_path)
+    )
+    token = make_token(app, ["admin"])
+    with TestClient(app, headers={"Authorization": f"Bearer {token}"}) as client:
+        assert client.post("/v1/models", json={"name": "tiny"}).status_code == 201
+        private_postgres.stop()
+        down = client.get("/v1/models")
+        assert_error(down, 503, "UNAVAILABLE")
+        assert down.headers["Retry-After"] == "5"
+        assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+        refused = client.post("/v1/models", json={"name": "other"})
+        assert refused.status_code == 503
+        private_postgres.start()
+        # Same app, same pool: the next requests reconnect.
+        assert [m["name"] for m in client.get("/v1/models").json()] == ["tiny"]
+        assert client.get("/readyz").json()["status"] == "ready"
+        assert client.post("/v1/models", json={"name": "other"}).status_code == 201
