@@ -147,6 +147,11 @@ def _run_build(recipe_path: Path, work_dir: Path, registry: str | None, as_json:
         for r in summary["artifacts"]:
             for failure in r["failures"]:
                 err.print(f"[red]gate failed[/red] {r['artifact']}: {failure}")
+        # Deferred is not a failure: the work waits for a runner that has what this machine lacks.
+        for d in summary["deferred"]:
+            if "runner" in d:
+                command = " ".join(d["command"])
+                err.print(f"[yellow]deferred[/yellow] {d['node']} to a runner with {d['runner']}: {command}")
     if result.failed_gates:
         raise typer.Exit(EXIT_GATE_FAILED)
 
@@ -182,7 +187,8 @@ def plan(recipe: Path, work_dir: WorkDirOpt = DEFAULT_WORK, as_json: JsonOpt = F
     for col in ("stage", "inputs", "key", "state"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["node"], ", ".join(r["inputs"]), (r["key"] or "-")[:12], r["state"])
+        state = f"deferred to {r['runner']}" if "runner" in r else r["state"]
+        table.add_row(r["node"], ", ".join(r["inputs"]), (r["key"] or "-")[:12], state)
     err.print(table)
 
 

@@ -9,8 +9,9 @@ from typing import Any
 from kiln.digest import HashCache
 from pipeline.executors.local import LocalExecutor, NodeOutcome, Reporter
 from pipeline.ingest import open_source
-from pipeline.recipe import Recipe
+from pipeline.recipe import Recipe, TargetEntry
 from pipeline.stage import Node, WorkDir
+from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
@@ -120,7 +121,55 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
                     args={"registry": registry},
                 )
             )
+        for engine in _engine_nodes(entry, name, quant, export):
+            nodes.append(engine)
+            if registry is not None:
+                nodes.append(
+                    Node(
+                        f"publish/{engine.params['artifact']}",
+                        publish_stage.STAGE,
+                        params={
+                            "model": recipe.model,
+                            "version": recipe.version,
+                            "artifact": engine.params["artifact"],
+                            "description": recipe.description,
+                        },
+                        inputs=(ingest.id, engine.id),
+                        args={"registry": registry},
+                    )
+                )
     return nodes
+
+
+def _engine_nodes(entry: TargetEntry, name: str, quant: str, export: Node) -> list[Node]:
+    """One engine node per SKU of a trtllm entry's `params.engines` (none for other targets)."""
+    if entry.target != "trtllm" or entry.params.get("engines") is None:
+        return []
+    from targets.trtllm.engines import build_command, parse_params
+
+    matrix = parse_params(entry.params).engines
+    assert matrix is not None
+    limits = {
+        "max_batch_size": matrix.max_batch_size,
+        "max_input_len": matrix.max_input_len,
+        "max_seq_len": matrix.max_seq_len,
+    }
+    return [
+        Node(
+            f"engine/{name}-{sku}",
+            engine_stage.STAGE,
+            params={
+                "artifact": f"{name}-{sku}",
+                "quant": quant,
+                "sku": sku,
+                "limits": limits,
+                "tensorrt_llm": matrix.tensorrt_llm,
+                "command": build_command(quant, sku, matrix),
+            },
+            inputs=(export.id,),
+        )
+        for sku in matrix.skus
+    ]
 
 
 @dataclass
@@ -148,9 +197,22 @@ class BuildResult:
                     "published": self.outcomes[f"publish/{name}"].status
                     if f"publish/{name}" in self.outcomes
                     else None,
+                    "reason": report.get("reason") if report else ev.reason or None,
                 }
             )
+        for node_id, engine in self.outcomes.items():
+            if node_id.startswith("engine/"):
+                rows.append(_engine_row(engine, self.outcomes.get(f"publish/{engine.node.params['artifact']}")))
         return rows
+
+    @property
+    def deferred(self) -> list[dict[str, Any]]:
+        """Every deferred stage: why, and (for work that needs a runner) the runner and the command."""
+        return [
+            {"node": node_id, "reason": o.reason, **o.details}
+            for node_id, o in self.outcomes.items()
+            if o.status == "deferred"
+        ]
 
     @property
     def failed_gates(self) -> list[str]:
@@ -166,7 +228,29 @@ class BuildResult:
             "stages": counts,
             "artifacts": self.artifacts(),
             "failed_gates": self.failed_gates,
+            "deferred": self.deferred,
         }
+
+
+def _engine_row(engine: NodeOutcome, publish: NodeOutcome | None) -> dict[str, Any]:
+    """An engine's row in the build report: where it is, or the runner it is deferred to."""
+    p, out = engine.node.params, engine.output
+    return {
+        "artifact": p["artifact"],
+        "quant": p["quant"],
+        "sku": p["sku"],
+        "export": engine.status,
+        "path": str(out.files_dir) if out else None,
+        "size": sum(f.size for f in out.files) if out else None,
+        # An engine is not evaluated by kiln: its runtime is tensorrt_llm on that SKU.
+        "eval": "deferred" if engine.status == "deferred" else "not_evaluated",
+        "metrics": None,
+        "failures": [],
+        "published": publish.status if publish else None,
+        "reason": engine.reason or None,
+        "runner": engine.details.get("runner"),
+        "command": p["command"],
+    }
 
 
 def run(
@@ -182,6 +266,7 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
     workdir = WorkDir(work_dir)
     nodes = plan(recipe, work_dir)
     digests: dict[str, str | None] = {}
+    deferred: set[str] = set()
     rows = []
     for node in nodes:
         ins = [digests.get(i) for i in node.inputs]
@@ -193,6 +278,16 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
         else:
             key, state = None, "to build"
             digests[node.id] = None
+        extra: dict[str, Any] = {}
+        # A stage this machine cannot run is deferred to a runner (and so is everything that waits on it).
+        blocked = [i for i in node.inputs if i in deferred]
+        needs = node.stage.deferral(node) if node.stage.deferral is not None and state != "cached" else None
+        if needs is not None:
+            state, extra = "deferred", needs
+        elif blocked:
+            state, extra = "deferred", {"reason": f"waits on {', '.join(blocked)}"}
+        if state == "deferred":
+            deferred.add(node.id)
         rows.append(
             {
                 "node": node.id,
@@ -201,6 +296,7 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
                 "key": key,
                 "state": state,
                 "resources": node.stage.resources,
+                **extra,
             }
         )
     return rows

@@ -60,6 +60,9 @@ class TargetEntry(_Strict):
             raise ValueError(f"quants list repeats a name: {self.quants}")
         if spec.check_params is not None:
             _as_value_error(spec.check_params, self.params)
+        if spec.check_quant_params is not None:
+            for q in self.quants:
+                _as_value_error(spec.check_quant_params, q, self.params)
         for q in self.quants:
             if self.hardware is not None:
                 _as_value_error(spec.check_hardware, q, self.params, self.hardware)

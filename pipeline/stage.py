@@ -72,6 +72,9 @@ class Stage:
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})  # what an executor must provide
     # A stage with effects outside the work dir (publishing) runs every time; its target makes it idempotent.
     cacheable: bool = True
+    # For a stage that needs hardware or software this machine may lack: what a node still needs here
+    # ({"runner", "command", "missing", ...}), or None when it can run. `kiln plan` asks without running.
+    deferral: Callable[[Node], dict[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)

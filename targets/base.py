@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import KilnError, UnknownName
+from kiln.errors import InvalidInput, KilnError, UnknownName
 from targets.hardware import PROFILES
 from targets.schemes import Verdict
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pipeline.ingest import SourceModel
 
 # The modules that define kiln's targets; each calls `register` once at import.
-BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax")
+BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax", "targets.trtllm")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class ExportResult:
     details: dict[str, Any] = field(default_factory=dict)  # extra provenance (e.g. fallbacks taken)
     # Hardware this artifact runs on, with the reason for each; None: the target's `hardware` as declared.
     hardware: dict[str, str] | None = None
+    # The runtime eval loads this artifact with; None: the target's `runtime`. (A trtllm int4 checkpoint
+    # is read by tensorrt_llm only, while its FP8 ones are compressed-tensors that transformers reads.)
+    eval_runtime: str | None = None
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
@@ -65,6 +68,10 @@ class TargetSpec:
     compatibility_fn: CompatibilityFn | None = None
     # Validates the recipe's `params` for this target (raises KilnError naming the problem); None: no params.
     check_params: Callable[[dict[str, Any]], None] | None = None
+    # Validates `params` for one quant (e.g. an engine SKU that cannot run that scheme); None: nothing to check.
+    check_quant_params: Callable[[str, dict[str, Any]], None] | None = None
+    # Schemes the target refuses, with the reason the recipe error gives.
+    unsupported_quants: dict[str, str] = field(default_factory=dict)
 
     def compatibility(self, quant: str, params: dict[str, Any] | None = None) -> dict[str, Verdict]:
         """For every hardware profile: whether this target's artifact for `quant` runs there, and why."""
@@ -93,6 +100,12 @@ class TargetSpec:
                 )
 
     def check_quant(self, quant: str) -> None:
+        if quant in self.unsupported_quants:
+            raise InvalidInput(
+                f"target {self.name!r} refuses quant {quant!r}: {self.unsupported_quants[quant]}",
+                code="QUANT_UNSUPPORTED",
+                details={"target": self.name, "quant": quant, "reason": self.unsupported_quants[quant]},
+            )
         if quant not in self.quants:
             raise UnknownName(
                 f"target {self.name!r} does not support quant {quant!r}; supported: {', '.join(self.quants)}",

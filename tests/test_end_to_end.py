@@ -74,12 +74,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
 def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
     first = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
     assert first["failed_gates"] == []
-    assert {a["eval"] for a in first["artifacts"]} == {"passed"}
+    # Everything evaluated here passed; the rest waits for a GPU runner (never counted as passed).
+    waiting = {a["artifact"]: a["eval"] for a in first["artifacts"] if a["eval"] != "passed"}
+    engines = {f"trtllm-{q}-{sku}": "deferred" for q in ("bf16", "fp8", "w4a16-awq") for sku in ("h100", "h200")}
+    assert waiting == {"trtllm-w4a16-awq": "not_evaluated", **engines}
     f16 = next(a for a in first["artifacts"] if a["artifact"] == "gguf-f16")
     assert f16["metrics"]["top1"] >= 0.99 and f16["metrics"]["kl"] <= 1e-3
 
     second = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
-    assert set(second["stages"]) == {"cached"}
+    assert second["stages"] == {"cached": sum(first["stages"].values()) - 6, "deferred": 6}
 
 
 def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, str], tmp_path: Path) -> None:

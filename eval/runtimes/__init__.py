@@ -34,13 +34,17 @@ RUNTIMES: dict[str, Any] = {
     JaxRuntime.name: JaxRuntime,
 }
 
+# Runtimes kiln names but cannot run here, and the runner each one needs.
+RUNNERS: dict[str, str] = {"tensorrt_llm": "a GPU runner: an NVIDIA GPU (sm80+) with tensorrt_llm installed"}
+
 
 def open_runtime(name: str, artifact: str | Path, **options: Any) -> Runtime:
     """Open `artifact` (a directory or file) in runtime `name`, or raise `Deferred` if it is not here."""
     cls = RUNTIMES.get(name)
     if cls is None:
+        where = f"; it runs on {RUNNERS[name]}" if name in RUNNERS else ""
         raise Deferred(
-            f"runtime {name!r} is not available on this machine (available: {', '.join(RUNTIMES)})",
+            f"runtime {name!r} is not available on this machine (available: {', '.join(RUNTIMES)}){where}",
             details={"runtime_needed": name},
         )
     runtime: Runtime = cls(artifact, **options)

@@ -58,7 +58,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "hardware": hardware,
         "unsupported": unsupported,
         "runtime": result.runtime,
-        "runtime_name": spec.runtime,
+        "runtime_name": result.eval_runtime or spec.runtime,
         "details": result.details,
     }
 

@@ -32,7 +32,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from registry.client import RegistryClient
 
     p = ctx.node.params
-    ingest, export, evaluation = ctx.input("ingest"), ctx.input("export"), ctx.input("eval")
+    stages = {node_id.split("/", 1)[0] for node_id in ctx.inputs}
+    # An engine (stage "engine") is published like an export; kiln has no eval of its own for it.
+    ingest, export = ctx.input("ingest"), ctx.input("engine" if "engine" in stages else "export")
+    evaluation = ctx.input("eval") if "eval" in stages else None
     manifest = manifest_for(export)
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
         client.ensure_model(p["model"], p["description"])
@@ -48,18 +51,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
             client.upload_blob(export.files_dir / f.path, f.sha256)
             ctx.progress(f.size, total)
         client.publish_artifact(p["model"], p["version"], manifest)
-        report = evaluation.result
+        report = evaluation.result if evaluation is not None else _engine_not_evaluated(export)
         client.post_eval(
             p["model"],
             p["version"],
             manifest.name,
-            runtime=report["runtime"],
+            # A not_evaluated report names the runtime it needs instead of one that ran.
+            runtime=report["runtime"] or report["runtime_needed"],
             status=report["status"],
             metrics=report.get("metrics") or {},
             gates=report.get("gate") or {},
             reason="; ".join(report.get("failures") or []) or report.get("reason"),
         )
     return {"artifact": manifest.name, "manifest_digest": manifest.content_digest()}
+
+
+def _engine_not_evaluated(engine: StageOutput) -> dict[str, Any]:
+    sku = engine.result["hardware"][0]
+    return {
+        "runtime": None,
+        "runtime_needed": "tensorrt_llm",
+        "status": "not_evaluated",
+        "reason": f"kiln does not evaluate engines yet; this one runs under tensorrt_llm on {sku} only",
+    }
 
 
 STAGE = Stage("publish", "1", run, "upload blobs, manifest and eval result to the registry", cacheable=False)

@@ -1,0 +1,190 @@
+"""Write a TensorRT-LLM checkpoint: the HF-format directory its PyTorch backend loads, per `formats.FORMATS`.
+
+Everything is the hf-bundle writer's (`targets.hf_bundle.export`): tensors come from the source or
+the shared quantize stage's output, one at a time, nothing is quantized again. What differs:
+
+- bf16, fp8, fp8-block: the hf-bundle itself (plain, or compressed-tensors in config.json, which
+  TensorRT-LLM maps to FP8_PER_CHANNEL_PER_TOKEN / FP8_BLOCK_SCALES).
+- int4 (W4A16_AWQ): each Linear's compressed-tensors int32 words become TensorRT-LLM's int4 byte
+  layout (`pack_int4_rows`), its scales are kept, a unit `pre_quant_scale` is added, and
+  hf_quant_config.json says so; config.json carries no quantization_config (the file is authoritative).
+
+The written directory is checked against `schema.check_checkpoint` before export returns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from kiln import __version__
+from kiln.errors import InvalidInput
+from targets.base import ExportRequest, ExportResult
+from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
+from targets.schemes import Scheme, Verdict
+from targets.trtllm.engines import check_engine_skus, parse_params, runner
+from targets.trtllm.formats import ENGINE_SKUS, FORMATS, scheme_verdicts
+from targets.trtllm.schema import HF_QUANT_CONFIG, HfQuantConfig, check_checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.ingest import SourceModel
+
+CODE_VERSION = "1"
+QUANTS = tuple(FORMATS)
+QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
+HARDWARE = tuple(ENGINE_SKUS)
+
+
+def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
+    """int4 values [out, in] (int8 in -8..7) -> uint8 [out / 2, in]: row 2j in the low nibble, 2j + 1 in the high."""
+    import torch
+
+    if values.shape[0] % 2:
+        raise InvalidInput(f"W4A16_AWQ packs pairs of output rows; got {values.shape[0]} rows")
+    v = values.to(torch.int16)
+    return ((v[0::2] & 15) | ((v[1::2] & 15) << 4)).to(torch.uint8)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4_rows`: uint8 [out / 2, in] -> int8 [out, in] in -8..7."""
+    import torch
+
+    b = packed.view(torch.uint8).to(torch.int16)
+    rows = torch.stack((b & 15, b >> 4), dim=1).flatten(0, 1)
+    return torch.where(rows >= 8, rows - 16, rows).to(torch.int8)
+
+
+def _int4_values(read_packed: Any, shape: tuple[int, int]) -> Any:
+    def read() -> torch.Tensor:
+        import torch
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        # compressed-tensors' own unpacking (values -8..7 along the input dimension).
+        return pack_int4_rows(unpack_from_int32(read_packed(), 4, torch.Size(shape)))
+
+    return read
+
+
+def _ones(n: int) -> Any:
+    def read() -> torch.Tensor:
+        import torch
+
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    return read
+
+
+def to_modelopt_int4(planned: list[Planned]) -> list[Planned]:
+    """The plan with every `<m>.weight_packed` / `weight_scale` / `weight_shape` as W4A16_AWQ's
+    `<m>.weight` / `weight_scale` / `pre_quant_scale` (read lazily, one module at a time)."""
+    out = []
+    columns: dict[str, int] = {}  # module -> input columns, from its packed weight (planned before its shape)
+    for p in planned:
+        if p.name.endswith(".weight_packed"):
+            module = p.name.removesuffix(".weight_packed")
+            rows, words = p.shape
+            columns[module] = cols = words * 8
+            packed = (rows // 2, cols)
+            read = _int4_values(p.read, (rows, cols))
+            out.append(
+                replace(p, name=f"{module}.weight", dtype="U8", shape=packed, nbytes=packed[0] * cols, read=read)
+            )
+        elif p.name.endswith(".weight_shape"):
+            module = p.name.removesuffix(".weight_shape")
+            cols = columns[module]
+            name = f"{module}.pre_quant_scale"
+            out.append(replace(p, name=name, dtype="BF16", shape=(cols,), nbytes=2 * cols, read=_ones(cols)))
+        else:
+            out.append(p)
+    return out
+
+
+def hf_quant_config(scheme: Scheme) -> HfQuantConfig:
+    """hf_quant_config.json for an int4 scheme, in ModelOpt's legacy shape (the one read whatever the producer)."""
+    assert scheme.weights is not None
+    return HfQuantConfig.model_validate(
+        {
+            "producer": {"name": "kiln", "version": __version__},
+            "quantization": {
+                "quant_algo": FORMATS[scheme.name].quant_algo,
+                "kv_cache_quant_algo": None,
+                "group_size": scheme.weights.group_size,
+                "has_zero_point": False,
+                "pre_quant_scale": True,
+                "exclude_modules": list(scheme.ignore),
+            },
+        }
+    )
+
+
+def export(source: SourceModel, req: ExportRequest) -> ExportResult:
+    """Write the TensorRT-LLM checkpoint for `req.quant` into `req.out_dir` and check it."""
+    params = parse_params(req.params)
+    fmt = FORMATS.get(req.quant)
+    if fmt is None:
+        raise InvalidInput(f"trtllm builds {', '.join(QUANTS)}; got {req.quant!r}")
+    scheme, quantized = checked_inputs("trtllm", req)
+    planned = plan_tensors(source, quantized, req.on_progress)
+    inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
+    if fmt.layout == "modelopt":
+        planned = to_modelopt_int4(planned)
+    files = write_bundle(source, req.out_dir, planned, inline, params.max_shard_bytes)
+    if fmt.layout == "modelopt":
+        # quantized_layers belongs to MIXED_PRECISION only; the other keys are written even when null, as ModelOpt does.
+        config = hf_quant_config(scheme).model_dump(mode="json", exclude={"quantization": {"quantized_layers"}})
+        (req.out_dir / HF_QUANT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        files = sorted([*files, HF_QUANT_CONFIG])
+    checked = check_checkpoint(req.out_dir)
+    if checked.quant_algo != fmt.quant_algo:
+        raise InvalidInput(f"trtllm-{scheme.name}: wrote {checked.quant_algo}, planned {fmt.quant_algo}")
+
+    runtime = bundle_runtime(source, scheme)
+    # Checked against TensorRT-LLM's 2026 source, not loaded by any release here: no version floor is claimed.
+    runtime["loaders"] = {"tensorrt_llm": "PyTorch backend"}
+    if fmt.quant_algo is not None:
+        runtime["quantization"] = {
+            "quant_algo": fmt.quant_algo,
+            "read_from": checked.source,
+            "scheme": scheme.name,
+            "method": scheme.method,
+        }
+    verdicts = scheme_verdicts(scheme.name)
+    details: dict[str, Any] = {
+        "shards": sum(f.endswith(".safetensors") for f in files),
+        "layout": fmt.layout,
+        "hardware": {hw: v.model_dump() for hw, v in verdicts.items()},
+        "validation": {
+            "schema": f"TensorRT-LLM {fmt.quant_algo or 'bf16'} tensors and {checked.source} checked",
+            "numerics": "transformers on CPU" if fmt.eval_runtime == "transformers" else "not evaluated here",
+            "not_run_here": "TensorRT-LLM on an NVIDIA GPU",
+        },
+    }
+    if params.engines is not None:
+        details["engines"] = {sku: runner(sku, params.engines.tensorrt_llm) for sku in params.engines.skus}
+    return ExportResult(
+        files=files,
+        runtime=runtime,
+        details=details,
+        hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
+        eval_runtime=fmt.eval_runtime,
+    )
+
+
+def trtllm_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:
+    """`TargetSpec.compatibility_fn`: where TensorRT-LLM documents the checkpoint's QuantAlgo."""
+    return scheme_verdicts(quant)
+
+
+def check_params(params: dict[str, Any]) -> None:
+    """`TargetSpec.check_params`: the params schema, the engine matrix's SKUs and limits."""
+    parse_params(params)
+
+
+def check_quant_params(quant: str, params: dict[str, Any]) -> None:
+    """`TargetSpec.check_quant_params`: every engine SKU must serve `quant` (named, with the reason)."""
+    engines = parse_params(params).engines
+    if engines is not None:
+        check_engine_skus(quant, engines)

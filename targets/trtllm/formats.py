@@ -1,0 +1,123 @@
+"""Per kiln scheme: the checkpoint layout TensorRT-LLM documents for it, and the GPUs that run it, as data.
+
+| scheme                    | TensorRT-LLM QuantAlgo    | written as                        | eval here          |
+|---------------------------|---------------------------|-----------------------------------|--------------------|
+| bf16                      | (none)                    | plain HF checkpoint               | transformers (CPU) |
+| fp8                       | FP8_PER_CHANNEL_PER_TOKEN | compressed-tensors in config.json | transformers (CPU) |
+| fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers (CPU) |
+| int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)     |
+
+Why W4A16_AWQ for all three int4 schemes: TensorRT-LLM's compressed-tensors reader has no weight-only
+int branch (`quant_config_utils.py`), and its PyTorch backend builds per-group int4 Linears only
+through `W4A16_AWQ_LinearMethod` (`get_quant_method` in `_torch/modules/linear.py`), which computes
+(x * pre_quant_scale) @ (int4 * scale) with no zero point. kiln's int4 schemes are symmetric (no zero
+point) with AWQ's smoothing already folded into the weights, so each is that layout with
+pre_quant_scale = 1; the scheme's own method (rtn, gptq, awq) is recorded in the manifest.
+
+Hardware: the "Hardware Support Matrix" of TensorRT-LLM's docs/source/features/quantization.md
+(FP8 rowwise on Hopper; FP8 block scaling on Hopper and Blackwell sm100; W4A16 AWQ on Ampere, Ada,
+Hopper; NVFP4 and MXFP4 on Blackwell), with compute capabilities from `targets.hardware`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from targets.hardware import PROFILES, HardwareProfile
+from targets.schemes import Verdict
+
+Layout = Literal["dense", "compressed-tensors", "modelopt"]
+DOCS = "TensorRT-LLM docs/source/features/quantization.md"
+
+
+@dataclass(frozen=True)
+class TrtllmFormat:
+    """How one kiln scheme is written for TensorRT-LLM and which runtime evaluates it here."""
+
+    quant_algo: str | None
+    layout: Layout
+    eval_runtime: str  # "transformers" (numerics on CPU) or "tensorrt_llm" (deferred to a GPU runner)
+
+
+FORMATS: dict[str, TrtllmFormat] = {
+    "bf16": TrtllmFormat(None, "dense", "transformers"),
+    "fp8": TrtllmFormat("FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors", "transformers"),
+    "fp8-block": TrtllmFormat("FP8_BLOCK_SCALES", "compressed-tensors", "transformers"),
+    "int4-rtn": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
+    "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
+    "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
+}
+
+# Schemes TensorRT-LLM cannot load as kiln writes them, and why.
+REFUSED: dict[str, str] = {
+    "int8-w8a8": "TensorRT-LLM reads a compressed-tensors group by bit width and strategy only "
+    "(quant_config_utils.py), so int8 W8A8 would load as FP8_PER_CHANNEL_PER_TOKEN; its own INT8 "
+    "recipe is SmoothQuant with static scales, which kiln does not produce",
+    "int8-w8a16": "TensorRT-LLM's compressed-tensors reader has no weight-only int branch, and its "
+    f"documented quantization matrix ({DOCS}) lists no INT8 weight-only recipe for the PyTorch backend",
+}
+
+# QuantAlgo -> the NVIDIA architectures TensorRT-LLM documents it on (None: bf16, sm80+).
+ALGO_ARCHES: dict[str | None, tuple[str, ...]] = {
+    None: ("sm80", "sm89", "sm90", "sm100"),
+    "FP8": ("sm89", "sm90", "sm100"),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("sm90",),
+    "FP8_BLOCK_SCALES": ("sm90", "sm100"),
+    "W4A16_AWQ": ("sm80", "sm89", "sm90"),
+    "W4A16_GPTQ": ("sm80", "sm89", "sm90"),
+    "NVFP4": ("sm100",),
+}
+# Hard floors behind the matrix, stated first when they are the reason.
+ALGO_MIN_CC: dict[str, tuple[int, str]] = {
+    "FP8": (89, "FP8 needs sm89+ (Ada/Hopper)"),
+    "FP8_PER_CHANNEL_PER_TOKEN": (89, "FP8 needs sm89+ (Ada/Hopper)"),
+    "FP8_BLOCK_SCALES": (89, "FP8 needs sm89+ (Ada/Hopper)"),
+    "NVFP4": (100, "NVFP4 needs sm100 (Blackwell)"),
+}
+ALGO_LABEL: dict[str | None, str] = {
+    None: "bf16",
+    "FP8": "FP8 per tensor",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8 rowwise (FP8_PER_CHANNEL_PER_TOKEN)",
+    "FP8_BLOCK_SCALES": "FP8 block scaling (FP8_BLOCK_SCALES)",
+    "W4A16_AWQ": "W4A16 AWQ",
+    "W4A16_GPTQ": "W4A16 GPTQ",
+    "NVFP4": "NVFP4",
+}
+
+
+def algo_verdict(algo: str | None, hw: HardwareProfile) -> Verdict:
+    """Whether TensorRT-LLM runs `algo` on `hw`, and why (or why not)."""
+    if hw.vendor != "nvidia" or hw.compute_capability is None:
+        return Verdict(compatible=False, reason=f"TensorRT-LLM runs on NVIDIA GPUs; {hw.name} is {hw.family}")
+    floor = ALGO_MIN_CC.get(algo or "")
+    if floor is not None and hw.compute_capability < floor[0]:
+        return Verdict(compatible=False, reason=f"{floor[1]}; {hw.name} is {hw.arch}")
+    archs = ALGO_ARCHES[algo]
+    if hw.arch not in archs:
+        return Verdict(
+            compatible=False,
+            reason=f"{DOCS} lists {ALGO_LABEL[algo]} on {', '.join(archs)} only; {hw.name} is {hw.arch}",
+        )
+    return Verdict(compatible=True, reason=f"TensorRT-LLM {ALGO_LABEL[algo]} on {hw.arch}")
+
+
+def scheme_verdicts(scheme: str) -> dict[str, Verdict]:
+    """For every hardware profile: whether a trtllm checkpoint of `scheme` runs there, and why."""
+    fmt = FORMATS[scheme]
+    return {name: algo_verdict(fmt.quant_algo, hw) for name, hw in PROFILES.items()}
+
+
+# Engine builds (trtllm-build, the TensorRT backend kept by tensorrt_llm releases before 2026).
+ENGINE_SKUS: dict[str, str] = {  # kiln hardware profile -> what nvidia-smi calls that GPU
+    "a100": "A100",
+    "l40s": "L40S",
+    "h100": "H100",
+    "h200": "H200",
+    "b200": "B200",
+}
+# QuantAlgo -> why kiln builds no engine for it (the checkpoint still serves the PyTorch backend).
+ENGINE_REFUSED: dict[str, str] = {
+    "FP8_BLOCK_SCALES": "128x128 block-scaled FP8 is documented for TensorRT-LLM's PyTorch backend; kiln has no "
+    "trtllm-build recipe for it",
+}

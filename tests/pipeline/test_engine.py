@@ -1,0 +1,167 @@
+"""TensorRT engines per SKU: the exact trtllm-build command, deferral to a runner with that SKU where this
+machine lacks tensorrt_llm or the GPU, and what `kiln plan`, `kiln build --json` and the registry show."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.manifest import FileEntry
+from pipeline.stage import StageOutput
+from pipeline.stages import engine as engine_stage
+from pipeline.stages.publish import manifest_for
+from targets.hardware import PROFILES
+from targets.trtllm.engines import EngineMatrix, build_command, gpus_matching, missing_for
+from tests.model_factory import make_model
+
+MATRIX = EngineMatrix(skus=["h100", "a100"], max_batch_size=8, max_input_len=256, max_seq_len=512)
+LIMITS = ["--max_batch_size", "8", "--max_input_len", "256", "--max_seq_len", "512"]
+DIRS = ["--checkpoint_dir", "trtllm-checkpoint", "--output_dir", "engine"]
+COMMON = ["--gpt_attention_plugin", "auto", "--kv_cache_type", "paged"]
+# This machine has neither tensorrt_llm nor an NVIDIA GPU; where one has both, these tests say nothing.
+NO_RUNNER_HERE = importlib.util.find_spec("tensorrt_llm") is None or shutil.which("nvidia-smi") is None
+needs_no_runner = pytest.mark.skipif(not NO_RUNNER_HERE, reason="this machine can build engines")
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize(
+    ("quant", "sku", "flags"),
+    [
+        ("bf16", "h100", ["--gemm_plugin", "bfloat16"]),
+        ("bf16", "a100", ["--gemm_plugin", "bfloat16"]),
+        ("fp8", "h100", ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"]),
+        ("fp8", "h200", ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"]),
+        ("w4a16-awq", "a100", ["--gemm_plugin", "auto"]),
+        ("int4-rtn", "l40s", ["--gemm_plugin", "auto"]),
+    ],
+)
+def test_trtllm_build_command_is_exact(quant: str, sku: str, flags: list[str]) -> None:
+    assert build_command(quant, sku, MATRIX) == ["trtllm-build", *DIRS, *LIMITS, *COMMON, *flags]
+
+
+def test_nvidia_smi_names_match_their_sku_only() -> None:
+    smi = "NVIDIA A100-SXM4-80GB\nNVIDIA H100 80GB HBM3\nNVIDIA GH200 480GB\n"
+    assert gpus_matching(smi, "a100") == ["NVIDIA A100-SXM4-80GB"]
+    assert gpus_matching(smi, "h100") == ["NVIDIA H100 80GB HBM3"]
+    assert gpus_matching(smi, "h200") == []  # a GH200 is not an H200
+    assert gpus_matching("NVIDIA L40S\n", "l40s") == ["NVIDIA L40S"]
+
+
+@needs_no_runner
+def test_this_machine_lacks_what_an_engine_build_needs() -> None:
+    missing = missing_for("h100", "0.21.0")
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        assert "tensorrt_llm is not importable" in missing
+    if shutil.which("nvidia-smi") is None:
+        assert "nvidia-smi is not on PATH (no NVIDIA GPU)" in missing
+
+
+def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
+    params = {
+        "artifact": "trtllm-fp8-h100",
+        "quant": "fp8",
+        "sku": "h100",
+        "limits": {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
+        "tensorrt_llm": "0.21.0",
+        "command": build_command("fp8", "h100", MATRIX),
+    }
+    result = engine_stage.engine_result(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
+    output = StageOutput(
+        "engine/trtllm-fp8-h100", "k", Path("."), result, [FileEntry(path="rank0.engine", sha256="0" * 64, size=1)], {}
+    )
+    manifest = manifest_for(output)
+    assert manifest.hardware == ["h100"] and manifest.format == "trtllm-engine"
+    assert set(manifest.unsupported) == set(PROFILES) - {"h100"}
+    assert "engines run on that SKU only" in manifest.unsupported["h200"]  # same sm90, still not offered
+    runtime = manifest.runtime
+    assert (runtime["sku"], runtime["compute_capability"], runtime["tensorrt"]) == ("h100", 90, "10.11.0")
+    assert runtime["tensorrt_llm"] == "0.21.0" and runtime["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("recipe")
+    make_model(root / "model", hidden_size=128, intermediate_size=256, num_kv_heads=4)
+    (root / "heldout.txt").write_text("def f(x):\n    return [x, x + 1, str(x)]\n" * 60)
+    doc = {
+        "model": "m",
+        "version": "1",
+        "source": "model",
+        "eval": {"text": "heldout.txt", "max_tokens": 128, "window": 64, "greedy_prompts": 1, "greedy_tokens": 4},
+        "targets": [
+            {
+                "target": "trtllm",
+                "quants": ["bf16", "int4-rtn"],
+                "params": {
+                    "engines": {"skus": ["h100", "a100"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512}
+                },
+            }
+        ],
+    }
+    (root / "kiln.yaml").write_text(yaml.safe_dump(doc))
+    return root / "kiln.yaml"
+
+
+@needs_no_runner
+def test_build_plan_and_publish_show_engines_deferred_to_their_runner(recipe: Path, tmp_path: Path) -> None:
+    work = str(tmp_path / "work")
+    out = kiln("build", str(recipe), "--json", "--work-dir", work)
+    assert out.returncode == 0, out.stderr  # deferred is not a failure
+    summary = json.loads(out.stdout)
+    rows = {r["artifact"]: r for r in summary["artifacts"]}
+    assert rows["trtllm-bf16"]["eval"] == "passed"
+    int4 = rows["trtllm-int4-rtn"]
+    assert int4["export"] == "built" and int4["eval"] == "not_evaluated" and "GPU runner" in int4["reason"]
+    for quant in ("bf16", "int4-rtn"):
+        for sku in ("h100", "a100"):
+            row = rows[f"trtllm-{quant}-{sku}"]
+            assert (row["export"], row["eval"], row["path"]) == ("deferred", "deferred", None)
+            assert row["runner"] == f"{sku} GPU with tensorrt_llm==0.21.0"
+            assert row["command"] == build_command(quant, sku, MATRIX)
+    deferred = {d["node"]: d for d in summary["deferred"]}
+    assert set(deferred) == {f"engine/trtllm-{q}-{s}" for q in ("bf16", "int4-rtn") for s in ("h100", "a100")}
+    h100 = deferred["engine/trtllm-bf16-h100"]
+    assert h100["sku"] == "h100" and h100["compute_capability"] == 90 and h100["missing"]
+    assert summary["stages"]["deferred"] == 4
+    report = json.loads((tmp_path / "reports" / "m-1.json").read_text())
+    assert report["deferred"] == summary["deferred"]
+    assert "deferred engine/trtllm-bf16-h100 to a runner with h100 GPU with tensorrt_llm==0.21.0" in kiln(
+        "build", str(recipe), "--work-dir", work
+    ).stderr.replace("\n", " ")
+
+    plan = json.loads(kiln("plan", str(recipe), "--json", "--work-dir", work).stdout)
+    states = {r["node"]: r for r in plan}
+    assert states["export/trtllm-int4-rtn"]["state"] == "cached"
+    engine = states["engine/trtllm-int4-rtn-a100"]
+    assert engine["state"] == "deferred" and engine["runner"] == "a100 GPU with tensorrt_llm==0.21.0"
+    assert engine["command"] == build_command("int4-rtn", "a100", MATRIX) and engine["inputs"] == [
+        "export/trtllm-int4-rtn"
+    ]
+    text = kiln("plan", str(recipe), "--work-dir", work).stderr
+    assert "deferred to h100 GPU with" in text.replace("\n", " ")
+
+    registry = tmp_path / "registry"
+    out = kiln("publish", str(recipe), "--json", "--work-dir", work, "--registry", str(registry))
+    assert out.returncode == 0, out.stderr
+    published = {r["artifact"]: r["published"] for r in json.loads(out.stdout)["artifacts"]}
+    assert published["trtllm-int4-rtn"] == "ran" and published["trtllm-int4-rtn-h100"] == "deferred"
+    from registry.client import RegistryClient
+
+    with RegistryClient.connect(registry) as client:
+        release = client.get_release("m", "1")
+    artifacts = {a["name"]: a for a in release["artifacts"]}
+    assert set(artifacts) == {"trtllm-bf16", "trtllm-int4-rtn"}  # no engine reaches the registry from here
+    int4_eval = artifacts["trtllm-int4-rtn"]["evals"][0]
+    assert (int4_eval["runtime"], int4_eval["status"]) == ("tensorrt_llm", "not_evaluated")
+    assert "GPU runner" in int4_eval["reason"] and artifacts["trtllm-int4-rtn"]["eval_status"] == "not_evaluated"
+    assert artifacts["trtllm-int4-rtn"]["hardware"] == ["a100", "l40s", "h100", "h200"]

@@ -1,0 +1,301 @@
+"""trtllm: checkpoints that validate against what TensorRT-LLM's PyTorch backend reads, with the tensors
+each QuantAlgo loads; FP8 evaluated by transformers, int4 deferred to a GPU runner; refusals with reasons."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import InvalidInput, RecipeInvalid
+from pipeline.ingest import SourceModel, open_source
+from pipeline.quantize.rtn import LINEAR_WEIGHT, dequantize
+from pipeline.quantize.store import QuantizedWeights, open_quantized, write_quantized
+from pipeline.recipe import parse_recipe
+from targets.base import ExportRequest, ExportResult, get_target
+from targets.hardware import PROFILES
+from targets.schemes import get_scheme
+from targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows
+from targets.trtllm.formats import FORMATS, algo_verdict
+from targets.trtllm.schema import (
+    HF_QUANT_CONFIG,
+    LINEAR_TENSORS,
+    check_checkpoint,
+    compressed_tensors_algo,
+    parse_hf_quant_config,
+)
+from tests.model_factory import make_model
+
+GOOD_CONFIG = {
+    "producer": {"name": "modelopt", "version": "0.33.0"},
+    "quantization": {"quant_algo": "W4A16_AWQ", "group_size": 128, "pre_quant_scale": True, "exclude_modules": []},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 128 input columns everywhere: whole 128-column groups and 128x128 FP8 blocks.
+    return make_model(tmp_path_factory.mktemp("llama128"), hidden_size=128, intermediate_size=256, num_kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def quantized(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedWeights]:
+    """The shared quantize stage's output for every trtllm scheme (calibrated ones on a little stdlib text)."""
+    from pipeline.quantize.calibrated import calibrate, calibration_samples
+
+    source = open_source(model_dir)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    out = {}
+    for quant, fmt in FORMATS.items():
+        if fmt.quant_algo is None:
+            continue
+        scheme = get_scheme(quant)
+        cal = None
+        if scheme.calibrated:
+            cal = calibrate(source, scheme, calibration_samples(model_dir, text, samples=4, seq_len=64))
+        root = tmp_path_factory.mktemp(quant)
+        write_quantized(source, scheme, root, calibrated=cal)
+        out[quant] = open_quantized(root, quant)
+    return out
+
+
+def _export(source: SourceModel, quant: str, out: Path, q: QuantizedWeights | None, **params: object) -> ExportResult:
+    out.mkdir(parents=True)
+    return export(source, ExportRequest(quant=quant, out_dir=out, params=dict(params), quantized=q))
+
+
+def test_hf_quant_config_schema_takes_tensorrt_llm_names_and_refuses_the_rest() -> None:
+    parsed = parse_hf_quant_config(GOOD_CONFIG)
+    assert parsed.quantization.quant_algo == "W4A16_AWQ" and parsed.quantization.kv_cache_quant_algo is None
+    bad = [
+        ({"quant_algo": "INT8"}, "quant_algo"),  # a KV-cache algo only
+        ({"quant_algo": "W4A16_AWQ", "group_size": None}, "needs group_size"),
+        ({"quant_algo": "NVFP4", "group_size": 32}, "group_size 16 only"),
+        ({"quant_algo": "FP8", "kv_cache_quant_algo": "FP4"}, "kv_cache_quant_algo"),
+        ({"quant_algo": "MIXED_PRECISION"}, "quantized_layers"),
+        ({"quant_algo": "FP8", "quant_method": "fp8"}, "quant_method"),
+    ]
+    for override, words in bad:
+        doc = {**GOOD_CONFIG, "quantization": {**GOOD_CONFIG["quantization"], **override}}
+        with pytest.raises(InvalidInput) as e:
+            parse_hf_quant_config(doc)
+        assert e.value.code == "TRTLLM_QUANT_CONFIG" and words in e.value.message, e.value.message
+    with pytest.raises(InvalidInput, match="producer"):
+        parse_hf_quant_config({"quantization": GOOD_CONFIG["quantization"]})
+
+
+@pytest.mark.parametrize("quant", list(FORMATS))
+def test_every_checkpoint_validates_and_carries_the_tensors_its_algo_loads(
+    quant: str, model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    import torch
+    from safetensors import safe_open
+
+    fmt, source = FORMATS[quant], open_source(model_dir)
+    q = quantized.get(quant)
+    result = _export(source, quant, tmp_path / "ckpt", q, max_shard_bytes=200_000)
+    ckpt = tmp_path / "ckpt"
+    checked = check_checkpoint(ckpt)
+    assert checked.quant_algo == fmt.quant_algo and result.eval_runtime == fmt.eval_runtime
+    config = json.loads((ckpt / "config.json").read_text())
+    if fmt.layout == "modelopt":
+        assert checked.source == HF_QUANT_CONFIG and "quantization_config" not in config
+        assert parse_hf_quant_config(json.loads((ckpt / HF_QUANT_CONFIG).read_text())).producer.name == "kiln"
+        assert checked.group_size == 128 and checked.exclude_modules == ("lm_head",)
+    elif fmt.layout == "compressed-tensors":
+        assert checked.source == "config.json" and not (ckpt / HF_QUANT_CONFIG).exists()
+        assert compressed_tensors_algo(config["quantization_config"]) == fmt.quant_algo
+    else:
+        assert checked.source == "none" and "quantization_config" not in config
+    assert result.runtime.get("quantization", {}).get("quant_algo") == fmt.quant_algo
+    assert len(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]) == len(checked.tensors)
+
+    # The values: what TensorRT-LLM's Linear computes with is exactly what the quantize stage chose.
+    compared = 0
+    for name in checked.tensors:
+        if not (name.endswith(".weight") and LINEAR_WEIGHT.match(name)):
+            continue
+        module = name.removesuffix(".weight")
+        stored = {}
+        for k, info in checked.tensors.items():  # a module's tensors may lie in different shards
+            if k.startswith(module + "."):
+                with safe_open(str(ckpt / info.file), "pt") as f:
+                    stored[k] = f.get_tensor(k)
+        specs = {s.suffix for s in LINEAR_TENSORS[fmt.quant_algo]}
+        assert {k.removeprefix(module + ".") for k in stored} == specs
+        if q is None:
+            assert torch.equal(stored[name], source.tensor(name).to(torch.bfloat16))
+        elif fmt.layout == "modelopt":
+            want = dequantize(q.scheme, module, {k: q.tensor(k) for k in q.module_tensors(name)})
+            values = unpack_int4_rows(stored[name])
+            assert int(values.min()) >= -8 and int(values.max()) <= 7
+            got = values.float() * stored[f"{module}.weight_scale"].float().repeat_interleave(128, dim=1)
+            assert torch.equal(got, want)
+            assert torch.equal(stored[f"{module}.pre_quant_scale"], torch.ones(got.shape[1], dtype=torch.bfloat16))
+        else:
+            for k in q.module_tensors(name):
+                assert torch.equal(stored[k], q.tensor(k)), k
+        compared += 1
+    assert compared == 2 * 7
+
+
+def test_int4_rows_pack_as_tensorrt_llm_unpacks_them() -> None:
+    import torch
+
+    values = torch.tensor([[1, -8, 7], [-1, 0, -3]], dtype=torch.int8)
+    packed = pack_int4_rows(values)
+    # Row 0 in the low nibble, row 1 in the high one: 1 | (-1 & 15) << 4 = 0xF1.
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[0xF1, 0x08, 0xD7]]
+    every = torch.arange(-8, 8, dtype=torch.int8).repeat(2, 1).T.contiguous()  # (16, 2): all values, both nibbles
+    assert torch.equal(unpack_int4_rows(pack_int4_rows(every)), every)
+    with pytest.raises(InvalidInput, match="pairs of output rows"):
+        pack_int4_rows(torch.zeros(3, 4, dtype=torch.int8))
+
+
+def test_checker_names_the_tensor_tensorrt_llm_would_not_load(
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    _export(open_source(model_dir), "int4-rtn", tmp_path / "ckpt", quantized["int4-rtn"])
+    doc = json.loads((tmp_path / "ckpt" / HF_QUANT_CONFIG).read_text())
+    doc["quantization"]["group_size"] = 64
+    (tmp_path / "ckpt" / HF_QUANT_CONFIG).write_text(json.dumps(doc))
+    with pytest.raises(InvalidInput) as e:
+        check_checkpoint(tmp_path / "ckpt")
+    assert e.value.code == "TRTLLM_CHECKPOINT"
+    assert "model.layers.0.self_attn.q_proj.weight_scale: W4A16_AWQ needs BF16/F16 [128, 2]" in e.value.message
+
+
+def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() -> None:
+    from pipeline.quantize.compressed import quantization_config
+
+    # TensorRT-LLM reads bit width and strategy only: int8 W8A8 would load as FP8 rowwise.
+    assert compressed_tensors_algo(quantization_config(get_scheme("int8-w8a8"))) == "FP8_PER_CHANNEL_PER_TOKEN"
+    with pytest.raises(InvalidInput, match="weight-only"):
+        compressed_tensors_algo(quantization_config(get_scheme("int8-w8a16")))
+    spec = get_target("trtllm")
+    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16"}
+    assert not set(spec.quants) & set(spec.unsupported_quants)
+
+
+def test_fp8_checkpoint_evaluates_on_cpu_and_int4_is_deferred_to_a_gpu_runner(
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    import numpy as np
+
+    from eval.gates import gate_for
+    from eval.run import evaluate_artifact
+    from eval.runtimes import TransformersRuntime
+    from eval.text import load_text
+
+    source = open_source(model_dir)
+    fp8 = _export(source, "fp8", tmp_path / "fp8", quantized["fp8"])
+    hf = get_target("hf-bundle")
+    (tmp_path / "hf").mkdir()
+    hf.export(source, ExportRequest(quant="fp8", out_dir=tmp_path / "hf", quantized=quantized["fp8"]))
+    ids = list(range(0, 400, 7))
+    # The same compressed-tensors tensors as the hf-bundle: transformers computes the same logits.
+    assert np.array_equal(
+        TransformersRuntime(tmp_path / "fp8").logits(ids), TransformersRuntime(tmp_path / "hf").logits(ids)
+    )
+    assert fp8.eval_runtime == "transformers"
+
+    int4 = _export(source, "w4a16-awq", tmp_path / "awq", quantized["w4a16-awq"])
+    assert int4.eval_runtime == "tensorrt_llm"
+    (tmp_path / "heldout.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    text = load_text(model_dir, tmp_path / "heldout.txt", window=64, max_tokens=128, prompts=1, greedy_tokens=4)
+    report = evaluate_artifact(
+        TransformersRuntime(model_dir), int4.eval_runtime, tmp_path / "awq", text, gate_for("w4a16-awq")
+    )
+    assert report.status == "not_evaluated" and not report.passed and report.metrics is None
+    assert report.runtime_needed == "tensorrt_llm" and "GPU runner" in (report.reason or "")
+
+
+def test_checkpoints_are_offered_only_where_tensorrt_llm_documents_their_algo(
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    source = open_source(model_dir)
+    expect = {
+        "bf16": {"a100", "l40s", "h100", "h200", "b200"},
+        "fp8": {"h100", "h200"},
+        "fp8-block": {"h100", "h200", "b200"},
+        "w4a16-awq": {"a100", "l40s", "h100", "h200"},
+    }
+    spec = get_target("trtllm")
+    for quant, hardware in expect.items():
+        result = _export(source, quant, tmp_path / quant, quantized.get(quant))
+        assert set(result.hardware or {}) == hardware, quant
+        verdicts = spec.compatibility(quant, {})
+        assert {hw for hw, v in verdicts.items() if v.compatible} == hardware
+    verdicts = spec.compatibility("fp8", {})
+    assert "FP8 needs sm89+" in verdicts["a100"].reason and "sm90 only" in verdicts["l40s"].reason
+    assert "NVIDIA GPUs" in verdicts["cpu"].reason and "NVIDIA GPUs" in verdicts["mi300x"].reason
+    assert "sm80, sm89, sm90 only; b200 is sm100" in spec.compatibility("w4a16-awq", {})["b200"].reason
+    # The rules are data for every algo, kiln schemes or not: NVFP4 needs Blackwell.
+    assert algo_verdict("NVFP4", PROFILES["h100"]).reason == "NVFP4 needs sm100 (Blackwell); h100 is sm90"
+    assert algo_verdict("NVFP4", PROFILES["b200"]).compatible
+
+
+def _recipe(tmp_path: Path, model_dir: Path, entry: dict) -> None:
+    (tmp_path / "heldout.txt").write_text("text " * 100)
+    parse_recipe(
+        {"model": "m", "version": "1", "source": str(model_dir), "eval": {"text": "heldout.txt"}, "targets": [entry]},
+        base_dir=tmp_path,
+    )
+
+
+ENGINES = {"skus": ["h100", "h200"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512}
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ({"target": "trtllm", "quants": ["int8-w8a16"]}, ["refuses quant 'int8-w8a16'", "no INT8 weight-only"]),
+        ({"target": "trtllm", "quants": ["int8-w8a8"]}, ["refuses quant 'int8-w8a8'", "FP8_PER_CHANNEL_PER_TOKEN"]),
+        (
+            {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "skus": ["h100", "h800"]}}},
+            ["unknown engine SKU 'h800'", "known: a100, l40s, h100, h200, b200"],
+        ),
+        (
+            {"target": "trtllm", "quants": ["bf16", "fp8"], "params": {"engines": {**ENGINES, "skus": ["a100"]}}},
+            ["trtllm-fp8 engine for a100", "FP8 needs sm89+ (Ada/Hopper); a100 is sm80"],
+        ),
+        (
+            {"target": "trtllm", "quants": ["fp8"], "params": {"engines": {**ENGINES, "skus": ["l40s"]}}},
+            ["trtllm-fp8 engine for l40s", "FP8 rowwise", "sm90 only; l40s is sm89"],
+        ),
+        (
+            {"target": "trtllm", "quants": ["w4a16-awq"], "params": {"engines": {**ENGINES, "skus": ["b200"]}}},
+            ["trtllm-w4a16-awq engine for b200", "W4A16 AWQ on sm80, sm89, sm90 only"],
+        ),
+        ({"target": "trtllm", "quants": ["fp8-block"], "params": {"engines": ENGINES}}, ["no engines for FP8_BLOCK"]),
+        (
+            {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "max_seq_len": 256}}},
+            ["max_seq_len (256) must exceed max_input_len (256)"],
+        ),
+        ({"target": "trtllm", "quants": ["bf16"], "params": {"engines": {"skus": ["h100"]}}}, ["max_batch_size"]),
+        ({"target": "trtllm", "quants": ["fp8"], "hardware": ["l40s"]}, ["trtllm-fp8 cannot serve l40s"]),
+    ],
+)
+def test_recipe_refuses_what_tensorrt_llm_cannot_serve(
+    entry: dict, words: list[str], model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(RecipeInvalid) as e:
+        _recipe(tmp_path, model_dir, entry)
+    assert e.value.message.startswith("recipe: targets[0]")
+    for w in words:
+        assert w in e.value.message, e.value.message
+
+
+def test_recipe_accepts_an_engine_matrix_every_sku_can_serve(model_dir: Path, tmp_path: Path) -> None:
+    _recipe(
+        tmp_path,
+        model_dir,
+        {"target": "trtllm", "quants": ["bf16", "fp8", "w4a16-awq"], "params": {"engines": ENGINES}},
+    )
+    _recipe(
+        tmp_path,
+        model_dir,
+        {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "skus": ["a100", "l40s", "b200"]}}},
+    )
