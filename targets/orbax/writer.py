@@ -58,7 +58,7 @@ class OrbaxWriter:
     """Writes the planned tensors `{name: (dtype, shape)}` into an orbax checkpoint at `path`."""
 
     def __init__(self, path: Path, planned: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # orbax refuses relative destinations (a relative --work-dir)
         self.planned = dict(planned)
         self.written: set[str] = set()
         self.state = WriterState.PLANNED

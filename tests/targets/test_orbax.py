@@ -434,3 +434,12 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
         assert "GGUF" in export.result["unsupported"]["cpu"] and "hf-bundles" in export.result["unsupported"]["h100"]
     assert rows["orbax-bf16"]["metrics"]["kl"] <= 1e-6
     assert f"quantize/{INT8}" in result.outcomes
+
+
+def test_export_into_a_relative_directory(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default work dir (.kiln/work) is relative; orbax itself only takes absolute destinations."""
+    monkeypatch.chdir(tmp_path)
+    result = export_orbax(models["llama"], Path("relative-out"), "bf16")
+    assert (tmp_path / "relative-out" / "checkpoint").is_dir() and result.files
