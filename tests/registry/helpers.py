@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from registry.blobs.s3 import make_s3_client, parse_s3_url
 from registry.settings import RegistrySettings
+from tests.registry.s3_server import free_port
 
 LLAMA_CONFIG = {  # Llama-3-8B-like: 128 KiB of KV cache per token
     "num_hidden_layers": 32,
@@ -126,3 +133,21 @@ def post_eval(
 
 def promote(client: TestClient, version: str = "1.0", channel: str = "prod", model: str = "tiny", **fields: Any) -> Any:
     return client.post(f"/v1/models/{model}/channels/{channel}", json={"version": version, **fields})
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI) -> Iterator[int]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a background thread; yields the port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "registry server did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

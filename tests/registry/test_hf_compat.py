@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import assert_error, make_release, promote, publish, sha
+from tests.registry.helpers import assert_error, make_release, promote, publish, serve_in_thread, sha
 
 GGUF = os.urandom(24 * 1024 * 1024 + 17)  # over two of the client's 10 MiB download chunks
 CUT_AT = 12 * 1024 * 1024
@@ -77,19 +73,8 @@ def live(app: FastAPI, seen_ranges: list[str], client: TestClient) -> Iterator[s
         format="safetensors",
     )
     assert promote(client, "1.0", force=True, reason="no evals in this test").status_code == 200
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "registry server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _commit(client: TestClient, artifact: str, version: str = "1.0") -> str:

@@ -7,20 +7,17 @@ clients see the presigned URL on another host, as they would with real S3.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from registry.settings import RegistrySettings
-from tests.registry.helpers import assert_error, make_release, promote, publish, sha
-from tests.registry.s3_server import S3Server, free_port
+from tests.registry.helpers import assert_error, make_release, promote, publish, serve_in_thread, sha
+from tests.registry.s3_server import S3Server
 
 WEIGHTS = os.urandom(11 * 1024 * 1024 + 5)  # a multipart upload, and over one Hub download chunk
 CONFIG = b'{"model_type": "llama"}'
@@ -75,17 +72,8 @@ def test_head_and_conditional_requests_are_answered_by_the_registry(seeded: Test
 @pytest.fixture
 def live(app: FastAPI, seeded: TestClient) -> Iterator[str]:
     """The app served by uvicorn on 127.0.0.1, addressed as `localhost` (S3 is at 127.0.0.1)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "registry server did not start"
-        time.sleep(0.05)
-    yield f"http://localhost:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as port:
+        yield f"http://localhost:{port}"
 
 
 def test_hub_head_is_a_redirect_carrying_the_file_metadata(live: str, s3_server: S3Server) -> None:

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
+from tests.registry.helpers import serve_in_thread
 from tests.registry.pages import parse, seed
 
 WIDTH, HEIGHT = 1280, 900
@@ -42,19 +39,8 @@ def chromium() -> str:
 def live(app: FastAPI, client: TestClient) -> Iterator[str]:
     """The seeded app served by uvicorn on a free loopback port."""
     seed(client)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "registry server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def run_chromium(chromium: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
