@@ -14,26 +14,57 @@ llm-compressor's preset names, so the scheme table stays the one source of truth
   shapes allow), then min-max scales for round-to-nearest. The folded RMSNorm weights differ
   from the source's, so they are stored too (bf16, under their own names).
 
-What llm-compressor 0.14 does here, on a machine without an accelerator (read in its source, and
-seen in its logs):
+What llm-compressor 0.14 does here, on a machine without an accelerator (read in its source and
+compressed-tensors 0.19's, and seen in its logs):
 
 - `oneshot(pipeline="independent")` (its default) runs each modifier with its own pipeline:
   GPTQ and AWQ get the *sequential* pipeline, the `QuantizationModifier` after AWQ the data-free one.
   The sequential pipeline traces the model into one subgraph per decoder layer (plus the head) and
   calibrates them in turn, keeping every sample's activations at the layer boundary in an
-  `IntermediatesCache` ("offloaded" to `sequential_offload_device="cpu"`).
-- "One layer at a time" bounds accelerator memory, not host memory: without an accelerator
-  `get_main_device()` is the CPU, so the whole model is loaded (bf16, `from_pretrained`) and stays
-  in RAM. Peak RSS is the model + one layer boundary's activations for all samples + one layer's
-  Hessians (GPTQ, in*in float32 per Linear) or cached layer inputs (AWQ), plus torch itself.
+  `IntermediatesCache` ("offloaded" to `sequential_offload_device="cpu"`: activations only, never
+  weights).
+- By itself "one layer at a time" bounds accelerator memory, not host memory: the pipeline
+  *onloads* each subgraph's weights to `get_main_device()` (the CPU here) from wherever the model
+  keeps them, and a model loaded with plain `from_pretrained` keeps them all in RAM. Measured
+  (bench/calibration_memory.py, layers of 5.9 MB): peak RSS grew with depth by about the model's
+  bytes for GPTQ and twice that for AWQ.
+- Where weights are kept is compressed-tensors' offloading, which llm-compressor calibrates through
+  unchanged: a module's `_parameters` become an `OffloadCache`. Loading under
+  `compressed_tensors.offload.load_offloaded_model` with `device_map={"": "disk"}` gives every
+  module a `DiskCache`: meta tensors plus an index into the source's own SafeTensors files
+  (symlinked into the offload folder, nothing copied). The sequential pipeline reads one subgraph's
+  weights under `disable_offloading()` and drops them when it moves on; everything calibration
+  writes (GPTQ's fake-quantized weights, the scales, AWQ's smoothed norms and Linears) goes through
+  `update_offload_parameter` to a new file in the offload folder. So host memory holds one layer's
+  weights, its boundary activations and its Hessians (GPTQ, in*in float32 per Linear) or cached
+  inputs (AWQ). `calibrate` loads this way, and its result reads each calibrated tensor from the
+  offload folder when `write_quantized` asks for it (the folder goes when the result does). The
+  numbers are bit-identical to calibrating the model in memory (checked by a test, GPTQ and AWQ).
+  The price is disk: the folder grows to about the quantized Linears' bf16 bytes.
+  The documented `device_map="auto_offload"` is not used: it fills RAM first (available memory
+  minus 5 GB) and spills to disk only beyond that.
 - AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid search, for
   faster host-to-device copies; torch refuses to pin memory without an accelerator, so AWQ fails
   on CPU. `cpu_pin_memory_workaround` is the one place that works around it.
 
-Measured on the example model (examples/tiny-llama, 10.5 MB bf16; 32 samples of 256 tokens; 2 CPU
-cores): quantize stage GPTQ 2.8 s, AWQ 8.3 s (int4-rtn 0.03 s); peak RSS of a process running only
-that stage (VmHWM) GPTQ 540 MB, AWQ 647 MB, int4-rtn 373 MB, of which importing torch,
-transformers, datasets and llmcompressor alone is 454 MB.
+Measured with `python bench/calibration_memory.py --threads 1` (Llama-shaped, hidden 512, 5.9 MB
+of bf16 per layer; 4 samples of 64 tokens; 2 shared cores): peak RSS minus the ~506 MB that
+importing torch, transformers, datasets and llm-compressor takes, for the model in memory (before)
+and on disk (`calibrate` now); the 32-layer row is from a run with torch's default threads.
+
+| layers | model MB | GPTQ in memory | GPTQ on disk | AWQ in memory | AWQ on disk |
+|---:|---:|---:|---:|---:|---:|
+| 4 | 25 | 136 MB | 139 MB | 146 MB | 98 MB |
+| 8 | 48 | 165 MB | 124 MB | 190 MB | 94 MB |
+| 16 | 95 | 201 MB | 126 MB | 284 MB | 96 MB |
+| 32 | 190 | | 127 MB | | 108 MB |
+
+On disk, memory no longer grows with depth; what remains (~100-125 MB, 84 MB on a 2-layer 3.7 MB
+model) is torch's lazily initialised kernels, the traced subgraphs, tokenizer and dataset, and one
+layer's working set. Time is unchanged within noise (16 layers: GPTQ 15.9 s in memory, 16.9 s on
+disk; AWQ 25.8 s, 21.9 s). On the example model (examples/tiny-llama, 10.5 MB; 32 samples of 256
+tokens; 1 thread): GPTQ 5 s, peak 594 MB (604 MB in memory), AWQ 22 s, peak 656 MB (687-699 MB);
+AWQ's extra is its cached inputs of one layer for all samples, which grows with samples, not depth.
 
 Calibration samples: `samples` consecutive, non-overlapping windows of `seq_len` tokens (BOS first
 when the model has one), from the text's tokens after `skip_tokens` — the build skips the tokens
@@ -45,6 +76,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +102,10 @@ class CalibrationTooShort(InvalidInput):
 
 @dataclass(frozen=True)
 class CalibratedWeights:
-    """What calibration chose, by source tensor name (the input of `store.write_quantized`)."""
+    """What calibration chose, by source tensor name (the input of `store.write_quantized`).
+
+    `weights` and `scales` may read each tensor from disk when indexed: take them one at a time.
+    """
 
     weights: Mapping[str, torch.Tensor]  # quantized Linear weight -> its (smoothed / fake-quantized) values
     scales: Mapping[str, torch.Tensor]  # quantized Linear weight -> its compressed-tensors weight_scale
@@ -168,17 +205,77 @@ def _recipe(scheme: Scheme) -> list[Any]:
     raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
 
 
-def calibrate(source: SourceModel, scheme: Scheme, samples: list[list[int]]) -> CalibratedWeights:
-    """Run llm-compressor's `oneshot` for `scheme` on `source` (CPU) and collect what it chose."""
+def _read(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter or buffer `name` of `model`; an offloaded one is read from its file now (a fresh tensor)."""
+    module, attr = name.rsplit(".", 1)
+    tensor: torch.Tensor = getattr(model.get_submodule(module), attr)
+    return tensor.detach()
+
+
+def _has_tensor(model: torch.nn.Module, name: str) -> bool:
+    """Whether `model` has parameter or buffer `name`, without reading it (an offload cache answers from its index)."""
+    module_name, attr = name.rsplit(".", 1)
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return attr in module._parameters or attr in module._buffers
+
+
+class _OffloadFolder:
+    """A temporary folder for offloaded weights, removed when the last mapping that reads from it is collected
+    (or at exit): its lifetime is that of the calibration result, which the caller does not manage."""
+
+    def __init__(self, parent: str | Path | None) -> None:
+        self.path = tempfile.mkdtemp(prefix="kiln-calibration-", dir=parent)
+        weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+
+
+class _OffloadedTensors(Mapping[str, "torch.Tensor"]):
+    """Tensors of a disk-offloaded model under names of our choosing, each read from disk when asked for."""
+
+    def __init__(self, model: torch.nn.Module, names: Mapping[str, str], folder: _OffloadFolder) -> None:
+        self._model = model
+        self._names = dict(names)  # our name -> the model's
+        self._folder = folder
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _read(self._model, self._names[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def calibrate(
+    source: SourceModel, scheme: Scheme, samples: list[list[int]], *, offload_dir: str | Path | None = None
+) -> CalibratedWeights:
+    """Run llm-compressor's `oneshot` for `scheme` on `source` (CPU) with every weight offloaded to disk.
+
+    The model is loaded with compressed-tensors' disk offload (`load_offloaded_model`, every module
+    on "disk"): its weights stay in the source's SafeTensors files until the sequential pipeline
+    reads one decoder layer's, and what calibration changes is written to a temporary folder under
+    `offload_dir` (default: the system's temporary directory; it should be a disk, not a tmpfs).
+    The result's `weights` and `scales` read each tensor from there when asked for; the folder is
+    removed once the result is dropped.
+    """
     if not scheme.calibrated:
         raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
     _quiet_llmcompressor_logs()  # first: importing llmcompressor logs to stdout
     import torch
+    from compressed_tensors.offload import load_offloaded_model
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(source.root), dtype=torch.bfloat16)
+    folder = _OffloadFolder(offload_dir)
+    with load_offloaded_model(AutoModelForCausalLM):
+        # {"": "disk"}: no weight is loaded; unchanged ones are read from the source's files in place.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.root), dtype=torch.bfloat16, device_map={"": "disk"}, offload_folder=folder.path
+        )
     data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
     with cpu_pin_memory_workaround():
         oneshot(
@@ -189,22 +286,28 @@ def calibrate(source: SourceModel, scheme: Scheme, samples: list[list[int]]) -> 
             max_seq_length=max(len(s) for s in samples),
             shuffle_calibration_samples=False,
         )
-    state = model.state_dict()
-    weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
+    scales: dict[str, str] = {}
     changed: dict[str, torch.Tensor] = {}
     for n in source.tensors:
-        if n not in state:
+        if not _has_tensor(model, n):
             raise StageFailed(f"{scheme.name}: the calibrated model has no tensor {n!r}", code="CALIBRATION_FAILED")
         if quantizes(scheme, n):
             module = n.removesuffix(".weight")
-            zero = state.get(f"{module}.weight_zero_point")
-            if f"{module}.weight_scale" not in state or (zero is not None and bool(zero.any())):
+            zero = f"{module}.weight_zero_point"
+            if not _has_tensor(model, f"{module}.weight_scale") or (
+                _has_tensor(model, zero) and bool(_read(model, zero).any())
+            ):
                 raise StageFailed(
                     f"{scheme.name}: llm-compressor left {module} without symmetric scales", code="CALIBRATION_FAILED"
                 )
-            weights[n] = state[n].detach()
-            scales[n] = state[f"{module}.weight_scale"].detach()
-        elif not torch.equal(state[n].detach().to(torch.bfloat16), source.tensor(n).to(torch.bfloat16)):
-            changed[n] = state[n].detach()
-    return CalibratedWeights(weights=weights, scales=scales, changed=changed)
+            scales[n] = f"{module}.weight_scale"
+            continue
+        # One tensor in memory at a time; only those calibration changed (AWQ's norms, small) are kept.
+        t = _read(model, n)
+        if not torch.equal(t.to(torch.bfloat16), source.tensor(n).to(torch.bfloat16)):
+            changed[n] = t
+    return CalibratedWeights(
+        weights=_OffloadedTensors(model, {n: n for n in scales}, folder),
+        scales=_OffloadedTensors(model, scales, folder),
+        changed=changed,
+    )

@@ -87,6 +87,58 @@ def test_calibrated_bundle_loads_and_beats_rtn_on_layer_outputs(
     assert err(calibrated, -1) < err(rtn, -1), (name, err(calibrated, -1), err(rtn, -1))
 
 
+@pytest.mark.parametrize("name", CALIBRATED)
+def test_disk_offloaded_calibration_equals_oneshot_on_the_model_in_memory(
+    name: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """`calibrate` keeps the weights on disk between layers; that must change no number.
+
+    The reference is what `calibrate` did before: the whole model loaded into memory, then `oneshot`.
+    """
+    import gc
+
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quantize.calibrated import _recipe, cpu_pin_memory_workaround
+
+    scheme = get_scheme(name)
+    samples = calibration_samples(model_dir, _stdlib_text("argparse.py"), samples=4, seq_len=64)
+    calibrated = calibrate(open_source(model_dir), scheme, samples, offload_dir=tmp_path)
+    (folder,) = tmp_path.iterdir()  # the offloaded weights live here while the result does
+    assert any(folder.iterdir())
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    source = {n: t.clone() for n, t in model.state_dict().items()}
+    data = {"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}
+    with cpu_pin_memory_workaround():
+        oneshot(
+            model=model,
+            dataset=Dataset.from_dict(data),
+            recipe=_recipe(scheme),
+            num_calibration_samples=4,
+            max_seq_length=64,
+            shuffle_calibration_samples=False,
+        )
+    reference = model.state_dict()
+    quantized = {n.removesuffix("_scale") for n in reference if n.endswith(".weight_scale")}
+    assert set(calibrated.weights) == set(calibrated.scales) == quantized
+    for n in calibrated.weights:
+        assert torch.equal(calibrated.weights[n], reference[n]), n
+        assert torch.equal(calibrated.scales[n], reference[n.removesuffix(".weight") + ".weight_scale"]), n
+    kept = [n for n in source if n not in quantized]
+    assert bool(calibrated.changed) == (scheme.method == "awq")  # AWQ folds its smoothing into the norms
+    assert sorted(calibrated.changed) == sorted(n for n in kept if not torch.equal(source[n], reference[n]))
+    for n, t in calibrated.changed.items():
+        assert torch.equal(t, reference[n]), n
+
+    del calibrated
+    gc.collect()
+    assert not folder.exists()
+
+
 def test_awq_stores_its_smoothed_norms(bundles: dict[str, Path]) -> None:
     awq = open_quantized(bundles["w4a16-awq"] / "q", "w4a16-awq")
     norms = [n for n in awq.tensors if n.endswith("layernorm.weight")]
