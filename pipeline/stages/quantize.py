@@ -10,6 +10,7 @@ digest in the key) and `params["calibration"]` = {samples, seq_len, skip_tokens}
 
 from __future__ import annotations
 
+import shutil
 from typing import TYPE_CHECKING, Any
 
 from pipeline.stage import Stage, StageContext, StageOutput
@@ -39,10 +40,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
         samples = calibration_samples(
             source.root, text, samples=cal["samples"], seq_len=cal["seq_len"], skip_tokens=cal["skip_tokens"]
         )
-        calibrated = calibrate(source, scheme, samples)
-    result = write_quantized(
-        source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total), calibrated=calibrated
-    )
+        # Calibration's offloaded weights live beside the stage's output, in its temporary directory: a
+        # killed run leaves them inside the work dir's `.tmp-*` (never mistaken for done), not in /tmp.
+        offload = ctx.out_dir.parent / "calibration-offload"
+        offload.mkdir()
+        calibrated = calibrate(source, scheme, samples, offload_dir=offload)
+    try:
+        result = write_quantized(
+            source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total), calibrated=calibrated
+        )
+    finally:
+        if calibrated is not None:
+            del calibrated
+            shutil.rmtree(offload, ignore_errors=True)
     if scheme.calibrated:
         result["calibration"] = ctx.node.params["calibration"]
     return result

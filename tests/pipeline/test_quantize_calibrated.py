@@ -204,3 +204,36 @@ def test_upstream_awq_still_pins_memory_on_cpu() -> None:
         cache.pin_memory(0)  # the workaround: a no-op
     with pytest.raises(RuntimeError):
         cache.pin_memory(0)  # and only inside it
+
+
+def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir: Path, tmp_path: Path) -> None:
+    """The stage gives calibration a folder in its own temporary directory and leaves nothing behind."""
+    from pipeline.executors.local import LocalExecutor
+    from pipeline.stage import Node, WorkDir
+    from pipeline.stages import ingest as ingest_stage
+    from pipeline.stages import quantize as quantize_stage
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")
+    ingest = Node(
+        "ingest/source",
+        ingest_stage.STAGE,
+        params={},
+        external={"source": open_source(model_dir).digest},
+        args={"source_dir": str(model_dir), "hash_cache": str(tmp_path / "hashes.json")},
+    )
+    quantize = Node(
+        "quantize/w4a16-gptq",
+        quantize_stage.STAGE,
+        params={
+            "scheme": get_scheme("w4a16-gptq").model_dump(mode="json"),
+            "calibration": {"samples": 4, "seq_len": 64, "skip_tokens": 0},
+        },
+        inputs=(ingest.id,),
+        external={"calibration_text": "test"},
+        args={"calibration_text": str(text)},
+    )
+    work = tmp_path / "work"
+    out = LocalExecutor(WorkDir(work)).run([ingest, quantize])["quantize/w4a16-gptq"].output
+    assert out is not None and (out.files_dir / "quantized.safetensors").is_file()
+    assert not [p for p in work.rglob("*") if "calibration-offload" in p.name or p.name.startswith(".tmp-")]
