@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -31,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from record import run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -210,24 +211,15 @@ def main() -> None:
             f"{r['scheme']:11} {r['layers']:6d} {r['model_bytes'] / MB:9.0f} {r['layer_bytes'] / MB:9.1f} "
             f"{r['peak_rss_mb']:12.0f} {r['growth_mb']:10.0f} {r['calibrate_s'] + r['write_s']:7.1f} {r['cpu_s']:7.1f}"
         )
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "host": platform.node(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m": os.getloadavg()[0],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": _commit(),
-        "shape": shape,
-        "samples": args.samples,
-        "seq_len": args.seq_len,
-        "threads": args.threads or None,
-        "results": rows,
-    }
-    print(json.dumps(record))
-    if args.record:
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.record, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    record = run_record(
+        commit=_commit(),
+        shape=shape,
+        samples=args.samples,
+        seq_len=args.seq_len,
+        threads=args.threads or None,
+        results=rows,
+    )
+    save_record(record, args.record)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from record import run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_MB_S = {"f16": 150.0, "q8_0": 105.0}
@@ -192,21 +193,12 @@ def main() -> None:
             f"{r['quant']:6} {r['mb_s']:8.0f} {r['vs_peer']:7.2f} {TARGET_X[r['quant']]:7.1f} "
             f"{r['peak_rss_mb']:12.0f} {r['wall_s']:7.2f} {r['out_bytes'] / 1e9:7.2f}"
         )
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "host": platform.node(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m": os.getloadavg()[0],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "source_gb": nbytes / 1e9,
-        "cp_mb_s": nbytes / cp_s / 1e6,
-        "results": rows,
-    }
-    print(json.dumps(record))
-    if args.record:
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.record, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    record = run_record(
+        source_gb=nbytes / 1e9,
+        cp_mb_s=nbytes / cp_s / 1e6,
+        results=rows,
+    )
+    save_record(record, args.record)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,18 +113,11 @@ def main() -> None:
             f"{r['scheme']:12} {r['wall_s']:7.2f} {r['import_mb']:10.0f} {r['peak_rss_mb']:8.0f} "
             f"{r['peak_rss_mb'] - r['import_mb']:8.0f} {r['stored_bytes'] / r['source_bytes']:16.3f}"
         )
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "host": platform.node(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m": os.getloadavg()[0],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "source": str(args.source),
-        "results": rows,
-    }
-    print(json.dumps(record))
-    with args.record.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    record = run_record(
+        source=str(args.source),
+        results=rows,
+    )
+    save_record(record, args.record)
 
 
 if __name__ == "__main__":

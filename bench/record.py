@@ -1,0 +1,32 @@
+"""What every benchmark records beside its results, and where: one JSON line per run (see README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_record(**fields: Any) -> dict[str, Any]:
+    """The run's context (when, host, cores, load, the command) followed by the benchmark's own fields."""
+    return {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_1m": os.getloadavg()[0],
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **fields,
+    }
+
+
+def save_record(record: dict[str, Any], path: Path | None) -> None:
+    """Print the record as JSON and, given a path, append it there as one line."""
+    print(json.dumps(record))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
