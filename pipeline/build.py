@@ -30,13 +30,7 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
     text_digest = hashes.sha256(recipe.eval_text)
     calibration_digest = hashes.sha256(recipe.calibration_text)
     hashes.save()
-    ingest = Node(
-        "ingest/source",
-        ingest_stage.STAGE,
-        params={},
-        external={"source": source.digest},
-        args={"source_dir": str(recipe.source_dir), "hash_cache": str(work_dir / HASH_CACHE)},
-    )
+    ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
     ev = recipe.eval
     reference = Node(
         "reference/source",

@@ -10,7 +10,7 @@ from kiln.digest import HashCache
 from kiln.errors import SourceInvalid
 from kiln.manifest import FileEntry
 from pipeline.ingest import SourceModel, open_source
-from pipeline.stage import Stage, StageContext, StageOutput
+from pipeline.stage import Node, Stage, StageContext, StageOutput
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -45,3 +45,14 @@ def open_ingested(output: StageOutput) -> SourceModel:
 
 
 STAGE = Stage("ingest", "1", run, "check the SafeTensors release and record the sha256 of every file")
+
+
+def node(source: SourceModel, source_dir: Path, hash_cache: Path) -> Node:
+    """The graph's one ingest node: keyed by the source's digest, re-hashing through `hash_cache`."""
+    return Node(
+        "ingest/source",
+        STAGE,
+        params={},
+        external={"source": source.digest},
+        args={"source_dir": str(source_dir), "hash_cache": str(hash_cache)},
+    )

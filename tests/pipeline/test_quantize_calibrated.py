@@ -215,13 +215,7 @@ def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir:
 
     text = tmp_path / "calibration.txt"
     text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")
-    ingest = Node(
-        "ingest/source",
-        ingest_stage.STAGE,
-        params={},
-        external={"source": open_source(model_dir).digest},
-        args={"source_dir": str(model_dir), "hash_cache": str(tmp_path / "hashes.json")},
-    )
+    ingest = ingest_stage.node(open_source(model_dir), model_dir, tmp_path / "hashes.json")
     quantize = Node(
         "quantize/w4a16-gptq",
         quantize_stage.STAGE,

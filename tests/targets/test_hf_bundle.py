@@ -129,13 +129,7 @@ def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_p
         "w4a16-gptq",
         "w4a16-awq",
     )
-    ingest = Node(
-        "ingest/source",
-        ingest_stage.STAGE,
-        params={},
-        external={"source": open_source(model_dir).digest},
-        args={"source_dir": str(model_dir), "hash_cache": str(tmp_path / "hashes.json")},
-    )
+    ingest = ingest_stage.node(open_source(model_dir), model_dir, tmp_path / "hashes.json")
     quantize = Node(
         "quantize/fp8", quantize_stage.STAGE, params={"scheme": get_scheme("fp8").model_dump()}, inputs=(ingest.id,)
     )
