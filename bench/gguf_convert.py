@@ -151,9 +151,8 @@ def main() -> None:
         _child(*args.child)
         return
 
-    src = make_source(
-        args.work / "source", args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads
-    )
+    shape = (args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads)
+    src = make_source(args.work / ("source-" + "-".join(map(str, shape))), *shape)  # one generated model per shape
     weights = sorted(src.glob("*.safetensors"))
     nbytes = _warm(weights)
     out = args.work / "out"
