@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from record import run_record, save_record  # bench/record.py, beside this script
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -177,12 +177,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per (depth, scheme): best time, highest peak")
     # On a shared machine, torch's default threads spin-wait for each other and time means little; 1 is steady.
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for the runs (default: torch's)")
-    ap.add_argument(
-        "--record",
-        type=Path,
-        default=ROOT / "bench" / "results" / "calibration_memory.jsonl",
-        help="append the run's JSON record here",
-    )
+    add_record_argument(ap, "calibration_memory")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

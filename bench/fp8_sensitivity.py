@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from record import run_record, save_record  # bench/record.py, beside this script
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "examples/tiny-llama/model")
     parser.add_argument("--text", type=Path, default=ROOT / "examples/tiny-llama/heldout.txt")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--record", type=Path, default=ROOT / "bench/results/fp8_sensitivity.jsonl")
+    add_record_argument(parser, "fp8_sensitivity")
     args = parser.parse_args()
 
     import numpy as np

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from record import run_record, save_record  # bench/record.py, beside this script
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_MB_S = {"f16": 150.0, "q8_0": 105.0}
@@ -139,12 +139,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--quants", default="f16,q8_0")
     ap.add_argument("--repeat", type=int, default=2, help="runs per quant; the best is reported")
-    ap.add_argument(
-        "--record",
-        type=Path,
-        default=ROOT / "bench" / "results" / "gguf_convert.jsonl",
-        help="append the run's JSON record here",
-    )
+    add_record_argument(ap, "gguf_convert")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from record import run_record, save_record  # bench/record.py, beside this script
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--source", type=Path, default=ROOT / "examples" / "tiny-llama" / "model")
     ap.add_argument("--text", type=Path, default=ROOT / "examples" / "tiny-llama" / "heldout.txt")
     ap.add_argument("--schemes", default="")
-    ap.add_argument("--record", type=Path, default=ROOT / "bench" / "results" / "quantize_schemes.jsonl")
+    add_record_argument(ap, "quantize_schemes")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,6 +10,15 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_record_argument(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--record FILE`, by default bench/results/<name>.jsonl: where `save_record` appends the run."""
+    parser.add_argument(
+        "--record", type=Path, default=RESULTS / f"{name}.jsonl", help="append the run's JSON record here"
+    )
 
 
 def run_record(**fields: Any) -> dict[str, Any]:

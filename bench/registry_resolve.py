@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=10)
-    ap.add_argument("--record", type=Path, default=ROOT / "bench" / "results" / "registry_resolve.jsonl")
+    add_record_argument(ap, "registry_resolve")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk")
@@ -126,19 +127,7 @@ def main() -> None:
         f"{args.workers:>8} {args.connections:>6} {result['rps']:>8.0f} {result['p50_ms']:>8.1f} "
         f"{result['p99_ms']:>8.1f} {result['non_2xx']:>8.0f}  >= {TARGET_RPS:.0f} req/s, p99 <= {TARGET_P99_MS:.0f} ms"
     )
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m": os.getloadavg()[0],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "workers": args.workers,
-        "connections": args.connections,
-        **result,
-    }
-    print(json.dumps(record))
-    args.record.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.record, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    save_record(run_record(workers=args.workers, connections=args.connections, **result), args.record)
 
 
 if __name__ == "__main__":
