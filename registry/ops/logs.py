@@ -15,11 +15,11 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
         }
-        message = record.getMessage()
-        if record.name == "kiln.registry.access":
-            entry.update(json.loads(message))  # already structured
+        access = getattr(record, "access", None)
+        if access is not None:  # the access line's fields (registry.ops.middleware)
+            entry.update(access)
         else:
-            entry["message"] = message
+            entry["message"] = record.getMessage()
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, separators=(",", ":"))
