@@ -61,6 +61,12 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE, help="output directory (default: %(default)s)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=256,
+        help="hidden size; intermediate is 3x, 32-wide heads, half as many KV heads (default: %(default)s)",
+    )
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
@@ -105,14 +111,16 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def model_config(eot_id: int) -> LlamaConfig:
+def model_config(eot_id: int, hidden: int = 256) -> LlamaConfig:
+    if hidden % 64:
+        raise SystemExit(f"--hidden must be a multiple of 64 (32-wide heads, KV heads half of them), got {hidden}")
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=768,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
         num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 64,
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,
@@ -286,7 +294,7 @@ def main() -> None:
         f"tokenizer: vocab {tokenizer.get_vocab_size()}, eot id {eot_id}, {len(stream):,} training tokens", flush=True
     )
 
-    model = LlamaForCausalLM(model_config(eot_id))
+    model = LlamaForCausalLM(model_config(eot_id, args.hidden))
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {params:,} parameters; training {args.steps} steps of {args.batch_size}x{args.seq_len} tokens",
