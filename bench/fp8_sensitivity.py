@@ -4,10 +4,12 @@
 
 On the eval's own windows (`eval.text.load_text`, 4,096 tokens in 256-token windows), the model
 runs in float32 with FP8 round trips inserted exactly where vLLM's per-token FP8 path quantizes:
-each Linear's weight rounded to e4m3fn with one scale per output channel (absmax / 448), and its
-input rounded to e4m3fn with one scale per token (absmax / 448), `lm_head` kept in bf16 as the
-`fp8` scheme does. The FP8 round trips are switched on for every Linear, weights only, activations
-only, one projection kind at a time, and one decoder layer at a time. Each row reports mean KL and
+each Linear's weight rounded to e4m3fn with one scale per output channel (absmax / 448, rounded up
+to bf16 as the quantize stage stores it), and its input rounded to e4m3fn with one scale per token
+(absmax / 448), `lm_head` kept in bf16 as the `fp8` scheme does. The FP8 round trips are switched on
+for every Linear (also once with float32 weight scales: an equally valid rounding, showing how much
+top-1 moves with the noise's realisation alone), weights only, activations only, one projection
+kind at a time, and one decoder layer at a time. Each row reports mean KL and
 top-1 agreement against the unquantized model. Top-1 flips are then split by how close the
 reference's top two tokens were. The run's record is printed as JSON and appended to --record.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
@@ -27,11 +30,12 @@ E4M3_MAX = 448.0
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_round_trip(t):  # type: ignore[no-untyped-def]
-    """e4m3fn quantize-dequantize with one scale per row of the last dimension (absmax / 448)."""
+def fp8_round_trip(t, scale=None):  # type: ignore[no-untyped-def]
+    """e4m3fn quantize-dequantize with one scale per row of the last dimension (default: absmax / 448)."""
     import torch
 
-    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    if scale is None:
+        scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
     return (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(t.dtype) * scale
 
 
@@ -49,18 +53,28 @@ def main() -> None:
 
     from eval.metrics import kl_divergence, log_softmax
     from eval.text import load_text
+    from pipeline.quantize.rtn import weight_scale
+    from targets.schemes import SCHEMES
 
     torch.set_num_threads(args.threads)
     text = load_text(args.model, args.text)
     model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
     originals = {n: m.weight.data.clone() for n, m in linears.items()}
+    # The quantize stage's per-channel scales: absmax / 448 rounded up to bf16, as the checkpoint stores them.
+    fp8_weights = SCHEMES["fp8"].weights
+    assert fp8_weights is not None
+    stored = {n: fp8_round_trip(w, weight_scale(w, fp8_weights)) for n, w in originals.items()}
+    exact = {n: fp8_round_trip(w) for n, w in originals.items()}
 
     @torch.no_grad()
-    def logits(names: set[str], weights: bool = True, activations: bool = True) -> np.ndarray:
+    def logits(
+        names: set[str], weights: bool = True, activations: bool = True, quantized: dict | None = None
+    ) -> np.ndarray:
+        quantized = stored if quantized is None else quantized
         hooks = []
         for n, m in linears.items():
-            m.weight.data = fp8_round_trip(originals[n]) if weights and n in names else originals[n]
+            m.weight.data = quantized[n] if weights and n in names else originals[n]
             if activations and n in names:
                 hooks.append(m.register_forward_pre_hook(lambda _m, inp: (fp8_round_trip(inp[0]),)))
         try:
@@ -77,7 +91,7 @@ def main() -> None:
 
     rows: list[dict] = []
 
-    def measure(label: str, names: set[str], **kw: bool) -> dict:
+    def measure(label: str, names: set[str], **kw: Any) -> dict:
         cand_logp = log_softmax(logits(names, **kw))
         flips = cand_logp.argmax(-1) != ref_top
         row = {
@@ -93,6 +107,7 @@ def main() -> None:
 
     every = set(linears)
     measure("every Linear (weights + activations)", every)
+    measure("every Linear, float32 weight scales", every, quantized=exact)
     measure("every Linear, weights only", every, activations=False)
     measure("every Linear, activations only", every, weights=False)
     for kind in KINDS:
