@@ -48,7 +48,8 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy kiln pipeline targets eval registry
+	$(BIN)/mypy kiln pipeline registry eval targets quant formats core
+	$(BIN)/lint-imports
 
 bench: install
 	$(BIN)/python bench/gguf_convert.py

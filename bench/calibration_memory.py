@@ -9,7 +9,9 @@ factory's `make_model`) once under --work, then runs the quantize stage's calibr
 (`calibration_samples` -> `calibrate` -> `write_quantized`, as `pipeline/stages/quantize.py` does)
 for each (depth, scheme) in a fresh process, and prints a table: model and one-layer sizes, peak
 RSS (VmHWM), peak minus the process's RSS after importing torch / transformers / datasets /
-llm-compressor (the import baseline), wall and CPU time. If memory is bounded by about one layer,
+llm-compressor (the import baseline), the same for anonymous memory alone (RssAnon, sampled every
+10 ms: VmHWM also counts mapped file pages, the source's and the offload folder's, which the kernel
+reclaims under pressure), wall and CPU time. If memory is bounded by about one layer,
 the growth column stays flat as depth grows; if the whole model is held, it grows by at least one
 layer's bytes per layer. On a shared machine use --threads 1: with torch's default threads the
 times swing several-fold with the load. The run's record (command, host, load, commit, results
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,33 @@ def _reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+class AnonPeak:
+    """The peak of this process's anonymous memory (RssAnon), sampled every 10 ms on a thread.
+
+    VmHWM also counts file pages mapped into the process (the source's SafeTensors, the offload
+    folder), which the kernel reclaims under pressure; RssAnon is the memory the work itself holds.
+    """
+
+    def __init__(self) -> None:
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, _vm_kb("RssAnon"))
+            time.sleep(0.01)
+
+    def __enter__(self) -> AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kb = max(self.peak_kb, _vm_kb("RssAnon"))
 
 
 def _cpu_s() -> float:
@@ -86,10 +116,10 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
     return out
 
 
-def _child(source: str, scheme_name: str, samples: int, seq_len: int) -> None:
+def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str) -> None:
     """Run the quantize stage's calibrated path in this process; print timings and memory as JSON."""
     sys.path.insert(0, str(ROOT))
-    from pipeline.quantize.calibrated import _quiet_llmcompressor_logs
+    from quant.calibrated import _quiet_llmcompressor_logs
 
     _quiet_llmcompressor_logs()
     # Everything calibration imports, so the baseline is the libraries' own footprint.
@@ -98,24 +128,26 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from pipeline.ingest import open_source
-    from pipeline.quantize.calibrated import calibrate, calibration_samples
-    from pipeline.quantize.store import write_quantized
-    from targets.schemes import get_scheme
+    from formats.hf_model import open_source
+    from quant.calibrated import calibrate, calibration_samples
+    from quant.schemes import get_scheme
+    from quant.store import write_quantized
 
     baseline_kb = _vm_kb("VmHWM")
+    baseline_anon_kb = _vm_kb("RssAnon")
     scheme = get_scheme(scheme_name)
     src = open_source(source)
     model_bytes = sum(t.nbytes for t in src.tensors.values())
     layer_bytes = sum(t.nbytes for n, t in src.tensors.items() if n.startswith("model.layers.0."))
     ids = calibration_samples(src.root, _calibration_text(), samples=samples, seq_len=seq_len)
     c0, t0 = _cpu_s(), time.perf_counter()
-    calibrated = calibrate(src, scheme, ids)
-    t1 = time.perf_counter()
-    calibrate_peak_kb = _vm_kb("VmHWM")
-    phases = _reset_peak()
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-calib-") as out:
-        write_quantized(src, scheme, Path(out), calibrated=calibrated)
+    with AnonPeak() as anon:
+        calibrated = calibrate(src, scheme, ids, compute_dtype=dtype)
+        t1 = time.perf_counter()
+        calibrate_peak_kb = _vm_kb("VmHWM")
+        phases = _reset_peak()
+        with tempfile.TemporaryDirectory(prefix="kiln-bench-calib-") as out:
+            write_quantized(src, scheme, Path(out), calibrated=calibrated)
     t2 = time.perf_counter()
     write_peak_kb = _vm_kb("VmHWM") if phases else None
     print(
@@ -125,7 +157,10 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int) -> None:
                 "layers": json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"],
                 "model_bytes": model_bytes,
                 "layer_bytes": layer_bytes,
+                "compute_dtype": dtype,
                 "import_rss_mb": baseline_kb * 1024 / MB,
+                "import_anon_mb": baseline_anon_kb * 1024 / MB,
+                "peak_anon_mb": anon.peak_kb * 1024 / MB,
                 "peak_rss_mb": max(calibrate_peak_kb, write_peak_kb or 0) * 1024 / MB,
                 "calibrate_peak_rss_mb": calibrate_peak_kb * 1024 / MB,
                 "write_peak_rss_mb": write_peak_kb * 1024 / MB if write_peak_kb else None,
@@ -140,7 +175,16 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int) -> None:
 def _run_child(src: Path, scheme: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(src), scheme, str(args.samples), str(args.seq_len)],
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            str(src),
+            scheme,
+            str(args.samples),
+            str(args.seq_len),
+            args.compute_dtype,
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})},
@@ -157,7 +201,7 @@ def _commit() -> str:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", "pipeline/quantize/calibrated.py")
+    dirty = git("status", "--porcelain", "--", "quant/calibrated.py")
     return git("rev-parse", "--short", "HEAD") + ("+calibrated.py modified" if dirty else "")
 
 
@@ -178,13 +222,19 @@ def main() -> None:
     # On a shared machine, torch's default threads spin-wait for each other and time means little; 1 is steady.
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for the runs (default: torch's)")
     add_record_argument(ap, "calibration_memory")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="default: this CPU's")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        source, scheme, samples, seq_len = args.child
-        _child(source, scheme, int(samples), int(seq_len))
+        source, scheme, samples, seq_len, dtype = args.child
+        _child(source, scheme, int(samples), int(seq_len), dtype)
         return
 
+    if args.compute_dtype is None:
+        sys.path.insert(0, str(ROOT))
+        from quant.calibrated import calibration_dtype
+
+        args.compute_dtype = calibration_dtype()
     shape = f"h{args.hidden}-i{args.intermediate}-a{args.heads}-kv{args.kv_heads}-v{args.vocab}"
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
@@ -195,16 +245,19 @@ def main() -> None:
             r = min(runs, key=lambda x: x["calibrate_s"] + x["write_s"])
             r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
             r["growth_mb"] = max(x["peak_rss_mb"] - x["import_rss_mb"] for x in runs)
+            r["anon_growth_mb"] = max(x["peak_anon_mb"] - x["import_anon_mb"] for x in runs)
             r["runs"] = len(runs)
             rows.append(r)
             print(f"  {scheme} {layers} layers: peak {r['peak_rss_mb']:.0f} MB", file=sys.stderr)
 
-    head = ("scheme", "layers", "model MB", "layer MB", "peak RSS MB", "- imports", "time s", "CPU s")
-    print("{:11} {:>6} {:>9} {:>9} {:>12} {:>10} {:>7} {:>7}".format(*head))
+    print(f"calibration computes in {args.compute_dtype}; anon: anonymous memory (RssAnon), without mapped files")
+    head = ("scheme", "layers", "model MB", "layer MB", "peak RSS MB", "- imports", "anon - imports", "time s", "CPU s")
+    print("{:11} {:>6} {:>9} {:>9} {:>12} {:>10} {:>15} {:>7} {:>7}".format(*head))
     for r in rows:
         print(
             f"{r['scheme']:11} {r['layers']:6d} {r['model_bytes'] / MB:9.0f} {r['layer_bytes'] / MB:9.1f} "
-            f"{r['peak_rss_mb']:12.0f} {r['growth_mb']:10.0f} {r['calibrate_s'] + r['write_s']:7.1f} {r['cpu_s']:7.1f}"
+            f"{r['peak_rss_mb']:12.0f} {r['growth_mb']:10.0f} {r['anon_growth_mb']:15.0f} "
+            f"{r['calibrate_s'] + r['write_s']:7.1f} {r['cpu_s']:7.1f}"
         )
     record = run_record(
         commit=_commit(),
@@ -212,6 +265,7 @@ def main() -> None:
         samples=args.samples,
         seq_len=args.seq_len,
         threads=args.threads or None,
+        compute_dtype=args.compute_dtype,
         results=rows,
     )
     save_record(record, args.record)

@@ -1,15 +1,20 @@
-"""Benchmark: SafeTensors -> GGUF with kiln's `gguf` target (F16 and Q8_0), throughput and peak memory.
+"""Benchmark: SafeTensors -> GGUF, kiln's `gguf` target against llama.cpp's converter, side by side.
 
-    python bench/gguf_convert.py [--hidden 2048 --intermediate 5632 --layers 22 --vocab 32000] [--threads N]
+    python bench/gguf_convert.py [--hidden 2048 --intermediate 5632 --layers 22 --vocab 32000] [--repeat 2]
 
 Writes a random Llama-shaped bf16 model (TinyLlama-1.1B shape by default, ~2.2 GB) once under
---work, warms the page cache, then runs each export in a fresh process (so peak RSS is its own) and
-prints a table. Throughput is source bytes / wall time. `cp` of the same bytes is the I/O ceiling.
+--work, warms the page cache, then, for F16 and Q8_0, runs in fresh processes (so peak RSS is each
+one's own), alternating: llama.cpp's `convert_hf_to_gguf.py` and kiln's export, on the same model.
+Throughput is source bytes / wall time; `cp` of the same bytes is the I/O ceiling. The table gives
+each one's MB/s and peak RSS and kiln's ratio to the converter, measured in this run.
 
-Peers (DESIGN.md, same machine kind, 2 cores, warm cache, 3.7 GB model): llama.cpp's
-convert_hf_to_gguf.py ~150 MB/s F16 and ~105 MB/s Q8_0 at ~1.1 GB peak; targets are >= 3x (F16)
-and >= 2x (Q8_0) at no more memory. The run's record (command, host, load, results) is printed as
-JSON and, with --record FILE, appended to FILE.
+The peer is the converter of the llama.cpp that llama-cpp-python (the version kiln pins) vendors:
+`convert_hf_to_gguf.py`, its `conversion/` package and `gguf-py`, taken from that version's sdist
+(downloaded once into --work with pip). It recognises tokenizers by a hash table and refuses the
+generated one, so its vocabulary step is skipped (`set_vocab` does nothing): that favours the peer,
+whose time then excludes the vocabulary kiln writes. Targets: >= 3x (F16) and >= 2x (Q8_0) at no
+more memory. The run's record (command, host, CPU kind, load, results) is printed as JSON and
+appended to --record.
 """
 
 from __future__ import annotations
@@ -27,8 +32,22 @@ from pathlib import Path
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS_MB_S = {"f16": 150.0, "q8_0": 105.0}
 TARGET_X = {"f16": 3.0, "q8_0": 2.0}
+# Runs the converter as its own __main__, with the vocabulary step of the model class it picks skipped.
+PEER_DRIVER = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion
+found = conversion.get_model_class
+def without_vocab(*args, **kwargs):
+    cls = found(*args, **kwargs)
+    cls.set_vocab = lambda self: None
+    return cls
+conversion.get_model_class = without_vocab
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script, *sys.argv[2:]]
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def _peak_rss_kb() -> int:
@@ -98,25 +117,70 @@ def make_source(out: Path, hidden: int, intermediate: int, layers: int, vocab: i
     return out
 
 
-def _child(source: str, quant: str, out_dir: str) -> None:
-    """Run one export in this process and print its timing and peak RSS as JSON."""
+def _child(source: str, quant: str, out_dir: str, prepared: str) -> None:
+    """Run one export stage's work in this process (the parent times it and reads its peak RSS): open
+    the source as the stage does (its digests known) and export, with the target's prepared record."""
     sys.path.insert(0, str(ROOT))
-    from pipeline.ingest import open_source
+    from core.digest import HashCache
+    from formats.hf_model import open_source
     from targets.base import ExportRequest
     from targets.gguf.export import export
 
-    src = open_source(source)
-    nbytes = sum(t.nbytes for t in src.tensors.values())
+    src = open_source(source, hasher=HashCache(Path(prepared).with_suffix(".hashes.json")).sha256)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    export(src, ExportRequest(quant=quant, out_dir=Path(out_dir), prepared=json.loads(Path(prepared).read_text())))
+
+
+def _prepare(source: Path, work: Path) -> tuple[Path, float]:
+    """The gguf target's prepare stage (once per source, shared by every GGUF export), and its seconds."""
+    sys.path.insert(0, str(ROOT))
+    from core.digest import HashCache
+    from formats.hf_model import open_source
+    from targets.gguf.export import prepare
+
+    path = work / "prepared.json"
+    hashes = HashCache(path.with_suffix(".hashes.json"))
+    src = open_source(source, hasher=hashes.sha256)
+    hashes.save()  # the stage has its source's digests from ingest: the timed runs do not hash
     t0 = time.perf_counter()
-    res = export(src, ExportRequest(quant=quant, out_dir=Path(out_dir)))
-    wall = time.perf_counter() - t0
-    peak_kb = _peak_rss_kb()
-    size = (Path(out_dir) / res.files[0]).stat().st_size
-    print(
-        json.dumps(
-            {"quant": quant, "wall_s": wall, "source_bytes": nbytes, "out_bytes": size, "peak_rss_mb": peak_kb / 1024}
-        )
+    path.write_text(json.dumps(prepare(src)))
+    return path, time.perf_counter() - t0
+
+
+def llama_cpp_converter(work: Path) -> Path:
+    """The vendored llama.cpp of the pinned llama-cpp-python's sdist (converter, conversion/, gguf-py)."""
+    import importlib.metadata
+    import tarfile
+
+    version = importlib.metadata.version("llama_cpp_python")
+    root = work / f"llama-cpp-python-{version}"
+    vendored = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (vendored / "convert_hf_to_gguf.py").is_file():
+        return vendored
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(root)]
+        + [f"llama-cpp-python=={version}"],
+        check=True,
     )
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    wanted = (prefix + "convert_hf_to_gguf.py", prefix + "conversion/", prefix + "gguf-py/")
+    with tarfile.open(root / f"llama_cpp_python-{version}.tar.gz") as tar:
+        tar.extractall(root, members=[m for m in tar.getmembers() if m.name.startswith(wanted)], filter="data")
+    return vendored
+
+
+def _timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Run `command`; its wall seconds and its own peak RSS in MB (wait4's rusage of that child)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])}... exited {proc.returncode}: {stderr[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
 
 
 def _warm(paths: list[Path]) -> int:
@@ -140,7 +204,7 @@ def main() -> None:
     ap.add_argument("--quants", default="f16,q8_0")
     ap.add_argument("--repeat", type=int, default=2, help="runs per quant; the best is reported")
     add_record_argument(ap, "gguf_convert")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(*args.child)
@@ -159,37 +223,45 @@ def main() -> None:
     cp_s = time.perf_counter() - t0
     shutil.rmtree(out)
 
+    converter = llama_cpp_converter(args.work)
+    prepared, prepare_s = _prepare(src, args.work)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     rows = []
     for quant in args.quants.split(","):
-        best = None
-        for _ in range(args.repeat):
+        kiln: dict[str, float] = {}
+        peer: dict[str, float] = {}
+        for _ in range(args.repeat):  # alternate, so both see the same machine state; keep each one's best
             shutil.rmtree(out, ignore_errors=True)
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", str(src), quant, str(out)],
-                check=True,
-                capture_output=True,
-                text=True,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            if best is None or r["wall_s"] < best["wall_s"]:
-                best = r
-        assert best is not None
-        best["mb_s"] = best["source_bytes"] / best["wall_s"] / 1e6
-        best["vs_peer"] = best["mb_s"] / PEERS_MB_S[quant]
-        rows.append(best)
+            out.mkdir()
+            wall, rss = _timed([sys.executable, "-c", PEER_DRIVER, str(converter), str(src)]
+                               + ["--outfile", str(out / "peer.gguf"), "--outtype", quant], env)  # fmt: skip
+            if not peer or wall < peer["wall_s"]:
+                peer = {"wall_s": wall, "peak_rss_mb": rss, "out_bytes": (out / "peer.gguf").stat().st_size}
+            shutil.rmtree(out)
+            wall, rss = _timed([sys.executable, __file__, "--child", str(src), quant, str(out), str(prepared)], env)
+            if not kiln or wall < kiln["wall_s"]:
+                kiln = {"wall_s": wall, "peak_rss_mb": rss, "out_bytes": sum(f.stat().st_size for f in out.glob("*"))}
+        for r in (kiln, peer):
+            r["mb_s"] = nbytes / r["wall_s"] / 1e6
+        rows.append({"quant": quant, "kiln": kiln, "peer": peer, "ratio": kiln["mb_s"] / peer["mb_s"]})
     shutil.rmtree(out, ignore_errors=True)
 
     print(f"source: {nbytes / 1e9:.2f} GB bf16, {len(weights)} shards; cp: {nbytes / cp_s / 1e6:.0f} MB/s")
-    print(f"{'quant':6} {'MB/s':>8} {'x peer':>7} {'target':>7} {'peak RSS MB':>12} {'wall s':>7} {'out GB':>7}")
+    print(f"peer: llama.cpp convert_hf_to_gguf.py from {converter.parent.parent.name}, vocabulary step skipped")
+    print(f"kiln: the export stage; the tokenizer metadata, read once per source by prepare/gguf: {prepare_s:.1f} s")
+    head = f"{'quant':6} {'kiln MB/s':>10} {'peer MB/s':>10} {'ratio':>6} {'target':>7} {'kiln RSS MB':>12}"
+    print(head + f" {'peer RSS MB':>12}")
     for r in rows:
+        k, p = r["kiln"], r["peer"]
         print(
-            f"{r['quant']:6} {r['mb_s']:8.0f} {r['vs_peer']:7.2f} {TARGET_X[r['quant']]:7.1f} "
-            f"{r['peak_rss_mb']:12.0f} {r['wall_s']:7.2f} {r['out_bytes'] / 1e9:7.2f}"
+            f"{r['quant']:6} {k['mb_s']:10.0f} {p['mb_s']:10.0f} {r['ratio']:6.2f} {TARGET_X[r['quant']]:7.1f} "
+            f"{k['peak_rss_mb']:12.0f} {p['peak_rss_mb']:12.0f}"
         )
     record = run_record(
         source_gb=nbytes / 1e9,
         cp_mb_s=nbytes / cp_s / 1e6,
+        peer=converter.parent.parent.name,
+        prepare_s=prepare_s,
         results=rows,
     )
     save_record(record, args.record)

@@ -3,7 +3,7 @@
     python bench/quantize_schemes.py [--source examples/tiny-llama/model] [--schemes fp8,int4-rtn,...]
 
 Each scheme runs in a fresh process (so its peak RSS is its own) through the same code as the
-`quantize/<scheme>` stage (`pipeline.quantize.store.write_quantized`, with llm-compressor
+`quantize/<scheme>` stage (`quant.store.write_quantized`, with llm-compressor
 calibration for GPTQ/AWQ on the recipe's default calibration text: the held-out text after the
 4,096 tokens the eval scores, 32 samples of 256 tokens). `import MB` is the peak after importing
 what the scheme needs and before reading any weight, so `peak - import` is the work's own memory.
@@ -41,9 +41,9 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     import compressed_tensors.compressors  # noqa: F401
     import torch  # noqa: F401
 
-    from pipeline.ingest import open_source
-    from pipeline.quantize.store import write_quantized
-    from targets.schemes import get_scheme
+    from formats.hf_model import open_source
+    from quant.schemes import get_scheme
+    from quant.store import write_quantized
 
     scheme = get_scheme(scheme_name)
     if scheme.calibrated:
@@ -51,7 +51,7 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
         import llmcompressor.modifiers.gptq  # noqa: F401
         import llmcompressor.modifiers.transform.awq  # noqa: F401
 
-        from pipeline.quantize.calibrated import calibrate, calibration_samples
+        from quant.calibrated import calibrate, calibration_samples
     src = open_source(source)
     imported = _peak_rss_mb()
     t0 = time.perf_counter()
@@ -59,7 +59,9 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     if scheme.calibrated:
         text = Path(text_file).read_text(encoding="utf-8")
         samples = calibration_samples(src.root, text, samples=32, seq_len=256, skip_tokens=4096)
-        calibrated = calibrate(src, scheme, samples)
+        calibrated = calibrate(
+            src, scheme, samples, compute_dtype=os.environ.get("KILN_BENCH_COMPUTE_DTYPE", "float32")
+        )
     summary = write_quantized(src, scheme, Path(out_dir), calibrated=calibrated)
     wall = time.perf_counter() - t0
     print(
@@ -82,17 +84,29 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=ROOT / "examples" / "tiny-llama" / "heldout.txt")
     ap.add_argument("--schemes", default="")
     add_record_argument(ap, "quantize_schemes")
+    ap.add_argument(
+        "--compute-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="calibration's (GPTQ/AWQ); default: this CPU's",
+    )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(*args.child)
         return
     sys.path.insert(0, str(ROOT))
-    from targets.schemes import SCHEMES
+    from quant.schemes import SCHEMES
 
     names = args.schemes.split(",") if args.schemes else [n for n, s in SCHEMES.items() if s.quantized]
     rows = []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    if args.compute_dtype is None:
+        sys.path.insert(0, str(ROOT))
+        from quant.calibrated import calibration_dtype
+
+        args.compute_dtype = calibration_dtype()
+    env["KILN_BENCH_COMPUTE_DTYPE"] = args.compute_dtype
     for name in names:
         out = Path(tempfile.mkdtemp(prefix="kiln-bench-quantize-"))
         try:
@@ -113,10 +127,7 @@ def main() -> None:
             f"{r['scheme']:12} {r['wall_s']:7.2f} {r['import_mb']:10.0f} {r['peak_rss_mb']:8.0f} "
             f"{r['peak_rss_mb'] - r['import_mb']:8.0f} {r['stored_bytes'] / r['source_bytes']:16.3f}"
         )
-    record = run_record(
-        source=str(args.source),
-        results=rows,
-    )
+    record = run_record(source=str(args.source), compute_dtype=args.compute_dtype, results=rows)
     save_record(record, args.record)
 
 

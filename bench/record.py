@@ -21,11 +21,31 @@ def add_record_argument(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+# The CPU features that change what a benchmark measures (bf16 matmuls, AMX tiles, 512-bit vectors).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "sha_ni", "avx512_vnni")
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU model and the flags of CPU_FLAGS it has (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "avx512": "avx512f" in flags}
+
+
 def run_record(**fields: Any) -> dict[str, Any]:
-    """The run's context (when, host, cores, load, the command) followed by the benchmark's own fields."""
+    """The run's context (when, host, CPU kind, cores, load, the command) followed by the benchmark's fields."""
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host": platform.node(),
+        "cpu": cpu(),
         "cpus": len(os.sched_getaffinity(0)),
         "load_avg_1m": os.getloadavg()[0],
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -56,14 +56,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln.errors import RecipeInvalid, UnknownName
+from core.errors import RecipeInvalid, UnknownName
 
-if TYPE_CHECKING:
-    from eval.report import EvalMetrics
+
+class EvalMetrics(BaseModel):
+    """Candidate vs reference on the same token ids. See `eval.metrics` for the exact definitions."""
+
+    # NaN/inf (a runtime that produced non-finite logits) survive a JSON round trip as strings.
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings")
+
+    tokens: int = Field(ge=0, description="scored positions (next-token predictions)")
+    windows: int = Field(ge=0, description="text windows the positions came from")
+    vocab_size: int = Field(ge=1, description="logit columns compared (the model's config vocab_size)")
+    ppl_ref: float
+    ppl: float
+    ppl_change: float = Field(description="(ppl - ppl_ref) / ppl_ref")
+    kl: float = Field(description="mean KL(reference || candidate), nats per position")
+    kl_max: float = Field(description="largest KL at any single position")
+    top1: float = Field(description="fraction of positions where both argmaxes agree")
+    greedy_tokens: int = Field(ge=0, description="tokens generated per runtime, over all prompts")
+    greedy_match: float | None = Field(
+        default=None, description="fraction of generated tokens equal to the reference's before the first divergence"
+    )
+    greedy_match_total: float | None = Field(
+        default=None, description="fraction of generated tokens equal to the reference's at the same position"
+    )
 
 
 class Gate(BaseModel):

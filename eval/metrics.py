@@ -36,8 +36,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from eval.report import EvalMetrics
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
+from eval.gates import EvalMetrics
 
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eval.gates import Gate
+from core.errors import Deferred
+from eval.gates import EvalMetrics, Gate
 from eval.metrics import MetricAccumulator
-from eval.report import EvalMetrics, EvalReport
+from eval.report import EvalReport
 from eval.runtimes import Runtime, open_runtime
 from eval.text import EvalText
-from kiln.errors import Deferred
 
 
 def measure(reference: Runtime, candidate: Runtime, text: EvalText) -> EvalMetrics:

@@ -22,8 +22,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kiln.digest import sha256_json
-from kiln.errors import InvalidInput, SourceInvalid
+from core.digest import sha256_json
+from core.errors import InvalidInput, SourceInvalid
 
 DEFAULT_WINDOW = 256
 DEFAULT_MAX_TOKENS = 4096

@@ -1,4 +1,11 @@
-"""From a recipe to a stage graph, and running it: the `kiln build` / `kiln plan` / `kiln publish` core."""
+"""From a recipe to a stage graph, and running it: the `kiln build` / `kiln plan` / `kiln publish` core.
+
+The graph, per recipe: one ingest and one reference node; one quantize node per scheme that some
+target consumes and one prepare node per target that does work once per source (both shared by
+the exports that need them); per artifact an export and an eval node, and the nodes of what its
+target derives from the export (`TargetSpec.derived`, e.g. an engine per GPU SKU). With a registry,
+a publish node per artifact and one seal node waiting for them all. Nothing here names a target.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +13,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.digest import HashCache
+from core.digest import HashCache
+from eval.gates import gate_for
+from eval.report import EvalReport
+from formats.hf_model import open_source
 from pipeline.executors.local import LocalExecutor, NodeOutcome, Reporter
-from pipeline.ingest import open_source
-from pipeline.recipe import Recipe, TargetEntry
-from pipeline.stage import Node, WorkDir
+from pipeline.recipe import Recipe
+from pipeline.records import ArtifactRecord, IngestRecord
+from pipeline.stage import Node, Stage, WorkDir
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
+from pipeline.stages import prepare as prepare_stage
 from pipeline.stages import publish as publish_stage
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
+from pipeline.stages import seal as seal_stage
+from quant.calibrated import calibration_dtype
+from quant.schemes import get_scheme
 from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
+# The stage that makes each kind of artifact a target derives from an export (`DerivedArtifact.kind`).
+DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE}
+
+
+@dataclass(frozen=True)
+class PlannedArtifact:
+    """An artifact of the build: the node that makes it, and the node that evaluates it (if kiln does)."""
+
+    name: str
+    quant: str
+    maker: Node
+    evaluator: Node | None
 
 
 def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list[Node]:
-    """The stage graph in run order. With `registry`, publish nodes are added after each eval."""
+    """The stage graph in run order. With `registry`, publish nodes and the seal node come last."""
+    nodes, artifacts = _build_graph(recipe, work_dir)
+    if registry is not None:
+        nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes))
+    return nodes
+
+
+def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[PlannedArtifact]]:
     hashes = HashCache(work_dir / HASH_CACHE)
-    source = open_source(recipe.source_dir, hasher=hashes.sha256)
+    source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
     text_digest = hashes.sha256(recipe.eval_text)
     calibration_digest = hashes.sha256(recipe.calibration_text)
     hashes.save()
@@ -41,41 +74,32 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
             "greedy_prompts": ev.greedy_prompts,
             "greedy_tokens": ev.greedy_tokens,
         },
-        inputs=(ingest.id,),
+        inputs={"ingest": ingest.id},
         external={"text": text_digest},
         args={"text": str(recipe.eval_text)},
     )
     nodes = [ingest, reference]
+    artifacts: list[PlannedArtifact] = []
     quantized: dict[str, Node] = {}  # one quantize node per scheme, shared by every target that needs it
+    prepared: dict[str, Node] = {}  # one prepare node per target that has one, shared by its exports
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
-        export_inputs: tuple[str, ...] = (ingest.id,)
+        export_inputs = {"ingest": ingest.id}
+        if spec.prepare is not None:
+            if spec.name not in prepared:
+                prepared[spec.name] = Node(
+                    f"prepare/{spec.name}",
+                    prepare_stage.STAGE,
+                    params={"target": spec.name, "target_code_version": spec.code_version},
+                    inputs={"ingest": ingest.id},
+                )
+                nodes.append(prepared[spec.name])
+            export_inputs["prepared"] = prepared[spec.name].id
         if quant in spec.quantized_input:
             if quant not in quantized:
-                from targets.schemes import get_scheme
-
-                scheme = get_scheme(quant)
-                params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
-                external, args = {}, {}
-                if scheme.calibrated:
-                    cal = recipe.calibration
-                    params["calibration"] = {
-                        "samples": cal.samples,
-                        "seq_len": cal.seq_len,
-                        "skip_tokens": recipe.calibration_skip_tokens,
-                    }
-                    external = {"calibration_text": calibration_digest}
-                    args = {"calibration_text": str(recipe.calibration_text)}
-                quantized[quant] = Node(
-                    f"quantize/{quant}",
-                    quantize_stage.STAGE,
-                    params=params,
-                    inputs=(ingest.id,),
-                    external=external,
-                    args=args,
-                )
+                quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest)
                 nodes.append(quantized[quant])
-            export_inputs = (ingest.id, quantized[quant].id)
+            export_inputs["quantized"] = quantized[quant].id
         export = Node(
             f"export/{name}",
             export_stage.STAGE,
@@ -90,114 +114,149 @@ def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list
             },
             inputs=export_inputs,
         )
-        from eval.gates import gate_for
-
-        gate = gate_for(quant, ev.gates.get(quant))
         evaluate = Node(
             f"eval/{name}",
             eval_stage.STAGE,
-            params={"artifact": name, "quant": quant, "gate": gate.model_dump()},
-            inputs=(ingest.id, reference.id, export.id),
+            params={"artifact": name, "quant": quant, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()},
+            inputs={"ingest": ingest.id, "reference": reference.id, "export": export.id},
         )
         nodes += [export, evaluate]
-        if registry is not None:
-            nodes.append(
-                Node(
-                    f"publish/{name}",
-                    publish_stage.STAGE,
-                    params={
-                        "model": recipe.model,
-                        "version": recipe.version,
-                        "artifact": name,
-                        "description": recipe.description,
-                    },
-                    inputs=(ingest.id, export.id, evaluate.id),
-                    args={"registry": registry},
-                )
+        artifacts.append(PlannedArtifact(name, quant, export, evaluate))
+        for derived in spec.derived(name, quant, entry.params) if spec.derived is not None else []:
+            maker = Node(
+                f"{derived.kind}/{derived.artifact}",
+                DERIVED_STAGES[derived.kind],
+                params=derived.params,
+                inputs={"export": export.id},
             )
-        for engine in _engine_nodes(entry, name, quant, export):
-            nodes.append(engine)
-            if registry is not None:
-                nodes.append(
-                    Node(
-                        f"publish/{engine.params['artifact']}",
-                        publish_stage.STAGE,
-                        params={
-                            "model": recipe.model,
-                            "version": recipe.version,
-                            "artifact": engine.params["artifact"],
-                            "description": recipe.description,
-                        },
-                        inputs=(ingest.id, engine.id),
-                        args={"registry": registry},
-                    )
-                )
-    return nodes
+            nodes.append(maker)
+            artifacts.append(PlannedArtifact(derived.artifact, quant, maker, None))
+    return nodes, artifacts
 
 
-def _engine_nodes(entry: TargetEntry, name: str, quant: str, export: Node) -> list[Node]:
-    """One engine node per SKU of a trtllm entry's `params.engines` (none for other targets)."""
-    if entry.target != "trtllm" or entry.params.get("engines") is None:
-        return []
-    from targets.trtllm.engines import build_command, parse_params
+def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest: str) -> Node:
+    scheme = get_scheme(quant)
+    params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
+    external, args = {}, {}
+    if scheme.calibrated:
+        cal = recipe.calibration
+        params["calibration"] = {
+            "samples": cal.samples,
+            "seq_len": cal.seq_len,
+            "skip_tokens": recipe.calibration_skip_tokens,
+            # What this CPU computes fast (quant.calibrated.calibration_dtype); it changes the result, so
+            # it is part of the key (and recorded with the quantize stage).
+            "compute_dtype": calibration_dtype(),
+        }
+        external = {"calibration_text": calibration_digest}
+        args = {"calibration_text": str(recipe.calibration_text)}
+    return Node(
+        f"quantize/{quant}",
+        quantize_stage.STAGE,
+        params=params,
+        inputs={"ingest": ingest.id},
+        external=external,
+        args=args,
+    )
 
-    matrix = parse_params(entry.params).engines
-    assert matrix is not None
-    limits = {
-        "max_batch_size": matrix.max_batch_size,
-        "max_input_len": matrix.max_input_len,
-        "max_seq_len": matrix.max_seq_len,
-    }
-    return [
-        Node(
-            f"engine/{name}-{sku}",
-            engine_stage.STAGE,
-            params={
-                "artifact": f"{name}-{sku}",
-                "quant": quant,
-                "sku": sku,
-                "limits": limits,
-                "tensorrt_llm": matrix.tensorrt_llm,
-                "command": build_command(quant, sku, matrix),
-            },
-            inputs=(export.id,),
+
+def _deferred(nodes: list[Node]) -> set[str]:
+    """Nodes this machine cannot run (a stage's deferral says so), and every node that waits on one."""
+    deferred: set[str] = set()
+    for node in nodes:
+        own = node.stage.deferral(node) if node.stage.deferral is not None else None
+        if own is not None or deferred & set(node.inputs.values()):
+            deferred.add(node.id)
+    return deferred
+
+
+def _release_nodes(
+    recipe: Recipe, registry: str, ingest: Node, artifacts: list[PlannedArtifact], deferred: set[str]
+) -> list[Node]:
+    """A publish node per artifact, then the seal node that waits for all of them.
+
+    The release plans the artifacts this build can make: one deferred to a runner (an engine for a
+    GPU this machine lacks) is never published, so it is not planned, and the release seals without it.
+    """
+    planned = [a.name for a in artifacts if a.maker.id not in deferred]
+    publish = []
+    for a in artifacts:
+        inputs = {"ingest": ingest.id, "artifact": a.maker.id}
+        if a.evaluator is not None:
+            inputs["eval"] = a.evaluator.id
+        publish.append(
+            Node(
+                f"publish/{a.name}",
+                publish_stage.STAGE,
+                params={
+                    "model": recipe.model,
+                    "version": recipe.version,
+                    "artifact": a.name,
+                    "description": recipe.description,
+                    "planned": planned,
+                },
+                inputs=inputs,
+                args={"registry": registry},
+            )
         )
-        for sku in matrix.skus
-    ]
+    seal = Node(
+        "seal/release",
+        seal_stage.STAGE,
+        params={"model": recipe.model, "version": recipe.version, "artifacts": planned},
+        inputs={n.params["artifact"]: n.id for n in publish if n.params["artifact"] in planned},
+        args={"registry": registry},
+    )
+    return [*publish, seal]
 
 
 @dataclass
 class BuildResult:
     recipe: Recipe
+    nodes: list[Node]
     outcomes: dict[str, NodeOutcome]
 
     def artifacts(self) -> list[dict[str, Any]]:
-        """One row per artifact: where it is, its size and its eval outcome."""
-        rows = []
-        for name, _entry, quant in self.recipe.artifacts():
-            export = self.outcomes[f"export/{name}"]
-            ev = self.outcomes[f"eval/{name}"]
-            report = ev.output.result if ev.output else None
-            rows.append(
-                {
-                    "artifact": name,
-                    "quant": quant,
-                    "export": export.status,
-                    "path": str(export.output.files_dir) if export.output else None,
-                    "size": sum(f.size for f in export.output.files) if export.output else None,
-                    "eval": report["status"] if report else ev.status,
-                    "metrics": report.get("metrics") if report else None,
-                    "failures": report.get("failures", []) if report else [],
-                    "published": self.outcomes[f"publish/{name}"].status
-                    if f"publish/{name}" in self.outcomes
-                    else None,
-                    "reason": report.get("reason") if report else ev.reason or None,
-                }
-            )
-        for node_id, engine in self.outcomes.items():
-            if node_id.startswith("engine/"):
-                rows.append(_engine_row(engine, self.outcomes.get(f"publish/{engine.node.params['artifact']}")))
-        return rows
+        """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for)."""
+        evaluators = {n.params["artifact"]: n for n in self.nodes if n.stage is eval_stage.STAGE}
+        return [
+            self._row(PlannedArtifact(n.params["artifact"], n.params["quant"], n, evaluators.get(n.params["artifact"])))
+            for n in self.nodes
+            if n.stage.record is ArtifactRecord  # the nodes that make artifacts: exports and derived stages
+        ]
+
+    def _row(self, a: PlannedArtifact) -> dict[str, Any]:
+        made = self.outcomes[a.maker.id]
+        out = made.output
+        publish = self.outcomes.get(f"publish/{a.name}")
+        row: dict[str, Any] = {
+            "artifact": a.name,
+            "quant": a.quant,
+            "export": made.status,
+            "path": str(out.files_dir) if out else None,
+            "size": sum(f.size for f in out.files) if out else None,
+            "published": publish.status if publish else None,
+        }
+        if a.evaluator is None:  # kiln does not evaluate it (an engine): its runtime's runner does
+            record = out.record(ArtifactRecord) if out else None
+            row |= {
+                "eval": "deferred" if made.status == "deferred" else "not_evaluated",
+                "metrics": None,
+                "failures": [],
+                "reason": made.reason or None,
+                "runner": made.details.get("runner"),
+                "command": a.maker.params.get("command"),
+                "runtime": record.runtime_name if record else None,
+            }
+            return row
+        ev = self.outcomes[a.evaluator.id]
+        report = ev.output.record(EvalReport) if ev.output else None
+        row |= {
+            "eval": report.status if report else ev.status,
+            "metrics": report.metrics.model_dump(mode="json") if report and report.metrics else None,
+            "failures": report.failures if report else [],
+            "reason": report.reason if report else ev.reason or None,
+        }
+        return row
 
     @property
     def deferred(self) -> list[dict[str, Any]]:
@@ -207,6 +266,12 @@ class BuildResult:
             for node_id, o in self.outcomes.items()
             if o.status == "deferred"
         ]
+
+    @property
+    def ignored(self) -> list[dict[str, str]]:
+        """Source files ingest left alone (pickles beside SafeTensors, ...), with the reason."""
+        ingest = self.outcomes[self.nodes[0].id].output
+        return [f.model_dump() for f in ingest.record(IngestRecord).ignored] if ingest else []
 
     @property
     def failed_gates(self) -> list[str]:
@@ -223,28 +288,10 @@ class BuildResult:
             "artifacts": self.artifacts(),
             "failed_gates": self.failed_gates,
             "deferred": self.deferred,
+            "ignored": self.ignored,
+            # What each stage that ran took (cached ones took nothing).
+            "stage_seconds": {n: round(o.seconds, 2) for n, o in self.outcomes.items() if o.status in ("built", "ran")},
         }
-
-
-def _engine_row(engine: NodeOutcome, publish: NodeOutcome | None) -> dict[str, Any]:
-    """An engine's row in the build report: where it is, or the runner it is deferred to."""
-    p, out = engine.node.params, engine.output
-    return {
-        "artifact": p["artifact"],
-        "quant": p["quant"],
-        "sku": p["sku"],
-        "export": engine.status,
-        "path": str(out.files_dir) if out else None,
-        "size": sum(f.size for f in out.files) if out else None,
-        # An engine is not evaluated by kiln: its runtime is tensorrt_llm on that SKU.
-        "eval": "deferred" if engine.status == "deferred" else "not_evaluated",
-        "metrics": None,
-        "failures": [],
-        "published": publish.status if publish else None,
-        "reason": engine.reason or None,
-        "runner": engine.details.get("runner"),
-        "command": p["command"],
-    }
 
 
 def run(
@@ -252,7 +299,7 @@ def run(
 ) -> BuildResult:
     nodes = plan(recipe, work_dir, registry=registry)
     outcomes = LocalExecutor(WorkDir(work_dir), reporter).run(nodes)
-    return BuildResult(recipe, outcomes)
+    return BuildResult(recipe, nodes, outcomes)
 
 
 def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
@@ -263,18 +310,18 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
     deferred: set[str] = set()
     rows = []
     for node in nodes:
-        ins = [digests.get(i) for i in node.inputs]
-        if all(d is not None for d in ins):
-            key: str | None = node.cache_key({i: d for i, d in zip(node.inputs, ins, strict=True)})  # type: ignore[misc]
-            out = workdir.lookup(node, key)  # type: ignore[arg-type]
-            digests[node.id] = out.digest if out else None
-            state = "cached" if out else "to build"
-        else:
-            key, state = None, "to build"
-            digests[node.id] = None
+        ins = {i: digests.get(i) for i in node.inputs.values()}
+        key: str | None = None
+        state = "to build"
+        digests[node.id] = None
+        if all(d is not None for d in ins.values()):
+            key = node.cache_key({i: d for i, d in ins.items() if d is not None})
+            out = workdir.lookup(node, key)
+            if out is not None:
+                digests[node.id], state = out.digest, "cached"
         extra: dict[str, Any] = {}
         # A stage this machine cannot run is deferred to a runner (and so is everything that waits on it).
-        blocked = [i for i in node.inputs if i in deferred]
+        blocked = [i for i in node.inputs.values() if i in deferred]
         needs = node.stage.deferral(node) if node.stage.deferral is not None and state != "cached" else None
         if needs is not None:
             state, extra = "deferred", needs
@@ -286,7 +333,7 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
             {
                 "node": node.id,
                 "stage": node.stage.name,
-                "inputs": list(node.inputs),
+                "inputs": node.inputs,
                 "key": key,
                 "state": state,
                 "resources": node.stage.resources,

@@ -19,20 +19,32 @@
         quants: [bf16]
 
 Every (target, quant) pair becomes one artifact named "<target>-<quant>".
+
+Paths (`source`, `eval.text`, `calibration.text`) resolve relative to the recipe file's directory
+and must stay inside it once symbolic links are resolved, so a recipe from an untrusted change
+cannot read `/etc/passwd` as its held-out text. Other directories are allowed only by whoever runs
+kiln (`load_recipe(..., allowed_roots=...)`, the CLI's `--allow-outside DIR`), never by the recipe.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kiln.errors import KilnError, RecipeInvalid
-from kiln.manifest import ARTIFACT_NAME
+from core.errors import KilnError, RecipeInvalid
+from core.manifest import ARTIFACT_NAME
+from core.untrusted import short_repr
 
+MAX_RECIPE_BYTES = 1024 * 1024
+# Values in a parsed recipe (YAML aliases counted each time they are used) and nesting depth: a
+# real recipe has a few hundred values, 6 levels deep.
+MAX_RECIPE_VALUES = 100_000
+MAX_RECIPE_DEPTH = 32
 _MODEL_NAME = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 _VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
 
@@ -81,7 +93,7 @@ class EvalSettings(_Strict):
 
 
 class CalibrationSettings(_Strict):
-    """Calibration text for GPTQ / AWQ: `samples` windows of `seq_len` tokens (see pipeline.quantize.calibrated).
+    """Calibration text for GPTQ / AWQ: `samples` windows of `seq_len` tokens (see quant.calibrated).
 
     Without `text`, the eval's held-out text is used after the `eval.max_tokens` tokens the eval
     scores, so calibration never sees the text an artifact is judged on.
@@ -100,7 +112,9 @@ class Recipe(_Strict):
     eval: EvalSettings
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     targets: list[TargetEntry] = Field(min_length=1)
+    # Set by parse_recipe from its arguments, never from the recipe's data.
     base_dir: Path = Field(default=Path("."), exclude=True)
+    allowed_roots: tuple[Path, ...] = Field(default=(), exclude=True)
 
     @field_validator("source")
     @classmethod
@@ -157,44 +171,108 @@ def _as_value_error(fn: Any, *args: Any) -> Any:
         raise ValueError(e.message) from None
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, allowed_roots: Iterable[str | Path] = ()) -> Recipe:
+    """Read and validate the recipe at `path`; `allowed_roots` are directories outside the recipe's own
+    that its paths may point into (from the command line, never from the recipe)."""
     path = Path(path)
+    where = {"file": str(path)}
+    if not path.exists():
+        raise RecipeInvalid(f"recipe {str(path)!r} not found", details=where)
     if not path.is_file():
-        raise RecipeInvalid(f"recipe {str(path)!r} not found", details={"file": str(path)})
+        raise RecipeInvalid(f"recipe {str(path)!r} is not a regular file", details=where)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise RecipeInvalid(f"recipe {str(path)!r} cannot be read ({e.strerror or e})", details=where) from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeInvalid(f"{path}: larger than the {MAX_RECIPE_BYTES}-byte limit of a recipe", details=where)
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RecipeInvalid(f"{path}: not UTF-8 ({e.reason} at byte {e.start})", details=where) from None
     except yaml.YAMLError as e:
-        raise RecipeInvalid(f"{path}: not valid YAML: {e}", details={"file": str(path)}) from None
-    return parse_recipe(data, base_dir=path.parent, origin=str(path))
+        raise RecipeInvalid(f"{path}: not valid YAML: {e}", details=where) from None
+    except RecursionError:
+        raise RecipeInvalid(f"{path}: YAML nested too deeply", details=where) from None
+    return parse_recipe(data, base_dir=path.parent, origin=str(path), allowed_roots=allowed_roots)
 
 
-def parse_recipe(data: Any, *, base_dir: Path, origin: str = "recipe") -> Recipe:
+def parse_recipe(
+    data: Any, *, base_dir: Path, origin: str = "recipe", allowed_roots: Iterable[str | Path] = ()
+) -> Recipe:
+    """Validate recipe data (as parsed from YAML). Paths resolve against `base_dir` and must stay inside it
+    or inside one of `allowed_roots`."""
     if not isinstance(data, dict):
         raise RecipeInvalid(f"{origin}: a recipe must be a mapping at the top level")
+    _check_size(data, origin)
+    internal = sorted(k for k in ("base_dir", "allowed_roots") if k in data)
+    if internal:
+        raise RecipeInvalid(
+            f"{origin}: {internal[0]}: unknown field (directories outside the recipe's are allowed only on the "
+            "command line, with --allow-outside DIR)",
+            details={"errors": [{"field": k, "message": "unknown field"} for k in internal]},
+        )
+    roots = tuple(Path(r) for r in allowed_roots)
     try:
-        recipe = Recipe.model_validate({**data, "base_dir": base_dir})
+        recipe = Recipe.model_validate({**data, "base_dir": base_dir, "allowed_roots": roots})
     except ValidationError as e:
         errors = [_describe(err) for err in e.errors()]
         raise RecipeInvalid(
             f"{origin}: " + "; ".join(f"{loc}: {msg}" for loc, msg in errors),
             details={"errors": [{"field": loc, "message": msg} for loc, msg in errors]},
         ) from None
-    if not recipe.source_dir.is_dir():
-        raise RecipeInvalid(
-            f"{origin}: source: directory {str(recipe.source_dir)!r} does not exist",
-            details={"errors": [{"field": "source", "message": "directory does not exist"}]},
-        )
-    if not recipe.eval_text.is_file():
-        raise RecipeInvalid(
-            f"{origin}: eval.text: file {str(recipe.eval_text)!r} does not exist",
-            details={"errors": [{"field": "eval.text", "message": "file does not exist"}]},
-        )
-    if not recipe.calibration_text.is_file():
-        raise RecipeInvalid(
-            f"{origin}: calibration.text: file {str(recipe.calibration_text)!r} does not exist",
-            details={"errors": [{"field": "calibration.text", "message": "file does not exist"}]},
-        )
+    fields = [("source", recipe.source, "directory"), ("eval.text", recipe.eval.text, "file")]
+    if recipe.calibration.text is not None:
+        fields.append(("calibration.text", recipe.calibration.text, "file"))
+    for name, value, kind in fields:
+        _check_path(origin, name, value, kind, base_dir, roots)
     return recipe
+
+
+def _fail(origin: str, field: str, message: str) -> RecipeInvalid:
+    return RecipeInvalid(f"{origin}: {field}: {message}", details={"errors": [{"field": field, "message": message}]})
+
+
+def _check_path(origin: str, field: str, value: str, kind: str, base_dir: Path, roots: tuple[Path, ...]) -> None:
+    """`value` (relative to `base_dir`) must resolve inside `base_dir` or one of `roots`, and exist as `kind`."""
+    try:
+        if "\x00" in value:
+            raise ValueError("embedded NUL")
+        base = base_dir.resolve()
+        target = (base_dir / value).resolve()
+        allowed = [base, *(r.resolve() for r in roots)]
+        exists = target.is_dir() if kind == "directory" else target.is_file()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise _fail(origin, field, f"path {short_repr(value)} cannot be resolved ({e})") from None
+    if not any(target.is_relative_to(r) for r in allowed):
+        raise _fail(
+            origin,
+            field,
+            f"{short_repr(value)} resolves to {str(target)!r}, outside the recipe's directory {str(base)!r}; "
+            "recipe paths must stay inside it (to allow another directory, pass --allow-outside DIR on the "
+            "command line)",
+        )
+    if not exists:
+        raise _fail(origin, field, f"{kind} {str(target)!r} does not exist")
+
+
+def _check_size(data: Any, origin: str) -> None:
+    """Refuse recipes whose parsed value is huge (YAML aliases expand: a "billion laughs") or deep."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_RECIPE_VALUES or depth > MAX_RECIPE_DEPTH:
+            raise RecipeInvalid(
+                f"{origin}: the recipe has more than {MAX_RECIPE_VALUES} values or is nested deeper than "
+                f"{MAX_RECIPE_DEPTH} levels (YAML aliases count each time they are used)"
+            )
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in (*value.keys(), *value.values()))
+        elif isinstance(value, list | tuple | set):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _describe(err: Any) -> tuple[str, str]:

@@ -1,31 +1,41 @@
 """Stages, graph nodes, cache keys and the content-addressed work directory.
 
 A stage's output lives at `<work>/<stage>/<key>/` where key = sha256 of canonical JSON of
-(stage name, code version, params, input digests). Outputs are written into a temporary
-directory and renamed into place only after `stage.json` is written, so a stage killed
-mid-way leaves only a `.tmp-*` directory that is never mistaken for done.
+(stage name, code version, params, each input's digest under its role, external digests by name).
+Outputs are written into a temporary directory and renamed into place only after `stage.json` is
+written, so a stage killed mid-way leaves only a `.tmp-*` directory that is never mistaken for done.
+A stage returns a typed record (`pipeline.records`); `stage.json` stores it as the output's
+`result`, and reading it back validates it against the stage's record type.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
 import socket
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from kiln import __version__
-from kiln.digest import sha256_file, sha256_json
-from kiln.manifest import FileEntry
+from pydantic import BaseModel, ValidationError
+
+from core import __version__
+from core.digest import sha256_file, sha256_json
+from core.errors import StageFailed
+from core.manifest import FileEntry
 
 STAGE_FILE = "stage.json"
+LOG_FILE = "stage.log"  # what the stage's libraries printed; beside stage.json, not part of the output
 OUTPUT_DIR = "files"
+LOG_TAIL_LINES = 20
+R = TypeVar("R", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,7 @@ class StageOutput:
     node_id: str
     key: str
     path: Path
-    result: dict[str, Any]
+    result: BaseModel  # the stage's record type (`Stage.record`)
     files: list[FileEntry]
     provenance: dict[str, Any]
 
@@ -45,29 +55,40 @@ class StageOutput:
 
     @property
     def digest(self) -> str:
-        return sha256_json({"files": [f.model_dump() for f in self.files], "result": self.result})
+        files = [f.model_dump() for f in self.files]
+        return sha256_json({"files": files, "result": self.result.model_dump(mode="json")})
+
+    def record(self, kind: type[R]) -> R:
+        """The result as the record type the caller expects; a different one is a graph built wrong."""
+        if not isinstance(self.result, kind):
+            raise TypeError(f"{self.node_id} holds a {type(self.result).__name__}, not a {kind.__name__}")
+        return self.result
 
 
 @dataclass
 class StageContext:
     node: Node
     out_dir: Path  # write outputs here (a temporary directory)
-    inputs: dict[str, StageOutput]  # by node id
+    inputs: dict[str, StageOutput]  # by role
     progress: Callable[[int, int | None], None] = lambda advance, total: None
 
-    def input(self, stage_name: str) -> StageOutput:
-        """The single input produced by a stage of this name."""
-        found = [o for nid, o in self.inputs.items() if nid.split("/", 1)[0] == stage_name]
-        if len(found) != 1:
-            raise KeyError(f"{self.node.id} expects exactly one {stage_name!r} input, has {len(found)}")
-        return found[0]
+    def input(self, role: str) -> StageOutput:
+        """The input the node gets under `role` (see `Node.inputs`)."""
+        if role not in self.inputs:
+            raise KeyError(f"{self.node.id} has no {role!r} input; it has {', '.join(self.inputs) or 'none'}")
+        return self.inputs[role]
+
+    def record(self, role: str, kind: type[R]) -> R:
+        """The record of the input under `role`, as `kind`."""
+        return self.input(role).record(kind)
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     code_version: str
-    run: Callable[[StageContext], dict[str, Any]]
+    run: Callable[[StageContext], BaseModel]
+    record: type[BaseModel]  # what `run` returns and `stage.json` holds
     description: str = ""
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})  # what an executor must provide
     # A stage with effects outside the work dir (publishing) runs every time; its target makes it idempotent.
@@ -84,17 +105,19 @@ class Node:
     id: str  # "<stage>/<name>", e.g. "export/gguf-q4_0"
     stage: Stage
     params: dict[str, Any]
-    inputs: tuple[str, ...] = ()
-    external: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)  # role -> node id, e.g. {"source": "ingest/source"}
+    external: dict[str, str] = field(default_factory=dict)  # name -> digest of data outside the graph
     args: dict[str, Any] = field(default_factory=dict)  # where to find things (paths, URLs): not in the key
 
     def cache_key(self, input_digests: dict[str, str]) -> str:
+        """sha256 of canonical JSON; each input's digest keeps its role (`input_digests` is by node id)."""
         return sha256_json(
             {
                 "stage": self.stage.name,
                 "code_version": self.stage.code_version,
                 "params": self.params,
-                "inputs": sorted([*input_digests.values(), *self.external.values()]),
+                "inputs": {role: input_digests[node_id] for role, node_id in self.inputs.items()},
+                "external": self.external,
             }
         )
 
@@ -114,11 +137,18 @@ class WorkDir:
         if not meta.is_file():
             return None
         data = json.loads(meta.read_text())
+        try:
+            result = node.stage.record.model_validate(data["result"])
+        except (KeyError, ValidationError) as e:
+            raise StageFailed(
+                f"{meta} does not hold a {node.stage.record.__name__}: {e}; delete that directory to rebuild it",
+                details={"stage": node.id, "path": str(path)},
+            ) from None
         return StageOutput(
             node_id=node.id,
             key=key,
             path=path,
-            result=data["result"],
+            result=result,
             files=[FileEntry(**f) for f in data["files"]],
             provenance=data["provenance"],
         )
@@ -128,9 +158,7 @@ class WorkDir:
         (tmp / OUTPUT_DIR).mkdir(parents=True)
         return tmp
 
-    def commit(
-        self, node: Node, key: str, tmp: Path, result: dict[str, Any], provenance: dict[str, Any]
-    ) -> StageOutput:
+    def commit(self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any]) -> StageOutput:
         """Manifest the temp output, write stage.json last, then rename the directory into place."""
         files_dir = tmp / OUTPUT_DIR
         files = [
@@ -138,10 +166,13 @@ class WorkDir:
             for p in sorted(files_dir.rglob("*"))
             if p.is_file()
         ]
+        if not isinstance(result, node.stage.record):
+            raise StageFailed(f"{node.id} returned a {type(result).__name__}, not a {node.stage.record.__name__}")
         payload = {
             "node": node.id,
             "key": key,
-            "result": result,
+            "record": node.stage.record.__name__,
+            "result": result.model_dump(mode="json"),
             "files": [f.model_dump() for f in files],
             "provenance": provenance,
         }
@@ -160,6 +191,16 @@ class WorkDir:
         assert out is not None
         return out
 
+    def keep_log(self, node: Node, tmp: Path) -> Path | None:
+        """Keep a failed stage's log under `<work>/logs/` (its temporary directory is about to go)."""
+        log = tmp / LOG_FILE
+        if not log.is_file() or log.stat().st_size == 0:
+            return None
+        kept = self.root / "logs" / f"{node.id.replace('/', '-')}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, kept)
+        return kept
+
     def discard(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -175,6 +216,40 @@ class WorkDir:
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed += 1
         return removed
+
+
+@contextlib.contextmanager
+def captured_output(log: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr to `log`, and restore them afterwards: file descriptors 1
+    and 2 (C libraries, subprocesses) and Python's `sys.stdout`/`sys.stderr` (which may not write to
+    those descriptors, e.g. under a test runner's capture)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    saved_streams = sys.stdout, sys.stderr
+    try:
+        with open(log, "a", buffering=1, encoding="utf-8", errors="replace") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            sys.stdout = sys.stderr = f
+            try:
+                yield
+            finally:
+                f.flush()
+                sys.stdout, sys.stderr = saved_streams
+                os.dup2(saved_fds[0], 1)
+                os.dup2(saved_fds[1], 2)
+    finally:
+        os.close(saved_fds[0])
+        os.close(saved_fds[1])
+
+
+def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last lines of a stage log (progress-bar carriage returns folded), to quote in an error."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+        text = f.read().decode("utf-8", "replace")
+    return [line.rsplit("\r", 1)[-1] for line in text.splitlines() if line.strip()][-lines:]
 
 
 def _alive(pid: int) -> bool:
@@ -195,7 +270,7 @@ def provenance(node: Node, key: str, inputs: dict[str, StageOutput], started: fl
         "code_version": node.stage.code_version,
         "cache_key": key,
         "params": node.params,
-        "inputs": {nid: o.digest for nid, o in inputs.items()},
+        "inputs": {role: {"node": o.node_id, "digest": o.digest} for role, o in inputs.items()},
         "external": node.external,
         "kiln_version": __version__,
         "python": platform.python_version(),

@@ -20,16 +20,17 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from kiln.errors import Unavailable
+from core.errors import Unavailable
 from registry import migrate
-from registry.api.errors import install_error_handlers
+from registry.api.boundary import RequestBoundaryMiddleware
+from registry.api.errors import error_responses, install_error_handlers
 from registry.api.health import router as health_router
 from registry.artifacts.routes import router as artifacts_router
 from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
 from registry.auth.routes import router as auth_router
 from registry.blobs.routes import router as blobs_router
-from registry.blobs.store import open_blob_store
+from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
 from registry.deps import require
@@ -39,7 +40,7 @@ from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware
 from registry.releases.routes import router as releases_router
 from registry.resolve.routes import router as resolve_router
-from registry.resolve.service import ResolveCache
+from registry.resolve.service import ChannelFingerprints, ResolveCache
 from registry.settings import RegistrySettings
 from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router
@@ -75,6 +76,9 @@ def _check_schema(engine: Engine, settings: RegistrySettings) -> None:
 
 
 READ = require("read")
+# What any route may answer besides its own statuses: no or a refused token, a body over the limit
+# or malformed, a backend outage.
+COMMON_ERRORS = error_responses(401, 403, 413, 422, 503)
 
 
 def create_app(settings: RegistrySettings | None = None) -> FastAPI:
@@ -100,6 +104,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.resolve_cache.fingerprints.close()
             engine.dispose()
 
     app = FastAPI(
@@ -112,11 +117,13 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = create_session_factory(engine)
+    app.state.write_session_factory = create_session_factory(engine, write=True)
     app.state.blob_store = blob_store
-    app.state.resolve_cache = ResolveCache()
+    app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))
     app.state.token_cache = TokenCache(app.state.session_factory)
     app.state.metrics = RegistryMetrics()
-    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestBoundaryMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)  # outermost: sees every answer
     install_error_handlers(app)
     for router in (
         models_router,
@@ -130,12 +137,14 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     ):
         # Every API route needs at least `read` (anonymous when settings.anonymous_read); routes
         # that change anything add their own scope.
-        app.include_router(router, dependencies=[READ])  # each router carries its /v1 prefix
-    app.include_router(health_router)
+        app.include_router(router, dependencies=[READ], responses=COMMON_ERRORS)  # each router has its /v1 prefix
+    app.include_router(health_router, responses=error_responses(503))
     # The web pages read through the same services, under the same READ rule, as the API.
     app.include_router(web_router, dependencies=[READ])
     # Last: its /{repo}/resolve/... patterns are the most general.
-    app.include_router(hf_compat_router, dependencies=[READ])
+    app.include_router(
+        hf_compat_router, dependencies=[READ], responses={**COMMON_ERRORS, **error_responses(400, 404, 416)}
+    )
     # After those: any other /ui/ URL is an HTML 404 page.
     app.include_router(web_not_found_router, dependencies=[READ])
     return app

@@ -5,7 +5,7 @@
 talks to it in process through the same HTTP API (Starlette's TestClient, a synchronous
 httpx2.Client over ASGI), so both cases run the same code. (httpx2 is the maintained successor
 of httpx, same API; Starlette's TestClient is built on it, so both paths use it.) Server errors
-come back as the matching `kiln.errors` class, carrying the server's code, message and details.
+come back as the matching `core.errors` class, carrying the server's code, message and details.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from urllib.parse import quote
 
 import httpx2
 
-from kiln import errors
-from kiln.digest import CHUNK
-from kiln.errors import DigestMismatch, KilnError, Unavailable
-from kiln.manifest import ArtifactManifest
+from core import errors
+from core.digest import CHUNK
+from core.errors import DigestMismatch, KilnError, Unavailable
+from core.manifest import ArtifactManifest
 
 _ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
     400: errors.InvalidInput,
@@ -111,7 +111,7 @@ EMBEDDED_PUBLIC_URL = "http://127.0.0.1:8000"
 
 
 class RegistryClient:
-    """A registry over HTTP. Methods return the server's JSON; errors raise `kiln.errors`."""
+    """A registry over HTTP. Methods return the server's JSON; errors raise `core.errors`."""
 
     def __init__(self, http: httpx2.Client, location: str, on_close: Callable[[], object] | None = None):
         self._http = http
@@ -197,17 +197,37 @@ class RegistryClient:
         model: str,
         version: str,
         source_digest: str,
+        planned_artifacts: list[str],
         lineage: dict[str, Any] | None = None,
         model_config: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Create `model@version` (idempotent for identical content; Conflict if it differs)."""
+        """Open `model@version`, to hold `planned_artifacts` (idempotent for identical content; Conflict
+        if it differs). It is served only once `seal_release` finds every planned artifact evaluated."""
         body = {
             "version": version,
             "source_digest": source_digest,
+            "planned_artifacts": planned_artifacts,
             "lineage": lineage or {},
             "model_config": model_config or {},
         }
         result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/releases", json=body)
+        return result
+
+    def seal_release(self, model: str, version: str) -> dict[str, Any]:
+        """Seal `model@version` (idempotent); RELEASE_INCOMPLETE (Conflict) names what is still missing."""
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/seal"
+        result: dict[str, Any] = self._json("POST", path)
+        return result
+
+    def abandon_release(self, model: str, version: str, reason: str) -> dict[str, Any]:
+        """Abandon an open release: never sealed; its artifacts are dropped and their blobs collectable."""
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/abandon"
+        result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
+        return result
+
+    def list_releases(self, model: str) -> list[dict[str, Any]]:
+        """A model's releases, newest first, with their status (open, sealed, abandoned)."""
+        result: list[dict[str, Any]] = self._json("GET", f"/v1/models/{_seg(model)}/releases")
         return result
 
     def get_release(self, model: str, version: str) -> dict[str, Any]:
@@ -333,7 +353,7 @@ class RegistryClient:
         return result
 
     def yank(self, model: str, version: str, reason: str) -> dict[str, Any]:
-        """Yank a release: kept, never resolved or promoted again."""
+        """Yank a sealed release: kept, never resolved, downloaded or promoted again."""
         path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/yank"
         result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
         return result

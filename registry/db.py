@@ -9,7 +9,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import JSON, DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy import JSON, Connection, DateTime, Engine, MetaData, create_engine, event, select
 from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
@@ -81,7 +81,16 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
+# Sessions of requests that change anything run on an engine with this execution option: on SQLite
+# their transactions start with BEGIN IMMEDIATE, taking the write lock before their first read, so a
+# read-then-write request (a promotion reading the channel it moves) never works from a stale snapshot.
+WRITE_OPTION = "kiln_write"
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # The driver's own transaction handling begins lazily, only before DML, and never IMMEDIATE:
+    # switch it off and emit BEGIN ourselves (`_sqlite_begin`), as SQLAlchemy's docs recommend.
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA foreign_keys=ON")
@@ -92,12 +101,17 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+def _sqlite_begin(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+
+
 def create_db_engine(url: str | URL, **kwargs: Any) -> Engine:
-    """An engine for the registry database, with SQLite set up for foreign keys and WAL."""
+    """An engine for the registry database, with SQLite set up for foreign keys, WAL and real transactions."""
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_begin)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 10)
@@ -105,22 +119,38 @@ def create_db_engine(url: str | URL, **kwargs: Any) -> Engine:
     return create_engine(parsed, **kwargs)
 
 
-def create_session_factory(engine: Engine) -> sessionmaker[Session]:
+def create_session_factory(engine: Engine, *, write: bool = False) -> sessionmaker[Session]:
+    """Sessions on `engine`; `write=True`: for requests that change something (see WRITE_OPTION).
+
+    The request (or CLI command) that opens a session owns its transaction and commits it;
+    services only add and flush.
+    """
+    bind = engine.execution_options(**{WRITE_OPTION: True}) if write else engine
     # expire_on_commit=False: services return rows that routes read after the commit.
-    return sessionmaker(bind=engine, expire_on_commit=False)
+    return sessionmaker(bind=bind, expire_on_commit=False)
+
+
+def lock_row(session: Session, key: Any, value: object, *, shared: bool = False) -> None:
+    """Lock the row whose `key` column equals `value` until the transaction ends (PostgreSQL).
+
+    `shared`: FOR SHARE (many holders, e.g. publishers adding to a release); otherwise FOR NO KEY
+    UPDATE (one holder, e.g. sealing it), which waits for the shared holders and they for it.
+    SQLite needs nothing: a write session already holds the database's write lock.
+    """
+    session.execute(select(key).where(key == value).with_for_update(read=shared, key_share=not shared))
 
 
 def insert_once(session: Session, row: T, find: Callable[[], T | None]) -> tuple[T, bool]:
-    """Insert `row` and commit, returning `(row, True)`.
+    """Add `row` and flush it inside a savepoint, returning `(row, True)`.
 
-    When a concurrent writer committed the same unique key first, return `(their_row, False)`
-    so the caller can compare it, as it would have if it had seen that row before inserting.
+    When a concurrent writer committed the same unique key first, the savepoint is rolled back
+    (the caller's transaction goes on) and `(their_row, False)` is returned, so the caller can
+    compare it as it would have if it had seen that row before inserting.
     """
-    session.add(row)
     try:
-        session.commit()
+        with session.begin_nested():
+            session.add(row)
     except IntegrityError:
-        session.rollback()
         existing = find()
         if existing is None:
             raise

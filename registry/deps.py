@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from kiln.errors import Unauthorized
+from core.errors import Unauthorized
 from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
 from registry.blobs.store import BlobStore
 from registry.resolve.service import ResolveCache
@@ -21,6 +21,15 @@ from registry.settings import RegistrySettings
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
     session: Session = request.app.state.session_factory()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+async def get_write_session(request: Request) -> AsyncIterator[Session]:
+    """A session for a request that changes something: the route commits it (services only flush)."""
+    session: Session = request.app.state.write_session_factory()
     try:
         yield session
     finally:
@@ -45,12 +54,13 @@ async def get_resolve_cache(request: Request) -> ResolveCache:
 # scope="function": the session (and its pooled connection) is given back when the route returns,
 # not after the response has been sent, so slow clients and long downloads hold no connection.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
 BlobStoreDep = Annotated[BlobStore, Depends(get_blob_store)]
 SettingsDep = Annotated[RegistrySettings, Depends(get_settings)]
 ResolveCacheDep = Annotated[ResolveCache, Depends(get_resolve_cache)]
 
 
-async def get_principal(request: Request) -> Principal:
+def authenticate(request: Request) -> Principal:
     """The caller, from `Authorization: Bearer <token>`; anonymous without one; `local` when auth is off."""
     settings: RegistrySettings = request.app.state.settings
     if not settings.auth_required:
@@ -67,14 +77,48 @@ async def get_principal(request: Request) -> Principal:
     return principal
 
 
+def check_access(request: Request, principal: Principal, scope: Scope) -> None:
+    """Refuse (401/403) unless `principal` has `scope` for every model the request names, in its path
+    (/models/{model}/...) or its query (?model=...)."""
+    principal.require(scope)
+    named = request.query_params.getlist("model")
+    if "model" in request.path_params:
+        named.append(request.path_params["model"])
+    for model in named:  # every value: a repeated ?model= must not slip one past the check
+        principal.require(scope, model)
+
+
+def authorize(request: Request, scope: Scope) -> Principal:
+    """`authenticate`, then `check_access`: what a `require(scope)` dependency does, as a plain call."""
+    principal = authenticate(request)
+    check_access(request, principal, scope)
+    return principal
+
+
+async def get_principal(request: Request) -> Principal:
+    return authenticate(request)
+
+
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require(scope: Scope) -> Any:
-    """A dependency refusing (401/403) callers without `scope` (and, for /models/{model}/..., that model)."""
+class Require:
+    """The dependency `require(scope)` returns: the caller, once `check_access` allows it."""
 
-    async def check(request: Request, principal: PrincipalDep) -> Principal:
-        principal.require(scope, request.path_params.get("model"))
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+
+    async def __call__(self, request: Request, principal: PrincipalDep) -> Principal:
+        check_access(request, principal, self.scope)
         return principal
 
-    return Depends(check)
+
+def require(scope: Scope) -> Any:
+    """A dependency refusing (401/403) callers without `scope`, and callers whose token does not cover
+    the model a request names, in its path (/models/{model}/...) or its query (?model=...)."""
+    return Depends(Require(scope))
+
+
+def required_scope(dependency: Any) -> Scope | None:
+    """The scope a `require()` dependency checks; None for any other dependency."""
+    return dependency.scope if isinstance(dependency, Require) else None

@@ -14,7 +14,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
 
 
 class RegistrySettings(BaseSettings):
@@ -54,6 +54,9 @@ class RegistrySettings(BaseSettings):
         default=None, description="base URL for download links; default: the URL the request came to"
     )
     max_upload_bytes: int = Field(default=256 * 1024**3, gt=0, description="largest accepted blob upload")
+    max_body_bytes: int = Field(
+        default=4 * 1024**2, gt=0, description="largest accepted request body other than a blob upload (JSON)"
+    )
     auth_required: bool = Field(
         default=True,
         description="requests need API tokens with scopes; off only for the in-process embedded registry",

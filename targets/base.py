@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import InvalidInput, KilnError, UnknownName
-from targets.hardware import PROFILES
-from targets.schemes import Verdict
+from core.errors import InvalidInput, KilnError, UnknownName
+from core.hardware import PROFILES
+from quant.schemes import Verdict
 
 if TYPE_CHECKING:
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
+    from quant.store import QuantizedWeights
 
 # The modules that define kiln's targets; each calls `register` once at import.
 BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax", "targets.trtllm")
@@ -30,9 +31,12 @@ class ExportRequest:
     params: dict[str, Any] = field(default_factory=dict)
     model_name: str = ""  # the recipe's model name, for formats that record one (GGUF general.name)
     on_progress: Callable[[int], None] = lambda nbytes: None  # source bytes consumed so far (increment)
-    # The shared quantize stage's output for this quant (`pipeline.quantize.store.QuantizedWeights`),
-    # given exactly when the target lists the quant in `TargetSpec.quantized_input`.
-    quantized: Any = None
+    # The shared quantize stage's output for this quant, given exactly when the target lists the quant
+    # in `TargetSpec.quantized_input`.
+    quantized: QuantizedWeights | None = None
+    # What the target's `prepare` computed once for this source (JSON), given when it has one; an export
+    # called without it computes the same itself.
+    prepared: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,21 @@ class ExportResult:
     eval_runtime: str | None = None
 
 
+@dataclass(frozen=True)
+class DerivedArtifact:
+    """An artifact a target makes from one of its exports in a stage of its own (a TensorRT engine per
+    GPU SKU): `kind` names that stage (`pipeline.stages` maps kinds to stages), `params` are its params."""
+
+    kind: str
+    artifact: str
+    params: dict[str, Any]
+
+
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
+# (artifact name, quant, params) -> the artifacts the target derives from that export.
+DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedArtifact]]
+# source -> what every export of the target needs from it and would otherwise compute once each (JSON).
+PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
 CompatibilityFn = Callable[[str, dict[str, Any]], dict[str, Verdict]]
 
@@ -72,6 +90,10 @@ class TargetSpec:
     check_quant_params: Callable[[str, dict[str, Any]], None] | None = None
     # Schemes the target refuses, with the reason the recipe error gives.
     unsupported_quants: dict[str, str] = field(default_factory=dict)
+    # Artifacts made from an export by stages of their own (engines); None: the export is the only one.
+    derived: DerivedFn | None = None
+    # Work shared by all the target's exports of one source, done once by the target's prepare stage.
+    prepare: PrepareFn | None = None
 
     def compatibility(self, quant: str, params: dict[str, Any] | None = None) -> dict[str, Verdict]:
         """For every hardware profile: whether this target's artifact for `quant` runs there, and why."""

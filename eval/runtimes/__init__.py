@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from core.errors import Deferred
 from eval.runtimes.base import CachedRuntime, Runtime, check_ids
 from eval.runtimes.jax_runtime import JaxRuntime
 from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
 from eval.runtimes.transformers_runtime import TransformersRuntime
-from kiln.errors import Deferred
 
 __all__ = [
     "RUNTIMES",

@@ -16,8 +16,8 @@ from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
-from kiln.digest import sha256_json
-from kiln.errors import InvalidInput
+from core.digest import sha256_json
+from core.errors import InvalidInput
 
 
 @runtime_checkable

@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.errors import Deferred, InvalidInput, KilnError, StageFailed
 from eval.runtimes.base import check_ids
-from kiln.errors import Deferred, InvalidInput, KilnError, StageFailed
 
 ComputeDtype = Literal["float32", "bfloat16"]
 MIN_BUCKET = 16

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from core.errors import Deferred, InvalidInput, StageFailed
 from eval.runtimes.base import check_ids
-from kiln.errors import Deferred, InvalidInput, StageFailed
 
 
 class LlamaCppRuntime:

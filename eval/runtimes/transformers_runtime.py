@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.errors import Deferred, InvalidInput, StageFailed
 from eval.runtimes.base import check_ids
-from kiln.errors import Deferred, InvalidInput, StageFailed
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 

@@ -1,4 +1,10 @@
-"""The embedded executor: runs a stage graph on this machine, one stage at a time, reusing the cache."""
+"""The embedded executor: runs a stage graph on this machine, one stage at a time, reusing the cache.
+
+What a stage's libraries print (transformers and llm-compressor logs, progress bars, llama.cpp's C
+output, subprocesses) is captured at the file-descriptor level into the stage's `stage.log`, kept
+beside its `stage.json`; the terminal shows kiln's own lines. When a stage fails, its log is kept
+under `<work>/logs/` and the error names it and quotes its last lines.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from kiln.errors import Deferred, KilnError, StageFailed
-from pipeline.stage import Node, StageContext, StageOutput, WorkDir, provenance
+from core.errors import Deferred, KilnError, StageFailed
+from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, WorkDir, captured_output, log_tail, provenance
 
 Status = Literal["built", "cached", "ran", "deferred"]
 
@@ -50,20 +56,22 @@ class LocalExecutor:
         self.workdir.sweep_stale()
         outcomes: dict[str, NodeOutcome] = {}
         for node in nodes:
-            missing = [i for i in node.inputs if i not in outcomes]
+            missing = [i for i in node.inputs.values() if i not in outcomes]
             if missing:
                 raise KilnError(f"{node.id} runs before its inputs {missing}", code="GRAPH_ORDER")
-            blocked = [i for i in node.inputs if outcomes[i].status == "deferred"]
+            blocked = [i for i in node.inputs.values() if outcomes[i].status == "deferred"]
             if blocked:
                 outcomes[node.id] = NodeOutcome(node, "deferred", reason=f"waits on {', '.join(blocked)}")
                 self.reporter.finish(outcomes[node.id])
                 continue
-            outcomes[node.id] = self._run_one(node, {i: outcomes[i].output for i in node.inputs})  # type: ignore[misc]
+            inputs = {role: outcomes[i].output for role, i in node.inputs.items()}
+            outcomes[node.id] = self._run_one(node, inputs)  # type: ignore[arg-type]  # none deferred: all have output
             self.reporter.finish(outcomes[node.id])
         return outcomes
 
     def _run_one(self, node: Node, inputs: dict[str, StageOutput]) -> NodeOutcome:
-        key = node.cache_key({nid: out.digest for nid, out in inputs.items()})
+        """Run `node` (its `inputs` by role) unless its output is in the cache."""
+        key = node.cache_key({out.node_id: out.digest for out in inputs.values()})
         cached = self.workdir.lookup(node, key)
         if cached is not None:
             return NodeOutcome(node, "cached", key, cached)
@@ -72,19 +80,29 @@ class LocalExecutor:
         tmp = self.workdir.new_temp(node.stage.name, key)
         ctx = StageContext(node=node, out_dir=tmp / "files", inputs=inputs, progress=self.reporter.progress)
         try:
-            result = node.stage.run(ctx)
+            with captured_output(tmp / LOG_FILE):
+                result = node.stage.run(ctx)
+            if (tmp / LOG_FILE).stat().st_size == 0:
+                (tmp / LOG_FILE).unlink()  # nothing printed: no log
         except Deferred as e:
             self.workdir.discard(tmp)
             return NodeOutcome(node, "deferred", key, reason=e.message, details=e.details)
         except KilnError as e:
+            log = self.workdir.keep_log(node, tmp)
             self.workdir.discard(tmp)
             e.details.setdefault("stage", node.id)
+            if log is not None:
+                e.details.update(log=str(log), log_tail=log_tail(log))
             raise
         except BaseException as e:
+            log = self.workdir.keep_log(node, tmp)
             self.workdir.discard(tmp)
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details={"stage": node.id}) from e
+            details: dict[str, object] = {"stage": node.id}
+            if log is not None:
+                details.update(log=str(log), log_tail=log_tail(log))
+            raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
         prov = provenance(node, key, inputs, started)
         if not node.stage.cacheable:
             self.workdir.discard(tmp)

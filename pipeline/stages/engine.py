@@ -18,9 +18,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import Deferred, StageFailed
+from core.errors import Deferred, StageFailed
+from core.hardware import PROFILES
+from pipeline.records import ArtifactRecord
 from pipeline.stage import Node, Stage, StageContext
-from targets.hardware import PROFILES
 from targets.trtllm.engines import CHECKPOINT_DIR, ENGINE_DIR, missing_for, runner
 from targets.trtllm.formats import FORMATS
 
@@ -43,22 +44,22 @@ def deferral(node: Node) -> dict[str, Any] | None:
     }
 
 
-def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[str]) -> dict[str, Any]:
-    """The engine artifact's record, in the export stage's shape so `publish.manifest_for` reads it.
+def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[str]) -> ArtifactRecord:
+    """The engine's record: an ArtifactRecord, like an export's, so it is published the same way.
 
     Its hardware is the SKU alone: an engine is tied to the GPU architecture and TensorRT version.
     """
     sku = params["sku"]
     hw = PROFILES[sku]
     why = f"engine built for {sku} ({hw.arch}) with TensorRT {versions['tensorrt']}; engines run on that SKU only"
-    return {
-        "artifact": params["artifact"],
-        "target": "trtllm",
-        "format": FORMAT,
-        "quant": params["quant"],
-        "hardware": [sku],
-        "unsupported": {name: why for name in PROFILES if name != sku},
-        "runtime": {
+    return ArtifactRecord(
+        artifact=params["artifact"],
+        target="trtllm",
+        format=FORMAT,
+        quant=params["quant"],
+        hardware=[sku],
+        unsupported={name: why for name in PROFILES if name != sku},
+        runtime={
             "loaders": {"tensorrt_llm": f"=={versions['tensorrt_llm']} (TensorRT backend)"},
             "sku": sku,
             "compute_capability": hw.compute_capability,
@@ -67,9 +68,9 @@ def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[
             "limits": params["limits"],
             "quant_algo": FORMATS[params["quant"]].quant_algo,
         },
-        "runtime_name": "tensorrt_llm",
-        "details": {"command": params["command"], "files": files},
-    }
+        runtime_name="tensorrt_llm",
+        details={"command": params["command"], "files": files},
+    )
 
 
 def convert_checkpoint(hf_dir: Path, checkpoint_dir: Path, quant: str) -> None:
@@ -84,7 +85,7 @@ def convert_checkpoint(hf_dir: Path, checkpoint_dir: Path, quant: str) -> None:
     model.save_checkpoint(str(checkpoint_dir), save_config=True)
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def run(ctx: StageContext) -> ArtifactRecord:
     p = ctx.node.params
     needs = deferral(ctx.node)
     if needs is not None:
@@ -114,8 +115,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 STAGE = Stage(
     "engine",
-    "1",
+    "2",
     run,
+    ArtifactRecord,
     "build a TensorRT engine for one trtllm checkpoint on one GPU SKU (trtllm-build)",
     resources={"CPU": 1, "GPU": 1},
     deferral=deferral,

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from eval.gates import Gate
+from eval.report import EvalReport
+from eval.run import evaluate_artifact
+from pipeline.records import ArtifactRecord
 from pipeline.stage import Stage, StageContext
 from pipeline.stages.reference import stored_reference, stored_text
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    from eval.gates import Gate
-    from eval.run import evaluate_artifact
-
+def run(ctx: StageContext) -> EvalReport:
     export = ctx.input("export")
     text = stored_text(ctx.input("reference"), ctx.input("ingest"))
-    runtime = export.result["runtime_name"]
+    runtime = export.record(ArtifactRecord).runtime_name
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
     report = evaluate_artifact(
         stored_reference(ctx.input("reference")), runtime, artifact, text, Gate(**ctx.node.params["gate"])
     )
-    return report.model_dump(mode="json")
+    return report
 
 
-STAGE = Stage("eval", "1", run, "compare one artifact, in its own runtime, with the reference")
+STAGE = Stage("eval", "2", run, EvalReport, "compare one artifact, in its own runtime, with the reference")

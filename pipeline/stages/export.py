@@ -6,21 +6,21 @@ output; every other export reads only the ingested source.
 
 from __future__ import annotations
 
-from typing import Any
-
+from pipeline.records import ArtifactRecord, PreparedRecord
 from pipeline.stage import Stage, StageContext
 from pipeline.stages.ingest import open_ingested
 from targets.base import ExportRequest, get_target
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def run(ctx: StageContext) -> ArtifactRecord:
     p = ctx.node.params
     spec = get_target(p["target"])
     quantized = None
     if p["quant"] in spec.quantized_input:
         from pipeline.stages.quantize import open_output
 
-        quantized = open_output(ctx.input("quantize"))
+        quantized = open_output(ctx.input("quantized"))
+    prepared = ctx.record("prepared", PreparedRecord).data if "prepared" in ctx.inputs else None
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
     try:
@@ -33,6 +33,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 model_name=p["model"],
                 on_progress=lambda n: ctx.progress(n, total),
                 quantized=quantized,
+                prepared=prepared,
             ),
         )
     finally:
@@ -50,17 +51,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for hw, v in verdicts.items()
         if hw not in hardware
     }
-    return {
-        "artifact": p["artifact"],
-        "target": spec.name,
-        "format": spec.format,
-        "quant": p["quant"],
-        "hardware": hardware,
-        "unsupported": unsupported,
-        "runtime": result.runtime,
-        "runtime_name": result.eval_runtime or spec.runtime,
-        "details": result.details,
-    }
+    return ArtifactRecord(
+        artifact=p["artifact"],
+        target=spec.name,
+        format=spec.format,
+        quant=p["quant"],
+        hardware=hardware,
+        unsupported=unsupported,
+        runtime=result.runtime,
+        runtime_name=result.eval_runtime or spec.runtime,
+        details=result.details,
+    )
 
 
-STAGE = Stage("export", "4", run, "write one target's artifact for one quant")
+STAGE = Stage("export", "5", run, ArtifactRecord, "write one target's artifact for one quant")

@@ -1,79 +1,87 @@
 """Publish stage: upload an artifact's blobs, its manifest and its eval result to a registry.
 
+Each publish stage opens the release (the same open release for all of them: its content, the
+planned artifacts included, is identical) and adds its artifact; the seal stage then seals it.
 Runs every time (the registry is outside the work dir); the registry makes it idempotent:
 blobs already present are skipped, an identical manifest or eval is accepted as is.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from kiln import __version__
-from kiln.manifest import ArtifactManifest
+from core import __version__
+from core.manifest import ArtifactManifest
+from eval.report import EvalReport
+from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
 from pipeline.stage import Stage, StageContext, StageOutput
+from registry.client import RegistryClient
 
 
-def manifest_for(export: StageOutput) -> ArtifactManifest:
-    r = export.result
+def manifest_for(artifact: StageOutput) -> ArtifactManifest:
+    """The manifest of an artifact-making stage's output (an export, or a target's derived stage)."""
+    r = artifact.record(ArtifactRecord)
     return ArtifactManifest(
-        name=r["artifact"],
-        target=r["target"],
-        format=r["format"],
-        quant=r["quant"],
-        hardware=r["hardware"],
-        unsupported=r.get("unsupported", {}),
-        runtime=r["runtime"],
-        files=export.files,
-        provenance={**export.provenance, "details": r.get("details", {})},
+        name=r.artifact,
+        target=r.target,
+        format=r.format,
+        quant=r.quant,
+        hardware=r.hardware,
+        unsupported=r.unsupported,
+        runtime=r.runtime,
+        files=artifact.files,
+        provenance={**artifact.provenance, "details": r.details},
     )
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    from registry.client import RegistryClient
-
+def run(ctx: StageContext) -> PublishRecord:
     p = ctx.node.params
-    stages = {node_id.split("/", 1)[0] for node_id in ctx.inputs}
-    # An engine (stage "engine") is published like an export; kiln has no eval of its own for it.
-    ingest, export = ctx.input("ingest"), ctx.input("engine" if "engine" in stages else "export")
-    evaluation = ctx.input("eval") if "eval" in stages else None
-    manifest = manifest_for(export)
+    ingest = ctx.record("ingest", IngestRecord)
+    artifact = ctx.input("artifact")
+    record = artifact.record(ArtifactRecord)
+    manifest = manifest_for(artifact)
+    # An artifact without an eval stage (an engine built on a GPU runner) is published as not evaluated here.
+    report = (
+        ctx.record("eval", EvalReport)
+        if "eval" in ctx.inputs
+        else EvalReport.not_evaluated(
+            record.runtime_name,
+            f"kiln does not evaluate {record.format} artifacts yet; this one runs under {record.runtime_name} "
+            f"on {', '.join(record.hardware)} only",
+        )
+    )
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
         client.ensure_model(p["model"], p["description"])
         client.create_release(
             p["model"],
             p["version"],
-            source_digest=ingest.result["source_digest"],
-            lineage={"source_files": ingest.result["source_files"], "built_by": f"kiln {__version__}"},
-            model_config=ingest.result["shape"],
+            source_digest=ingest.source_digest,
+            planned_artifacts=p["planned"],
+            lineage={"source_files": [f.model_dump() for f in ingest.source_files], "built_by": f"kiln {__version__}"},
+            model_config=ingest.shape,
         )
         total = manifest.total_size
-        for f in export.files:
-            client.upload_blob(export.files_dir / f.path, f.sha256)
+        for f in artifact.files:
+            client.upload_blob(artifact.files_dir / f.path, f.sha256)
             ctx.progress(f.size, total)
         client.publish_artifact(p["model"], p["version"], manifest)
-        report = evaluation.result if evaluation is not None else _engine_not_evaluated(export)
         client.post_eval(
             p["model"],
             p["version"],
             manifest.name,
             # A not_evaluated report names the runtime it needs instead of one that ran.
-            runtime=report["runtime"] or report["runtime_needed"],
-            status=report["status"],
-            metrics=report.get("metrics") or {},
-            gates=report.get("gate") or {},
-            reason="; ".join(report.get("failures") or []) or report.get("reason"),
+            runtime=report.runtime or report.runtime_needed or record.runtime_name,
+            status=report.status,
+            metrics=report.metrics.model_dump(mode="json") if report.metrics is not None else {},
+            gates=report.gate.model_dump(mode="json") if report.gate is not None else {},
+            reason="; ".join(report.failures) or report.reason,
         )
-    return {"artifact": manifest.name, "manifest_digest": manifest.content_digest()}
+    return PublishRecord(artifact=manifest.name, manifest_digest=manifest.content_digest())
 
 
-def _engine_not_evaluated(engine: StageOutput) -> dict[str, Any]:
-    sku = engine.result["hardware"][0]
-    return {
-        "runtime": None,
-        "runtime_needed": "tensorrt_llm",
-        "status": "not_evaluated",
-        "reason": f"kiln does not evaluate engines yet; this one runs under tensorrt_llm on {sku} only",
-    }
-
-
-STAGE = Stage("publish", "1", run, "upload blobs, manifest and eval result to the registry", cacheable=False)
+STAGE = Stage(
+    "publish",
+    "2",
+    run,
+    PublishRecord,
+    "upload blobs, manifest and eval result to the registry",
+    cacheable=False,
+)

@@ -1,8 +1,9 @@
 """Quantize stage: one scheme's quantized weights, computed once and shared by every target that ships them.
 
-Input: the ingested source. Output: `pipeline.quantize.store` (the quantized Linear tensors in
-compressed-tensors' layout and the `quantization_config`). Exports of that scheme (hf-bundle today,
-TensorRT-LLM checkpoints later) take it as an input instead of quantizing again.
+Input: the ingested source. Output: `quant.store` (the quantized Linear tensors in
+compressed-tensors' layout and the `quantization_config`), described by a `QuantizeRecord`. Every
+export of that scheme (the targets listing it in `quantized_input`: hf-bundle, rocm-bundle, trtllm,
+orbax's int8) takes it as its `quantized` input instead of quantizing again.
 
 Calibrated schemes (GPTQ, AWQ) also take the calibration text (`args["calibration_text"]`, its
 digest in the key) and `params["calibration"]` = {samples, seq_len, skip_tokens}.
@@ -11,18 +12,19 @@ digest in the key) and `params["calibration"]` = {samples, seq_len, skip_tokens}
 from __future__ import annotations
 
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pipeline.records import QuantizeRecord
 from pipeline.stage import Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
-from targets.schemes import Scheme, get_scheme
+from quant.schemes import Scheme, get_scheme
 
 if TYPE_CHECKING:
-    from pipeline.quantize.store import QuantizedWeights
+    from quant.store import QuantizedWeights
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    from pipeline.quantize.store import write_quantized
+def run(ctx: StageContext) -> QuantizeRecord:
+    from quant.store import write_quantized
 
     scheme = Scheme.model_validate(ctx.node.params["scheme"])
     if scheme != get_scheme(scheme.name):
@@ -33,7 +35,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if scheme.calibrated:
         from pathlib import Path
 
-        from pipeline.quantize.calibrated import calibrate, calibration_samples
+        from quant.calibrated import calibrate, calibration_samples
 
         cal = ctx.node.params["calibration"]
         text = Path(ctx.node.args["calibration_text"]).read_text(encoding="utf-8")
@@ -44,7 +46,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # killed run leaves them inside the work dir's `.tmp-*` (never mistaken for done), not in /tmp.
         offload = ctx.out_dir.parent / "calibration-offload"
         offload.mkdir()
-        calibrated = calibrate(source, scheme, samples, offload_dir=offload)
+        calibrated = calibrate(source, scheme, samples, offload_dir=offload, compute_dtype=cal["compute_dtype"])
     try:
         result = write_quantized(
             source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total), calibrated=calibrated
@@ -53,15 +55,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if calibrated is not None:
             del calibrated
             shutil.rmtree(offload, ignore_errors=True)
-    if scheme.calibrated:
-        result["calibration"] = ctx.node.params["calibration"]
-    return result
+    return QuantizeRecord(**result, calibration=ctx.node.params["calibration"] if scheme.calibrated else None)
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:
-    from pipeline.quantize.store import open_quantized
+    from quant.store import open_quantized
 
-    return open_quantized(output.files_dir, output.result["scheme"]["name"])
+    return open_quantized(output.files_dir, output.record(QuantizeRecord).scheme_name)
 
 
-STAGE = Stage("quantize", "2", run, "quantize the Linear weights once per scheme (compressed-tensors layout)")
+STAGE = Stage(
+    "quantize", "3", run, QuantizeRecord, "quantize the Linear weights once per scheme (compressed-tensors layout)"
+)

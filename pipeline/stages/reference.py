@@ -8,47 +8,41 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.errors import KilnError
+from core.errors import KilnError
+from eval.runtimes import CachedRuntime, TransformersRuntime
+from eval.text import EvalText, load_text
+from pipeline.records import IngestRecord, ReferenceParams, ReferenceRecord
 from pipeline.stage import Stage, StageContext, StageOutput
-
-if TYPE_CHECKING:
-    from eval.runtimes import CachedRuntime
-    from eval.text import EvalText
 
 TEXT_FILE = "heldout.txt"
 
 
-def eval_text(ingest: StageOutput, text_path: Path, params: dict[str, Any]) -> EvalText:
+def eval_text(ingest: StageOutput, text_path: Path, params: ReferenceParams) -> EvalText:
     """The token windows and prompts every runtime is given, from the source's own tokenizer."""
-    from eval.text import load_text
-
     return load_text(
         ingest.files_dir,
         text_path,
-        window=params["window"],
-        max_tokens=params["max_tokens"],
-        prompts=params["greedy_prompts"],
-        greedy_tokens=params["greedy_tokens"],
+        window=params.window,
+        max_tokens=params.max_tokens,
+        prompts=params.greedy_prompts,
+        greedy_tokens=params.greedy_tokens,
     )
 
 
 def stored_text(reference: StageOutput, ingest: StageOutput) -> EvalText:
-    return eval_text(ingest, reference.files_dir / TEXT_FILE, reference.result["params"])
+    return eval_text(ingest, reference.files_dir / TEXT_FILE, reference.record(ReferenceRecord).params)
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    from eval.runtimes import CachedRuntime, TransformersRuntime
-
+def run(ctx: StageContext) -> ReferenceRecord:
     ingest = ctx.input("ingest")
+    source_digest = ingest.record(IngestRecord).source_digest
+    params = ReferenceParams.model_validate(ctx.node.params)
     shutil.copyfile(ctx.node.args["text"], ctx.out_dir / TEXT_FILE)
-    text = eval_text(ingest, ctx.out_dir / TEXT_FILE, ctx.node.params)
-    reference = CachedRuntime(
-        TransformersRuntime(ingest.files_dir), ctx.out_dir, identity=ingest.result["source_digest"]
-    )
+    text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
+    reference = CachedRuntime(TransformersRuntime(ingest.files_dir), ctx.out_dir, identity=source_digest)
     try:
         for window in text.windows:
             reference.logits(window)
@@ -57,15 +51,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
             reference.greedy(prompt, text.greedy_tokens)
     finally:
         reference.close()
-    return {
-        "runtime": reference.name,
-        "version": reference.version,
-        "source_digest": ingest.result["source_digest"],
-        "text_digest": text.digest,
-        "params": ctx.node.params,
-        "windows": len(text.windows),
-        "tokens": text.tokens,
-    }
+    return ReferenceRecord(
+        runtime=reference.name,
+        version=reference.version,
+        source_digest=source_digest,
+        text_digest=text.digest,
+        params=params,
+        windows=len(text.windows),
+        tokens=text.tokens,
+    )
 
 
 class StoredReference:
@@ -76,11 +70,11 @@ class StoredReference:
 
     @property
     def name(self) -> str:
-        return str(self.output.result["runtime"])
+        return self.output.record(ReferenceRecord).runtime
 
     @property
     def version(self) -> str:
-        return str(self.output.result["version"])
+        return self.output.record(ReferenceRecord).version
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         raise KilnError("reference logits for these token ids were not recorded", code="REFERENCE_MISSING")
@@ -93,9 +87,10 @@ class StoredReference:
 
 
 def stored_reference(output: StageOutput) -> CachedRuntime:
-    from eval.runtimes import CachedRuntime
+    identity = output.record(ReferenceRecord).source_digest
+    return CachedRuntime(StoredReference(output), output.files_dir, identity=identity)
 
-    return CachedRuntime(StoredReference(output), output.files_dir, identity=output.result["source_digest"])
 
-
-STAGE = Stage("reference", "1", run, "reference logits of the source model (transformers, float32, CPU)")
+STAGE = Stage(
+    "reference", "2", run, ReferenceRecord, "reference logits of the source model (transformers, float32, CPU)"
+)

@@ -16,13 +16,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
+from core.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
 
 RETRY_AFTER_S = 5
 # Codes whose status differs from their class's. Looked up first.
 STATUS_BY_CODE: dict[str, int] = {
     "INVALID_REVISION": 400,
     "CHANNEL_RELEASE_YANKED": 410,
+    "RELEASE_NOT_SERVED": 410,
     "PAYLOAD_TOO_LARGE": 413,
     "RANGE_NOT_SATISFIABLE": 416,
 }
@@ -56,8 +57,20 @@ def http_status(error: KilnError) -> int:
     return 500
 
 
+def _printable(value: Any) -> Any:
+    """`value` with every string made encodable: an error may quote input holding unpaired surrogates."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    return value
+
+
 def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message, "details": jsonable_encoder(details or {})}}
+    body = {"code": code, "message": message, "details": jsonable_encoder(details or {})}
+    return {"error": _printable(body)}
 
 
 def error_response(error: KilnError) -> JSONResponse:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from kiln.errors import KilnError, Unavailable
+from core.errors import KilnError, Unavailable
 from registry.api.errors import error_responses
 from registry.deps import BlobStoreDep, SessionDep
 

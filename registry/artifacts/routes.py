@@ -7,14 +7,14 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
-from kiln.manifest import ArtifactManifest
+from core.manifest import ArtifactManifest
 from registry.api.errors import error_responses
 from registry.api.params import ArtifactName, ModelName, Version
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts import service
 from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut, FileOut
 from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
+from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
@@ -51,10 +51,11 @@ def publish_artifact(
     manifest: ArtifactManifest,
     request: Request,
     response: Response,
-    session: SessionDep,
+    session: WriteSessionDep,
     settings: SettingsDep,
 ) -> ArtifactDetail:
     _row, created = service.publish_artifact(session, model, version, manifest)
+    session.commit()
     if created:
         request.app.state.metrics.publishes.labels(manifest.target).inc()
     else:
@@ -82,7 +83,7 @@ FILE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/octet-stream": {}}, "description": "the file"},
     206: {"description": "the requested byte range"},
     304: {"description": "not modified"},
-    **error_responses(404, 416, 422),
+    **error_responses(404, 409, 410, 416, 422),
 }
 
 
@@ -119,9 +120,15 @@ def download_file(
     responses={200: {"model": EvalOut, "description": "an identical result existed"}, **error_responses(404, 409, 422)},
 )
 def post_eval(
-    model: ModelName, version: Version, name: ArtifactName, spec: EvalCreate, session: SessionDep, response: Response
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    spec: EvalCreate,
+    session: WriteSessionDep,
+    response: Response,
 ) -> EvalOut:
     row, created = service.post_eval(session, model, version, name, spec)
+    session.commit()
     if not created:
         response.status_code = 200
     return EvalOut.from_row(row)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.manifest import ArtifactManifest
+from core.manifest import ArtifactManifest
 from registry.artifacts.models import Artifact, EvalResult, EvalStatus, eval_status
 
 RUNTIME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,63}$"

@@ -8,15 +8,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
-from kiln.errors import Conflict, InvalidInput, NotFound
-from kiln.manifest import ArtifactManifest, FileEntry, check_relative_path
+from core.errors import Conflict, InvalidInput, NotFound
+from core.manifest import ArtifactManifest, FileEntry, check_relative_path
 from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
 from registry.artifacts.schemas import EvalCreate
 from registry.blobs.models import Blob
 from registry.db import insert_once
 from registry.models.models import Model
 from registry.releases.models import Release
-from registry.releases.service import get_release
+from registry.releases.service import check_open, check_served, get_release, lock_release
 
 WITH_FILES_AND_EVALS = (selectinload(Artifact.files), selectinload(Artifact.evals))
 
@@ -94,7 +94,12 @@ def _check_blobs(session: Session, manifest: ArtifactManifest) -> None:
 
 
 def publish_artifact(session: Session, model: str, version: str, manifest: ArtifactManifest) -> tuple[Artifact, bool]:
-    """Record an artifact whose blobs are all stored. Same content again: no-op; different: Conflict."""
+    """Record an artifact of an open release whose blobs are all stored.
+
+    Same content again: no-op (also once sealed, so a re-run of a publish is harmless); different
+    content: Conflict; a new artifact for a sealed, abandoned or yanked release, or one the release
+    did not plan: Conflict.
+    """
     digest = manifest.content_digest()
 
     def same(existing: Artifact) -> Artifact:
@@ -110,10 +115,19 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
             )
         return existing
 
-    release = get_release(session, model, version)
+    # Shared: publishers add artifacts side by side; sealing waits for them, and they for it.
+    release = lock_release(session, model, version, shared=True)
     existing = find_artifact(session, model, version, manifest.name)
     if existing is not None:
         return same(existing), False
+    check_open(release, model, f"publish artifact {manifest.name!r}")
+    if manifest.name not in release.planned_artifacts:
+        raise Conflict(
+            f"release {model}@{version} did not plan an artifact {manifest.name!r}; "
+            f"planned: {', '.join(release.planned_artifacts)}",
+            code="ARTIFACT_NOT_PLANNED",
+            details={"artifact": manifest.name, "planned": release.planned_artifacts},
+        )
     _check_blobs(session, manifest)
     artifact = Artifact(
         release_id=release.id,
@@ -141,7 +155,11 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
 
 
 def get_artifact_file(session: Session, model: str, version: str, name: str, path: str) -> ArtifactFile:
-    """The file `path` of an artifact; a path that could escape the artifact is InvalidInput."""
+    """The file `path` of an artifact of a served (sealed, not yanked) release.
+
+    A path that could escape the artifact is InvalidInput; an open, abandoned or yanked release
+    serves no file (RELEASE_NOT_SEALED, RELEASE_NOT_SERVED).
+    """
     try:
         check_relative_path(path)
     except ValueError as exc:
@@ -154,6 +172,7 @@ def get_artifact_file(session: Session, model: str, version: str, name: str, pat
         .where(Model.name == model, Release.version == version, Artifact.name == name, ArtifactFile.path == path)
     )
     row = session.scalars(query).one_or_none()
+    check_served(get_release(session, model, version), model)
     if row is None:
         get_artifact(session, model, version, name)
         raise NotFound(
@@ -169,7 +188,11 @@ def _find_eval(session: Session, artifact_id: int, runtime: str) -> EvalResult |
 
 
 def post_eval(session: Session, model: str, version: str, name: str, spec: EvalCreate) -> tuple[EvalResult, bool]:
-    """Record one runtime's eval of an artifact. Same result again: no-op; a different one: Conflict."""
+    """Record one runtime's eval of an artifact. Same result again: no-op; a different one: Conflict.
+
+    Evals may arrive after sealing (a GPU runner's, later); a channel serving the release judges
+    it by the evals it was promoted with until it is promoted again.
+    """
 
     def same(existing: EvalResult) -> EvalResult:
         stored = (existing.status, existing.metrics, existing.gates, existing.reason)
@@ -181,6 +204,11 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
             )
         return existing
 
+    # Shared with other publishers; a promotion (exclusive) reads the newest eval id only after
+    # every eval insert that started before it has committed.
+    release = lock_release(session, model, version, shared=True)
+    if release.status == "abandoned":
+        check_open(release, model, f"evaluate {name!r}")
     artifact_id = session.scalars(_artifact_query(model, version, name).with_only_columns(Artifact.id)).first()
     if artifact_id is None:
         get_artifact(session, model, version, name)  # raises the precise NotFound

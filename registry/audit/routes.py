@@ -9,14 +9,15 @@ from fastapi import APIRouter, Query
 from registry.api.params import MODEL_NAME_PATTERN
 from registry.audit import service
 from registry.audit.schemas import AuditEventOut
-from registry.deps import SessionDep
+from registry.deps import PrincipalDep, SessionDep
 
 router = APIRouter(prefix="/v1", tags=["audit"])
 
 
-@router.get("/audit", summary="Audit events, newest first")
+@router.get("/audit", summary="Audit events about the models the caller may read, newest first")
 def list_audit_events(
     session: SessionDep,
+    principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[AuditEventOut]:
@@ -31,5 +32,5 @@ def list_audit_events(
             reason=e.reason,
             at=e.at,
         )
-        for e in service.list_events(session, model, limit)
+        for e in service.list_events(session, principal, model, limit)
     ]

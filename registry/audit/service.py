@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from registry.audit.models import AuditEvent
+from registry.auth.principal import Principal
 
 ANONYMOUS = "anonymous"
 
@@ -30,8 +31,22 @@ def record(
     return event
 
 
-def list_events(session: Session, model: str | None = None, limit: int = 100) -> list[AuditEvent]:
-    query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+def list_events(session: Session, reader: Principal, model: str | None = None, limit: int = 100) -> list[AuditEvent]:
+    """The newest `limit` events `reader` may see: about models its token covers (a token limited to
+    model patterns sees no event that names no model, such as token changes)."""
+    query = select(AuditEvent).order_by(AuditEvent.id.desc())
     if model is not None:
         query = query.where(AuditEvent.model == model)
-    return list(session.scalars(query))
+    if not reader.models:
+        return list(session.scalars(query.limit(limit)))
+    # Patterns are fnmatch's, which SQL cannot express everywhere: filter here, a page at a time.
+    seen: list[AuditEvent] = []
+    before: int | None = None
+    while len(seen) < limit:
+        page_query = query if before is None else query.where(AuditEvent.id < before)
+        page = list(session.scalars(page_query.limit(max(limit, 200))))
+        if not page:
+            break
+        seen += [e for e in page if e.model is not None and reader.allows_model(e.model)]
+        before = page[-1].id
+    return seen[:limit]

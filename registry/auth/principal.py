@@ -12,7 +12,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Literal
 
-from kiln.errors import Forbidden, Unauthorized
+from core.errors import Forbidden, Unauthorized
 
 Scope = Literal["read", "publish", "promote", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "publish", "promote", "admin")
@@ -40,6 +40,27 @@ class Principal:
     def allows_model(self, model: str) -> bool:
         return not self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
 
+    def covers_patterns(self, models: list[str] | tuple[str, ...]) -> bool:
+        """True when this principal's model limit contains `models` (a token's patterns; empty: all)."""
+        if not self.models:
+            return True
+        return bool(models) and all(any(pattern_within(p, own) for own in self.models) for p in models)
+
+    def check_grant(self, scopes: list[str], models: list[str]) -> None:
+        """Forbidden unless a token with `scopes` and `models` grants nothing this principal lacks."""
+        beyond = [s for s in scopes if s not in SCOPES or not self.has(s)]  # type: ignore[arg-type]
+        if beyond:
+            raise Forbidden(
+                f"token {self.name!r} cannot grant scopes it does not have: {', '.join(beyond)}",
+                details={"scopes": beyond, "token": self.name},
+            )
+        if not self.covers_patterns(models):
+            wanted = ", ".join(models) if models else "all models"
+            raise Forbidden(
+                f"token {self.name!r} is limited to {', '.join(self.models)} and cannot grant {wanted}",
+                details={"models": models, "limited_to": list(self.models), "token": self.name},
+            )
+
     def require(self, scope: Scope, model: str | None = None) -> None:
         """Raise 401 (no token) or 403 (token lacks the scope or the model) unless allowed."""
         if not self.has(scope):
@@ -57,6 +78,24 @@ class Principal:
                 f"token {self.name!r} may not act on model {model!r} (limited to: {', '.join(self.models)})",
                 details={"model": model, "token": self.name},
             )
+
+
+_WILDCARDS = frozenset("*?[")
+
+
+def pattern_within(pattern: str, outer: str) -> bool:
+    """True when every model name `pattern` matches is also matched by `outer` (a sufficient check).
+
+    Holds for the same pattern, a literal name `outer` matches, and a pattern starting with the
+    literal prefix of a prefix pattern (`llama-3*` within `llama-*`). Anything else is refused:
+    wildcard containment in general is not something to guess at in an access check.
+    """
+    if pattern == outer:
+        return True
+    if not _WILDCARDS & set(pattern):
+        return fnmatch.fnmatchcase(pattern, outer)
+    prefix = outer[:-1]
+    return outer.endswith("*") and not _WILDCARDS & set(prefix) and pattern.startswith(prefix)
 
 
 ANONYMOUS_READER = Principal("anonymous", frozenset({"read"}), authenticated=False)

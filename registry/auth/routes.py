@@ -7,17 +7,18 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 
 from registry.api.errors import error_responses
+from registry.api.params import RowId
 from registry.auth import service
 from registry.auth.principal import Principal
 from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
-from registry.deps import SessionDep, require
+from registry.deps import SessionDep, WriteSessionDep, require
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
 Admin = Annotated[Principal, require("admin")]
 
 
 @router.post("/tokens", status_code=201, summary="Create an API token (its secret is returned once)")
-def create_token(spec: TokenCreate, session: SessionDep, principal: Admin) -> TokenCreated:
+def create_token(spec: TokenCreate, session: WriteSessionDep, principal: Admin) -> TokenCreated:
     token, secret = service.create_token(session, spec.name, list(spec.scopes), spec.models, principal)
     session.commit()
     return TokenCreated(**TokenOut.from_row(token).model_dump(), token=secret)
@@ -25,13 +26,13 @@ def create_token(spec: TokenCreate, session: SessionDep, principal: Admin) -> To
 
 @router.get("/tokens", summary="List API tokens (never their secrets)")
 def list_tokens(session: SessionDep, principal: Admin) -> list[TokenOut]:
-    return [TokenOut.from_row(t) for t in service.list_tokens(session)]
+    return [TokenOut.from_row(t) for t in service.list_tokens(session, principal)]
 
 
 @router.post("/tokens/{token_id}/revoke", summary="Revoke an API token", responses=error_responses(404))
 def revoke_token(
-    token_id: int,
-    session: SessionDep,
+    token_id: RowId,
+    session: WriteSessionDep,
     request: Request,
     principal: Admin,
     body: TokenRevoke | None = None,

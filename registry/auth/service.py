@@ -9,7 +9,7 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kiln.errors import InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
 from registry.audit import service as audit
 from registry.auth.models import Token
 from registry.auth.principal import SCOPES, Principal, Scope
@@ -27,15 +27,19 @@ def hash_token(secret: str) -> str:
 def create_token(
     session: Session, name: str, scopes: list[str], models: list[str], actor: Principal
 ) -> tuple[Token, str]:
-    """A new token and its secret (shown once; only its hash is stored). Audited."""
+    """A new token and its secret (shown once; only its hash is stored). Audited.
+
+    `actor` may grant only what it holds: its scopes, within its model patterns (Forbidden otherwise).
+    """
     unknown = [s for s in scopes if s not in SCOPES]
     if not scopes or unknown:
         raise InvalidInput(
             f"scopes must be some of {', '.join(SCOPES)}; got {scopes}", code="INVALID_SCOPE", details={"known": SCOPES}
         )
-    bad = [p for p in models if not _PATTERN.match(p)]
+    bad = [p for p in models if not _PATTERN.fullmatch(p)]
     if bad:
         raise InvalidInput(f"model patterns must be lowercase names with * ? [ ]; got {bad}", code="INVALID_PATTERN")
+    actor.check_grant(scopes, models)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = Token(
         name=name,
@@ -57,13 +61,15 @@ def create_token(
     return token, secret
 
 
-def list_tokens(session: Session) -> list[Token]:
-    return list(session.scalars(select(Token).order_by(Token.id)))
+def list_tokens(session: Session, actor: Principal) -> list[Token]:
+    """The tokens `actor` may see: those within its model patterns (all of them for an unlimited admin)."""
+    return [t for t in session.scalars(select(Token).order_by(Token.id)) if actor.covers_patterns(t.models)]
 
 
 def revoke_token(session: Session, token_id: int, actor: Principal, reason: str | None = None) -> Token:
+    """Revoke a token within `actor`'s model patterns (one outside them is NotFound, as if absent)."""
     token = session.get(Token, token_id)
-    if token is None:
+    if token is None or not actor.covers_patterns(token.models):
         raise NotFound(f"token {token_id} not found", details={"token": token_id})
     if token.revoked_at is None:
         token.revoked_at = utcnow()
@@ -80,7 +86,7 @@ def revoke_token(session: Session, token_id: int, actor: Principal, reason: str 
 
 def principal_for(session: Session, secret: str) -> Principal | None:
     """The principal a bearer secret stands for, or None if it is unknown, malformed or revoked."""
-    if not _TOKEN.match(secret):
+    if not _TOKEN.fullmatch(secret):
         return None
     token = session.scalars(select(Token).where(Token.token_hash == hash_token(secret))).one_or_none()
     if token is None or token.revoked_at is not None:

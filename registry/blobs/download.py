@@ -12,10 +12,18 @@ import re
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
 from registry.blobs.store import BlobStore
 
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+# A position with more digits than this is past any blob (and int() of thousands of digits is slow).
+_MAX_DIGITS = 18
+
+
+def _position(digits: str) -> int:
+    """A byte position from a Range header; absurdly long numbers become "past the end"."""
+    significant = digits.lstrip("0")
+    return 2**63 if len(significant) > _MAX_DIGITS else int(significant or "0")
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -27,19 +35,19 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """
     if header is None:
         return None
-    match = _RANGE.match(header.strip())
+    match = _RANGE.fullmatch(header.strip())
     if match is None:
         return None
     first_s, last_s = match.groups()
     if first_s == "" and last_s == "":
         return None
     if first_s == "":  # suffix: the last n bytes
-        n = int(last_s)
+        n = _position(last_s)
         if n == 0 or size == 0:
             raise _unsatisfiable(header, size)
         return max(0, size - n), size - 1
-    first = int(first_s)
-    last = size - 1 if last_s == "" else int(last_s)
+    first = _position(first_s)
+    last = size - 1 if last_s == "" else _position(last_s)
     if last_s != "" and last < first:
         return None  # syntactically invalid: ignore
     if first >= size:
@@ -49,9 +57,9 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
 
 def _unsatisfiable(header: str, size: int) -> InvalidInput:
     return InvalidInput(
-        f"range {header!r} is outside the {size}-byte content",
+        f"range {header[:100]!r} is outside the {size}-byte content",
         code="RANGE_NOT_SATISFIABLE",
-        details={"range": header, "size": size},
+        details={"range": header[:100], "size": size},
     )
 
 

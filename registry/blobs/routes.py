@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import anyio.from_thread
 import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput, KilnError
 from registry.api.errors import error_responses
 from registry.api.params import Sha256
 from registry.blobs import service
 from registry.blobs.download import blob_response
 from registry.blobs.schemas import BlobOut
 from registry.blobs.store import DEFAULT_CHUNK
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep, require
+from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["blobs"])
@@ -28,29 +30,56 @@ def _too_large(limit: int) -> InvalidInput:
     )
 
 
-def _blocking_chunks(stream: AsyncIterator[bytes], limit: int, block: int = DEFAULT_CHUNK) -> Iterator[bytes]:
-    """The request body as a blocking iterator for a worker thread, in blocks of about `block` bytes.
+# Blocks read ahead of the thread that hashes and writes them (the network and the disk work at once);
+# with the block being gathered and the one being written, an upload holds at most 4 blocks (32 MiB).
+READ_AHEAD_BLOCKS = 2
 
-    The server hands us ~64 KiB pieces; gathering them on the event loop side keeps the thread
-    hops (one per block) rare. Raises PAYLOAD_TOO_LARGE as soon as the body passes `limit`.
-    """
 
-    async def next_block() -> bytes | None:
+async def _read_blocks(
+    stream: AsyncIterator[bytes], blocks: MemoryObjectSendStream[bytes | KilnError], limit: int, block: int
+) -> None:
+    """Gather the request body's ~64 KiB pieces into blocks of about `block` bytes and send them on;
+    past `limit`, send PAYLOAD_TOO_LARGE instead and stop."""
+    async with blocks:
         parts: list[bytes] = []
-        size = 0
-        async for piece in stream:
-            parts.append(piece)
-            size += len(piece)
-            if size >= block:
-                break
-        return b"".join(parts) if parts else None
+        size = total = 0
+        try:
+            async for piece in stream:
+                parts.append(piece)
+                size += len(piece)
+                total += len(piece)
+                if total > limit:
+                    await blocks.send(_too_large(limit))
+                    return
+                if size >= block:
+                    await blocks.send(b"".join(parts))
+                    parts, size = [], 0
+            if parts:
+                await blocks.send(b"".join(parts))
+        except anyio.BrokenResourceError:
+            pass  # the writer stopped (a digest mismatch, a store error): it reports why
 
-    total = 0
-    while (data := anyio.from_thread.run(next_block)) is not None:
-        total += len(data)
-        if total > limit:
-            raise _too_large(limit)
-        yield data
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _blocking_chunks(blocks: MemoryObjectReceiveStream[bytes | KilnError]) -> Iterator[bytes]:
+    """The blocks `_read_blocks` sends, as a blocking iterator for the worker thread that stores them."""
+    try:
+        while True:
+            try:
+                data = anyio.from_thread.run(blocks.receive)
+            except anyio.EndOfStream:
+                return
+            if isinstance(data, KilnError):
+                raise data
+            yield data
+    finally:
+        anyio.from_thread.run(blocks.aclose)
 
 
 @router.put(
@@ -73,51 +102,59 @@ async def upload_blob(
     sha256: Sha256,
     request: Request,
     response: Response,
-    session: SessionDep,
+    session: WriteSessionDep,
     store: BlobStoreDep,
     settings: SettingsDep,
 ) -> BlobOut:
     limit = settings.max_upload_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise _too_large(limit)
     existing = await run_in_threadpool(service.confirm_stored, session, store, sha256)
+    await run_in_threadpool(session.commit)  # the touch: the blob is kept from collection from now on
     if existing is not None:
         async for _ in request.stream():  # read what was sent, so the connection stays usable
             pass
         response.status_code = 200
         return BlobOut(sha256=existing.sha256, size=existing.size, created_at=existing.created_at)
-    chunks = _blocking_chunks(request.stream(), limit)
-    row, created = await anyio.to_thread.run_sync(service.put_blob, session, store, sha256, chunks)
+    send, receive = anyio.create_memory_object_stream[bytes | KilnError](max_buffer_size=READ_AHEAD_BLOCKS)
+    try:
+        async with anyio.create_task_group() as reading:
+            reading.start_soon(_read_blocks, request.stream(), send, limit, DEFAULT_CHUNK)
+            row, created = await anyio.to_thread.run_sync(
+                service.put_blob, session, store, sha256, _blocking_chunks(receive)
+            )
+    except BaseExceptionGroup as group:  # the task group wraps what the store or the reader raised
+        raise _first(group) from None
+    await run_in_threadpool(session.commit)
     if not created:
         response.status_code = 200
     return BlobOut(sha256=row.sha256, size=row.size, created_at=row.created_at)
 
 
+BLOB_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "the blob"},
+    206: {"description": "the requested byte range"},
+    304: {"description": "not modified"},
+    **error_responses(404, 416),
+}
+
+
 @router.head(
     "/blobs/{sha256}",
-    summary="Is this blob stored? 200 with Content-Length, or 404",
+    summary="Is this blob stored (and readable by the caller)? Headers as for GET, Range and If-None-Match included",
     response_class=Response,
-    responses={200: {"description": "stored"}, 404: {"description": "not stored"}},
+    responses=BLOB_RESPONSES,
 )
-def blob_exists(sha256: Sha256, session: SessionDep, store: BlobStoreDep) -> Response:
-    row = service.get_blob(session, store, sha256)
-    return Response(
-        status_code=200,
-        headers={"Content-Length": str(row.size), "ETag": f'"{row.sha256}"', "Accept-Ranges": "bytes"},
-    )
-
-
 @router.get(
     "/blobs/{sha256}",
     summary="Download a blob (Range, ETag, If-None-Match)",
     response_class=Response,
-    responses={
-        200: {"content": {"application/octet-stream": {}}, "description": "the blob"},
-        206: {"description": "the requested byte range"},
-        304: {"description": "not modified"},
-        **error_responses(404, 416),
-    },
+    responses=BLOB_RESPONSES,
 )
-def download_blob(sha256: Sha256, request: Request, store: BlobStoreDep) -> Response:
+def download_blob(
+    sha256: Sha256, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
+) -> Response:
+    service.check_blob_readable(session, principal, sha256)
+    service.get_blob(session, store, sha256)  # the row and the bytes: a blob being collected is not served
     return blob_response(request, store, sha256)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from kiln.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
+from core.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
 from registry.blobs.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
 DownloadMode = Literal["stream", "redirect"]
@@ -62,7 +62,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
             code="INVALID_BLOB_URL",
         )
     bucket = parsed.netloc
-    if not _BUCKET.match(bucket):
+    if not _BUCKET.fullmatch(bucket):
         raise InvalidInput(
             f"blob store URL {url!r}: {bucket!r} is not a valid S3 bucket name "
             "(3-63 lowercase letters, digits, '.' or '-')",

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from registry.artifacts.models import Artifact, ArtifactFile
+from registry.auth.principal import Principal
 from registry.blobs.models import Blob
 from registry.blobs.store import BlobNotFound, BlobStore
 from registry.db import insert_once, utcnow
+from registry.models.models import Model
+from registry.releases.models import Release
 
 
 def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:
@@ -36,21 +40,51 @@ def get_blob(session: Session, store: BlobStore, sha256: str) -> Blob:
     return row
 
 
+def check_blob_readable(session: Session, principal: Principal, sha256: str) -> None:
+    """BlobNotFound unless `principal` may read the blob by its digest.
+
+    A blob is read through the artifacts that hold it: a file of a served (sealed, not yanked)
+    release of a model the caller may read, or, for publishers, of an open release of a model they
+    publish, or a blob no artifact holds yet (an upload in flight). An unlimited admin reads any.
+    The answer for a blob the caller may not read is the same as for one that does not exist.
+    """
+    if principal.has("admin") and not principal.models:
+        return
+    holders = session.execute(
+        select(Model.name, Release.status, Release.yanked_at)
+        .select_from(ArtifactFile)
+        .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
+        .join(Release, Release.id == Artifact.release_id)
+        .join(Model, Model.id == Release.model_id)
+        .where(ArtifactFile.sha256 == sha256)
+    ).all()
+    for model, status, yanked_at in holders:
+        if not principal.allows_model(model):
+            continue
+        if status == "sealed" and yanked_at is None and principal.has("read"):
+            return
+        if status == "open" and principal.has("publish"):
+            return
+    if not holders and principal.has("publish"):
+        return
+    raise BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
+
+
 def touch_blob(session: Session, sha256: str) -> bool:
-    """Record that `sha256` is being uploaded now (committed); False when there is no row to touch.
+    """Record that `sha256` is being uploaded now; False when there is no row to touch.
 
     On PostgreSQL this waits for a garbage collection holding the row; on SQLite for the write
     lock. Either way it returns after that collection committed, and then finds no row.
     """
     result = session.execute(update(Blob).where(Blob.sha256 == sha256).values(uploaded_at=utcnow()))
-    session.commit()
     assert isinstance(result, CursorResult)
     return result.rowcount == 1
 
 
 def confirm_stored(session: Session, store: BlobStore, sha256: str) -> Blob | None:
     """For an upload of a blob that may already be stored: its row, kept from collection for the grace
-    period, or None when it must be uploaded (never stored, bytes gone, or just collected)."""
+    period once the caller commits, or None when it must be uploaded (never stored, bytes gone, or just
+    collected)."""
     row = stored_blob(session, store, sha256)
     if row is None or not touch_blob(session, sha256):
         return None
@@ -58,9 +92,15 @@ def confirm_stored(session: Session, store: BlobStore, sha256: str) -> Blob | No
 
 
 def put_blob(session: Session, store: BlobStore, sha256: str, chunks: Iterable[bytes]) -> tuple[Blob, bool]:
-    """Stream `chunks` into the store (verified against `sha256`), then record it. True if it was new."""
+    """Stream `chunks` into the store (verified against `sha256`), then record it (the caller commits the
+    record). True if it was new.
+
+    The one service that commits: the touch must be visible to garbage collection before any byte is
+    written (see the module docstring), so it is committed here, in a transaction of its own.
+    """
     # Before any byte is written: a row already there is now safe from collection (or was collected).
     touch_blob(session, sha256)
+    session.commit()
     size = store.put_stream(sha256, chunks)
     existing = session.get(Blob, sha256)
     if existing is not None:  # the row survived but the bytes had gone: they are back now

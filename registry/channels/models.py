@@ -20,6 +20,10 @@ class Channel(Base):
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
     name: Mapped[str] = mapped_column(String(32))
     release_id: Mapped[int] = mapped_column(ForeignKey("releases.id"))
+    # The newest eval result of the release when it was promoted here: resolve on this channel
+    # judges artifacts by the evals up to this one, so an eval posted later changes what the
+    # channel serves only through a new promotion (by someone allowed to promote to it).
+    evals_through: Mapped[int] = mapped_column(default=0)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     model: Mapped[Model] = relationship(lazy="raise")

@@ -12,7 +12,7 @@ from registry.api.params import ChannelName, ModelName
 from registry.auth.principal import Principal
 from registry.channels import service
 from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest
-from registry.deps import PrincipalDep, SessionDep, SettingsDep
+from registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
 
 router = APIRouter(prefix="/v1", tags=["channels"])
 
@@ -56,7 +56,7 @@ def promote(
     model: ModelName,
     channel: ChannelName,
     request: PromoteRequest,
-    session: SessionDep,
+    session: WriteSessionDep,
     principal: Annotated[Principal, Depends(may_promote)],
 ) -> ChannelDetail:
     # Who is recorded: the token; a name the client gives (a CI job, a person) is kept beside it.
@@ -64,6 +64,7 @@ def promote(
         actor = f"{principal.name} ({request.actor})" if request.actor else principal.name
         request = request.model_copy(update={"actor": actor[:128]})
     service.promote(session, model, channel, request)
+    session.commit()
     return _detail(session, model, channel)
 
 

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
-from kiln.errors import Conflict, GateFailed, NotFound
+from core.errors import Conflict, GateFailed, NotFound
 from registry.artifacts.models import Artifact, eval_status
 from registry.audit import service as audit
 from registry.channels.models import Channel, ChannelEvent
 from registry.channels.schemas import PromoteRequest
-from registry.db import utcnow
+from registry.db import lock_row, utcnow
+from registry.models.models import Model
 from registry.models.service import get_model
 from registry.releases.models import Release
-from registry.releases.service import get_release
+from registry.releases.service import lock_release
 
 
-def _find_channel(session: Session, model_id: int, name: str, *, for_update: bool = False) -> Channel | None:
+def _find_channel(session: Session, model_id: int, name: str) -> Channel | None:
     query = select(Channel).where(Channel.model_id == model_id, Channel.name == name)
-    if for_update:
-        query = query.with_for_update()  # serialises promotions of one channel on PostgreSQL
     return session.scalars(query.options(selectinload(Channel.release))).one_or_none()
 
 
@@ -49,48 +47,60 @@ def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, 
 
 
 def promote(session: Session, model: str, name: str, request: PromoteRequest) -> None:
-    """Point channel `name` of `model` at `request.version`.
+    """Point channel `name` of `model` at the sealed release `request.version`.
 
-    Refused (RELEASE_EMPTY) for a release without artifacts, and (EVAL_GATE_FAILED) while any
-    artifact has a failed eval, unless forced with a reason. Every promotion is recorded in the
-    channel history and the audit log, a forced one with its reason and the failures it overrode.
+    Promotions of a model's channels are serialised (a row lock on the model; SQLite's write lock),
+    so history is a true chain of from -> to. Refused for a release that is not sealed
+    (RELEASE_NOT_SEALED), yanked (RELEASE_YANKED), and (EVAL_GATE_FAILED) while any artifact has a
+    failed eval, unless forced with a reason. The channel remembers the newest eval it was judged
+    with: evals posted later change what it serves only through another promotion. Every
+    promotion is recorded in the channel history and the audit log, a forced one with its reason
+    and the failures it overrode.
     """
-    release = get_release(session, model, request.version, selectinload(Release.artifacts).selectinload(Artifact.evals))
+    model_row = get_model(session, model)
+    lock_row(session, Model.id, model_row.id)
+    release = lock_release(session, model, request.version, shared=False)
     if release.yanked_at is not None:
         raise Conflict(
             f"release {model}@{request.version} is yanked ({release.yank_reason}); promote another release",
             code="RELEASE_YANKED",
             details={"model": model, "version": request.version},
         )
-    if not release.artifacts:
+    if release.status != "sealed":
         raise Conflict(
-            f"release {model}@{request.version} has no artifacts to serve; publish some before promoting",
-            code="RELEASE_EMPTY",
-            details={"model": model, "version": request.version},
+            f"release {model}@{request.version} is {release.status}, not sealed: only a sealed (complete) "
+            "release can be promoted",
+            code="RELEASE_NOT_SEALED",
+            details={"model": model, "version": request.version, "status": release.status},
         )
+    artifacts = list(
+        session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
+    )
+    failed = [a for a in artifacts if eval_status(a.evals) == "failed"]
     failing = [
         {
             "artifact": a.name,
             "failed": [{"runtime": e.runtime, "reason": e.reason} for e in a.evals if e.status == "failed"],
         }
-        for a in release.artifacts
-        if eval_status(a.evals) == "failed"
+        for a in failed
     ]
     if failing and not request.force:
-        names = ", ".join(a.name for a in release.artifacts if eval_status(a.evals) == "failed")
+        names = ", ".join(a.name for a in failed)
         raise GateFailed(
             f"release {model}@{request.version} has artifacts that failed their eval gates: {names}; "
             "promote with force and a reason to override",
             details={"model": model, "version": request.version, "failing": failing},
         )
+    evals_through = max((e.id for a in artifacts for e in a.evals), default=0)
 
-    channel = _find_channel(session, release.model_id, name, for_update=True)
+    channel = _find_channel(session, release.model_id, name)
     before = channel.release.version if channel is not None else None
     if channel is None:
-        channel = Channel(model_id=release.model_id, name=name, release_id=release.id)
+        channel = Channel(model_id=release.model_id, name=name, release_id=release.id, evals_through=evals_through)
         session.add(channel)
     else:
         channel.release_id = release.id
+        channel.evals_through = evals_through
         channel.updated_at = utcnow()
     session.flush()
     session.add(
@@ -112,18 +122,11 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest) ->
         reason=request.reason,
         details={
             "before": {"version": before},
-            "after": {"version": release.version},
+            "after": {"version": release.version, "evals_through": evals_through},
             "overridden_failures": failing,
         },
     )
-    try:
-        session.commit()
-    except IntegrityError:
-        # Two first promotions of the same new channel raced; the other one won.
-        session.rollback()
-        raise Conflict(
-            f"channel {model}/{name} was changed concurrently; retry", details={"model": model, "channel": name}
-        ) from None
+    session.flush()
 
 
 def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:

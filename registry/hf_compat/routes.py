@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 from fastapi import APIRouter, Request, Response
 
-from kiln.errors import NotFound
+from core.errors import NotFound
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
 from registry.hf_compat import service
@@ -36,7 +36,7 @@ def _split(segments: list[str], keyword: str, start: int) -> tuple[str, str, lis
             rest = segments[at + 1 :]
             revision = unquote(rest[0])
             # `prod/gguf-q4_k_m` sent without encoding its '/': the next segment is part of the revision.
-            if "/" not in revision and not COMMIT.match(revision) and len(rest) > 1:
+            if "/" not in revision and not COMMIT.fullmatch(revision) and len(rest) > 1:
                 revision, rest = f"{revision}/{unquote(rest[1])}", rest[1:]
             return repo, revision, [unquote(s) for s in rest[1:]]
     raise NotFound(f"no such Hub endpoint: /{'/'.join(segments)}", details={"path": "/" + "/".join(segments)})

@@ -22,16 +22,18 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from kiln.errors import InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
+from registry.api.params import MODEL_NAME_PATTERN
 from registry.artifacts.models import Artifact, ArtifactFile
 from registry.channels.models import Channel
 from registry.models.models import Model
 from registry.releases.models import Release
 
 NAMESPACE = "kiln"
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
+COMMIT = re.compile(r"[0-9a-f]{40}")
 _REF = r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}"
-_REVISION = re.compile(rf"^(?P<ref>{_REF})/(?P<artifact>[a-z0-9][a-z0-9._-]{{0,63}})$")
+_REVISION = re.compile(rf"(?P<ref>{_REF})/(?P<artifact>[a-z0-9][a-z0-9._-]{{0,63}})")
+_MODEL = re.compile(MODEL_NAME_PATTERN.removeprefix("^").removesuffix("$"))
 
 
 class HubError(NotFound):
@@ -67,7 +69,7 @@ def commit_id(artifact: Artifact) -> str:
 def model_name(repo_id: str) -> str:
     """The model a repo id names; anything else is RepoNotFound."""
     namespace, _, name = repo_id.rpartition("/")
-    if namespace not in ("", NAMESPACE) or not name:
+    if namespace not in ("", NAMESPACE) or not _MODEL.fullmatch(name):
         raise HubError(
             f"repository {repo_id!r} not found: repo ids are '<model>' or '{NAMESPACE}/<model>'",
             "RepoNotFound",
@@ -84,20 +86,26 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
     if model_row is None:
         raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", "REPO_NOT_FOUND", {"repo_id": repo_id})
     with_files = selectinload(Artifact.files)
-    if COMMIT.match(revision):
+    if COMMIT.fullmatch(revision):
+        # Only a served release's artifacts: a yanked or unsealed one is not served by any name.
         query = (
             select(Artifact, Release.version)
             .join(Artifact.release)
-            .where(Release.model_id == model_row.id, Artifact.manifest_digest.startswith(revision, autoescape=True))
+            .where(
+                Release.model_id == model_row.id,
+                Release.status == "sealed",
+                Release.yanked_at.is_(None),
+                Artifact.manifest_digest.startswith(revision, autoescape=True),
+            )
             .options(with_files)
             .order_by(Artifact.id)
             .limit(1)
         )
         found = session.execute(query).first()
         if found is None:
-            raise _revision_not_found(repo_id, revision, f"no artifact of {model!r} has commit {revision}")
+            raise _revision_not_found(repo_id, revision, f"no served artifact of {model!r} has commit {revision}")
         return Resolved(repo_id, model, found[1], found[0])
-    match = _REVISION.match(revision)
+    match = _REVISION.fullmatch(revision)
     if match is None:
         raise InvalidRevision(
             f"revision {revision!r} is not '<channel-or-version>/<artifact>' (e.g. 'prod/gguf-q4_k_m') "
@@ -127,6 +135,8 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} has no artifact {name!r}")
     if artifact.release.yanked_at is not None:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} is yanked")
+    if artifact.release.status != "sealed":
+        raise _revision_not_found(repo_id, revision, f"release {model}@{version} is {artifact.release.status}")
     return Resolved(repo_id, model, version, artifact)
 
 

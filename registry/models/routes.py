@@ -10,7 +10,7 @@ from registry.api.errors import error_responses
 from registry.api.params import ModelName
 from registry.auth.principal import Principal
 from registry.channels.service import model_channel_versions
-from registry.deps import SessionDep, require
+from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from registry.models import service
 from registry.models.models import Model
 from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
@@ -31,18 +31,19 @@ def _out(row: Model) -> ModelOut:
     responses={200: {"model": ModelOut, "description": "the model already existed"}, **error_responses(409, 422)},
 )
 def create_model(
-    spec: ModelCreate, session: SessionDep, response: Response, principal: Annotated[Principal, PUBLISH]
+    spec: ModelCreate, session: WriteSessionDep, response: Response, principal: Annotated[Principal, PUBLISH]
 ) -> ModelOut:
     principal.require("publish", spec.name)  # a token limited to model patterns creates only those
     row, created = service.create_model(session, spec)
+    session.commit()
     if not created:
         response.status_code = 200
     return _out(row)
 
 
-@router.get("/models", summary="List models")
-def list_models(session: SessionDep) -> list[ModelOut]:
-    return [_out(m) for m in service.list_models(session)]
+@router.get("/models", summary="List the models the caller may read")
+def list_models(session: SessionDep, principal: PrincipalDep) -> list[ModelOut]:
+    return [_out(m) for m in service.list_models(session, principal)]
 
 
 @router.get("/models/{model}", summary="A model with its releases and channels", responses=error_responses(404))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kiln.errors import Conflict, NotFound
+from core.errors import Conflict, NotFound
+from registry.auth.principal import Principal
 from registry.db import insert_once
 from registry.models.models import Model
 from registry.models.schemas import ModelCreate
@@ -22,8 +23,9 @@ def get_model(session: Session, name: str) -> Model:
     return model
 
 
-def list_models(session: Session) -> list[Model]:
-    return list(session.scalars(select(Model).order_by(Model.name)))
+def list_models(session: Session, reader: Principal) -> list[Model]:
+    """The models `reader` may read, by name."""
+    return [m for m in session.scalars(select(Model).order_by(Model.name)) if reader.allows_model(m.name)]
 
 
 def create_model(session: Session, spec: ModelCreate) -> tuple[Model, bool]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import time
-import uuid
 from typing import Any
 
 from registry.ops.metrics import RegistryMetrics
@@ -30,7 +30,7 @@ class ObservabilityMiddleware:
             return
         start = time.perf_counter()
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request_id = incoming if _REQUEST_ID.fullmatch(incoming) else secrets.token_hex(16)
         scope.setdefault("state", {})["request_id"] = request_id
         status, sent = 500, 0
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import ForeignKey, String, Text, UniqueConstraint
+from sqlalchemy import CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from registry.db import Base, utcnow
@@ -15,9 +15,19 @@ if TYPE_CHECKING:
     from registry.artifacts.models import Artifact
 
 
+ReleaseStatus = Literal["open", "sealed", "abandoned"]
+RELEASE_STATUSES: tuple[ReleaseStatus, ...] = ("open", "sealed", "abandoned")
+
+
 class Release(Base):
+    """A version of a model: `open` while its artifacts and evals arrive, then `sealed` (complete,
+    immutable, and only then resolvable, promotable and downloadable by revision) or `abandoned`."""
+
     __tablename__ = "releases"
-    __table_args__ = (UniqueConstraint("model_id", "version"),)
+    __table_args__ = (
+        UniqueConstraint("model_id", "version"),
+        CheckConstraint("status IN ('open', 'sealed', 'abandoned')", name="status"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
@@ -26,7 +36,13 @@ class Release(Base):
     lineage: Mapped[dict[str, Any]]
     # The architecture (layers, KV heads, head_dim, ...) that resolve uses to size the KV cache.
     model_config: Mapped[dict[str, Any]]
+    # The artifact names the build planned: sealing checks each is published with an eval.
+    planned_artifacts: Mapped[list[str]]
+    status: Mapped[str] = mapped_column(String(16), default="open")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    sealed_at: Mapped[datetime | None] = mapped_column(default=None)
+    abandoned_at: Mapped[datetime | None] = mapped_column(default=None)
+    abandon_reason: Mapped[str | None] = mapped_column(Text, default=None)
     # Yanked releases stay (a channel may still name one) but are never resolved, downloaded by
     # revision, or promoted.
     yanked_at: Mapped[datetime | None] = mapped_column(default=None)

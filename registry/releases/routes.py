@@ -1,4 +1,4 @@
-"""HTTP routes for releases."""
+"""HTTP routes for releases: open, seal, abandon, yank, and read them."""
 
 from __future__ import annotations
 
@@ -13,52 +13,63 @@ from registry.artifacts.models import Artifact
 from registry.artifacts.schemas import ArtifactSummary
 from registry.auth.principal import Principal
 from registry.channels.service import channels_of_release
-from registry.deps import SessionDep, require
+from registry.deps import SessionDep, WriteSessionDep, require
 from registry.releases import service
 from registry.releases.models import Release
-from registry.releases.schemas import ReleaseCreate, ReleaseDetail, ReleaseOut, YankRequest
+from registry.releases.schemas import ReasonRequest, ReleaseCreate, ReleaseDetail, ReleaseOut
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["releases"])
+RELEASE = "/models/{model}/releases/{version}"
 
 
 def _fields(row: Release, model: str) -> dict[str, object]:
     return {
         "model": model,
         "version": row.version,
+        "status": row.status,
         "source_digest": row.source_digest,
+        "planned_artifacts": row.planned_artifacts,
         "lineage": row.lineage,
         "model_config": row.model_config,
         "created_at": row.created_at,
+        "sealed_at": row.sealed_at,
+        "abandoned_at": row.abandoned_at,
+        "abandon_reason": row.abandon_reason,
         "yanked_at": row.yanked_at,
         "yank_reason": row.yank_reason,
     }
+
+
+def _out(row: Release, model: str) -> ReleaseOut:
+    return ReleaseOut.model_validate(_fields(row, model))
 
 
 @router.post(
     "/models/{model}/releases",
     dependencies=[PUBLISH],
     status_code=201,
-    summary="Create a release (200 if identical; 409 if the version exists with other content)",
+    summary="Open a release (200 if identical; 409 if the version exists with other content)",
     responses={
         200: {"model": ReleaseOut, "description": "an identical release already existed"},
         **error_responses(404, 409, 422),
     },
 )
-def create_release(model: ModelName, spec: ReleaseCreate, session: SessionDep, response: Response) -> ReleaseOut:
+def create_release(model: ModelName, spec: ReleaseCreate, session: WriteSessionDep, response: Response) -> ReleaseOut:
     row, created = service.create_release(session, model, spec)
+    session.commit()
     if not created:
         response.status_code = 200
-    return ReleaseOut.model_validate(_fields(row, model))
+    return _out(row, model)
 
 
 @router.get("/models/{model}/releases", summary="List a model's releases, newest first", responses=error_responses(404))
 def list_releases(model: ModelName, session: SessionDep) -> list[ReleaseOut]:
-    return [ReleaseOut.model_validate(_fields(r, model)) for r in service.list_releases(session, model)]
+    return [_out(r, model) for r in service.list_releases(session, model)]
 
 
 @router.get(
-    "/models/{model}/releases/{version}",
+    RELEASE,
     summary="A release with its artifacts, their eval results and gate status",
     responses=error_responses(404),
 )
@@ -68,22 +79,63 @@ def get_release(model: ModelName, version: Version, session: SessionDep) -> Rele
         {
             **_fields(row, model),
             "artifacts": [ArtifactSummary.from_row(a) for a in row.artifacts],
+            "missing": service.missing_artifacts(row),
             "channels": channels_of_release(session, row.id),
         }
     )
 
 
 @router.post(
-    "/models/{model}/releases/{version}/yank",
-    summary="Yank a release: kept, but never resolved, downloaded by revision or promoted again",
-    responses=error_responses(404, 422),
+    RELEASE + "/seal",
+    summary="Seal an open release once every planned artifact arrived with an eval (200 if already sealed)",
+    status_code=201,
+    responses={200: {"model": ReleaseOut, "description": "it was already sealed"}, **error_responses(404, 409, 422)},
+)
+def seal_release(
+    model: ModelName,
+    version: Version,
+    session: WriteSessionDep,
+    response: Response,
+    principal: Annotated[Principal, PUBLISH],
+) -> ReleaseOut:
+    row, sealed_now = service.seal_release(session, model, version, principal.name)
+    session.commit()
+    if not sealed_now:
+        response.status_code = 200
+    return _out(row, model)
+
+
+@router.post(
+    RELEASE + "/abandon",
+    summary="Abandon an open release: it is never sealed, and its artifacts are dropped",
+    responses=error_responses(404, 409, 422),
+)
+def abandon_release(
+    model: ModelName,
+    version: Version,
+    body: ReasonRequest,
+    session: WriteSessionDep,
+    principal: Annotated[Principal, PUBLISH],
+) -> ReleaseOut:
+    row = service.abandon_release(session, model, version, body.reason, principal.name)
+    session.commit()
+    return _out(row, model)
+
+
+@router.post(
+    RELEASE + "/yank",
+    summary="Yank a sealed release: kept, but never resolved, downloaded or promoted again",
+    responses=error_responses(404, 409, 422),
 )
 def yank_release(
     model: ModelName,
     version: Version,
-    body: YankRequest,
-    session: SessionDep,
+    body: ReasonRequest,
+    session: WriteSessionDep,
     principal: Annotated[Principal, require("promote")],
 ) -> ReleaseOut:
-    row = service.yank_release(session, model, version, body.reason, principal.name)
-    return ReleaseOut.model_validate(_fields(row, model))
+    release = service.get_release(session, model, version)
+    channels = channels_of_release(session, release.id)
+    row = service.yank_release(session, model, version, body.reason, principal.name, channels)
+    session.commit()
+    return _out(row, model)

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from registry.api.params import SHA256_PATTERN, VERSION_PATTERN
+from registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
 from registry.artifacts.schemas import ArtifactSummary
+from registry.releases.models import ReleaseStatus
 
 MODEL_CONFIG_DOC = (
     "the model's architecture; resolve sizes the KV cache from num_hidden_layers, "
     "num_key_value_heads (or num_attention_heads) and head_dim (or hidden_size / num_attention_heads), "
     "as in a Hugging Face config.json; short names layers, kv_heads are accepted too"
 )
+MAX_PLANNED_ARTIFACTS = 1000
+
+PlannedName = Annotated[str, StringConstraints(pattern=ARTIFACT_NAME_PATTERN)]
+Reason = Annotated[str, StringConstraints(min_length=1, max_length=10_000)]
 
 
 class ReleaseCreate(BaseModel):
@@ -23,8 +28,22 @@ class ReleaseCreate(BaseModel):
 
     version: str = Field(pattern=VERSION_PATTERN, examples=["2026.11.0"])
     source_digest: str = Field(pattern=SHA256_PATTERN, description="sha256 of the canonical source")
+    planned_artifacts: list[PlannedName] = Field(
+        min_length=1,
+        max_length=MAX_PLANNED_ARTIFACTS,
+        description="every artifact the build will publish; sealing checks each arrived with an eval",
+        examples=[["gguf-q4_k_m", "hf-bundle-fp8"]],
+    )
     lineage: dict[str, Any] = Field(default_factory=dict, description="where the source came from")
     architecture: dict[str, Any] = Field(default_factory=dict, alias="model_config", description=MODEL_CONFIG_DOC)
+
+    @field_validator("planned_artifacts")
+    @classmethod
+    def _unique(cls, names: list[str]) -> list[str]:
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"planned_artifacts repeats {', '.join(repeated)}")
+        return sorted(names)
 
 
 class ReleaseOut(BaseModel):
@@ -32,20 +51,29 @@ class ReleaseOut(BaseModel):
 
     model: str
     version: str
+    status: ReleaseStatus = Field(
+        description="open: artifacts still arriving, not resolvable, promotable or downloadable by revision; "
+        "sealed: complete and immutable; abandoned: never sealed, its artifacts dropped"
+    )
     source_digest: str
+    planned_artifacts: list[str]
     lineage: dict[str, Any]
     architecture: dict[str, Any] = Field(alias="model_config")
     created_at: datetime
+    sealed_at: datetime | None = None
+    abandoned_at: datetime | None = None
+    abandon_reason: str | None = None
     yanked_at: datetime | None = Field(default=None, description="set when yanked: resolve never returns it")
     yank_reason: str | None = None
 
 
-class YankRequest(BaseModel):
+class ReasonRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(min_length=1, max_length=10_000, description="why (audited)")
+    reason: Reason = Field(description="why (audited)")
 
 
 class ReleaseDetail(ReleaseOut):
     artifacts: list[ArtifactSummary]
+    missing: list[str] = Field(description="planned artifacts not published yet")
     channels: list[str] = Field(description="channels that point at this release")

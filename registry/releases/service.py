@@ -1,14 +1,23 @@
-"""Release operations over a Session. Releases are immutable once created."""
+"""Release operations over a Session: create (open), seal, abandon, yank.
+
+A release is `open` while its artifacts and evals arrive, possibly from many machines. `seal`
+checks, in one transaction, that every planned artifact arrived with an eval (or the reason it
+was not evaluated) and makes the release `sealed`: complete, immutable, and from then on visible
+to resolve, promotion and downloads. An open release that will never be sealed is `abandoned`:
+its artifacts are dropped, so `kiln gc` collects their blobs. Services flush; the request commits.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
-from kiln.errors import Conflict, NotFound
-from registry.db import insert_once, utcnow
+from core.errors import Conflict, NotFound
+from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
+from registry.audit import service as audit
+from registry.db import insert_once, lock_row, utcnow
 from registry.models.models import Model
 from registry.models.service import get_model
 from registry.releases.models import Release
@@ -29,6 +38,14 @@ def get_release(session: Session, model: str, version: str, *options: Any) -> Re
     return release
 
 
+def lock_release(session: Session, model: str, version: str, *, shared: bool) -> Release:
+    """The release, locked for the rest of the transaction (shared: adding to it; exclusive: changing it)."""
+    release = get_release(session, model, version)
+    lock_row(session, Release.id, release.id, shared=shared)
+    session.refresh(release)  # what it is now that we hold the lock
+    return release
+
+
 def list_releases(session: Session, model: str) -> list[Release]:
     row = get_model(session, model)
     query = select(Release).where(Release.model_id == row.id).order_by(Release.created_at.desc(), Release.id.desc())
@@ -36,13 +53,24 @@ def list_releases(session: Session, model: str) -> list[Release]:
 
 
 def _differences(release: Release, spec: ReleaseCreate) -> list[str]:
-    stored = {"source_digest": release.source_digest, "lineage": release.lineage, "model_config": release.model_config}
-    sent = {"source_digest": spec.source_digest, "lineage": spec.lineage, "model_config": spec.architecture}
+    stored = {
+        "source_digest": release.source_digest,
+        "planned_artifacts": sorted(release.planned_artifacts),
+        "lineage": release.lineage,
+        "model_config": release.model_config,
+    }
+    sent = {
+        "source_digest": spec.source_digest,
+        "planned_artifacts": spec.planned_artifacts,
+        "lineage": spec.lineage,
+        "model_config": spec.architecture,
+    }
     return [key for key in stored if stored[key] != sent[key]]
 
 
 def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[Release, bool]:
-    """Create `model@version`. The same content again is a no-op; different content is a Conflict."""
+    """Open `model@version`. The same content again is a no-op (a publish re-run after a crash
+    continues the same open release); different content is a Conflict."""
 
     def same(existing: Release) -> Release:
         differing = _differences(existing, spec)
@@ -62,6 +90,8 @@ def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[R
         model_id=model_row.id,
         version=spec.version,
         source_digest=spec.source_digest,
+        planned_artifacts=spec.planned_artifacts,
+        status="open",
         lineage=spec.lineage,
         model_config=spec.architecture,
     )
@@ -69,12 +99,133 @@ def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[R
     return (row, True) if created else (same(row), False)
 
 
-def yank_release(session: Session, model: str, version: str, reason: str, actor: str) -> Release:
-    """Mark a release yanked (idempotent), audited with who, why and the channels still naming it."""
-    from registry.audit import service as audit
-    from registry.channels.service import channels_of_release
+def check_open(release: Release, model: str, doing: str) -> None:
+    """Conflict unless artifacts may still be added to `release` (it is open)."""
+    where = {"model": model, "version": release.version, "status": release.status}
+    if release.status == "sealed":
+        raise Conflict(
+            f"release {model}@{release.version} is sealed: its artifacts never change; {doing} in a new version",
+            code="RELEASE_SEALED",
+            details=where,
+        )
+    if release.status == "abandoned":
+        raise Conflict(
+            f"release {model}@{release.version} was abandoned ({release.abandon_reason}); {doing} in a new version",
+            code="RELEASE_ABANDONED",
+            details=where,
+        )
 
-    release = get_release(session, model, version)
+
+def check_served(release: Release, model: str) -> None:
+    """Conflict (open or abandoned) or gone (yanked) unless `release` is sealed and may be served."""
+    where = {"model": model, "version": release.version, "status": release.status}
+    if release.status == "open":
+        raise Conflict(
+            f"release {model}@{release.version} is open (still being published): it is served only once it is sealed",
+            code="RELEASE_NOT_SEALED",
+            details=where,
+        )
+    if release.status == "abandoned":
+        raise NotFound(
+            f"release {model}@{release.version} was abandoned and is never served",
+            code="RELEASE_NOT_SERVED",
+            details=where,
+        )
+    if release.yanked_at is not None:
+        raise NotFound(
+            f"release {model}@{release.version} is yanked ({release.yank_reason}) and is never served",
+            code="RELEASE_NOT_SERVED",
+            details={**where, "yanked": True},
+        )
+
+
+def missing_artifacts(release: Release) -> list[str]:
+    """Planned artifacts not published yet (needs `artifacts` loaded)."""
+    present = {a.name for a in release.artifacts}
+    return [name for name in release.planned_artifacts if name not in present]
+
+
+def seal_release(session: Session, model: str, version: str, actor: str) -> tuple[Release, bool]:
+    """Seal an open release once every planned artifact is published with at least one eval result.
+
+    Idempotent: sealing a sealed release returns it (False). RELEASE_INCOMPLETE names what is missing.
+    """
+    release = lock_release(session, model, version, shared=False)
+    if release.status == "sealed":
+        return release, False
+    check_open(release, model, "publish")
+    artifacts = list(
+        session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
+    )
+    present = {a.name for a in artifacts}
+    missing = [n for n in release.planned_artifacts if n not in present]
+    unevaluated = sorted(a.name for a in artifacts if not a.evals)
+    if missing or unevaluated:
+        parts = []
+        if missing:
+            parts.append(f"artifacts not published: {', '.join(missing)}")
+        if unevaluated:
+            parts.append(f"artifacts without an eval result or a reason it was not run: {', '.join(unevaluated)}")
+        raise Conflict(
+            f"release {model}@{version} is not complete: " + "; ".join(parts),
+            code="RELEASE_INCOMPLETE",
+            details={"model": model, "version": version, "missing": missing, "unevaluated": unevaluated},
+        )
+    release.status = "sealed"
+    release.sealed_at = utcnow()
+    audit.record(
+        session,
+        action="release.seal",
+        target=f"{model}@{version}",
+        model=model,
+        actor=actor,
+        details={"before": {"status": "open"}, "after": {"status": "sealed"}, "artifacts": sorted(present)},
+    )
+    session.flush()
+    return release, True
+
+
+def abandon_release(session: Session, model: str, version: str, reason: str, actor: str) -> Release:
+    """Abandon an open release: its artifacts and evals are dropped (their blobs become collectable)."""
+    release = lock_release(session, model, version, shared=False)
+    if release.status == "abandoned":
+        return release
+    if release.status == "sealed":
+        raise Conflict(
+            f"release {model}@{version} is sealed; a sealed release is yanked, not abandoned",
+            code="RELEASE_SEALED",
+            details={"model": model, "version": version, "status": release.status},
+        )
+    artifact_ids = select(Artifact.id).where(Artifact.release_id == release.id)
+    dropped = sorted(session.scalars(select(Artifact.name).where(Artifact.release_id == release.id)))
+    for table in (EvalResult, ArtifactFile):
+        session.query(table).filter(table.artifact_id.in_(artifact_ids)).delete(synchronize_session=False)
+    session.query(Artifact).filter(Artifact.release_id == release.id).delete(synchronize_session=False)
+    release.status = "abandoned"
+    release.abandoned_at = utcnow()
+    release.abandon_reason = reason
+    audit.record(
+        session,
+        action="release.abandon",
+        target=f"{model}@{version}",
+        model=model,
+        actor=actor,
+        reason=reason,
+        details={"before": {"status": "open"}, "after": {"status": "abandoned"}, "dropped_artifacts": dropped},
+    )
+    session.flush()
+    return release
+
+
+def yank_release(session: Session, model: str, version: str, reason: str, actor: str, channels: list[str]) -> Release:
+    """Mark a sealed release yanked (idempotent), audited with who, why and the channels still naming it."""
+    release = lock_release(session, model, version, shared=False)
+    if release.status != "sealed":
+        raise Conflict(
+            f"release {model}@{version} is {release.status}, not sealed: an open release is abandoned, not yanked",
+            code="RELEASE_NOT_SEALED",
+            details={"model": model, "version": version, "status": release.status},
+        )
     if release.yanked_at is None:
         release.yanked_at = utcnow()
         release.yank_reason = reason
@@ -85,11 +236,7 @@ def yank_release(session: Session, model: str, version: str, reason: str, actor:
             model=model,
             actor=actor,
             reason=reason,
-            details={
-                "before": {"yanked": False},
-                "after": {"yanked": True},
-                "channels": channels_of_release(session, release.id),
-            },
+            details={"before": {"yanked": False}, "after": {"yanked": True}, "channels": channels},
         )
-        session.commit()
+        session.flush()
     return release

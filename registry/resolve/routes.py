@@ -6,21 +6,24 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
+from core.hardware import get_profile
 from registry.api.errors import error_responses
+from registry.api.lean_route import LeanRoute
 from registry.api.params import CHANNEL_PATTERN, MODEL_NAME_PATTERN
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.schemas import FileOut
-from registry.deps import ResolveCacheDep, SessionDep, SettingsDep
 from registry.resolve.schemas import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason
 from registry.resolve.service import (
     Candidate,
+    ResolveCache,
     channel_snapshot,
     load_release_view,
     rank_candidates,
 )
-from targets.hardware import get_profile
+from registry.settings import RegistrySettings
 
-router = APIRouter(prefix="/v1", tags=["resolve"])
+# Lean: the hot path, answered without FastAPI's per-request machinery (registry.api.lean_route).
+router = APIRouter(prefix="/v1", tags=["resolve"], route_class=LeanRoute)
 
 
 def _candidate_out(c: Candidate, base: str, model: str, version: str) -> ResolveCandidate:
@@ -63,9 +66,6 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
 )
 async def resolve(
     request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    cache: ResolveCacheDep,
     model: Annotated[str, Query(pattern=MODEL_NAME_PATTERN)],
     hardware: Annotated[str, Query(description="hardware profile name, e.g. h100, cpu")],
     channel: Annotated[str, Query(pattern=CHANNEL_PATTERN)] = "prod",
@@ -73,14 +73,20 @@ async def resolve(
     concurrency: Annotated[int, Query(ge=1, le=100_000, description="sequences served at once")] = 1,
 ) -> Response:
     # async, and rendered here rather than by FastAPI: no thread hop and no second validation of
-    # the answer on the hot path. With warm caches the work is one indexed query and a dict lookup.
+    # the answer on the hot path. With warm caches the work is one indexed query (on the resolve
+    # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
     profile = get_profile(hardware)
-    snapshot = channel_snapshot(session, model, channel)
+    state = request.app.state  # not dependencies: each one solved costs more than this route's own work
+    settings: RegistrySettings = state.settings
+    cache: ResolveCache = state.resolve_cache
+    sessions = state.session_factory
+    snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
     base = base_url(request, settings)
     answer_key = (snapshot, model, channel, profile.name, context, concurrency, base)
     body = cache.answers.get(answer_key)
     if body is None:
-        view = load_release_view(session, model, snapshot, cache)
+        with sessions() as session:
+            view = load_release_view(session, model, snapshot, cache)
         ranked = rank_candidates(view, profile, context, concurrency, channel)
         best, *rest = (_candidate_out(c, base, model, view.version) for c in ranked)
         answer = ResolveOut(

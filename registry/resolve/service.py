@@ -5,30 +5,32 @@ The database work is a snapshot of the release (`load_release_view`); the rankin
 
 Resolve is the hot path (routers ask it on every failover), so snapshots are cached per process.
 Each request still asks the database one indexed question (`_FINGERPRINT`: which release the
-channel points at, and how many artifacts and eval results it has), so a promotion, a new
-artifact or a new eval result is seen at once, by every worker. Artifacts and eval results are
-immutable and only ever added, so those counts change whenever the snapshot would.
+channel points at, and the newest eval result it was promoted with), so a promotion is seen at
+once, by every worker. A channel points only at sealed releases, whose artifacts never change, and
+an eval posted after the promotion is not read until the channel is promoted again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import Engine, bindparam, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
-from kiln.errors import NotFound
-from registry.artifacts.models import Artifact, EvalResult, EvalStatus, eval_status
+from core.errors import NotFound, Unavailable
+from core.hardware import HardwareProfile
+from registry.artifacts.models import Artifact, EvalStatus, eval_status
 from registry.channels.models import Channel
 from registry.models.models import Model
 from registry.models.service import get_model
 from registry.releases.models import Release
-from targets.hardware import HardwareProfile
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -88,10 +90,15 @@ class Candidate:
     explanation: str
 
 
+# Larger values are not an architecture (the largest models have ~10^2 layers, 10^5 hidden): a
+# release's model_config is publisher input, so anything past this is treated as missing.
+MAX_DIMENSION = 2**24
+
+
 def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
     for key in keys:
         value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
             return value
     return None
 
@@ -127,19 +134,9 @@ def _human(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-_ARTIFACT_COUNT = (
-    select(func.count(Artifact.id)).where(Artifact.release_id == Release.id).correlate(Release).scalar_subquery()
-)
-_EVAL_COUNT = (
-    select(func.count(EvalResult.id))
-    .join(Artifact, Artifact.id == EvalResult.artifact_id)
-    .where(Artifact.release_id == Release.id)
-    .correlate(Release)
-    .scalar_subquery()
-)
 # Built once with bound parameters, so SQLAlchemy's compiled-statement cache hit is cheap.
 _FINGERPRINT = (
-    select(Release.id, Release.version, _ARTIFACT_COUNT, _EVAL_COUNT, Release.yanked_at)
+    select(Release.id, Release.version, Channel.evals_through, Release.yanked_at)
     .join(Channel, Channel.release_id == Release.id)
     .join(Model, Model.id == Channel.model_id)
     .where(Model.name == bindparam("model"), Channel.name == bindparam("channel"))
@@ -148,12 +145,16 @@ _FINGERPRINT = (
 
 @dataclass(frozen=True)
 class SnapshotKey:
-    """What `_FINGERPRINT` reads: it changes whenever the release view of a channel would."""
+    """What `_FINGERPRINT` reads: it changes whenever the release view of a channel would.
+
+    A channel points only at sealed releases, whose artifacts never change, and judges them by
+    the eval results up to `evals_through` (which never change either): so the release and that
+    eval id name the view exactly.
+    """
 
     release_id: int
     version: str
-    artifacts: int
-    evals: int
+    evals_through: int
 
 
 class LRUCache(Generic[K, V]):
@@ -179,10 +180,58 @@ class LRUCache(Generic[K, V]):
                 self._entries.popitem(last=False)
 
 
+class ChannelFingerprints:
+    """`_FINGERPRINT` on a connection of its own, outside the ORM: resolve's one query per request.
+
+    A Session, a pooled checkout and SQLAlchemy's execution machinery cost several times what the
+    indexed query does; this keeps one DBAPI connection (autocommit: every read sees the latest
+    promotion) and the statement compiled once for the dialect. Used from the event loop only (the
+    resolve route is `async`), so one connection per process serves it. A database error drops the
+    connection (the next request opens another) and is reported as Unavailable.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        compiled = _FINGERPRINT.compile(dialect=engine.dialect)
+        self._sql = str(compiled)
+        self._positional = compiled.positiontup  # None for named parameter styles
+        self._connection: Any = None
+
+    def lookup(self, model: str, channel: str) -> tuple[int, str, int, Any] | None:
+        """(release id, version, evals_through, yanked_at) of `model`'s `channel`, or None."""
+        params = {"model": model, "channel": channel}
+        args: Any = [params[name] for name in self._positional] if self._positional is not None else params
+        try:
+            if self._connection is None:
+                self._connection = self._engine.raw_connection()
+                if self._engine.dialect.name != "sqlite":  # SQLite's connections are set up in autocommit
+                    self._connection.driver_connection.autocommit = True
+            cursor = self._connection.cursor()
+            try:
+                cursor.execute(self._sql, args)
+                row = cursor.fetchone()
+            finally:
+                cursor.close()
+        except DBAPIError as exc:
+            self.close()
+            raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
+        except self._engine.dialect.loaded_dbapi.Error as exc:
+            self.close()
+            raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
+        return None if row is None else (row[0], row[1], row[2], row[3])
+
+    def close(self) -> None:
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            with contextlib.suppress(Exception):
+                connection.invalidate()
+
+
 class ResolveCache:
     """Per-process caches for resolve: release views, and rendered answers keyed by everything they depend on."""
 
-    def __init__(self, max_views: int = 1024, max_answers: int = 8192):
+    def __init__(self, fingerprints: ChannelFingerprints, max_views: int = 1024, max_answers: int = 8192):
+        self.fingerprints = fingerprints
         self.views: LRUCache[SnapshotKey, ReleaseView] = LRUCache(max_views)
         self.answers: LRUCache[tuple[object, ...], bytes] = LRUCache(max_answers)
 
@@ -198,12 +247,17 @@ def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
     )
 
 
-def channel_snapshot(session: Session, model: str, channel: str) -> SnapshotKey:
-    """One indexed query: the release `model`'s `channel` points at, and how much it holds."""
-    row = session.connection().execute(_FINGERPRINT, {"model": model, "channel": channel}).one_or_none()
+def channel_snapshot(
+    fingerprints: ChannelFingerprints, session_factory: Callable[[], Session], model: str, channel: str
+) -> SnapshotKey:
+    """One indexed query: the release `model`'s `channel` points at, and the newest eval it was promoted with.
+
+    Only a miss opens a session, to say precisely what is missing (the model, or its channel)."""
+    row = fingerprints.lookup(model, channel)
     if row is None:
-        raise _channel_not_found(session, model, channel)
-    release_id, version, n_artifacts, n_evals, yanked_at = row
+        with session_factory() as session:
+            raise _channel_not_found(session, model, channel)
+    release_id, version, evals_through, yanked_at = row
     if yanked_at is not None:
         raise NotFound(
             f"channel {channel!r} of {model!r} points at release {version}, which is yanked; "
@@ -211,7 +265,7 @@ def channel_snapshot(session: Session, model: str, channel: str) -> SnapshotKey:
             code="CHANNEL_RELEASE_YANKED",
             details={"model": model, "channel": channel, "version": version},
         )
-    return SnapshotKey(release_id, version, n_artifacts, n_evals)
+    return SnapshotKey(release_id, version, evals_through)
 
 
 def load_release_view(
@@ -228,16 +282,23 @@ def load_release_view(
         .order_by(Artifact.name)
         .options(selectinload(Artifact.files), selectinload(Artifact.evals))
     )
-    view = ReleaseView(model, release.version, release.model_config, tuple(_artifact_view(a) for a in artifacts))
+    view = ReleaseView(
+        model,
+        release.version,
+        release.model_config,
+        tuple(_artifact_view(a, snapshot.evals_through) for a in artifacts),
+    )
     if cache is not None:
         cache.views.put(snapshot, view)
     return view
 
 
-def _artifact_view(a: Artifact) -> ArtifactView:
+def _artifact_view(a: Artifact, evals_through: int) -> ArtifactView:
+    """The artifact as the channel judges it: by the eval results it was promoted with."""
+    evals = [e for e in a.evals if e.id <= evals_through]
     kls = [
         float(e.metrics["kl"])
-        for e in a.evals
+        for e in evals
         if isinstance(e.metrics.get("kl"), int | float) and not isinstance(e.metrics.get("kl"), bool)
     ]
     return ArtifactView(
@@ -249,9 +310,9 @@ def _artifact_view(a: Artifact) -> ArtifactView:
         hardware=tuple(a.hardware),
         unsupported=dict(a.unsupported),
         total_size=a.total_size,
-        eval_status=eval_status(a.evals),
-        kl=min(kls) if kls else None,
-        failed_reasons=tuple(f"{e.runtime}: {e.reason or 'failed'}" for e in a.evals if e.status == "failed"),
+        eval_status=eval_status(evals),
+        kl=min(kls) if kls and all(math.isfinite(k) for k in kls) else None,
+        failed_reasons=tuple(f"{e.runtime}: {e.reason or 'failed'}" for e in evals if e.status == "failed"),
         files=tuple(FileView(f.path, f.sha256, f.size) for f in a.files),
     )
 

@@ -20,14 +20,14 @@ from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlalchemy.orm import selectinload
 
-from kiln.errors import KilnError, NotFound
+from core.errors import KilnError, NotFound
 from registry.api.errors import http_status
 from registry.api.params import MODEL_NAME_PATTERN, ChannelName, ModelName, Version
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.models import Artifact
 from registry.audit import service as audit_service
 from registry.channels import service as channels_service
-from registry.deps import SessionDep, SettingsDep
+from registry.deps import PrincipalDep, SessionDep, SettingsDep
 from registry.models import service as models_service
 from registry.releases import service as releases_service
 from registry.releases.models import Release
@@ -132,16 +132,17 @@ def stylesheet() -> Response:
 
 
 @router.get("/ui/")
-def models_page(request: Request, session: SessionDep) -> HTMLResponse:
-    """Models, each with its newest release and where its channels point."""
+def models_page(request: Request, session: SessionDep, principal: PrincipalDep) -> HTMLResponse:
+    """The models the caller may read, each with its newest release and where its channels point."""
     rows = []
-    for model in models_service.list_models(session):
+    for model in models_service.list_models(session, principal):
         releases = releases_service.list_releases(session, model.name)
         channels = channels_service.model_channel_versions(session, model.id)
         rows.append(
             {
                 "model": model,
-                "latest": releases[0] if releases else None,
+                # The newest sealed release (what is served), else the newest of any state.
+                "latest": next((r for r in releases if r.status == "sealed"), releases[0] if releases else None),
                 "releases": len(releases),
                 "channels": sorted(channels.items()),
             }
@@ -181,6 +182,9 @@ def release_page(
         rows=rows,
         columns=METRIC_COLUMNS,
         channels=channels_service.channels_of_release(session, release.id),
+        missing=releases_service.missing_artifacts(release),
+        # Download links only where downloads are answered: a sealed release that is not yanked.
+        served=release.status == "sealed" and release.yanked_at is None,
     )
 
 
@@ -197,11 +201,12 @@ def channel_page(model: ModelName, channel: ChannelName, request: Request, sessi
 def audit_page(
     request: Request,
     session: SessionDep,
+    principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> HTMLResponse:
     """The audit log, newest first: who did what, when, why, and the state before and after."""
-    events = [audit_row(e) for e in audit_service.list_events(session, model, limit)]
+    events = [audit_row(e) for e in audit_service.list_events(session, principal, model, limit)]
     return render(request, "audit.html", title="Audit log", events=events, model=model, limit=limit)
 
 

@@ -1,21 +1,20 @@
 """The `gguf` target: one GGUF v3 file with tokenizer metadata, for llama.cpp on CPU, Apple and edge.
 
-Layout: `constants` (the format as data), `writer` (streaming GGUF writer, a state machine),
-`convert` (HF -> GGUF names, q/k permutation, per-tensor types), `quants` (F16/BF16/Q8_0/Q4_0
-encoders), `tokenizer` (vocab, merges, pre-tokenizer), `export` (the stage function).
-Only `constants` is imported here: the registry server imports `targets` and has no numpy or torch.
+Layout: the format itself (constants, reader, writer, quant encoders) is `formats.gguf`; here are
+`convert` (HF -> GGUF names, q/k permutation, per-tensor types), `tokenizer` (vocab, merges,
+pre-tokenizer) and `export` (the stage function). Only the constants are imported here: the registry
+server imports `targets` and has no numpy or torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from formats.gguf.constants import QUANTS
 from targets.base import TargetSpec, register
 
-from .constants import QUANTS
-
 if TYPE_CHECKING:
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
 
 CODE_VERSION = "gguf-1"
@@ -27,6 +26,12 @@ def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
     return export(source, req)
 
 
+def _prepare(source: SourceModel) -> dict[str, Any]:
+    from .export import prepare
+
+    return prepare(source)
+
+
 SPEC = register(
     TargetSpec(
         name="gguf",
@@ -36,6 +41,7 @@ SPEC = register(
         runtime="llama.cpp",
         code_version=CODE_VERSION,
         export=_export,
+        prepare=_prepare,
         description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0 written by kiln, Q4_K_M/Q6_K by llama.cpp's quantizer",
     )
 )

@@ -12,9 +12,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln.errors import InvalidInput, SourceInvalid
-
-from .constants import (
+from core.errors import InvalidInput, SourceInvalid
+from formats.gguf.constants import (
     ARCHS,
     BLOCK_TENSOR_NAMES,
     GLOBAL_TENSOR_NAMES,
@@ -31,8 +30,8 @@ from .constants import (
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.ingest import ModelShape
-    from pipeline.safetensors_header import TensorInfo
+    from formats.hf_model import ModelShape
+    from formats.safetensors import TensorInfo
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A source dtype and the GGUF type that holds it losslessly (the input to llama.cpp's quantizer).

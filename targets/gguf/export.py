@@ -12,13 +12,12 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import Deferred, InvalidInput, StageFailed, UnknownName
-
-from .constants import (
+from core.errors import Deferred, InvalidInput, StageFailed, UnknownName
+from formats.gguf.constants import (
     GGML_QUANT_VERSION,
     QK_K,
     QUANTS,
@@ -28,15 +27,16 @@ from .constants import (
     QuantSpec,
     TensorType,
 )
+from formats.gguf.reader import read_header
+from formats.gguf.writer import GGUFWriter, Metadata
+
 from .convert import TensorPlan, arch_spec, convert_tensors, plan_tensors
-from .reader import read_header
 from .tokenizer import VocabMetadata, predict_vocab, read_vocab
-from .writer import GGUFWriter, Metadata
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
 
 _LOSSLESS_FILE_TYPES = {TensorType.BF16: FileType.MOSTLY_BF16, TensorType.F16: FileType.MOSTLY_F16}
@@ -119,7 +119,7 @@ def write_gguf(
     predicted tokenizer metadata and corrected at the end if the reference disagrees. Returns the
     tokenizer metadata written and how the header was settled.
     """
-    from .quants import Encoder, F16Overflow
+    from formats.gguf.quants import Encoder, F16Overflow
 
     def metadata(vocab: VocabMetadata) -> Metadata:
         meta = Metadata()
@@ -182,6 +182,13 @@ def llama_quantize(src: Path, dst: Path, ftype: FileType, *, threads: int = 0) -
         raise StageFailed(f"llama.cpp's quantizer failed ({ftype.name}, rc={rc})", code="GGUF_QUANTIZE_FAILED")
 
 
+def prepare(source: SourceModel) -> dict[str, Any]:
+    """Once per source, for every GGUF export: the tokenizer as transformers loads it (the reference
+    metadata; loading transformers costs seconds a bare tensor conversion does not)."""
+    check_supported(source)
+    return {"vocab": asdict(read_vocab(source.root, source.shape.vocab_size, source.config))}
+
+
 def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     """Write `model-<quant>.gguf` into `req.out_dir`.
 
@@ -206,12 +213,17 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     final = out_dir / output_name(quant.name)
     with ThreadPoolExecutor(1, thread_name_prefix="kiln-gguf-tokenizer") as pool:
         shape, root = source.shape, source.root
-        reference = pool.submit(read_vocab, root, shape.vocab_size, source.config)
-        try:
-            predicted: VocabMetadata | None = predict_vocab(root, shape.vocab_size, source.config)
-        except InvalidInput:
-            predicted = None  # the reference decides: it may load fine, or it raises the error to report
-        tokenizer = TokenizerSource(predicted, reference.result)
+        predicted: VocabMetadata | None
+        if req.prepared is not None:  # the prepare stage read the reference once for every export
+            prepared = VocabMetadata(**req.prepared["vocab"])
+            tokenizer = TokenizerSource(prepared, lambda: prepared)
+        else:
+            reference = pool.submit(read_vocab, root, shape.vocab_size, source.config)
+            try:
+                predicted = predict_vocab(root, shape.vocab_size, source.config)
+            except InvalidInput:
+                predicted = None  # the reference decides: it may load fine, or it raises the error to report
+            tokenizer = TokenizerSource(predicted, reference.result)
         if quant.llama_ftype is None:
             vocab, settled = write_gguf(
                 source, plans, final, tokenizer, name=name, file_type=quant.file_type, on_progress=req.on_progress

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import InvalidInput
-
-from .constants import PRE_TOKENIZERS, Keys, PreTokenizerSpec, TokenType, ValueType
-from .writer import Metadata
+from core.errors import InvalidInput
+from formats.gguf.constants import PRE_TOKENIZERS, Keys, PreTokenizerSpec, TokenType, ValueType
+from formats.gguf.writer import Metadata
 
 SPECIAL_TOKEN_KINDS = ("bos", "eos", "unk", "pad")
 _SPECIAL_KEYS = {"bos": Keys.BOS_ID, "eos": Keys.EOS_ID, "unk": Keys.UNK_ID, "pad": Keys.PAD_ID}
@@ -172,6 +171,7 @@ def read_vocab(root: Path, vocab_size: int, config: dict[str, Any]) -> VocabMeta
     `[PAD{id}]` tokens of type UNUSED, as llama.cpp's converter writes them.
     """
     hf, tok = _effective_tokenizer(root)
+    _check_library_additions(hf, tok, root, vocab_size)
     # the tokenizer's own special tokens first, then config.json's ids, as gguf-py's SpecialVocab does
     ids = {kind: getattr(hf, f"{kind}_token_id", None) for kind in SPECIAL_TOKEN_KINDS}
     add_bos, add_eos = _adds_special(hf)
@@ -180,6 +180,35 @@ def read_vocab(root: Path, vocab_size: int, config: dict[str, Any]) -> VocabMeta
         _special_ids(ids, config, vocab_size), add_bos, add_eos, template if isinstance(template, str) else None
     )
     return _vocab(tok, specials, vocab_size)
+
+
+def _check_library_additions(hf: Any, tok: dict[str, Any], root: Path, vocab_size: int) -> None:
+    """Refuse, naming transformers as the cause, tokens its tokenizer class added past the model's vocab.
+
+    Some classes add default special tokens that tokenizer.json does not have: transformers'
+    Qwen2Tokenizer defaults unk, eos and pad to '<|endoftext|>' and adds it when tokenizer_config.json
+    names none, so a tokenizer.json that ends at id vocab_size - 1 gains id vocab_size.
+    """
+    own = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+    in_file = set((own.get("model") or {}).get("vocab") or {}) | {
+        a.get("content") for a in own.get("added_tokens") or [] if isinstance(a, dict)
+    }
+    for added in tok.get("added_tokens") or []:
+        tid, content = added.get("id"), added.get("content")
+        if not isinstance(tid, int) or tid < vocab_size or content in in_file:
+            continue
+        roles = [f"{kind}_token" for kind in SPECIAL_TOKEN_KINDS if getattr(hf, f"{kind}_token", None) == content]
+        cls = type(hf).__name__
+        raise InvalidInput(
+            f"tokenizer has token id {tid} but config.json vocab_size is {vocab_size}; the embedding matrix has "
+            f"no row for it. The token, {content!r}, is not in tokenizer.json: transformers' {cls} added it "
+            f"(as the default {' / '.join(roles) or 'special token'}) because tokenizer_config.json does not name "
+            f"{'these' if len(roles) > 1 else 'this'}. Set {', '.join(roles) or 'the special tokens'} in "
+            "tokenizer_config.json to tokens that tokenizer.json has, or add the token to tokenizer.json and "
+            "raise vocab_size (and the embeddings) to cover it.",
+            code="GGUF_VOCAB_MISMATCH",
+            details={"token": content, "id": tid, "tokenizer_class": cls, "roles": roles},
+        )
 
 
 def predict_vocab(root: Path, vocab_size: int, config: dict[str, Any]) -> VocabMetadata:

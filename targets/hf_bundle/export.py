@@ -16,20 +16,20 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
+from formats.safetensors import SafeTensorsWriter
+from quant.schemes import SCHEMES, Scheme, Verdict, compatibility, compatible_hardware, get_scheme
 from targets.base import ExportRequest, ExportResult
-from targets.safetensors_writer import SafeTensorsWriter
-from targets.schemes import SCHEMES, Scheme, Verdict, compatibility, compatible_hardware, get_scheme
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
 
 CODE_VERSION = "2"
 QUANTS = tuple(SCHEMES)
 QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
-# Every hardware profile some scheme runs on; each artifact records its own list (see targets.schemes).
+# Every hardware profile some scheme runs on; each artifact records its own list (see quant.schemes).
 HARDWARE = tuple(dict.fromkeys(hw for s in SCHEMES.values() for hw in compatible_hardware(s)))
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"

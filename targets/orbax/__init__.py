@@ -17,7 +17,7 @@ from .layout import INT8, QUANTS, TPU_HARDWARE, compatibility
 from .sharding import mesh_from_params
 
 if TYPE_CHECKING:
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
 
 CODE_VERSION = "orbax-1"

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import InvalidInput, StageFailed, UnknownName
+from core.errors import InvalidInput, StageFailed, UnknownName
 from targets.base import ExportRequest, ExportResult
 from targets.orbax.layout import (
     CHECKPOINT_DIR,
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from pipeline.ingest import SourceModel
-    from pipeline.quantize.store import QuantizedWeights
+    from formats.hf_model import SourceModel
+    from quant.store import QuantizedWeights
 
 
 def plan_tensors(source: SourceModel, layout: QuantLayout, quantized: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -57,7 +57,7 @@ def plan_tensors(source: SourceModel, layout: QuantLayout, quantized: Any) -> di
 
 
 def _quantized(quantized: QuantizedWeights | None, name: str) -> bool:
-    from pipeline.quantize.rtn import quantizes
+    from quant.rtn import quantizes
 
     return quantized is not None and quantizes(quantized.scheme, name)
 
@@ -103,7 +103,7 @@ def checkpoint_arrays(
 
 
 def _arrays_for(source: SourceModel, quantized: QuantizedWeights | None, name: str) -> list[tuple[str, np.ndarray]]:
-    from pipeline.quantize.rtn import dequantize
+    from quant.rtn import dequantize
 
     if quantized is not None and _quantized(quantized, name):
         module = name.removesuffix(".weight")

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kiln.errors import InvalidInput, KilnError
-from targets.hardware import PROFILES
+from core.errors import InvalidInput, KilnError
+from core.hardware import PROFILES
+from quant.schemes import SCHEMES, Verdict
 from targets.orbax.sharding import mesh_from_params
-from targets.schemes import SCHEMES, Verdict
 
 FORMAT: Final = "orbax-checkpoint"
 FORMAT_VERSION: Final = 1
@@ -141,7 +141,7 @@ def forward_config(config: dict[str, Any]) -> ForwardConfig:
     The export calls this before writing anything, so an artifact is only built for models its
     runtime serves exactly (plain RoPE, SiLU MLP, full attention or Mistral's sliding window).
     """
-    from pipeline.ingest import ModelShape
+    from formats.hf_model import ModelShape
 
     shape = ModelShape.from_config(config)
     act = config.get("hidden_act", "silu")

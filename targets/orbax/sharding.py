@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
 
 TENSOR_AXIS = "model"
 DEFAULT_MESH: Mapping[str, int] = {"data": 2, "model": 4}  # 8 chips: a v5e-8 slice is a 2x4 torus
@@ -63,7 +63,7 @@ class Mesh:
         if not isinstance(value, Mapping) or not value:
             raise MeshInvalid(f"orbax: mesh must be a mapping of axis name to size, e.g. {dict(DEFAULT_MESH)}")
         for name, size in value.items():
-            if not isinstance(name, str) or not _AXIS_NAME.match(name):
+            if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
                 raise MeshInvalid(f"orbax: mesh axis name {name!r} must match {_AXIS_NAME.pattern}")
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise MeshInvalid(f"orbax: mesh axis {name!r} must have a positive integer size, got {size!r}")

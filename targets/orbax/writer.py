@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import KilnError, StageFailed
+from core.errors import KilnError, StageFailed
 from targets.orbax.layout import nest
 
 if TYPE_CHECKING:

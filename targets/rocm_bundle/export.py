@@ -21,9 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
+from core.hardware import PROFILES
+from quant.schemes import SCHEMES, Scheme, Verdict, compatibility, get_scheme
 from targets.base import ExportRequest, ExportResult
-from targets.hardware import PROFILES
 from targets.hf_bundle.export import (
     DEFAULT_SHARD_BYTES,
     Planned,
@@ -33,7 +34,6 @@ from targets.hf_bundle.export import (
     write_bundle,
 )
 from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
-from targets.schemes import SCHEMES, Scheme, Verdict, compatibility, get_scheme
 
 CODE_VERSION = "1"
 QUANTS = tuple(SCHEMES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kiln.errors import InvalidInput
+from core.errors import InvalidInput
 
 if TYPE_CHECKING:
     import torch

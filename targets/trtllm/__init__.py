@@ -8,6 +8,7 @@ built by `pipeline.stages.engine` where a pinned tensorrt_llm and that GPU exist
 """
 
 from targets.base import TargetSpec, register
+from targets.trtllm.engines import engine_artifacts
 from targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
@@ -36,5 +37,6 @@ SPEC = register(
         check_params=check_params,
         check_quant_params=check_quant_params,
         unsupported_quants=REFUSED,
+        derived=engine_artifacts,
     )
 )

@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kiln.errors import InvalidInput, UnknownName
-from targets.hardware import PROFILES
+from core.errors import InvalidInput, UnknownName
+from core.hardware import PROFILES
+from targets.base import DerivedArtifact
 from targets.hf_bundle.export import DEFAULT_SHARD_BYTES
 from targets.trtllm.formats import ENGINE_REFUSED, ENGINE_SKUS, FORMATS, algo_verdict
 
@@ -137,6 +138,33 @@ def build_command(quant: str, sku: str, matrix: EngineMatrix) -> list[str]:
         "--max_seq_len",
         str(matrix.max_seq_len),
         *build_flags(quant, sku),
+    ]
+
+
+def engine_artifacts(name: str, quant: str, params: dict[str, Any]) -> list[DerivedArtifact]:
+    """One engine per SKU of `params.engines` (none without it), each built from the export `name`."""
+    matrix = parse_params(params).engines
+    if matrix is None:
+        return []
+    limits = {
+        "max_batch_size": matrix.max_batch_size,
+        "max_input_len": matrix.max_input_len,
+        "max_seq_len": matrix.max_seq_len,
+    }
+    return [
+        DerivedArtifact(
+            kind="engine",
+            artifact=f"{name}-{sku}",
+            params={
+                "artifact": f"{name}-{sku}",
+                "quant": quant,
+                "sku": sku,
+                "limits": limits,
+                "tensorrt_llm": matrix.tensorrt_llm,
+                "command": build_command(quant, sku, matrix),
+            },
+        )
+        for sku in matrix.skus
     ]
 
 

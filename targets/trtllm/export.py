@@ -18,11 +18,11 @@ import json
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kiln import __version__
-from kiln.errors import InvalidInput
+from core import __version__
+from core.errors import InvalidInput
+from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
-from targets.schemes import Scheme, Verdict
 from targets.trtllm.engines import check_engine_skus, parse_params, runner
 from targets.trtllm.formats import ENGINE_SKUS, FORMATS, scheme_verdicts
 from targets.trtllm.schema import HF_QUANT_CONFIG, HfQuantConfig, check_checkpoint
@@ -30,7 +30,7 @@ from targets.trtllm.schema import HF_QUANT_CONFIG, HfQuantConfig, check_checkpoi
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.ingest import SourceModel
+    from formats.hf_model import SourceModel
 
 CODE_VERSION = "1"
 QUANTS = tuple(FORMATS)

@@ -16,7 +16,7 @@ pre_quant_scale = 1; the scheme's own method (rtn, gptq, awq) is recorded in the
 
 Hardware: the "Hardware Support Matrix" of TensorRT-LLM's docs/source/features/quantization.md
 (FP8 rowwise on Hopper; FP8 block scaling on Hopper and Blackwell sm100; W4A16 AWQ on Ampere, Ada,
-Hopper; NVFP4 and MXFP4 on Blackwell), with compute capabilities from `targets.hardware`.
+Hopper; NVFP4 and MXFP4 on Blackwell), with compute capabilities from `core.hardware`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from targets.hardware import PROFILES, HardwareProfile
-from targets.schemes import Verdict
+from core.hardware import PROFILES, HardwareProfile
+from quant.schemes import Verdict
 
 Layout = Literal["dense", "compressed-tensors", "modelopt"]
 DOCS = "TensorRT-LLM docs/source/features/quantization.md"

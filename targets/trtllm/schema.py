@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kiln.errors import InvalidInput
-from pipeline.safetensors_header import TensorInfo, read_header
+from core.errors import InvalidInput
+from formats.safetensors import TensorInfo, read_header
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 

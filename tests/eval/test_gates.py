@@ -7,9 +7,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from eval.gates import DEFAULT_GATES, GATE_KEYS, Gate, check, gate_for
-from eval.report import EvalMetrics
-from kiln.errors import RecipeInvalid, UnknownName
+from core.errors import RecipeInvalid, UnknownName
+from eval.gates import DEFAULT_GATES, GATE_KEYS, EvalMetrics, Gate, check, gate_for
 
 GGUF_QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q6_k")
 HF_BUNDLE_QUANTS = ("bf16",)

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.errors import InvalidInput, StageFailed
 from eval.gates import gate_for
 from eval.metrics import compare
 from eval.run import evaluate, evaluate_artifact
 from eval.runtimes import CachedRuntime, JaxRuntime, Runtime, open_runtime
 from eval.runtimes.jax_runtime import bucket
 from eval.text import EvalText
-from kiln.errors import InvalidInput, StageFailed
-from pipeline.ingest import open_source
+from formats.hf_model import open_source
 from targets.base import ExportRequest, get_target
 
 

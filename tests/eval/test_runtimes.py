@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.errors import InvalidInput, StageFailed
 from eval.gates import Gate, gate_for
 from eval.metrics import compare
 from eval.run import evaluate, evaluate_artifact, measure
 from eval.runtimes import CachedRuntime, LlamaCppRuntime, Runtime, TransformersRuntime
 from eval.text import EvalText
-from kiln.errors import InvalidInput, StageFailed
 from tests.eval.gguf_fixture import write_llama_gguf
 
 
@@ -186,7 +186,7 @@ class LlamaCppRuntimeCtx:
 def test_kiln_gguf_export_agrees_with_reference(
     llama_dir: Path, tmp_path: Path, reference: CachedRuntime, eval_text: EvalText
 ) -> None:
-    from pipeline.ingest import open_source
+    from formats.hf_model import open_source
     from targets.base import ExportRequest, get_target
 
     target = get_target("gguf")

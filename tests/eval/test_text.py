@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import InvalidInput
 from eval.text import EvalText, load_text, tokenize_text
-from kiln.errors import InvalidInput
 
 
 def hf_ids(model_dir: Path, text: str) -> list[int]:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.manifest import FileEntry
+from core.hardware import PROFILES
+from core.manifest import FileEntry
 from pipeline.stage import StageOutput
 from pipeline.stages import engine as engine_stage
 from pipeline.stages.publish import manifest_for
-from targets.hardware import PROFILES
 from targets.trtllm.engines import EngineMatrix, build_command, gpus_matching, missing_for
 from tests.model_factory import make_model
 
@@ -144,9 +144,9 @@ def test_build_plan_and_publish_show_engines_deferred_to_their_runner(recipe: Pa
     assert states["export/trtllm-int4-rtn"]["state"] == "cached"
     engine = states["engine/trtllm-int4-rtn-a100"]
     assert engine["state"] == "deferred" and engine["runner"] == "a100 GPU with tensorrt_llm==0.21.0"
-    assert engine["command"] == build_command("int4-rtn", "a100", MATRIX) and engine["inputs"] == [
-        "export/trtllm-int4-rtn"
-    ]
+    assert engine["command"] == build_command("int4-rtn", "a100", MATRIX) and engine["inputs"] == {
+        "export": "export/trtllm-int4-rtn"
+    }
     text = kiln("plan", str(recipe), "--work-dir", work).stderr
     assert "deferred to h100 GPU with" in text.replace("\n", " ")
 
@@ -161,6 +161,8 @@ def test_build_plan_and_publish_show_engines_deferred_to_their_runner(recipe: Pa
         release = client.get_release("m", "1")
     artifacts = {a["name"]: a for a in release["artifacts"]}
     assert set(artifacts) == {"trtllm-bf16", "trtllm-int4-rtn"}  # no engine reaches the registry from here
+    # The release plans what this build can make, and is sealed without the deferred engines.
+    assert release["status"] == "sealed" and release["planned_artifacts"] == ["trtllm-bf16", "trtllm-int4-rtn"]
     int4_eval = artifacts["trtllm-int4-rtn"]["evals"][0]
     assert (int4_eval["runtime"], int4_eval["status"]) == ("tensorrt_llm", "not_evaluated")
     assert "GPU runner" in int4_eval["reason"] and artifacts["trtllm-int4-rtn"]["eval_status"] == "not_evaluated"

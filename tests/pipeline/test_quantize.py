@@ -6,20 +6,20 @@ from pathlib import Path
 
 import pytest
 
+from formats.hf_model import open_source
+from formats.safetensors import DTYPES
 from pipeline.build import plan
-from pipeline.ingest import open_source
-from pipeline.quantize.rtn import (
+from pipeline.recipe import parse_recipe
+from quant.rtn import (
     QuantShapeError,
     check_shapes,
     dequantize,
     planned_tensors,
-    quantize_tensors,
+    quantize_weight,
     quantizes,
     weight_scale,
 )
-from pipeline.quantize.store import TORCH_DTYPES
-from pipeline.recipe import parse_recipe
-from targets.schemes import get_scheme
+from quant.schemes import get_scheme
 from tests.model_factory import make_model
 
 LAYER = "model.layers.3.mlp.down_proj.weight"
@@ -41,7 +41,7 @@ def test_int_rtn_error_is_at_most_half_a_step(name: str) -> None:
 
     scheme = get_scheme(name)
     w = _weight()
-    stored = dict(quantize_tensors(scheme, [(LAYER, w)]))
+    stored = dict(quantize_weight(LAYER, w, scheme))
     module = LAYER.removesuffix(".weight")
     assert set(stored) == {f"{module}.weight_packed", f"{module}.weight_scale", f"{module}.weight_shape"}
     assert stored[f"{module}.weight_packed"].dtype == torch.int32
@@ -63,7 +63,7 @@ def test_fp8_per_channel_scale_and_relative_error() -> None:
 
     scheme = get_scheme("fp8")
     w = _weight()
-    stored = dict(quantize_tensors(scheme, [(LAYER, w)]))
+    stored = dict(quantize_weight(LAYER, w, scheme))
     module = LAYER.removesuffix(".weight")
     q, scale = stored[f"{module}.weight"], stored[f"{module}.weight_scale"]
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (96, 1) and scale.dtype == torch.bfloat16
@@ -79,23 +79,17 @@ def test_fp8_per_channel_scale_and_relative_error() -> None:
     assert bool((err <= bound * 1.001).all())
 
 
-def test_everything_but_decoder_linears_stays_bf16_and_input_is_untouched() -> None:
+def test_only_decoder_linears_are_quantized_and_input_is_untouched() -> None:
     import torch
 
     scheme = get_scheme("int4-rtn")
     w = _weight(cols=128)
-    emb = torch.randn(16, 128)
     before = w.clone()
-    out = dict(
-        quantize_tensors(
-            scheme,
-            [("model.embed_tokens.weight", emb), ("lm_head.weight", w), ("model.norm.weight", emb[0]), (LAYER, w)],
-        )
-    )
-    assert out["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"], w)
-    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16
-    assert "model.norm.weight" in out
-    assert torch.equal(w, before)
+    assert [n for n, _ in quantize_weight(LAYER, w, scheme)]  # quantized into its own tensors...
+    assert torch.equal(w, before)  # ...without touching the input
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert not quantizes(scheme, name)
+    assert quantizes(scheme, LAYER)
     assert not quantizes(scheme, "lm_head.weight") and not quantizes(scheme, "model.layers.0.self_attn.q_proj.bias")
     assert not quantizes(get_scheme("bf16"), LAYER)
 
@@ -104,11 +98,11 @@ def test_planned_tensors_match_what_is_produced() -> None:
     for name in ("fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn"):
         scheme = get_scheme(name)
         w = _weight(rows=256, cols=384)
-        produced = list(quantize_tensors(scheme, [(LAYER, w)]))
+        produced = list(quantize_weight(LAYER, w, scheme))
         planned = planned_tensors(scheme, LAYER, (256, 384))
         assert [n for n, _ in produced] == [n for n, _, _ in planned]
         assert [tuple(t.shape) for _, t in produced] == [s for _, _, s in planned]
-        assert [str(t.dtype) for _, t in produced] == [f"torch.{TORCH_DTYPES[d]}" for _, d, _ in planned]
+        assert [str(t.dtype) for _, t in produced] == [f"torch.{DTYPES[d].torch}" for _, d, _ in planned]
 
 
 def test_group_size_mismatch_names_the_layer() -> None:
@@ -131,7 +125,7 @@ def test_scales_never_zero() -> None:
 
 
 def test_model_with_unfit_widths_fails_in_planning(tmp_path: Path) -> None:
-    from pipeline.quantize.store import write_quantized
+    from quant.store import write_quantized
 
     src = open_source(make_model(tmp_path / "m", hidden_size=64, intermediate_size=192))
     with pytest.raises(QuantShapeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
@@ -157,6 +151,8 @@ def test_plan_shares_one_quantize_node_per_scheme(tmp_path: Path) -> None:
     )
     nodes = {n.id: n for n in plan(recipe, tmp_path / "w")}
     assert [n for n in nodes if n.startswith("quantize/")] == ["quantize/fp8", "quantize/int4-rtn"]
-    assert nodes["export/hf-bundle-fp8"].inputs == ("ingest/source", "quantize/fp8")
-    assert nodes["export/hf-bundle-bf16"].inputs == ("ingest/source",)
-    assert nodes["export/gguf-q8_0"].inputs == ("ingest/source",)
+    assert nodes["export/hf-bundle-fp8"].inputs == {"ingest": "ingest/source", "quantized": "quantize/fp8"}
+    assert nodes["export/hf-bundle-bf16"].inputs == {"ingest": "ingest/source"}
+    # The gguf exports share their target's prepare stage (the tokenizer, read once per source).
+    assert nodes["export/gguf-q8_0"].inputs == {"ingest": "ingest/source", "prepared": "prepare/gguf"}
+    assert [n for n in nodes if n.startswith("prepare/")] == ["prepare/gguf"]

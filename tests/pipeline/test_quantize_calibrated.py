@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ingest import open_source
-from pipeline.quantize.calibrated import CalibrationTooShort, calibrate, calibration_samples
-from pipeline.quantize.store import open_quantized, write_quantized
+from core.errors import InvalidInput
+from formats.hf_model import open_source
+from pipeline.records import QuantizeRecord
+from quant.calibrated import CalibrationTooShort, calibrate, calibration_dtype, calibration_samples
+from quant.schemes import get_scheme
+from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest
 from targets.hf_bundle.export import export
-from targets.schemes import get_scheme
 from tests.model_factory import make_model
 
 CALIBRATED = ["w4a16-gptq", "w4a16-awq"]
@@ -102,7 +104,7 @@ def test_disk_offloaded_calibration_equals_oneshot_on_the_model_in_memory(
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quantize.calibrated import _recipe, cpu_pin_memory_workaround
+    from quant.calibrated import _recipe, cpu_pin_memory_workaround
 
     scheme = get_scheme(name)
     samples = calibration_samples(model_dir, _stdlib_text("argparse.py"), samples=4, seq_len=64)
@@ -159,7 +161,7 @@ def test_too_short_calibration_text_is_an_error(model_dir: Path) -> None:
 
 
 def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_dir: Path, tmp_path: Path) -> None:
-    from kiln.errors import RecipeInvalid
+    from core.errors import RecipeInvalid
     from pipeline.build import plan
     from pipeline.recipe import parse_recipe
 
@@ -171,15 +173,23 @@ def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_
         "eval": {"text": "text.txt", "max_tokens": 512},
         "targets": [{"target": "hf-bundle", "quants": ["int4-rtn", "w4a16-gptq"]}],
     }
-    nodes = {n.id: n for n in plan(parse_recipe(base, base_dir=tmp_path), tmp_path / "w")}
-    assert nodes["quantize/w4a16-gptq"].params["calibration"] == {"samples": 32, "seq_len": 256, "skip_tokens": 512}
+    outside = [model_dir]  # the model lives in a shared fixture directory, not beside the recipe
+    nodes = {n.id: n for n in plan(parse_recipe(base, base_dir=tmp_path, allowed_roots=outside), tmp_path / "w")}
+    assert nodes["quantize/w4a16-gptq"].params["calibration"] == {
+        "samples": 32,
+        "seq_len": 256,
+        "skip_tokens": 512,
+        "compute_dtype": calibration_dtype(),  # this CPU's: part of the key
+    }
     assert "calibration_text" in nodes["quantize/w4a16-gptq"].external
     assert "calibration" not in nodes["quantize/int4-rtn"].params
     (tmp_path / "calib.txt").write_text("x")
-    own = parse_recipe({**base, "calibration": {"text": "calib.txt", "samples": 4}}, base_dir=tmp_path)
+    own = parse_recipe(
+        {**base, "calibration": {"text": "calib.txt", "samples": 4}}, base_dir=tmp_path, allowed_roots=outside
+    )
     assert own.calibration_skip_tokens == 0
     with pytest.raises(RecipeInvalid, match="calibration.text"):
-        parse_recipe({**base, "calibration": {"text": "missing.txt"}}, base_dir=tmp_path)
+        parse_recipe({**base, "calibration": {"text": "missing.txt"}}, base_dir=tmp_path, allowed_roots=outside)
     with pytest.raises(RecipeInvalid, match="calibration.samples"):
         parse_recipe({**base, "calibration": {"samples": 0}}, base_dir=tmp_path)
 
@@ -193,7 +203,7 @@ def test_upstream_awq_still_pins_memory_on_cpu() -> None:
     import torch
     from llmcompressor.pipelines.cache import IntermediatesCache
 
-    from pipeline.quantize.calibrated import cpu_pin_memory_workaround
+    from quant.calibrated import cpu_pin_memory_workaround
 
     if torch.accelerator.is_available():
         pytest.skip("pinning works with an accelerator; the workaround is a no-op there")
@@ -221,13 +231,41 @@ def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir:
         quantize_stage.STAGE,
         params={
             "scheme": get_scheme("w4a16-gptq").model_dump(mode="json"),
-            "calibration": {"samples": 4, "seq_len": 64, "skip_tokens": 0},
+            # float32: the path CPUs without native bf16 take (this one has it)
+            "calibration": {"samples": 4, "seq_len": 64, "skip_tokens": 0, "compute_dtype": "float32"},
         },
-        inputs=(ingest.id,),
+        inputs={"ingest": ingest.id},
         external={"calibration_text": "test"},
         args={"calibration_text": str(text)},
     )
     work = tmp_path / "work"
     out = LocalExecutor(WorkDir(work)).run([ingest, quantize])["quantize/w4a16-gptq"].output
     assert out is not None and (out.files_dir / "quantized.safetensors").is_file()
+    assert out.record(QuantizeRecord).calibration == {
+        "samples": 4,
+        "seq_len": 64,
+        "skip_tokens": 0,
+        "compute_dtype": "float32",
+    }
     assert not [p for p in work.rglob("*") if "calibration-offload" in p.name or p.name.startswith(".tmp-")]
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+SAPPHIRE_RAPIDS = "flags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+GRAVITON3 = "Features\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "dtype"),
+    [(AVX2_ONLY, "float32"), (SAPPHIRE_RAPIDS, "bfloat16"), (GRAVITON3, "bfloat16"), ("", "float32")],
+)
+def test_calibration_computes_in_bf16_only_where_the_cpu_has_it(
+    cpuinfo: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KILN_CALIBRATION_DTYPE", raising=False)
+    assert calibration_dtype(cpuinfo) == dtype
+    monkeypatch.setenv("KILN_CALIBRATION_DTYPE", "float32")
+    assert calibration_dtype(SAPPHIRE_RAPIDS) == "float32"
+    monkeypatch.setenv("KILN_CALIBRATION_DTYPE", "float16")
+    with pytest.raises(InvalidInput, match="KILN_CALIBRATION_DTYPE"):
+        calibration_dtype(cpuinfo)

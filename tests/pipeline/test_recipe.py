@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.errors import RecipeInvalid
+from core.errors import RecipeInvalid
 from pipeline.recipe import load_recipe
 
 GOOD = {
@@ -92,3 +92,86 @@ def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:
 def test_pickle_source_is_refused(tmp_path: Path) -> None:
     e = _error(tmp_path, {**GOOD, "source": "model/pytorch_model.bin"})
     assert "pickle" in e.message
+
+
+# --- paths stay inside the recipe's directory unless the command line allows another ------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"eval": {"text": "/etc/passwd"}}, "eval.text"),
+        ({"eval": {"text": "../../../../../../etc/passwd"}}, "eval.text"),
+        ({"source": "/etc"}, "source"),
+        ({"source": "model/../.."}, "source"),
+        ({"calibration": {"text": "/etc/hostname"}}, "calibration.text"),
+    ],
+)
+def test_paths_outside_the_recipe_directory_are_refused(tmp_path: Path, edit: dict, field: str) -> None:
+    e = _error(tmp_path, {**GOOD, **edit})
+    assert e.message.startswith(f"{tmp_path / 'kiln.yaml'}: {field}: ")
+    assert "outside the recipe's directory" in e.message and "--allow-outside" in e.message
+    assert e.details["errors"] == [{"field": field, "message": e.message.split(f"{field}: ", 1)[1]}]
+
+
+def test_a_symlink_leaving_the_recipe_directory_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "text.txt").write_text("secret")
+    recipe_dir = tmp_path / "r"
+    recipe_dir.mkdir()
+    (recipe_dir / "held.txt").symlink_to(outside / "text.txt")
+    path = _write(recipe_dir, {**GOOD, "eval": {"text": "held.txt"}})
+    with pytest.raises(RecipeInvalid, match=r"eval.text: 'held.txt' resolves to .*outside the recipe's directory"):
+        load_recipe(path)
+    recipe = load_recipe(path, allowed_roots=[outside])  # the command line may allow it
+    assert recipe.eval_text == (outside / "text.txt").resolve()
+    (recipe_dir / "inside.txt").symlink_to(recipe_dir / "heldout.txt")  # a link that stays inside is fine
+    assert load_recipe(_write(recipe_dir, {**GOOD, "eval": {"text": "inside.txt"}})).eval.text == "inside.txt"
+
+
+def test_the_recipe_cannot_allow_directories_itself(tmp_path: Path) -> None:
+    for key, value in (("allowed_roots", ["/"]), ("base_dir", "/")):
+        e = _error(tmp_path, {**GOOD, key: value, "eval": {"text": "/etc/passwd"}})
+        assert f"{key}: unknown field" in e.message and "command line" in e.message
+
+
+@pytest.mark.parametrize("value", ["model\x00x", "a" * 5000, "\udcff"])
+def test_unresolvable_paths_are_recipe_errors(tmp_path: Path, value: str) -> None:
+    from pipeline.recipe import parse_recipe
+
+    (tmp_path / "heldout.txt").write_text("x")
+    with pytest.raises(RecipeInvalid, match="source: "):
+        parse_recipe({**GOOD, "source": value}, base_dir=tmp_path)
+
+
+# --- the YAML itself --------------------------------------------------------------------------------------------
+
+
+def test_yaml_bombs_and_deep_nesting_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+    )
+    path = tmp_path / "bomb.yaml"
+    path.write_text("model: tiny\nversion: '1'\nsource: model\n" + laughs)
+    with pytest.raises(RecipeInvalid, match="more than 100000 values"):
+        load_recipe(path)
+    path.write_text("model: " + "[" * 5000 + "]" * 5000)
+    with pytest.raises(RecipeInvalid, match="nested too deeply|deeper than"):
+        load_recipe(path)
+    path.write_text("a: &a [*a]\n")  # refers to itself
+    with pytest.raises(RecipeInvalid):
+        load_recipe(path)
+
+
+def test_unreadable_recipes_are_recipe_errors(tmp_path: Path) -> None:
+    path = tmp_path / "kiln.yaml"
+    path.write_bytes(b"model: \xff\xfe\n")
+    with pytest.raises(RecipeInvalid, match="not UTF-8"):
+        load_recipe(path)
+    path.write_bytes(b"# " + b"x" * (1024 * 1024 + 1))
+    with pytest.raises(RecipeInvalid, match="limit"):
+        load_recipe(path)
+    with pytest.raises(RecipeInvalid, match="not a regular file"):
+        load_recipe(tmp_path)

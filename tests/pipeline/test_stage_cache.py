@@ -7,37 +7,50 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 
-from kiln.errors import Deferred, StageFailed
+from core.errors import Deferred, StageFailed
 from pipeline.executors.local import LocalExecutor
 from pipeline.stage import Node, Stage, StageContext, WorkDir
 
 calls: list[str] = []
 
 
-def _write(ctx: StageContext) -> dict:
+class Written(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int
+
+
+class Nothing(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _write(ctx: StageContext) -> Written:
     calls.append(ctx.node.id)
     (ctx.out_dir / "out.txt").write_text(f"{ctx.node.params}")
-    return {"n": ctx.node.params.get("n", 0)}
+    return Written(n=ctx.node.params.get("n", 0))
 
 
-def _upper(ctx: StageContext) -> dict:
+def _upper(ctx: StageContext) -> Nothing:
     calls.append(ctx.node.id)
-    text = (ctx.input("write").files_dir / "out.txt").read_text()
+    assert ctx.record("text", Written).n >= 0
+    text = (ctx.input("text").files_dir / "out.txt").read_text()
     (ctx.out_dir / "upper.txt").write_text(text.upper())
-    return {}
+    return Nothing()
 
 
-WRITE = Stage("write", "1", _write)
-UPPER = Stage("upper", "1", _upper)
+WRITE = Stage("write", "1", _write, Written)
+UPPER = Stage("upper", "1", _upper, Nothing)
 
 
 def _graph(n: int = 1) -> list[Node]:
     a = Node("write/a", WRITE, params={"n": n})
-    return [a, Node("upper/a", UPPER, params={}, inputs=(a.id,))]
+    return [a, Node("upper/a", UPPER, params={}, inputs={"text": a.id})]
 
 
 def test_second_run_reuses_every_stage(tmp_path: Path) -> None:
@@ -66,23 +79,39 @@ def test_cache_key_is_hash_of_canonical_json_not_concatenation() -> None:
     assert n1.cache_key({}) == Node("write/y", WRITE, params={"b": "c", "a": "ab"}).cache_key({})
 
 
+def test_cache_key_keeps_each_inputs_role() -> None:
+    # The same two digests in swapped roles (reference vs candidate) are a different computation.
+    digests = {"x/1": "1" * 64, "x/2": "2" * 64}
+    one = Node("upper/a", UPPER, params={}, inputs={"reference": "x/1", "candidate": "x/2"})
+    other = Node("upper/a", UPPER, params={}, inputs={"reference": "x/2", "candidate": "x/1"})
+    assert one.cache_key(digests) != other.cache_key(digests)
+
+
+def test_a_stage_json_that_breaks_its_record_schema_is_an_error(tmp_path: Path) -> None:
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    meta = first["write/a"].output.path / "stage.json"
+    meta.write_text(meta.read_text().replace('"n": 1', '"n": "one"'))
+    with pytest.raises(StageFailed, match="does not hold a Written"):
+        LocalExecutor(WorkDir(tmp_path)).run(_graph())
+
+
 def test_failed_stage_leaves_nothing_that_looks_done(tmp_path: Path) -> None:
-    def boom(ctx: StageContext) -> dict:
+    def boom(ctx: StageContext) -> Nothing:
         (ctx.out_dir / "half.bin").write_bytes(b"x" * 100)
         raise ValueError("disk on fire")
 
-    node = Node("boom/a", Stage("boom", "1", boom), params={})
+    node = Node("boom/a", Stage("boom", "1", boom, Nothing), params={})
     with pytest.raises(StageFailed, match="disk on fire"):
         LocalExecutor(WorkDir(tmp_path)).run([node])
     assert not any((tmp_path / "boom").iterdir())
 
 
 def test_deferred_stage_defers_its_dependents(tmp_path: Path) -> None:
-    def needs_gpu(ctx: StageContext) -> dict:
+    def needs_gpu(ctx: StageContext) -> Written:
         raise Deferred("deferred to a runner with an H100")
 
-    a = Node("gpu/a", Stage("gpu", "1", needs_gpu), params={})
-    b = Node("upper/a", UPPER, params={}, inputs=(a.id,))
+    a = Node("gpu/a", Stage("gpu", "1", needs_gpu, Written), params={})
+    b = Node("upper/a", UPPER, params={}, inputs={"text": a.id})
     out = LocalExecutor(WorkDir(tmp_path)).run([a, b])
     assert out["gpu/a"].status == "deferred" and "H100" in out["gpu/a"].reason
     assert out["upper/a"].status == "deferred" and "gpu/a" in out["upper/a"].reason
@@ -92,18 +121,22 @@ KILLED_STAGE = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
+    from pydantic import BaseModel
     from pipeline.executors.local import LocalExecutor
     from pipeline.stage import Node, Stage, WorkDir
+
+    class Done(BaseModel):
+        pass
 
     def slow(ctx):
         (ctx.out_dir / "part.bin").write_bytes(b"half")
         if sys.argv[2] == "hang":
-            print("started", flush=True)
+            (Path(sys.argv[1]) / "started").touch()  # what a stage prints goes to its log: a file says it
             time.sleep(60)
         (ctx.out_dir / "part.bin").write_bytes(b"whole")
-        return {}
+        return Done()
 
-    out = LocalExecutor(WorkDir(Path(sys.argv[1]))).run([Node("slow/a", Stage("slow", "1", slow), params={})])
+    out = LocalExecutor(WorkDir(Path(sys.argv[1]))).run([Node("slow/a", Stage("slow", "1", slow, Done), params={})])
     print(out["slow/a"].status, flush=True)
     """
 )
@@ -117,7 +150,11 @@ def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
     with subprocess.Popen(
         [sys.executable, str(script), str(work), "hang"], stdout=subprocess.PIPE, text=True, env=env
     ) as proc:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        for _ in range(600):
+            if (work / "started").exists():
+                break
+            time.sleep(0.05)
+        assert (work / "started").exists()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert [p.name for p in (work / "slow").iterdir()][0].startswith(".tmp-")  # half output, not a key dir
@@ -129,7 +166,7 @@ def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
 
 
 def test_hash_cache_never_serves_a_stale_digest(tmp_path: Path) -> None:
-    from kiln.digest import HashCache, sha256_file
+    from core.digest import HashCache, sha256_file
 
     f = tmp_path / "weights.bin"
     f.write_bytes(b"a" * 1000)
@@ -140,3 +177,30 @@ def test_hash_cache_never_serves_a_stale_digest(tmp_path: Path) -> None:
         fh.write(b"b")
     again = HashCache(tmp_path / "cache.json").sha256(f)
     assert again != first and again == sha256_file(f)
+
+
+def test_what_a_stage_prints_goes_to_its_log_and_a_failure_quotes_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    def noisy(ctx: StageContext) -> Written:
+        print("python logging, progress bars")
+        os.write(2, b"a C library writing to its stderr\n")
+        return Written(n=1)
+
+    def failing(ctx: StageContext) -> Written:
+        print("loading weights")
+        os.write(2, b"the last thing it said\n")
+        raise ValueError("boom")
+
+    out = LocalExecutor(WorkDir(tmp_path)).run([Node("noisy/a", Stage("noisy", "1", noisy, Written), params={})])
+    printed = capfd.readouterr()
+    assert "progress bars" not in printed.out + printed.err and "C library" not in printed.out + printed.err
+    log = (out["noisy/a"].output.path / "stage.log").read_text()
+    assert "python logging, progress bars" in log and "a C library writing to its stderr" in log
+    with pytest.raises(StageFailed) as failed:
+        LocalExecutor(WorkDir(tmp_path)).run([Node("failing/a", Stage("failing", "1", failing, Written), params={})])
+    assert "the last thing it said" not in capfd.readouterr().err
+    assert failed.value.details["log_tail"] == ["loading weights", "the last thing it said"]
+    assert Path(failed.value.details["log"]).read_text().endswith("the last thing it said\n")
+    print("the terminal is back")
+    assert capfd.readouterr().out == "the terminal is back\n"

@@ -68,19 +68,34 @@ def upload(client: TestClient, data: bytes) -> str:
 
 
 def make_release(
-    client: TestClient, model: str = "tiny", version: str = "1.0", model_config: dict[str, Any] | None = None
+    client: TestClient,
+    model: str = "tiny",
+    version: str = "1.0",
+    model_config: dict[str, Any] | None = None,
+    planned: tuple[str, ...] | list[str] = ("gguf-q8",),
 ) -> None:
+    """Open `model@version` planning the artifacts `planned`."""
     assert client.post("/v1/models", json={"name": model}).status_code in (200, 201)
     response = client.post(
         f"/v1/models/{model}/releases",
         json={
             "version": version,
             "source_digest": SOURCE_DIGEST,
+            "planned_artifacts": list(planned),
             "lineage": {"source": "hf:tiny"},
             "model_config": LLAMA_CONFIG if model_config is None else model_config,
         },
     )
     assert response.status_code in (200, 201), response.text
+
+
+def seal(client: TestClient, version: str = "1.0", model: str = "tiny") -> dict[str, Any]:
+    """Seal `model@version` (every planned artifact must be published with an eval)."""
+    response = client.post(f"/v1/models/{model}/releases/{version}/seal")
+    assert response.status_code in (200, 201), response.text
+    result: dict[str, Any] = response.json()
+    assert result["status"] == "sealed"
+    return result
 
 
 def manifest(name: str, files: dict[str, bytes], hardware: list[str], quant: str = "q8_0", **extra: Any) -> dict:

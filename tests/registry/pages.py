@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import make_release, post_eval, promote, publish
+from tests.registry.helpers import make_release, post_eval, promote, publish, seal
 
 DESCRIPTION = "Tiny test model <script>alert('description')</script>"
 FORCED_REASON = "<script>alert('reason')</script> ship despite the q4_0 regression"
@@ -21,18 +21,21 @@ FILES = {
 }
 LOSSLESS_GATE = {"max_kl": 0.005, "min_top1": 0.95, "max_ppl_increase": 0.01, "min_greedy_match": None}
 ROUNDED_GATE = {"max_kl": 0.15, "min_top1": 0.8, "max_ppl_increase": 0.15, "min_greedy_match": None}
+NO_VLLM = "vLLM has no kernel for this scheme on this CPU"
 FAILURES = "kl 0.31 is above max_kl 0.15; ppl_change 0.21 is above max_ppl_increase 0.15"
 
 
 def seed(client: TestClient) -> None:
-    """tiny@1.0 (promoted to prod, then yanked) and tiny@2.0 with four artifacts: one passed (and not
-    evaluated on a second runtime), one failed on two gates, one not evaluated here, one without any eval;
-    2.0 was forced to prod over the failure."""
+    """tiny@1.0 (promoted to prod, then yanked), tiny@2.0 with four artifacts: one passed (and not
+    evaluated on a second runtime), one failed on two gates, two not evaluated here; 2.0 was forced to
+    prod over the failure; and tiny@3.0, open, with one of its two artifacts published, without an eval."""
     assert client.post("/v1/models", json={"name": "tiny", "description": DESCRIPTION}).status_code == 201
-    make_release(client, version="1.0")
+    make_release(client, version="1.0", planned=["gguf-q8_0"])
     publish(client, "gguf-q8_0", {"old-q8_0.gguf": b"old" * 100}, ["cpu"], version="1.0")
+    assert post_eval(client, "gguf-q8_0", "passed", version="1.0").status_code == 201
+    seal(client, "1.0")
     assert promote(client, "1.0", actor="alice").status_code == 200
-    make_release(client, version="2.0")
+    make_release(client, version="2.0", planned=list(FILES))
     publish(client, "gguf-q8_0", FILES["gguf-q8_0"], ["cpu", "apple"], version="2.0")
     publish(client, "gguf-q4_0", FILES["gguf-q4_0"], ["cpu"], version="2.0", quant="q4_0")
     publish(
@@ -71,9 +74,15 @@ def seed(client: TestClient) -> None:
     assert (
         post_eval(client, "gguf-q8_0", "not_evaluated", runtime="llama.cpp-metal", version="2.0", reason=metal)
     ).status_code == 201
+    assert (
+        post_eval(client, "hf-bundle-bf16", "not_evaluated", runtime="vllm", version="2.0", reason=NO_VLLM)
+    ).status_code == 201
+    seal(client, "2.0")
     forced = promote(client, "2.0", force=True, reason=FORCED_REASON, actor="release-bot")
     assert forced.status_code == 200, forced.text
     assert client.post("/v1/models/tiny/releases/1.0/yank", json={"reason": YANK_REASON}).status_code == 200
+    make_release(client, version="3.0", planned=["gguf-q4_0", "gguf-q8_0"])
+    publish(client, "gguf-q8_0", {"new-q8_0.gguf": b"new" * 100}, ["cpu"], version="3.0")
 
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}

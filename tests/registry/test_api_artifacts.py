@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import assert_error, make_release, manifest, post_eval, publish, sha, upload
+from tests.registry.helpers import assert_error, make_release, manifest, post_eval, publish, seal, sha, upload
 
 FILES = {"model.gguf": b"G" * 3000, "tokenizer/tokenizer.json": b'{"v": 1}'}
 ARTIFACTS = "/v1/models/tiny/releases/1.0/artifacts"
@@ -56,6 +56,8 @@ def test_conflicting_artifact_is_409_and_changes_nothing(client: TestClient) -> 
     stored = client.get(f"{ARTIFACTS}/gguf-q8").json()
     assert stored["manifest_digest"] == first["manifest_digest"]
     assert stored["hardware"] == ["cpu"]
+    post_eval(client, "gguf-q8", "passed")
+    seal(client)
     assert client.get(f"{ARTIFACTS}/gguf-q8/files/model.gguf").content == FILES["model.gguf"]
 
 
@@ -70,6 +72,8 @@ def test_publish_to_unknown_release_is_404(client: TestClient) -> None:
 def test_artifact_detail_has_download_urls(client: TestClient) -> None:
     make_release(client)
     publish(client, "gguf-q8", FILES, ["cpu"])
+    post_eval(client, "gguf-q8", "passed")
+    seal(client)
     detail = client.get(f"{ARTIFACTS}/gguf-q8").json()
     assert detail["model"] == "tiny" and detail["version"] == "1.0"
     urls = {f["path"]: f["url"] for f in detail["files"]}
@@ -88,6 +92,8 @@ def test_artifact_detail_has_download_urls(client: TestClient) -> None:
 def test_file_download_supports_range_and_etag(client: TestClient) -> None:
     make_release(client)
     publish(client, "gguf-q8", FILES, ["cpu"])
+    post_eval(client, "gguf-q8", "passed")
+    seal(client)
     url = f"{ARTIFACTS}/gguf-q8/files/model.gguf"
     part = client.get(url, headers={"Range": "bytes=-100"})
     assert part.status_code == 206
@@ -98,13 +104,17 @@ def test_file_download_supports_range_and_etag(client: TestClient) -> None:
     assert_error(client.get(url, headers={"Range": "bytes=5000-"}), 416, "RANGE_NOT_SATISFIABLE")
     head = client.head(url)
     assert head.status_code == 200 and head.headers["content-length"] == "3000"
+    # HEAD answers as GET does, Range and If-None-Match included.
+    assert client.head(url, headers={"If-None-Match": etag}).status_code == 304
+    head_part = client.head(url, headers={"Range": "bytes=-100"})
+    assert head_part.status_code == 206 and head_part.headers["content-range"] == "bytes 2900-2999/3000"
     assert_error(client.get(f"{ARTIFACTS}/gguf-q8/files/other.gguf"), 404, "NOT_FOUND")
 
 
 def test_path_traversal_is_rejected(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["evil", "good"])
     upload(client, b"secret")
-    for path in ["../escape", "/etc/passwd", "a/../../b", "a//b", "a\\b", "./a"]:
+    for path in ["../escape", "/etc/passwd", "a/../../b", "a//b", "a\\b", "./a", "model.gguf\n", "a\n/b"]:
         body = manifest("evil", {"x": b"secret"}, ["cpu"])
         body["files"][0]["path"] = path
         assert_error(client.post(ARTIFACTS, json=body), 422, "INVALID_INPUT")
@@ -114,8 +124,18 @@ def test_path_traversal_is_rejected(client: TestClient) -> None:
 
 
 def test_manifest_is_validated(client: TestClient) -> None:
-    make_release(client)
-    changes: list[dict[str, Any]] = [{"name": "Bad Name"}, {"files": []}, {"extra": 1}, {"hardware": "cpu"}]
+    make_release(client, planned=["a"])
+    changes: list[dict[str, Any]] = [
+        {"name": "Bad Name"},
+        {"name": "a\n"},
+        {"files": []},
+        {"extra": 1},
+        {"hardware": "cpu"},
+        {"hardware": ["cpu\n"]},
+        {"target": "g" * 65},
+        {"quant": "q4\n"},
+        {"format": ""},
+    ]
     for change in changes:
         body = {**manifest("a", FILES, ["cpu"]), **change}
         assert_error(client.post(ARTIFACTS, json=body), 422, "INVALID_INPUT")
@@ -146,7 +166,7 @@ def test_evals_are_idempotent_and_immutable(client: TestClient) -> None:
 
 
 def test_release_shows_artifacts_evals_and_gate_status(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["a-pass", "b-fail", "c-none"])
     publish(client, "a-pass", {"a": b"1"}, ["cpu"])
     publish(client, "b-fail", {"b": b"2"}, ["cpu"])
     publish(client, "c-none", {"c": b"3"}, ["cpu"])

@@ -6,7 +6,13 @@ from starlette.testclient import TestClient
 
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, assert_error, make_release
 
-RELEASE = {"version": "1.0", "source_digest": SOURCE_DIGEST, "lineage": {"hf": "x"}, "model_config": LLAMA_CONFIG}
+RELEASE = {
+    "version": "1.0",
+    "source_digest": SOURCE_DIGEST,
+    "planned_artifacts": ["gguf-q8"],
+    "lineage": {"hf": "x"},
+    "model_config": LLAMA_CONFIG,
+}
 
 
 def test_create_model_is_idempotent(client: TestClient) -> None:
@@ -55,6 +61,7 @@ def test_release_create_is_idempotent(client: TestClient) -> None:
     body = first.json()
     assert body["model"] == "m" and body["version"] == "1.0"
     assert body["model_config"] == LLAMA_CONFIG and body["lineage"] == {"hf": "x"}
+    assert body["status"] == "open" and body["planned_artifacts"] == ["gguf-q8"]
     again = client.post("/v1/models/m/releases", json=RELEASE)
     assert again.status_code == 200
     assert again.json() == body
@@ -66,6 +73,9 @@ def test_release_is_immutable(client: TestClient) -> None:
     changed = {**RELEASE, "source_digest": "b" * 64, "model_config": {"num_hidden_layers": 2}}
     error = assert_error(client.post("/v1/models/m/releases", json=changed), 409, "CONFLICT")
     assert error["details"]["differing"] == ["source_digest", "model_config"]
+    replanned = {**RELEASE, "planned_artifacts": ["gguf-q8", "gguf-q4"]}
+    error = assert_error(client.post("/v1/models/m/releases", json=replanned), 409, "CONFLICT")
+    assert error["details"]["differing"] == ["planned_artifacts"]
     stored = client.get("/v1/models/m/releases/1.0").json()
     assert stored["source_digest"] == SOURCE_DIGEST
     assert stored["model_config"] == LLAMA_CONFIG
@@ -79,6 +89,10 @@ def test_release_fields_are_validated(client: TestClient) -> None:
         {**RELEASE, "source_digest": "sha256:" + "a" * 64},
         {**RELEASE, "unexpected": 1},
         {**RELEASE, "model_config": []},
+        {**RELEASE, "planned_artifacts": []},
+        {**RELEASE, "planned_artifacts": ["a", "a"]},
+        {**RELEASE, "planned_artifacts": ["Bad Name"]},
+        {**RELEASE, "version": "1.0\n"},
     ]:
         assert_error(client.post("/v1/models/m/releases", json=bad), 422, "INVALID_INPUT")
     assert client.get("/v1/models/m/releases").json() == []
@@ -99,7 +113,7 @@ def test_error_shape_for_framework_errors(client: TestClient) -> None:
     assert_error(client.get("/v1/no/such/route"), 404, "NOT_FOUND")
     assert_error(client.delete("/v1/models"), 405, "METHOD_NOT_ALLOWED")
     malformed = client.post("/v1/models", content=b"{not json", headers={"Content-Type": "application/json"})
-    assert_error(malformed, 422, "INVALID_INPUT")
+    assert_error(malformed, 422, "INVALID_JSON")
 
 
 def test_healthz_and_openapi(client: TestClient) -> None:

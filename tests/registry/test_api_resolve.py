@@ -7,18 +7,18 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from core.hardware import get_profile
 from registry.app import create_app
 from registry.resolve.service import ArtifactView, FileView, ReleaseView, rank_candidates
 from registry.settings import RegistrySettings
-from targets.hardware import get_profile
 from tests.registry.conftest import make_token
-from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish
+from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish, seal
 
 KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # LLAMA_CONFIG: 128 KiB
 
 
 def seed(client: TestClient, model_config: dict[str, Any] | None = None) -> None:
-    make_release(client, model_config=model_config)
+    make_release(client, model_config=model_config, planned=["gguf-q4", "gguf-q8", "hf-bf16", "hf-fp8"])
     publish(client, "gguf-q4", {"model.gguf": b"4" * 100}, ["cpu", "edge", "h100"], quant="q4_k_m")
     publish(client, "gguf-q8", {"model.gguf": b"8" * 200}, ["cpu", "h100"], quant="q8_0")
     publish(
@@ -35,6 +35,7 @@ def seed(client: TestClient, model_config: dict[str, Any] | None = None) -> None
     post_eval(client, "gguf-q8", "passed", metrics={"kl": 0.01})
     post_eval(client, "hf-bf16", "not_evaluated", reason="needs a GPU runner")
     post_eval(client, "hf-fp8", "failed", reason="kl 0.4 > 0.1")
+    seal(client)
     assert promote(client, "1.0", force=True, reason="fp8 is not served").status_code == 200
 
 
@@ -89,11 +90,12 @@ def test_kv_cache_scales_with_context_and_concurrency(client: TestClient) -> Non
 
 
 def test_kl_breaks_ties(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["a-worse", "b-better"])
     publish(client, "a-worse", {"m": b"a" * 100}, ["cpu"])
     publish(client, "b-better", {"m": b"b" * 100}, ["cpu"])
     post_eval(client, "a-worse", "passed", metrics={"kl": 0.2})
     post_eval(client, "b-better", "passed", metrics={"kl": 0.01})
+    seal(client)
     promote(client)
     answer = resolve(client, hardware="cpu").json()
     assert answer["artifact"]["name"] == "b-better"
@@ -118,12 +120,15 @@ def test_no_artifact_for_hardware_lists_supported(client: TestClient) -> None:
 
 
 def test_no_artifact_for_hardware_names_the_missing_capability(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["gguf-q4", "hf-fp8", "hf-fp8-block"])
     sm89 = "FP8 tensor cores need sm89+ (Ada/Hopper); a100 is sm80"
     for name in ("hf-fp8", "hf-fp8-block"):
         publish(client, name, {"model.safetensors": name.encode()}, ["h100"], quant="fp8", unsupported={"a100": sm89})
     publish(client, "gguf-q4", {"model.gguf": b"4"}, ["cpu"], unsupported={"a100": "gguf runs on cpu, apple-m2, edge"})
-    assert promote(client, "1.0", force=True, reason="not evaluated in this test").status_code == 200
+    for name in ("gguf-q4", "hf-fp8", "hf-fp8-block"):
+        post_eval(client, name, "not_evaluated", reason="not evaluated in this test")
+    seal(client)
+    assert promote(client, "1.0").status_code == 200
     error = assert_error(resolve(client, hardware="a100"), 404, "NO_COMPATIBLE_ARTIFACT")
     assert f"{sm89} (hf-fp8, hf-fp8-block)" in error["message"]
     assert "gguf runs on cpu, apple-m2, edge (gguf-q4)" in error["message"]
@@ -161,13 +166,21 @@ def test_missing_model_config_is_explained(client: TestClient) -> None:
     assert "lacks num_hidden_layers, num_key_value_heads, head_dim" in reason["explanation"]
 
 
-def test_resolve_sees_new_evals_and_promotions_at_once(client: TestClient) -> None:
+def test_resolve_sees_evals_through_promotions_only(client: TestClient) -> None:
     seed(client)
     assert resolve(client, hardware="a100").json()["artifact"]["name"] == "hf-bf16"
+    # An eval posted after the promotion is kept and shown, but changes nothing the channel serves...
     post_eval(client, "hf-bf16", "failed", runtime="vllm", reason="garbage output")
+    assert resolve(client, hardware="a100").json()["artifact"]["name"] == "hf-bf16"
+    evals = client.get("/v1/models/tiny/releases/1.0/artifacts/hf-bf16").json()["evals"]
+    assert {e["runtime"]: e["status"] for e in evals} == {"llama.cpp": "not_evaluated", "vllm": "failed"}
+    # ...until a new promotion (here forced, as the release now has another failure) takes it in.
+    assert promote(client, "1.0", force=True, reason="take in the vllm eval").status_code == 200
     assert_error(resolve(client, hardware="a100"), 404, "NO_COMPATIBLE_ARTIFACT")
-    make_release(client, version="2.0")
+    make_release(client, version="2.0", planned=["hf-bf16"])
     publish(client, "hf-bf16", {"model.safetensors": b"c" * 50}, ["a100"], version="2.0")
+    post_eval(client, "hf-bf16", "passed", version="2.0")
+    seal(client, "2.0")
     promote(client, "2.0")
     answer = resolve(client, hardware="a100").json()
     assert (answer["version"], answer["artifact"]["name"]) == ("2.0", "hf-bf16")

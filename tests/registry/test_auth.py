@@ -20,6 +20,7 @@ from tests.registry.helpers import (
     post_eval,
     promote,
     publish,
+    seal,
     sha,
     stored_blob_objects,
     upload,
@@ -39,9 +40,10 @@ NEW_BLOB = b"never stored"
 
 
 def _seed(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["gguf-q4"])
     publish(client, "gguf-q4", {"model.gguf": b"q4" * 50}, ["cpu"], quant="q4_k_m")
     post_eval(client, "gguf-q4", "passed", metrics={"kl": 0.01})
+    seal(client)
     assert promote(client, "1.0").status_code == 200
 
 
@@ -186,6 +188,16 @@ def test_yank_keeps_the_release_but_nothing_serves_it(app: FastAPI, client: Test
         "tokenizer bug",
         ["prod"],
     )
-    # The release and its blobs are still there.
-    assert client.get("/v1/models/tiny/releases/1.0/artifacts/gguf-q4/files/model.gguf").content == b"q4" * 50
+    # Not served by any name: neither its files by path, nor its blobs by digest, nor the Hub's commit id.
+    commit = client.get("/v1/models/tiny/releases/1.0/artifacts/gguf-q4").json()["manifest_digest"][:40]
+    assert_error(
+        client.get("/v1/models/tiny/releases/1.0/artifacts/gguf-q4/files/model.gguf"), 410, "RELEASE_NOT_SERVED"
+    )
+    with TestClient(app) as anonymous:
+        assert_error(anonymous.get(f"/v1/blobs/{sha(b'q4' * 50)}"), 404, "BLOB_NOT_FOUND")
+        by_commit = anonymous.get(f"/tiny/resolve/{commit}/model.gguf")
+        assert by_commit.status_code == 404 and by_commit.headers["X-Error-Code"] == "RevisionNotFound"
+    # The release and its blobs are still stored.
+    assert client.get("/v1/models/tiny/releases/1.0").json()["artifacts"][0]["name"] == "gguf-q4"
     assert upload(client, b"q4" * 50) == sha(b"q4" * 50)
+    assert client.get(f"/v1/blobs/{sha(b'q4' * 50)}").content == b"q4" * 50  # an unlimited admin reads any blob

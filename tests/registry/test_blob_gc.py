@@ -23,8 +23,8 @@ from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
-from kiln.errors import InvalidInput
-from kiln.manifest import ArtifactManifest
+from core.errors import InvalidInput
+from core.manifest import ArtifactManifest
 from registry.app import create_app
 from registry.artifacts import service as artifacts
 from registry.artifacts.models import Artifact
@@ -76,7 +76,7 @@ def test_collects_only_old_unreferenced_blobs(app: FastAPI, client: TestClient) 
     assert client.head(f"/v1/blobs/{orphan}").status_code == 404
     assert blob_row(app, orphan) is None and not app.state.blob_store.exists(orphan)
     assert client.get(f"/v1/blobs/{fresh}").content == FRESH
-    assert client.get("/v1/models/tiny/releases/1.0/artifacts/gguf-q8/files/model.gguf").content == KEPT
+    assert client.get(f"/v1/blobs/{sha(KEPT)}").content == KEPT
     assert gc(app).deleted == []  # nothing left to collect
 
 
@@ -126,13 +126,16 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 
 def publish_in_session(app: FastAPI, name: str, files: dict[str, bytes], session: Session | None = None) -> Any:
+    """What the publish route does: the service flushes, the caller commits."""
     spec = ArtifactManifest.model_validate(manifest(name, files, ["cpu"]))
-    with session or app.state.session_factory() as s:
-        return artifacts.publish_artifact(s, "tiny", "1.0", spec)
+    with session or app.state.write_session_factory() as s:
+        row = artifacts.publish_artifact(s, "tiny", "1.0", spec)
+        s.commit()
+        return row
 
 
 def test_publish_during_collection_gets_blob_missing(app: FastAPI, client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["late"])
     orphan = upload(client, ORPHAN)
     backdate(app, orphan)
     store = PausingStore(app.state.blob_store)
@@ -154,14 +157,14 @@ def test_publish_during_collection_gets_blob_missing(app: FastAPI, client: TestC
     # The client uploads again and publishes: everything is consistent.
     upload(client, ORPHAN)
     publish(client, "late", {"model.gguf": ORPHAN}, ["cpu"])
-    assert client.get("/v1/models/tiny/releases/1.0/artifacts/late/files/model.gguf").content == ORPHAN
+    assert client.get(f"/v1/blobs/{orphan}").content == ORPHAN
 
 
 @pytest.fixture
 def paused_publish(app: FastAPI) -> Iterator[tuple[threading.Event, threading.Event]]:
     """A session whose next flush stops, its rows written and locked but not committed, until released."""
     flushed, release = threading.Event(), threading.Event()
-    session: Session = app.state.session_factory()
+    session: Session = app.state.write_session_factory()
 
     def hold(_session: Session, _context: Any) -> None:
         flushed.set()
@@ -178,7 +181,7 @@ def test_collection_during_publish_spares_the_blob(
     app: FastAPI, client: TestClient, paused_publish: tuple[threading.Event, threading.Event]
 ) -> None:
     flushed, release = paused_publish
-    make_release(client)
+    make_release(client, planned=["now"])
     orphan = upload(client, ORPHAN)
     backdate(app, orphan)
     publisher, published = in_thread(
@@ -197,7 +200,7 @@ def test_collection_during_publish_spares_the_blob(
     report = collected[0]
     assert report.deleted == [] and report.spared_raced == 1, report
     assert blob_row(app, orphan) is not None and app.state.blob_store.exists(orphan)
-    assert client.get("/v1/models/tiny/releases/1.0/artifacts/now/files/model.gguf").content == ORPHAN
+    assert client.get(f"/v1/blobs/{orphan}").content == ORPHAN
 
 
 def test_upload_during_collection_stores_the_bytes_afresh(app: FastAPI, client: TestClient) -> None:
@@ -208,8 +211,10 @@ def test_upload_during_collection_stores_the_bytes_afresh(app: FastAPI, client: 
     assert store.deleting.wait(30)
 
     def upload_again() -> tuple[Blob, bool]:
-        with app.state.session_factory() as session:
-            return blobs.put_blob(session, app.state.blob_store, orphan, [ORPHAN])
+        with app.state.write_session_factory() as session:  # as the upload route does
+            stored = blobs.put_blob(session, app.state.blob_store, orphan, [ORPHAN])
+            session.commit()
+            return stored
 
     uploader, uploaded = in_thread(upload_again)
     uploader.join(BLOCKED_FOR)
@@ -242,9 +247,10 @@ def test_kiln_gc_dry_run_then_delete(tmp_path: Path) -> None:
     registry = tmp_path / "registry"
     app = create_app(RegistrySettings(data_dir=registry))
     try:
-        with app.state.session_factory() as session:
+        with app.state.write_session_factory() as session:
             for data in (ORPHAN, FRESH):
                 blobs.put_blob(session, app.state.blob_store, sha(data), [data])
+            session.commit()
         backdate(app, sha(ORPHAN))
     finally:
         app.state.engine.dispose()
@@ -297,7 +303,7 @@ def test_client_uploads_again_when_a_blob_it_skipped_was_collected(tmp_path: Pat
     (files / "model.gguf").write_bytes(ORPHAN)
     with RegistryClient.connect(tmp_path / "registry") as client:
         client.ensure_model("tiny")
-        client.create_release("tiny", "1.0", "a" * 64)
+        client.create_release("tiny", "1.0", "a" * 64, ["gguf-q8"])
         client.upload_blob(files / "model.gguf")  # uploaded long ago for a publish that never came
         app: FastAPI = client._http.app  # type: ignore[attr-defined]
         backdate(app, sha(ORPHAN))

@@ -12,9 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kiln.errors import DigestMismatch, InvalidInput, Unavailable, UnknownName
+from core.errors import DigestMismatch, InvalidInput, Unavailable, UnknownName
+from registry.blobs.local import LocalBlobStore
 from registry.blobs.s3 import S3BlobStore, make_s3_client, parse_s3_url
-from registry.blobs.store import BlobNotFound, BlobStore, LocalBlobStore, open_blob_store
+from registry.blobs.store import BlobNotFound, BlobStore
+from registry.blobs.stores import open_blob_store
 from registry.settings import RegistrySettings
 from tests.registry.s3_server import BUCKET, TEST_PART_SIZE, S3Server, free_port
 

@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from kiln import errors
-from kiln.manifest import ArtifactManifest, FileEntry
+from core import errors
+from core.manifest import ArtifactManifest, FileEntry
 from registry.app import create_app
 from registry.client import RegistryClient
 from registry.settings import RegistrySettings
@@ -70,12 +70,15 @@ def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactMani
     manifest = write_artifact(root, files)
     assert client.ensure_model(model, "a test model")["name"] == model
     client.ensure_model(model)  # exists: fine
-    client.create_release(model, "1.0", SOURCE_DIGEST, {"hf": "x"}, LLAMA_CONFIG)
-    client.create_release(model, "1.0", SOURCE_DIGEST, {"hf": "x"}, LLAMA_CONFIG)  # idempotent
+    client.create_release(model, "1.0", SOURCE_DIGEST, ["gguf-q8"], {"hf": "x"}, LLAMA_CONFIG)
+    client.create_release(model, "1.0", SOURCE_DIGEST, ["gguf-q8"], {"hf": "x"}, LLAMA_CONFIG)  # idempotent
+    assert [r["status"] for r in client.list_releases(model)] == ["open"]
     published = client.publish_artifact(model, "1.0", manifest, files_root=root)
     assert published["manifest_digest"] == manifest.content_digest()
     assert client.publish_artifact(model, "1.0", manifest)["manifest_digest"] == manifest.content_digest()
     client.post_eval(model, "1.0", "gguf-q8", "llama.cpp", "passed", metrics={"kl": 0.01})
+    assert client.seal_release(model, "1.0")["status"] == "sealed"
+    assert client.seal_release(model, "1.0")["status"] == "sealed"  # idempotent
     channel = client.promote(model, "1.0", "prod", actor="ci")
     assert channel["version"] == "1.0"
     release = client.get_release(model, "1.0")
@@ -111,16 +114,20 @@ def test_client_raises_kiln_errors(
         with pytest.raises(errors.NotFound) as not_found:
             client.get_release("errors-model", "9.9")
         assert not_found.value.code == "NOT_FOUND" and "errors-model@9.9" in not_found.value.message
-        client.create_release("errors-model", "1.0", SOURCE_DIGEST)
+        client.create_release("errors-model", "1.0", SOURCE_DIGEST, ["gguf-q8"])
         with pytest.raises(errors.Conflict) as conflict:
-            client.create_release("errors-model", "1.0", "b" * 64)
+            client.create_release("errors-model", "1.0", "b" * 64, ["gguf-q8"])
         assert conflict.value.details["http_status"] == 409
         manifest = write_artifact(tmp_path, {"w.bin": b"weights"})
         with pytest.raises(errors.InvalidInput) as missing:
             client.publish_artifact("errors-model", "1.0", manifest)
         assert missing.value.code == "BLOB_MISSING"
         client.publish_artifact("errors-model", "1.0", manifest, files_root=tmp_path)
+        with pytest.raises(errors.Conflict) as incomplete:
+            client.seal_release("errors-model", "1.0")
+        assert incomplete.value.code == "RELEASE_INCOMPLETE" and incomplete.value.details["unevaluated"] == ["gguf-q8"]
         client.post_eval("errors-model", "1.0", "gguf-q8", "llama.cpp", "failed", reason="kl too high")
+        client.seal_release("errors-model", "1.0")
         with pytest.raises(errors.GateFailed) as gate:
             client.promote("errors-model", "1.0", "prod")
         assert gate.value.code == "EVAL_GATE_FAILED"

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import assert_error, make_release, promote, publish, serve_in_thread, sha
+from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal, serve_in_thread, sha
 
 GGUF = os.urandom(24 * 1024 * 1024 + 17)  # over two of the client's 10 MiB download chunks
 CUT_AT = 12 * 1024 * 1024
@@ -61,7 +61,7 @@ def seen_ranges(app: FastAPI) -> list[str]:
 @pytest.fixture
 def live(app: FastAPI, seen_ranges: list[str], client: TestClient) -> Iterator[str]:
     """The app served by uvicorn on a free loopback port, seeded with one promoted release."""
-    make_release(client)
+    make_release(client, planned=["gguf-q4", "hf-bf16"])
     publish(client, "gguf-q4", {"model-q4.gguf": GGUF}, ["cpu"], quant="q4_k_m")
     publish(
         client,
@@ -72,7 +72,10 @@ def live(app: FastAPI, seen_ranges: list[str], client: TestClient) -> Iterator[s
         target="hf-bundle",
         format="safetensors",
     )
-    assert promote(client, "1.0", force=True, reason="no evals in this test").status_code == 200
+    for name in ("gguf-q4", "hf-bf16"):
+        post_eval(client, name, "not_evaluated", reason="no evals in this test")
+    seal(client)
+    assert promote(client, "1.0").status_code == 200
     with serve_in_thread(app) as port:
         yield f"http://127.0.0.1:{port}"
 
@@ -108,9 +111,11 @@ def test_hf_hub_download_headers_and_immutable_commit(live: str, client: TestCli
     old_commit = response.headers["X-Repo-Commit"]
 
     # A new release behind prod: the channel revision moves, the old commit still serves the old bytes.
-    make_release(client, version="2.0")
+    make_release(client, version="2.0", planned=["hf-bf16"])
     publish(client, "hf-bf16", {"config.json": b'{"v": 2}'}, ["cpu"], version="2.0", quant="bf16")
-    assert promote(client, "2.0", force=True, reason="test").status_code == 200
+    post_eval(client, "hf-bf16", "not_evaluated", version="2.0", reason="no evals in this test")
+    seal(client, "2.0")
+    assert promote(client, "2.0").status_code == 200
     new = hf_hub_download("tiny", "config.json", revision="prod/hf-bf16", endpoint=live, cache_dir=tmp_path)
     assert Path(new).read_bytes() == b'{"v": 2}'
     old = hf_hub_download("tiny", "config.json", revision=old_commit, endpoint=live, cache_dir=tmp_path / "o")

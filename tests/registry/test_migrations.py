@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 from starlette.testclient import TestClient
 
-from kiln.errors import Unavailable
+from core.errors import Unavailable
 from registry import migrate
 from registry.app import create_app
 from registry.db import create_db_engine, registry_metadata
@@ -104,3 +105,45 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     assert settings.effective_blob_url() == (tmp_path / "reg" / "blobs").as_uri()
     monkeypatch.setenv("KILN_REGISTRY_DATABASE_URL", "postgresql://db/kiln")
     assert not RegistrySettings().is_embedded
+
+
+def test_releases_from_before_sealing_stay_served(tmp_path: Path) -> None:
+    """0005: a release published before releases were sealed was served; it becomes sealed, planning
+    the artifacts it has, and a channel keeps judging it by the evals it had."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    migrate.upgrade(url, "0004")
+    engine = create_db_engine(url)
+    now = "2026-11-01 00:00:00"
+    try:
+        with engine.begin() as conn:
+            run = conn.exec_driver_sql
+            run(f"INSERT INTO models (id, name, description, created_at) VALUES (1, 'tiny', '', '{now}')")
+            run(
+                "INSERT INTO releases (id, model_id, version, source_digest, lineage, model_config, created_at) "
+                f"VALUES (1, 1, '1.0', '{'a' * 64}', '{{}}', '{{}}', '{now}')"
+            )
+            run(f"INSERT INTO blobs (sha256, size, created_at, uploaded_at) VALUES ('{'b' * 64}', 1, '{now}', '{now}')")
+            for artifact_id, name in ((1, "gguf-q8"), (2, "gguf-q4")):
+                run(
+                    "INSERT INTO artifacts (id, release_id, name, target, format, quant, hardware, unsupported, "
+                    f"runtime, provenance, manifest_digest, total_size, created_at) VALUES ({artifact_id}, 1, "
+                    f"'{name}', 'gguf', 'gguf-v3', 'q8_0', '[\"cpu\"]', '{{}}', '{{}}', '{{}}', "
+                    f"'{'c' * 64}', 1, '{now}')"
+                )
+                run(
+                    "INSERT INTO eval_results (id, artifact_id, runtime, status, metrics, gates, created_at) "
+                    f"VALUES ({artifact_id + 10}, {artifact_id}, 'llama.cpp', 'passed', '{{}}', '{{}}', '{now}')"
+                )
+            run(f"INSERT INTO channels (id, model_id, name, release_id, updated_at) VALUES (1, 1, 'prod', 1, '{now}')")
+    finally:
+        engine.dispose()
+    migrate.upgrade(url)
+    assert schema_differences(url) == []
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            release = conn.exec_driver_sql("SELECT status, planned_artifacts, sealed_at FROM releases").one()
+            assert release[0] == "sealed" and json.loads(release[1]) == ["gguf-q4", "gguf-q8"] and release[2]
+            assert conn.exec_driver_sql("SELECT evals_through FROM channels").scalar() == 12
+    finally:
+        engine.dispose()

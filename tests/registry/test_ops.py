@@ -37,7 +37,7 @@ def test_health_readiness_and_request_ids(client: TestClient) -> None:
 
 
 def test_metrics_count_requests_bytes_and_publishes(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["gguf-q4"])
     publish(client, "gguf-q4", {"model.gguf": b"m" * 1000}, ["cpu"])
     publish(client, "gguf-q4", {"model.gguf": b"m" * 1000}, ["cpu"])  # identical again: not a new publish
     assert client.get(f"/v1/blobs/{sha(b'm' * 1000)}").content == b"m" * 1000

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from registry.settings import RegistrySettings
-from tests.registry.helpers import assert_error, make_release, promote, publish, serve_in_thread, sha
+from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal, serve_in_thread, sha
 from tests.registry.s3_server import S3Server
 
 WEIGHTS = os.urandom(11 * 1024 * 1024 + 5)  # a multipart upload, and over one Hub download chunk
@@ -37,10 +37,12 @@ def settings(db_url: str, tmp_path: Path, s3_server: S3Server) -> RegistrySettin
 
 @pytest.fixture
 def seeded(client: TestClient) -> TestClient:
-    make_release(client)
+    make_release(client, planned=["hf-bf16"])
     files = {"config.json": CONFIG, "model.safetensors": WEIGHTS}
     publish(client, "hf-bf16", files, ["cpu"], quant="bf16", target="hf-bundle", format="safetensors")
-    assert promote(client, "1.0", force=True, reason="no evals in this test").status_code == 200
+    post_eval(client, "hf-bf16", "not_evaluated", reason="no evals in this test")
+    seal(client)
+    assert promote(client, "1.0").status_code == 200
     return client
 
 

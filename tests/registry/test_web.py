@@ -56,7 +56,9 @@ def test_model_page_shows_releases_and_channels(client: TestClient) -> None:
     doc = page(client, "/ui/models/tiny")
     assert doc.find("p", id="description").text == " ".join(DESCRIPTION.split())
     versions = [tr.attrs["data-version"] for tr in doc.find("table", id="releases").find_all("tr") if tr.attrs]
-    assert versions == ["2.0", "1.0"]  # newest first
+    assert versions == ["3.0", "2.0", "1.0"]  # newest first
+    assert doc.find("tr", data_version="3.0").attrs["data-status"] == "open"
+    assert "not served until sealed" in doc.find("tr", data_version="3.0").text
     yanked = doc.find("tr", data_version="1.0")
     assert "yanked" in yanked.classes and yanked.find("span", class_="reason").text == YANK_REASON
     live = doc.find("tr", data_version="2.0")
@@ -138,7 +140,7 @@ def test_release_page_is_the_artifact_by_eval_matrix(client: TestClient) -> None
     bundle = groups["hf-bundle-bf16"]
     assert "passed" not in bundle.text
     assert bundle.find("td", class_="not-evaluated").text == (
-        "not evaluated no eval result was published for this artifact"
+        "not evaluated here: needs a runner with vllm vLLM has no kernel for this scheme on this CPU"
     )
 
     # Download links fetch the files.
@@ -154,11 +156,23 @@ def test_yanked_release_page_says_so(client: TestClient) -> None:
     seed(client)
     doc = page(client, "/ui/models/tiny/releases/1.0")
     assert YANK_REASON in doc.find("p", id="yanked").text
-    assert doc.find("tbody", data_artifact="gguf-q8_0").attrs["data-status"] == "not_evaluated"
+    assert doc.find("tbody", data_artifact="gguf-q8_0").attrs["data-status"] == "passed"
+    assert doc.find_all("a", class_="download") == []  # a yanked release serves no file
+
+
+def test_open_release_page_says_what_is_missing(client: TestClient) -> None:
+    seed(client)
+    doc = page(client, "/ui/models/tiny/releases/3.0")
+    banner = doc.find("p", id="open").text
+    assert "1 of 2 planned artifacts" in banner and "missing: gguf-q4_0" in banner
+    assert doc.find("tbody", data_artifact="gguf-q8_0").find("td", class_="not-evaluated").text == (
+        "not evaluated no eval result was published for this artifact"
+    )
+    assert doc.find_all("a", class_="download") == []  # not served until sealed
 
 
 def test_non_finite_metric_fails_its_gate(client: TestClient) -> None:
-    make_release(client)
+    make_release(client, planned=["gguf-q4"])
     publish(client, "gguf-q4", {"m.gguf": b"q4"}, ["cpu"], quant="q4_0")
     # How EvalMetrics serialises a NaN: the string "NaN".
     metrics = {"kl": "NaN", "top1": 0.9, "ppl_change": 0.01}
@@ -199,6 +213,7 @@ def test_audit_log_page(client: TestClient) -> None:
     failed = {"reason": FAILURES, "runtime": "llama.cpp"}
     overridden = json.dumps({"overridden_failures": [{"artifact": "gguf-q4_0", "failed": [failed]}]})
     rows = [[td.text for td in tr.find_all("td")][1:] for tr in doc.find("table", id="audit").find_all("tr")[1:]]
+    rows = [row for row in rows if row[1] != "release.seal"]
     assert rows == [
         [
             "token:test-admin",
@@ -215,10 +230,18 @@ def test_audit_log_page(client: TestClient) -> None:
             "tiny/prod",
             " ".join(FORCED_REASON.split()),
             '{"version": "1.0"}',
-            '{"version": "2.0"}',
+            '{"evals_through": 6, "version": "2.0"}',
             overridden,
         ],
-        ["token:test-admin (alice)", "channel.promote", "tiny/prod", "", '{"version": null}', '{"version": "1.0"}', ""],
+        [
+            "token:test-admin (alice)",
+            "channel.promote",
+            "tiny/prod",
+            "",
+            '{"version": null}',
+            '{"evals_through": 1, "version": "1.0"}',
+            "",
+        ],
     ]
     everything = page(client, "/ui/audit")
     assert {tr.attrs["data-action"] for tr in everything.find_all("tr") if tr.attrs} >= {"token.create", "release.yank"}

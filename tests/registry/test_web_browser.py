@@ -119,4 +119,4 @@ def test_release_page_dom(live: str, chromium: str, tmp_path: Path) -> None:
     assert "not evaluated here: needs a runner with tensorrt_llm" in groups["trtllm-fp8"].text
     # The browser parsed the escaped reason as text: no script element made it into the document.
     assert dom.find_all("script") == []
-    assert len(matrix.find_all("a", class_="download")) == 6
+    assert len(matrix.find_all("a", class_="download")) == 6  # 2.0 is sealed and served

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.errors import InvalidInput
-from pipeline.ingest import open_source
+from core.errors import InvalidInput
+from formats.gguf.constants import LLAMA3_REGEX, FileType, Keys
+from formats.hf_model import open_source
 from targets.base import ExportRequest, ExportResult
 from targets.gguf import SPEC
-from targets.gguf.constants import LLAMA3_REGEX, FileType, Keys
 from targets.gguf.export import export
 from tests.model_factory import make_model
 
@@ -482,7 +482,7 @@ def test_example_model_f16_logits_agree(tmp_path: Path) -> None:
 
 
 def test_unsupported_requests_are_refused_before_writing(models: dict[str, Path], tmp_path: Path) -> None:
-    from kiln.errors import UnknownName
+    from core.errors import UnknownName
 
     with pytest.raises(UnknownName, match="q3_k_s.*known: f16, bf16"):
         export(open_source(models["llama"]), ExportRequest(quant="q3_k_s", out_dir=tmp_path / "a"))
@@ -495,3 +495,23 @@ def test_unsupported_requests_are_refused_before_writing(models: dict[str, Path]
         export(open_source(d), ExportRequest(quant="f16", out_dir=tmp_path / "b"))
     assert e.value.code == "GGUF_UNSUPPORTED"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_token_transformers_adds_past_the_vocab_is_blamed_on_transformers(tmp_path: Path) -> None:
+    """Qwen2Tokenizer adds '<|endoftext|>' (its default unk/eos/pad) when tokenizer_config.json names none;
+    with a tokenizer.json that lacks it and ends at vocab_size - 1, the new id has no embedding row."""
+    model = make_model(tmp_path / "m", "qwen2", vocab_size=512, num_heads=4, num_kv_heads=2)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        added["content"] = "<|sep|>"
+    tok["model"]["vocab"]["<|sep|>"] = tok["model"]["vocab"].pop("<|endoftext|>")
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
+    with pytest.raises(InvalidInput) as e:
+        export(open_source(model), ExportRequest(quant="f16", out_dir=tmp_path / "out"))
+    assert e.value.code == "GGUF_VOCAB_MISMATCH"
+    message = e.value.message
+    assert message.startswith("tokenizer has token id 512 but config.json vocab_size is 512")
+    assert "'<|endoftext|>', is not in tokenizer.json: transformers' Qwen2Tokenizer added it" in message
+    assert "Set eos_token, unk_token, pad_token in tokenizer_config.json" in message
+    assert not list(tmp_path.glob("out/*.gguf"))

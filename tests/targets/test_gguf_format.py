@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -9,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.errors import StageFailed
-from targets.gguf.constants import GGUF_ALIGNMENT, Keys, TensorType, ValueType
-from targets.gguf.quants import F16Overflow, encode, quantize_q4_0, quantize_q8_0
-from targets.gguf.writer import GGUFWriter, WriterMisuse, WriterState
+from core.errors import InvalidInput, StageFailed
+from formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, Keys, TensorType, ValueType
+from formats.gguf.quants import F16Overflow, encode, quantize_q4_0, quantize_q8_0
+from formats.gguf.writer import GGUFWriter, WriterMisuse, WriterState
+from tests.file_builders import gguf_bytes, gguf_string
 
 
 def _written(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
@@ -162,7 +164,7 @@ def test_encode_f16_and_bf16_bytes() -> None:
 @pytest.mark.parametrize(("value", "in_place"), [("gpt-2", True), ("qwen2", True), ("a-much-longer-name" * 4, False)])
 def test_metadata_can_be_corrected_after_the_weights(tmp_path: Path, value: str, in_place: bool) -> None:
     """The exporter streams weights on predicted metadata and fixes the header afterwards."""
-    from targets.gguf.writer import Metadata
+    from formats.gguf.writer import Metadata
 
     data = np.arange(64 * 40, dtype=np.float32).reshape(40, 64)
     path = tmp_path / "m.gguf"
@@ -186,7 +188,7 @@ def test_metadata_can_be_corrected_after_the_weights(tmp_path: Path, value: str,
 
 
 def test_header_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
-    from targets.gguf.reader import read_header
+    from formats.gguf.reader import read_header
 
     path, _ = _written(tmp_path)
     header = read_header(path)
@@ -197,3 +199,89 @@ def test_header_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
     assert header.tensor_types() == {"a.weight": "F32", "b.weight": "F16", "c.weight": "Q8_0"}
     assert [t.shape for t in header.tensors] == [(3, 5), (4, 64), (2, 64)]
     assert [header.data_offset + t.offset for t in header.tensors] == [t.data_offset for t in ref.tensors]
+
+
+# --- the header reader is a trust boundary: every malformed file is one GGUF_INVALID --------------------------
+
+
+def _gguf_error(tmp_path: Path, raw: bytes) -> InvalidInput:
+    from formats.gguf.reader import read_header
+
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(InvalidInput) as e:
+        read_header(path)
+    assert e.value.code == "GGUF_INVALID", e.value.message
+    assert e.value.message.startswith(str(path))
+    return e.value
+
+
+def _header(n_tensors: int, n_kv: int) -> bytes:
+    return struct.pack("<IIQQ", GGUF_MAGIC, 3, n_tensors, n_kv)
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (gguf_bytes([(Keys.ALIGNMENT, ValueType.UINT32, 0)]), "alignment 0 is not a power of two"),
+        (gguf_bytes([(Keys.ALIGNMENT, ValueType.UINT32, 48)]), "alignment 48 is not a power of two"),
+        (gguf_bytes([(Keys.ALIGNMENT, ValueType.STRING, "32")]), "must be a UINT32, not STRING"),
+        (gguf_bytes([(Keys.ALIGNMENT, ValueType.INT32, -32)]), "must be a UINT32, not INT32"),
+        (gguf_bytes([(Keys.ALIGNMENT, ValueType.BOOL, True)]), "must be a UINT32, not BOOL"),
+        (gguf_bytes([("a", ValueType.ARRAY, (ValueType.ARRAY, []))]), "array of arrays"),
+        # an array of arrays claiming 2**62 elements: refused before any element is read
+        (_header(0, 1) + gguf_string("a") + struct.pack("<IIQ", 9, 9, 2**62), "array of arrays"),
+        (_header(0, 1) + gguf_string("a") + struct.pack("<IIQ", 9, 8, 2**62), "more than the limit"),
+        (_header(0, 1) + gguf_string("a") + struct.pack("<IIQ", 9, 4, 2**20), "more than the file can hold"),
+        (_header(0, 2**63), "metadata count is 9223372036854775808"),
+        (_header(0, 1000), "more than the file can hold"),
+        (_header(2**40, 0), "tensor count 1099511627776"),
+        (_header(0, 1) + struct.pack("<Q", 2**60) + b"\0" * 16, "truncated"),  # a key longer than the file
+        (_header(0, 1) + gguf_string("a") + struct.pack("<I", 99) + b"\0" * 8, "unknown value type 99"),
+        (_header(0, 1) + gguf_string(b"\xff\xfe") + struct.pack("<IB", 0, 1) + b"\0" * 8, "not valid UTF-8"),
+        (_header(0, 1) + gguf_string("a") + struct.pack("<I", 8) + gguf_string(b"\xc3"), "not valid UTF-8"),
+        (_header(0, 1) + gguf_string("a") + struct.pack("<I", 4) + b"\0", "truncated"),
+        (gguf_bytes([("a", ValueType.UINT8, 1), ("a", ValueType.UINT8, 2)]), "'a' appears twice"),
+        (gguf_bytes([], [("t", [1] * 100, 0, 0)]), "100 dimensions"),
+        (gguf_bytes([], [("t", [2**62, 4], 0, 0)]), "more elements than"),
+        (gguf_bytes([], [("t", [4], 0, 4096)], data=b"\0" * 16), "runs past the end"),
+        (gguf_bytes([], [("t", [4], 0, 3)], data=b"\0" * 32), "not a multiple of the alignment"),
+        (gguf_bytes([], [("t", [4], 0, 0), ("t", [4], 0, 32)], data=b"\0" * 64), "'t' appears twice"),
+        (gguf_bytes([], [("t" * 64, [4], 0, 0)], data=b"\0" * 16), "64 bytes or longer"),
+        (gguf_bytes([], [(b"\x80", [4], 0, 0)], data=b"\0" * 16), "not valid UTF-8"),
+        (gguf_bytes(version=2), "version 2 is not supported"),
+        (b"GGUF", "too small"),
+        (b"", "too small"),
+    ],
+)
+def test_malformed_gguf_headers_are_refused(tmp_path: Path, raw: bytes, words: str) -> None:
+    assert words in _gguf_error(tmp_path, raw).message
+
+
+def test_truncated_gguf_files_are_refused_at_every_cut(tmp_path: Path) -> None:
+    from formats.gguf.reader import read_header
+
+    raw = gguf_bytes(
+        [("general.name", ValueType.STRING, "x"), ("a", ValueType.ARRAY, (ValueType.STRING, ["p", "q"]))],
+        [("t", [8], TensorType.F32, 0)],
+        data=b"\0" * 32,
+    )
+    (tmp_path / "ok.gguf").write_bytes(raw)
+    assert read_header(tmp_path / "ok.gguf").metadata["a"] == ["p", "q"]
+    for cut in range(len(raw) - 1, 0, -7):
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(raw[:cut])
+        try:
+            read_header(path)
+        except InvalidInput as e:
+            assert e.code == "GGUF_INVALID"
+
+
+def test_an_absurd_gguf_is_refused_quickly(tmp_path: Path) -> None:
+    """Counts that would take billions of iterations or bytes are refused before the loop."""
+    import time
+
+    started = time.monotonic()
+    _gguf_error(tmp_path, _header(0, 1) + gguf_string("a") + struct.pack("<IIQ", 9, 8, 2**24 - 1) + b"\0" * 64)
+    _gguf_error(tmp_path, _header(2**20, 0) + b"\0" * 1024)
+    assert time.monotonic() - started < 2

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from formats.hf_model import open_source
 from pipeline.executors.local import LocalExecutor
-from pipeline.ingest import open_source
-from pipeline.quantize.store import open_quantized, write_quantized
+from pipeline.records import ArtifactRecord
 from pipeline.stage import Node, WorkDir
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import quantize as quantize_stage
+from quant.schemes import SCHEMES, get_scheme
+from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target
 from targets.hf_bundle.export import export
-from targets.schemes import SCHEMES, get_scheme
 from tests.model_factory import make_model
 
 QUANTIZED = ["fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn"]
@@ -106,7 +107,7 @@ def test_sharded_quantized_bundle_loads(model_dir: Path, tmp_path: Path, referen
 
 
 def test_export_refuses_missing_or_mismatched_quantized_input(model_dir: Path, tmp_path: Path) -> None:
-    from kiln.errors import InvalidInput
+    from core.errors import InvalidInput
 
     source = open_source(model_dir)
     with pytest.raises(InvalidInput, match="quantize stage"):
@@ -123,7 +124,10 @@ def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_p
     assert spec.quantized_input == tuple(name for name in SCHEMES if name != "bf16")  # every scheme but the source's
     ingest = ingest_stage.node(open_source(model_dir), model_dir, tmp_path / "hashes.json")
     quantize = Node(
-        "quantize/fp8", quantize_stage.STAGE, params={"scheme": get_scheme("fp8").model_dump()}, inputs=(ingest.id,)
+        "quantize/fp8",
+        quantize_stage.STAGE,
+        params={"scheme": get_scheme("fp8").model_dump()},
+        inputs={"ingest": ingest.id},
     )
     nodes = [ingest, quantize]
     for quant in ("bf16", "fp8"):
@@ -140,19 +144,20 @@ def test_stages_record_per_artifact_hardware_with_reasons(model_dir: Path, tmp_p
                     "params": {},
                     "hardware": None,
                 },
-                inputs=(ingest.id, quantize.id) if quant == "fp8" else (ingest.id,),
+                inputs={"ingest": ingest.id, "quantized": quantize.id} if quant == "fp8" else {"ingest": ingest.id},
             )
         )
     out = LocalExecutor(WorkDir(tmp_path / "work")).run(nodes)
     fp8 = out["export/hf-bundle-fp8"].output
     bf16 = out["export/hf-bundle-bf16"].output
     assert fp8 is not None and bf16 is not None
-    assert "a100" not in fp8.result["hardware"] and "h100" in fp8.result["hardware"]
-    assert "a100" in bf16.result["hardware"]
-    reasons = fp8.result["details"]["hardware"]
+    fp8_record, bf16_record = fp8.record(ArtifactRecord), bf16.record(ArtifactRecord)
+    assert "a100" not in fp8_record.hardware and "h100" in fp8_record.hardware
+    assert "a100" in bf16_record.hardware
+    reasons = fp8_record.details["hardware"]
     assert reasons["a100"]["compatible"] is False and "sm89" in reasons["a100"]["reason"]
     assert "e4m3fnuz" in reasons["mi300x"]["reason"]
-    assert fp8.result["runtime"]["quantization"]["format"] == "float-quantized"
+    assert fp8_record.runtime["quantization"]["format"] == "float-quantized"
     # What resolve's 404 names: the capability the hardware lacks.
-    assert "sm89" in fp8.result["unsupported"]["a100"] and "tpu-v5e" in fp8.result["unsupported"]
-    assert "h100" not in fp8.result["unsupported"] and "a100" not in bf16.result["unsupported"]
+    assert "sm89" in fp8_record.unsupported["a100"] and "tpu-v5e" in fp8_record.unsupported
+    assert "h100" not in fp8_record.unsupported and "a100" not in bf16_record.unsupported

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from core.errors import InvalidInput
+from core.manifest import ArtifactManifest, FileEntry
 from eval.metrics import compare
 from eval.runtimes import JaxRuntime
-from kiln.errors import InvalidInput
-from kiln.manifest import ArtifactManifest, FileEntry
-from pipeline.ingest import SourceModel, open_source
-from pipeline.quantize.store import open_quantized, write_quantized
+from formats.hf_model import SourceModel, open_source
+from quant.schemes import get_scheme
+from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
 from targets.orbax.layout import INT8
 from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
-from targets.schemes import get_scheme
 from tests.model_factory import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def test_int8_computes_the_quantize_stage_model(family: str, models: dict[str, P
     forward computes exactly the model whose Linear weights are q * scale."""
     import torch
 
-    from pipeline.quantize.rtn import dequantize, quantizes
+    from quant.rtn import dequantize, quantizes
 
     art = exported(family, INT8)
     quantized = open_quantized(art.parent / f"{art.name}-quantize", INT8)
@@ -328,7 +328,7 @@ def test_a_mesh_the_model_does_not_fit_is_refused_before_writing(
 
 
 def test_a_bad_mesh_is_refused_when_the_recipe_is_read(models: dict[str, Path], tmp_path: Path) -> None:
-    from kiln.errors import RecipeInvalid
+    from core.errors import RecipeInvalid
     from pipeline.recipe import parse_recipe
 
     (tmp_path / "heldout.txt").write_text("text")
@@ -413,6 +413,7 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
     opens both in the JAX runtime and judges them with the default gates, and each records TPU hardware."""
     from pipeline.build import run
     from pipeline.recipe import load_recipe
+    from pipeline.records import ArtifactRecord
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     (tmp_path / "heldout.txt").write_text(text, encoding="utf-8")
@@ -422,16 +423,17 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
         "eval: {text: heldout.txt, max_tokens: 256, window: 64, greedy_prompts: 2, greedy_tokens: 8}\n"
         f"targets:\n  - target: orbax\n    quants: [bf16, {INT8}]\n    params: {{mesh: {{data: 4, model: 2}}}}\n"
     )
-    result = run(load_recipe(recipe_path), tmp_path / "work")
+    result = run(load_recipe(recipe_path, allowed_roots=[models["llama"]]), tmp_path / "work")
     rows = {r["artifact"]: r for r in result.artifacts()}
     assert set(rows) == {"orbax-bf16", f"orbax-{INT8}"}
     for name, row in rows.items():
         assert row["export"] == "built" and row["eval"] == "passed", row
         export = result.outcomes[f"export/{name}"].output
         assert export is not None
-        assert export.result["hardware"] == ["tpu-v5e", "tpu-v5p"] and export.result["runtime_name"] == "jax"
-        assert export.result["runtime"]["mesh"] == {"data": 4, "model": 2}
-        assert "GGUF" in export.result["unsupported"]["cpu"] and "hf-bundles" in export.result["unsupported"]["h100"]
+        record = export.record(ArtifactRecord)
+        assert record.hardware == ["tpu-v5e", "tpu-v5p"] and record.runtime_name == "jax"
+        assert record.runtime["mesh"] == {"data": 4, "model": 2}
+        assert "GGUF" in record.unsupported["cpu"] and "hf-bundles" in record.unsupported["h100"]
     assert rows["orbax-bf16"]["metrics"]["kl"] <= 1e-6
     assert f"quantize/{INT8}" in result.outcomes
 

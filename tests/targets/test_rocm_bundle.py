@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import InvalidInput, RecipeInvalid
-from pipeline.ingest import open_source
-from pipeline.quantize.store import open_quantized, write_quantized
+from core.errors import InvalidInput, RecipeInvalid
+from formats.hf_model import open_source
 from pipeline.recipe import parse_recipe
+from quant.schemes import get_scheme
+from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target
 from targets.rocm_bundle.export import export
 from targets.rocm_bundle.fnuz import e4m3fn_to_e4m3fnuz
-from targets.schemes import get_scheme
 from tests.model_factory import make_model
 
 GFX942 = {"gfx_arch": "gfx942", "vllm": "0.11.2", "rocm": "7.0.2"}
@@ -83,7 +83,7 @@ def test_fnuz_bundle_dequantises_to_vllm_load_time_values(scheme: str, model_dir
     import torch
     from safetensors import safe_open
 
-    from pipeline.quantize.rtn import LINEAR_WEIGHT
+    from quant.rtn import LINEAR_WEIGHT
 
     fn = _bundle(model_dir, tmp_path / "fn", scheme, GFX942)
     fnuz = _bundle(model_dir, tmp_path / "fnuz", scheme, {**GFX942, "fp8_dtype": "e4m3fnuz"})
@@ -173,6 +173,7 @@ def _recipe(tmp_path: Path, model_dir: Path, entry: dict) -> None:
             "targets": [entry],
         },
         base_dir=tmp_path,
+        allowed_roots=[model_dir],
     )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kiln.errors import UnknownName
-from targets.hardware import PROFILES
-from targets.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compatible_hardware, get_scheme
+from core.errors import UnknownName
+from core.hardware import PROFILES
+from quant.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compatible_hardware, get_scheme
 
 
 def test_presets_are_the_issue_schemes() -> None:
@@ -97,7 +97,7 @@ def test_format_names_are_what_compressed_tensors_infers() -> None:
     import torch
     from compressed_tensors.compressors.format import infer_module_format
 
-    from pipeline.quantize.compressed import ct_scheme
+    from quant.compressed import ct_scheme
 
     for scheme in SCHEMES.values():
         if scheme.quantized:

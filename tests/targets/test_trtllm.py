@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import InvalidInput, RecipeInvalid
-from pipeline.ingest import SourceModel, open_source
-from pipeline.quantize.rtn import LINEAR_WEIGHT, dequantize
-from pipeline.quantize.store import QuantizedWeights, open_quantized, write_quantized
-from pipeline.recipe import parse_recipe
+from core.errors import InvalidInput, RecipeInvalid
+from core.hardware import PROFILES
+from formats.hf_model import SourceModel, open_source
+from pipeline.recipe import Recipe, parse_recipe
+from quant.rtn import LINEAR_WEIGHT, dequantize
+from quant.schemes import get_scheme
+from quant.store import QuantizedWeights, open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
-from targets.hardware import PROFILES
-from targets.schemes import get_scheme
 from targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows
 from targets.trtllm.formats import FORMATS, algo_verdict
 from targets.trtllm.schema import (
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def quantized(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedWeights]:
     """The shared quantize stage's output for every trtllm scheme (calibrated ones on a little stdlib text)."""
-    from pipeline.quantize.calibrated import calibrate, calibration_samples
+    from quant.calibrated import calibrate, calibration_samples
 
     source = open_source(model_dir)
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
@@ -168,7 +168,7 @@ def test_checker_names_the_tensor_tensorrt_llm_would_not_load(
 
 
 def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() -> None:
-    from pipeline.quantize.compressed import quantization_config
+    from quant.compressed import quantization_config
 
     # TensorRT-LLM reads bit width and strategy only: int8 W8A8 would load as FP8 rowwise.
     assert compressed_tensors_algo(quantization_config(get_scheme("int8-w8a8"))) == "FP8_PER_CHANNEL_PER_TOKEN"
@@ -237,11 +237,12 @@ def test_checkpoints_are_offered_only_where_tensorrt_llm_documents_their_algo(
     assert algo_verdict("NVFP4", PROFILES["b200"]).compatible
 
 
-def _recipe(tmp_path: Path, model_dir: Path, entry: dict) -> None:
+def _recipe(tmp_path: Path, model_dir: Path, entry: dict) -> Recipe:
     (tmp_path / "heldout.txt").write_text("text " * 100)
-    parse_recipe(
+    return parse_recipe(
         {"model": "m", "version": "1", "source": str(model_dir), "eval": {"text": "heldout.txt"}, "targets": [entry]},
         base_dir=tmp_path,
+        allowed_roots=[model_dir],
     )
 
 
@@ -289,13 +290,18 @@ def test_recipe_refuses_what_tensorrt_llm_cannot_serve(
 
 
 def test_recipe_accepts_an_engine_matrix_every_sku_can_serve(model_dir: Path, tmp_path: Path) -> None:
-    _recipe(
+    spec = get_target("trtllm")
+    assert spec.derived is not None
+    recipe = _recipe(
         tmp_path,
         model_dir,
         {"target": "trtllm", "quants": ["bf16", "fp8", "w4a16-awq"], "params": {"engines": ENGINES}},
     )
-    _recipe(
-        tmp_path,
-        model_dir,
-        {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "skus": ["a100", "l40s", "b200"]}}},
-    )
+    engines = [d.artifact for name, entry, quant in recipe.artifacts() for d in spec.derived(name, quant, entry.params)]
+    assert engines == [f"trtllm-{q}-{sku}" for q in ("bf16", "fp8", "w4a16-awq") for sku in ("h100", "h200")]
+    older = {**ENGINES, "skus": ["a100", "l40s", "b200"]}
+    recipe = _recipe(tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16"], "params": {"engines": older}})
+    (name, entry, quant), *_ = recipe.artifacts()
+    derived = spec.derived(name, quant, entry.params)
+    assert [d.params["sku"] for d in derived] == ["a100", "l40s", "b200"]
+    assert all(d.kind == "engine" and d.params["command"][0] == "trtllm-build" for d in derived)

@@ -1,0 +1,90 @@
+"""The artifact manifest: what a build produced, as the registry stores and serves it."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from core.digest import sha256_json
+
+# A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")
+ARTIFACT_NAME = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,63}$")
+# Names a manifest declares: what they are stored in (64 characters) and can be looked up by.
+_KIND = r"^[A-Za-z0-9][A-Za-z0-9._+\-]{0,63}$"
+HARDWARE_NAME = r"^[a-z0-9][a-z0-9._\-]{0,63}$"
+MAX_FILES = 100_000
+
+
+def check_relative_path(path: str) -> str:
+    """Reject absolute paths, traversal and odd characters in a file path inside an artifact."""
+    if not path or path.startswith("/") or "\\" in path or len(path) > 512:
+        raise ValueError(f"invalid file path {path!r}: must be a relative POSIX path")
+    for seg in path.split("/"):
+        if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
+            raise ValueError(f"invalid file path {path!r}: bad segment {seg!r}")
+    return path
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0, le=2**63 - 1)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return check_relative_path(v)
+
+
+class ArtifactManifest(BaseModel):
+    """One artifact: a target's output for one quantization, with where it runs and how it was made."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="unique within a release, e.g. gguf-q4_k_m")
+    target: str = Field(pattern=_KIND, description="registered target name, e.g. gguf, hf-bundle")
+    format: str = Field(pattern=_KIND, description="file format, e.g. gguf-v3, safetensors")
+    quant: str = Field(pattern=_KIND, description="quantization scheme or GGUF type, e.g. bf16, q4_k_m")
+    hardware: list[Annotated[str, StringConstraints(pattern=HARDWARE_NAME)]] = Field(
+        max_length=1000, description="hardware profile names this artifact runs on"
+    )
+    unsupported: dict[
+        Annotated[str, StringConstraints(pattern=HARDWARE_NAME)], Annotated[str, StringConstraints(max_length=10_000)]
+    ] = Field(
+        default_factory=dict,
+        max_length=1000,
+        description="hardware profile names it does not run on, each with the reason",
+    )
+    runtime: dict[str, Any] = Field(default_factory=dict, description="runtime requirements")
+    files: list[FileEntry] = Field(max_length=MAX_FILES)
+    provenance: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not ARTIFACT_NAME.fullmatch(v):
+            raise ValueError(f"invalid artifact name {v!r}: lowercase letters, digits, '.', '_', '-'")
+        return v
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: list[FileEntry]) -> list[FileEntry]:
+        if not v:
+            raise ValueError("an artifact needs at least one file")
+        paths = [f.path for f in v]
+        if len(set(paths)) != len(paths):
+            raise ValueError("duplicate file paths in manifest")
+        return sorted(v, key=lambda f: f.path)
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def content_digest(self) -> str:
+        """Digest of what a consumer gets (files + declared target/quant/hardware/runtime); not provenance."""
+        return sha256_json(self.model_dump(exclude={"provenance"}, mode="json"))

@@ -1,0 +1,1 @@
+"""File formats, one module (or package) each: constants, reader and writer side by side."""

@@ -1,0 +1,45 @@
+"""The `kiln` command line, one module per command group, on top of every other layer.
+
+build (build, plan, publish, inspect) · releases (seal, abandon, promote, yank, resolve, audit) ·
+tokens · server (serve, db upgrade, gc). `main` maps kiln errors to the exit codes of `common`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from core.errors import KilnError
+from kiln.cli import build, releases, server, tokens  # noqa: F401 - each registers its commands
+from kiln.cli.common import EXIT_CODES, app, emit
+from kiln.console import err, safe_text
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    try:
+        # Without standalone mode click returns (not raises) the code of a typer.Exit.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except KilnError as e:
+        err.print(f"[red]error[/red] {safe_text(f'[{e.code}]')} {safe_text(e.message)}")
+        if "log" in e.details:  # a stage failed: what its libraries printed last, and where the rest is
+            err.print(f"[dim]last lines of {safe_text(e.details['log'])}:[/dim]")
+            for line in e.details.get("log_tail", []):
+                err.print(f"[dim]  {safe_text(line)}[/dim]")
+        if "--json" in sys.argv:
+            emit({"error": e.to_dict()})
+        sys.exit(next(code for cls, code in EXIT_CODES if isinstance(e, cls)))
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as e:
+        # Usage errors (typer's own copy of click's ClickException): print the usage line, exit 2.
+        show, exit_code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(exit_code, int):
+            show()
+            sys.exit(exit_code)
+        raise

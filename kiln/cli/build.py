@@ -1,0 +1,181 @@
+"""`kiln build`, `kiln plan`, `kiln publish`, `kiln inspect`: the stage graph, run and shown.
+
+The build's modules are imported when a command runs, so `kiln --help` and the registry commands start
+without loading them."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from kiln.cli.common import (
+    DEFAULT_REGISTRY,
+    DEFAULT_WORK,
+    EXIT_GATE_FAILED,
+    AllowOutsideOpt,
+    JsonOpt,
+    RegistryOpt,
+    WorkDirOpt,
+    allowed_roots,
+    app,
+    emit,
+    fmt_size,
+)
+from kiln.console import ProgressReporter, err, safe_text, stdout
+
+
+def _peak_rss_mib() -> float:
+    # ru_maxrss is KiB on Linux; include finished children (llama.cpp's quantizer runs in-process).
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+def _artifact_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="artifacts")
+    for col in ("artifact", "size", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
+        table.add_column(col, justify="left" if col in ("artifact", "eval") else "right", no_wrap=True)
+    for r in rows:
+        m = r.get("metrics") or {}
+        colour = {"passed": "green", "failed": "red"}.get(r["eval"], "yellow")
+        table.add_row(
+            safe_text(r["artifact"]),
+            fmt_size(r.get("size")),
+            f"[{colour}]{safe_text(r['eval'])}[/{colour}]",
+            f"{m['ppl']:.3f}" if "ppl" in m else "-",
+            f"{m['ppl_change']:+.2%}" if "ppl_change" in m else "-",
+            f"{m['kl']:.2e}" if "kl" in m else "-",
+            f"{m['top1']:.4f}" if "top1" in m else "-",
+            f"{m['greedy_match']:.3f}" if "greedy_match" in m else "-",
+        )
+    return table
+
+
+def _quiet_libraries() -> None:
+    """Our progress bars, not each library's: transformers draws one per model load, compressed-tensors
+    one per decompression (both through tqdm, which honours TQDM_DISABLE)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _run_build(
+    recipe_path: Path, work_dir: Path, registry: str | None, as_json: bool, allow_outside: list[Path] | None
+) -> None:
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+
+    started = time.time()
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # some CPUs advertise AMX that faults
+    _quiet_libraries()
+    recipe = load_recipe(recipe_path, allowed_roots=allowed_roots(allow_outside))
+    result = build.run(recipe, work_dir, registry=registry, reporter=ProgressReporter(quiet=as_json))
+    summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    if as_json:
+        emit(summary)
+    else:
+        err.print(_artifact_table(summary["artifacts"]))
+        err.print(
+            safe_text(
+                f"{recipe.model}@{recipe.version}: {summary['stages']} in {summary['seconds']:.1f}s, "
+                f"peak RSS {summary['peak_rss_mib']:.0f} MiB; report: {report}"
+            )
+        )
+        for item in summary["ignored"]:  # files in the source kiln left alone (pickle checkpoints, ...)
+            err.print(f"[yellow]ignored[/yellow] {safe_text(item['path'])} in the source: {safe_text(item['reason'])}")
+        for r in summary["artifacts"]:
+            for failure in r["failures"]:
+                err.print(f"[red]gate failed[/red] {safe_text(r['artifact'])}: {safe_text(failure)}")
+        # Deferred is not a failure: the work waits for a runner that has what this machine lacks.
+        for d in summary["deferred"]:
+            if "runner" in d:
+                command = " ".join(d["command"])
+                err.print(
+                    f"[yellow]deferred[/yellow] {safe_text(d['node'])} to a runner with {safe_text(d['runner'])}: "
+                    f"{safe_text(command)}"
+                )
+    if result.failed_gates:
+        raise typer.Exit(EXIT_GATE_FAILED)
+
+
+@app.command()
+def build(
+    recipe: Path,
+    work_dir: WorkDirOpt = DEFAULT_WORK,
+    as_json: JsonOpt = False,
+    allow_outside: AllowOutsideOpt = None,
+) -> None:
+    """Build and evaluate every artifact of RECIPE, reusing finished stages."""
+    _run_build(recipe, work_dir, None, as_json, allow_outside)
+
+
+@app.command()
+def publish(
+    recipe: Path,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    work_dir: WorkDirOpt = DEFAULT_WORK,
+    as_json: JsonOpt = False,
+    allow_outside: AllowOutsideOpt = None,
+) -> None:
+    """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
+    _run_build(recipe, work_dir, registry, as_json, allow_outside)
+
+
+@app.command()
+def plan(
+    recipe: Path,
+    work_dir: WorkDirOpt = DEFAULT_WORK,
+    as_json: JsonOpt = False,
+    allow_outside: AllowOutsideOpt = None,
+) -> None:
+    """Show the stage graph of RECIPE: each stage, its cache key and whether it is already built."""
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+
+    rows = build.status(load_recipe(recipe, allowed_roots=allowed_roots(allow_outside)), work_dir)
+    if as_json:
+        emit(rows)
+        return
+    table = Table(title=safe_text(recipe))
+    for col in ("stage", "inputs", "key", "state"):
+        table.add_column(col)
+    for r in rows:
+        state = f"deferred to {r['runner']}" if "runner" in r else r["state"]
+        cells = (r["node"], ", ".join(r["inputs"]), (r["key"] or "-")[:12], state)
+        table.add_row(*(safe_text(c) for c in cells))
+    err.print(table)
+
+
+@app.command()
+def inspect(file: Path, as_json: JsonOpt = False) -> None:
+    """Show the header of a SafeTensors or GGUF file (tensors, dtypes, shapes, metadata)."""
+    from kiln.inspect import inspect_file
+
+    info = inspect_file(file)
+    if as_json:
+        emit(info)
+        return
+    err.print(safe_text(f"{file}: {info['format']}, {len(info['tensors'])} tensors"))
+    for k, v in info["metadata"].items():
+        text = str(v)
+        stdout.print(f"  {safe_text(k)} = {safe_text(text[:100] + '...' if len(text) > 100 else text)}")
+    table = Table()
+    for col in ("tensor", "dtype", "shape", "bytes"):
+        table.add_column(col)
+    for t in info["tensors"]:
+        table.add_row(*(safe_text(c) for c in (t["name"], t["dtype"], t["shape"], t["nbytes"])))
+    err.print(table)

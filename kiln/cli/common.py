@@ -1,0 +1,107 @@
+"""What every command group shares: the app, its options, output helpers and the exit-code table.
+
+Exit codes (stable, for CI): 0 ok; 1 a stage or the service failed; 2 bad input (recipe, source,
+arguments); 3 an eval gate failed; 4 not found; 5 conflict with what is stored; 6 not allowed;
+7 a backend is unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from core.errors import (
+    Conflict,
+    Forbidden,
+    GateFailed,
+    InvalidInput,
+    KilnError,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
+
+EXIT_CODES: list[tuple[type[KilnError], int]] = [
+    (GateFailed, 3),
+    (InvalidInput, 2),
+    (NotFound, 4),
+    (Conflict, 5),
+    (Unauthorized, 6),
+    (Forbidden, 6),
+    (Unavailable, 7),
+    (KilnError, 1),
+]
+EXIT_GATE_FAILED = 3
+
+app = typer.Typer(
+    name="kiln",
+    help="Build verified, hardware-specific LLM artifacts from one SafeTensors release, and serve them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+db_app = typer.Typer(help="Manage the registry database schema.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+token_app = typer.Typer(help="Manage registry API tokens (needs the admin scope).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
+WorkDirOpt = Annotated[
+    Path, typer.Option("--work-dir", envvar="KILN_WORK_DIR", help="Content-addressed stage outputs.")
+]
+RegistryOpt = Annotated[
+    str,
+    typer.Option(
+        "--registry",
+        envvar="KILN_REGISTRY",
+        help="Registry URL (http://..., token from $KILN_TOKEN), embedded registry directory, or database URL.",
+    ),
+]
+AllowOutsideOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--allow-outside",
+        metavar="DIR",
+        help="A directory outside the recipe's own that its paths, and symbolic links in its source, may point "
+        "into (repeatable; default: $KILN_ALLOW_OUTSIDE, separated by os.pathsep). Never read from the recipe.",
+        show_default=False,
+    ),
+]
+DEFAULT_WORK = Path(".kiln/work")
+DEFAULT_REGISTRY = ".kiln/registry"
+
+
+def allowed_roots(values: list[Path] | None) -> list[Path]:
+    """--allow-outside's directories, else $KILN_ALLOW_OUTSIDE's; each must be an existing directory."""
+    env = os.environ.get("KILN_ALLOW_OUTSIDE", "")
+    roots = values or [Path(p) for p in env.split(os.pathsep) if p]
+    for root in roots:
+        if not root.is_dir():
+            raise InvalidInput(f"--allow-outside {str(root)!r} is not a directory", details={"dir": str(root)})
+    return roots
+
+
+def emit(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def fmt_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    model, sep, version = ref.partition("@")
+    if not sep or not model or not version:
+        raise InvalidInput(f"expected MODEL@VERSION, got {ref!r}")
+    return model, version

@@ -1,0 +1,131 @@
+"""Release commands against a registry: seal, abandon, promote, yank, resolve, and the audit log."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, app, emit, split_ref
+from kiln.console import err, safe_text, stdout
+from registry.client import RegistryClient
+
+
+@app.command()
+def seal(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Seal an open release once every planned artifact is published with its eval (`kiln publish` does this)."""
+    model, version = split_ref(ref)
+    with RegistryClient.connect(registry) as client:
+        out = client.seal_release(model, version)
+    if as_json:
+        emit(out)
+    else:
+        err.print(safe_text(f"{model}@{version} sealed: {len(out['planned_artifacts'])} artifacts"))
+
+
+@app.command()
+def abandon(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    reason: Annotated[str, typer.Option(help="Why; recorded in the audit log.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Abandon an open release that will never be sealed: its artifacts are dropped, `kiln gc` collects their blobs."""
+    model, version = split_ref(ref)
+    with RegistryClient.connect(registry) as client:
+        out = client.abandon_release(model, version, reason)
+    if as_json:
+        emit(out)
+    else:
+        err.print(safe_text(f"{model}@{version} abandoned: {reason}"))
+
+
+@app.command()
+def promote(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    channel: Annotated[str, typer.Option(help="Channel to point at the release, e.g. prod.")],
+    force: Annotated[bool, typer.Option(help="Promote although an eval gate failed (needs --reason).")] = False,
+    reason: Annotated[str | None, typer.Option(help="Why; recorded in the audit log.")] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Point CHANNEL of MODEL at VERSION (refused while an artifact failed its eval gate)."""
+    model, version = split_ref(ref)
+    with RegistryClient.connect(registry) as client:
+        out = client.promote(model, version, channel, force=force, reason=reason, actor=os.environ.get("USER"))
+    if as_json:
+        emit(out)
+    else:
+        err.print(safe_text(f"{model}: channel {channel} -> {version}" + (" (forced)" if force else "")))
+
+
+@app.command()
+def yank(
+    ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
+    reason: Annotated[str, typer.Option(help="Why; recorded in the audit log.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Yank a release: it stays stored, but resolve and downloads by channel never return it again."""
+    model, version = split_ref(ref)
+    with RegistryClient.connect(registry) as client:
+        out = client.yank(model, version, reason)
+    if as_json:
+        emit(out)
+    else:
+        err.print(safe_text(f"{model}@{version} yanked: {reason}"))
+
+
+@app.command()
+def resolve(
+    model: str,
+    hardware: Annotated[str, typer.Option(help="Hardware profile of the serving pool, e.g. cpu, h100.")],
+    channel: Annotated[str, typer.Option(help="Channel to resolve.")] = "prod",
+    context: Annotated[int, typer.Option(help="Context length to size the KV cache for.")] = 4096,
+    concurrency: Annotated[int, typer.Option(help="Concurrent sequences per node.")] = 1,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which artifact a node of HARDWARE should load for MODEL on CHANNEL, and why."""
+    with RegistryClient.connect(registry) as client:
+        answer = client.resolve(model, hardware, channel, context=context, concurrency=concurrency)
+    if as_json:
+        emit(answer)
+        return
+    a, why = answer["artifact"], answer["reason"]
+    stdout.print(
+        safe_text(f"{answer['model']}@{answer['version']} ({answer['channel']}) on {answer['hardware']}: {a['name']}")
+    )
+    stdout.print(f"  {safe_text(why.get('explanation', ''))}")
+    for f in a["files"]:
+        stdout.print(safe_text(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes"))
+        stdout.print(f"    {safe_text(f['url'])}")
+    if answer.get("fallbacks"):
+        stdout.print(safe_text("  fallbacks: " + ", ".join(fb["artifact"]["name"] for fb in answer["fallbacks"])))
+    if not registry.startswith(("http://", "https://")):
+        err.print(f"[dim]embedded registry: `kiln serve --data-dir {safe_text(registry)}` serves these URLs[/dim]")
+
+
+@app.command()
+def audit(
+    model: Annotated[str | None, typer.Option(help="Only events about this model.")] = None,
+    limit: Annotated[int, typer.Option(help="How many events, newest first.")] = 50,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit log: promotions, forced promotions, yanks and token changes (who, what, when, why)."""
+    with RegistryClient.connect(registry) as client:
+        events = client.audit(model, limit)
+    if as_json:
+        emit(events)
+        return
+    for e in events:
+        why = f"  reason: {e['reason']}" if e.get("reason") else ""
+        change = e.get("details", {})
+        before_after = f"  {change.get('before')} -> {change.get('after')}" if "after" in change else ""
+        stdout.print(safe_text(f"{e['at']}  {e['actor']:<28} {e['action']:<24} {e['target']}{before_after}{why}"))

@@ -1,0 +1,108 @@
+"""What each stage hands the next: frozen, validated records, one type per stage, stored in `stage.json`.
+
+A stage returns its record; the executor writes `record.model_dump(mode="json")` as the output's
+`result` (with the record's name) and reads it back through the same type, so a consumer gets typed
+fields (`ingest.result.source_digest`), never a string-keyed dict, and a `stage.json` that does not
+match its schema is an error, not a KeyError three stages later.
+
+The eval stage's record is `eval.report.EvalReport`, which the registry also stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.manifest import FileEntry
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class IgnoredFile(Record):
+    path: str
+    reason: str
+
+
+class IngestRecord(Record):
+    """The checked source release, copied into the store."""
+
+    source_digest: str
+    source_files: list[FileEntry]
+    shape: dict[str, Any] = Field(description="ModelShape.summary(): what the registry keeps to size KV caches")
+    architecture: str
+    tensors: int
+    parameters: int
+    ignored: list[IgnoredFile] = Field(description="files left alone (pickles beside SafeTensors, ...)")
+
+
+class ReferenceParams(Record):
+    window: int
+    max_tokens: int
+    greedy_prompts: int
+    greedy_tokens: int
+
+
+class ReferenceRecord(Record):
+    """The reference runtime's logits on the held-out windows (the files), and what they were computed on."""
+
+    runtime: str
+    version: str
+    source_digest: str
+    text_digest: str
+    params: ReferenceParams
+    windows: int
+    tokens: int
+
+
+class QuantizeRecord(Record):
+    """One scheme's quantized Linear weights (the files: `quant.store`'s layout)."""
+
+    scheme: dict[str, Any] = Field(description="the quant.schemes.Scheme, as JSON")
+    format: str
+    replaced: int
+    changed_bf16: list[str] = Field(description="tensors calibration changed (e.g. AWQ-smoothed norms), stored in bf16")
+    stored_bytes: int
+    source_bytes: int
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def scheme_name(self) -> str:
+        return str(self.scheme["name"])
+
+
+class ArtifactRecord(Record):
+    """An artifact's files (the stage's output) and everything its manifest declares about them.
+
+    Made by the export stage, and by a target's derived stages (a TensorRT engine per GPU SKU).
+    """
+
+    artifact: str
+    target: str
+    format: str
+    quant: str
+    hardware: list[str]
+    unsupported: dict[str, str]
+    runtime: dict[str, Any] = Field(description="runtime requirements recorded in the manifest")
+    runtime_name: str = Field(description="the runtime that evaluates it, e.g. llama.cpp, transformers")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class PreparedRecord(Record):
+    """What a target computed once per source for all its exports (`TargetSpec.prepare`)."""
+
+    target: str
+    data: dict[str, Any]
+
+
+class PublishRecord(Record):
+    artifact: str
+    manifest_digest: str
+
+
+class SealRecord(Record):
+    model: str
+    version: str
+    status: str

@@ -1,0 +1,355 @@
+"""Calibrated int4 (GPTQ, AWQ) with llm-compressor's `oneshot`, on CPU, into the quantize stage's layout.
+
+llm-compressor chooses the int4 values and scales from calibration text; kiln then stores them
+exactly as for round-to-nearest (`store.write_quantized` with the module's own scales: the
+compressed-tensors `pack-quantized` tensors and `quantization_config`), so hf-bundle and eval
+need no change. The modifiers are built from kiln's `Scheme` (`compressed.ct_scheme`), not from
+llm-compressor's preset names, so the scheme table stays the one source of truth.
+
+- GPTQ (`GPTQModifier`, llm-compressor's default `actorder="static"`): per Linear, Hessian-based
+  error feedback over the columns; the module's weight ends up fake-quantized (`q * scale`).
+- AWQ (`transform.awq.AWQModifier`, then `QuantizationModifier`): per decoder layer, a grid
+  search for per-input-channel smoothing scales that are folded into the layer before
+  (input_layernorm -> q/k/v, post_attention_layernorm -> gate/up, v -> o and up -> down where
+  shapes allow), then min-max scales for round-to-nearest. The folded RMSNorm weights differ
+  from the source's, so they are stored too (bf16, under their own names).
+
+What llm-compressor 0.14 does here, on a machine without an accelerator (read in its source and
+compressed-tensors 0.19's, and seen in its logs):
+
+- `oneshot(pipeline="independent")` (its default) runs each modifier with its own pipeline:
+  GPTQ and AWQ get the *sequential* pipeline, the `QuantizationModifier` after AWQ the data-free one.
+  The sequential pipeline traces the model into one subgraph per decoder layer (plus the head) and
+  calibrates them in turn, keeping every sample's activations at the layer boundary in an
+  `IntermediatesCache` ("offloaded" to `sequential_offload_device="cpu"`: activations only, never
+  weights).
+- By itself "one layer at a time" bounds accelerator memory, not host memory: the pipeline
+  *onloads* each subgraph's weights to `get_main_device()` (the CPU here) from wherever the model
+  keeps them, and a model loaded with plain `from_pretrained` keeps them all in RAM. Measured
+  (bench/calibration_memory.py, layers of 5.9 MB): peak RSS grew with depth by about the model's
+  bytes for GPTQ and twice that for AWQ.
+- Where weights are kept is compressed-tensors' offloading, which llm-compressor calibrates through
+  unchanged: a module's `_parameters` become an `OffloadCache`. Loading under
+  `compressed_tensors.offload.load_offloaded_model` with `device_map={"": "disk"}` gives every
+  module a `DiskCache`: meta tensors plus an index into the source's own SafeTensors files
+  (symlinked into the offload folder, nothing copied). The sequential pipeline reads one subgraph's
+  weights under `disable_offloading()` and drops them when it moves on; everything calibration
+  writes (GPTQ's fake-quantized weights, the scales, AWQ's smoothed norms and Linears) goes through
+  `update_offload_parameter` to a new file in the offload folder. So host memory holds one layer's
+  weights, its boundary activations and its Hessians (GPTQ, in*in float32 per Linear) or cached
+  inputs (AWQ). `calibrate` loads this way, and its result reads each calibrated tensor from the
+  offload folder when `write_quantized` asks for it (the folder goes when the result does). The
+  numbers are bit-identical to calibrating the model in memory (checked by a test, GPTQ and AWQ).
+  The price is disk: the folder grows to about the quantized Linears' bf16 bytes.
+  The documented `device_map="auto_offload"` is not used: it fills RAM first (available memory
+  minus 5 GB) and spills to disk only beyond that.
+- AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid search, for
+  faster host-to-device copies; torch refuses to pin memory without an accelerator, so AWQ fails
+  on CPU. `cpu_pin_memory_workaround` is the one place that works around it.
+
+Measured with `python bench/calibration_memory.py --threads 1` (Llama-shaped, hidden 512, 5.9 MB
+of bf16 per layer; 4 samples of 64 tokens; 2 shared cores): peak RSS minus the ~506 MB that
+importing torch, transformers, datasets and llm-compressor takes, for the model in memory (before)
+and on disk (`calibrate` now); the 32-layer row is from a run with torch's default threads.
+
+| layers | model MB | GPTQ in memory | GPTQ on disk | AWQ in memory | AWQ on disk |
+|---:|---:|---:|---:|---:|---:|
+| 4 | 25 | 136 MB | 139 MB | 146 MB | 98 MB |
+| 8 | 48 | 165 MB | 124 MB | 190 MB | 94 MB |
+| 16 | 95 | 201 MB | 126 MB | 284 MB | 96 MB |
+| 32 | 190 | | 127 MB | | 108 MB |
+
+On disk, memory no longer grows with depth; what remains (~100-125 MB, 84 MB on a 2-layer 3.7 MB
+model) is torch's lazily initialised kernels, the traced subgraphs, tokenizer and dataset, and one
+layer's working set. Time is unchanged within noise (16 layers: GPTQ 15.9 s in memory, 16.9 s on
+disk; AWQ 25.8 s, 21.9 s). On the example model (examples/tiny-llama, 10.5 MB; 32 samples of 256
+tokens; 1 thread): GPTQ 5 s, peak 594 MB (604 MB in memory), AWQ 22 s, peak 656 MB (687-699 MB);
+AWQ's extra is its cached inputs of one layer for all samples, which grows with samples, not depth.
+
+Calibration samples: `samples` consecutive, non-overlapping windows of `seq_len` tokens (BOS first
+when the model has one), from the text's tokens after `skip_tokens` — the build skips the tokens
+the eval scores when calibrating on the eval's held-out text, so calibration never sees them. Too
+little text is an error (`CALIBRATION_TOO_SHORT`), never fewer samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.errors import InvalidInput, StageFailed
+from quant.rtn import quantizes
+from quant.schemes import Scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from formats.hf_model import SourceModel
+
+
+class CalibrationTooShort(InvalidInput):
+    """The calibration text has fewer tokens than `samples * seq_len` after the skipped part."""
+
+    code = "CALIBRATION_TOO_SHORT"
+
+
+@dataclass(frozen=True)
+class CalibratedWeights:
+    """What calibration chose, by source tensor name (the input of `store.write_quantized`).
+
+    `weights` and `scales` may read each tensor from disk when indexed: take them one at a time.
+    """
+
+    weights: Mapping[str, torch.Tensor]  # quantized Linear weight -> its (smoothed / fake-quantized) values
+    scales: Mapping[str, torch.Tensor]  # quantized Linear weight -> its compressed-tensors weight_scale
+    changed: Mapping[str, torch.Tensor]  # source tensors kept in bf16 that calibration changed (AWQ's norms)
+
+
+def calibration_samples(
+    model_dir: str | Path, text: str, *, samples: int, seq_len: int, skip_tokens: int = 0
+) -> list[list[int]]:
+    """`samples` token windows of `seq_len` tokens from `text` (after its first `skip_tokens` tokens)."""
+    from transformers import AutoTokenizer
+
+    if samples < 1 or seq_len < 2 or skip_tokens < 0:
+        raise InvalidInput(f"calibration needs samples >= 1 and seq_len >= 2; got {samples}, {seq_len}")
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    bos = config.get("bos_token_id")
+    if bos is None:
+        bos = tokenizer.bos_token_id
+    head = [int(bos)] if bos is not None else []
+    # verbose=False: the text is longer than model_max_length on purpose; windows keep within it.
+    ids: list[int] = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][skip_tokens:]
+    step = seq_len - len(head)
+    need = samples * step
+    if len(ids) < need:
+        raise CalibrationTooShort(
+            f"calibration text gives {len(ids)} token(s) after the {skip_tokens} skipped, but {samples} samples "
+            f"of {seq_len} tokens need {need}; give a longer calibration.text or fewer samples / a shorter seq_len",
+            details={
+                "tokens": len(ids),
+                "needed": need,
+                "skipped": skip_tokens,
+                "samples": samples,
+                "seq_len": seq_len,
+            },
+        )
+    return [head + ids[i * step : (i + 1) * step] for i in range(samples)]
+
+
+@contextlib.contextmanager
+def cpu_pin_memory_workaround() -> Iterator[None]:
+    """Make llm-compressor's `IntermediatesCache.pin_memory` a no-op when there is no accelerator.
+
+    llm-compressor 0.14's AWQ calls it before each smoothing grid search to speed up host-to-device
+    copies, and `Tensor.pin_memory()` raises without an accelerator. With everything on the CPU
+    there is nothing to copy, so skipping the pin changes no number. Remove this once
+    `tests/pipeline/test_quantize_calibrated.py::test_upstream_awq_still_pins_memory_on_cpu` fails.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    original = IntermediatesCache.pin_memory
+
+    def no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
+        return None
+
+    IntermediatesCache.pin_memory = no_pin  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = original  # type: ignore[method-assign]
+
+
+def _quiet_llmcompressor_logs() -> None:
+    """Send llm-compressor's loguru output (on stdout by default, at INFO) to stderr, errors only.
+
+    `kiln build --json` owns stdout; llm-compressor logs every module it quantizes there, and warns
+    on import (hence the import under `redirect_stdout`). Its own environment variables
+    (`LLM_COMPRESSOR_LOG_LEVEL`, ...) still take precedence.
+    """
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        from llmcompressor import LoggerConfig, configure_logger, logger
+
+    configure_logger(LoggerConfig(console_log_level=None))
+    logger.add(sys.stderr, level="ERROR")
+
+
+def _recipe(scheme: Scheme) -> list[Any]:
+    """llm-compressor modifiers for `scheme`; AWQ is a transform followed by plain quantization (0.14 API)."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    from quant.compressed import ct_scheme
+
+    groups = {"group_0": ct_scheme(scheme).model_copy(update={"format": None})}
+    if scheme.method == "gptq":
+        return [GPTQModifier(config_groups=groups, ignore=list(scheme.ignore))]
+    if scheme.method == "awq":
+        return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=list(scheme.ignore))]
+    raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
+
+
+def _read(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter or buffer `name` of `model`; an offloaded one is read from its file now (a fresh tensor)."""
+    module, attr = name.rsplit(".", 1)
+    tensor: torch.Tensor = getattr(model.get_submodule(module), attr)
+    return tensor.detach()
+
+
+def _has_tensor(model: torch.nn.Module, name: str) -> bool:
+    """Whether `model` has parameter or buffer `name`, without reading it (an offload cache answers from its index)."""
+    module_name, attr = name.rsplit(".", 1)
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return attr in module._parameters or attr in module._buffers
+
+
+class _OffloadFolder:
+    """A temporary folder for offloaded weights, removed when the last mapping that reads from it is collected
+    (or at exit): its lifetime is that of the calibration result, which the caller does not manage."""
+
+    def __init__(self, parent: str | Path | None) -> None:
+        self.path = tempfile.mkdtemp(prefix="kiln-calibration-", dir=parent)
+        weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+
+
+class _OffloadedTensors(Mapping[str, "torch.Tensor"]):
+    """Tensors of a disk-offloaded model under names of our choosing, each read from disk when asked for."""
+
+    def __init__(self, model: torch.nn.Module, names: Mapping[str, str], folder: _OffloadFolder) -> None:
+        self._model = model
+        self._names = dict(names)  # our name -> the model's
+        self._folder = folder
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _read(self._model, self._names[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
+# CPU flags of native bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: the BF16 extension).
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def calibration_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype calibration computes in on this CPU: bfloat16 where it has native bf16 arithmetic,
+    float32 elsewhere. AVX2-only CPUs emulate bf16 matmuls (AWQ's grid search took 230 s on one,
+    13.5 s on an AVX512-BF16 one); where bf16 is native it keeps memory and the offload folder at
+    the checkpoint's size (float32 writes a converted copy of every weight to the offload folder,
+    twice the checkpoint's bytes on disk) at about the same speed (bench/calibration_memory.py).
+    `KILN_CALIBRATION_DTYPE` (bfloat16 | float32) overrides the detection."""
+    override = os.environ.get("KILN_CALIBRATION_DTYPE")
+    if override:
+        if override not in COMPUTE_DTYPES:
+            raise InvalidInput(
+                f"KILN_CALIBRATION_DTYPE={override!r}; known: {', '.join(COMPUTE_DTYPES)}",
+                details={"known": list(COMPUTE_DTYPES)},
+            )
+        return override
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "float32"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags |= set(value.split())
+    return "bfloat16" if flags & _BF16_FLAGS else "float32"
+
+
+def calibrate(
+    source: SourceModel,
+    scheme: Scheme,
+    samples: list[list[int]],
+    *,
+    offload_dir: str | Path | None = None,
+    compute_dtype: str = "bfloat16",
+) -> CalibratedWeights:
+    """Run llm-compressor's `oneshot` for `scheme` on `source` (CPU) with every weight offloaded to disk.
+
+    The model is loaded with compressed-tensors' disk offload (`load_offloaded_model`, every module
+    on "disk"): its weights stay in the source's SafeTensors files until the sequential pipeline
+    reads one decoder layer's, and what calibration changes is written to a temporary folder under
+    `offload_dir` (default: the system's temporary directory; it should be a disk, not a tmpfs).
+    The result's `weights` and `scales` read each tensor from there when asked for; the folder is
+    removed once the result is dropped. `compute_dtype` (`calibration_dtype()` for this CPU) is what
+    the model runs in while calibrating (recorded in the quantize stage's record).
+    """
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise InvalidInput(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    if not scheme.calibrated:
+        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
+    _quiet_llmcompressor_logs()  # first: importing llmcompressor logs to stdout
+    import torch
+    from compressed_tensors.offload import load_offloaded_model
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    folder = _OffloadFolder(offload_dir)
+    with load_offloaded_model(AutoModelForCausalLM):
+        # {"": "disk"}: no weight is loaded; unchanged ones are read from the source's files in place.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
+        )
+    data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    with cpu_pin_memory_workaround():
+        oneshot(
+            model=model,
+            dataset=data,
+            recipe=_recipe(scheme),
+            num_calibration_samples=len(samples),
+            max_seq_length=max(len(s) for s in samples),
+            shuffle_calibration_samples=False,
+        )
+    scales: dict[str, str] = {}
+    changed: dict[str, torch.Tensor] = {}
+    for n in source.tensors:
+        if not _has_tensor(model, n):
+            raise StageFailed(f"{scheme.name}: the calibrated model has no tensor {n!r}", code="CALIBRATION_FAILED")
+        if quantizes(scheme, n):
+            module = n.removesuffix(".weight")
+            zero = f"{module}.weight_zero_point"
+            if not _has_tensor(model, f"{module}.weight_scale") or (
+                _has_tensor(model, zero) and bool(_read(model, zero).any())
+            ):
+                raise StageFailed(
+                    f"{scheme.name}: llm-compressor left {module} without symmetric scales", code="CALIBRATION_FAILED"
+                )
+            scales[n] = f"{module}.weight_scale"
+            continue
+        # One tensor in memory at a time; only those calibration changed (AWQ's norms, small) are kept.
+        t = _read(model, n)
+        if not torch.equal(t.to(torch.bfloat16), source.tensor(n).to(torch.bfloat16)):
+            changed[n] = t
+    return CalibratedWeights(
+        weights=_OffloadedTensors(model, {n: n for n in scales}, folder),
+        scales=_OffloadedTensors(model, scales, folder),
+        changed=changed,
+    )

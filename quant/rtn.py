@@ -1,0 +1,157 @@
+"""Round-to-nearest quantizers: pure functions from `(name, tensor)` pairs to compressed-tensors tensors.
+
+Scales follow compressed-tensors' own symmetric convention (`calculate_qparams`): for an int grid
+[-2^(b-1), 2^(b-1) - 1] the scale is absmax / ((2^b - 1) / 2), i.e. absmax / 7.5 for int4 and
+absmax / 127.5 for int8 (what llm-compressor's min-max observer and GPTQ's symmetric quantizer
+use: the +absmax element clips by at most half a step, every other value gains resolution). FP8
+E4M3 uses absmax / 448, its largest finite value. Scales are rounded to bf16 (the dtype the
+checkpoint stores) *before* quantizing, and upwards, so decompression `q * scale` uses exactly the
+scale the values were rounded against and no element lands outside the grid.
+
+Which tensors are quantized: the weights of the Linear layers inside the decoder blocks
+(attention q/k/v/o and MLP gate/up/down projections). Embeddings, norms, biases and `lm_head`
+(the scheme's `ignore`) are passed through in bf16.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from core.errors import InvalidInput
+from quant.schemes import Scheme, WeightQuant
+
+if TYPE_CHECKING:
+    import torch
+
+# The Linear layers of the llama / mistral / qwen2 decoder blocks, by weight name.
+LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+FP8_E4M3_MAX = 448.0
+
+
+class QuantShapeError(InvalidInput):
+    """A layer's shape does not fit the scheme (e.g. input width not a multiple of the group size)."""
+
+    code = "QUANT_SHAPE"
+
+
+def quantizes(scheme: Scheme, name: str) -> bool:
+    """Whether `scheme` stores tensor `name` quantized (False for everything left in bf16)."""
+    if scheme.weights is None or not LINEAR_WEIGHT.match(name):
+        return False
+    module = name.removesuffix(".weight")
+    return not any(module == ig or module.endswith("." + ig) for ig in scheme.ignore)
+
+
+def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse, before any tensor is read, a model whose quantized layers do not fit the scheme."""
+    w = scheme.weights
+    if w is None:
+        return
+    for name, shape in shapes.items():
+        if not quantizes(scheme, name):
+            continue
+        if len(shape) != 2:
+            raise QuantShapeError(f"{scheme.name}: layer {name!r} has shape {list(shape)}; a Linear weight is 2-D")
+        rows, cols = shape
+        if w.block_structure is not None and (rows % w.block_structure[0] or cols % w.block_structure[1]):
+            br, bc = w.block_structure
+            raise QuantShapeError(
+                f"{scheme.name}: layer {name!r} has shape {list(shape)}, not a whole number of {br}x{bc} blocks; "
+                "use a per-channel scheme (fp8) for this model",
+                details={"layer": name, "shape": list(shape), "block_structure": [br, bc]},
+            )
+        if w.group_size is not None and cols % w.group_size:
+            raise QuantShapeError(
+                f"{scheme.name}: layer {name!r} has {cols} input columns, not a multiple of the group size "
+                f"{w.group_size}; use a per-channel scheme (int8, fp8) for this model",
+                details={"layer": name, "shape": list(shape), "group_size": w.group_size},
+            )
+        if scheme.format == "pack-quantized" and (cols * w.num_bits) % 32:
+            raise QuantShapeError(
+                f"{scheme.name}: layer {name!r} has {cols} input columns; packing {w.num_bits}-bit values "
+                f"into int32 needs a multiple of {32 // w.num_bits}",
+                details={"layer": name, "shape": list(shape)},
+            )
+
+
+def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, SafeTensors dtype, shape) of what `quantize_weight` yields for a weight of `shape`, in order.
+
+    Known from the header alone, so a streaming writer can plan the file before any tensor is read.
+    """
+    w = scheme.weights
+    assert w is not None and len(shape) == 2
+    module = name.removesuffix(".weight")
+    rows, cols = shape
+    if w.block_structure is not None:
+        scale = (rows // w.block_structure[0], cols // w.block_structure[1])
+    elif w.group_size is not None:
+        scale = (rows, cols // w.group_size)
+    else:
+        scale = (rows, 1)
+    if scheme.format == "float-quantized":
+        return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
+    if scheme.format == "int-quantized":
+        return [(f"{module}.weight", "I8", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
+    return [
+        (f"{module}.weight_packed", "I32", (rows, cols * w.num_bits // 32)),
+        (f"{module}.weight_scale", "BF16", scale),
+        (f"{module}.weight_shape", "I64", (2,)),
+    ]
+
+
+def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
+    """Per-channel [out, 1], per-group [out, in / group] or per-block [out / rows, in / cols] scales, rounded to
+    bf16 and returned as float32."""
+    import torch
+
+    x = weight.float()
+    if w.strategy == "block":
+        assert w.block_structure is not None
+        br, bc = w.block_structure
+        absmax = x.abs().unflatten(-1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
+    elif w.strategy == "group":
+        assert w.group_size is not None
+        absmax = x.abs().unflatten(-1, (-1, w.group_size)).amax(dim=-1)
+    else:
+        absmax = x.abs().amax(dim=-1, keepdim=True)
+    qmax = FP8_E4M3_MAX if w.type == "float" else (2**w.num_bits - 1) / 2
+    exact = absmax / qmax
+    scale = exact.to(torch.bfloat16)
+    # Round up, never down: then |w| / scale <= qmax for every element and nothing clips beyond the grid.
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    # An all-zero row or group: any positive scale stores it exactly; avoid dividing by zero.
+    tiny = torch.finfo(torch.bfloat16).tiny
+    return torch.where(scale == 0, torch.full_like(scale, tiny), scale).float()
+
+
+def quantize_weight(
+    name: str, weight: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The compressed-tensors tensors for one Linear weight `<module>.weight`, under `<module>.*` names.
+
+    `scale` is the round-to-nearest scale by default; a calibrated quantizer (GPTQ, AWQ) passes its own.
+    """
+    import torch
+
+    from quant.compressed import compress
+
+    module = name.removesuffix(".weight")
+    assert scheme.weights is not None
+    scale = weight_scale(weight, scheme.weights) if scale is None else scale.float()
+    stored = compress(scheme, weight.float(), scale)
+    for key in sorted(stored):
+        t = stored[key]
+        if key == "weight_scale":
+            t = t.to(torch.bfloat16)
+        yield f"{module}.{key}", t.contiguous()
+
+
+def dequantize(scheme: Scheme, module: str, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight compressed-tensors reconstructs from one module's stored tensors."""
+    from quant.compressed import decompress
+
+    local = {k.removeprefix(module + "."): v for k, v in stored.items() if k.startswith(module + ".")}
+    return decompress(scheme, local)

@@ -1,0 +1,159 @@
+"""The quantize stage's output: one scheme's quantized Linear tensors and its `quantization_config`.
+
+    out_dir/quantized.safetensors       every tensor the scheme stores quantized (compressed-tensors names)
+    out_dir/quantization_config.json    the config.json block, as compressed-tensors writes it
+
+Only the tensors the scheme changes are stored; everything else is the ingested source's own bf16
+tensor, so a consumer merges the two (`QuantizedWeights.replaces` says which source tensors are
+replaced). Besides the quantized Linear weights that can be a few bf16 tensors under their source
+names: AWQ folds its smoothing scales into the layer before (the RMSNorm weights). Written with the
+streaming SafeTensors writer, planned from the source header.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.errors import StageFailed
+from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
+from quant.rtn import check_shapes, planned_tensors, quantize_weight, quantizes
+from quant.schemes import Scheme, get_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from formats.hf_model import SourceModel
+    from quant.calibrated import CalibratedWeights
+
+TENSORS_FILE = "quantized.safetensors"
+CONFIG_FILE = "quantization_config.json"
+
+
+def write_quantized(
+    source: SourceModel,
+    scheme: Scheme,
+    out_dir: Path,
+    on_progress: Callable[[int], None] = lambda n: None,
+    calibrated: CalibratedWeights | None = None,
+) -> dict[str, Any]:
+    """Quantize `source` under `scheme` into `out_dir`, one tensor in memory at a time; returns a summary.
+
+    Round-to-nearest schemes read each weight from `source`. A calibrated scheme (GPTQ, AWQ) passes
+    what calibration chose (`quant.calibrated`): per Linear weight its values and scales,
+    plus the non-Linear tensors calibration changed; those are stored in bf16 under their own names.
+    """
+    import torch
+
+    from quant.compressed import quantization_config
+
+    if not scheme.quantized:
+        raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
+    if scheme.calibrated != (calibrated is not None):
+        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}): calibrated weights given exactly for gptq/awq")
+    check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})
+    replaced = [n for n in source.tensors if quantizes(scheme, n)]
+    changed = dict(calibrated.changed) if calibrated is not None else {}
+    for n, t in changed.items():
+        if n not in source.tensors or quantizes(scheme, n) or tuple(t.shape) != source.tensors[n].shape:
+            raise StageFailed(
+                f"{scheme.name}: calibration changed {n!r} {tuple(t.shape)}, not a source tensor it keeps"
+            )
+    writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name})
+    plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for n in replaced:
+        plan[n] = planned_tensors(scheme, n, source.tensors[n].shape)
+        for out_name, dtype, shape in plan[n]:
+            writer.add(out_name, dtype, shape)
+    kept = [n for n in source.tensors if n in changed]
+    for n in kept:
+        writer.add(n, "BF16", source.tensors[n].shape)
+    writer.begin()
+    stored = 0
+    try:
+        for n in replaced:
+            if calibrated is None:
+                produced = list(quantize_weight(n, source.tensor(n), scheme))
+            else:
+                produced = list(quantize_weight(n, calibrated.weights[n], scheme, scale=calibrated.scales[n]))
+            for (out_name, t), (want_name, dtype, shape) in zip(produced, plan[n], strict=True):
+                if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{DTYPES[dtype].torch}":
+                    raise StageFailed(
+                        f"{scheme.name}: quantizing {n} gave {out_name} {t.dtype} {tuple(t.shape)}, "
+                        f"planned {want_name} {dtype} {shape}",
+                        code="QUANTIZE_PLAN_MISMATCH",
+                    )
+                writer.write(out_name, _raw_bytes(t))
+                stored += t.numel() * t.element_size()
+            on_progress(source.tensors[n].nbytes)
+        for n in kept:
+            t = changed[n].to(torch.bfloat16)
+            writer.write(n, _raw_bytes(t))
+            stored += t.numel() * t.element_size()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    (out_dir / CONFIG_FILE).write_text(json.dumps(quantization_config(scheme), indent=2, sort_keys=True))
+    return {
+        "scheme": scheme.model_dump(mode="json"),
+        "format": scheme.format,
+        "replaced": len(replaced),
+        "changed_bf16": kept,
+        "stored_bytes": stored,
+        "source_bytes": sum(source.tensors[n].nbytes for n in replaced),
+    }
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    import torch
+
+    return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@dataclass
+class QuantizedWeights:
+    """A finished quantize output, opened lazily: header planned, tensors read one at a time."""
+
+    root: Path
+    scheme: Scheme
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def replaces(self, source_name: str) -> bool:
+        """Whether the source tensor `source_name` is stored here (quantized, or changed by calibration)."""
+        return quantizes(self.scheme, source_name) or source_name in self.tensors
+
+    def module_tensors(self, source_name: str) -> list[str]:
+        """The stored names that replace source tensor `source_name`, in file order.
+
+        For a quantized `<module>.weight` these are its compressed tensors (`<module>.weight_packed`, ...);
+        for a tensor calibration changed, the tensor itself.
+        """
+        if quantizes(self.scheme, source_name):
+            prefix = source_name.removesuffix(".weight") + "."
+            names = [n for n in self.tensors if n.startswith(prefix) and n.removeprefix(prefix).startswith("weight")]
+        else:
+            names = [source_name] if source_name in self.tensors else []
+        if not names:
+            raise StageFailed(f"quantized output for {self.scheme.name} has no tensors for {source_name}")
+        return names
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.root / TENSORS_FILE), framework="pt") as handle:
+            t: torch.Tensor = handle.get_tensor(name)
+        return t
+
+
+def open_quantized(root: Path, scheme_name: str) -> QuantizedWeights:
+    scheme = get_scheme(scheme_name)
+    infos, meta = read_header(root / TENSORS_FILE, TENSORS_FILE)
+    if meta.get("scheme") != scheme.name:
+        raise StageFailed(f"{root / TENSORS_FILE} holds scheme {meta.get('scheme')!r}, expected {scheme.name!r}")
+    config = json.loads((root / CONFIG_FILE).read_text())
+    return QuantizedWeights(root=root, scheme=scheme, config=config, tensors={t.name: t for t in infos})
