@@ -25,6 +25,7 @@ from registry import migrate
 from registry.api.boundary import RequestBoundaryMiddleware
 from registry.api.errors import error_responses, install_error_handlers
 from registry.api.health import router as health_router
+from registry.api.lean_route import LeanLane
 from registry.artifacts.routes import router as artifacts_router
 from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
@@ -122,6 +123,9 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))
     app.state.token_cache = TokenCache(app.state.session_factory)
     app.state.metrics = RegistryMetrics()
+    # Resolve, the hot path, is answered here, inside the boundary and observability middleware and in
+    # front of FastAPI's routing; FastAPI documents it (included below). registry.api.lean_route.
+    app.add_middleware(LeanLane, routes=resolve_router.routes)
     app.add_middleware(RequestBoundaryMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)  # outermost: sees every answer
     install_error_handlers(app)
@@ -131,13 +135,13 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         artifacts_router,
         blobs_router,
         channels_router,
-        resolve_router,
         audit_router,
         auth_router,
     ):
         # Every API route needs at least `read` (anonymous when settings.anonymous_read); routes
         # that change anything add their own scope.
         app.include_router(router, dependencies=[READ], responses=COMMON_ERRORS)  # each router has its /v1 prefix
+    app.include_router(resolve_router, responses=COMMON_ERRORS)  # its READ is its own: the lane runs it
     app.include_router(health_router, responses=error_responses(503))
     # The web pages read through the same services, under the same READ rule, as the API.
     app.include_router(web_router, dependencies=[READ])

@@ -1,44 +1,54 @@
-"""`LeanRoute`: an API route declared like any other, answered without FastAPI's per-request machinery.
+"""The lean lane: hot routes declared like any other, answered in front of FastAPI's per-request machinery.
 
-FastAPI documents and validates a route from its endpoint's signature. Answering a request it solves
-the dependency graph (each dependency an awaited call with its own bookkeeping), validates every
-parameter, and serialises the answer; for a route whose own work is a dict lookup (a warm resolve)
-that is most of the cost. A `LeanRoute` keeps the declaration — the OpenAPI operation and the
-parameter definitions come from the endpoint as usual — and answers with only what such an
-endpoint needs:
+FastAPI documents and validates a route from its endpoint's signature. Answering a request it
+matches the path against every route of every included router, passes the request through its
+own middleware (error telemetry, body limits, exception handling, an exit stack), solves the
+dependency graph (each dependency an awaited call with its own bookkeeping), validates every
+parameter one by one, and serialises the answer. For a route whose own work is a dict lookup (a
+warm resolve, asked by every router on every failover) that is most of the cost.
 
-- the query parameters are validated against the endpoint's own declared fields (the same rules,
-  the same 422);
-- the route's dependencies, its own and those its router was included with, must be
-  `require(scope)` checks, which run as `authorize` (what the dependency itself calls); any other
-  dependency is refused when the handler is built, so no check is ever skipped;
-- the endpoint is `async`, takes `request` and query parameters only, and returns a Response.
+A `LeanRoute` keeps the declaration: the OpenAPI operation and the parameter definitions come from
+the endpoint as usual, and FastAPI documents it. `LeanLane`, a middleware inside the app's own
+(request ids, metrics, access log, security headers), answers the lean routes it is given by exact
+path and method, with only what such an endpoint needs:
 
-Errors reach the app's exception handlers like any route's.
+- the query parameters are validated against the endpoint's declared fields in one call (the same
+  rules, the same 422);
+- the route's dependencies (its own and its router's) must be `require(scope)` checks, which run
+  as `authorize`, the call the dependency itself makes; any other dependency is refused when the
+  lane is built, so no check is ever skipped. Dependencies given to `include_router` do not reach
+  the lane: a lean router declares its own;
+- the endpoint is `async`, takes `request` and query parameters only, and returns a Response;
+- an error is answered by the app's exception handlers for its class, as any route's is; an
+  unexpected one propagates to the server-error middleware, as any route's does.
+
+Everything else (other methods, other paths) goes on to FastAPI unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from fastapi import routing
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError, create_model
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 
 from registry.auth.principal import Scope
 from registry.deps import authorize, required_scope
 
+Handler = Callable[[Request], Awaitable[Response]]
+
 
 class LeanRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        # An included route is built per inclusion, its dependant holding the router's dependencies
-        # too; FastAPI hands that context to this hook through a context variable.
-        context = routing._effective_route_context_var.get()
-        dependant = (context if context is not None and context.original_route is self else self).dependant
+    """An API route `LeanLane` answers. FastAPI still documents it (and answers it where no lane runs)."""
+
+    def lean_handler(self) -> Handler:
+        """The request -> response call the lane makes: authorize, validate the query, call the endpoint."""
+        dependant = self.dependant
         scopes = [required_scope(d.call) for d in dependant.dependencies]
         others = [f.name for f in (*dependant.path_params, *dependant.header_params, *dependant.body_params)]
         if None in scopes or others or dependant.request_param_name != "request":
@@ -59,10 +69,55 @@ class LeanRoute(APIRoute):
                 raise RequestValidationError(
                     [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
                 ) from None
-            response: Response = await endpoint(request=request, **dict(values))
+            response: Response = await endpoint(request=request, **values.__dict__)
             return response
 
         return handle
+
+
+class LeanLane:
+    """ASGI middleware answering `routes` (LeanRoutes) by exact method and path; the rest goes to `app`."""
+
+    def __init__(self, app: Any, routes: Iterable[BaseRoute]) -> None:
+        self.app = app
+        self._routes: dict[tuple[str, str], tuple[LeanRoute, Handler]] = {}
+        for route in routes:
+            if not isinstance(route, LeanRoute) or route.param_convertors:
+                raise TypeError(f"LeanLane answers LeanRoutes without path parameters, not {route!r}")
+            handle = route.lean_handler()
+            for method in route.methods or ():
+                self._routes[(method, route.path)] = (route, handle)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path, root = scope["path"], scope.get("root_path", "")
+            hit = self._routes.get((scope["method"], path[len(root) :] if root and path.startswith(root) else path))
+            if hit is not None:
+                route, handle = hit
+                scope["route"] = route  # what the metrics and the access log name it by
+                request = Request(scope, receive)
+                try:
+                    response = await handle(request)
+                except Exception as exc:
+                    handler = _handler_for(scope["app"], exc)
+                    if handler is None:
+                        raise
+                    response = await handler(request, exc)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _handler_for(app: Any, exc: Exception) -> Any:
+    """The app's exception handler for `exc`'s class or its nearest base, as Starlette looks it up; None
+    for a handler of `Exception` itself (the server-error middleware's) or none at all."""
+    handlers = app.exception_handlers
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
+        if cls in handlers:
+            return handlers[cls]
+    return None
 
 
 def _query_model(name: str, fields: Sequence[Any]) -> type[BaseModel]:

@@ -26,8 +26,7 @@ class TokenCache:
     def lookup(self, secret: str) -> Principal | None:
         key = hash_token(secret)
         now = time.monotonic()
-        with self._lock:
-            hit = self._entries.get(key)
+        hit = self._entries.get(key)  # a dict read is atomic; the lock guards the writes
         if hit is not None and now - hit[0] < self._ttl_s:
             return hit[1]
         with self._session_factory() as session:

@@ -34,11 +34,25 @@ class Principal:
     models: tuple[str, ...] = ()  # patterns; empty: all models
     authenticated: bool = True
 
+    def __post_init__(self) -> None:
+        # Asked on every request: what the scopes grant, and the answer per model, are kept.
+        granted = frozenset(self.scopes).union(*(IMPLIES[s] for s in self.scopes if s in IMPLIES))
+        object.__setattr__(self, "_granted", granted)
+        object.__setattr__(self, "_models_allowed", {})
+
     def has(self, scope: Scope) -> bool:
-        return any(scope == s or scope in IMPLIES[s] for s in self.scopes)
+        return scope in self._granted  # type: ignore[attr-defined]
 
     def allows_model(self, model: str) -> bool:
-        return not self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
+        if not self.models:
+            return True
+        known: dict[str, bool] = self._models_allowed  # type: ignore[attr-defined]
+        allowed = known.get(model)
+        if allowed is None:
+            allowed = any(fnmatch.fnmatchcase(model, p) for p in self.models)
+            if len(known) < 1024:  # the model names asked are the caller's to choose
+                known[model] = allowed
+        return allowed
 
     def covers_patterns(self, models: list[str] | tuple[str, ...]) -> bool:
         """True when this principal's model limit contains `models` (a token's patterns; empty: all)."""

@@ -7,11 +7,24 @@ import logging
 import time
 from typing import Any
 
+# One encoder: `json.dumps` with any non-default argument builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._second: tuple[int, str] = (-1, "")  # the last second formatted: one strftime per second
+
+    def _time(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second[0]:
+            self._second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+        return f"{self._second[1]}.{int(record.msecs):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": self._time(record),
             "level": record.levelname.lower(),
             "logger": record.name,
         }
@@ -22,7 +35,7 @@ class JsonFormatter(logging.Formatter):
             entry["message"] = record.getMessage()
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, separators=(",", ":"))
+        return _ENCODER.encode(entry)
 
 
 def log_config(level: str = "info") -> dict[str, Any]:

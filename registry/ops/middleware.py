@@ -7,7 +7,9 @@ one, else a new one; it is echoed in the response and in the log line.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import re
 import secrets
 import time
@@ -19,10 +21,41 @@ ACCESS_LOG = logging.getLogger("kiln.registry.access")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
+class RequestIds:
+    """Unique request ids, cheaply: a random prefix per process (drawn again after a fork) and a counter."""
+
+    def __init__(self) -> None:
+        self._renew()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self._prefix = secrets.token_hex(10)
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):012x}"
+
+
+_IDS = RequestIds()
+
+
 class ObservabilityMiddleware:
     def __init__(self, app: Any, metrics: RegistryMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        # The labelled series per (method, route, status): a lookup here is cheaper than `labels()`.
+        # Bounded: routes are templates ("unmatched" for the rest) and methods the server's parser knows.
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def _series(self, method: str, route: str, status: int) -> tuple[Any, Any]:
+        key = (method, route, status)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = (
+                self.metrics.requests.labels(method, route, str(status)),
+                self.metrics.latency.labels(method, route),
+            )
+        return series
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -30,7 +63,7 @@ class ObservabilityMiddleware:
             return
         start = time.perf_counter()
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if _REQUEST_ID.fullmatch(incoming) else secrets.token_hex(16)
+        request_id = incoming if _REQUEST_ID.fullmatch(incoming) else _IDS.next()
         scope.setdefault("state", {})["request_id"] = request_id
         status, sent = 500, 0
 
@@ -49,8 +82,9 @@ class ObservabilityMiddleware:
             elapsed = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             method = scope["method"]
-            self.metrics.requests.labels(method, route, str(status)).inc()
-            self.metrics.latency.labels(method, route).observe(elapsed)
+            count, latency = self._series(method, route, status)
+            count.inc()
+            latency.observe(elapsed)
             if sent:
                 self.metrics.bytes_served.labels(route).inc(sent)
             if ACCESS_LOG.isEnabledFor(logging.INFO):
@@ -64,5 +98,10 @@ class ObservabilityMiddleware:
                     "duration_ms": round(elapsed * 1000, 3),
                     "client": (scope.get("client") or ("", 0))[0],
                 }
-                # Fields travel as the record's `access` attribute: the JSON formatter serialises them once.
-                ACCESS_LOG.info("%s %s %s", method, scope["path"], status, extra={"access": access})
+                # Fields travel as the record's `access` attribute: the JSON formatter serialises them
+                # once. The record goes to the handlers directly: `info()` would also walk the stack
+                # for the caller's file and line, which the line never shows.
+                args = (method, scope["path"], status)
+                record = ACCESS_LOG.makeRecord(ACCESS_LOG.name, logging.INFO, "", 0, "%s %s %s", args, None)
+                record.access = access
+                ACCESS_LOG.handle(record)

@@ -12,6 +12,7 @@ from registry.api.lean_route import LeanRoute
 from registry.api.params import CHANNEL_PATTERN, MODEL_NAME_PATTERN
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.schemas import FileOut
+from registry.deps import require
 from registry.resolve.schemas import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason
 from registry.resolve.service import (
     Candidate,
@@ -22,8 +23,9 @@ from registry.resolve.service import (
 )
 from registry.settings import RegistrySettings
 
-# Lean: the hot path, answered without FastAPI's per-request machinery (registry.api.lean_route).
-router = APIRouter(prefix="/v1", tags=["resolve"], route_class=LeanRoute)
+# Lean: the hot path, answered by the app's LeanLane in front of FastAPI's per-request machinery
+# (registry.api.lean_route). The lane runs the router's own dependencies: it declares its READ.
+router = APIRouter(prefix="/v1", tags=["resolve"], route_class=LeanRoute, dependencies=[require("read")])
 
 
 def _candidate_out(c: Candidate, base: str, model: str, version: str) -> ResolveCandidate:

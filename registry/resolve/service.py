@@ -180,6 +180,9 @@ class LRUCache(Generic[K, V]):
                 self._entries.popitem(last=False)
 
 
+_MAX_FINGERPRINTS = 4096
+
+
 class ChannelFingerprints:
     """`_FINGERPRINT` on a connection of its own, outside the ORM: resolve's one query per request.
 
@@ -188,6 +191,10 @@ class ChannelFingerprints:
     promotion) and the statement compiled once for the dialect. Used from the event loop only (the
     resolve route is `async`), so one connection per process serves it. A database error drops the
     connection (the next request opens another) and is reported as Unavailable.
+
+    On SQLite the rows are kept, and `PRAGMA data_version` (which changes whenever another
+    connection, in any process, commits; this one never writes) says when to drop them: a cheaper
+    statement than the query, and exact.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -196,31 +203,51 @@ class ChannelFingerprints:
         self._sql = str(compiled)
         self._positional = compiled.positiontup  # None for named parameter styles
         self._connection: Any = None
+        self._cursor: Any = None  # one per connection, reused
+        self._versioned = engine.dialect.name == "sqlite"
+        self._data_version: int | None = None
+        self._rows: dict[tuple[str, str], Any] = {}
 
     def lookup(self, model: str, channel: str) -> tuple[int, str, int, Any] | None:
         """(release id, version, evals_through, yanked_at) of `model`'s `channel`, or None."""
-        params = {"model": model, "channel": channel}
-        args: Any = [params[name] for name in self._positional] if self._positional is not None else params
         try:
             if self._connection is None:
                 self._connection = self._engine.raw_connection()
-                if self._engine.dialect.name != "sqlite":  # SQLite's connections are set up in autocommit
+                if not self._versioned:  # SQLite's connections are set up in autocommit
                     self._connection.driver_connection.autocommit = True
-            cursor = self._connection.cursor()
-            try:
-                cursor.execute(self._sql, args)
-                row = cursor.fetchone()
-            finally:
-                cursor.close()
+                self._cursor = self._connection.cursor()
+            if not self._versioned:
+                return self._query(model, channel)
+            version = self._fetchone("PRAGMA data_version", ())[0]
+            if version != self._data_version or len(self._rows) >= _MAX_FINGERPRINTS:
+                self._rows.clear()
+                self._data_version = version
+            key = (model, channel)
+            if key not in self._rows:
+                self._rows[key] = self._query(model, channel)
+            row: tuple[int, str, int, Any] | None = self._rows[key]
+            return row
         except DBAPIError as exc:
             self.close()
             raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
         except self._engine.dialect.loaded_dbapi.Error as exc:
             self.close()
             raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
+
+    def _query(self, model: str, channel: str) -> tuple[int, str, int, Any] | None:
+        params = {"model": model, "channel": channel}
+        args: Any = [params[name] for name in self._positional] if self._positional is not None else params
+        row = self._fetchone(self._sql, args)
         return None if row is None else (row[0], row[1], row[2], row[3])
 
+    def _fetchone(self, sql: str, args: Any) -> Any:
+        # fetchall: the statement runs to its end, so no read transaction stays open between requests.
+        self._cursor.execute(sql, args)
+        rows = self._cursor.fetchall()
+        return rows[0] if rows else None
+
     def close(self) -> None:
+        self._cursor = None
         if self._connection is not None:
             connection, self._connection = self._connection, None
             with contextlib.suppress(Exception):

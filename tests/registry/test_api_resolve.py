@@ -226,3 +226,23 @@ def test_ranking_puts_what_fits_first() -> None:
         channel="prod",
     )
     assert [(c.artifact.name, c.fits) for c in ranked] == [("int4", True), ("fp8", False), ("bf16", False)]
+
+
+def test_another_workers_promotion_is_resolved_at_once(settings: RegistrySettings) -> None:
+    """Workers share only the database: what one promotes (or yanks), the other resolves on its next request."""
+    first, second = create_app(settings), create_app(settings)
+    token = make_token(first, ["admin"])
+    headers = {"Authorization": f"Bearer {token}"}
+    with TestClient(first, headers=headers) as writer, TestClient(second, headers=headers) as reader:
+        seed(writer)
+        assert resolve(reader, hardware="cpu").json()["version"] == "1.0"
+        make_release(writer, version="2.0", planned=["gguf-q8"])
+        publish(writer, "gguf-q8", {"model.gguf": b"9" * 90}, ["cpu"], version="2.0", quant="q8_0")
+        post_eval(writer, "gguf-q8", "passed", version="2.0")
+        seal(writer, "2.0")
+        for _ in range(3):  # warm: the answer is cached until the channel moves
+            assert resolve(reader, hardware="cpu").json()["version"] == "1.0"
+        assert promote(writer, "2.0").status_code == 200
+        assert resolve(reader, hardware="cpu").json()["version"] == "2.0"
+        assert writer.post("/v1/models/tiny/releases/2.0/yank", json={"reason": "bad"}).status_code == 200
+        assert_error(resolve(reader, hardware="cpu"), 410, "CHANNEL_RELEASE_YANKED")
