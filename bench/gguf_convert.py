@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +34,20 @@ from record import add_record_argument, run_record, save_record  # bench/record.
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_X = {"f16": 3.0, "q8_0": 2.0}
 # Runs the converter as its own __main__, with the vocabulary step of the model class it picks skipped.
-PEER_DRIVER = """
+# Every timed child writes its own peak RSS (VmHWM, which starts afresh at exec) to $BENCH_PEAK_RSS_FILE
+# when it exits: wait4's ru_maxrss carries the parent's resident size across fork+exec (seen: a
+# parent that had just generated the source, or imported torch, gave both children its 2.9 GB).
+PEAK_RSS_AT_EXIT = """
+import atexit, os
+def _write_peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            open(os.environ["BENCH_PEAK_RSS_FILE"], "w").write(line.split()[1])
+atexit.register(_write_peak_rss)
+"""
+PEER_DRIVER = (
+    PEAK_RSS_AT_EXIT
+    + """
 import runpy, sys
 sys.path.insert(0, sys.argv[1])
 import conversion
@@ -48,15 +61,7 @@ script = sys.argv[1] + "/convert_hf_to_gguf.py"
 sys.argv = [script, *sys.argv[2:]]
 runpy.run_path(script, run_name="__main__")
 """
-
-
-def _peak_rss_kb() -> int:
-    """This process's own high-water mark. VmHWM starts afresh at exec; ru_maxrss can carry the
-    parent's resident size across fork+exec (seen: the parent that generated the source)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+)
 
 
 def make_source(out: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int) -> Path:
@@ -120,6 +125,7 @@ def make_source(out: Path, hidden: int, intermediate: int, layers: int, vocab: i
 def _child(source: str, quant: str, out_dir: str, prepared: str) -> None:
     """Run one export stage's work in this process (the parent times it and reads its peak RSS): open
     the source as the stage does (its digests known) and export, with the target's prepared record."""
+    exec(PEAK_RSS_AT_EXIT)
     sys.path.insert(0, str(ROOT))
     from core.digest import HashCache
     from formats.hf_model import open_source
@@ -171,16 +177,15 @@ def llama_cpp_converter(work: Path) -> Path:
 
 
 def _timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run `command`; its wall seconds and its own peak RSS in MB (wait4's rusage of that child)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:4])}... exited {proc.returncode}: {stderr[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    """Run `command`; its wall seconds and its own peak RSS in MB (what it wrote at exit)."""
+    with tempfile.NamedTemporaryFile(prefix="peak-rss-") as peak:
+        t0 = time.perf_counter()
+        proc = subprocess.run(command, env={**env, "BENCH_PEAK_RSS_FILE": peak.name}, capture_output=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            stderr = proc.stderr.decode(errors="replace")
+            raise RuntimeError(f"{' '.join(command[:4])}... exited {proc.returncode}: {stderr[-2000:]}")
+        return wall, int(Path(peak.name).read_text()) / 1024
 
 
 def _warm(paths: list[Path]) -> int:

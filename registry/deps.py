@@ -65,7 +65,8 @@ def authenticate(request: Request) -> Principal:
     settings: RegistrySettings = request.app.state.settings
     if not settings.auth_required:
         return LOCAL
-    header = request.headers.get("authorization")
+    # The raw header list, not `request.headers`: resolve asks this on every request.
+    header = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"authorization"), None)
     if header is None:
         return ANONYMOUS_READER if settings.anonymous_read else ANONYMOUS
     scheme, _, secret = header.partition(" ")
