@@ -25,6 +25,7 @@ from core.errors import (
     Unauthorized,
     Unavailable,
 )
+from kiln.console import err, safe_text
 
 EXIT_CODES: list[tuple[type[KilnError], int]] = [
     (GateFailed, 3),
@@ -88,6 +89,14 @@ def allowed_roots(values: list[Path] | None) -> list[Path]:
 
 def emit(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def answer(out: Any, as_json: bool, line: str) -> None:
+    """A command's result: `out` as JSON on stdout with --json, else `line` for people on stderr."""
+    if as_json:
+        emit(out)
+    else:
+        err.print(safe_text(line))
 
 
 def fmt_size(n: int | None) -> str:

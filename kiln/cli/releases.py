@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, app, emit, split_ref
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
 from kiln.console import err, safe_text, stdout
 from registry.client import RegistryClient
 
@@ -22,10 +22,7 @@ def seal(
     model, version = split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.seal_release(model, version)
-    if as_json:
-        emit(out)
-    else:
-        err.print(safe_text(f"{model}@{version} sealed: {len(out['planned_artifacts'])} artifacts"))
+    answer(out, as_json, f"{model}@{version} sealed: {len(out['planned_artifacts'])} artifacts")
 
 
 @app.command()
@@ -39,10 +36,7 @@ def abandon(
     model, version = split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.abandon_release(model, version, reason)
-    if as_json:
-        emit(out)
-    else:
-        err.print(safe_text(f"{model}@{version} abandoned: {reason}"))
+    answer(out, as_json, f"{model}@{version} abandoned: {reason}")
 
 
 @app.command()
@@ -58,10 +52,7 @@ def promote(
     model, version = split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.promote(model, version, channel, force=force, reason=reason, actor=os.environ.get("USER"))
-    if as_json:
-        emit(out)
-    else:
-        err.print(safe_text(f"{model}: channel {channel} -> {version}" + (" (forced)" if force else "")))
+    answer(out, as_json, f"{model}: channel {channel} -> {version}" + (" (forced)" if force else ""))
 
 
 @app.command()
@@ -75,10 +66,7 @@ def yank(
     model, version = split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.yank(model, version, reason)
-    if as_json:
-        emit(out)
-    else:
-        err.print(safe_text(f"{model}@{version} yanked: {reason}"))
+    answer(out, as_json, f"{model}@{version} yanked: {reason}")
 
 
 @app.command()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, emit, token_app
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, token_app
 from kiln.console import err, safe_text, stdout
 from registry.client import RegistryClient
 
@@ -55,7 +55,4 @@ def token_revoke(
     """Revoke an API token (audited)."""
     with RegistryClient.connect(registry) as client:
         out = client.revoke_token(token_id, reason)
-    if as_json:
-        emit(out)
-    else:
-        err.print(safe_text(f"token {out['id']} {out['name']!r} revoked"))
+    answer(out, as_json, f"token {out['id']} {out['name']!r} revoked")
