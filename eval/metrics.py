@@ -1,7 +1,8 @@
 """Metrics of a candidate runtime against the reference, as pure functions over logits.
 
 Definitions (row `t` of a logits array is the next-token distribution that predicts `targets[t]`;
-all softmaxes are taken in float64 over the first `vocab_size` columns):
+all softmaxes are taken in float64 over the first `vocab_size` columns; torch computes them, on every
+core: numpy's float64 `exp` runs on one, and was half of a small model's eval):
 
 - perplexity: `exp(mean_t -log p(targets[t]))`, for the reference (`ppl_ref`) and the candidate
   (`ppl`); `ppl_change = (ppl - ppl_ref) / ppl_ref` (negative when the candidate does better).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,20 +44,37 @@ from eval.gates import EvalMetrics
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """Row-wise log-softmax in float64 (max-subtracted, so large logits do not overflow)."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = np.max(x, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)  # an all -inf row stays -inf instead of becoming NaN
-    z = x - m
-    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+    return _log_softmax(logits).numpy()  # type: ignore[no-any-return]
 
 
 def kl_divergence(ref_logp: npt.NDArray[np.float64], cand_logp: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """KL(ref || cand) per row from log-probabilities; zero-probability reference terms add 0."""
-    p = np.exp(ref_logp)
-    with np.errstate(invalid="ignore"):
-        terms = np.where(p > 0.0, p * (ref_logp - cand_logp), 0.0)
+    import torch
+
+    return _kl(torch.from_numpy(np.asarray(ref_logp, dtype=np.float64)), torch.from_numpy(cand_logp)).numpy()  # type: ignore[no-any-return]
+
+
+def _log_softmax(logits: npt.ArrayLike) -> Any:
+    import torch
+
+    x = torch.from_numpy(np.asarray(logits, dtype=np.float64))
+    out = torch.log_softmax(x, dim=-1)
+    dead = torch.isneginf(x).all(dim=-1)
+    if bool(dead.any()):  # an all -inf row stays -inf instead of becoming NaN
+        out[dead] = -math.inf
+    return out
+
+
+def _kl(ref_logp: Any, cand_logp: Any) -> Any:
+    import torch
+
+    p = torch.exp(ref_logp)
+    terms = torch.sub(ref_logp, cand_logp).mul_(p)  # in place: these are [positions, vocab] float64
+    zero = p == 0.0
+    if bool(zero.any()):
+        terms[zero] = 0.0  # zero-probability reference terms add 0 (not 0 * inf)
     # Mathematically >= 0; clip the last-ulp negatives that summation order can leave.
-    return np.maximum(np.sum(terms, axis=-1), 0.0)
+    return torch.clamp(terms.sum(dim=-1), min=0.0)
 
 
 def common_vocab(logits: np.ndarray, vocab_size: int | None, who: str) -> np.ndarray:
@@ -119,15 +138,17 @@ class MetricAccumulator:
         self.windows += 1
         if not tgt.size:
             return
-        lr, lc = log_softmax(ref), log_softmax(cand)
-        rows = np.arange(tgt.size)
-        kl = kl_divergence(lr, lc)
+        import torch
+
+        lr, lc = _log_softmax(ref), _log_softmax(cand)
+        rows, index = torch.arange(tgt.size), torch.from_numpy(tgt)
+        kl = _kl(lr, lc)
         self.tokens += int(tgt.size)
-        self._nll_ref -= float(np.sum(lr[rows, tgt]))
-        self._nll -= float(np.sum(lc[rows, tgt]))
-        self._kl += float(np.sum(kl))
-        self._kl_max = max(self._kl_max, float(np.max(kl)))
-        if np.isnan(kl).any():
+        self._nll_ref -= float(lr[rows, index].sum())
+        self._nll -= float(lc[rows, index].sum())
+        self._kl += float(kl.sum())
+        self._kl_max = max(self._kl_max, float(kl.max()))
+        if bool(kl.isnan().any()):
             self._kl_max = math.nan
         self._top1 += int(np.sum(np.argmax(ref, axis=-1) == np.argmax(cand, axis=-1)))
 

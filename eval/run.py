@@ -30,8 +30,9 @@ def measure(reference: Runtime, candidate: Runtime, text: EvalText) -> EvalMetri
         cand = candidate.logits(window)
         # Row t predicts token t + 1; the last row predicts past the window and is not scored.
         acc.add(ref[:-1], cand[:-1], window[1:])
-    for prompt in text.prompts:
-        acc.add_greedy(reference.greedy(prompt, text.greedy_tokens), candidate.greedy(prompt, text.greedy_tokens))
+    expected = reference.greedy(text.prompts, text.greedy_tokens)
+    for want, got in zip(expected, candidate.greedy(text.prompts, text.greedy_tokens), strict=True):
+        acc.add_greedy(want, got)
     return acc.result()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from core.digest import sha256_json
 from core.errors import InvalidInput, SourceInvalid
+from core.untrusted import loads_json
 
 DEFAULT_WINDOW = 256
 DEFAULT_MAX_TOKENS = 4096
@@ -64,6 +65,54 @@ class EvalText:
                 "vocab_size": self.vocab_size,
             }
         )
+
+    def to_json(self) -> str:
+        """The ids as JSON, so they are tokenised once and read back by every eval (`from_json`)."""
+        return json.dumps(
+            {
+                "windows": [list(w) for w in self.windows],
+                "prompts": [list(p) for p in self.prompts],
+                "greedy_tokens": self.greedy_tokens,
+                "vocab_size": self.vocab_size,
+                "bos_token_id": self.bos_token_id,
+                "digest": self.digest,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, data: str | bytes, *, digest: str) -> EvalText:
+        """The `EvalText` `to_json` wrote, refused unless it is well formed and its digest is `digest`."""
+        value = loads_json(data, what="eval text")
+        try:
+            text = cls(
+                windows=tuple(_ids(w) for w in value["windows"]),
+                prompts=tuple(_ids(p) for p in value["prompts"]),
+                greedy_tokens=_int(value["greedy_tokens"]),
+                vocab_size=_int(value["vocab_size"]),
+                bos_token_id=None if value["bos_token_id"] is None else _int(value["bos_token_id"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise InvalidInput(f"stored eval text is malformed: {e!r}", code="EVAL_TEXT_INVALID") from None
+        if text.digest != digest or value.get("digest") != digest:
+            raise InvalidInput(
+                f"stored eval text has digest {text.digest}, expected {digest}",
+                code="EVAL_TEXT_INVALID",
+                details={"digest": text.digest, "expected": digest},
+            )
+        return text
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise TypeError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _ids(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise TypeError(f"expected a list of token ids, got {type(values).__name__}")
+    return tuple(_int(v) for v in values)
 
 
 def load_text(

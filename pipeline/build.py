@@ -118,7 +118,7 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             f"eval/{name}",
             eval_stage.STAGE,
             params={"artifact": name, "quant": quant, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()},
-            inputs={"ingest": ingest.id, "reference": reference.id, "export": export.id},
+            inputs={"reference": reference.id, "export": export.id},
         )
         nodes += [export, evaluate]
         artifacts.append(PlannedArtifact(name, quant, export, evaluate))

@@ -186,7 +186,7 @@ def test_tpu_pools_resolve_to_orbax_which_restores_from_the_registry(
     rt = JaxRuntime(tmp_path)
     try:
         assert rt.quant == artifact["quant"]
-        assert len(rt.greedy([0, 1, 2, 3], 4)) == 4
+        assert [len(g) for g in rt.greedy([[0, 1, 2, 3]], 4)] == [4]
     finally:
         rt.close()
 

@@ -38,8 +38,12 @@ class Runtime(Protocol):
         """Next-token logits at every position of one window: float32 [len(token_ids), V]."""
         ...
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        """Exactly `n` tokens continuing `prompt_ids` by argmax (no stop at EOS)."""
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        """Exactly `n` tokens continuing each prompt by argmax (no stop at EOS), one list per prompt.
+
+        A runtime may decode prompts of equal length together, one batch on one KV cache, as a server
+        batches requests; each prompt's continuation depends on that prompt alone.
+        """
         ...
 
     def close(self) -> None:
@@ -111,24 +115,33 @@ class CachedRuntime:
         arr: np.ndarray = np.load(path, mmap_mode="r")
         return arr
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        key = self._key("greedy", {"prompt": [int(t) for t in prompt_ids], "n": n})
-        if key in self._greedy:
-            return list(self._greedy[key])
-        path = self.cache_dir / f"{key}.json" if self.cache_dir is not None else None
-        if path is not None and path.exists():
-            tokens = [int(t) for t in json.loads(path.read_text())]
-        else:
-            self.computed += 1
-            tokens = [int(t) for t in self.runtime.greedy(prompt_ids, n)]
-            if path is not None:
-                _atomic_write(path, lambda f: f.write(json.dumps(tokens).encode()))
-        self._greedy[key] = tokens
-        return list(tokens)
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        keys = [self._key("greedy", {"prompt": [int(t) for t in p], "n": n}) for p in prompts]
+        missing: dict[str, Sequence[int]] = {}
+        for key, prompt in zip(keys, prompts, strict=True):
+            if key in self._greedy:
+                continue
+            path = self.cache_dir / f"{key}.json" if self.cache_dir is not None else None
+            if path is not None and path.exists():
+                self._greedy[key] = [int(t) for t in json.loads(path.read_text())]
+            else:
+                missing[key] = prompt
+        if missing:  # one call for every prompt not cached: the runtime may batch them
+            self.computed += len(missing)
+            for key, tokens in zip(missing, self.runtime.greedy(list(missing.values()), n), strict=True):
+                tokens = [int(t) for t in tokens]
+                if self.cache_dir is not None:
+                    _atomic_write(self.cache_dir / f"{key}.json", _writer(json.dumps(tokens).encode()))
+                self._greedy[key] = tokens
+        return [list(self._greedy[key]) for key in keys]
 
     def close(self) -> None:
         self._logits.clear()
         self.runtime.close()
+
+
+def _writer(data: bytes) -> Callable[[BinaryIO], object]:
+    return lambda f: f.write(data)
 
 
 def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:

@@ -17,14 +17,16 @@ TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
 
 Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
 mask keeps it from influencing), so one compiled program serves every window of a bucket. `greedy`
-decodes on a KV cache: one prefill, then one jitted step per token at a traced position.
+decodes on a KV cache: one prefill (a window program: the prompt padded to the cache's length, so the
+program already compiled for the eval's windows serves it), then one jitted step per token at a traced
+position. The programs are jitted once per process (static: the config and the compute dtype), so
+artifacts of the same shapes share their compilations; each compile costs about a second on a CPU.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,12 +94,8 @@ class JaxRuntime:
                 details={"runtime": self.name, "path": str(self.path)},
             ) from None
         self.vocab_size = self.config.vocab_size
-        dtype = jax.numpy.dtype(compute_dtype)
-        precision = jax.lax.Precision.HIGHEST if compute_dtype == "float32" else jax.lax.Precision.DEFAULT
-        step = partial(_forward, cfg=self.config, dtype=dtype, precision=precision)
-        self._window = jax.jit(lambda params, tokens: _prefill(step, params, tokens, len(tokens))[0])
-        self._prefill = jax.jit(partial(_prefill, step), static_argnames=("cache_len",))
-        self._decode = jax.jit(step)
+        self.compute_dtype = compute_dtype
+        self._buckets: set[int] = set()  # padded lengths whose prefill program this runtime has run
         self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax.checkpoint.__version__}"
 
     def _read_json(self, name: str) -> dict[str, Any]:
@@ -117,23 +115,43 @@ class JaxRuntime:
         ids = check_ids(token_ids, self.vocab_size, self.name)
         padded = np.zeros(bucket(len(ids)), dtype=np.int32)
         padded[: len(ids)] = ids
-        out = self._window(self.params, padded)
+        out, _ = self._run_prefill(padded)
         return np.array(out[: len(ids)], dtype=np.float32)  # a writable copy, as every runtime returns
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+    def _run_prefill(self, padded: np.ndarray) -> tuple[Any, Any]:
+        """The window program: logits of `padded` from position 0, and a KV cache of as many positions."""
+        self._buckets.add(len(padded))
+        return _PREFILL(self.params, padded, cfg=self.config, compute_dtype=self.compute_dtype)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        return [self._greedy_one(p, n) for p in prompts]
+
+    def _greedy_one(self, prompt_ids: Sequence[int], n: int) -> list[int]:
         ids = check_ids(prompt_ids, self.vocab_size, self.name)
         if n <= 0:
             return []
-        padded = np.zeros(bucket(len(ids)), dtype=np.int32)
+        # The prompt is padded to the cache's length, so the prefill is a window program; one this runtime
+        # has already compiled (for the eval's windows) when one is long enough: an XLA compile costs ~1 s.
+        needed = bucket(len(ids) + n)
+        cache_len = min((b for b in self._buckets if b >= needed), default=needed)
+        padded = np.zeros(cache_len, dtype=np.int32)
         padded[: len(ids)] = ids
-        logits, cache = self._prefill(self.params, padded, cache_len=bucket(len(ids) + n))
+        logits, cache = self._run_prefill(padded)
         tok = int(np.argmax(np.asarray(logits[len(ids) - 1])))
         generated = [tok]
         for i in range(1, n):
             # The token generated last goes in at the next position; its logits give the next token.
+            # Its cache row overwrites the padding's (which no query at or before it could see).
             position = np.int32(len(ids) + i - 1)
-            logits, cache = self._decode(self.params, np.array([tok], dtype=np.int32), position, cache)
-            tok = int(np.argmax(np.asarray(logits[0])))
+            step_logits, cache = _DECODE(
+                self.params,
+                np.array([tok], dtype=np.int32),
+                position,
+                cache,
+                cfg=self.config,
+                compute_dtype=self.compute_dtype,
+            )
+            tok = int(np.argmax(np.asarray(step_logits[0])))
             generated.append(tok)
         return generated
 
@@ -293,11 +311,47 @@ def _forward(
     return logits.astype(jnp.float32), tuple(new_cache)
 
 
-def _prefill(step: Any, params: dict[str, Any], tokens: Any, cache_len: int) -> tuple[Any, Any]:
-    """`step` over `tokens` from position 0 on an empty cache of `cache_len` positions."""
+def _arithmetic(compute_dtype: ComputeDtype) -> tuple[Any, Any]:
+    """(dtype, matmul precision) of `compute_dtype`: float32 at HIGHEST, which TPUs otherwise round to bf16."""
+    import jax
+
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == "float32" else jax.lax.Precision.DEFAULT
+    return jax.numpy.dtype(compute_dtype), precision
+
+
+def _prefill(params: dict[str, Any], tokens: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> tuple[Any, Any]:
+    """The forward over `tokens` from position 0 on an empty cache of as many positions."""
     import jax.numpy as jnp
 
-    cfg, dtype = step.keywords["cfg"], step.keywords["dtype"]
-    shape = (cache_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype, precision = _arithmetic(compute_dtype)
+    shape = (tokens.shape[0], cfg.num_kv_heads, cfg.head_dim)
     cache = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
-    return step(params, tokens, 0, cache)  # type: ignore[no-any-return]
+    return _forward(params, tokens, 0, cache, cfg=cfg, dtype=dtype, precision=precision)
+
+
+def _decode(
+    params: dict[str, Any], tokens: Any, start: Any, cache: Any, *, cfg: Any, compute_dtype: ComputeDtype
+) -> tuple[Any, Any]:
+    """The forward over `tokens` at positions from `start` (traced: one program serves every step)."""
+    dtype, precision = _arithmetic(compute_dtype)
+    return _forward(params, tokens, start, cache, cfg=cfg, dtype=dtype, precision=precision)
+
+
+class _Jitted:
+    """`jax.jit(fn)` made on first use (importing jax is not free); shared by every runtime in the process, so
+    artifacts of the same config, dtypes and shapes reuse one another's compiled programs."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._jitted: Any = None
+
+    def __call__(self, *args: Any, **static: Any) -> Any:
+        if self._jitted is None:
+            import jax
+
+            self._jitted = jax.jit(self._fn, static_argnames=("cfg", "compute_dtype"))
+        return self._jitted(*args, **static)
+
+
+_PREFILL = _Jitted(_prefill)
+_DECODE = _Jitted(_decode)

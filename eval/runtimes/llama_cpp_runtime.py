@@ -95,7 +95,10 @@ class LlamaCppRuntime:
         self._llm.eval(ids)
         return np.array(self._llm.scores[: len(ids)], dtype=np.float32, copy=True)
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        return [self._greedy_one(p, n) for p in prompts]
+
+    def _greedy_one(self, prompt_ids: Sequence[int], n: int) -> list[int]:
         ids = check_ids(prompt_ids, self.n_vocab, self.name)
         self._fits(len(ids) + max(n - 1, 0))
         self._reset()

@@ -68,22 +68,31 @@ class TransformersRuntime:
             out = self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
         return np.ascontiguousarray(out.logits[0].float().numpy(), dtype=np.float32)
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        ids = check_ids(prompt_ids, self.vocab_size, self.name)
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
+        out: list[list[int]] = [[] for _ in checked]
+        by_length: dict[int, list[int]] = {}
+        for i, ids in enumerate(checked):
+            by_length.setdefault(len(ids), []).append(i)
+        for indices in by_length.values():  # equal lengths decode as one batch, with no padding
+            for i, tokens in zip(indices, self._greedy_batch([checked[i] for i in indices], n), strict=True):
+                out[i] = tokens
+        return out
+
+    def _greedy_batch(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         torch = self._torch
-        generated: list[int] = []
+        generated: list[list[int]] = [[] for _ in prompts]
+        if n <= 0:
+            return generated
         with torch.inference_mode():
             # One prompt pass, then one token at a time on the KV cache: how a server decodes.
-            out = self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True)
+            out = self._model(input_ids=torch.tensor(prompts, dtype=torch.long), use_cache=True)
             for i in range(n):
-                tok = int(torch.argmax(out.logits[0, -1, : self.vocab_size]))
-                generated.append(tok)
+                toks = torch.argmax(out.logits[:, -1, : self.vocab_size], dim=-1)
+                for row, tok in zip(generated, toks.tolist(), strict=True):
+                    row.append(int(tok))
                 if i + 1 < n:
-                    out = self._model(
-                        input_ids=torch.tensor([[tok]], dtype=torch.long),
-                        past_key_values=out.past_key_values,
-                        use_cache=True,
-                    )
+                    out = self._model(input_ids=toks[:, None], past_key_values=out.past_key_values, use_cache=True)
         return generated
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from pipeline.stages.reference import stored_reference, stored_text
 
 def run(ctx: StageContext) -> EvalReport:
     export = ctx.input("export")
-    text = stored_text(ctx.input("reference"), ctx.input("ingest"))
+    text = stored_text(ctx.input("reference"))
     runtime = export.record(ArtifactRecord).runtime_name
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
@@ -23,4 +23,4 @@ def run(ctx: StageContext) -> EvalReport:
     return report
 
 
-STAGE = Stage("eval", "2", run, EvalReport, "compare one artifact, in its own runtime, with the reference")
+STAGE = Stage("eval", "3", run, EvalReport, "compare one artifact, in its own runtime, with the reference")

@@ -1,6 +1,8 @@
 """Reference stage: the source model's logits on the held-out windows, computed once per source and text.
 
-Every eval stage replays these from the stage's output instead of loading the reference model again.
+The stage tokenises the held-out text once and stores the ids it was cut into (`eval_text.json`) beside
+the logits; every eval stage replays both from the stage's output instead of loading the tokenizer and
+the reference model again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pipeline.records import IngestRecord, ReferenceParams, ReferenceRecord
 from pipeline.stage import Stage, StageContext, StageOutput
 
 TEXT_FILE = "heldout.txt"
+IDS_FILE = "eval_text.json"  # the token windows and prompts every runtime is given (eval.text.EvalText)
 
 
 def eval_text(ingest: StageOutput, text_path: Path, params: ReferenceParams) -> EvalText:
@@ -32,8 +35,10 @@ def eval_text(ingest: StageOutput, text_path: Path, params: ReferenceParams) -> 
     )
 
 
-def stored_text(reference: StageOutput, ingest: StageOutput) -> EvalText:
-    return eval_text(ingest, reference.files_dir / TEXT_FILE, reference.record(ReferenceRecord).params)
+def stored_text(reference: StageOutput) -> EvalText:
+    """The token ids the reference stage scored, as it stored them (checked against its record's digest)."""
+    data = (reference.files_dir / IDS_FILE).read_bytes()
+    return EvalText.from_json(data, digest=reference.record(ReferenceRecord).text_digest)
 
 
 def run(ctx: StageContext) -> ReferenceRecord:
@@ -42,13 +47,13 @@ def run(ctx: StageContext) -> ReferenceRecord:
     params = ReferenceParams.model_validate(ctx.node.params)
     shutil.copyfile(ctx.node.args["text"], ctx.out_dir / TEXT_FILE)
     text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
+    (ctx.out_dir / IDS_FILE).write_text(text.to_json())
     reference = CachedRuntime(TransformersRuntime(ingest.files_dir), ctx.out_dir, identity=source_digest)
     try:
         for window in text.windows:
             reference.logits(window)
             ctx.progress(len(window), text.tokens + len(text.windows))
-        for prompt in text.prompts:
-            reference.greedy(prompt, text.greedy_tokens)
+        reference.greedy(text.prompts, text.greedy_tokens)
     finally:
         reference.close()
     return ReferenceRecord(
@@ -79,7 +84,7 @@ class StoredReference:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         raise KilnError("reference logits for these token ids were not recorded", code="REFERENCE_MISSING")
 
-    def greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
         raise KilnError("reference continuation for this prompt was not recorded", code="REFERENCE_MISSING")
 
     def close(self) -> None:
@@ -92,5 +97,5 @@ def stored_reference(output: StageOutput) -> CachedRuntime:
 
 
 STAGE = Stage(
-    "reference", "2", run, ReferenceRecord, "reference logits of the source model (transformers, float32, CPU)"
+    "reference", "3", run, ReferenceRecord, "reference logits of the source model (transformers, float32, CPU)"
 )

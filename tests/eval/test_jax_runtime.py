@@ -65,7 +65,7 @@ def test_padding_and_earlier_calls_do_not_change_logits(jax_rt: JaxRuntime, eval
     w0, w1 = eval_text.windows[0], eval_text.windows[1]
     fresh = jax_rt.logits(w1)
     jax_rt.logits(w0)
-    jax_rt.greedy(w0[:16], 8)
+    jax_rt.greedy([w0[:16]], 8)
     assert np.array_equal(jax_rt.logits(w1), fresh)
     short = jax_rt.logits(w1[:10])  # padded to another bucket: the padding after the tokens is invisible
     assert short.shape == (10, 512)
@@ -77,12 +77,12 @@ def test_greedy_on_the_kv_cache_is_argmax_decoding(
     jax_rt: JaxRuntime, reference: CachedRuntime, eval_text: EvalText
 ) -> None:
     prompt = list(eval_text.prompts[2])
-    got = jax_rt.greedy(prompt, 12)
+    [got] = jax_rt.greedy([prompt], 12)
     seq = list(prompt)
     for _ in range(12):
         seq.append(int(np.argmax(jax_rt.logits(seq)[-1])))
-    assert got == seq[len(prompt) :] == reference.greedy(prompt, 12)
-    assert jax_rt.greedy(prompt, 0) == []
+    assert got == seq[len(prompt) :] == reference.greedy([prompt], 12)[0]
+    assert jax_rt.greedy([prompt], 0) == [[]]
 
 
 def test_jax_runtime_adds_no_bos(jax_rt: JaxRuntime, reference: CachedRuntime, eval_text: EvalText) -> None:

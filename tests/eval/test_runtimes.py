@@ -52,12 +52,17 @@ def test_reference_is_a_float32_forward_of_the_checkpoint(llama_dir: Path, refer
 
 
 def test_reference_greedy_is_argmax_decoding(reference: CachedRuntime, eval_text: EvalText) -> None:
-    prompt = list(eval_text.prompts[1])
-    got = reference.greedy(prompt, 8)
-    seq = list(prompt)
-    for _ in range(8):
-        seq.append(int(np.argmax(reference.runtime.logits(seq)[-1])))
-    assert got == seq[len(prompt) :]
+    prompts = [list(p) for p in eval_text.prompts[:3]]
+    got = reference.greedy(prompts, 8)  # equal lengths: decoded as one batch
+    for prompt, tokens in zip(prompts, got, strict=True):
+        seq = list(prompt)
+        for _ in range(8):
+            seq.append(int(np.argmax(reference.runtime.logits(seq)[-1])))
+        assert tokens == seq[len(prompt) :]
+    assert reference.runtime.greedy([prompts[1][:5], prompts[0]], 3) == [
+        reference.runtime.greedy([prompts[1][:5]], 3)[0],
+        got[0][:3],
+    ]
 
 
 def test_reference_against_itself_is_perfect(reference: CachedRuntime, eval_text: EvalText) -> None:
@@ -78,7 +83,7 @@ def test_reference_logits_are_computed_once(llama_dir: Path, eval_text: EvalText
     first = [np.array(on_disk.logits(w)) for w in eval_text.windows[:2]]
     again = CachedRuntime(inner, tmp_path / "ref", identity="source-digest")  # a later run, same dir
     assert all(np.array_equal(a, again.logits(w)) for a, w in zip(first, eval_text.windows, strict=False))
-    assert again.greedy(eval_text.prompts[0], 4) == in_memory.greedy(eval_text.prompts[0], 4)
+    assert again.greedy(eval_text.prompts[:1], 4) == in_memory.greedy(eval_text.prompts[:1], 4)
     assert again.computed == 1  # only the greedy call, which this directory had not seen
     assert not list((tmp_path / "ref").glob(".tmp-*"))
     other_model = CachedRuntime(inner, tmp_path / "ref", identity="another-digest")
@@ -112,7 +117,7 @@ def test_llama_cpp_windows_are_independent(llama_cpp: LlamaCppRuntime, eval_text
     w0, w1 = eval_text.windows[0], eval_text.windows[1]
     fresh = llama_cpp.logits(w1)
     llama_cpp.logits(w0)
-    llama_cpp.greedy(w0[:16], 8)
+    llama_cpp.greedy([w0[:16]], 8)
     assert np.array_equal(llama_cpp.logits(w1), fresh)
     assert np.array_equal(llama_cpp.logits(w1[:10]), fresh[:10])  # a shorter window after a longer one
 
@@ -132,7 +137,7 @@ def test_llama_cpp_rejects_what_it_cannot_run(llama_cpp: LlamaCppRuntime, tmp_pa
     with pytest.raises(InvalidInput, match="do not fit"):
         llama_cpp.logits([1] * 257)
     with pytest.raises(InvalidInput, match="do not fit"):
-        llama_cpp.greedy([1] * 250, 8)
+        llama_cpp.greedy([[1] * 250], 8)
     with pytest.raises(InvalidInput, match="does not exist"):
         LlamaCppRuntime(tmp_path / "missing.gguf")
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF" + b"\0" * 60)

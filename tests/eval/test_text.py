@@ -68,3 +68,28 @@ def test_short_text_and_bad_arguments(llama_dir: Path, tmp_path: Path) -> None:
         load_text(llama_dir, tmp_path / "latin1.txt")
     (tmp_path / "ok.txt").write_text("def f(x): return x", encoding="utf-8")
     assert load_text(llama_dir, tmp_path / "ok.txt", prompt_tokens=4) == short
+
+
+def test_stored_ids_round_trip_and_are_checked(eval_text: EvalText) -> None:
+    """The reference stage stores the ids once; every eval reads them back, refused unless they are the
+    ids the reference's record names (by digest) and well formed."""
+    stored = eval_text.to_json()
+    assert EvalText.from_json(stored, digest=eval_text.digest) == eval_text
+    with pytest.raises(InvalidInput) as e:
+        EvalText.from_json(stored, digest="0" * 64)
+    assert e.value.code == "EVAL_TEXT_INVALID"
+    data = json.loads(stored)
+    data["windows"][0][1] += 1  # one id changed: the digest no longer matches
+    tampered = json.dumps(data)
+    for bad in (
+        tampered,
+        json.dumps({**data, "windows": [[1, -2]]}),
+        json.dumps({**data, "windows": [[1, 2.5]]}),
+        json.dumps({**data, "windows": "1 2 3"}),
+        json.dumps({k: v for k, v in data.items() if k != "prompts"}),
+    ):
+        with pytest.raises(InvalidInput) as e:
+            EvalText.from_json(bad, digest=eval_text.digest)
+        assert e.value.code == "EVAL_TEXT_INVALID"
+    with pytest.raises(InvalidInput):
+        EvalText.from_json(b"{not json", digest=eval_text.digest)
