@@ -1,6 +1,6 @@
 """Benchmark: `GET /v1/resolve` against the bare FastAPI ceiling, side by side, through real servers.
 
-    python bench/registry_resolve.py [--workers 2] [--connections 64] [--seconds 10] [--rounds 2]
+    python bench/registry_resolve.py [--workers 2] [--connections 64] [--seconds 10] [--rounds 3]
 
 Publishes and seals a release with seven artifacts (small random blobs; resolve never reads blob
 bytes) into a fresh embedded registry, promotes it to prod, and serves it with `kiln serve`
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating ceiling/kiln rounds; each one's best counts")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating ceiling/kiln rounds; each one's best counts")
     add_record_argument(ap, "registry_resolve")
     args = ap.parse_args()
     if shutil.which("wrk") is None:

@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError
 
 from core.errors import Unavailable
 from registry import migrate
-from registry.api.boundary import RequestBoundaryMiddleware
+from registry.api.boundary import RequestBoundaryMiddleware, add_security_headers
 from registry.api.errors import error_responses, install_error_handlers
 from registry.api.health import router as health_router
 from registry.api.lean_route import LeanLane
@@ -127,7 +127,8 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     # front of FastAPI's routing; FastAPI documents it (included below). registry.api.lean_route.
     app.add_middleware(LeanLane, routes=resolve_router.routes)
     app.add_middleware(RequestBoundaryMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)  # outermost: sees every answer
+    # Outermost: sees every answer, and adds the request id and the security headers to each.
+    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics, response_headers=add_security_headers)
     install_error_handlers(app)
     for router in (
         models_router,

@@ -81,19 +81,17 @@ def authenticate(request: Request) -> Principal:
 def check_access(request: Request, principal: Principal, scope: Scope) -> None:
     """Refuse (401/403) unless `principal` has `scope` for every model the request names, in its path
     (/models/{model}/...) or its query (?model=...)."""
-    principal.require(scope)
     named = request.query_params.getlist("model")
     if "model" in request.path_params:
         named.append(request.path_params["model"])
-    for model in named:  # every value: a repeated ?model= must not slip one past the check
+    check_models(principal, scope, named)
+
+
+def check_models(principal: Principal, scope: Scope, models: list[str]) -> None:
+    """Refuse (401/403) unless `principal` has `scope`, for each of `models` (every one a request names)."""
+    principal.require(scope)
+    for model in models:  # every value: a repeated ?model= must not slip one past the check
         principal.require(scope, model)
-
-
-def authorize(request: Request, scope: Scope) -> Principal:
-    """`authenticate`, then `check_access`: what a `require(scope)` dependency does, as a plain call."""
-    principal = authenticate(request)
-    check_access(request, principal, scope)
-    return principal
 
 
 async def get_principal(request: Request) -> Principal:

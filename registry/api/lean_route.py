@@ -13,11 +13,12 @@ the endpoint as usual, and FastAPI documents it. `LeanLane`, a middleware inside
 path and method, with only what such an endpoint needs:
 
 - the query parameters are validated against the endpoint's declared fields in one call (the same
-  rules, the same 422);
+  rules, the same 422); a query string seen before is not parsed or validated again (routers ask
+  the same few questions over and over: the answer to a query string is a pure function of it);
 - the route's dependencies (its own and its router's) must be `require(scope)` checks, which run
-  as `authorize`, the call the dependency itself makes; any other dependency is refused when the
-  lane is built, so no check is ever skipped. Dependencies given to `include_router` do not reach
-  the lane: a lean router declares its own;
+  as `authenticate` and `check_models` on the query's models, the calls the dependency itself
+  makes; any other dependency is refused when the lane is built, so no check is ever skipped.
+  Dependencies given to `include_router` do not reach the lane: a lean router declares its own;
 - the endpoint is `async`, takes `request` and query parameters only, and returns a Response;
 - an error is answered by the app's exception handlers for its class, as any route's is; an
   unexpected one propagates to the server-error middleware, as any route's does.
@@ -38,9 +39,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from registry.auth.principal import Scope
-from registry.deps import authorize, required_scope
+from registry.deps import authenticate, check_models, required_scope
 
 Handler = Callable[[Request], Awaitable[Response]]
+_MAX_QUERIES = 4096  # distinct valid query strings kept per lean route (dropped all at once when full)
 
 
 class LeanRoute(APIRoute):
@@ -59,17 +61,28 @@ class LeanRoute(APIRoute):
         required: list[Scope] = [s for s in scopes if s is not None]
         query = _query_model(self.name, dependant.query_params)
         endpoint = self.endpoint
+        # query string -> (the models it names, its validated values); only valid queries are kept
+        seen: dict[bytes, tuple[list[str], dict[str, Any]]] = {}
 
         async def handle(request: Request) -> Response:
-            for scope in required:
-                authorize(request, scope)
-            try:
-                values = query.model_validate(dict(request.query_params))
-            except ValidationError as exc:
-                raise RequestValidationError(
-                    [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
-                ) from None
-            response: Response = await endpoint(request=request, **values.__dict__)
+            raw: bytes = request.scope["query_string"]
+            known = seen.get(raw)
+            models = request.query_params.getlist("model") if known is None else known[0]
+            if required:
+                principal = authenticate(request)
+                for scope in required:
+                    check_models(principal, scope, models)
+            if known is None:
+                try:
+                    values = query.model_validate(dict(request.query_params)).__dict__
+                except ValidationError as exc:
+                    raise RequestValidationError(
+                        [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
+                    ) from None
+                if len(seen) >= _MAX_QUERIES:
+                    seen.clear()
+                known = seen[raw] = (models, values)
+            response: Response = await endpoint(request=request, **known[1])
             return response
 
         return handle

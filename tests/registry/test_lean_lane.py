@@ -58,6 +58,15 @@ def test_the_lane_runs_the_read_check_and_the_model_pattern(settings: RegistrySe
         reader = make_token(app, ["read"], models=["tiny"], name="reader")
         allowed = client.get("/v1/resolve", params=params, headers={"Authorization": f"Bearer {reader}"})
         assert allowed.status_code == 200, allowed.text
+        # The lane keeps a valid query string's parse, never its verdict: the same query is checked again.
+        again = client.get("/v1/resolve", params=params, headers={"Authorization": f"Bearer {other}"})
+        assert_error(again, 403, "FORBIDDEN")
+        assert_error(client.get("/v1/resolve", params=params), 401, "UNAUTHORIZED")
+        invalid = {**params, "context": "0"}
+        for _ in range(2):  # an invalid query is refused each time, after the read check
+            assert_error(client.get("/v1/resolve", params=invalid), 401, "UNAUTHORIZED")
+            refused = client.get("/v1/resolve", params=invalid, headers={"Authorization": f"Bearer {reader}"})
+            assert_error(refused, 422, "INVALID_INPUT")
 
 
 def test_resolve_is_documented_with_its_errors(client: TestClient) -> None:

@@ -58,6 +58,98 @@ def test_access_log_is_one_json_line_per_request(client: TestClient, caplog: pyt
     assert line["level"] == "info" and line["time"].endswith("Z") and line["duration_ms"] >= 0
 
 
+def test_access_line_handler_buffers_the_formatter_s_line(tmp_path: Path) -> None:
+    """`kiln serve`'s access handler writes the line `JsonFormatter` writes for the same fields, after at most
+    `FLUSH_S` on an event loop, at once off one, when `MAX_BUFFER` bytes wait, and on close."""
+    import asyncio
+    import io
+    import time
+
+    from registry.ops.logs import AccessLineHandler
+
+    fields = {"request_id": "r-1", "method": "GET", "path": "/v1/resolve", "route": "/v1/resolve", "status": 200}
+    stream = io.StringIO()
+    handler = AccessLineHandler(stream)
+    handler.write_access(fields)  # no event loop: written at once
+    line = json.loads(stream.getvalue())
+    record = logging.makeLogRecord({"name": "kiln.registry.access", "levelno": logging.INFO, "levelname": "INFO"})
+    record.access = fields
+    expected = json.loads(JsonFormatter().format(record))
+    assert line.pop("time").endswith("Z") and expected.pop("time")
+    assert line == expected
+
+    async def on_the_loop() -> list[int]:
+        lines = []
+        handler.write_access({**fields, "request_id": "r-2"})
+        lines.append(stream.getvalue().count("\n"))  # buffered
+        await asyncio.sleep(AccessLineHandler.FLUSH_S * 3)
+        lines.append(stream.getvalue().count("\n"))  # the timer wrote it
+        for i in range(AccessLineHandler.MAX_BUFFER // 100):
+            handler.write_access({**fields, "request_id": f"many-{i}"})
+        lines.append(stream.getvalue().count("\n"))  # the buffer filled up: written without waiting
+        handler.write_access({**fields, "request_id": "last"})
+        return lines
+
+    started = time.monotonic()
+    buffered, timed, filled = asyncio.run(on_the_loop())
+    assert (buffered, timed) == (1, 2) and 2 < filled < 2 + AccessLineHandler.MAX_BUFFER // 100
+    assert time.monotonic() - started < 5
+    assert '"request_id":"last"' not in stream.getvalue()
+    handler.emit(logging.makeLogRecord({"msg": "another record", "levelname": "WARNING", "name": "x"}))
+    written = stream.getvalue().splitlines()
+    assert json.loads(written[-2])["request_id"] == "last"  # buffered lines go first, in order
+    assert json.loads(written[-1])["message"] == "another record"
+    handler.write_access({**fields, "request_id": "at-close"})
+    handler.close()
+    assert json.loads(stream.getvalue().splitlines()[-1])["request_id"] in ("at-close",)
+
+
+def test_served_access_lines_reach_stderr(tmp_path: Path) -> None:
+    """A real `kiln serve` process writes one JSON access line per request to stderr, promptly."""
+    import os
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    port = _free_port()
+    env = {**os.environ, "KILN_REGISTRY_DATA_DIR": str(tmp_path / "registry")}
+    log = open(tmp_path / "stderr.log", "wb")  # noqa: SIM115 (the server writes to it while it runs)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "serve", "--port", str(port)], env=env, stdout=log, stderr=log
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "kiln serve did not start"
+                time.sleep(0.2)
+        for i in range(3):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/resolve?model=nope&hardware=cpu", headers={"X-Request-ID": f"ci-{i}"}
+            )
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(req, timeout=5)
+        deadline = time.monotonic() + 5
+        while True:
+            lines = [json.loads(x) for x in (tmp_path / "stderr.log").read_text().splitlines() if x.startswith("{")]
+            access = [
+                x for x in lines if x.get("logger") == "kiln.registry.access" and x["request_id"].startswith("ci-")
+            ]
+            if len(access) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert [x["request_id"] for x in access] == ["ci-0", "ci-1", "ci-2"]
+        assert all(x["status"] == 404 and x["route"] == "/v1/resolve" and x["level"] == "info" for x in access)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
 def test_settings_file_with_environment_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "registry.yaml"
     config.write_text("anonymous_read: false\nprotected_channels: [prod, staging]\nmax_upload_bytes: 1000\n")
