@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,10 +41,24 @@ def cpu() -> dict[str, Any]:
     return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "avx512": "avx512f" in flags}
 
 
+def commit() -> str | None:
+    """The checkout's commit, with "+changes" when files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def run_record(**fields: Any) -> dict[str, Any]:
-    """The run's context (when, host, CPU kind, cores, load, the command) followed by the benchmark's fields."""
+    """The run's context (when, commit, host, CPU kind, cores, load, the command), then the benchmark's fields."""
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": commit(),
         "host": platform.node(),
         "cpu": cpu(),
         "cpus": len(os.sched_getaffinity(0)),
