@@ -46,7 +46,9 @@ def commit() -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+        # The records themselves (bench/results) are not a change to what is measured.
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]
+        dirty = subprocess.run(status, cwd=root, capture_output=True)
     except OSError:
         return None
     if head.returncode != 0:
