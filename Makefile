@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt $(LLAMA_WHEEL)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q --no-deps $(LLAMA_WHEEL)
-	$(PIP) install -q -c constraints.txt -e ".[build,postgres,s3,dev]"
+	$(PIP) install -q -c constraints.txt -e ".[build,postgres,s3,ray,dev]"
 	touch $@
 
 $(LLAMA_WHEEL):

@@ -26,7 +26,7 @@ from rich.progress import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.executors.local import NodeOutcome
+    from pipeline.executors.node import NodeOutcome
     from pipeline.stage import Node
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120, emoji=False)
@@ -109,5 +109,9 @@ class ProgressReporter:
             self.console.print(f"[dim]= {node} cached  {key}[/dim]")
         elif outcome.status in ("built", "ran"):
             self.console.print(f"[green]+ {node} {outcome.status:<7} {key} in {outcome.seconds:.1f}s[/green]")
+        elif outcome.status == "failed":
+            self.console.print(f"[red]x {node} failed: {safe_text(outcome.reason)}[/red]")
+        elif outcome.status == "cancelled":
+            self.console.print(f"[red]- {node} cancelled: {safe_text(outcome.reason)}[/red]")
         else:
             self.console.print(f"[yellow]~ {node} deferred: {safe_text(outcome.reason)}[/yellow]")

@@ -9,18 +9,21 @@ a publish node per artifact and one seal node waiting for them all. Nothing here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from core.digest import HashCache
+from core.errors import StageFailed
 from eval.gates import gate_for
 from eval.report import EvalReport
 from formats.hf_model import open_source
-from pipeline.executors.local import LocalExecutor, NodeOutcome, Reporter
+from pipeline.executors.local import LocalExecutor
+from pipeline.executors.node import NodeOutcome, Reporter
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
-from pipeline.stage import Node, Stage, WorkDir
+from pipeline.requirements import ModelSize
+from pipeline.stage import Node, Stage
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
@@ -30,6 +33,7 @@ from pipeline.stages import publish as publish_stage
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
+from pipeline.store import StageStore
 from quant.calibrated import calibration_dtype
 from quant.schemes import get_scheme
 from targets.base import get_target
@@ -49,15 +53,16 @@ class PlannedArtifact:
     evaluator: Node | None
 
 
-def plan(recipe: Recipe, work_dir: Path, *, registry: str | None = None) -> list[Node]:
-    """The stage graph in run order. With `registry`, publish nodes and the seal node come last."""
-    nodes, artifacts = _build_graph(recipe, work_dir)
+def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> list[Node]:
+    """The stage graph in run order, each node with its requirements. With `registry`, publish nodes and
+    the seal node come last."""
+    nodes, artifacts, size = _build_graph(recipe, store.local.root)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes))
-    return nodes
+    return [replace(n, requires=n.stage.requirements(n, size)) for n in nodes]
 
 
-def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[PlannedArtifact]]:
+def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[PlannedArtifact], ModelSize]:
     hashes = HashCache(work_dir / HASH_CACHE)
     source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
     text_digest = hashes.sha256(recipe.eval_text)
@@ -76,7 +81,6 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
         },
         inputs={"ingest": ingest.id},
         external={"text": text_digest},
-        args={"text": str(recipe.eval_text)},
     )
     nodes = [ingest, reference]
     artifacts: list[PlannedArtifact] = []
@@ -117,7 +121,12 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
         evaluate = Node(
             f"eval/{name}",
             eval_stage.STAGE,
-            params={"artifact": name, "quant": quant, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()},
+            params={
+                "artifact": name,
+                "quant": quant,
+                "runtime": spec.runtime_for(quant),
+                "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
+            },
             inputs={"reference": reference.id, "export": export.id},
         )
         nodes += [export, evaluate]
@@ -131,13 +140,13 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             )
             nodes.append(maker)
             artifacts.append(PlannedArtifact(derived.artifact, quant, maker, None))
-    return nodes, artifacts
+    return nodes, artifacts, ModelSize.of(source)
 
 
 def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest: str) -> Node:
     scheme = get_scheme(quant)
     params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
-    external, args = {}, {}
+    external = {}
     if scheme.calibrated:
         cal = recipe.calibration
         params["calibration"] = {
@@ -149,14 +158,12 @@ def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest:
             "compute_dtype": calibration_dtype(),
         }
         external = {"calibration_text": calibration_digest}
-        args = {"calibration_text": str(recipe.calibration_text)}
     return Node(
         f"quantize/{quant}",
         quantize_stage.STAGE,
         params=params,
         inputs={"ingest": ingest.id},
         external=external,
-        args=args,
     )
 
 
@@ -294,18 +301,65 @@ class BuildResult:
         }
 
 
+def stage_externals(recipe: Recipe, store: StageStore) -> None:
+    """Put the recipe's files outside the graph (held-out and calibration texts) into the store by digest."""
+    hashes = HashCache(store.local.root / HASH_CACHE)
+    for path in {recipe.eval_text, recipe.calibration_text}:
+        store.put_external(path, hashes.sha256(path))
+    hashes.save()
+
+
+@dataclass(frozen=True)
+class ExecutorChoice:
+    """Which executor runs the graph: `local` (this process) or `ray` (a cluster, at `ray_address`)."""
+
+    name: Literal["local", "ray"] = "local"
+    store_url: str | None = None  # the shared store's URL, for executors whose workers open it themselves
+    ray_address: str | None = None
+    max_retries: int = 3
+
+
 def run(
-    recipe: Recipe, work_dir: Path, *, registry: str | None = None, reporter: Reporter | None = None
+    recipe: Recipe,
+    store: StageStore,
+    *,
+    registry: str | None = None,
+    reporter: Reporter | None = None,
+    executor: ExecutorChoice | None = None,
 ) -> BuildResult:
-    nodes = plan(recipe, work_dir, registry=registry)
-    outcomes = LocalExecutor(WorkDir(work_dir), reporter).run(nodes)
-    return BuildResult(recipe, nodes, outcomes)
+    """Plan the recipe and run its graph; a stage that failed (after what did not depend on it ran, with
+    the Ray executor) is raised once every other outcome is known."""
+    executor = executor or ExecutorChoice()
+    nodes = plan(recipe, store, registry=registry)
+    stage_externals(recipe, store)
+    if executor.name == "ray":
+        from pipeline.executors.ray import RayExecutor
+
+        outcomes = RayExecutor(
+            store,
+            executor.store_url,
+            address=executor.ray_address,
+            reporter=reporter,
+            max_retries=executor.max_retries,
+        ).run(nodes)
+    else:
+        outcomes = LocalExecutor(store, reporter).run(nodes)
+    result = BuildResult(recipe, nodes, outcomes)
+    failed = [o for o in outcomes.values() if o.status == "failed"]
+    if failed:
+        # The first failure, as its stage raised it (so the exit code is the same as a local build's),
+        # with every other failure and what was cancelled because of them.
+        error = failed[0].error or StageFailed(f"{failed[0].node.id} failed: {failed[0].reason}")
+        error.details.setdefault("stage", failed[0].node.id)
+        error.details["failed"] = {o.node.id: o.reason for o in failed}
+        error.details["cancelled"] = {o.node.id: o.reason for o in outcomes.values() if o.status == "cancelled"}
+        raise error
+    return result
 
 
-def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
+def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
     """What `kiln plan` shows: each node, its cache key, and whether its output is already there."""
-    workdir = WorkDir(work_dir)
-    nodes = plan(recipe, work_dir)
+    nodes = plan(recipe, store)
     digests: dict[str, str | None] = {}
     deferred: set[str] = set()
     rows = []
@@ -316,9 +370,9 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
         digests[node.id] = None
         if all(d is not None for d in ins.values()):
             key = node.cache_key({i: d for i, d in ins.items() if d is not None})
-            out = workdir.lookup(node, key)
-            if out is not None:
-                digests[node.id], state = out.digest, "cached"
+            found = store.digest(node, key)
+            if found is not None:
+                digests[node.id], state = found, "cached"
         extra: dict[str, Any] = {}
         # A stage this machine cannot run is deferred to a runner (and so is everything that waits on it).
         blocked = [i for i in node.inputs.values() if i in deferred]
@@ -336,7 +390,7 @@ def status(recipe: Recipe, work_dir: Path) -> list[dict[str, Any]]:
                 "inputs": node.inputs,
                 "key": key,
                 "state": state,
-                "resources": node.stage.resources,
+                "requires": node.requires.model_dump(),
                 **extra,
             }
         )

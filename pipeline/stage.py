@@ -11,6 +11,7 @@ A stage returns a typed record (`pipeline.records`); `stage.json` stores it as t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -27,11 +28,13 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from core import __version__
-from core.digest import sha256_file, sha256_json
-from core.errors import StageFailed
+from core.digest import is_sha256, sha256_file, sha256_json
+from core.errors import KilnError, StageFailed
 from core.manifest import FileEntry
+from pipeline.requirements import ModelSize, Requirements, requirements
 
 STAGE_FILE = "stage.json"
+EXTERNAL_DIR = "external"
 LOG_FILE = "stage.log"  # what the stage's libraries printed; beside stage.json, not part of the output
 OUTPUT_DIR = "files"
 LOG_TAIL_LINES = 20
@@ -55,8 +58,7 @@ class StageOutput:
 
     @property
     def digest(self) -> str:
-        files = [f.model_dump() for f in self.files]
-        return sha256_json({"files": files, "result": self.result.model_dump(mode="json")})
+        return output_digest(self.files, self.result)
 
     def record(self, kind: type[R]) -> R:
         """The result as the record type the caller expects; a different one is a graph built wrong."""
@@ -65,12 +67,25 @@ class StageOutput:
         return self.result
 
 
+def output_digest(files: list[FileEntry], result: BaseModel) -> str:
+    """What identifies a stage output: sha256 of canonical JSON of its files (path, sha256, size) and record."""
+    return sha256_json({"files": [f.model_dump() for f in files], "result": result.model_dump(mode="json")})
+
+
 @dataclass
 class StageContext:
     node: Node
     out_dir: Path  # write outputs here (a temporary directory)
     inputs: dict[str, StageOutput]  # by role
     progress: Callable[[int, int | None], None] = lambda advance, total: None
+    # sha256 -> a local copy of that external input (`StageStore.external`)
+    fetch_external: Callable[[str], Path] | None = None
+
+    def external(self, name: str) -> Path:
+        """A local copy of the file the node names as external input `name` (by digest, from the store)."""
+        if name not in self.node.external or self.fetch_external is None:
+            raise KeyError(f"{self.node.id} has no external input {name!r}")
+        return self.fetch_external(self.node.external[name])
 
     def input(self, role: str) -> StageOutput:
         """The input the node gets under `role` (see `Node.inputs`)."""
@@ -90,12 +105,20 @@ class Stage:
     run: Callable[[StageContext], BaseModel]
     record: type[BaseModel]  # what `run` returns and `stage.json` holds
     description: str = ""
-    resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})  # what an executor must provide
     # A stage with effects outside the work dir (publishing) runs every time; its target makes it idempotent.
     cacheable: bool = True
+    # A stage that reads what only the machine that planned the build has (the recipe's source directory, the
+    # registry named on its command line): executors that spread stages over machines run it there.
+    on_driver: bool = False
     # For a stage that needs hardware or software this machine may lack: what a node still needs here
     # ({"runner", "command", "missing", ...}), or None when it can run. `kiln plan` asks without running.
     deferral: Callable[[Node], dict[str, Any] | None] | None = None
+    # What a node of this stage needs of the machine that runs it, for a model of the given size;
+    # None: `pipeline.requirements.requirements(name, size)`, the stage's row of the table.
+    needs: Callable[[Node, ModelSize], Requirements] | None = None
+
+    def requirements(self, node: Node, size: ModelSize) -> Requirements:
+        return self.needs(node, size) if self.needs is not None else requirements(self.name, size)
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,8 @@ class Node:
     inputs: dict[str, str] = field(default_factory=dict)  # role -> node id, e.g. {"source": "ingest/source"}
     external: dict[str, str] = field(default_factory=dict)  # name -> digest of data outside the graph
     args: dict[str, Any] = field(default_factory=dict)  # where to find things (paths, URLs): not in the key
+    # What the machine that runs it must offer (`pipeline.requirements`); not in the key.
+    requires: Requirements = field(default_factory=lambda: Requirements(cpus=1, memory_bytes=0))
 
     def cache_key(self, input_digests: dict[str, str]) -> str:
         """sha256 of canonical JSON; each input's digest keeps its role (`input_digests` is by node id)."""
@@ -122,11 +147,56 @@ class Node:
         )
 
 
+class StageInputMissing(KilnError):
+    """A stage's input (an upstream output, or an external file by digest) is not in the store."""
+
+    code = "STAGE_INPUT_MISSING"
+
+
 class WorkDir:
-    """The content-addressed store of stage outputs on one machine."""
+    """The content-addressed store of stage outputs on one machine (`pipeline.store.StageStore`).
+
+    `<root>/<stage>/<key>/` holds a finished output (`files/` and `stage.json`), `<root>/external/<sha256>`
+    the files a recipe names outside the graph (held-out and calibration texts), by content.
+    """
 
     def __init__(self, root: Path):
         self.root = root
+
+    @property
+    def local(self) -> WorkDir:
+        return self
+
+    def external_path(self, digest: str) -> Path:
+        if not is_sha256(digest):
+            raise StageInputMissing(f"{digest!r} is not a sha256 digest")
+        return self.root / EXTERNAL_DIR / digest
+
+    def put_external(self, path: Path, digest: str) -> None:
+        """Keep a copy of `path`, whose sha256 is `digest`, under that digest (checked while copying)."""
+        final = self.external_path(digest)
+        if final.is_file():
+            return
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".tmp-{digest[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        h = hashlib.sha256()
+        try:
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(8 << 20):
+                    h.update(chunk)
+                    dst.write(chunk)
+            if h.hexdigest() != digest:
+                raise StageFailed(f"{path} changed while the build was planned (sha256 {h.hexdigest()}, not {digest})")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def external(self, digest: str) -> Path:
+        """The stored file of sha256 `digest`; StageInputMissing when the store has none."""
+        path = self.external_path(digest)
+        if not path.is_file():
+            raise StageInputMissing(f"the store has no external input with sha256 {digest}", details={"sha256": digest})
+        return path
 
     def final_path(self, stage: str, key: str) -> Path:
         return self.root / stage / key
@@ -153,6 +223,11 @@ class WorkDir:
             provenance=data["provenance"],
         )
 
+    def digest(self, node: Node, key: str) -> str | None:
+        """The digest of the finished output of (node, key), or None: what a downstream key is made of."""
+        out = self.lookup(node, key)
+        return out.digest if out is not None else None
+
     def new_temp(self, stage: str, key: str) -> Path:
         tmp = self.root / stage / f".tmp-{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         (tmp / OUTPUT_DIR).mkdir(parents=True)
@@ -160,6 +235,11 @@ class WorkDir:
 
     def commit(self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any]) -> StageOutput:
         """Manifest the temp output, write stage.json last, then rename the directory into place."""
+        self.seal(node, key, tmp, result, provenance)
+        return self.install(node, key, tmp)
+
+    def seal(self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any]) -> list[FileEntry]:
+        """Write the temp output's stage.json (its files, hashed, and `result`); the output is then complete."""
         files_dir = tmp / OUTPUT_DIR
         files = [
             FileEntry(path=p.relative_to(files_dir).as_posix(), sha256=sha256_file(p), size=p.stat().st_size)
@@ -180,6 +260,10 @@ class WorkDir:
             json.dump(payload, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        return files
+
+    def install(self, node: Node, key: str, tmp: Path) -> StageOutput:
+        """Rename a complete temporary output (`files/` and `stage.json`, written last) into place."""
         final = self.final_path(node.stage.name, key)
         try:
             os.rename(tmp, final)
@@ -190,6 +274,14 @@ class WorkDir:
         out = self.lookup(node, key)
         assert out is not None
         return out
+
+    def remove(self, node: Node, key: str) -> None:
+        """Drop a finished output (to replace it with the one another machine committed first)."""
+        final = self.final_path(node.stage.name, key)
+        if final.exists():
+            gone = final.with_name(f".tmp-{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, gone)  # out of sight at once, then deleted
+            shutil.rmtree(gone, ignore_errors=True)
 
     def keep_log(self, node: Node, tmp: Path) -> Path | None:
         """Keep a failed stage's log under `<work>/logs/` (its temporary directory is about to go)."""
@@ -205,7 +297,7 @@ class WorkDir:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def sweep_stale(self) -> int:
-        """Remove temp dirs left by runs that died (their process is gone)."""
+        """Remove temporary outputs and files left by runs that died (their process is gone)."""
         removed = 0
         for tmp in self.root.glob("*/.tmp-*"):
             try:
@@ -213,7 +305,10 @@ class WorkDir:
             except (IndexError, ValueError):
                 pid = -1
             if pid != os.getpid() and not _alive(pid):
-                shutil.rmtree(tmp, ignore_errors=True)
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
                 removed += 1
         return removed
 

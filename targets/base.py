@@ -94,6 +94,12 @@ class TargetSpec:
     derived: DerivedFn | None = None
     # Work shared by all the target's exports of one source, done once by the target's prepare stage.
     prepare: PrepareFn | None = None
+    # Quants evaluated by another runtime than `runtime` (trtllm's int4 checkpoints: tensorrt_llm).
+    quant_runtimes: dict[str, str] = field(default_factory=dict)
+
+    def runtime_for(self, quant: str) -> str:
+        """The runtime that evaluates this target's artifact for `quant` (what its export records)."""
+        return self.quant_runtimes.get(quant, self.runtime)
 
     def compatibility(self, quant: str, params: dict[str, Any] | None = None) -> dict[str, Verdict]:
         """For every hardware profile: whether this target's artifact for `quant` runs there, and why."""

@@ -15,13 +15,18 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from core.errors import InvalidInput
 from kiln.cli.common import (
     DEFAULT_REGISTRY,
     DEFAULT_WORK,
     EXIT_GATE_FAILED,
     AllowOutsideOpt,
+    ExecutorOpt,
     JsonOpt,
+    RayAddressOpt,
     RegistryOpt,
+    RetriesOpt,
+    StoreOpt,
     WorkDirOpt,
     allowed_roots,
     app,
@@ -71,16 +76,24 @@ def _quiet_libraries() -> None:
 
 
 def _run_build(
-    recipe_path: Path, work_dir: Path, registry: str | None, as_json: bool, allow_outside: list[Path] | None
+    recipe_path: Path,
+    work_dir: Path,
+    store_url: str | None,
+    registry: str | None,
+    as_json: bool,
+    allow_outside: list[Path] | None,
+    executor: Any = None,
 ) -> None:
     from pipeline import build
     from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
 
     started = time.time()
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # some CPUs advertise AMX that faults
     _quiet_libraries()
     recipe = load_recipe(recipe_path, allowed_roots=allowed_roots(allow_outside))
-    result = build.run(recipe, work_dir, registry=registry, reporter=ProgressReporter(quiet=as_json))
+    store = open_store(store_url, work_dir)
+    result = build.run(recipe, store, registry=registry, reporter=ProgressReporter(quiet=as_json), executor=executor)
     summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
     report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +129,15 @@ def _run_build(
 def build(
     recipe: Path,
     work_dir: WorkDirOpt = DEFAULT_WORK,
+    store: StoreOpt = None,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    retries: RetriesOpt = 3,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
 ) -> None:
     """Build and evaluate every artifact of RECIPE, reusing finished stages."""
-    _run_build(recipe, work_dir, None, as_json, allow_outside)
+    _run_build(recipe, work_dir, store, None, as_json, allow_outside, _executor(executor, store, ray_address, retries))
 
 
 @app.command()
@@ -128,36 +145,61 @@ def publish(
     recipe: Path,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     work_dir: WorkDirOpt = DEFAULT_WORK,
+    store: StoreOpt = None,
+    executor: ExecutorOpt = "local",
+    ray_address: RayAddressOpt = None,
+    retries: RetriesOpt = 3,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
 ) -> None:
     """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
-    _run_build(recipe, work_dir, registry, as_json, allow_outside)
+    choice = _executor(executor, store, ray_address, retries)
+    _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice)
+
+
+def _executor(name: str, store: str | None, ray_address: str | None, retries: int) -> Any:
+    from pipeline.build import ExecutorChoice
+
+    if name not in ("local", "ray"):
+        raise InvalidInput(f"--executor {name!r}: known executors are local and ray", code="UNKNOWN_EXECUTOR")
+    if ray_address is not None and name != "ray":
+        raise InvalidInput("--ray-address is for --executor ray")
+    return ExecutorChoice(name=name, store_url=store, ray_address=ray_address, max_retries=retries)  # type: ignore[arg-type]
 
 
 @app.command()
 def plan(
     recipe: Path,
     work_dir: WorkDirOpt = DEFAULT_WORK,
+    store: StoreOpt = None,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
 ) -> None:
-    """Show the stage graph of RECIPE: each stage, its cache key and whether it is already built."""
+    """Show the stage graph of RECIPE: each stage, what it needs, its cache key and whether it is built."""
     from pipeline import build
     from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
 
-    rows = build.status(load_recipe(recipe, allowed_roots=allowed_roots(allow_outside)), work_dir)
+    loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
+    rows = build.status(loaded, open_store(store, work_dir))
     if as_json:
         emit(rows)
         return
     table = Table(title=safe_text(recipe))
-    for col in ("stage", "inputs", "key", "state"):
+    for col in ("stage", "inputs", "needs", "key", "state"):
         table.add_column(col)
     for r in rows:
         state = f"deferred to {r['runner']}" if "runner" in r else r["state"]
-        cells = (r["node"], ", ".join(r["inputs"]), (r["key"] or "-")[:12], state)
+        cells = (r["node"], ", ".join(r["inputs"]), _needs(r["requires"]), (r["key"] or "-")[:12], state)
         table.add_row(*(safe_text(c) for c in cells))
     err.print(table)
+
+
+def _needs(req: dict[str, Any]) -> str:
+    """`2 cpu, 1.2 GiB, nvidia:h100, tensorrt_llm==0.21.0`: a node's requirements, in a table cell."""
+    parts = [f"{req['cpus']} cpu", fmt_size(req["memory_bytes"])]
+    parts += [v for v in (req["accelerator"], req["runtime_env"]) if v]
+    return ", ".join(parts)
 
 
 @app.command()

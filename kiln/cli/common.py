@@ -73,6 +73,38 @@ AllowOutsideOpt = Annotated[
         show_default=False,
     ),
 ]
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        envvar="KILN_STORE",
+        help="Shared stage store (s3://bucket/prefix) that other machines read and write; --work-dir is then "
+        "this machine's copy. Endpoint: $KILN_S3_ENDPOINT_URL or $AWS_ENDPOINT_URL.",
+        show_default=False,
+    ),
+]
+ExecutorOpt = Annotated[
+    str,
+    typer.Option(
+        "--executor",
+        envvar="KILN_EXECUTOR",
+        help="local: every stage in this process; ray: a Ray cluster (--ray-address), each stage on a node "
+        "with its resources.",
+    ),
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        envvar="RAY_ADDRESS",
+        help="The Ray cluster (host:port of its head); default: a local cluster for this build.",
+        show_default=False,
+    ),
+]
+RetriesOpt = Annotated[
+    int,
+    typer.Option("--retries", min=0, max=100, help="Ray: times a stage whose worker died is run again."),
+]
 DEFAULT_WORK = Path(".kiln/work")
 DEFAULT_REGISTRY = ".kiln/registry"
 

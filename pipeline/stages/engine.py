@@ -21,6 +21,7 @@ from typing import Any
 from core.errors import Deferred, StageFailed
 from core.hardware import PROFILES
 from pipeline.records import ArtifactRecord
+from pipeline.requirements import requirements
 from pipeline.stage import Node, Stage, StageContext
 from targets.trtllm.engines import CHECKPOINT_DIR, ENGINE_DIR, missing_for, runner
 from targets.trtllm.formats import FORMATS
@@ -119,6 +120,8 @@ STAGE = Stage(
     run,
     ArtifactRecord,
     "build a TensorRT engine for one trtllm checkpoint on one GPU SKU (trtllm-build)",
-    resources={"CPU": 1, "GPU": 1},
     deferral=deferral,
+    needs=lambda node, size: requirements(
+        "engine", size, runtime="tensorrt_llm", sku=node.params["sku"], version=node.params["tensorrt_llm"]
+    ),
 )

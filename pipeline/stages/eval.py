@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from core.errors import StageFailed
 from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
 from pipeline.records import ArtifactRecord
-from pipeline.stage import Stage, StageContext
+from pipeline.requirements import RUNTIME_NEEDS, ModelSize, Requirements, requirements
+from pipeline.stage import Node, Stage, StageContext
 from pipeline.stages.reference import stored_reference, stored_text
 
 
@@ -14,6 +16,10 @@ def run(ctx: StageContext) -> EvalReport:
     export = ctx.input("export")
     text = stored_text(ctx.input("reference"))
     runtime = export.record(ArtifactRecord).runtime_name
+    if runtime != ctx.node.params["runtime"]:  # the plan asked the target; the export says what it wrote
+        raise StageFailed(
+            f"{ctx.node.id}: planned for runtime {ctx.node.params['runtime']!r}, the export needs {runtime!r}"
+        )
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
@@ -23,4 +29,10 @@ def run(ctx: StageContext) -> EvalReport:
     return report
 
 
-STAGE = Stage("eval", "3", run, EvalReport, "compare one artifact, in its own runtime, with the reference")
+def needs(node: Node, size: ModelSize) -> Requirements:
+    """The runtime the artifact's target evaluates it with (`params["runtime"]`), on this kind of machine."""
+    runtime = node.params["runtime"]
+    return requirements("eval", size, runtime=runtime if RUNTIME_NEEDS[runtime].vendor is None else None)
+
+
+STAGE = Stage("eval", "3", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)

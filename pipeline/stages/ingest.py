@@ -46,7 +46,14 @@ def open_ingested(output: StageOutput) -> SourceModel:
     return open_source(output.files_dir, known_files=known)
 
 
-STAGE = Stage("ingest", "2", run, IngestRecord, "check the SafeTensors release and record the sha256 of every file")
+STAGE = Stage(
+    "ingest",
+    "2",
+    run,
+    IngestRecord,
+    "check the SafeTensors release and record the sha256 of every file",
+    on_driver=True,
+)
 
 
 def node(source: SourceModel, source_dir: Path, hash_cache: Path) -> Node:

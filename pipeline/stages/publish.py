@@ -84,4 +84,5 @@ STAGE = Stage(
     PublishRecord,
     "upload blobs, manifest and eval result to the registry",
     cacheable=False,
+    on_driver=True,
 )

@@ -5,8 +5,9 @@ compressed-tensors' layout and the `quantization_config`), described by a `Quant
 export of that scheme (the targets listing it in `quantized_input`: hf-bundle, rocm-bundle, trtllm,
 orbax's int8) takes it as its `quantized` input instead of quantizing again.
 
-Calibrated schemes (GPTQ, AWQ) also take the calibration text (`args["calibration_text"]`, its
-digest in the key) and `params["calibration"]` = {samples, seq_len, skip_tokens}.
+Calibrated schemes (GPTQ, AWQ) also take the calibration text (the external input
+`calibration_text`, from the store by its digest, which is in the key) and `params["calibration"]` =
+{samples, seq_len, skip_tokens, compute_dtype}.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import shutil
 from typing import TYPE_CHECKING
 
 from pipeline.records import QuantizeRecord
-from pipeline.stage import Stage, StageContext, StageOutput
+from pipeline.requirements import ModelSize, Requirements, requirements
+from pipeline.stage import Node, Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
 from quant.schemes import Scheme, get_scheme
 
@@ -33,12 +35,10 @@ def run(ctx: StageContext) -> QuantizeRecord:
     total = sum(t.nbytes for t in source.tensors.values())
     calibrated = None
     if scheme.calibrated:
-        from pathlib import Path
-
         from quant.calibrated import calibrate, calibration_samples
 
         cal = ctx.node.params["calibration"]
-        text = Path(ctx.node.args["calibration_text"]).read_text(encoding="utf-8")
+        text = ctx.external("calibration_text").read_text(encoding="utf-8")
         samples = calibration_samples(
             source.root, text, samples=cal["samples"], seq_len=cal["seq_len"], skip_tokens=cal["skip_tokens"]
         )
@@ -64,6 +64,17 @@ def open_output(output: StageOutput) -> QuantizedWeights:
     return open_quantized(output.files_dir, output.record(QuantizeRecord).scheme_name)
 
 
+def needs(node: Node, size: ModelSize) -> Requirements:
+    """Round-to-nearest holds a tensor at a time; calibration one layer and its activations, on every core."""
+    calibrated = Scheme.model_validate(node.params["scheme"]).calibrated
+    return requirements("quantize-calibrated" if calibrated else "quantize", size)
+
+
 STAGE = Stage(
-    "quantize", "3", run, QuantizeRecord, "quantize the Linear weights once per scheme (compressed-tensors layout)"
+    "quantize",
+    "3",
+    run,
+    QuantizeRecord,
+    "quantize the Linear weights once per scheme (compressed-tensors layout)",
+    needs=needs,
 )

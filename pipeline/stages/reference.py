@@ -45,7 +45,7 @@ def run(ctx: StageContext) -> ReferenceRecord:
     ingest = ctx.input("ingest")
     source_digest = ingest.record(IngestRecord).source_digest
     params = ReferenceParams.model_validate(ctx.node.params)
-    shutil.copyfile(ctx.node.args["text"], ctx.out_dir / TEXT_FILE)
+    shutil.copyfile(ctx.external("text"), ctx.out_dir / TEXT_FILE)
     text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
     (ctx.out_dir / IDS_FILE).write_text(text.to_json())
     reference = CachedRuntime(TransformersRuntime(ingest.files_dir), ctx.out_dir, identity=source_digest)

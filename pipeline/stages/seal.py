@@ -27,4 +27,5 @@ STAGE = Stage(
     SealRecord,
     "seal the release in the registry once all its artifacts are published",
     cacheable=False,
+    on_driver=True,
 )

@@ -19,7 +19,7 @@ from targets.trtllm.export import (
     export,
     trtllm_compatibility,
 )
-from targets.trtllm.formats import REFUSED
+from targets.trtllm.formats import FORMATS, REFUSED
 
 SPEC = register(
     TargetSpec(
@@ -38,5 +38,6 @@ SPEC = register(
         check_quant_params=check_quant_params,
         unsupported_quants=REFUSED,
         derived=engine_artifacts,
+        quant_runtimes={q: f.eval_runtime for q, f in FORMATS.items() if f.eval_runtime != "transformers"},
     )
 )

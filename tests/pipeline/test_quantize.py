@@ -10,6 +10,7 @@ from formats.hf_model import open_source
 from formats.safetensors import DTYPES
 from pipeline.build import plan
 from pipeline.recipe import parse_recipe
+from pipeline.stage import WorkDir
 from quant.rtn import (
     QuantShapeError,
     check_shapes,
@@ -149,7 +150,7 @@ def test_plan_shares_one_quantize_node_per_scheme(tmp_path: Path) -> None:
         },
         base_dir=tmp_path,
     )
-    nodes = {n.id: n for n in plan(recipe, tmp_path / "w")}
+    nodes = {n.id: n for n in plan(recipe, WorkDir(tmp_path / "w"))}
     assert [n for n in nodes if n.startswith("quantize/")] == ["quantize/fp8", "quantize/int4-rtn"]
     assert nodes["export/hf-bundle-fp8"].inputs == {"ingest": "ingest/source", "quantized": "quantize/fp8"}
     assert nodes["export/hf-bundle-bf16"].inputs == {"ingest": "ingest/source"}

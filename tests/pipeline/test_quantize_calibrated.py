@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sysconfig
 from pathlib import Path
 
@@ -164,6 +165,7 @@ def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_
     from core.errors import RecipeInvalid
     from pipeline.build import plan
     from pipeline.recipe import parse_recipe
+    from pipeline.stage import WorkDir
 
     (tmp_path / "text.txt").write_text(_stdlib_text("heapq.py"))
     base = {
@@ -174,7 +176,9 @@ def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_
         "targets": [{"target": "hf-bundle", "quants": ["int4-rtn", "w4a16-gptq"]}],
     }
     outside = [model_dir]  # the model lives in a shared fixture directory, not beside the recipe
-    nodes = {n.id: n for n in plan(parse_recipe(base, base_dir=tmp_path, allowed_roots=outside), tmp_path / "w")}
+    nodes = {
+        n.id: n for n in plan(parse_recipe(base, base_dir=tmp_path, allowed_roots=outside), WorkDir(tmp_path / "w"))
+    }
     assert nodes["quantize/w4a16-gptq"].params["calibration"] == {
         "samples": 32,
         "seq_len": 256,
@@ -225,6 +229,9 @@ def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir:
 
     text = tmp_path / "calibration.txt"
     text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")
+    work = WorkDir(tmp_path / "work")
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()
+    work.put_external(text, digest)  # the calibration text reaches the stage through the store, by digest
     ingest = ingest_stage.node(open_source(model_dir), model_dir, tmp_path / "hashes.json")
     quantize = Node(
         "quantize/w4a16-gptq",
@@ -235,11 +242,9 @@ def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir:
             "calibration": {"samples": 4, "seq_len": 64, "skip_tokens": 0, "compute_dtype": "float32"},
         },
         inputs={"ingest": ingest.id},
-        external={"calibration_text": "test"},
-        args={"calibration_text": str(text)},
+        external={"calibration_text": digest},
     )
-    work = tmp_path / "work"
-    out = LocalExecutor(WorkDir(work)).run([ingest, quantize])["quantize/w4a16-gptq"].output
+    out = LocalExecutor(work).run([ingest, quantize])["quantize/w4a16-gptq"].output
     assert out is not None and (out.files_dir / "quantized.safetensors").is_file()
     assert out.record(QuantizeRecord).calibration == {
         "samples": 4,
@@ -247,7 +252,7 @@ def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir:
         "skip_tokens": 0,
         "compute_dtype": "float32",
     }
-    assert not [p for p in work.rglob("*") if "calibration-offload" in p.name or p.name.startswith(".tmp-")]
+    assert not [p for p in work.root.rglob("*") if "calibration-offload" in p.name or p.name.startswith(".tmp-")]
 
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"

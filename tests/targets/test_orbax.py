@@ -429,6 +429,7 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
     from pipeline.build import run
     from pipeline.recipe import load_recipe
     from pipeline.records import ArtifactRecord
+    from pipeline.stage import WorkDir
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     (tmp_path / "heldout.txt").write_text(text, encoding="utf-8")
@@ -438,7 +439,7 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
         "eval: {text: heldout.txt, max_tokens: 256, window: 64, greedy_prompts: 2, greedy_tokens: 8}\n"
         f"targets:\n  - target: orbax\n    quants: [bf16, {INT8}]\n    params: {{mesh: {{data: 4, model: 2}}}}\n"
     )
-    result = run(load_recipe(recipe_path, allowed_roots=[models["llama"]]), tmp_path / "work")
+    result = run(load_recipe(recipe_path, allowed_roots=[models["llama"]]), WorkDir(tmp_path / "work"))
     rows = {r["artifact"]: r for r in result.artifacts()}
     assert set(rows) == {"orbax-bf16", f"orbax-{INT8}"}
     for name, row in rows.items():

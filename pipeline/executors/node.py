@@ -1,0 +1,127 @@
+"""Running one node: what every executor does around a stage, wherever it runs.
+
+`run_node` looks the node's output up in the store (a hit is `cached`), else runs the stage into a
+temporary directory of the store with what its libraries print captured into `stage.log`, and
+commits the output with its provenance. A stage that needs what this machine lacks raises
+`Deferred` (`deferred`); a failure leaves no output, keeps the log under `<work>/logs/`, and raises
+a `KilnError` naming the stage and quoting the log's end. The local executor calls it in its
+process; the Ray executor calls it in a Ray task on the node that has the stage's resources;
+`kiln run-stage` calls it for one node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from core.errors import Deferred, KilnError, StageFailed
+from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, captured_output, log_tail, provenance
+from pipeline.store import StageStore
+
+# built: made now; cached: already in the store; ran: a stage with effects outside the store (publish);
+# deferred: waits for a runner (or a node of a cluster) with what this one lacks; failed/cancelled:
+# reported by executors that go on after a failure (Ray): the failure, and what waited on it.
+Status = Literal["built", "cached", "ran", "deferred", "failed", "cancelled"]
+
+
+@dataclass
+class NodeOutcome:
+    node: Node
+    status: Status
+    key: str | None = None
+    output: StageOutput | None = None
+    reason: str = ""
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+    error: KilnError | None = None  # a failed stage's error, as it raised it
+
+
+class Reporter(Protocol):
+    def start(self, node: Node, key: str) -> None: ...
+    def progress(self, advance: int, total: int | None) -> None: ...
+    def finish(self, outcome: NodeOutcome) -> None: ...
+
+
+class SilentReporter:
+    def start(self, node: Node, key: str) -> None:
+        pass
+
+    def progress(self, advance: int, total: int | None) -> None:
+        pass
+
+    def finish(self, outcome: NodeOutcome) -> None:
+        pass
+
+
+def _computing_threads(n: int) -> None:
+    """torch computes with `n` threads, whatever the machine: reductions (calibration's Hessians, matmuls)
+    give other last bits with another thread count, and a stage's output must not depend on where it
+    ran (a local build and a Ray build give the same digests). `n` is the stage's `requires.cpus`."""
+    import sys
+
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError:  # the registry-only install: no stage computes with torch
+            return
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def run_node(
+    store: StageStore,
+    node: Node,
+    inputs: dict[str, StageOutput],
+    reporter: Reporter | None = None,
+    where: Callable[[], dict[str, Any]] | None = None,
+) -> NodeOutcome:
+    """Run `node` (its `inputs` by role) unless its output is in `store`. `where` adds what the executor
+    knows about the machine (a Ray node id, an accelerator) to the output's provenance."""
+    reporter = reporter or SilentReporter()
+    key = node.cache_key({out.node_id: out.digest for out in inputs.values()})
+    cached = store.lookup(node, key)
+    if cached is not None:
+        return NodeOutcome(node, "cached", key, cached)
+    reporter.start(node, key)
+    _computing_threads(node.requires.cpus)
+    started = time.time()
+    tmp = store.new_temp(node.stage.name, key)
+    ctx = StageContext(
+        node=node, out_dir=tmp / "files", inputs=inputs, progress=reporter.progress, fetch_external=store.external
+    )
+    try:
+        with captured_output(tmp / LOG_FILE):
+            result = node.stage.run(ctx)
+        if (tmp / LOG_FILE).stat().st_size == 0:
+            (tmp / LOG_FILE).unlink()  # nothing printed: no log
+    except Deferred as e:
+        store.discard(tmp)
+        return NodeOutcome(node, "deferred", key, reason=e.message, details=e.details)
+    except KilnError as e:
+        log = store.keep_log(node, tmp)
+        store.discard(tmp)
+        e.details.setdefault("stage", node.id)
+        if log is not None:
+            e.details.update(log=str(log), log_tail=log_tail(log))
+        raise
+    except BaseException as e:
+        log = store.keep_log(node, tmp)
+        store.discard(tmp)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        details: dict[str, object] = {"stage": node.id}
+        if log is not None:
+            details.update(log=str(log), log_tail=log_tail(log))
+        raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
+    prov = provenance(node, key, inputs, started)
+    if where is not None:
+        prov["executor"] = where()
+    if not node.stage.cacheable:
+        store.discard(tmp)
+        output = StageOutput(node.id, key, tmp, result, [], prov)
+        return NodeOutcome(node, "ran", key, output, seconds=time.time() - started)
+    output = store.commit(node, key, tmp, result, prov)
+    return NodeOutcome(node, "built", key, output, seconds=time.time() - started)

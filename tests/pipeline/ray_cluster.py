@@ -1,0 +1,101 @@
+"""A real two-node Ray cluster on this machine, bound to loopback, for the executor's tests.
+
+`ray start --head --node-ip-address=127.0.0.1` and a second `ray start --address=...` that advertises
+`accelerator:h100`: two raylets, each with one CPU and its own object store, on 127.0.0.1 (Ray's
+`cluster_utils.Cluster` binds to the machine's interface address instead). The head advertises
+`accelerator:mi300x`, so a test can pin a stage to either node. Both nodes get the S3 test server's
+endpoint and credentials and `PYTHONPATH` with the repository, so workers import the test stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.registry.s3_server import TEST_ENV, S3Server, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).parent / "ray")
+HEAD_RESOURCES = {"accelerator:mi300x": 1}
+WORKER_RESOURCES = {"accelerator:h100": 1}
+
+
+@dataclass
+class RayCluster:
+    address: str
+    env: dict[str, str]
+    temp_dir: Path
+
+    def node_ids(self) -> dict[str, str]:
+        """{accelerator resource: Ray node id} of the two nodes."""
+        script = (
+            f"import json, ray; ray.init(address={self.address!r}, log_to_driver=False); "
+            "print(json.dumps({r: n['NodeID'] for n in ray.nodes() if n['Alive'] for r in n['Resources'] "
+            "if r.startswith('accelerator:')}))"
+        )
+        out = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True, check=True)
+        ids: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+        return ids
+
+
+def _ray(*args: str, env: dict[str, str]) -> None:
+    done = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"ray {' '.join(args[:2])} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
+    if not Path(RAY).is_file():
+        pytest.fail("ray is not installed in this environment (make install installs it)")
+    port = free_port()
+    temp_dir = Path(f"/tmp/kiln-ray-{port}")  # short: Ray's unix socket paths must fit 107 bytes
+    env = {
+        **os.environ,
+        **TEST_ENV,
+        "KILN_S3_ENDPOINT_URL": s3_server.endpoint_url,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray's token authentication (on by default for `ray start --head`), with this cluster's own token.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+    }
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    try:
+        _ray(
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=false",
+            f"--resources={json.dumps(HEAD_RESOURCES)}",
+            *common,
+            env=env,
+        )
+        _ray("start", f"--address=127.0.0.1:{port}", f"--resources={json.dumps(WORKER_RESOURCES)}", *common, env=env)
+        cluster = RayCluster(address=f"127.0.0.1:{port}", env=env, temp_dir=temp_dir)
+        deadline = time.monotonic() + 60
+        while len(cluster.node_ids()) < 2:
+            assert time.monotonic() < deadline, "the second Ray node did not join"
+            time.sleep(0.5)
+        with pytest.MonkeyPatch.context() as patch:  # this process drives builds on it too
+            for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "KILN_S3_ENDPOINT_URL", "RAY_USAGE_STATS_ENABLED"):
+                patch.setenv(name, env[name])
+            yield cluster
+        import ray
+
+        ray.shutdown()
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
