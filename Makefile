@@ -50,6 +50,8 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy kiln pipeline registry eval targets quant formats core
 	$(BIN)/lint-imports
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+	$(BIN)/zizmor --offline --min-severity medium .github/workflows/
 
 bench: install
 	$(BIN)/python bench/gguf_convert.py

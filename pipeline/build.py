@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.digest import HashCache
-from core.errors import StageFailed
+from core.errors import StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
 from formats.hf_model import open_source
 from pipeline.executors.local import LocalExecutor
-from pipeline.executors.node import NodeOutcome, Reporter
+from pipeline.executors.node import NodeOutcome, Reporter, run_node
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
-from pipeline.requirements import ModelSize
-from pipeline.stage import Node, Stage
+from pipeline.requirements import ModelSize, runner_labels
+from pipeline.stage import Node, Stage, StageInputMissing
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
@@ -33,7 +33,7 @@ from pipeline.stages import publish as publish_stage
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
-from pipeline.store import StageStore
+from pipeline.store import StageStore, require_input
 from quant.calibrated import calibration_dtype
 from quant.schemes import get_scheme
 from targets.base import get_target
@@ -58,7 +58,7 @@ def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> l
     the seal node come last."""
     nodes, artifacts, size = _build_graph(recipe, store.local.root)
     if registry is not None:
-        nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes))
+        nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
     return [replace(n, requires=n.stage.requirements(n, size)) for n in nodes]
 
 
@@ -167,11 +167,34 @@ def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest:
     )
 
 
-def _deferred(nodes: list[Node]) -> set[str]:
-    """Nodes this machine cannot run (a stage's deferral says so), and every node that waits on one."""
+@dataclass(frozen=True)
+class Stored:
+    """What the store says of a planned node: its key (when every input is stored), and its output's digest."""
+
+    key: str | None
+    digest: str | None
+
+
+def stored(nodes: list[Node], store: StageStore) -> dict[str, Stored]:
+    """Each node's key and stored digest, in plan order, without materialising any output."""
+    found: dict[str, Stored] = {}
+    for node in nodes:
+        digests = {i: found[i].digest for i in node.inputs.values()}
+        if any(d is None for d in digests.values()):
+            found[node.id] = Stored(None, None)
+            continue
+        key = node.cache_key({i: d for i, d in digests.items() if d is not None})
+        found[node.id] = Stored(key, store.digest(node, key))
+    return found
+
+
+def _deferred(nodes: list[Node], done: dict[str, Stored]) -> set[str]:
+    """Nodes this machine cannot run (a stage's deferral says so) and another has not (their output is not in
+    the store), and every node that waits on one."""
     deferred: set[str] = set()
     for node in nodes:
-        own = node.stage.deferral(node) if node.stage.deferral is not None else None
+        made = done.get(node.id, Stored(None, None)).digest is not None
+        own = node.stage.deferral(node) if node.stage.deferral is not None and not made else None
         if own is not None or deferred & set(node.inputs.values()):
             deferred.add(node.id)
     return deferred
@@ -357,22 +380,53 @@ def run(
     return result
 
 
+def run_one(
+    recipe: Recipe, store: StageStore, stage_id: str, *, registry: str | None = None, reporter: Reporter | None = None
+) -> NodeOutcome:
+    """Run one stage of the recipe's graph from the store (the unit a CI job runs): every input must be
+    there already, made by any machine; a missing one is an error naming it and its key."""
+    nodes = plan(recipe, store, registry=registry)
+    by_id = {n.id: n for n in nodes}
+    if stage_id not in by_id:
+        raise UnknownName(
+            f"the recipe has no stage {stage_id!r}; it has: {', '.join(by_id)}", details={"known": list(by_id)}
+        )
+    node = by_id[stage_id]
+    done = stored(nodes[: nodes.index(node)], store)
+    inputs = {}
+    for role, input_id in node.inputs.items():
+        have = done[input_id]
+        if have.key is None or have.digest is None:
+            what = f"key {have.key}" if have.key else "its own inputs are not in the store either"
+            raise StageInputMissing(
+                f"{stage_id} needs {input_id} ({what}), which is not in the store: run it first",
+                details={"stage": stage_id, "missing": input_id, "key": have.key},
+            )
+        inputs[role] = require_input(store, by_id[input_id], have.key)
+    stage_externals(recipe, store)
+    outcome = run_node(store, node, inputs, reporter, where=_where_ci)
+    if reporter is not None:
+        reporter.finish(outcome)
+    return outcome
+
+
+def _where_ci() -> dict[str, Any]:
+    """Where `kiln run-stage` ran: the host, and the CI runner and run when it is a GitHub Actions job."""
+    import os
+    import socket
+
+    ci = {k.lower(): os.environ[k] for k in ("RUNNER_NAME", "GITHUB_RUN_ID", "GITHUB_JOB") if os.environ.get(k)}
+    return {"executor": "run-stage", "host": socket.gethostname(), **ci}
+
+
 def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
-    """What `kiln plan` shows: each node, its cache key, and whether its output is already there."""
+    """What `kiln plan` shows: each node, what it needs, its cache key, and whether its output is stored."""
     nodes = plan(recipe, store)
-    digests: dict[str, str | None] = {}
+    done = stored(nodes, store)
     deferred: set[str] = set()
     rows = []
     for node in nodes:
-        ins = {i: digests.get(i) for i in node.inputs.values()}
-        key: str | None = None
-        state = "to build"
-        digests[node.id] = None
-        if all(d is not None for d in ins.values()):
-            key = node.cache_key({i: d for i, d in ins.items() if d is not None})
-            found = store.digest(node, key)
-            if found is not None:
-                digests[node.id], state = found, "cached"
+        key, state = done[node.id].key, "cached" if done[node.id].digest is not None else "to build"
         extra: dict[str, Any] = {}
         # A stage this machine cannot run is deferred to a runner (and so is everything that waits on it).
         blocked = [i for i in node.inputs.values() if i in deferred]
@@ -395,3 +449,35 @@ def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def matrix(recipe: Recipe, store: StageStore) -> dict[str, Any]:
+    """The graph for a CI workflow: its stages by level (a stage's inputs are all in earlier levels), each
+    with the runner labels its requirements need (the recipe's `runners:` first, then
+    `pipeline.requirements.RUNNER_LABELS`), and the same stages grouped by runner labels.
+
+    Each level is a GitHub Actions matrix (`{"include": [...]}`): its jobs may run in parallel, each
+    `kiln run-stage RECIPE STAGE` on a runner with those labels. Publishing is its own job after them."""
+    nodes = plan(recipe, store)
+    depth: dict[str, int] = {}
+    levels: list[list[dict[str, Any]]] = []
+    by_runner: dict[str, list[str]] = {}
+    for node in nodes:
+        depth[node.id] = 1 + max((depth[i] for i in node.inputs.values()), default=-1)
+        labels = runner_labels(node.requires, recipe.runners)
+        entry = {
+            "stage": node.id,
+            "runs_on": labels,
+            "accelerator": node.requires.accelerator,
+            "runtime_env": node.requires.runtime_env,
+        }
+        while len(levels) <= depth[node.id]:
+            levels.append([])
+        levels[depth[node.id]].append(entry)
+        by_runner.setdefault(",".join(labels), []).append(node.id)
+    return {
+        "model": recipe.model,
+        "version": recipe.version,
+        "levels": [{"include": level} for level in levels],
+        "by_runner": by_runner,
+    }

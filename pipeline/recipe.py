@@ -47,6 +47,7 @@ MAX_RECIPE_VALUES = 100_000
 MAX_RECIPE_DEPTH = 32
 _MODEL_NAME = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 _VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
+_RUNNER_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class _Strict(BaseModel):
@@ -112,6 +113,9 @@ class Recipe(_Strict):
     eval: EvalSettings
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     targets: list[TargetEntry] = Field(min_length=1)
+    # CI runner labels per accelerator ("cpu", "nvidia:h100", ...), for `kiln plan --matrix`; the defaults
+    # are pipeline.requirements.RUNNER_LABELS.
+    runners: dict[str, list[str]] = Field(default_factory=dict)
     # Set by parse_recipe from its arguments, never from the recipe's data.
     base_dir: Path = Field(default=Path("."), exclude=True)
     allowed_roots: tuple[Path, ...] = Field(default=(), exclude=True)
@@ -121,6 +125,19 @@ class Recipe(_Strict):
     def _no_pickle(cls, v: str) -> str:
         if re.search(r"\.(bin|pt|pth|ckpt|pkl)$", v):
             raise ValueError("source must be a directory of SafeTensors, not a pickle checkpoint")
+        return v
+
+    @field_validator("runners")
+    @classmethod
+    def _runner_labels(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        from pipeline.requirements import RUNNER_LABELS
+
+        known = ["cpu", *(k for k in RUNNER_LABELS if k is not None)]
+        for accelerator, labels in v.items():
+            if accelerator not in known:
+                raise ValueError(f"runners: unknown accelerator {accelerator!r}; known: {', '.join(known)}")
+            if not labels or not all(isinstance(x, str) and _RUNNER_LABEL.fullmatch(x) for x in labels):
+                raise ValueError(f"runners.{accelerator}: a non-empty list of runner labels (letters, digits, . _ -)")
         return v
 
     @model_validator(mode="after")

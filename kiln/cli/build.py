@@ -10,7 +10,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -29,6 +29,7 @@ from kiln.cli.common import (
     StoreOpt,
     WorkDirOpt,
     allowed_roots,
+    answer,
     app,
     emit,
     fmt_size,
@@ -167,11 +168,68 @@ def _executor(name: str, store: str | None, ray_address: str | None, retries: in
     return ExecutorChoice(name=name, store_url=store, ray_address=ray_address, max_retries=retries)  # type: ignore[arg-type]
 
 
+@app.command("run-stage")
+def run_stage(
+    recipe: Path,
+    stage: Annotated[str, typer.Argument(help="the stage's id, as `kiln plan` lists it, e.g. export/gguf-q4_0")],
+    work_dir: WorkDirOpt = DEFAULT_WORK,
+    store: StoreOpt = None,
+    registry: Annotated[
+        str | None,
+        typer.Option("--registry", envvar="KILN_REGISTRY", help="For publish/* and seal/* stages.", show_default=False),
+    ] = None,
+    as_json: JsonOpt = False,
+    allow_outside: AllowOutsideOpt = None,
+) -> None:
+    """Run one stage of RECIPE from the store (its inputs must be there): the unit a CI job runs."""
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
+
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    _quiet_libraries()
+    loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
+    outcome = build.run_one(
+        loaded, open_store(store, work_dir), stage, registry=registry, reporter=ProgressReporter(quiet=as_json)
+    )
+    out = {
+        "stage": stage,
+        "status": outcome.status,
+        "key": outcome.key,
+        "digest": outcome.output.digest if outcome.output is not None else None,
+        "seconds": round(outcome.seconds, 2),
+        "reason": outcome.reason or None,
+        **({"runner": outcome.details.get("runner")} if outcome.status == "deferred" else {}),
+    }
+    answer(out, as_json, f"{stage}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else ""))
+
+
 @app.command()
 def plan(
     recipe: Path,
     work_dir: WorkDirOpt = DEFAULT_WORK,
     store: StoreOpt = None,
+    as_matrix: Annotated[
+        bool,
+        typer.Option(
+            "--matrix", help="Print the graph as JSON for a CI workflow: stages by level, with their runner labels."
+        ),
+    ] = False,
+    github_output: Annotated[
+        Path | None,
+        typer.Option(
+            "--github-output",
+            metavar="FILE",
+            help="With --matrix: also append level0=..., levelN=..., model=, version= to FILE ($GITHUB_OUTPUT).",
+            show_default=False,
+        ),
+    ] = None,
+    levels: Annotated[
+        int | None,
+        typer.Option(
+            "--levels", min=1, help="With --matrix: the level jobs the workflow has; a deeper graph is an error."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
 ) -> None:
@@ -181,6 +239,20 @@ def plan(
     from pipeline.store import open_store
 
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
+    if as_matrix:
+        graph = build.matrix(loaded, open_store(store, work_dir))
+        if levels is not None and len(graph["levels"]) > levels:
+            raise InvalidInput(
+                f"the graph has {len(graph['levels'])} levels and the workflow runs {levels}: add level jobs",
+                code="WORKFLOW_TOO_SHALLOW",
+            )
+        if github_output is not None:
+            with open(github_output, "a", encoding="utf-8") as out:
+                for i, level in enumerate(graph["levels"]):
+                    out.write(f"level{i}={json.dumps(level, separators=(',', ':'))}\n")
+                out.write(f"model={graph['model']}\nversion={graph['version']}\n")
+        emit(graph)
+        return
     rows = build.status(loaded, open_store(store, work_dir))
     if as_json:
         emit(rows)

@@ -1,4 +1,3 @@
-"""Fixtures of the pipeline tests: moto's S3 server (the shared stage store) and a two-node Ray cluster."""
+"""Fixtures of the pipeline tests: a two-node Ray cluster (the S3 server is every test's, tests/conftest.py)."""
 
 from tests.pipeline.ray_cluster import ray_cluster  # noqa: F401 - the fixture
-from tests.registry.s3_server import s3_server  # noqa: F401 - the fixture

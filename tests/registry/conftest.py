@@ -27,7 +27,7 @@ from registry.app import create_app
 from registry.db import registry_metadata
 from registry.migrate import upgrade
 from registry.settings import RegistrySettings
-from tests.registry.s3_server import S3Server, s3_server  # noqa: F401 - the fixture, for every registry test
+from tests.registry.s3_server import S3Server
 
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
