@@ -9,6 +9,7 @@ endpoint and credentials and `PYTHONPATH` with the repository, so workers import
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,8 +28,8 @@ from tests.registry.s3_server import TEST_ENV, S3Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
-HEAD_RESOURCES = {"accelerator:mi300x": 1}
-WORKER_RESOURCES = {"accelerator:h100": 1}
+HEAD_RESOURCES: dict[str, float] = {"accelerator:mi300x": 1}
+WORKER_RESOURCES: dict[str, float] = {"accelerator:h100": 1}
 
 
 @dataclass
@@ -36,16 +38,19 @@ class RayCluster:
     env: dict[str, str]
     temp_dir: Path
 
-    def node_ids(self) -> dict[str, str]:
-        """{accelerator resource: Ray node id} of the two nodes."""
+    def nodes(self) -> list[dict[str, Any]]:
+        """The live nodes, as `ray.nodes()` describes them (asked from a fresh process)."""
         script = (
             f"import json, ray; ray.init(address={self.address!r}, log_to_driver=False); "
-            "print(json.dumps({r: n['NodeID'] for n in ray.nodes() if n['Alive'] for r in n['Resources'] "
-            "if r.startswith('accelerator:')}))"
+            "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))"
         )
         out = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True, check=True)
-        ids: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
-        return ids
+        alive: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
+        return alive
+
+    def node_ids(self) -> dict[str, str]:
+        """{accelerator resource: Ray node id} of the nodes."""
+        return {r: n["NodeID"] for n in self.nodes() for r in n["Resources"] if r.startswith("accelerator:")}
 
 
 def _ray(*args: str, env: dict[str, str]) -> None:
@@ -54,16 +59,23 @@ def _ray(*args: str, env: dict[str, str]) -> None:
         raise RuntimeError(f"ray {' '.join(args[:2])} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
+@contextlib.contextmanager
+def running_ray_cluster(
+    s3: S3Server,
+    head: dict[str, float] = HEAD_RESOURCES,
+    worker: dict[str, float] = WORKER_RESOURCES,
+    cpus: int = 1,
+) -> Iterator[RayCluster]:
+    """`ray start` a head and a second node on loopback, `cpus` CPUs each, with these custom resources;
+    `ray stop` on exit. The benchmarks use it too."""
     if not Path(RAY).is_file():
-        pytest.fail("ray is not installed in this environment (make install installs it)")
+        raise RuntimeError("ray is not installed in this environment (make install installs it)")
     port = free_port()
     temp_dir = Path(f"/tmp/kiln-ray-{port}")  # short: Ray's unix socket paths must fit 107 bytes
     env = {
         **os.environ,
         **TEST_ENV,
-        "KILN_S3_ENDPOINT_URL": s3_server.endpoint_url,
+        "KILN_S3_ENDPOINT_URL": s3.endpoint_url,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "RAY_USAGE_STATS_ENABLED": "0",
         # Ray's token authentication (on by default for `ray start --head`), with this cluster's own token.
@@ -71,7 +83,7 @@ def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
     }
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    common = ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]
     try:
         _ray(
             "start",
@@ -79,23 +91,30 @@ def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
             f"--port={port}",
             f"--temp-dir={temp_dir}",
             "--include-dashboard=false",
-            f"--resources={json.dumps(HEAD_RESOURCES)}",
+            f"--resources={json.dumps(head)}",
             *common,
             env=env,
         )
-        _ray("start", f"--address=127.0.0.1:{port}", f"--resources={json.dumps(WORKER_RESOURCES)}", *common, env=env)
+        _ray("start", f"--address=127.0.0.1:{port}", f"--resources={json.dumps(worker)}", *common, env=env)
         cluster = RayCluster(address=f"127.0.0.1:{port}", env=env, temp_dir=temp_dir)
         deadline = time.monotonic() + 60
-        while len(cluster.node_ids()) < 2:
-            assert time.monotonic() < deadline, "the second Ray node did not join"
+        while len(cluster.nodes()) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the second Ray node did not join")
             time.sleep(0.5)
-        with pytest.MonkeyPatch.context() as patch:  # this process drives builds on it too
-            for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "KILN_S3_ENDPOINT_URL", "RAY_USAGE_STATS_ENABLED"):
-                patch.setenv(name, env[name])
-            yield cluster
-        import ray
-
-        ray.shutdown()
+        yield cluster
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
+    with running_ray_cluster(s3_server) as cluster, pytest.MonkeyPatch.context() as patch:
+        # This process drives builds on the cluster too.
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "KILN_S3_ENDPOINT_URL", "RAY_USAGE_STATS_ENABLED"):
+            patch.setenv(name, cluster.env[name])
+        yield cluster
+        import ray
+
+        ray.shutdown()

@@ -7,6 +7,7 @@ tests never see each other's objects.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -66,14 +67,12 @@ def free_port() -> int:
     return port
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """moto's S3 server on 127.0.0.1, started for this test session and stopped at its end."""
-    log = tmp_path_factory.mktemp("s3-server") / "moto.log"
+@contextlib.contextmanager
+def running_s3_server(log: Path) -> Iterator[S3Server]:
+    """moto's S3 server on a free 127.0.0.1 port, with the test bucket; the test credentials must be in
+    the environment (`TEST_ENV`). Stopped on exit. The benchmarks use it too."""
     port = free_port()
-    with pytest.MonkeyPatch.context() as env, open(log, "wb") as out:
-        for name, value in TEST_ENV.items():
-            env.setenv(name, value)
+    with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=out,
@@ -93,6 +92,16 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1, started for this test session and stopped at its end."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in TEST_ENV.items():
+            env.setenv(name, value)
+        with running_s3_server(tmp_path_factory.mktemp("s3-server") / "moto.log") as server:
+            yield server
 
 
 def _wait_until_up(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
