@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from core.digest import HashCache
+from core.digest import HashCache, sha256_json
 from core.errors import StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
@@ -22,6 +22,7 @@ from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
+from pipeline.remote_source import S3Source
 from pipeline.requirements import ModelSize, runner_labels
 from pipeline.stage import Node, Stage, StageInputMissing
 from pipeline.stages import engine as engine_stage
@@ -39,6 +40,7 @@ from quant.schemes import get_scheme
 from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
+SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
 # The stage that makes each kind of artifact a target derives from an export (`DerivedArtifact.kind`).
 DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE}
 
@@ -64,11 +66,18 @@ def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> l
 
 def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[PlannedArtifact], ModelSize]:
     hashes = HashCache(work_dir / HASH_CACHE)
-    source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
+    if recipe.source_url is not None:  # a bucket: planned from its header mirror (pipeline.remote_source)
+        remote = S3Source(recipe.source_url)
+        listing = remote.listing()
+        mirror = remote.mirror(work_dir / SOURCES_DIR / sha256_json(sorted(o.identity for o in listing.values())))
+        source = open_source(mirror, hasher=lambda p: listing[p.name].identity)
+        ingest = ingest_stage.remote_node(source, recipe.source_url)
+    else:
+        source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
+        ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
     text_digest = hashes.sha256(recipe.eval_text)
     calibration_digest = hashes.sha256(recipe.calibration_text)
     hashes.save()
-    ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
     ev = recipe.eval
     reference = Node(
         "reference/source",

@@ -159,7 +159,14 @@ class Recipe(_Strict):
         return self
 
     @property
+    def source_url(self) -> str | None:
+        """The source's s3:// URL when it lives in a bucket (`pipeline.remote_source`), else None."""
+        return self.source if self.source.startswith("s3://") else None
+
+    @property
     def source_dir(self) -> Path:
+        if self.source_url is not None:
+            raise RecipeInvalid(f"source {self.source!r} is a bucket, not a directory")
         return (self.base_dir / self.source).resolve()
 
     @property
@@ -239,7 +246,11 @@ def parse_recipe(
             f"{origin}: " + "; ".join(f"{loc}: {msg}" for loc, msg in errors),
             details={"errors": [{"field": loc, "message": msg} for loc, msg in errors]},
         ) from None
-    fields = [("source", recipe.source, "directory"), ("eval.text", recipe.eval.text, "file")]
+    fields = [("eval.text", recipe.eval.text, "file")]
+    if recipe.source_url is None:
+        fields.insert(0, ("source", recipe.source, "directory"))
+    else:
+        _check_bucket(origin, recipe.source_url)
     if recipe.calibration.text is not None:
         fields.append(("calibration.text", recipe.calibration.text, "file"))
     for name, value, kind in fields:
@@ -272,6 +283,17 @@ def _check_path(origin: str, field: str, value: str, kind: str, base_dir: Path, 
         )
     if not exists:
         raise _fail(origin, field, f"{kind} {str(target)!r} does not exist")
+
+
+def _check_bucket(origin: str, url: str) -> None:
+    from registry.blobs.s3 import parse_s3_url
+
+    try:
+        _, prefix = parse_s3_url(url)
+    except KilnError as e:
+        raise _fail(origin, "source", e.message) from None
+    if not prefix:
+        raise _fail(origin, "source", f"{url!r} names a whole bucket; a source is a prefix (s3://bucket/model/)")
 
 
 def _check_size(data: Any, origin: str) -> None:
