@@ -3,7 +3,7 @@
 The graph, per recipe: one ingest and one reference node; one quantize node per scheme that some
 target consumes and one prepare node per target that does work once per source (both shared by
 the exports that need them); per artifact an export and an eval node, and the nodes of what its
-target derives from the export (`TargetSpec.derived`, e.g. an engine per GPU SKU). With a registry,
+target adds per artifact (`TargetSpec.derived`: a GPU eval per SKU, a legacy engine per SKU). With a registry,
 a publish node per artifact and one seal node waiting for them all. Nothing here names a target.
 """
 
@@ -28,6 +28,7 @@ from pipeline.stage import Node, Stage, StageInputMissing
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
+from pipeline.stages import gpu_eval as gpu_eval_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import prepare as prepare_stage
 from pipeline.stages import publish as publish_stage
@@ -41,18 +42,20 @@ from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
-# The stage that makes each kind of artifact a target derives from an export (`DerivedArtifact.kind`).
-DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE}
+# The stage of each kind of node a target adds per artifact (`targets.base.DerivedNode.kind`).
+DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE, "gpu-eval": gpu_eval_stage.STAGE}
 
 
 @dataclass(frozen=True)
 class PlannedArtifact:
-    """An artifact of the build: the node that makes it, and the node that evaluates it (if kiln does)."""
+    """An artifact of the build: the node that makes it, the node that evaluates it (if kiln does), and
+    the nodes that evaluate it on other hardware (a GPU eval per SKU), published with it."""
 
     name: str
     quant: str
     maker: Node
     evaluator: Node | None
+    other_evals: tuple[Node, ...] = ()
 
 
 def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> list[Node]:
@@ -139,16 +142,25 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             inputs={"reference": reference.id, "export": export.id},
         )
         nodes += [export, evaluate]
-        artifacts.append(PlannedArtifact(name, quant, export, evaluate))
+        roles = {"export": export.id, "ingest": ingest.id, "reference": reference.id}
+        others: list[Node] = []
+        made: list[PlannedArtifact] = []
         for derived in spec.derived(name, quant, entry.params) if spec.derived is not None else []:
-            maker = Node(
-                f"{derived.kind}/{derived.artifact}",
+            params = derived.params
+            if derived.evaluates is not None:  # an eval on other hardware: judged by the same gate
+                params = {**params, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()}
+            node = Node(
+                f"{derived.kind}/{derived.name}",
                 DERIVED_STAGES[derived.kind],
-                params=derived.params,
-                inputs={"export": export.id},
+                params=params,
+                inputs={role: roles[role] for role in derived.inputs},
             )
-            nodes.append(maker)
-            artifacts.append(PlannedArtifact(derived.artifact, quant, maker, None))
+            nodes.append(node)
+            if derived.evaluates is None:
+                made.append(PlannedArtifact(derived.name, quant, node, None))
+            else:
+                others.append(node)
+        artifacts += [PlannedArtifact(name, quant, export, evaluate, tuple(others)), *made]
     return nodes, artifacts, ModelSize.of(source)
 
 
@@ -223,6 +235,11 @@ def _release_nodes(
         inputs = {"ingest": ingest.id, "artifact": a.maker.id}
         if a.evaluator is not None:
             inputs["eval"] = a.evaluator.id
+        # An eval on other hardware is published with the artifact once it is made (here, or by its runner
+        # into the store); one still waiting for its runner does not hold the artifact back.
+        for other in a.other_evals:
+            if other.id not in deferred:
+                inputs[f"eval@{other.params['sku']}"] = other.id
         publish.append(
             Node(
                 f"publish/{a.name}",
@@ -283,7 +300,7 @@ class BuildResult:
                 "failures": [],
                 "reason": made.reason or None,
                 "runner": made.details.get("runner"),
-                "command": a.maker.params.get("command"),
+                "command": a.maker.params.get("commands"),
                 "runtime": record.runtime_name if record else None,
             }
             return row

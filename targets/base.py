@@ -52,18 +52,23 @@ class ExportResult:
 
 
 @dataclass(frozen=True)
-class DerivedArtifact:
-    """An artifact a target makes from one of its exports in a stage of its own (a TensorRT engine per
-    GPU SKU): `kind` names that stage (`pipeline.stages` maps kinds to stages), `params` are its params."""
+class DerivedNode:
+    """A node a target adds for one of its artifacts, in a stage of its own: `kind` names the stage
+    (`pipeline.build.DERIVED_STAGES`), `name` the node (`<kind>/<name>`), `params` its params, `inputs` the
+    graph nodes it takes by role ("export": the artifact's export, "ingest", "reference"). A node that
+    makes an artifact (a legacy TensorRT engine per GPU SKU) has `evaluates` None; one that evaluates
+    the export on other hardware (a GPU eval per SKU) names the artifact, and is published with it."""
 
     kind: str
-    artifact: str
+    name: str
     params: dict[str, Any]
+    inputs: tuple[str, ...] = ("export",)
+    evaluates: str | None = None
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
 # (artifact name, quant, params) -> the artifacts the target derives from that export.
-DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedArtifact]]
+DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedNode]]
 # source -> what every export of the target needs from it and would otherwise compute once each (JSON).
 PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
@@ -90,7 +95,7 @@ class TargetSpec:
     check_quant_params: Callable[[str, dict[str, Any]], None] | None = None
     # Schemes the target refuses, with the reason the recipe error gives.
     unsupported_quants: dict[str, str] = field(default_factory=dict)
-    # Artifacts made from an export by stages of their own (engines); None: the export is the only one.
+    # Nodes a target adds per artifact (GPU evals per SKU, legacy engines); None: the export is the only one.
     derived: DerivedFn | None = None
     # Work shared by all the target's exports of one source, done once by the target's prepare stage.
     prepare: PrepareFn | None = None

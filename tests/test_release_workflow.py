@@ -39,7 +39,7 @@ targets:
   - target: trtllm
     quants: [bf16]
     params:
-      engines: {{skus: [h100], max_batch_size: 8, max_input_len: 256, max_seq_len: 512}}
+      gpus: {{skus: [h100]}}
 runners:
   cpu: [ubuntu-latest]
 """
@@ -141,7 +141,7 @@ def test_the_release_runs_job_by_job_through_the_store(
                 assert done["status"] == "built", done
             else:  # a self-hosted GPU runner's stage: no H100 and no tensorrt_llm on this machine
                 assert entry["runs_on"] == ["self-hosted", "gpu", "h100"] and done["status"] == "deferred", done
-    assert ran["engine/trtllm-bf16-h100"] == "deferred" and ran["eval/gguf-q8_0"] == "built"
+    assert ran["gpu-eval/trtllm-bf16@h100"] == "deferred" and ran["eval/gguf-q8_0"] == "built"
     assert not list((tmp_path / "jobs").glob("*/work/nodes"))  # no job read another's disk
 
     published = run(

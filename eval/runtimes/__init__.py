@@ -14,6 +14,7 @@ from core.errors import Deferred
 from eval.runtimes.base import CachedRuntime, Runtime, check_ids
 from eval.runtimes.jax_runtime import JaxRuntime
 from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
 from eval.runtimes.transformers_runtime import TransformersRuntime
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "JaxRuntime",
     "LlamaCppRuntime",
     "Runtime",
+    "TensorRTLLMRuntime",
     "TransformersRuntime",
     "check_ids",
     "open_runtime",
@@ -32,19 +34,17 @@ RUNTIMES: dict[str, Any] = {
     TransformersRuntime.name: TransformersRuntime,
     LlamaCppRuntime.name: LlamaCppRuntime,
     JaxRuntime.name: JaxRuntime,
+    # Opens only on a GPU runner with tensorrt_llm; elsewhere it raises Deferred (not evaluated here).
+    TensorRTLLMRuntime.name: TensorRTLLMRuntime,
 }
-
-# Runtimes kiln names but cannot run here, and the runner each one needs.
-RUNNERS: dict[str, str] = {"tensorrt_llm": "a GPU runner: an NVIDIA GPU (sm80+) with tensorrt_llm installed"}
 
 
 def open_runtime(name: str, artifact: str | Path, **options: Any) -> Runtime:
     """Open `artifact` (a directory or file) in runtime `name`, or raise `Deferred` if it is not here."""
     cls = RUNTIMES.get(name)
     if cls is None:
-        where = f"; it runs on {RUNNERS[name]}" if name in RUNNERS else ""
         raise Deferred(
-            f"runtime {name!r} is not available on this machine (available: {', '.join(RUNTIMES)}){where}",
+            f"runtime {name!r} is not available on this machine (available: {', '.join(RUNTIMES)})",
             details={"runtime_needed": name},
         )
     runtime: Runtime = cls(artifact, **options)

@@ -117,10 +117,10 @@ def _run_build(
         # Deferred is not a failure: the work waits for a runner that has what this machine lacks.
         for d in summary["deferred"]:
             if "runner" in d:
-                command = " ".join(d["command"])
+                command = "; ".join(" ".join(argv) for argv in d.get("command", []))
                 err.print(
-                    f"[yellow]deferred[/yellow] {safe_text(d['node'])} to a runner with {safe_text(d['runner'])}: "
-                    f"{safe_text(command)}"
+                    f"[yellow]deferred[/yellow] {safe_text(d['node'])} to a runner with {safe_text(d['runner'])}"
+                    + (f": {safe_text(command)}" if command else "")
                 )
     if result.failed_gates:
         raise typer.Exit(EXIT_GATE_FAILED)

@@ -1,38 +1,44 @@
-"""Engine stage: a TensorRT engine for one trtllm checkpoint on one GPU SKU, built with trtllm-build.
+"""Legacy engine stage: a TensorRT engine for one trtllm artifact on one GPU SKU, built by a pinned
+tensorrt_llm that still has trtllm-build, from the bf16 source with that release's own quantization.
 
-Input: the trtllm export (the HF-format checkpoint). Params: the artifact, quant, SKU, the recipe's
-limits, the pinned tensorrt_llm and the exact trtllm-build argv (`targets.trtllm.engines`).
+Input: the ingested source (bf16). Params: the artifact, quant, SKU, the recipe's limits, the pin and
+the exact command templates (`targets.trtllm.engines.legacy_commands`). The commands run on the
+runner in a working directory, with `{examples}` the TensorRT-LLM checkout's `examples/` at the pinned
+tag (`$TRTLLM_EXAMPLES`), `{source}` the ingested source, `{checkpoint}` and `{engine}` directories
+of the stage; `{family}` is the architecture's converter (`CONVERTERS`). The engine is recorded as
+quantized on the runner by that release (ModelOpt calibration for fp8 and int4_awq), not by kiln's
+quantize stage: kiln's quantized checkpoint is not what that release's converters read.
 
 On this machine (no tensorrt_llm, no NVIDIA GPU) the stage raises `Deferred` with the runner it needs
-and the command, so the plan, the build report and the registry show it as deferred to that runner;
-nothing is built or published. On a runner with the SKU's GPU and the pinned tensorrt_llm it
-converts the checkpoint with tensorrt_llm's own API, runs trtllm-build, and records the SKU, compute
-capability and the TensorRT and TensorRT-LLM versions; the artifact's hardware is that SKU alone.
-That runner path has not been run here.
+and the commands, so the plan, the build report and the registry show it as deferred to that runner;
+nothing is built or published. That runner path has not been run here.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 from core.errors import Deferred, StageFailed
 from core.hardware import PROFILES
-from pipeline.records import ArtifactRecord
+from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.requirements import requirements
 from pipeline.stage import Node, Stage, StageContext
-from targets.trtllm.engines import CHECKPOINT_DIR, ENGINE_DIR, missing_for, runner
+from targets.trtllm.engines import CHECKPOINT, CONVERTERS, ENGINE, EXAMPLES, SOURCE, missing_for, runner
 from targets.trtllm.formats import FORMATS
 
 FORMAT = "trtllm-engine"
+EXAMPLES_ENV = "TRTLLM_EXAMPLES"
 
 
 def deferral(node: Node) -> dict[str, Any] | None:
-    """What this machine lacks to build `node`'s engine (runner, command, missing), or None if nothing."""
+    """What this machine lacks to build `node`'s engine (runner, commands, missing), or None if nothing."""
     p = node.params
-    missing = missing_for(p["sku"], p["tensorrt_llm"])
+    missing = missing_for(p["sku"], p["tensorrt_llm"], engine=True)
+    if not os.environ.get(EXAMPLES_ENV):
+        missing.append(f"${EXAMPLES_ENV} (TensorRT-LLM's examples/ at v{p['tensorrt_llm']}) is not set")
     if not missing:
         return None
     return {
@@ -40,7 +46,7 @@ def deferral(node: Node) -> dict[str, Any] | None:
         "sku": p["sku"],
         "compute_capability": PROFILES[p["sku"]].compute_capability,
         "tensorrt_llm": p["tensorrt_llm"],
-        "command": p["command"],
+        "command": p["commands"],
         "missing": missing,
     }
 
@@ -53,6 +59,11 @@ def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[
     sku = params["sku"]
     hw = PROFILES[sku]
     why = f"engine built for {sku} ({hw.arch}) with TensorRT {versions['tensorrt']}; engines run on that SKU only"
+    quantized_by = (
+        f"tensorrt_llm {versions['tensorrt_llm']} examples/quantization/quantize.py (ModelOpt), on the runner"
+        if params["quant"] != "bf16"
+        else None
+    )
     return ArtifactRecord(
         artifact=params["artifact"],
         target="trtllm",
@@ -68,22 +79,25 @@ def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[
             "tensorrt_llm": versions["tensorrt_llm"],
             "limits": params["limits"],
             "quant_algo": FORMATS[params["quant"]].quant_algo,
+            "quantized_by": quantized_by,
+            "built_from": "the bf16 source",
         },
         runtime_name="tensorrt_llm",
-        details={"command": params["command"], "files": files},
+        details={"commands": params["commands"], "files": files},
     )
 
 
-def convert_checkpoint(hf_dir: Path, checkpoint_dir: Path, quant: str) -> None:
-    """The HF-format checkpoint -> a TensorRT-LLM checkpoint, with tensorrt_llm's own converter (runner only)."""
-    from tensorrt_llm.models.automodel import AutoModelForCausalLM
-    from tensorrt_llm.models.modeling_utils import QuantConfig
-
-    algo = FORMATS[quant].quant_algo
-    quant_config = QuantConfig(quant_algo=algo, group_size=128 if algo == "W4A16_AWQ" else None)
-    model_cls = AutoModelForCausalLM.get_trtllm_model_class(str(hf_dir))
-    model = model_cls.from_hugging_face(str(hf_dir), dtype="bfloat16", quant_config=quant_config)
-    model.save_checkpoint(str(checkpoint_dir), save_config=True)
+def filled(commands: list[list[str]], places: dict[str, str]) -> list[list[str]]:
+    """The command templates with their placeholders replaced (`{examples}`, `{source}`, ...)."""
+    out = []
+    for argv in commands:
+        line = []
+        for arg in argv:
+            for key, value in places.items():
+                arg = arg.replace(key, value)
+            line.append(arg)
+        out.append(line)
+    return out
 
 
 def run(ctx: StageContext) -> ArtifactRecord:
@@ -97,29 +111,37 @@ def run(ctx: StageContext) -> ArtifactRecord:
     import tensorrt
     import tensorrt_llm
 
+    versions = {"tensorrt": str(tensorrt.__version__), "tensorrt_llm": str(tensorrt_llm.__version__)}
+    if versions["tensorrt_llm"] != p["tensorrt_llm"]:
+        raise StageFailed(f"tensorrt_llm {versions['tensorrt_llm']} is installed, the recipe pins {p['tensorrt_llm']}")
+    ingest = ctx.input("ingest")
     work = ctx.out_dir.parent / "work"
     work.mkdir()
+    places = {
+        EXAMPLES: os.environ[EXAMPLES_ENV],
+        "{family}": CONVERTERS[ingest.record(IngestRecord).architecture],
+        SOURCE: str(ingest.files_dir),
+        CHECKPOINT: str(work / "checkpoint"),
+        ENGINE: str(work / "engine"),
+    }
     try:
-        convert_checkpoint(ctx.input("export").files_dir, work / CHECKPOINT_DIR, p["quant"])
-        done = subprocess.run(p["command"], cwd=work, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise StageFailed(f"trtllm-build exited {done.returncode}: {done.stderr[-2000:]}")
-        for f in sorted((work / ENGINE_DIR).iterdir()):
+        for argv in filled(p["commands"], places):
+            done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise StageFailed(f"{argv[0]} {argv[1]} exited {done.returncode}: {done.stderr[-2000:]}")
+        for f in sorted((work / "engine").iterdir()):
             shutil.move(str(f), ctx.out_dir / f.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    versions = {"tensorrt": str(tensorrt.__version__), "tensorrt_llm": str(tensorrt_llm.__version__)}
-    if versions["tensorrt_llm"] != p["tensorrt_llm"]:
-        raise StageFailed(f"built with tensorrt_llm {versions['tensorrt_llm']}, the recipe pins {p['tensorrt_llm']}")
     return engine_result(p, versions, sorted(f.name for f in ctx.out_dir.iterdir()))
 
 
 STAGE = Stage(
     "engine",
-    "2",
+    "3",
     run,
     ArtifactRecord,
-    "build a TensorRT engine for one trtllm checkpoint on one GPU SKU (trtllm-build)",
+    "build a TensorRT engine per GPU SKU from the bf16 source, with a pinned release that has trtllm-build",
     deferral=deferral,
     needs=lambda node, size: requirements(
         "engine", size, runtime="tensorrt_llm", sku=node.params["sku"], version=node.params["tensorrt_llm"]

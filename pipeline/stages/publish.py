@@ -63,17 +63,26 @@ def run(ctx: StageContext) -> PublishRecord:
             client.upload_blob(artifact.files_dir / f.path, f.sha256)
             ctx.progress(f.size, total)
         client.publish_artifact(p["model"], p["version"], manifest)
-        client.post_eval(
-            p["model"],
-            p["version"],
-            manifest.name,
+        # The eval on this machine's runtime, then each one made on other hardware (`eval@<sku>`: a GPU
+        # runner's), recorded under `<runtime>@<sku>` beside it.
+        reports = [("", report)] + [
+            (role.removeprefix("eval"), ctx.record(role, EvalReport))
+            for role in sorted(ctx.inputs)
+            if role.startswith("eval@")
+        ]
+        for where, each in reports:
             # A not_evaluated report names the runtime it needs instead of one that ran.
-            runtime=report.runtime or report.runtime_needed or record.runtime_name,
-            status=report.status,
-            metrics=report.metrics.model_dump(mode="json") if report.metrics is not None else {},
-            gates=report.gate.model_dump(mode="json") if report.gate is not None else {},
-            reason="; ".join(report.failures) or report.reason,
-        )
+            runtime = each.runtime or each.runtime_needed or record.runtime_name
+            client.post_eval(
+                p["model"],
+                p["version"],
+                manifest.name,
+                runtime=f"{runtime}{where}",
+                status=each.status,
+                metrics=each.metrics.model_dump(mode="json") if each.metrics is not None else {},
+                gates=each.gate.model_dump(mode="json") if each.gate is not None else {},
+                reason="; ".join(each.failures) or each.reason,
+            )
     return PublishRecord(artifact=manifest.name, manifest_digest=manifest.content_digest())
 
 

@@ -2,13 +2,16 @@
 
 FP8 schemes are written as compressed-tensors (which transformers also reads, so they are evaluated
 on CPU here); int4 schemes in ModelOpt's W4A16_AWQ layout with hf_quant_config.json (evaluated only by
-tensorrt_llm on a GPU runner: deferred here). `params.engines` asks for a TensorRT engine per SKU,
-built by `pipeline.stages.engine` where a pinned tensorrt_llm and that GPU exist. See
-`targets.trtllm.formats` for the per-scheme choices and their sources.
+tensorrt_llm on a GPU runner: deferred here). `params.gpus` evaluates each checkpoint with
+tensorrt_llm's PyTorch backend on a GPU of each SKU (`pipeline.stages.gpu_eval`); `params.legacy_engines`
+builds TensorRT engines per SKU with a release that still has trtllm-build (`pipeline.stages.engine`).
+Both run where that GPU and the pinned tensorrt_llm exist, and are deferred elsewhere. See
+`targets.trtllm.formats` for the per-scheme choices and their sources, `targets.trtllm.engines` for
+the per-SKU jobs.
 """
 
 from targets.base import TargetSpec, register
-from targets.trtllm.engines import engine_artifacts
+from targets.trtllm.engines import derived_nodes
 from targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
@@ -37,7 +40,7 @@ SPEC = register(
         check_params=check_params,
         check_quant_params=check_quant_params,
         unsupported_quants=REFUSED,
-        derived=engine_artifacts,
+        derived=derived_nodes,
         quant_runtimes={q: f.eval_runtime for q, f in FORMATS.items() if f.eval_runtime != "transformers"},
     )
 )

@@ -1,14 +1,34 @@
-"""TensorRT engines per GPU SKU: the recipe's build matrix, the trtllm-build command, and the runner it needs.
+"""TensorRT-LLM on GPU runners, per SKU: evaluating the checkpoint there (the default), and legacy engines.
 
-An engine is tied to the GPU architecture and the TensorRT version it was built with, so kiln builds
-one per SKU and offers it to that SKU alone. The build needs a pinned tensorrt_llm that still ships
-`trtllm-build` (the TensorRT backend; releases from 2026 on have only the PyTorch backend) and a GPU
-of that SKU. Where either is missing the engine stage is deferred to a runner that has them, with
-the exact commands, never faked.
+The per-SKU job of a trtllm artifact (`params.gpus`) loads the HF-format checkpoint kiln wrote with
+tensorrt_llm's PyTorch backend (`LLM(model=DIR)`, what `trtllm-serve DIR` serves) on a GPU of that SKU
+and evaluates it there against the same reference as every runtime (`eval.runtimes.tensorrt_llm_runtime`,
+the `gpu-eval` stage). TensorRT-LLM's main branch removed the TensorRT engine backend (`trtllm-build`,
+`convert_checkpoint`) from 2026-06-30 on (PRs #15763, #15767, #15907, #15918; its docs'
+`legacy/tensorrt-backend-removal.md`): checkpoints load directly, with no build step. The pin must
+be a release whose reader loads the checkpoint's QuantAlgo as kiln writes it
+(`formats.MIN_PYTORCH_BACKEND`); an older one is refused when the recipe is read.
 
-trtllm-build's arguments: tensorrt_llm/commands/build.py (`--checkpoint_dir`, `--output_dir`,
-`--max_batch_size`, `--max_input_len`, `--max_seq_len`, and the plugin options of
-tensorrt_llm/plugin/plugin.py such as `--gemm_plugin` and `--use_fp8_context_fmha`).
+Legacy engines (`params.legacy_engines`, opt-in, for fleets still on a release with `trtllm-build`,
+1.3.0rc20 at the latest) are not built from kiln's quantized checkpoint: that release's converters
+quantize from bf16 themselves (ModelOpt calibration in `examples/quantization/quantize.py`), so an
+engine is built from the bf16 source with that release's own quantization, on the runner, and recorded
+so. The commands, as the pinned release's examples take them (examples/models/core/llama/README.md,
+examples/quantization/quantize.py, tensorrt_llm/commands/build.py), with `{examples}` the runner's
+TensorRT-LLM checkout's `examples/` at the pinned tag and the other `{...}` the stage's directories:
+
+    bf16:      python3 {examples}/models/core/<family>/convert_checkpoint.py --model_dir {source}
+                   --output_dir {checkpoint} --dtype bfloat16 --tp_size 1
+    fp8:       python3 {examples}/quantization/quantize.py --model_dir {source} --dtype bfloat16
+                   --qformat fp8 --kv_cache_dtype fp8 --calib_size 512 --output_dir {checkpoint} --tp_size 1
+    w4a16-awq: python3 {examples}/quantization/quantize.py ... --qformat int4_awq --awq_block_size 128
+                   --calib_size 32 ...
+    then:      trtllm-build --checkpoint_dir {checkpoint} --output_dir {engine} --max_batch_size N
+                   --max_input_len N --max_seq_len N <plugin flags>
+
+An engine is tied to the GPU architecture and the TensorRT version it was built with, so it is
+offered to its SKU alone. Where the GPU or the pinned package is missing, either stage is deferred
+to a runner that has them, with the exact commands, never faked. Neither has run here.
 """
 
 from __future__ import annotations
@@ -20,32 +40,60 @@ import shutil
 import subprocess
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES
-from targets.base import DerivedArtifact
+from targets.base import DerivedNode
 from targets.hf_bundle.export import DEFAULT_SHARD_BYTES
-from targets.trtllm.formats import ENGINE_REFUSED, ENGINE_SKUS, FORMATS, algo_verdict
+from targets.trtllm.formats import (
+    ENGINE_REFUSED,
+    ENGINE_SKUS,
+    FORMATS,
+    LAST_ENGINE_RELEASE,
+    MIN_PYTORCH_BACKEND,
+    algo_verdict,
+)
 
-# The last tensorrt_llm line kiln pins for engines: it still has trtllm-build and the TensorRT backend.
-DEFAULT_TENSORRT_LLM = "0.21.0"
+# What the per-SKU evaluation pins by default: the oldest release that loads every scheme kiln writes.
+DEFAULT_PYTORCH_TENSORRT_LLM = max((v for v, _ in MIN_PYTORCH_BACKEND.values()), key=Version)
+# What legacy engines pin by default: the last 0.x line, with trtllm-build.
+DEFAULT_ENGINE_TENSORRT_LLM = "0.21.0"
 _VERSION = r"^[0-9]+\.[0-9]+\.[0-9]+([.+-]?[A-Za-z0-9.]+)?$"
-# Paths inside the engine stage's working directory (the commands are the same in plan, report and run).
-CHECKPOINT_DIR = "trtllm-checkpoint"
-ENGINE_DIR = "engine"
+# The placeholders of the legacy commands (filled by the engine stage on its runner).
+EXAMPLES, SOURCE, CHECKPOINT, ENGINE = "{examples}", "{source}", "{checkpoint}", "{engine}"
+# Which examples/models/core/<family>/convert_checkpoint.py converts an architecture's bf16 checkpoint.
+CONVERTERS: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen",
+}
+# kiln scheme -> quantize.py's --qformat and its options (None: bf16, convert_checkpoint.py).
+LEGACY_QFORMATS: dict[str, list[str] | None] = {
+    "bf16": None,
+    "fp8": ["--qformat", "fp8", "--kv_cache_dtype", "fp8", "--calib_size", "512"],
+    "w4a16-awq": ["--qformat", "int4_awq", "--awq_block_size", "128", "--calib_size", "32"],
+}
+LEGACY_REFUSED: dict[str, str] = {
+    "int4-rtn": "the pinned release's own int4 quantization is AWQ (int4_awq), not round-to-nearest: an engine "
+    "would not be this scheme",
+    "w4a16-gptq": "the pinned release's quantize.py has no GPTQ format: an engine would not be this scheme",
+    **{q: f"{ENGINE_REFUSED[f.quant_algo]}" for q, f in FORMATS.items() if f.quant_algo in ENGINE_REFUSED},
+}
 
 
-class EngineMatrix(BaseModel):
-    """`params.engines` of a trtllm entry: which SKUs get an engine, and the limits it is built for."""
+def _version(value: str, field: str) -> Version:
+    try:
+        return Version(value)
+    except InvalidVersion:
+        raise ValueError(f"{field}: {value!r} is not a version") from None
 
+
+class SkuList(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     skus: list[str] = Field(min_length=1)
-    max_batch_size: int = Field(gt=0, le=4096)
-    max_input_len: int = Field(gt=0)
-    max_seq_len: int = Field(gt=0)
-    tensorrt_llm: str = Field(default=DEFAULT_TENSORRT_LLM, pattern=_VERSION)
 
     @field_validator("skus")
     @classmethod
@@ -57,12 +105,39 @@ class EngineMatrix(BaseModel):
             raise ValueError(f"skus repeats a name: {skus}")
         return skus
 
+
+class GpuRunners(SkuList):
+    """`params.gpus`: the SKUs on whose GPUs the checkpoint is loaded and evaluated (PyTorch backend)."""
+
+    tensorrt_llm: str = Field(default=DEFAULT_PYTORCH_TENSORRT_LLM, pattern=_VERSION)
+
+    @field_validator("tensorrt_llm")
+    @classmethod
+    def _parses(cls, v: str) -> str:
+        _version(v, "tensorrt_llm")
+        return v
+
+
+class EngineMatrix(SkuList):
+    """`params.legacy_engines`: which SKUs get a TensorRT engine, the limits it is built for, and a release
+    that still has trtllm-build."""
+
+    max_batch_size: int = Field(gt=0, le=4096)
+    max_input_len: int = Field(gt=0)
+    max_seq_len: int = Field(gt=0)
+    tensorrt_llm: str = Field(default=DEFAULT_ENGINE_TENSORRT_LLM, pattern=_VERSION)
+
     @model_validator(mode="after")
     def _limits(self) -> EngineMatrix:
         if self.max_seq_len <= self.max_input_len:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must exceed max_input_len ({self.max_input_len}): "
                 "it counts the prompt and the generated tokens"
+            )
+        if _version(self.tensorrt_llm, "tensorrt_llm") > Version(LAST_ENGINE_RELEASE):
+            raise ValueError(
+                f"tensorrt_llm {self.tensorrt_llm} has no trtllm-build: the TensorRT backend's last release is "
+                f"{LAST_ENGINE_RELEASE}; use gpus: to evaluate the checkpoint on its PyTorch backend"
             )
         return self
 
@@ -73,7 +148,20 @@ class TrtllmParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_shard_bytes: int = Field(default=DEFAULT_SHARD_BYTES, gt=0)
-    engines: EngineMatrix | None = None
+    gpus: GpuRunners | None = None
+    legacy_engines: EngineMatrix | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engines" in data:
+            raise ValueError(
+                "engines: TensorRT-LLM no longer builds engines (its TensorRT backend was removed after "
+                f"{LAST_ENGINE_RELEASE}); gpus: {{skus: [...]}} evaluates the checkpoint on each SKU, and "
+                "legacy_engines: {skus, max_batch_size, max_input_len, max_seq_len} builds engines with a "
+                "release that still has trtllm-build"
+            )
+        return data
 
 
 def parse_params(params: dict[str, Any]) -> TrtllmParams:
@@ -90,23 +178,32 @@ def parse_params(params: dict[str, Any]) -> TrtllmParams:
         raise InvalidInput(f"trtllm params: {problems}", code="TARGET_PARAMS") from None
 
 
-def check_engine_skus(quant: str, matrix: EngineMatrix) -> None:
-    """Refuse an engine SKU that cannot serve `quant`, naming the SKU and the reason."""
+def check_skus(quant: str, params: TrtllmParams) -> None:
+    """Refuse a SKU that cannot serve `quant`, a pin too old to load it, and an engine kiln cannot build."""
     algo = FORMATS[quant].quant_algo
-    if algo in ENGINE_REFUSED:
-        raise InvalidInput(
-            f"trtllm-{quant}: no engines for {algo}: {ENGINE_REFUSED[algo]}",
-            code="ENGINE_UNSUPPORTED",
-            details={"quant": quant, "quant_algo": algo},
-        )
-    for sku in matrix.skus:
+    skus = [*(params.gpus.skus if params.gpus else []), *(params.legacy_engines.skus if params.legacy_engines else [])]
+    for sku in skus:
         verdict = algo_verdict(algo, PROFILES[sku])
         if not verdict.compatible:
             raise InvalidInput(
-                f"trtllm-{quant} engine for {sku}: {verdict.reason}",
+                f"trtllm-{quant} on {sku}: {verdict.reason}",
                 code="ENGINE_SKU_INCOMPATIBLE",
                 details={"quant": quant, "sku": sku, "reason": verdict.reason},
             )
+    if params.gpus is not None and algo in MIN_PYTORCH_BACKEND:
+        floor, why = MIN_PYTORCH_BACKEND[algo]
+        if Version(params.gpus.tensorrt_llm) < Version(floor):
+            raise InvalidInput(
+                f"trtllm-{quant}: tensorrt_llm {params.gpus.tensorrt_llm} cannot load it; it needs >= {floor}: {why}",
+                code="TENSORRT_LLM_TOO_OLD",
+                details={"quant": quant, "pinned": params.gpus.tensorrt_llm, "minimum": floor},
+            )
+    if params.legacy_engines is not None and quant in LEGACY_REFUSED:
+        raise InvalidInput(
+            f"trtllm-{quant}: no legacy engine: {LEGACY_REFUSED[quant]}",
+            code="ENGINE_UNSUPPORTED",
+            details={"quant": quant},
+        )
 
 
 def build_flags(quant: str, sku: str) -> list[str]:
@@ -123,53 +220,65 @@ def build_flags(quant: str, sku: str) -> list[str]:
     return [*flags, "--gemm_plugin", "auto"]
 
 
-def build_command(quant: str, sku: str, matrix: EngineMatrix) -> list[str]:
-    """The trtllm-build argv for one engine, run in the engine stage's working directory."""
-    return [
-        "trtllm-build",
-        "--checkpoint_dir",
-        CHECKPOINT_DIR,
-        "--output_dir",
-        ENGINE_DIR,
-        "--max_batch_size",
-        str(matrix.max_batch_size),
-        "--max_input_len",
-        str(matrix.max_input_len),
-        "--max_seq_len",
-        str(matrix.max_seq_len),
-        *build_flags(quant, sku),
-    ]
+def legacy_commands(quant: str, sku: str, matrix: EngineMatrix) -> list[list[str]]:
+    """The argv templates of one legacy engine: convert or quantize the bf16 source, then trtllm-build."""
+    options = LEGACY_QFORMATS[quant]
+    if options is None:
+        convert = ["python3", f"{EXAMPLES}/models/core/{{family}}/convert_checkpoint.py", "--model_dir", SOURCE]
+        convert += ["--output_dir", CHECKPOINT, "--dtype", "bfloat16", "--tp_size", "1"]
+    else:
+        convert = ["python3", f"{EXAMPLES}/quantization/quantize.py", "--model_dir", SOURCE, "--dtype", "bfloat16"]
+        convert += [*options, "--output_dir", CHECKPOINT, "--tp_size", "1"]
+    build = ["trtllm-build", "--checkpoint_dir", CHECKPOINT, "--output_dir", ENGINE]
+    build += ["--max_batch_size", str(matrix.max_batch_size), "--max_input_len", str(matrix.max_input_len)]
+    build += ["--max_seq_len", str(matrix.max_seq_len), *build_flags(quant, sku)]
+    return [convert, build]
 
 
-def engine_artifacts(name: str, quant: str, params: dict[str, Any]) -> list[DerivedArtifact]:
-    """One engine per SKU of `params.engines` (none without it), each built from the export `name`."""
-    matrix = parse_params(params).engines
-    if matrix is None:
-        return []
-    limits = {
-        "max_batch_size": matrix.max_batch_size,
-        "max_input_len": matrix.max_input_len,
-        "max_seq_len": matrix.max_seq_len,
-    }
-    return [
-        DerivedArtifact(
-            kind="engine",
-            artifact=f"{name}-{sku}",
-            params={
-                "artifact": f"{name}-{sku}",
-                "quant": quant,
-                "sku": sku,
-                "limits": limits,
-                "tensorrt_llm": matrix.tensorrt_llm,
-                "command": build_command(quant, sku, matrix),
-            },
-        )
-        for sku in matrix.skus
-    ]
+def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[DerivedNode]:
+    """`TargetSpec.derived`: a GPU eval of export `name` per SKU of `params.gpus`, and a legacy engine per
+    SKU of `params.legacy_engines` (built from the bf16 source, so its input is the ingest, not the export)."""
+    parsed = parse_params(params)
+    nodes: list[DerivedNode] = []
+    if parsed.gpus is not None:
+        nodes += [
+            DerivedNode(
+                kind="gpu-eval",
+                name=f"{name}@{sku}",
+                params={"artifact": name, "quant": quant, "sku": sku, "tensorrt_llm": parsed.gpus.tensorrt_llm},
+                inputs=("reference", "export"),
+                evaluates=name,
+            )
+            for sku in parsed.gpus.skus
+        ]
+    matrix = parsed.legacy_engines
+    if matrix is not None:
+        limits = {
+            "max_batch_size": matrix.max_batch_size,
+            "max_input_len": matrix.max_input_len,
+            "max_seq_len": matrix.max_seq_len,
+        }
+        nodes += [
+            DerivedNode(
+                kind="engine",
+                name=f"{name}-{sku}",
+                params={
+                    "artifact": f"{name}-{sku}",
+                    "quant": quant,
+                    "sku": sku,
+                    "limits": limits,
+                    "tensorrt_llm": matrix.tensorrt_llm,
+                    "commands": legacy_commands(quant, sku, matrix),
+                },
+                inputs=("ingest",),
+            )
+            for sku in matrix.skus
+        ]
+    return nodes
 
 
 def runner(sku: str, pin: str) -> str:
-    """The runner an engine needs, in the words the plan and the report show."""
+    """The runner a per-SKU stage needs, in the words the plan and the report show."""
     return f"{sku} GPU with tensorrt_llm=={pin}"
 
 
@@ -180,8 +289,9 @@ def gpus_matching(nvidia_smi_csv: str, sku: str) -> list[str]:
     return [line.strip() for line in nvidia_smi_csv.splitlines() if want.search(line)]
 
 
-def missing_for(sku: str, pin: str) -> list[str]:
-    """What this machine lacks to build an engine for `sku` with tensorrt_llm `pin` (empty: nothing)."""
+def missing_for(sku: str, pin: str, *, engine: bool = False) -> list[str]:
+    """What this machine lacks to run tensorrt_llm `pin` on a GPU of `sku` (with trtllm-build when
+    `engine`); empty: nothing."""
     missing = []
     if importlib.util.find_spec("tensorrt_llm") is None:
         missing.append("tensorrt_llm is not importable")
@@ -189,7 +299,7 @@ def missing_for(sku: str, pin: str) -> list[str]:
         have = importlib.metadata.version("tensorrt_llm")
         if have != pin:
             missing.append(f"tensorrt_llm {have} is installed; the recipe pins {pin}")
-    if shutil.which("trtllm-build") is None:
+    if engine and shutil.which("trtllm-build") is None:
         missing.append("trtllm-build is not on PATH")
     smi = shutil.which("nvidia-smi")
     if smi is None:

@@ -23,8 +23,8 @@ from core.errors import InvalidInput
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
-from targets.trtllm.engines import check_engine_skus, parse_params, runner
-from targets.trtllm.formats import ENGINE_SKUS, FORMATS, scheme_verdicts
+from targets.trtllm.engines import check_skus, parse_params, runner
+from targets.trtllm.formats import ENGINE_SKUS, FORMATS, MIN_PYTORCH_BACKEND, scheme_verdicts
 from targets.trtllm.schema import HF_QUANT_CONFIG, HfQuantConfig, check_checkpoint
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from formats.hf_model import SourceModel
 
-CODE_VERSION = "1"
+CODE_VERSION = "2"
 QUANTS = tuple(FORMATS)
 QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
 HARDWARE = tuple(ENGINE_SKUS)
@@ -142,8 +142,11 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         raise InvalidInput(f"trtllm-{scheme.name}: wrote {checked.quant_algo}, planned {fmt.quant_algo}")
 
     runtime = bundle_runtime(source, scheme)
-    # Checked against TensorRT-LLM's 2026 source, not loaded by any release here: no version floor is claimed.
-    runtime["loaders"] = {"tensorrt_llm": "PyTorch backend"}
+    # Checked against TensorRT-LLM's source, not loaded by any release here; a floor where one is known.
+    floor = MIN_PYTORCH_BACKEND.get(fmt.quant_algo)
+    runtime["loaders"] = {"tensorrt_llm": f">={floor[0]} (PyTorch backend)" if floor else "PyTorch backend"}
+    if floor is not None:
+        runtime["tensorrt_llm_minimum"] = {"version": floor[0], "why": floor[1]}
     if fmt.quant_algo is not None:
         runtime["quantization"] = {
             "quant_algo": fmt.quant_algo,
@@ -162,8 +165,11 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             "not_run_here": "TensorRT-LLM on an NVIDIA GPU",
         },
     }
-    if params.engines is not None:
-        details["engines"] = {sku: runner(sku, params.engines.tensorrt_llm) for sku in params.engines.skus}
+    if params.gpus is not None:
+        details["gpu_evals"] = {sku: runner(sku, params.gpus.tensorrt_llm) for sku in params.gpus.skus}
+    if params.legacy_engines is not None:
+        pin = params.legacy_engines.tensorrt_llm
+        details["legacy_engines"] = {sku: runner(sku, pin) for sku in params.legacy_engines.skus}
     return ExportResult(
         files=files,
         runtime=runtime,
@@ -179,12 +185,11 @@ def trtllm_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdic
 
 
 def check_params(params: dict[str, Any]) -> None:
-    """`TargetSpec.check_params`: the params schema, the engine matrix's SKUs and limits."""
+    """`TargetSpec.check_params`: the params schema, the SKUs, the pins and the engine limits."""
     parse_params(params)
 
 
 def check_quant_params(quant: str, params: dict[str, Any]) -> None:
-    """`TargetSpec.check_quant_params`: every engine SKU must serve `quant` (named, with the reason)."""
-    engines = parse_params(params).engines
-    if engines is not None:
-        check_engine_skus(quant, engines)
+    """`TargetSpec.check_quant_params`: every SKU must serve `quant`, and every pin load or build it (named,
+    with the reason)."""
+    check_skus(quant, parse_params(params))

@@ -108,7 +108,26 @@ def scheme_verdicts(scheme: str) -> dict[str, Verdict]:
     return {name: algo_verdict(fmt.quant_algo, hw) for name, hw in PROFILES.items()}
 
 
-# Engine builds (trtllm-build, the TensorRT backend kept by tensorrt_llm releases before 2026).
+# The oldest tensorrt_llm whose PyTorch backend loads each QuantAlgo as kiln writes it, and why. Release
+# notes: github.com/NVIDIA/TensorRT-LLM/releases. No floor is claimed where none was established.
+MIN_PYTORCH_BACKEND: dict[str | None, tuple[str, str]] = {
+    "FP8_PER_CHANNEL_PER_TOKEN": (
+        "1.3.0rc20",
+        "compressed-tensors FP8 is read since PR #10796 (1.3.0rc1, January 2026), and a per-channel "
+        "weight_scale stored [out, 1] loads only with PR #15415 (merged 2026-06-16; 1.3.0rc19's release "
+        "notes end before it, 1.3.0rc20's list later PRs)",
+    ),
+    "FP8_BLOCK_SCALES": (
+        "1.3.0rc1",
+        "compressed-tensors FP8 with 128x128 blocks is read since PR #10796 (1.3.0rc1, January 2026)",
+    ),
+}
+# The last tensorrt_llm with the TensorRT engine backend (trtllm-build, convert_checkpoint): 1.3.0rc20's
+# release notes say it is the last RC supporting it; main removed it from 2026-06-30 on (PRs #15763,
+# #15767, #15907, #15918; docs/source/legacy/tensorrt-backend-removal.md).
+LAST_ENGINE_RELEASE = "1.3.0rc20"
+
+# Legacy engine builds (trtllm-build), per kiln hardware profile: what nvidia-smi calls that GPU.
 ENGINE_SKUS: dict[str, str] = {  # kiln hardware profile -> what nvidia-smi calls that GPU
     "a100": "A100",
     "l40s": "L40S",

@@ -172,7 +172,9 @@ def test_broken_conversion_fails_its_gate(
 def test_runtime_not_here_is_not_evaluated(reference: CachedRuntime, eval_text: EvalText, tmp_path: Path) -> None:
     report = evaluate_artifact(reference, "tensorrt_llm", tmp_path, eval_text, Gate(max_kl=0.01))
     assert report.status == "not_evaluated" and not report.passed
-    assert report.runtime_needed == "tensorrt_llm" and "not available" in (report.reason or "")
+    assert report.runtime_needed == "tensorrt_llm" and "GPU runner" in (report.reason or "")
+    unknown = evaluate_artifact(reference, "no-such-runtime", tmp_path, eval_text, Gate(max_kl=0.01))
+    assert unknown.status == "not_evaluated" and "not available" in (unknown.reason or "")
 
 
 class LlamaCppRuntimeCtx:

@@ -248,7 +248,7 @@ GOOD_RECIPE: dict[str, Any] = {
         {
             "target": "trtllm",
             "quants": ["bf16"],
-            "params": {"engines": {"skus": ["h100"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512}},
+            "params": {"gpus": {"skus": ["h100"]}},
         },
     ],
 }

@@ -1,5 +1,6 @@
-"""TensorRT engines per SKU: the exact trtllm-build command, deferral to a runner with that SKU where this
-machine lacks tensorrt_llm or the GPU, and what `kiln plan`, `kiln build --json` and the registry show."""
+"""TensorRT-LLM per SKU: the GPU eval of each checkpoint (the default) and opt-in legacy engines, their exact
+commands, their deferral to a runner with that SKU where this machine lacks tensorrt_llm or the GPU, and
+what `kiln plan`, `kiln build --json` and the registry show."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from core.manifest import FileEntry
 from pipeline.stage import StageOutput
 from pipeline.stages import engine as engine_stage
 from pipeline.stages.publish import manifest_for
-from targets.trtllm.engines import EngineMatrix, build_command, gpus_matching, missing_for
+from targets.trtllm.engines import EngineMatrix, gpus_matching, legacy_commands, missing_for
 from tests.model_factory import make_model
 
 MATRIX = EngineMatrix(skus=["h100", "a100"], max_batch_size=8, max_input_len=256, max_seq_len=512)
 LIMITS = ["--max_batch_size", "8", "--max_input_len", "256", "--max_seq_len", "512"]
-DIRS = ["--checkpoint_dir", "trtllm-checkpoint", "--output_dir", "engine"]
+BUILD = ["trtllm-build", "--checkpoint_dir", "{checkpoint}", "--output_dir", "{engine}", *LIMITS]
 COMMON = ["--gpt_attention_plugin", "auto", "--kv_cache_type", "paged"]
+QUANTIZE = ["python3", "{examples}/quantization/quantize.py", "--model_dir", "{source}", "--dtype", "bfloat16"]
+OUT = ["--output_dir", "{checkpoint}", "--tp_size", "1"]
 # This machine has neither tensorrt_llm nor an NVIDIA GPU; where one has both, these tests say nothing.
 NO_RUNNER_HERE = importlib.util.find_spec("tensorrt_llm") is None or shutil.which("nvidia-smi") is None
 needs_no_runner = pytest.mark.skipif(not NO_RUNNER_HERE, reason="this machine can build engines")
@@ -35,18 +38,32 @@ def kiln(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    ("quant", "sku", "flags"),
+    ("quant", "sku", "convert", "flags"),
     [
-        ("bf16", "h100", ["--gemm_plugin", "bfloat16"]),
-        ("bf16", "a100", ["--gemm_plugin", "bfloat16"]),
-        ("fp8", "h100", ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"]),
-        ("fp8", "h200", ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"]),
-        ("w4a16-awq", "a100", ["--gemm_plugin", "auto"]),
-        ("int4-rtn", "l40s", ["--gemm_plugin", "auto"]),
+        (
+            "bf16",
+            "h100",
+            ["python3", "{examples}/models/core/{family}/convert_checkpoint.py", "--model_dir", "{source}"]
+            + ["--output_dir", "{checkpoint}", "--dtype", "bfloat16", "--tp_size", "1"],
+            ["--gemm_plugin", "bfloat16"],
+        ),
+        (
+            "fp8",
+            "h100",
+            [*QUANTIZE, "--qformat", "fp8", "--kv_cache_dtype", "fp8", "--calib_size", "512", *OUT],
+            ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"],
+        ),
+        (
+            "w4a16-awq",
+            "a100",
+            [*QUANTIZE, "--qformat", "int4_awq", "--awq_block_size", "128", "--calib_size", "32", *OUT],
+            ["--gemm_plugin", "auto"],
+        ),
     ],
 )
-def test_trtllm_build_command_is_exact(quant: str, sku: str, flags: list[str]) -> None:
-    assert build_command(quant, sku, MATRIX) == ["trtllm-build", *DIRS, *LIMITS, *COMMON, *flags]
+def test_legacy_engine_commands_are_exact(quant: str, sku: str, convert: list[str], flags: list[str]) -> None:
+    """From the bf16 source with the pinned release's own converters, then trtllm-build."""
+    assert legacy_commands(quant, sku, MATRIX) == [convert, [*BUILD, *COMMON, *flags]]
 
 
 def test_nvidia_smi_names_match_their_sku_only() -> None:
@@ -58,12 +75,14 @@ def test_nvidia_smi_names_match_their_sku_only() -> None:
 
 
 @needs_no_runner
-def test_this_machine_lacks_what_an_engine_build_needs() -> None:
-    missing = missing_for("h100", "0.21.0")
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        assert "tensorrt_llm is not importable" in missing
-    if shutil.which("nvidia-smi") is None:
-        assert "nvidia-smi is not on PATH (no NVIDIA GPU)" in missing
+def test_this_machine_lacks_what_a_gpu_stage_needs() -> None:
+    for engine in (False, True):
+        missing = missing_for("h100", "1.3.0rc20", engine=engine)
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            assert "tensorrt_llm is not importable" in missing
+        if shutil.which("nvidia-smi") is None:
+            assert "nvidia-smi is not on PATH (no NVIDIA GPU)" in missing
+        assert ("trtllm-build is not on PATH" in missing) == engine
 
 
 def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
@@ -73,7 +92,7 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
         "sku": "h100",
         "limits": {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
         "tensorrt_llm": "0.21.0",
-        "command": build_command("fp8", "h100", MATRIX),
+        "commands": legacy_commands("fp8", "h100", MATRIX),
     }
     result = engine_stage.engine_result(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
     output = StageOutput(
@@ -86,6 +105,13 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
     runtime = manifest.runtime
     assert (runtime["sku"], runtime["compute_capability"], runtime["tensorrt"]) == ("h100", 90, "10.11.0")
     assert runtime["tensorrt_llm"] == "0.21.0" and runtime["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+    # Quantized by that release on the runner, from the bf16 source: not kiln's quantize stage's values.
+    assert (
+        "quantize.py (ModelOpt), on the runner" in runtime["quantized_by"]
+        and runtime["built_from"] == "the bf16 source"
+    )
+    filled = engine_stage.filled(params["commands"], {"{examples}": "/opt/trt/examples", "{source}": "/s"})
+    assert filled[0][1] == "/opt/trt/examples/quantization/quantize.py" and filled[0][3] == "/s"
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +127,13 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "targets": [
             {
                 "target": "trtllm",
-                "quants": ["bf16", "int4-rtn"],
+                "quants": ["bf16"],
                 "params": {
-                    "engines": {"skus": ["h100", "a100"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512}
+                    "gpus": {"skus": ["h100", "a100"]},
+                    "legacy_engines": {"skus": ["a100"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
                 },
-            }
+            },
+            {"target": "trtllm", "quants": ["int4-rtn"], "params": {"gpus": {"skus": ["h100", "a100"]}}},
         ],
     }
     (root / "kiln.yaml").write_text(yaml.safe_dump(doc))
@@ -113,7 +141,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_no_runner
-def test_build_plan_and_publish_show_engines_deferred_to_their_runner(recipe: Path, tmp_path: Path) -> None:
+def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe: Path, tmp_path: Path) -> None:
     work = str(tmp_path / "work")
     out = kiln("build", str(recipe), "--json", "--work-dir", work)
     assert out.returncode == 0, out.stderr  # deferred is not a failure
@@ -122,47 +150,50 @@ def test_build_plan_and_publish_show_engines_deferred_to_their_runner(recipe: Pa
     assert rows["trtllm-bf16"]["eval"] == "passed"
     int4 = rows["trtllm-int4-rtn"]
     assert int4["export"] == "built" and int4["eval"] == "not_evaluated" and "GPU runner" in int4["reason"]
-    for quant in ("bf16", "int4-rtn"):
-        for sku in ("h100", "a100"):
-            row = rows[f"trtllm-{quant}-{sku}"]
-            assert (row["export"], row["eval"], row["path"]) == ("deferred", "deferred", None)
-            assert row["runner"] == f"{sku} GPU with tensorrt_llm==0.21.0"
-            assert row["command"] == build_command(quant, sku, MATRIX)
+    engine = rows["trtllm-bf16-a100"]  # the legacy engine: an artifact of its own, deferred
+    assert (engine["export"], engine["eval"], engine["path"]) == ("deferred", "deferred", None)
+    assert engine["runner"] == "a100 GPU with tensorrt_llm==0.21.0"
+    assert engine["command"] == legacy_commands("bf16", "a100", MATRIX)
     deferred = {d["node"]: d for d in summary["deferred"]}
-    assert set(deferred) == {f"engine/trtllm-{q}-{s}" for q in ("bf16", "int4-rtn") for s in ("h100", "a100")}
-    h100 = deferred["engine/trtllm-bf16-h100"]
+    gpu_evals = {f"gpu-eval/trtllm-{q}@{s}" for q in ("bf16", "int4-rtn") for s in ("h100", "a100")}
+    assert set(deferred) == gpu_evals | {"engine/trtllm-bf16-a100"}
+    h100 = deferred["gpu-eval/trtllm-bf16@h100"]
     assert h100["sku"] == "h100" and h100["compute_capability"] == 90 and h100["missing"]
-    assert summary["stages"]["deferred"] == 4
+    assert h100["runner"] == "h100 GPU with tensorrt_llm==1.3.0rc20"
+    assert "$TRTLLM_EXAMPLES" in " ".join(deferred["engine/trtllm-bf16-a100"]["missing"])
+    assert summary["stages"]["deferred"] == 5
     report = json.loads((tmp_path / "reports" / "m-1.json").read_text())
     assert report["deferred"] == summary["deferred"]
-    assert "deferred engine/trtllm-bf16-h100 to a runner with h100 GPU with tensorrt_llm==0.21.0" in kiln(
-        "build", str(recipe), "--work-dir", work
-    ).stderr.replace("\n", " ")
+    text = kiln("build", str(recipe), "--work-dir", work).stderr.replace("\n", " ")
+    assert "deferred engine/trtllm-bf16-a100 to a runner with a100 GPU with tensorrt_llm==0.21.0" in text
 
     plan = json.loads(kiln("plan", str(recipe), "--json", "--work-dir", work).stdout)
     states = {r["node"]: r for r in plan}
     assert states["export/trtllm-int4-rtn"]["state"] == "cached"
-    engine = states["engine/trtllm-int4-rtn-a100"]
-    assert engine["state"] == "deferred" and engine["runner"] == "a100 GPU with tensorrt_llm==0.21.0"
-    assert engine["command"] == build_command("int4-rtn", "a100", MATRIX) and engine["inputs"] == {
-        "export": "export/trtllm-int4-rtn"
-    }
-    text = kiln("plan", str(recipe), "--work-dir", work).stderr
-    assert "deferred to h100 GPU with" in text.replace("\n", " ")
+    gpu = states["gpu-eval/trtllm-int4-rtn@a100"]
+    assert gpu["state"] == "deferred" and gpu["runner"] == "a100 GPU with tensorrt_llm==1.3.0rc20"
+    assert gpu["inputs"] == {"reference": "reference/source", "export": "export/trtllm-int4-rtn"}
+    assert (
+        gpu["requires"]["accelerator"] == "nvidia:a100" and gpu["requires"]["runtime_env"] == "tensorrt_llm==1.3.0rc20"
+    )
+    assert states["engine/trtllm-bf16-a100"]["inputs"] == {"ingest": "ingest/source"}  # from the bf16 source
+    assert "deferred to h100 GPU with" in kiln("plan", str(recipe), "--work-dir", work).stderr.replace("\n", " ")
 
     registry = tmp_path / "registry"
     out = kiln("publish", str(recipe), "--json", "--work-dir", work, "--registry", str(registry))
     assert out.returncode == 0, out.stderr
     published = {r["artifact"]: r["published"] for r in json.loads(out.stdout)["artifacts"]}
-    assert published["trtllm-int4-rtn"] == "ran" and published["trtllm-int4-rtn-h100"] == "deferred"
+    assert published["trtllm-int4-rtn"] == "ran" and published["trtllm-bf16-a100"] == "deferred"
     from registry.client import RegistryClient
 
     with RegistryClient.connect(registry) as client:
         release = client.get_release("m", "1")
     artifacts = {a["name"]: a for a in release["artifacts"]}
-    assert set(artifacts) == {"trtllm-bf16", "trtllm-int4-rtn"}  # no engine reaches the registry from here
-    # The release plans what this build can make, and is sealed without the deferred engines.
-    assert release["status"] == "sealed" and release["planned_artifacts"] == ["trtllm-bf16", "trtllm-int4-rtn"]
+    assert set(artifacts) == {"trtllm-bf16", "trtllm-int4-rtn"}  # no engine from here
+    # The release plans what this build can make, and is sealed without the deferred engine; the GPU evals
+    # still waiting for their runners hold nothing back.
+    assert release["status"] == "sealed"
+    assert release["planned_artifacts"] == ["trtllm-bf16", "trtllm-int4-rtn"]
     int4_eval = artifacts["trtllm-int4-rtn"]["evals"][0]
     assert (int4_eval["runtime"], int4_eval["status"]) == ("tensorrt_llm", "not_evaluated")
     assert "GPU runner" in int4_eval["reason"] and artifacts["trtllm-int4-rtn"]["eval_status"] == "not_evaluated"

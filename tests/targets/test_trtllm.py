@@ -247,6 +247,7 @@ def _recipe(tmp_path: Path, model_dir: Path, entry: dict) -> Recipe:
 
 
 ENGINES = {"skus": ["h100", "h200"], "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512}
+GPUS = {"skus": ["h100", "h200"]}
 
 
 @pytest.mark.parametrize(
@@ -255,27 +256,53 @@ ENGINES = {"skus": ["h100", "h200"], "max_batch_size": 8, "max_input_len": 256, 
         ({"target": "trtllm", "quants": ["int8-w8a16"]}, ["refuses quant 'int8-w8a16'", "no INT8 weight-only"]),
         ({"target": "trtllm", "quants": ["int8-w8a8"]}, ["refuses quant 'int8-w8a8'", "FP8_PER_CHANNEL_PER_TOKEN"]),
         (
-            {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "skus": ["h100", "h800"]}}},
+            {"target": "trtllm", "quants": ["bf16"], "params": {"gpus": {"skus": ["h100", "h800"]}}},
             ["unknown engine SKU 'h800'", "known: a100, l40s, h100, h200, b200"],
         ),
         (
-            {"target": "trtllm", "quants": ["bf16", "fp8"], "params": {"engines": {**ENGINES, "skus": ["a100"]}}},
-            ["trtllm-fp8 engine for a100", "FP8 needs sm89+ (Ada/Hopper); a100 is sm80"],
+            {"target": "trtllm", "quants": ["bf16", "fp8"], "params": {"gpus": {"skus": ["a100"]}}},
+            ["trtllm-fp8 on a100", "FP8 needs sm89+ (Ada/Hopper); a100 is sm80"],
         ),
         (
-            {"target": "trtllm", "quants": ["fp8"], "params": {"engines": {**ENGINES, "skus": ["l40s"]}}},
-            ["trtllm-fp8 engine for l40s", "FP8 rowwise", "sm90 only; l40s is sm89"],
+            {"target": "trtllm", "quants": ["fp8"], "params": {"legacy_engines": {**ENGINES, "skus": ["l40s"]}}},
+            ["trtllm-fp8 on l40s", "FP8 rowwise", "sm90 only; l40s is sm89"],
         ),
         (
-            {"target": "trtllm", "quants": ["w4a16-awq"], "params": {"engines": {**ENGINES, "skus": ["b200"]}}},
-            ["trtllm-w4a16-awq engine for b200", "W4A16 AWQ on sm80, sm89, sm90 only"],
+            {"target": "trtllm", "quants": ["w4a16-awq"], "params": {"gpus": {"skus": ["b200"]}}},
+            ["trtllm-w4a16-awq on b200", "W4A16 AWQ on sm80, sm89, sm90 only"],
         ),
-        ({"target": "trtllm", "quants": ["fp8-block"], "params": {"engines": ENGINES}}, ["no engines for FP8_BLOCK"]),
+        # A pinned release too old to load the checkpoint, with the reason and the change that fixed it.
         (
-            {"target": "trtllm", "quants": ["bf16"], "params": {"engines": {**ENGINES, "max_seq_len": 256}}},
+            {"target": "trtllm", "quants": ["fp8"], "params": {"gpus": {**GPUS, "tensorrt_llm": "1.2.0"}}},
+            ["trtllm-fp8: tensorrt_llm 1.2.0 cannot load it; it needs >= 1.3.0rc20", "#15415"],
+        ),
+        (
+            {"target": "trtllm", "quants": ["fp8-block"], "params": {"gpus": {**GPUS, "tensorrt_llm": "1.2.1"}}},
+            ["needs >= 1.3.0rc1", "#10796"],
+        ),
+        ({"target": "trtllm", "quants": ["bf16"], "params": {"gpus": {**GPUS, "tensorrt_llm": "latest"}}}, ["pattern"]),
+        # Legacy engines: a release with trtllm-build, schemes its own quantization makes.
+        (
+            {
+                "target": "trtllm",
+                "quants": ["bf16"],
+                "params": {"legacy_engines": {**ENGINES, "tensorrt_llm": "1.3.0"}},
+            },
+            ["tensorrt_llm 1.3.0 has no trtllm-build", "last release is 1.3.0rc20"],
+        ),
+        ({"target": "trtllm", "quants": ["fp8-block"], "params": {"legacy_engines": ENGINES}}, ["no legacy engine"]),
+        ({"target": "trtllm", "quants": ["w4a16-gptq"], "params": {"legacy_engines": ENGINES}}, ["no GPTQ format"]),
+        ({"target": "trtllm", "quants": ["int4-rtn"], "params": {"legacy_engines": ENGINES}}, ["not round-to-nearest"]),
+        (
+            {"target": "trtllm", "quants": ["bf16"], "params": {"legacy_engines": {**ENGINES, "max_seq_len": 256}}},
             ["max_seq_len (256) must exceed max_input_len (256)"],
         ),
-        ({"target": "trtllm", "quants": ["bf16"], "params": {"engines": {"skus": ["h100"]}}}, ["max_batch_size"]),
+        (
+            {"target": "trtllm", "quants": ["bf16"], "params": {"legacy_engines": {"skus": ["h100"]}}},
+            ["max_batch_size"],
+        ),
+        # The old key names the two that replace it, rather than being read as either.
+        ({"target": "trtllm", "quants": ["bf16"], "params": {"engines": ENGINES}}, ["gpus:", "legacy_engines:"]),
         ({"target": "trtllm", "quants": ["fp8"], "hardware": ["l40s"]}, ["trtllm-fp8 cannot serve l40s"]),
     ],
 )
@@ -289,19 +316,26 @@ def test_recipe_refuses_what_tensorrt_llm_cannot_serve(
         assert w in e.value.message, e.value.message
 
 
-def test_recipe_accepts_an_engine_matrix_every_sku_can_serve(model_dir: Path, tmp_path: Path) -> None:
+def test_recipe_plans_a_gpu_eval_per_sku_and_opt_in_legacy_engines(model_dir: Path, tmp_path: Path) -> None:
     spec = get_target("trtllm")
     assert spec.derived is not None
     recipe = _recipe(
-        tmp_path,
-        model_dir,
-        {"target": "trtllm", "quants": ["bf16", "fp8", "w4a16-awq"], "params": {"engines": ENGINES}},
+        tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16", "fp8", "w4a16-awq"], "params": {"gpus": GPUS}}
     )
-    engines = [d.artifact for name, entry, quant in recipe.artifacts() for d in spec.derived(name, quant, entry.params)]
-    assert engines == [f"trtllm-{q}-{sku}" for q in ("bf16", "fp8", "w4a16-awq") for sku in ("h100", "h200")]
-    older = {**ENGINES, "skus": ["a100", "l40s", "b200"]}
-    recipe = _recipe(tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16"], "params": {"engines": older}})
+    derived = [d for name, entry, quant in recipe.artifacts() for d in spec.derived(name, quant, entry.params)]
+    assert [d.name for d in derived] == [
+        f"trtllm-{q}@{sku}" for q in ("bf16", "fp8", "w4a16-awq") for sku in GPUS["skus"]
+    ]
+    assert all(d.kind == "gpu-eval" and d.inputs == ("reference", "export") for d in derived)
+    assert {d.params["tensorrt_llm"] for d in derived} == {"1.3.0rc20"}  # loads every scheme kiln writes
+    assert [d.evaluates for d in derived[:2]] == ["trtllm-bf16", "trtllm-bf16"]
+
+    older = {**ENGINES, "skus": ["a100", "l40s"]}
+    recipe = _recipe(tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16"], "params": {"legacy_engines": older}})
     (name, entry, quant), *_ = recipe.artifacts()
-    derived = spec.derived(name, quant, entry.params)
-    assert [d.params["sku"] for d in derived] == ["a100", "l40s", "b200"]
-    assert all(d.kind == "engine" and d.params["command"][0] == "trtllm-build" for d in derived)
+    engines = spec.derived(name, quant, entry.params)
+    assert [(d.kind, d.name, d.inputs, d.evaluates) for d in engines] == [
+        ("engine", f"trtllm-bf16-{sku}", ("ingest",), None) for sku in ("a100", "l40s")
+    ]
+    assert engines[0].params["commands"][0][:2] == ["python3", "{examples}/models/core/{family}/convert_checkpoint.py"]
+    assert engines[0].params["commands"][1][0] == "trtllm-build"
