@@ -44,6 +44,7 @@ from pipeline.stage import OUTPUT_DIR, STAGE_FILE, Node, StageInputMissing, Stag
 STORE_ENV = "KILN_STORE"
 ENDPOINT_ENVS = ("KILN_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 MAX_STAGE_JSON = 64 * 1024 * 1024
+_NOT_FOUND = ("NoSuchKey", "404", "NotFound")
 CHUNK = 8 * 1024 * 1024
 
 
@@ -233,54 +234,43 @@ class RemoteStageStore:
 
     # -- S3 objects --------------------------------------------------------------------------------
 
-    def _get(self, key: str) -> bytes | None:
+    def _request(self, operation: str, absent: tuple[str, ...], **kwargs: Any) -> Any:
+        """S3 `operation` on this bucket; None when S3 answers with a code of `absent`, and any other
+        failure as STAGE_STORE_UNAVAILABLE (nothing above this class knows about boto)."""
         from registry.blobs.s3 import _error_code, _is_boto_error
 
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
-            body = response["Body"]
-            try:
-                data: bytes = body.read(MAX_STAGE_JSON + 1)
-            finally:
-                body.close()
+            return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
         except Exception as exc:
-            if _is_boto_error(exc):
-                if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                    return None
-                raise self._unavailable(exc) from None
-            raise
+            if not _is_boto_error(exc):
+                raise
+            if _error_code(exc) in absent:
+                return None
+            raise self._unavailable(exc) from None
+
+    def _get(self, key: str) -> bytes | None:
+        response = self._request("get_object", _NOT_FOUND, Key=key)
+        if response is None:
+            return None
+        body = response["Body"]
+        try:
+            data: bytes = body.read(MAX_STAGE_JSON + 1)
+        finally:
+            body.close()
         if len(data) > MAX_STAGE_JSON:
             raise StageFailed(f"stage store {self.url}: {key} is larger than {MAX_STAGE_JSON} bytes")
         return data
 
     def _exists(self, key: str) -> bool:
-        from registry.blobs.s3 import _error_code, _is_boto_error
-
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=key)
-        except Exception as exc:
-            if _is_boto_error(exc):
-                if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                    return False
-                raise self._unavailable(exc) from None
-            raise
-        return True
+        return self._request("head_object", _NOT_FOUND, Key=key) is not None
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         """Write `key` unless it exists (S3's conditional put); False when another writer was first."""
-        from registry.blobs.s3 import _error_code, _is_boto_error
-
-        try:
-            self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*", ContentType="application/json"
-            )
-        except Exception as exc:
-            if _is_boto_error(exc):
-                if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                    return False
-                raise self._unavailable(exc) from None
-            raise
-        return True
+        conflict = ("PreconditionFailed", "412", "ConditionalRequestConflict")
+        written = self._request(
+            "put_object", conflict, Key=key, Body=data, IfNoneMatch="*", ContentType="application/json"
+        )
+        return written is not None
 
     def _unavailable(self, exc: BaseException) -> KilnError:
         from registry.blobs.s3 import _error_code

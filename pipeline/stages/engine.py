@@ -26,7 +26,7 @@ from core.hardware import PROFILES
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.requirements import requirements
 from pipeline.stage import Node, Stage, StageContext
-from targets.trtllm.engines import CHECKPOINT, CONVERTERS, ENGINE, EXAMPLES, SOURCE, missing_for, runner
+from targets.trtllm.engines import CHECKPOINT, CONVERTERS, ENGINE, EXAMPLES, SOURCE, runner, runner_needs
 from targets.trtllm.formats import FORMATS
 
 FORMAT = "trtllm-engine"
@@ -36,19 +36,12 @@ EXAMPLES_ENV = "TRTLLM_EXAMPLES"
 def deferral(node: Node) -> dict[str, Any] | None:
     """What this machine lacks to build `node`'s engine (runner, commands, missing), or None if nothing."""
     p = node.params
-    missing = missing_for(p["sku"], p["tensorrt_llm"], engine=True)
+    needs = runner_needs(p, engine=True) or {"runner": runner(p["sku"], p["tensorrt_llm"]), "missing": []}
     if not os.environ.get(EXAMPLES_ENV):
-        missing.append(f"${EXAMPLES_ENV} (TensorRT-LLM's examples/ at v{p['tensorrt_llm']}) is not set")
-    if not missing:
+        needs["missing"].append(f"${EXAMPLES_ENV} (TensorRT-LLM's examples/ at v{p['tensorrt_llm']}) is not set")
+    if not needs["missing"]:
         return None
-    return {
-        "runner": runner(p["sku"], p["tensorrt_llm"]),
-        "sku": p["sku"],
-        "compute_capability": PROFILES[p["sku"]].compute_capability,
-        "tensorrt_llm": p["tensorrt_llm"],
-        "command": p["commands"],
-        "missing": missing,
-    }
+    return {**needs, "sku": p["sku"], "tensorrt_llm": p["tensorrt_llm"], "command": p["commands"]}
 
 
 def engine_result(params: dict[str, Any], versions: dict[str, str], files: list[str]) -> ArtifactRecord:

@@ -13,29 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from core.errors import Deferred
-from core.hardware import PROFILES
 from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
 from pipeline.requirements import ModelSize, Requirements, requirements
 from pipeline.stage import Node, Stage, StageContext
 from pipeline.stages.reference import stored_reference, stored_text
-from targets.trtllm.engines import missing_for, runner
+from targets.trtllm.engines import runner_needs
 
 
 def deferral(node: Node) -> dict[str, Any] | None:
     """What this machine lacks to evaluate on `node`'s SKU (runner, missing), or None if nothing."""
-    p = node.params
-    missing = missing_for(p["sku"], p["tensorrt_llm"])
-    if not missing:
-        return None
-    return {
-        "runner": runner(p["sku"], p["tensorrt_llm"]),
-        "sku": p["sku"],
-        "compute_capability": PROFILES[p["sku"]].compute_capability,
-        "tensorrt_llm": p["tensorrt_llm"],
-        "missing": missing,
-    }
+    return runner_needs(node.params)
 
 
 def run(ctx: StageContext) -> EvalReport:

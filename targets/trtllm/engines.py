@@ -289,6 +289,21 @@ def gpus_matching(nvidia_smi_csv: str, sku: str) -> list[str]:
     return [line.strip() for line in nvidia_smi_csv.splitlines() if want.search(line)]
 
 
+def runner_needs(params: dict[str, Any], *, engine: bool = False) -> dict[str, Any] | None:
+    """What this machine lacks to run a per-SKU stage of `params` (sku, tensorrt_llm): the runner it needs,
+    the SKU, its compute capability, the pin and what is missing; None when nothing is."""
+    missing = missing_for(params["sku"], params["tensorrt_llm"], engine=engine)
+    if not missing:
+        return None
+    return {
+        "runner": runner(params["sku"], params["tensorrt_llm"]),
+        "sku": params["sku"],
+        "compute_capability": PROFILES[params["sku"]].compute_capability,
+        "tensorrt_llm": params["tensorrt_llm"],
+        "missing": missing,
+    }
+
+
 def missing_for(sku: str, pin: str, *, engine: bool = False) -> list[str]:
     """What this machine lacks to run tensorrt_llm `pin` on a GPU of `sku` (with trtllm-build when
     `engine`); empty: nothing."""
