@@ -141,14 +141,14 @@ class S3Source:
         return data
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
-        from registry.blobs.s3 import _error_code, _is_boto_error
+        from registry.blobs.s3 import error_code, is_boto_error
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:
-            if not _is_boto_error(exc):
+            if not is_boto_error(exc):
                 raise
-            code = _error_code(exc) or type(exc).__name__
+            code = error_code(exc) or type(exc).__name__
             if code in ("PreconditionFailed", "412"):
                 raise SourceInvalid(
                     f"source {self.url}: {kwargs.get('Key')} changed since the build was planned; plan again",
@@ -159,13 +159,13 @@ class S3Source:
             raise Unavailable(f"source {self.url}: S3 failed: {code}", code="SOURCE_UNAVAILABLE") from None
 
     def _each(self, pages: Any) -> Any:
-        from registry.blobs.s3 import _error_code, _is_boto_error
+        from registry.blobs.s3 import error_code, is_boto_error
 
         try:
             yield from pages
         except Exception as exc:
-            if not _is_boto_error(exc):
+            if not is_boto_error(exc):
                 raise
             raise Unavailable(
-                f"source {self.url}: S3 failed: {_error_code(exc) or type(exc).__name__}", code="SOURCE_UNAVAILABLE"
+                f"source {self.url}: S3 failed: {error_code(exc) or type(exc).__name__}", code="SOURCE_UNAVAILABLE"
             ) from None

@@ -237,14 +237,14 @@ class RemoteStageStore:
     def _request(self, operation: str, absent: tuple[str, ...], **kwargs: Any) -> Any:
         """S3 `operation` on this bucket; None when S3 answers with a code of `absent`, and any other
         failure as STAGE_STORE_UNAVAILABLE (nothing above this class knows about boto)."""
-        from registry.blobs.s3 import _error_code, _is_boto_error
+        from registry.blobs.s3 import error_code, is_boto_error
 
         try:
             return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
         except Exception as exc:
-            if not _is_boto_error(exc):
+            if not is_boto_error(exc):
                 raise
-            if _error_code(exc) in absent:
+            if error_code(exc) in absent:
                 return None
             raise self._unavailable(exc) from None
 
@@ -273,9 +273,9 @@ class RemoteStageStore:
         return written is not None
 
     def _unavailable(self, exc: BaseException) -> KilnError:
-        from registry.blobs.s3 import _error_code
+        from registry.blobs.s3 import error_code
 
-        code = _error_code(exc) or type(exc).__name__
+        code = error_code(exc) or type(exc).__name__
         return Unavailable(
             f"stage store {self.url} failed: {code}", code="STAGE_STORE_UNAVAILABLE", details={"s3": code}
         )

@@ -39,13 +39,13 @@ _session: Any = None
 _session_lock = threading.Lock()
 
 
-def _is_boto_error(exc: BaseException) -> bool:
+def is_boto_error(exc: BaseException) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError
 
     return isinstance(exc, BotoCoreError | ClientError)
 
 
-def _error_code(exc: BaseException) -> str:
+def error_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
 
@@ -149,7 +149,7 @@ class S3BlobStore:
 
     def _translate(self, exc: BaseException, sha256: str | None = None) -> KilnError:
         """The domain error for a botocore error: missing object -> BlobNotFound, else Unavailable."""
-        code = _error_code(exc)
+        code = error_code(exc)
         if sha256 is not None and code in _NOT_FOUND_CODES:
             return BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
         where = f"s3://{self.bucket}/{self.prefix}"
@@ -168,8 +168,8 @@ class S3BlobStore:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except Exception as exc:
-            if _is_boto_error(exc):
-                code = _error_code(exc)
+            if is_boto_error(exc):
+                code = error_code(exc)
                 if code in ("404", "NoSuchBucket", "NotFound"):
                     raise Unavailable(
                         f"blob store s3://{self.bucket}/{self.prefix}: the bucket does not exist",
@@ -184,7 +184,7 @@ class S3BlobStore:
         try:
             response: dict[str, Any] = self.client.head_object(Bucket=self.bucket, Key=self.key(sha256))
         except Exception as exc:
-            if _is_boto_error(exc):
+            if is_boto_error(exc):
                 raise self._translate(exc, sha256) from None
             raise
         return response
@@ -278,7 +278,7 @@ class S3BlobStore:
         try:
             response: dict[str, Any] = getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
         except Exception as exc:
-            if _is_boto_error(exc):
+            if is_boto_error(exc):
                 raise self._translate(exc, sha256) from None
             raise
         return response
@@ -301,7 +301,7 @@ class S3BlobStore:
                 try:
                     chunk = body.read(self.chunk_size)
                 except Exception as exc:
-                    if _is_boto_error(exc):
+                    if is_boto_error(exc):
                         raise self._translate(exc, sha256) from None
                     raise
                 if not chunk:
@@ -325,7 +325,7 @@ class S3BlobStore:
                 ExpiresIn=self.presign_expiry_s,
             )
         except Exception as exc:
-            if _is_boto_error(exc):
+            if is_boto_error(exc):
                 raise self._translate(exc, sha256) from None
             raise
         return url
@@ -335,7 +335,7 @@ class S3BlobStore:
         try:
             response = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
         except Exception as exc:
-            if _is_boto_error(exc):
+            if is_boto_error(exc):
                 raise self._translate(exc) from None
             raise
         return [u["Key"] for u in response.get("Uploads", [])]
