@@ -299,9 +299,21 @@ class RegistryClient:
         metrics: dict[str, Any] | None = None,
         gates: dict[str, Any] | None = None,
         reason: str | None = None,
+        *,
+        runtime_version: str | None = None,
     ) -> dict[str, Any]:
-        """Record an eval result (status: passed | failed | not_evaluated)."""
-        body = {"runtime": runtime, "status": status, "metrics": metrics or {}, "gates": gates or {}, "reason": reason}
+        """Record an eval result (status: passed | failed | not_evaluated); `runtime_version` is the
+        exact runtime that ran it (e.g. "llama-cpp-python 0.3.36"), None where it was not recorded."""
+        body: dict[str, Any] = {
+            "runtime": runtime,
+            "status": status,
+            "metrics": metrics or {},
+            "gates": gates or {},
+            "reason": reason,
+        }
+        # Sent only when there is one: a registry from before runtime_version refuses unknown fields.
+        if runtime_version is not None:
+            body["runtime_version"] = runtime_version
         path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}/evals"
         result: dict[str, Any] = self._json("POST", path, json=body)
         return result

@@ -69,6 +69,9 @@ class EvalResult(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     artifact_id: Mapped[int] = mapped_column(ForeignKey("artifacts.id"))
     runtime: Mapped[str] = mapped_column(String(64))
+    # The exact runtime that ran it, e.g. "transformers 5.17.0, torch 2.9.0"; None when not recorded
+    # (a not_evaluated result, or one posted before this column existed).
+    runtime_version: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16))
     metrics: Mapped[dict[str, Any]]
     gates: Mapped[dict[str, Any]]

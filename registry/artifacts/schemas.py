@@ -10,13 +10,31 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.manifest import ArtifactManifest
 from registry.artifacts.models import Artifact, EvalResult, EvalStatus, eval_status
 
-RUNTIME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,63}$"
+# A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
+# as the publish stage names a GPU runner's eval); the SKU is a hardware profile name (lowercase).
+RUNTIME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+:-]*(@[a-z0-9][a-z0-9._-]*)?$"
+RUNTIME_MAX_LENGTH = 64  # EvalResult.runtime's column
+# What a runtime reports as its version ("transformers 5.17.0, torch 2.9.0+cu128", "vLLM 0.32.0 (CPU)"):
+# printable and conservative, no leading or trailing space, no quotes or angle brackets.
+RUNTIME_VERSION_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9 ._+:()/,=-]*[A-Za-z0-9._+:()/,=-])?$"
+RUNTIME_VERSION_MAX_LENGTH = 200  # EvalResult.runtime_version's column
 
 
 class EvalCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    runtime: str = Field(pattern=RUNTIME_PATTERN, examples=["llama.cpp", "transformers"])
+    runtime: str = Field(
+        pattern=RUNTIME_PATTERN,
+        max_length=RUNTIME_MAX_LENGTH,
+        examples=["llama.cpp", "transformers", "tensorrt_llm@h100"],
+    )
+    runtime_version: str | None = Field(
+        default=None,
+        pattern=RUNTIME_VERSION_PATTERN,
+        max_length=RUNTIME_VERSION_MAX_LENGTH,
+        examples=["transformers 5.17.0, torch 2.9.0", "vLLM 0.32.0 (CPU)"],
+        description="the exact runtime that ran the eval, as it reports its name and version",
+    )
     status: EvalStatus
     metrics: dict[str, Any] = Field(default_factory=dict, examples=[{"kl": 0.012, "ppl_delta": 0.3}])
     gates: dict[str, Any] = Field(default_factory=dict, description="the gate thresholds applied")
@@ -25,6 +43,7 @@ class EvalCreate(BaseModel):
 
 class EvalOut(BaseModel):
     runtime: str
+    runtime_version: str | None
     status: EvalStatus
     metrics: dict[str, Any]
     gates: dict[str, Any]
@@ -35,6 +54,7 @@ class EvalOut(BaseModel):
     def from_row(cls, row: EvalResult) -> EvalOut:
         return cls(
             runtime=row.runtime,
+            runtime_version=row.runtime_version,
             status=row.status,  # type: ignore[arg-type]  # the CHECK constraint keeps it one of three
             metrics=row.metrics,
             gates=row.gates,

@@ -195,8 +195,10 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
     """
 
     def same(existing: EvalResult) -> EvalResult:
-        stored = (existing.status, existing.metrics, existing.gates, existing.reason)
-        if stored != (spec.status, spec.metrics, spec.gates, spec.reason):
+        # The runtime version is part of the evidence: the same numbers from another version are
+        # another result, not this one again.
+        stored = (existing.status, existing.runtime_version, existing.metrics, existing.gates, existing.reason)
+        if stored != (spec.status, spec.runtime_version, spec.metrics, spec.gates, spec.reason):
             raise Conflict(
                 f"artifact {name!r} of {model}@{version} already has a different {spec.runtime!r} eval "
                 f"(status {existing.status}); eval results are immutable",
@@ -219,6 +221,7 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
     row = EvalResult(
         artifact_id=artifact_id,
         runtime=spec.runtime,
+        runtime_version=spec.runtime_version,
         status=spec.status,
         metrics=spec.metrics,
         gates=spec.gates,

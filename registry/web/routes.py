@@ -31,7 +31,16 @@ from registry.deps import PrincipalDep, SessionDep, SettingsDep
 from registry.models import service as models_service
 from registry.releases import service as releases_service
 from registry.releases.models import Release
-from registry.web.views import METRIC_COLUMNS, artifact_row, audit_row, compact_json, human_size, timestamp
+from registry.web.units import human_size
+from registry.web.views import (
+    METRIC_COLUMNS,
+    NO_EVAL_REASON,
+    audit_row,
+    compact_json,
+    flat_rows,
+    release_matrix,
+    timestamp,
+)
 
 HERE = Path(__file__).parent
 STYLESHEET = HERE / "static" / "kiln.css"
@@ -166,21 +175,23 @@ def model_page(model: ModelName, request: Request, session: SessionDep) -> HTMLR
 def release_page(
     model: ModelName, version: Version, request: Request, session: SessionDep, settings: SettingsDep
 ) -> HTMLResponse:
-    """A release: the artifact × eval-metrics matrix with pass/fail per gate, and each artifact's files."""
+    """A release: the artifact × runtime matrix with pass/fail per gate, quality against size, each
+    artifact's files and provenance, and the release's lineage."""
     artifacts = selectinload(Release.artifacts)
     release = releases_service.get_release(
         session, model, version, artifacts.selectinload(Artifact.evals), artifacts.selectinload(Artifact.files)
     )
-    base = base_url(request, settings)
-    rows = [artifact_row(a, partial(artifact_file_url, base, model, version, a.name)) for a in release.artifacts]
+    matrix = release_matrix(release.artifacts, partial(artifact_file_url, base_url(request, settings), model, version))
     return render(
         request,
         "release.html",
         title=f"{model}@{version}",
         model=model,
         release=release,
-        rows=rows,
+        matrix=matrix,
         columns=METRIC_COLUMNS,
+        no_eval_reason=NO_EVAL_REASON,
+        lineage=flat_rows(release.lineage or {}, ("source_files",)),
         channels=channels_service.channels_of_release(session, release.id),
         missing=releases_service.missing_artifacts(release),
         # Download links only where downloads are answered: a sealed release that is not yanked.

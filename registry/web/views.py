@@ -1,4 +1,5 @@
-"""What the pages show, computed from ORM rows: the artifact × eval-metrics matrix and small formatters.
+"""What the pages show, computed from ORM rows: the artifact × runtime eval matrix, the quality plot's
+points, lineage and provenance as tables, and small formatters.
 
 Pure functions over rows the routes loaded through the services; templates only lay these out.
 """
@@ -7,13 +8,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any, Literal
 
 from registry.artifacts.models import Artifact, EvalResult, eval_status
 from registry.audit.models import AuditEvent
+from registry.web.plot import PlotPoint, QualityPlot, quality_plot
+from registry.web.units import human_size, metric_number
+
+__all__ = ["human_size"]  # re-exported: the templates' `size` filter
 
 CellState = Literal["pass", "fail", "ungated", "missing"]
 
@@ -53,6 +60,22 @@ METRIC_COLUMNS: tuple[MetricColumn, ...] = (
 )
 
 
+# The matrix's (and the plot legend's) runtime order: the reference runtime first, then the runtimes
+# kiln evaluates on CPU, each followed by its variants (`llama.cpp-metal`, `vllm-cpu`, `vllm@h100`),
+# then every other runtime alphabetically. A fixed order rather than first appearance, so a runtime
+# keeps its place from one release to the next.
+PREFERRED_RUNTIMES = ("transformers", "llama.cpp", "jax", "vllm")
+
+
+def runtime_order(runtime: str) -> tuple[int, str]:
+    """Sort key of a runtime's column group (see PREFERRED_RUNTIMES)."""
+    base = runtime.split("@", 1)[0]
+    for rank, name in enumerate(PREFERRED_RUNTIMES):
+        if base == name or base.startswith(name + "-"):
+            return rank, runtime
+    return len(PREFERRED_RUNTIMES), runtime
+
+
 @dataclass(frozen=True)
 class MetricCell:
     metric: str
@@ -62,13 +85,29 @@ class MetricCell:
 
 
 @dataclass(frozen=True)
-class EvalRow:
-    """One runtime's verdict on an artifact; `cells` is empty when it was not evaluated."""
+class RuntimeColumn:
+    """One runtime's column group: a verdict column and one column per metric.
 
-    runtime: str | None
+    `version` is what the header shows: the one version every eval of this runtime in the release
+    recorded; None when none was recorded or they differ (`versions_differ`: each cell shows its own).
+    """
+
+    runtime: str
+    version: str | None
+    versions_differ: bool
+
+
+@dataclass(frozen=True)
+class EvalGroup:
+    """One runtime's verdict on an artifact, the cells of its column group; `cells` is empty when it
+    was not evaluated. `show_version`: the header cannot say the version, so the cell does."""
+
+    runtime: str
     status: str
     label: str
     reason: str | None
+    version: str | None
+    show_version: bool
     cells: tuple[MetricCell, ...]
 
 
@@ -81,8 +120,37 @@ class FileLink:
 
 
 @dataclass(frozen=True)
+class Cell:
+    """A value as a table shows it: `title` holds the full value where `text` shortens it; `code`
+    sets it in monospace (digests, and the JSON of values that do not fit a table)."""
+
+    text: str
+    title: str | None = None
+    code: bool = False
+
+
+@dataclass(frozen=True)
+class RecordTable:
+    """A list of flat mappings (e.g. lineage's source files) as a table, one row per mapping."""
+
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+
+
+@dataclass(frozen=True)
+class FlatRow:
+    """One key of a flattened mapping (nested keys dotted: `inputs.model.digest`) with its value as
+    a cell, or as a table when it is a list of flat mappings."""
+
+    key: str
+    cell: Cell | None
+    table: RecordTable | None
+
+
+@dataclass(frozen=True)
 class ArtifactRow:
-    """One matrix row group: the artifact's facts, one EvalRow per runtime (at least one), its files."""
+    """One matrix row: the artifact's facts, its eval per runtime group of the release (None where it
+    has none), its files and its provenance."""
 
     name: str
     target: str
@@ -93,16 +161,20 @@ class ArtifactRow:
     unsupported: tuple[tuple[str, str], ...]
     status: str
     label: str
-    evals: tuple[EvalRow, ...]
+    evaluated: bool  # False: no runtime has published an eval of it
+    evals: tuple[EvalGroup | None, ...]
     files: tuple[FileLink, ...]
+    provenance: tuple[FlatRow, ...]
+    provenance_summary: str
 
 
-def human_size(n: int) -> str:
-    """Bytes in binary units, as the CLI prints them."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+@dataclass(frozen=True)
+class ReleaseMatrix:
+    """The release page's artifact × runtime matrix and its quality-against-size plot."""
+
+    runtimes: tuple[RuntimeColumn, ...]
+    rows: tuple[ArtifactRow, ...]
+    plot: QualityPlot
 
 
 def timestamp(at: datetime | None) -> str:
@@ -115,27 +187,17 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(", ", ": "), default=str)
 
 
-def _number(value: Any) -> float | None:
-    # Non-finite metrics are stored as the strings "NaN"/"Infinity" (EvalMetrics' JSON form).
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def metric_cell(column: MetricColumn, metrics: dict[str, Any], gates: dict[str, Any]) -> MetricCell:
     """One metric of one eval result, judged against its gate threshold when the gate sets one."""
     raw = metrics.get(column.metric)
-    value = _number(raw)
+    value = metric_number(raw)
     if value is None:
         shown = "—" if raw is None else str(raw)
     elif math.isfinite(value):
         shown = column.fmt(value)
     else:
         shown = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    limit = _number(gates.get(column.gate))
+    limit = metric_number(gates.get(column.gate))
     if limit is None:
         return MetricCell(column.metric, shown, "no gate", "ungated")
     sign = "≤" if column.bound == "max" else "≥"
@@ -146,20 +208,121 @@ def metric_cell(column: MetricColumn, metrics: dict[str, Any], gates: dict[str, 
     return MetricCell(column.metric, shown, limit_text, "pass" if ok else "fail")
 
 
-def eval_row(result: EvalResult) -> EvalRow:
+def runtime_columns(evals: Iterable[EvalResult]) -> tuple[RuntimeColumn, ...]:
+    """The column groups of the runtimes that appear in `evals`, in `runtime_order`."""
+    versions: dict[str, set[str | None]] = {}
+    for e in evals:
+        seen = versions.setdefault(e.runtime, set())
+        # A not_evaluated result ran nothing: it has no version to agree or disagree with.
+        if e.status != "not_evaluated":
+            seen.add(e.runtime_version)
+    columns = []
+    for runtime in sorted(versions, key=runtime_order):
+        seen = versions[runtime]
+        single = next(iter(seen)) if len(seen) == 1 else None
+        columns.append(RuntimeColumn(runtime, single, versions_differ=len(seen) > 1))
+    return tuple(columns)
+
+
+def eval_group(result: EvalResult, column: RuntimeColumn) -> EvalGroup:
+    """`result` as the cells of its runtime's column group."""
+    label = STATUS_LABELS.get(result.status, result.status)
+    show_version = column.versions_differ  # the header cannot say it: the cell does, or that it is unknown
     if result.status == "not_evaluated":
         # The runtime of a not_evaluated result is the one it needs (see pipeline/stages/publish.py).
-        return EvalRow(result.runtime, result.status, STATUS_LABELS[result.status], result.reason, ())
+        return EvalGroup(result.runtime, result.status, label, result.reason, None, False, ())
     cells = tuple(metric_cell(c, result.metrics or {}, result.gates or {}) for c in METRIC_COLUMNS)
-    return EvalRow(result.runtime, result.status, STATUS_LABELS.get(result.status, result.status), result.reason, cells)
+    return EvalGroup(result.runtime, result.status, label, result.reason, result.runtime_version, show_version, cells)
 
 
-def artifact_row(artifact: Artifact, file_url: Callable[[str], str]) -> ArtifactRow:
-    """The matrix row of an artifact (needs `evals` and `files` loaded); `file_url(path)` is its download URL."""
-    evals = tuple(eval_row(e) for e in artifact.evals) or (
-        EvalRow(None, "not_evaluated", STATUS_LABELS["not_evaluated"], NO_EVAL_REASON, ()),
-    )
+# Flattening: how deep nested mappings become dotted keys before the rest is shown as JSON.
+MAX_FLAT_DEPTH = 3
+# A record table's leading columns, where present; the others follow in order of first appearance.
+RECORD_COLUMNS_FIRST = ("path", "name", "size")
+PROVENANCE_FIRST = ("stage", "code_version", "cache_key", "host", "started_at", "duration_s", "kiln_version", "python")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+Scalar = str | int | float | bool | None
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def _is_flat_mapping(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(_is_scalar(v) for v in value.values())
+
+
+def scalar_cell(key: str, value: Scalar) -> Cell:
+    """A scalar as a cell: a sha256 digest shortened (full in the title), a byte count in binary units
+    (exact in the title) when its key says it is a size, anything else as text."""
+    if value is None:
+        return Cell("—")
+    if isinstance(value, bool):
+        return Cell("true" if value else "false")
+    if isinstance(value, int) and (key == "size" or key.endswith(("_size", "_bytes"))):
+        return Cell(human_size(value), title=f"{value} bytes")
+    if isinstance(value, str) and _SHA256.fullmatch(value):
+        return Cell(value[:12] + "…", title=value, code=True)
+    return Cell(str(value))
+
+
+def record_table(records: Sequence[Mapping[str, Any]]) -> RecordTable:
+    """Flat mappings as a table; a mapping without one of the columns shows "—" there."""
+    seen = list(dict.fromkeys(str(k) for r in records for k in r))
+    columns = tuple([c for c in RECORD_COLUMNS_FIRST if c in seen] + [c for c in seen if c not in RECORD_COLUMNS_FIRST])
+    rows = tuple(tuple(scalar_cell(c, r.get(c)) for c in columns) for r in records)
+    return RecordTable(columns, rows)
+
+
+def _value_rows(key: str, value: Any, depth: int) -> list[FlatRow]:
+    leaf = key.rsplit(".", 1)[-1]
+    if _is_scalar(value):
+        return [FlatRow(key, scalar_cell(leaf, value), None)]
+    if isinstance(value, Mapping) and value and depth < MAX_FLAT_DEPTH:
+        return flat_rows(value, prefix=f"{key}.", depth=depth + 1)
+    if isinstance(value, list | tuple | Mapping) and not value:
+        return [FlatRow(key, Cell("—"), None)]
+    if isinstance(value, list | tuple) and all(_is_scalar(v) for v in value):
+        return [FlatRow(key, Cell(", ".join(scalar_cell(leaf, v).text for v in value)), None)]
+    if isinstance(value, list | tuple) and all(_is_flat_mapping(v) for v in value):
+        return [FlatRow(key, None, record_table(value))]
+    # Anything else (lists of nested values, nesting past MAX_FLAT_DEPTH): compact JSON, still text.
+    return [FlatRow(key, Cell(compact_json(value), code=True), None)]
+
+
+def flat_rows(
+    mapping: Mapping[str, Any], first: Sequence[str] = (), *, prefix: str = "", depth: int = 0
+) -> list[FlatRow]:
+    """`mapping` as key/value rows for a table or a definition list.
+
+    Keys in `first` lead in that order, the others follow sorted (the same order on every database).
+    Nested mappings become dotted keys, lists of scalars one comma-separated cell, lists of flat
+    mappings a `RecordTable`; anything else is shown as compact JSON in a code cell.
+    """
+    keys = [k for k in first if k in mapping] + sorted(str(k) for k in mapping if k not in first)
+    return [row for k in keys for row in _value_rows(prefix + k, mapping[k], depth)]
+
+
+def provenance_summary(provenance: Mapping[str, Any]) -> str:
+    """A line for the provenance's collapsed view: stage, host and duration where recorded."""
+    parts = []
+    if _is_scalar(provenance.get("stage")) and provenance.get("stage") is not None:
+        parts.append(f"stage {provenance['stage']}")
+    if isinstance(provenance.get("host"), str):
+        parts.append(f"on {provenance['host']}")
+    duration = metric_number(provenance.get("duration_s"))
+    if duration is not None and math.isfinite(duration):
+        parts.append(f"{duration:.1f} s")
+    return ", ".join(parts)
+
+
+def artifact_row(artifact: Artifact, runtimes: Sequence[RuntimeColumn], file_url: Callable[[str], str]) -> ArtifactRow:
+    """The matrix row of an artifact (needs `evals` and `files` loaded), one eval group per runtime in
+    `runtimes`; `file_url(path)` is a file's download URL."""
+    by_runtime = {e.runtime: e for e in artifact.evals}
+    evals = tuple(eval_group(by_runtime[c.runtime], c) if c.runtime in by_runtime else None for c in runtimes)
     status = eval_status(artifact.evals)
+    provenance = artifact.provenance or {}
     return ArtifactRow(
         name=artifact.name,
         target=artifact.target,
@@ -170,9 +333,32 @@ def artifact_row(artifact: Artifact, file_url: Callable[[str], str]) -> Artifact
         unsupported=tuple(sorted((str(k), str(v)) for k, v in artifact.unsupported.items())),
         status=status,
         label=STATUS_LABELS[status],
+        evaluated=bool(artifact.evals),
         evals=evals,
         files=tuple(FileLink(f.path, human_size(f.size), f.sha256, file_url(f.path)) for f in artifact.files),
+        provenance=tuple(flat_rows(provenance, PROVENANCE_FIRST)),
+        provenance_summary=provenance_summary(provenance),
     )
+
+
+def plot_points(artifacts: Sequence[Artifact]) -> list[PlotPoint]:
+    """One point per eval with metrics (passed or failed), by runtime in `runtime_order` (the plot's
+    legend follows the order runtimes first appear), then in artifact order."""
+    points = [
+        PlotPoint(a.name, e.runtime, a.total_size, metric_number(e.metrics.get("kl")), e.status)
+        for a in artifacts
+        for e in a.evals
+        if e.status != "not_evaluated" and e.metrics
+    ]
+    return sorted(points, key=lambda p: runtime_order(p.runtime))  # stable: artifacts keep their order
+
+
+def release_matrix(artifacts: Sequence[Artifact], file_url: Callable[[str, str], str]) -> ReleaseMatrix:
+    """The release page's matrix and plot (artifacts need `evals` and `files` loaded);
+    `file_url(artifact, path)` is a file's download URL."""
+    runtimes = runtime_columns(e for a in artifacts for e in a.evals)
+    rows = tuple(artifact_row(a, runtimes, partial(file_url, a.name)) for a in artifacts)
+    return ReleaseMatrix(runtimes, rows, quality_plot(plot_points(artifacts)))
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def make_release(
     version: str = "1.0",
     model_config: dict[str, Any] | None = None,
     planned: tuple[str, ...] | list[str] = ("gguf-q8",),
+    lineage: dict[str, Any] | None = None,
 ) -> None:
     """Open `model@version` planning the artifacts `planned`."""
     assert client.post("/v1/models", json={"name": model}).status_code in (200, 201)
@@ -82,7 +83,7 @@ def make_release(
             "version": version,
             "source_digest": SOURCE_DIGEST,
             "planned_artifacts": list(planned),
-            "lineage": {"source": "hf:tiny"},
+            "lineage": {"source": "hf:tiny"} if lineage is None else lineage,
             "model_config": LLAMA_CONFIG if model_config is None else model_config,
         },
     )

@@ -21,22 +21,54 @@ FILES = {
 }
 LOSSLESS_GATE = {"max_kl": 0.005, "min_top1": 0.95, "max_ppl_increase": 0.01, "min_greedy_match": None}
 ROUNDED_GATE = {"max_kl": 0.15, "min_top1": 0.8, "max_ppl_increase": 0.15, "min_greedy_match": None}
-NO_VLLM = "vLLM has no kernel for this scheme on this CPU"
 FAILURES = "kl 0.31 is above max_kl 0.15; ppl_change 0.21 is above max_ppl_increase 0.15"
+LLAMA_CPP = "llama-cpp-python 0.3.36"
+OLD_LLAMA_CPP = "llama-cpp-python 0.3.35"
+TRANSFORMERS = "transformers 5.17.0, torch 2.13.0"
+VLLM = "vLLM 0.32.0 (CPU)"
+SOURCE_SHA = "d" * 64
+HOSTILE_LINEAGE = "<script>alert('lineage')</script>"
+HOSTILE_HOST = "<b>runner</b>-7"
+LINEAGE = {
+    "source_files": [
+        {"path": "model.safetensors", "sha256": SOURCE_SHA, "size": 3 * 1024**3},
+        {"path": "config.json", "sha256": "e" * 64, "size": 612},
+    ],
+    "built_by": "kiln 0.1.0",
+    "source": HOSTILE_LINEAGE,
+    # Past the flattening depth, and a list of nested records: both shown as compact JSON.
+    "recipe": {"options": {"deep": {"deeper": {"deepest": 1}}}},
+    "steps": [{"name": "ingest", "args": {"revision": "main"}}],
+}
+PROVENANCE = {
+    "stage": "export",
+    "code_version": "3",
+    "cache_key": "c" * 64,
+    "host": HOSTILE_HOST,
+    "started_at": "2026-11-24T10:00:00Z",
+    "duration_s": 12.5,
+    "kiln_version": "0.1.0",
+    "python": "3.12.3",
+    "params": {"quant": "q8_0", "targets": ["gguf", "hf-bundle"]},
+    "inputs": {"model": {"node": "ingest", "digest": "f" * 64}},
+}
 
 
 def seed(client: TestClient) -> None:
-    """tiny@1.0 (promoted to prod, then yanked), tiny@2.0 with four artifacts: one passed (and not
-    evaluated on a second runtime), one failed on two gates, two not evaluated here; 2.0 was forced to
-    prod over the failure; and tiny@3.0, open, with one of its two artifacts published, without an eval."""
+    """tiny@1.0 (promoted to prod, then yanked), tiny@2.0 with four artifacts: one passed on llama.cpp
+    (and not evaluated on llama.cpp-metal), one failed on two gates under another llama.cpp version, one
+    passed on transformers and on vLLM side by side (KL 0 on transformers), one not evaluated here; 2.0
+    has lineage with source files and one artifact has provenance, both with hostile strings, and was
+    forced to prod over the failure; and tiny@3.0, open, with one of its two artifacts published,
+    without an eval."""
     assert client.post("/v1/models", json={"name": "tiny", "description": DESCRIPTION}).status_code == 201
     make_release(client, version="1.0", planned=["gguf-q8_0"])
     publish(client, "gguf-q8_0", {"old-q8_0.gguf": b"old" * 100}, ["cpu"], version="1.0")
     assert post_eval(client, "gguf-q8_0", "passed", version="1.0").status_code == 201
     seal(client, "1.0")
     assert promote(client, "1.0", actor="alice").status_code == 200
-    make_release(client, version="2.0", planned=list(FILES))
-    publish(client, "gguf-q8_0", FILES["gguf-q8_0"], ["cpu", "apple"], version="2.0")
+    make_release(client, version="2.0", planned=list(FILES), lineage=LINEAGE)
+    publish(client, "gguf-q8_0", FILES["gguf-q8_0"], ["cpu", "apple"], version="2.0", provenance=PROVENANCE)
     publish(client, "gguf-q4_0", FILES["gguf-q4_0"], ["cpu"], version="2.0", quant="q4_0")
     publish(
         client,
@@ -62,9 +94,20 @@ def seed(client: TestClient) -> None:
     )
     passed = {"ppl_change": 0.0004, "kl": 8.1e-5, "top1": 0.992, "greedy_match": 0.91, "ppl": 53.7}
     failed = {"ppl_change": 0.21, "kl": 0.31, "top1": 0.86, "greedy_match": 0.4, "ppl": 65.0}
-    ok = post_eval(client, "gguf-q8_0", "passed", version="2.0", metrics=passed, gates=LOSSLESS_GATE)
+    ok = post_eval(
+        client, "gguf-q8_0", "passed", version="2.0", metrics=passed, gates=LOSSLESS_GATE, runtime_version=LLAMA_CPP
+    )
     assert ok.status_code == 201
-    bad = post_eval(client, "gguf-q4_0", "failed", version="2.0", metrics=failed, gates=ROUNDED_GATE, reason=FAILURES)
+    bad = post_eval(
+        client,
+        "gguf-q4_0",
+        "failed",
+        version="2.0",
+        metrics=failed,
+        gates=ROUNDED_GATE,
+        reason=FAILURES,
+        runtime_version=OLD_LLAMA_CPP,
+    )
     assert bad.status_code == 201
     not_here = "needs a runner with tensorrt_llm and an H100; this machine has neither"
     assert (
@@ -74,9 +117,20 @@ def seed(client: TestClient) -> None:
     assert (
         post_eval(client, "gguf-q8_0", "not_evaluated", runtime="llama.cpp-metal", version="2.0", reason=metal)
     ).status_code == 201
-    assert (
-        post_eval(client, "hf-bundle-bf16", "not_evaluated", runtime="vllm", version="2.0", reason=NO_VLLM)
-    ).status_code == 201
+    exact = {"ppl_change": 0.0, "kl": 0.0, "top1": 1.0, "greedy_match": 1.0}
+    close = {"ppl_change": 0.0002, "kl": 3e-6, "top1": 0.998, "greedy_match": 0.97}
+    for runtime, metrics, runtime_version in (("transformers", exact, TRANSFORMERS), ("vllm", close, VLLM)):
+        done = post_eval(
+            client,
+            "hf-bundle-bf16",
+            "passed",
+            runtime=runtime,
+            version="2.0",
+            metrics=metrics,
+            gates=LOSSLESS_GATE,
+            runtime_version=runtime_version,
+        )
+        assert done.status_code == 201, done.text
     seal(client, "2.0")
     forced = promote(client, "2.0", force=True, reason=FORCED_REASON, actor="release-bot")
     assert forced.status_code == 200, forced.text

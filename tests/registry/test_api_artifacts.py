@@ -165,6 +165,56 @@ def test_evals_are_idempotent_and_immutable(client: TestClient) -> None:
     assert_error(post_eval(client, "nope", "passed"), 404, "NOT_FOUND")
 
 
+def test_evals_record_the_runtime_version(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu"])
+    fields: dict[str, Any] = {"metrics": {"kl": 0.01}, "runtime_version": "llama-cpp-python 0.3.36"}
+    first = post_eval(client, "gguf-q8", "passed", **fields)
+    assert first.status_code == 201, first.text
+    assert first.json()["runtime_version"] == "llama-cpp-python 0.3.36"
+    assert post_eval(client, "gguf-q8", "passed", **fields).status_code == 200
+    # The version is part of the result: the same numbers from another version, or from an unrecorded
+    # one, are a different result.
+    other = {**fields, "runtime_version": "llama-cpp-python 0.3.37"}
+    assert_error(post_eval(client, "gguf-q8", "passed", **other), 409, "CONFLICT")
+    assert_error(post_eval(client, "gguf-q8", "passed", metrics=fields["metrics"]), 409, "CONFLICT")
+    # Not sent: recorded as not known (None), and an old client's repeat of it is the same result.
+    assert post_eval(client, "gguf-q8", "passed", runtime="jax", metrics={"kl": 0.02}).status_code == 201
+    assert post_eval(client, "gguf-q8", "passed", runtime="jax", metrics={"kl": 0.02}).status_code == 200
+    for version in (
+        "transformers 5.17.0, torch 2.13.0+cpu",
+        "vLLM 0.32.0 (CPU)",
+        "jax 0.10.2, orbax-checkpoint 0.12.8",
+    ):
+        response = post_eval(client, "gguf-q8", "passed", runtime=f"r{len(version)}", runtime_version=version)
+        assert response.status_code == 201, (version, response.text)
+    for bad in ("", " leading", "trailing ", "a<b>", "tab\there", "new\nline", 'quote"', "x" * 201, 7):
+        assert_error(post_eval(client, "gguf-q8", "passed", runtime="vllm", runtime_version=bad), 422, "INVALID_INPUT")
+    evals = {e["runtime"]: e["runtime_version"] for e in client.get(f"{ARTIFACTS}/gguf-q8").json()["evals"]}
+    assert evals["llama.cpp"] == "llama-cpp-python 0.3.36" and evals["jax"] is None
+    release = client.get("/v1/models/tiny/releases/1.0").json()
+    listed = {e["runtime"]: e["runtime_version"] for e in release["artifacts"][0]["evals"]}
+    assert listed["llama.cpp"] == "llama-cpp-python 0.3.36"
+
+
+def test_an_eval_on_one_gpu_sku_is_named_runtime_at_sku(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu", "h100"])
+    # How the publish stage records a GPU runner's eval: `<runtime>@<hardware>`, beside the runtime's own.
+    response = post_eval(client, "gguf-q8", "passed", runtime="tensorrt_llm@h100", metrics={"kl": 0.004})
+    assert response.status_code == 201, response.text
+    assert (
+        post_eval(client, "gguf-q8", "not_evaluated", runtime="tensorrt_llm", reason="needs an H100").status_code == 201
+    )
+    assert post_eval(client, "gguf-q8", "passed", runtime="llama.cpp@h100-sxm").status_code == 201
+    evals = client.get(f"{ARTIFACTS}/gguf-q8").json()["evals"]
+    assert [e["runtime"] for e in evals] == ["llama.cpp@h100-sxm", "tensorrt_llm", "tensorrt_llm@h100"]
+    # One SKU, lowercase, after a runtime name; 64 characters in all.
+    for bad in ("@h100", "tensorrt_llm@", "tensorrt_llm@H100", "a@b@c", "trt@h100/x", "t@" + "h" * 63):
+        assert_error(post_eval(client, "gguf-q8", "passed", runtime=bad), 422, "INVALID_INPUT")
+    assert post_eval(client, "gguf-q8", "passed", runtime="t@" + "h" * 62).status_code == 201
+
+
 def test_release_shows_artifacts_evals_and_gate_status(client: TestClient) -> None:
     make_release(client, planned=["a-pass", "b-fail", "c-none"])
     publish(client, "a-pass", {"a": b"1"}, ["cpu"])

@@ -76,13 +76,17 @@ def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactMani
     published = client.publish_artifact(model, "1.0", manifest, files_root=root)
     assert published["manifest_digest"] == manifest.content_digest()
     assert client.publish_artifact(model, "1.0", manifest)["manifest_digest"] == manifest.content_digest()
-    client.post_eval(model, "1.0", "gguf-q8", "llama.cpp", "passed", metrics={"kl": 0.01})
+    recorded = client.post_eval(
+        model, "1.0", "gguf-q8", "llama.cpp", "passed", metrics={"kl": 0.01}, runtime_version="llama-cpp-python 0.3.36"
+    )
+    assert recorded["runtime_version"] == "llama-cpp-python 0.3.36"
     assert client.seal_release(model, "1.0")["status"] == "sealed"
     assert client.seal_release(model, "1.0")["status"] == "sealed"  # idempotent
     channel = client.promote(model, "1.0", "prod", actor="ci")
     assert channel["version"] == "1.0"
     release = client.get_release(model, "1.0")
     assert release["artifacts"][0]["eval_status"] == "passed"
+    assert release["artifacts"][0]["evals"][0]["runtime_version"] == "llama-cpp-python 0.3.36"
     return manifest
 
 

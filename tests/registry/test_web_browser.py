@@ -99,24 +99,51 @@ def test_release_page_dom(live: str, chromium: str, tmp_path: Path) -> None:
     url = f"{live}/ui/models/tiny/releases/2.0"
     dom = parse(run_chromium(chromium, tmp_path / "profile", "--dump-dom", url).stdout)
     matrix = dom.find("table", id="matrix")
-    groups = {g.attrs["data-artifact"]: g for g in matrix.find_all("tbody", class_="artifact")}
-    assert {name: g.attrs["data-status"] for name, g in groups.items()} == {
+    rows = {tr.attrs["data-artifact"]: tr for tr in matrix.find("tbody").find_all("tr")}
+    assert {name: tr.attrs["data-status"] for name, tr in rows.items()} == {
         "gguf-q4_0": "failed",
         "gguf-q8_0": "passed",
-        "hf-bundle-bf16": "not_evaluated",
+        "hf-bundle-bf16": "passed",
         "trtllm-fp8": "not_evaluated",
     }
     states = {
-        name: [td.attrs["data-state"] for td in g.find_all("td", class_="metric") if "data-state" in td.attrs]
-        for name, g in groups.items()
+        name: [
+            (td.attrs["data-runtime"], td.attrs["data-state"]) for td in tr.find_all("td") if "data-state" in td.attrs
+        ]
+        for name, tr in rows.items()
     }
+    gated = ["pass", "pass", "pass", "ungated"]
     assert states == {
-        "gguf-q4_0": ["fail", "fail", "pass", "ungated"],
-        "gguf-q8_0": ["pass", "pass", "pass", "ungated"],
-        "hf-bundle-bf16": [],
+        "gguf-q4_0": [("llama.cpp", s) for s in ("fail", "fail", "pass", "ungated")],
+        "gguf-q8_0": [("llama.cpp", s) for s in gated],
+        "hf-bundle-bf16": [("transformers", s) for s in gated] + [("vllm", s) for s in gated],
         "trtllm-fp8": [],
     }
-    assert "not evaluated here: needs a runner with tensorrt_llm" in groups["trtllm-fp8"].text
+    # Every row has a cell in every runtime's group: the browser kept the table rectangular.
+    assert {len(tr.find_all("td", data_runtime="vllm")) for tr in rows.values()} >= {1}
+    assert "not evaluated here: needs a runner with tensorrt_llm" in rows["trtllm-fp8"].text
     # The browser parsed the escaped reason as text: no script element made it into the document.
     assert dom.find_all("script") == []
     assert len(matrix.find_all("a", class_="download")) == 6  # 2.0 is sealed and served
+    # The inline SVG reached the document as SVG: one mark per eval with metrics.
+    assert len(dom.find("svg", class_="quality-plot").find_all("g", class_="mark")) == 4
+
+
+def test_release_page_full_length(live: str, chromium: str, tmp_path: Path) -> None:
+    """The whole page (matrix, plot, lineage, provenance) renders at a laptop's width without widening it:
+    the matrix scrolls inside its wrapper. Saved under KILN_SCREENSHOT_DIR when set, to look at."""
+    from PIL import Image
+
+    shot = tmp_path / "release-full.png"
+    url = f"{live}/ui/models/tiny/releases/2.0"
+    run_chromium(chromium, tmp_path / "profile", f"--screenshot={shot}", f"--window-size={WIDTH},2200", url)
+    with Image.open(shot) as image:
+        assert image.size == (WIDTH, 2200)
+        rgb = image.convert("RGB")
+        # The plot's marks are drawn in its palette's blue and orange somewhere below the matrix.
+        counted = rgb.getcolors(maxcolors=WIDTH * 2200)
+    assert counted is not None
+    colours = {colour for _, colour in counted}  # type: ignore[misc]  # RGB: 3-tuples
+    assert (0x00, 0x72, 0xB2) in colours and (0xE6, 0x9F, 0x00) in colours
+    if where := os.environ.get("KILN_SCREENSHOT_DIR"):
+        shutil.copyfile(shot, Path(where) / "release-page-full.png")
