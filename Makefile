@@ -15,9 +15,14 @@ export ONEDNN_MAX_CPU_ISA := AVX512_CORE_BF16
 RECIPE := examples/tiny-llama/kiln.yaml
 REGISTRY_DIR := .kiln/registry
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install runtimes demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
+
+# vLLM's own environment (its pins clash with kiln's): installed once under KILN_RUNTIMES
+# (~/.cache/kiln/runtimes), outside the checkout, so fresh clones and CI find it; a no-op when it is there.
+runtimes: install
+	$(BIN)/kiln runtime install vllm
 
 $(VENV)/.installed: pyproject.toml constraints.txt $(LLAMA_WHEEL)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,17 +37,17 @@ $(LLAMA_WHEEL):
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for AVX2 (about 10 minutes, once)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel -q --no-deps --no-cache-dir -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION)
 
-demo: install
+demo: runtimes
 	$(BIN)/kiln build $(RECIPE)
 	$(BIN)/kiln publish $(RECIPE) --registry $(REGISTRY_DIR)
 	$(BIN)/kiln promote tiny-llama@1.0.0 --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware cpu --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware tpu-v5e --channel prod --registry $(REGISTRY_DIR)
 
-test: install
+test: runtimes
 	$(BIN)/pytest -q
 
-test-fast: install
+test-fast: runtimes
 	$(BIN)/pytest -q -m "not slow"
 
 lint: install

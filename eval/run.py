@@ -60,11 +60,13 @@ def evaluate_artifact(
 ) -> EvalReport:
     """Open `artifact` in `runtime` and evaluate it; *not evaluated here* when that runtime is absent.
 
-    llama.cpp is opened with a context that fits the text unless `n_ctx` is given.
+    llama.cpp and vLLM are opened with a context that fits the text unless one is given.
     """
     if runtime == "llama.cpp":
         runtime_options.setdefault("n_ctx", max(text.context_needed, 64))
         runtime_options.setdefault("vocab_size", text.vocab_size)
+    if runtime == "vllm":
+        runtime_options.setdefault("max_model_len", max(text.context_needed, 64))
     try:
         candidate = open_runtime(runtime, artifact, **runtime_options)
     except Deferred as e:

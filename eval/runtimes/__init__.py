@@ -16,6 +16,7 @@ from eval.runtimes.jax_runtime import JaxRuntime
 from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
 from eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
 from eval.runtimes.transformers_runtime import TransformersRuntime
+from eval.runtimes.vllm_runtime import VllmRuntime
 
 __all__ = [
     "RUNTIMES",
@@ -25,6 +26,7 @@ __all__ = [
     "Runtime",
     "TensorRTLLMRuntime",
     "TransformersRuntime",
+    "VllmRuntime",
     "check_ids",
     "open_runtime",
 ]
@@ -34,6 +36,8 @@ RUNTIMES: dict[str, Any] = {
     TransformersRuntime.name: TransformersRuntime,
     LlamaCppRuntime.name: LlamaCppRuntime,
     JaxRuntime.name: JaxRuntime,
+    # In its own environment (`kiln runtime install vllm`); without it, Deferred (not evaluated here).
+    VllmRuntime.name: VllmRuntime,
     # Opens only on a GPU runner with tensorrt_llm; elsewhere it raises Deferred (not evaluated here).
     TensorRTLLMRuntime.name: TensorRTLLMRuntime,
 }

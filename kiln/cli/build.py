@@ -45,22 +45,26 @@ def _peak_rss_mib() -> float:
 
 
 def _artifact_table(rows: list[dict[str, Any]]) -> Table:
+    """One line per artifact and runtime that evaluated it (an artifact's name on its first line only)."""
     table = Table(title="artifacts")
-    for col in ("artifact", "size", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
-        table.add_column(col, justify="left" if col in ("artifact", "eval") else "right", no_wrap=True)
+    for col in ("artifact", "size", "runtime", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
+        table.add_column(col, justify="left" if col in ("artifact", "runtime", "eval") else "right", no_wrap=True)
     for r in rows:
-        m = r.get("metrics") or {}
-        colour = {"passed": "green", "failed": "red"}.get(r["eval"], "yellow")
-        table.add_row(
-            safe_text(r["artifact"]),
-            fmt_size(r.get("size")),
-            f"[{colour}]{safe_text(r['eval'])}[/{colour}]",
-            f"{m['ppl']:.3f}" if "ppl" in m else "-",
-            f"{m['ppl_change']:+.2%}" if "ppl_change" in m else "-",
-            f"{m['kl']:.2e}" if "kl" in m else "-",
-            f"{m['top1']:.4f}" if "top1" in m else "-",
-            f"{m['greedy_match']:.3f}" if "greedy_match" in m else "-",
-        )
+        evals = r.get("evals") or [{"runtime": r.get("runtime") or "-", "status": r["eval"], "metrics": r["metrics"]}]
+        for i, e in enumerate(evals):
+            m = e.get("metrics") or {}
+            colour = {"passed": "green", "failed": "red"}.get(e["status"], "yellow")
+            table.add_row(
+                safe_text(r["artifact"]) if i == 0 else "",
+                fmt_size(r.get("size")) if i == 0 else "",
+                safe_text(e["runtime"]),
+                f"[{colour}]{safe_text(e['status'])}[/{colour}]",
+                f"{m['ppl']:.3f}" if "ppl" in m else "-",
+                f"{m['ppl_change']:+.2%}" if "ppl_change" in m else "-",
+                f"{m['kl']:.2e}" if "kl" in m else "-",
+                f"{m['top1']:.4f}" if "top1" in m else "-",
+                f"{m['greedy_match']:.3f}" if "greedy_match" in m else "-",
+            )
     return table
 
 
@@ -114,6 +118,10 @@ def _run_build(
         for r in summary["artifacts"]:
             for failure in r["failures"]:
                 err.print(f"[red]gate failed[/red] {safe_text(r['artifact'])}: {safe_text(failure)}")
+            for e in r.get("evals", []):
+                if e["status"] == "not_evaluated" and e["reason"]:
+                    where = f"{r['artifact']} in {e['runtime']}"
+                    err.print(f"[yellow]not evaluated[/yellow] {safe_text(where)}: {safe_text(e['reason'])}")
         # Deferred is not a failure: the work waits for a runner that has what this machine lacks.
         for d in summary["deferred"]:
             if "runner" in d:

@@ -50,6 +50,8 @@ db_app = typer.Typer(help="Manage the registry database schema.", no_args_is_hel
 app.add_typer(db_app, name="db")
 token_app = typer.Typer(help="Manage registry API tokens (needs the admin scope).", no_args_is_help=True)
 app.add_typer(token_app, name="token")
+runtime_app = typer.Typer(help="Install and list runtime environments (vLLM runs in its own).", no_args_is_help=True)
+app.add_typer(runtime_app, name="runtime")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
 WorkDirOpt = Annotated[

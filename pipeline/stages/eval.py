@@ -15,11 +15,10 @@ from pipeline.stages.reference import stored_reference, stored_text
 def run(ctx: StageContext) -> EvalReport:
     export = ctx.input("export")
     text = stored_text(ctx.input("reference"))
-    runtime = export.record(ArtifactRecord).runtime_name
-    if runtime != ctx.node.params["runtime"]:  # the plan asked the target; the export says what it wrote
-        raise StageFailed(
-            f"{ctx.node.id}: planned for runtime {ctx.node.params['runtime']!r}, the export needs {runtime!r}"
-        )
+    runtime = ctx.node.params["runtime"]
+    runtimes = export.record(ArtifactRecord).runtimes
+    if runtime not in runtimes:  # the plan asked the target; the export says what it wrote
+        raise StageFailed(f"{ctx.node.id}: planned for runtime {runtime!r}, the export is served by {runtimes}")
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir

@@ -59,9 +59,10 @@ def run(ctx: StageContext) -> ArtifactRecord:
         hardware=hardware,
         unsupported=unsupported,
         runtime=result.runtime,
-        runtime_name=result.eval_runtime or spec.runtime,
+        runtime_name=(result.eval_runtimes or spec.runtimes_for(p["quant"]))[0],
+        eval_runtimes=list(result.eval_runtimes or spec.runtimes_for(p["quant"])),
         details=result.details,
     )
 
 
-STAGE = Stage("export", "5", run, ArtifactRecord, "write one target's artifact for one quant")
+STAGE = Stage("export", "6", run, ArtifactRecord, "write one target's artifact for one quant")

@@ -38,16 +38,17 @@ def run(ctx: StageContext) -> PublishRecord:
     artifact = ctx.input("artifact")
     record = artifact.record(ArtifactRecord)
     manifest = manifest_for(artifact)
-    # An artifact without an eval stage (an engine built on a GPU runner) is published as not evaluated here.
-    report = (
-        ctx.record("eval", EvalReport)
-        if "eval" in ctx.inputs
-        else EvalReport.not_evaluated(
+    # Each eval under its registry name (`eval@<runtime>`, `eval@tensorrt_llm@<sku>` for a GPU runner's).
+    # An artifact without one (an engine built on a GPU runner) is published as not evaluated here.
+    reports = {
+        role.removeprefix("eval@"): ctx.record(role, EvalReport) for role in ctx.inputs if role.startswith("eval@")
+    }
+    if not reports:
+        reports[record.runtime_name] = EvalReport.not_evaluated(
             record.runtime_name,
             f"kiln does not evaluate {record.format} artifacts yet; this one runs under {record.runtime_name} "
             f"on {', '.join(record.hardware)} only",
         )
-    )
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
         client.ensure_model(p["model"], p["description"])
         client.create_release(
@@ -63,21 +64,13 @@ def run(ctx: StageContext) -> PublishRecord:
             client.upload_blob(artifact.files_dir / f.path, f.sha256)
             ctx.progress(f.size, total)
         client.publish_artifact(p["model"], p["version"], manifest)
-        # The eval on this machine's runtime, then each one made on other hardware (`eval@<sku>`: a GPU
-        # runner's), recorded under `<runtime>@<sku>` beside it.
-        reports = [("", report)] + [
-            (role.removeprefix("eval"), ctx.record(role, EvalReport))
-            for role in sorted(ctx.inputs)
-            if role.startswith("eval@")
-        ]
-        for where, each in reports:
-            # A not_evaluated report names the runtime it needs instead of one that ran.
-            runtime = each.runtime or each.runtime_needed or record.runtime_name
+        for runtime, each in sorted(reports.items()):
             client.post_eval(
                 p["model"],
                 p["version"],
                 manifest.name,
-                runtime=f"{runtime}{where}",
+                runtime=runtime,
+                runtime_version=each.runtime_version,
                 status=each.status,
                 metrics=each.metrics.model_dump(mode="json") if each.metrics is not None else {},
                 gates=each.gate.model_dump(mode="json") if each.gate is not None else {},

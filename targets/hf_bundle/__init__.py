@@ -14,6 +14,7 @@ SPEC = register(
         quants=QUANTS,
         hardware=HARDWARE,
         runtime="transformers",
+        serving_runtimes=("vllm",),
         code_version=CODE_VERSION,
         export=export,
         description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers; quantized as compressed-tensors",

@@ -22,6 +22,7 @@ SPEC = register(
         quants=QUANTS,
         hardware=tuple(arch_hardware("gfx942") + arch_hardware("gfx950")),
         runtime="transformers",
+        serving_runtimes=("vllm",),
         code_version=CODE_VERSION,
         export=export,
         description="HF-format bundle for vLLM on one AMD architecture (gfx942/gfx950), with its validated runtime",

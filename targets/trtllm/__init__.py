@@ -41,6 +41,6 @@ SPEC = register(
         check_quant_params=check_quant_params,
         unsupported_quants=REFUSED,
         derived=derived_nodes,
-        quant_runtimes={q: f.eval_runtime for q, f in FORMATS.items() if f.eval_runtime != "transformers"},
+        quant_runtimes={q: f.eval_runtimes for q, f in FORMATS.items()},
     )
 )

@@ -245,7 +245,13 @@ def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[Derived
             DerivedNode(
                 kind="gpu-eval",
                 name=f"{name}@{sku}",
-                params={"artifact": name, "quant": quant, "sku": sku, "tensorrt_llm": parsed.gpus.tensorrt_llm},
+                params={
+                    "artifact": name,
+                    "quant": quant,
+                    "runtime": "tensorrt_llm",
+                    "sku": sku,
+                    "tensorrt_llm": parsed.gpus.tensorrt_llm,
+                },
                 inputs=("reference", "export"),
                 evaluates=name,
             )

@@ -161,7 +161,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         "hardware": {hw: v.model_dump() for hw, v in verdicts.items()},
         "validation": {
             "schema": f"TensorRT-LLM {fmt.quant_algo or 'bf16'} tensors and {checked.source} checked",
-            "numerics": "transformers on CPU" if fmt.eval_runtime == "transformers" else "not evaluated here",
+            "numerics": "transformers and vLLM on CPU" if "transformers" in fmt.eval_runtimes else "not evaluated here",
             "not_run_here": "TensorRT-LLM on an NVIDIA GPU",
         },
     }
@@ -175,7 +175,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         runtime=runtime,
         details=details,
         hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
-        eval_runtime=fmt.eval_runtime,
+        eval_runtimes=fmt.eval_runtimes,
     )
 
 

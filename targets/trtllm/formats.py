@@ -1,11 +1,11 @@
 """Per kiln scheme: the checkpoint layout TensorRT-LLM documents for it, and the GPUs that run it, as data.
 
-| scheme                    | TensorRT-LLM QuantAlgo    | written as                        | eval here          |
-|---------------------------|---------------------------|-----------------------------------|--------------------|
-| bf16                      | (none)                    | plain HF checkpoint               | transformers (CPU) |
-| fp8                       | FP8_PER_CHANNEL_PER_TOKEN | compressed-tensors in config.json | transformers (CPU) |
-| fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers (CPU) |
-| int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)     |
+| scheme                    | TensorRT-LLM QuantAlgo    | written as                        | eval here                |
+|---------------------------|---------------------------|-----------------------------------|--------------------------|
+| bf16                      | (none)                    | plain HF checkpoint               | transformers, vLLM (CPU) |
+| fp8                       | FP8_PER_CHANNEL_PER_TOKEN | compressed-tensors in config.json | transformers, vLLM (CPU) |
+| fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers, vLLM (CPU) |
+| int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)           |
 
 Why W4A16_AWQ for all three int4 schemes: TensorRT-LLM's compressed-tensors reader has no weight-only
 int branch (`quant_config_utils.py`), and its PyTorch backend builds per-group int4 Linears only
@@ -37,16 +37,17 @@ class TrtllmFormat:
 
     quant_algo: str | None
     layout: Layout
-    eval_runtime: str  # "transformers" (numerics on CPU) or "tensorrt_llm" (deferred to a GPU runner)
+    # transformers and vLLM (numerics on CPU) or tensorrt_llm only (deferred to a GPU runner)
+    eval_runtimes: tuple[str, ...]
 
 
 FORMATS: dict[str, TrtllmFormat] = {
-    "bf16": TrtllmFormat(None, "dense", "transformers"),
-    "fp8": TrtllmFormat("FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors", "transformers"),
-    "fp8-block": TrtllmFormat("FP8_BLOCK_SCALES", "compressed-tensors", "transformers"),
-    "int4-rtn": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
-    "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
-    "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", "tensorrt_llm"),
+    "bf16": TrtllmFormat(None, "dense", ("transformers", "vllm")),
+    "fp8": TrtllmFormat("FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors", ("transformers", "vllm")),
+    "fp8-block": TrtllmFormat("FP8_BLOCK_SCALES", "compressed-tensors", ("transformers", "vllm")),
+    "int4-rtn": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
+    "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
+    "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
 }
 
 # Schemes TensorRT-LLM cannot load as kiln writes them, and why.

@@ -98,7 +98,7 @@ def test_every_checkpoint_validates_and_carries_the_tensors_its_algo_loads(
     result = _export(source, quant, tmp_path / "ckpt", q, max_shard_bytes=200_000)
     ckpt = tmp_path / "ckpt"
     checked = check_checkpoint(ckpt)
-    assert checked.quant_algo == fmt.quant_algo and result.eval_runtime == fmt.eval_runtime
+    assert checked.quant_algo == fmt.quant_algo and result.eval_runtimes == fmt.eval_runtimes
     config = json.loads((ckpt / "config.json").read_text())
     if fmt.layout == "modelopt":
         assert checked.source == HF_QUANT_CONFIG and "quantization_config" not in config
@@ -199,14 +199,14 @@ def test_fp8_checkpoint_evaluates_on_cpu_and_int4_is_deferred_to_a_gpu_runner(
     assert np.array_equal(
         TransformersRuntime(tmp_path / "fp8").logits(ids), TransformersRuntime(tmp_path / "hf").logits(ids)
     )
-    assert fp8.eval_runtime == "transformers"
+    assert fp8.eval_runtimes == ("transformers", "vllm")
 
     int4 = _export(source, "w4a16-awq", tmp_path / "awq", quantized["w4a16-awq"])
-    assert int4.eval_runtime == "tensorrt_llm"
+    assert int4.eval_runtimes == ("tensorrt_llm",)
     (tmp_path / "heldout.txt").write_text("def f(x):\n    return x + 1\n" * 40)
     text = load_text(model_dir, tmp_path / "heldout.txt", window=64, max_tokens=128, prompts=1, greedy_tokens=4)
     report = evaluate_artifact(
-        TransformersRuntime(model_dir), int4.eval_runtime, tmp_path / "awq", text, gate_for("w4a16-awq")
+        TransformersRuntime(model_dir), int4.eval_runtimes[0], tmp_path / "awq", text, gate_for("w4a16-awq")
     )
     assert report.status == "not_evaluated" and not report.passed and report.metrics is None
     assert report.runtime_needed == "tensorrt_llm" and "GPU runner" in (report.reason or "")

