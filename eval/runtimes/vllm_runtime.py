@@ -44,6 +44,9 @@ from eval.runtimes.vllm_worker import PROTOCOL
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768
 TOP_K = 256
+# The threads vLLM computes with (the eval stage's `cpus`, pipeline.requirements): a reduction
+# over another thread count gives other last bits, so it is fixed, not the machine's core count.
+DEFAULT_THREADS = 2
 KV_CACHE_BYTES = 256 * 1024 * 1024  # vLLM on CPU reserves this for the KV cache (enough for the eval windows)
 
 
@@ -163,10 +166,12 @@ def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head:
 class WorkerProcess:
     """One worker in vLLM's environment; requests are answered in order, a dead worker is an error."""
 
-    def __init__(self, python: Path) -> None:
+    def __init__(self, python: Path, threads: int = DEFAULT_THREADS) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-vllm-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
         env.pop("PYTHONPATH", None)  # nothing of kiln's environment leaks into vLLM's
+        env["OMP_NUM_THREADS"] = str(threads)  # vLLM computes with these, on any machine
+        self.threads = threads
         self.proc = subprocess.Popen(
             [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
         )
@@ -243,17 +248,17 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
-_WORKERS: dict[Path, WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, int], WorkerProcess] = {}
 
 
-def shared_worker(python: Path) -> WorkerProcess:
-    """The process's worker for that environment, started on first use and stopped at exit."""
-    worker = _WORKERS.get(python)
+def shared_worker(python: Path, threads: int = DEFAULT_THREADS) -> WorkerProcess:
+    """The process's worker for that environment and thread count, started on first use, stopped at exit."""
+    worker = _WORKERS.get((python, threads))
     if worker is not None and worker.proc.poll() is not None:  # died (its error was raised): start another
         worker.close()
         worker = None
     if worker is None:
-        worker = _WORKERS[python] = WorkerProcess(python)
+        worker = _WORKERS[(python, threads)] = WorkerProcess(python, threads)
     return worker
 
 
@@ -269,7 +274,7 @@ class VllmRuntime:
 
     name = "vllm"
 
-    def __init__(self, bundle_dir: str | Path, *, max_model_len: int = 1024) -> None:
+    def __init__(self, bundle_dir: str | Path, *, max_model_len: int = 1024, threads: int = DEFAULT_THREADS) -> None:
         self.path = Path(bundle_dir)
         if not self.path.is_dir():
             raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
@@ -280,7 +285,7 @@ class VllmRuntime:
                 details={"runtime_needed": "vllm"},
             )
         schemes = bundle_schemes(self.path)
-        self._worker = shared_worker(installed.python)
+        self._worker = shared_worker(installed.python, threads)
         hello = self._worker.hello
         why = cpu_limitation(schemes, hello, head_size(self.path))
         if why is not None:
@@ -312,7 +317,7 @@ class VllmRuntime:
         self.dtype = compute_dtype(schemes)
         self.version = (
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
-            f"{self.dtype} activations"
+            f"{self.dtype} activations, {threads} threads"
         ) + ("" if exact else f"; top-{TOP_K} log-probabilities, the rest spread evenly")
         self.loaded = True
 

