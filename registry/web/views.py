@@ -60,11 +60,11 @@ METRIC_COLUMNS: tuple[MetricColumn, ...] = (
 )
 
 
-# The matrix's (and the plot legend's) runtime order: the reference runtime first, then the runtimes
-# kiln evaluates on CPU, each followed by its variants (`llama.cpp-metal`, `vllm-cpu`, `vllm@h100`),
-# then every other runtime alphabetically. A fixed order rather than first appearance, so a runtime
-# keeps its place from one release to the next.
-PREFERRED_RUNTIMES = ("transformers", "llama.cpp", "jax", "vllm")
+# The matrix's (and the plot legend's) runtime order: the reference runtime first, vLLM beside it (the
+# two evaluate the same bundles), then the other runtimes kiln evaluates on CPU, each followed by its
+# variants (`llama.cpp-metal`, `vllm-cpu`, `vllm@h100`), then every other runtime alphabetically. A
+# fixed order rather than first appearance, so a runtime keeps its place from one release to the next.
+PREFERRED_RUNTIMES = ("transformers", "vllm", "llama.cpp", "jax")
 
 
 def runtime_order(runtime: str) -> tuple[int, str]:

@@ -101,8 +101,8 @@ def test_release_page_is_the_artifact_by_runtime_matrix(client: TestClient) -> N
     assert doc.find("div", class_="scroll").find("table").attrs["id"] == "matrix"  # wide: it scrolls, not the page
     matrix = doc.find("table", id="matrix")
     top, metrics = matrix.find("thead").find_all("tr")
-    # One column group per runtime: the reference first, then llama.cpp with its variants, vLLM, the rest.
-    runtimes = ["transformers", "llama.cpp", "llama.cpp-metal", "vllm", "tensorrt_llm"]
+    # One column group per runtime: the reference first, vLLM beside it, llama.cpp with its variants, the rest.
+    runtimes = ["transformers", "vllm", "llama.cpp", "llama.cpp-metal", "tensorrt_llm"]
     assert [c.attrs.get("data-runtime") for c in matrix.find_all("colgroup")] == [None, *runtimes, None]
     assert [th.text for th in top.find_all("th")] == [
         "Artifact",
@@ -111,9 +111,9 @@ def test_release_page_is_the_artifact_by_runtime_matrix(client: TestClient) -> N
         "Size",
         "Runs on",
         f"transformers {TRANSFORMERS}",
+        f"vllm {VLLM}",
         "llama.cpp versions differ: see each verdict",
         "llama.cpp-metal",
-        f"vllm {VLLM}",
         "tensorrt_llm",
         "Files",
     ]
@@ -216,8 +216,8 @@ def test_release_page_plots_quality_against_size(client: TestClient) -> None:
     )
     assert [e.attrs["data-runtime"] for e in svg.find_all("g", class_="legend-entry") if "data-runtime" in e.attrs] == [
         "transformers",
-        "llama.cpp",
         "vllm",
+        "llama.cpp",
     ]
     assert doc.find_all("p", id="not-plotted") == [] and doc.find_all("p", id="no-plot") == []
 
@@ -321,8 +321,8 @@ def test_unevaluated_artifact_spans_every_runtime_group(client: TestClient) -> N
     doc = page(client, "/ui/models/tiny/releases/1.0")
     top = doc.find("table", id="matrix").find("thead").find_all("tr")[0]
     assert [th.attrs["data-runtime"] for th in top.find_all("th", class_="runtime")] == [
-        "llama.cpp",
         "vllm",
+        "llama.cpp",
         "tensorrt_llm@h100",
     ]
     none = doc.find("tr", data_artifact="b-none").find("td", class_="not-evaluated")

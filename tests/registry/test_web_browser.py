@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from tests.registry.helpers import serve_in_thread
 from tests.registry.pages import parse, seed
 
-WIDTH, HEIGHT = 1280, 900
+WIDTH, HEIGHT = 2000, 900  # wide enough to show the failed llama.cpp cells, past vLLM's group
 # One browser test is enough per deployment shape; the pages' HTML is tested on both databases in test_web.py.
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
