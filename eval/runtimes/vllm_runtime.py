@@ -60,11 +60,17 @@ class WeightScheme:
     activations: bool  # activations quantized too (W8A8) or not (weight-only)
 
     @classmethod
-    def from_group(cls, group: dict[str, Any]) -> WeightScheme:
-        weights = group.get("weights") or {}
+    def from_group(cls, group: Any) -> WeightScheme:
+        weights = group.get("weights") if isinstance(group, dict) else None
+        bits = weights.get("num_bits") if isinstance(weights, dict) else None
+        if not isinstance(weights, dict) or not isinstance(bits, int) or isinstance(bits, bool):
+            raise InvalidInput(
+                "a compressed-tensors config group needs `weights` with an integer `num_bits`",
+                code="BUNDLE_CONFIG_INVALID",
+            )
         return cls(
             weight_type=str(weights.get("type")),
-            weight_bits=int(weights.get("num_bits") or 0),
+            weight_bits=bits,
             weight_strategy=str(weights.get("strategy")),
             activations=bool(group.get("input_activations")),
         )
@@ -123,24 +129,37 @@ def compute_dtype(schemes: Sequence[WeightScheme]) -> str:
     return DEFAULT_DTYPE
 
 
-def bundle_schemes(bundle_dir: Path) -> list[WeightScheme]:
-    """The weight schemes of a compressed-tensors bundle's config groups; [] for an unquantized one."""
+def bundle_config(bundle_dir: Path) -> dict[str, Any]:
+    """A bundle's config.json, as an object; anything else is a clear error, not a crash later."""
     try:
         config = json.loads((bundle_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise InvalidInput(f"{bundle_dir}: no readable config.json ({e})", details={"path": str(bundle_dir)}) from None
+        raise InvalidInput(
+            f"{bundle_dir}: no readable config.json ({e})",
+            code="BUNDLE_CONFIG_INVALID",
+            details={"path": str(bundle_dir)},
+        ) from None
+    if not isinstance(config, dict):
+        raise InvalidInput(f"{bundle_dir}: config.json is not an object", code="BUNDLE_CONFIG_INVALID")
+    return config
+
+
+def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
+    """The weight schemes of a compressed-tensors bundle's config groups; [] for an unquantized one."""
     quant = config.get("quantization_config") or {}
-    groups = quant.get("config_groups") or {}
-    return [WeightScheme.from_group(g) for g in groups.values() if isinstance(g, dict)]
+    groups = quant.get("config_groups") if isinstance(quant, dict) else None
+    if quant and not isinstance(groups, dict):
+        raise InvalidInput("`quantization_config` has no `config_groups` object", code="BUNDLE_CONFIG_INVALID")
+    return [WeightScheme.from_group(g) for g in (groups or {}).values()]
 
 
-def head_size(bundle_dir: Path) -> int | None:
-    """The model's attention head size from its config.json (None where it does not say)."""
-    config = json.loads((bundle_dir / "config.json").read_text())
-    if config.get("head_dim"):
-        return int(config["head_dim"])
-    if config.get("hidden_size") and config.get("num_attention_heads"):
-        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+def head_size(config: dict[str, Any]) -> int | None:
+    """The model's attention head size from its config (None where it does not say it as integers)."""
+    head, hidden, heads = config.get("head_dim"), config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(head, int) and head > 0:
+        return head
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
     return None
 
 
@@ -284,10 +303,11 @@ class VllmRuntime:
                 "vLLM's runtime environment is not installed here: `kiln runtime install vllm` installs it",
                 details={"runtime_needed": "vllm"},
             )
-        schemes = bundle_schemes(self.path)
+        config = bundle_config(self.path)
+        schemes = bundle_schemes(config)
         self._worker = shared_worker(installed.python, threads)
         hello = self._worker.hello
-        why = cpu_limitation(schemes, hello, head_size(self.path))
+        why = cpu_limitation(schemes, hello, head_size(config))
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",

@@ -5,6 +5,7 @@ These tests drive the real vLLM (`kiln runtime install vllm`, which `make test` 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -13,12 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import Deferred, StageFailed
+from core.errors import Deferred, InvalidInput, StageFailed
 from eval.gates import gate_for
 from eval.run import evaluate, evaluate_artifact, measure
 from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
 from eval.runtimes.environments import find
-from eval.runtimes.vllm_runtime import VllmRuntime, WeightScheme, bundle_schemes, cpu_limitation, shared_worker
+from eval.runtimes.vllm_runtime import (
+    VllmRuntime,
+    WeightScheme,
+    bundle_config,
+    bundle_schemes,
+    cpu_limitation,
+    head_size,
+    shared_worker,
+)
 from eval.runtimes.vllm_worker import amx_decision, probe_amx
 from eval.text import EvalText, tokenize_text
 from formats.hf_model import open_source
@@ -87,20 +96,45 @@ def bundles(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 
 def test_limits_follow_the_bundle_scheme_and_the_worker_kernels(bundles: dict[str, Path]) -> None:
-    assert bundle_schemes(bundles["bf16"]) == []
-    assert cpu_limitation(bundle_schemes(bundles["bf16"]), HELLO) is None
-    assert cpu_limitation(bundle_schemes(bundles["fp8"]), HELLO) is None
-    assert "int8 W8A16" in (cpu_limitation(bundle_schemes(bundles["int8-w8a16"]), HELLO) or "")
-    block = cpu_limitation(bundle_schemes(bundles["fp8-block"]), HELLO)
+    assert bundle_schemes(bundle_config(bundles["bf16"])) == []
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["bf16"])), HELLO) is None
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8"])), HELLO) is None
+    assert "int8 W8A16" in (cpu_limitation(bundle_schemes(bundle_config(bundles["int8-w8a16"])), HELLO) or "")
+    block = cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), HELLO)
     assert block is not None and "AMX" in block and "does not advertise" in block
     with_amx = {**HELLO, "amx": {"used": True, "reason": "advertised, and AMX code ran here"}}
-    assert cpu_limitation(bundle_schemes(bundles["fp8-block"]), with_amx) is None
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), with_amx) is None
     small_heads = cpu_limitation([], {**HELLO, "head_sizes": [32, 64]}, head=16)
     assert small_heads is not None and "head sizes 32, 64; this model's is 16" in small_heads
     w4a16 = [WeightScheme("int", 4, "group", False)]
     assert cpu_limitation(w4a16, HELLO) is None
     no_kernel = cpu_limitation(w4a16, {**HELLO, "kernels": {"cpu_gemm_wna16": False}})
     assert no_kernel is not None and "cpu_gemm_wna16" in no_kernel
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        [],
+        {"quantization_config": "fp8"},
+        {"quantization_config": {"config_groups": [1]}},
+        {"quantization_config": {"config_groups": {"g": {"weights": {"num_bits": "8"}}}}},
+        {"quantization_config": {"config_groups": {"g": {"weights": {"num_bits": True}}}}},
+        {"quantization_config": {"config_groups": {"g": None}}},
+    ],
+)
+def test_a_malformed_bundle_config_is_a_clear_error(tmp_path: Path, config: object) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidInput) as e:
+        bundle_schemes(bundle_config(tmp_path))
+    assert e.value.code == "BUNDLE_CONFIG_INVALID"
+
+
+def test_head_size_reads_only_integers() -> None:
+    assert head_size({"head_dim": 64}) == 64
+    assert head_size({"hidden_size": 256, "num_attention_heads": 8}) == 32
+    assert head_size({"hidden_size": "256", "num_attention_heads": 8}) is None
+    assert head_size({"hidden_size": 256, "num_attention_heads": 0}) is None
 
 
 # --- the AMX trap ------------------------------------------------------------------------------------
