@@ -1,53 +1,181 @@
-"""Hardware profiles as data: what each pool is, and the facts that decide what it can load.
+"""The hardware catalog: every fact about a device that kiln reasons with, as validated data.
 
-Sources: NVIDIA compute capabilities (sm80 A100, sm89 L40S, sm90 H100/H200, sm100 B200);
-AMD CDNA3 gfx942 (MI300X/MI325X) and CDNA4 gfx950 (MI350X/MI355X); vendor memory and
-bandwidth data sheets. Bandwidth is used for the decode-speed bound in resolve.
+The built-in catalog is `core/hardware.yaml`; a registry extends or overrides it through its API
+(`registry/hardware`) without a code change. Targets decide compatibility from an entry's family,
+arch, compute capability and FP8 flavour, never from its name, so a new SKU of a known architecture
+is served the artifacts its architecture runs. Resolve sizes replicas and bounds speed and cost from
+its memory, bandwidth, FLOP/s, interconnect and price.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Iterable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
 
-from core.errors import UnknownName
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.errors import InvalidInput, UnknownName
+
+CATALOG_FILE = Path(__file__).with_name("hardware.yaml")
+
+Family = Literal["cuda", "rocm", "tpu", "cpu", "metal"]
+Fp8Flavour = Literal["e4m3fn", "e4m3fnuz"]
+MatmulDtype = Literal["bf16", "fp8", "int8"]
+HARDWARE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,31}$"
+_WORD = r"^[A-Za-z0-9][A-Za-z0-9._ -]{0,63}$"
 
 
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    vendor: str  # nvidia | amd | google | cpu | apple
-    arch: str  # sm90, gfx942, tpu-v5e, x86_64, ...
-    memory_gib: float
-    bandwidth_gbs: float
-    family: str  # cuda | rocm | tpu | cpu | metal
-    compute_capability: int | None = None  # NVIDIA only, e.g. 90
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-PROFILES: dict[str, HardwareProfile] = {
-    p.name: p
-    for p in [
-        HardwareProfile("cpu", "cpu", "x86_64", 64, 50, "cpu"),
-        HardwareProfile("apple-m2", "apple", "arm64", 24, 100, "metal"),
-        HardwareProfile("edge", "cpu", "arm64", 8, 25, "cpu"),
-        HardwareProfile("a100", "nvidia", "sm80", 80, 2039, "cuda", 80),
-        HardwareProfile("l40s", "nvidia", "sm89", 48, 864, "cuda", 89),
-        HardwareProfile("h100", "nvidia", "sm90", 80, 3350, "cuda", 90),
-        HardwareProfile("h200", "nvidia", "sm90", 141, 4800, "cuda", 90),
-        HardwareProfile("b200", "nvidia", "sm100", 180, 8000, "cuda", 100),
-        HardwareProfile("mi300x", "amd", "gfx942", 192, 5300, "rocm"),
-        HardwareProfile("mi325x", "amd", "gfx942", 256, 6000, "rocm"),
-        HardwareProfile("mi355x", "amd", "gfx950", 288, 8000, "rocm"),
-        HardwareProfile("tpu-v5e", "google", "tpu-v5e", 16, 819, "tpu"),
-        HardwareProfile("tpu-v5p", "google", "tpu-v5p", 95, 2765, "tpu"),
-    ]
-}
+class Tflops(_Frozen):
+    """Dense peak TFLOP/s per device by matmul input type (int8 in TOP/s); absent: no such units."""
+
+    bf16: float = Field(gt=0, le=1e6)
+    fp8: float | None = Field(default=None, gt=0, le=1e6)
+    int8: float | None = Field(default=None, gt=0, le=1e6)
+
+
+class Interconnect(_Frozen):
+    """What joins a node's devices into one tensor-parallel group."""
+
+    name: str = Field(pattern=_WORD)
+    bandwidth_gbs: float = Field(gt=0, le=1e6)
+    tp_efficiency: float = Field(gt=0, le=1, description="share of summed bandwidth/FLOP/s kept under TP")
+
+
+class HardwareProfile(_Frozen):
+    """One SKU: what it is, what it computes in, and what it costs."""
+
+    name: str = Field(pattern=HARDWARE_NAME_PATTERN)
+    vendor: str = Field(pattern=r"^[a-z0-9-]{1,32}$")
+    family: Family
+    arch: str = Field(pattern=r"^[a-z0-9_.-]{1,32}$", description="sm90, gfx942, tpu-v5e, x86_64, ...")
+    compute_capability: int | None = Field(default=None, ge=10, le=1000, description="NVIDIA only, e.g. 90")
+    fp8: Fp8Flavour | None = Field(default=None, description="the FP8 type its matmuls take; None: no FP8 units")
+    memory_gib: float = Field(gt=0, le=1e6)
+    bandwidth_gbs: float = Field(gt=0, le=1e7)
+    tflops: Tflops
+    interconnect: Interconnect | None = None
+    devices_per_node: int = Field(default=1, ge=1, le=1024)
+    price_per_device_hour: float | None = Field(default=None, ge=0, le=1e6)
+    products: tuple[str, ...] = Field(default=(), max_length=16)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HardwareProfile:
+        if (self.family == "cuda") != (self.compute_capability is not None):
+            raise ValueError("compute_capability is given for NVIDIA (family cuda) devices, and only for them")
+        if self.devices_per_node > 1 and self.interconnect is None:
+            raise ValueError("a node of several devices needs its interconnect (for tensor parallelism)")
+        if self.fp8 is not None and self.tflops.fp8 is None:
+            raise ValueError("a device with FP8 units needs tflops.fp8")
+        if any(not (0 < len(p) <= 64) or not p.isprintable() for p in self.products):
+            raise ValueError("products are printable names of 1 to 64 characters")
+        return self
+
+    def matmul_tflops(self, dtype: MatmulDtype) -> tuple[float, MatmulDtype]:
+        """Peak TFLOP/s for matmuls with `dtype` inputs, and the type they run in (bf16 where it has no such units)."""
+        value = getattr(self.tflops, dtype)
+        if value is None:
+            return self.tflops.bf16, "bf16"
+        return float(value), dtype
+
+    @property
+    def architecture(self) -> tuple[object, ...]:
+        """What decides which artifacts a device runs: targets read these fields, never the SKU's name."""
+        return (self.vendor, self.family, self.arch, self.compute_capability, self.fp8)
+
+    @property
+    def device_name(self) -> str:
+        """The name the vendor's tool reports for it (what an engine build checks it runs on)."""
+        return self.products[0] if self.products else self.name
+
+
+class HardwareCatalog:
+    """SKU name -> profile, with the error that lists the known names."""
+
+    def __init__(self, profiles: Iterable[HardwareProfile]):
+        self.profiles: dict[str, HardwareProfile] = {}
+        for p in profiles:
+            if p.name in self.profiles:
+                raise InvalidInput(f"hardware catalog: {p.name!r} is listed twice", code="HARDWARE_CATALOG_INVALID")
+            self.profiles[p.name] = p
+
+    def get(self, name: str) -> HardwareProfile:
+        try:
+            return self.profiles[name]
+        except KeyError:
+            known = sorted(self.profiles)
+            raise UnknownName(
+                f"unknown hardware {name!r}; known: {', '.join(known)}", details={"hardware": name[:64], "known": known}
+            ) from None
+
+    def twin(self, profile: HardwareProfile, among: Iterable[str]) -> str | None:
+        """The first SKU of `among` (catalog names) with `profile`'s architecture: it runs what that one runs."""
+        for name in among:
+            known = self.profiles.get(name)
+            if known is not None and known.architecture == profile.architecture:
+                return name
+        return None
+
+    def extended(self, entries: Iterable[HardwareProfile]) -> HardwareCatalog:
+        """This catalog with `entries` added, or replacing the entries of the same name."""
+        merged = dict(self.profiles)
+        for p in entries:
+            merged[p.name] = p
+        return HardwareCatalog(merged.values())
+
+    def __iter__(self) -> Any:
+        return iter(self.profiles.values())
+
+
+def parse_profile(data: Mapping[str, Any], where: str = "hardware entry") -> HardwareProfile:
+    """A validated profile, or HARDWARE_CATALOG_INVALID naming each bad field."""
+    try:
+        return HardwareProfile.model_validate(dict(data))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}" for err in e.errors())
+        raise InvalidInput(f"{where}: {problems}", code="HARDWARE_CATALOG_INVALID") from None
+
+
+def load_catalog(path: Path = CATALOG_FILE) -> HardwareCatalog:
+    """Read a catalog file (`schema: 1`, `hardware: [entries]`)."""
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("hardware"), list):
+        raise InvalidInput(f"{path}: expected `schema: 1` and a `hardware` list", code="HARDWARE_CATALOG_INVALID")
+    return HardwareCatalog(
+        parse_profile(entry if isinstance(entry, dict) else {}, f"{path.name} entry {i}")
+        for i, entry in enumerate(data["hardware"])
+    )
+
+
+CATALOG_ENV = "KILN_HARDWARE_CATALOG"
+
+
+@cache
+def builtin_catalog() -> HardwareCatalog:
+    """The catalog kiln ships (`core/hardware.yaml`), extended by the file `KILN_HARDWARE_CATALOG` names.
+
+    The extension has the same shape; its entries are added, or replace the built-in entry of the
+    same name (a site's own SKUs and prices, for builds, without editing the package)."""
+    catalog = load_catalog()
+    extra = os.environ.get(CATALOG_ENV)
+    if extra:
+        path = Path(extra)
+        if not path.is_file():
+            raise InvalidInput(f"{CATALOG_ENV}={extra}: no such file", code="HARDWARE_CATALOG_INVALID")
+        catalog = catalog.extended(load_catalog(path))
+    return catalog
+
+
+# The catalog's profiles by name: what targets and the pipeline read.
+PROFILES: dict[str, HardwareProfile] = builtin_catalog().profiles
 
 
 def get_profile(name: str) -> HardwareProfile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise UnknownName(
-            f"unknown hardware {name!r}; known: {', '.join(sorted(PROFILES))}",
-            details={"known": sorted(PROFILES)},
-        ) from None
+    return builtin_catalog().get(name)

@@ -141,9 +141,9 @@ RUNNER_LABELS: dict[str | None, list[str]] = {
     **{
         f"{p.vendor}:{name}": ["self-hosted", "gpu", name]
         for name, p in PROFILES.items()
-        if p.vendor in ("nvidia", "amd")
+        if p.family in ("cuda", "rocm")
     },
-    **{f"{p.vendor}:{name}": ["self-hosted", "tpu", name] for name, p in PROFILES.items() if p.vendor == "google"},
+    **{f"{p.vendor}:{name}": ["self-hosted", "tpu", name] for name, p in PROFILES.items() if p.family == "tpu"},
 }
 
 

@@ -238,10 +238,11 @@ class Verdict(_Frozen):
     reason: str
 
 
-_GFX942_FP8 = (
-    "gfx942 computes in float8_e4m3fnuz; vLLM converts this e4m3fn checkpoint at load "
-    "(the -128 bit pattern becomes 0, scales double)"
-)
+def _fnuz_fp8(arch: str) -> str:
+    return (
+        f"{arch} computes in float8_e4m3fnuz; vLLM converts this e4m3fn checkpoint at load "
+        "(the -128 bit pattern becomes 0, scales double)"
+    )
 
 
 def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
@@ -279,11 +280,13 @@ def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
     if w is None:
         return Verdict(compatible=True, reason=f"bf16 on {hw.arch}")
     if w.type == "float":
-        if hw.arch == "gfx942":
-            return Verdict(compatible=True, reason=_GFX942_FP8)
-        if hw.arch == "gfx950":
-            return Verdict(compatible=True, reason="gfx950 computes in OCP float8_e4m3fn, the checkpoint's own type")
-        return Verdict(compatible=False, reason=f"no FP8 support known for {hw.arch}")
+        if hw.fp8 == "e4m3fnuz":
+            return Verdict(compatible=True, reason=_fnuz_fp8(hw.arch))
+        if hw.fp8 == "e4m3fn":
+            return Verdict(
+                compatible=True, reason=f"{hw.arch} computes in OCP float8_e4m3fn, the checkpoint's own type"
+            )
+        return Verdict(compatible=False, reason=f"{hw.name} ({hw.arch}) has no FP8 units")
     if scheme.input_activations is not None:
         return Verdict(compatible=True, reason=f"int8 W8A8 through vLLM's Triton int8 scaled-mm on ROCm ({hw.arch})")
     if scheme.method == "awq":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from core.hardware import PROFILES
 from formats.gguf.constants import QUANTS
 from targets.base import TargetSpec, register
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from targets.base import ExportRequest, ExportResult
 
 CODE_VERSION = "gguf-1"
+# llama.cpp serves the catalog's CPUs (x86-64 and arm64 boards) and Apple GPUs (Metal).
+LLAMA_CPP_FAMILIES = ("cpu", "metal")
 
 
 def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
@@ -37,7 +40,7 @@ SPEC = register(
         name="gguf",
         format="gguf-v3",
         quants=tuple(QUANTS),
-        hardware=("cpu", "apple-m2", "edge"),
+        hardware=tuple(name for name, hw in PROFILES.items() if hw.family in LLAMA_CPP_FAMILIES),
         runtime="llama.cpp",
         code_version=CODE_VERSION,
         export=_export,

@@ -90,7 +90,7 @@ QUANTS: Final[dict[str, QuantLayout]] = {
 
 # Where an orbax checkpoint is served: JAX/XLA on these TPUs (bf16 MXUs; int8 weights are dequantized
 # inside the XLA program, so no int8 kernel is needed).
-TPU_HARDWARE: Final = ("tpu-v5e", "tpu-v5p")
+TPU_HARDWARE: Final = tuple(name for name, hw in PROFILES.items() if hw.family == "tpu")
 
 
 def compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:

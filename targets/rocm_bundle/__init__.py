@@ -1,4 +1,4 @@
-"""Target `rocm-bundle`: an hf-bundle for one AMD GPU architecture (gfx942 or gfx950), served by vLLM on ROCm.
+"""Target `rocm-bundle`: an hf-bundle for one AMD GPU architecture of the catalog, served by vLLM on ROCm.
 
 Records the vLLM / ROCm / gfx runtime it is validated for and the FP8 flavour its hardware computes
 in; for gfx942 it can carry FP8 weights pre-converted to float8_e4m3fnuz.
@@ -9,6 +9,7 @@ from targets.rocm_bundle.export import (
     CODE_VERSION,
     QUANTIZED,
     QUANTS,
+    ROCM_ARCHES,
     arch_hardware,
     check_params,
     export,
@@ -20,12 +21,12 @@ SPEC = register(
         name="rocm-bundle",
         format="safetensors",
         quants=QUANTS,
-        hardware=tuple(arch_hardware("gfx942") + arch_hardware("gfx950")),
+        hardware=tuple(hw for arch in ROCM_ARCHES for hw in arch_hardware(arch)),
         runtime="transformers",
         serving_runtimes=("vllm",),
         code_version=CODE_VERSION,
         export=export,
-        description="HF-format bundle for vLLM on one AMD architecture (gfx942/gfx950), with its validated runtime",
+        description="HF-format bundle for vLLM on one AMD architecture (gfx942, gfx950), with its validated runtime",
         quantized_input=QUANTIZED,
         compatibility_fn=rocm_compatibility,
         check_params=check_params,

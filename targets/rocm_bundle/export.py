@@ -44,23 +44,44 @@ QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
 class RocmArch:
     """What one AMD GPU architecture computes FP8 in, and how an OCP e4m3fn checkpoint gets there."""
 
-    fp8_compute: str
+    fp8_compute: str | None  # None: the architecture has no FP8 units
     fp8_checkpoint: tuple[str, ...]  # checkpoint FP8 dtypes a bundle for this arch may carry
     conversion: str  # what happens to an e4m3fn checkpoint at load
 
 
-ROCM_ARCHES: dict[str, RocmArch] = {
-    "gfx942": RocmArch(
-        fp8_compute="float8_e4m3fnuz",
-        fp8_checkpoint=("e4m3fn", "e4m3fnuz"),
-        conversion="vLLM converts e4m3fn at load: the -128 bit pattern becomes 0, scales double",
-    ),
-    "gfx950": RocmArch(
-        fp8_compute="float8_e4m3fn",
-        fp8_checkpoint=("e4m3fn",),
-        conversion="none: gfx950 computes in OCP e4m3fn, the checkpoint's own type",
-    ),
-}
+def _rocm_arch(flavour: str | None) -> RocmArch:
+    """An architecture's FP8 handling, from the FP8 flavour the hardware catalog gives its devices."""
+    if flavour == "e4m3fnuz":
+        return RocmArch(
+            fp8_compute="float8_e4m3fnuz",
+            fp8_checkpoint=("e4m3fn", "e4m3fnuz"),
+            conversion="vLLM converts e4m3fn at load: the -128 bit pattern becomes 0, scales double",
+        )
+    if flavour == "e4m3fn":
+        return RocmArch(
+            fp8_compute="float8_e4m3fn",
+            fp8_checkpoint=("e4m3fn",),
+            conversion="none: the hardware computes in OCP e4m3fn, the checkpoint's own type",
+        )
+    return RocmArch(fp8_compute=None, fp8_checkpoint=("e4m3fn",), conversion="no FP8 units: not served FP8")
+
+
+def _rocm_arches() -> dict[str, RocmArch]:
+    flavours: dict[str, set[str | None]] = {}
+    for hw in PROFILES.values():
+        if hw.family == "rocm":
+            flavours.setdefault(hw.arch, set()).add(hw.fp8)
+    for arch, kinds in flavours.items():
+        if len(kinds) > 1:
+            raise InvalidInput(
+                f"hardware catalog: the {arch} devices disagree on their FP8 type ({sorted(map(str, kinds))})",
+                code="HARDWARE_CATALOG_INVALID",
+            )
+    return {arch: _rocm_arch(next(iter(kinds))) for arch, kinds in sorted(flavours.items())}
+
+
+# The AMD architectures of the hardware catalog (gfx942: MI300X/MI325X, gfx950: MI350X/MI355X).
+ROCM_ARCHES: dict[str, RocmArch] = _rocm_arches()
 _VERSION = r"^[0-9]+(\.[0-9]+){1,3}([.+-][A-Za-z0-9.]+)?$"
 
 
@@ -69,7 +90,7 @@ class RocmParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    gfx_arch: Literal["gfx942", "gfx950"]
+    gfx_arch: str = Field(description="an AMD architecture of the hardware catalog, e.g. gfx942")
     vllm: str = Field(pattern=_VERSION, description="vLLM version the bundle is validated for")
     rocm: str = Field(pattern=_VERSION, description="ROCm version the bundle is validated for")
     fp8_dtype: Literal["e4m3fn", "e4m3fnuz"] = "e4m3fn"
@@ -83,11 +104,17 @@ def parse_params(params: dict[str, Any]) -> RocmParams:
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors())
         raise InvalidInput(f"rocm-bundle params: {problems}", code="TARGET_PARAMS") from None
+    if parsed.gfx_arch not in ROCM_ARCHES:
+        raise InvalidInput(
+            f"rocm-bundle params: gfx_arch {parsed.gfx_arch!r} is not an AMD architecture of the hardware "
+            f"catalog; known: {', '.join(ROCM_ARCHES)}",
+            code="TARGET_PARAMS",
+        )
     arch = ROCM_ARCHES[parsed.gfx_arch]
     if parsed.fp8_dtype not in arch.fp8_checkpoint:
         raise InvalidInput(
             f"rocm-bundle params: fp8_dtype {parsed.fp8_dtype} is not for {parsed.gfx_arch}, which computes in "
-            f"{arch.fp8_compute}; use {' or '.join(arch.fp8_checkpoint)}",
+            f"{arch.fp8_compute or 'no FP8'}; use {' or '.join(arch.fp8_checkpoint)}",
             code="TARGET_PARAMS",
         )
     return parsed

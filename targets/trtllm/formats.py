@@ -128,14 +128,9 @@ MIN_PYTORCH_BACKEND: dict[str | None, tuple[str, str]] = {
 # #15767, #15907, #15918; docs/source/legacy/tensorrt-backend-removal.md).
 LAST_ENGINE_RELEASE = "1.3.0rc20"
 
-# Legacy engine builds (trtllm-build), per kiln hardware profile: what nvidia-smi calls that GPU.
-ENGINE_SKUS: dict[str, str] = {  # kiln hardware profile -> what nvidia-smi calls that GPU
-    "a100": "A100",
-    "l40s": "L40S",
-    "h100": "H100",
-    "h200": "H200",
-    "b200": "B200",
-}
+# Legacy engine builds (trtllm-build) and GPU evals, per NVIDIA SKU of the hardware catalog: what
+# nvidia-smi calls that GPU (the catalog entry's first product name).
+ENGINE_SKUS: dict[str, str] = {name: hw.device_name for name, hw in PROFILES.items() if hw.vendor == "nvidia"}
 # QuantAlgo -> why kiln builds no engine for it (the checkpoint still serves the PyTorch backend).
 ENGINE_REFUSED: dict[str, str] = {
     "FP8_BLOCK_SCALES": "128x128 block-scaled FP8 is documented for TensorRT-LLM's PyTorch backend; kiln has no "
