@@ -1,0 +1,41 @@
+"""The weight footprint of a scheme's checkpoint, from a model config alone (no weights read).
+
+What hf-bundle writes for a scheme (and rocm-bundle and trtllm's compressed-tensors FP8 with it):
+every tensor config.json implies (`formats.hf_model.ModelShape.expected_tensors`, in the source's
+order), the Linear weights the scheme quantizes as `quant.rtn.planned_tensors` lays them out
+(FP8 or int8 values, int4 packed eight to an int32 with its `weight_shape`, bf16 scales per channel,
+group or block), and everything else (embeddings, norms, biases, `lm_head`) in bf16. GPTQ and AWQ
+store the same layout as round-to-nearest; AWQ's smoothed norms replace the source's in bf16, same
+size. The SafeTensors files hold exactly these bytes plus their headers (8 bytes + JSON each).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from formats.hf_model import ModelShape
+from formats.safetensors import DTYPES
+from quant.rtn import check_shapes, planned_tensors, quantizes
+from quant.schemes import get_scheme
+
+
+def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(name, SafeTensors dtype, shape) of every tensor of `quant`'s checkpoint for `config`, in file order.
+
+    A config kiln would refuse is refused here the same way (`SourceInvalid`), as is a model whose
+    layers do not fit the scheme (`QUANT_SHAPE`); an unknown scheme lists the known ones."""
+    scheme = get_scheme(quant)
+    expected = ModelShape.from_config(dict(config)).expected_tensors()
+    check_shapes(scheme, expected)
+    for name, shape in expected.items():
+        if quantizes(scheme, name):
+            yield from planned_tensors(scheme, name, shape)
+        else:
+            yield name, "BF16", shape
+
+
+def checkpoint_bytes(config: Mapping[str, Any], quant: str) -> int:
+    """The tensor bytes of `quant`'s checkpoint for `config` (the SafeTensors files less their headers)."""
+    return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in checkpoint_tensors(config, quant))

@@ -1,0 +1,314 @@
+"""Fit and speed of one replica: how many devices of a hardware profile an artifact needs, and its bounds.
+
+Pure functions over a model's shape (`model_shape`, read from an untrusted config), an artifact's
+weight bytes and quant, and a `core.hardware.HardwareProfile`; no I/O. `plan_replica` picks the
+smallest tensor-parallel degree whose share of the weights and KV cache fits in each device's usable
+memory, and bounds what that replica can do:
+
+- decode is bandwidth-bound: each step reads, on every device, its share of the weights and of the
+  KV cache at full context, so step time = those bytes ÷ (bandwidth × efficiency); the replica makes
+  `concurrency` tokens a step, each sequence one.
+- prefill is FLOP-bound: one prompt of `context` tokens costs 2 × parameters × context for the
+  matmuls plus 2 × layers × heads × head_dim × context² for attention, at the matmul type the
+  artifact computes in (`matmul_dtype`) on all TP devices × efficiency.
+
+efficiency is 1 on one device and the interconnect's `tp_efficiency` under TP (the all-reduces).
+These are upper bounds from data-sheet peaks, for ranking and sizing; a real server reaches a share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import InvalidInput, UnknownName
+from core.hardware import HardwareProfile, MatmulDtype
+from quant.schemes import SCHEMES
+
+GIB = 1024**3
+
+# KV cache bytes per element, by the KV cache's dtype.
+KV_DTYPES: dict[str, int] = {"bf16": 2, "fp8": 1}
+# The share of each device a server gives to weights and KV cache; the other 10 % is kept for
+# activations, CUDA graphs and the allocator (vLLM's default gpu_memory_utilization).
+MEMORY_UTILIZATION = 0.90
+
+# Larger values are not an architecture (the largest models have ~10^2 layers, 10^5 hidden): a
+# release's model_config is publisher input, so anything past this is treated as missing.
+MAX_DIMENSION = 2**24
+# Bounds on what a caller asks (context, concurrency: MAX_DIMENSION), far past any real replica, so the
+# arithmetic stays within floats.
+MAX_WEIGHTS_BYTES = 2**60
+
+# Keys read from a model config, Hugging Face names first.
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "layers")
+_HEADS = ("num_attention_heads", "n_head", "heads")
+_KV_HEADS = ("num_key_value_heads", "kv_heads", "num_kv_heads")
+_HEAD_DIM = ("head_dim",)
+_HIDDEN = ("hidden_size", "n_embd", "hidden")
+_INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
+_VOCAB = ("vocab_size", "n_vocab")
+_TIED = "tie_word_embeddings"
+
+# Quants whose matmuls take 8-bit inputs, beside the schemes (`quant.schemes`) that say so themselves.
+# Everything else (bf16, weight-only int8/int4, GGUF types) computes in bf16 after dequantizing.
+_MATMUL_DTYPES: dict[str, MatmulDtype] = {"fp8": "fp8", "fp8-block": "fp8", "int8-w8a8": "int8"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing needs of a decoder-only (Llama-family) model; None where the config does not say."""
+
+    layers: int
+    heads: int | None
+    kv_heads: int
+    head_dim: int
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
+    tied_embeddings: bool = False
+
+    def parameters(self) -> int | None:
+        """Parameters of a Llama-family model: q/k/v/o, gate/up/down, two norms per layer, the final
+        norm, embeddings and lm_head unless tied (biases, where a family has them, are not counted:
+        under 0.01 %). None when hidden, heads, intermediate or vocab are unknown."""
+        if self.hidden is None or self.heads is None or self.intermediate is None or self.vocab is None:
+            return None
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+        return self.layers * per_layer + h + self.vocab * h * (1 if self.tied_embeddings else 2)
+
+    def kv_cache_bytes(self, context: int, concurrency: int, kv_dtype: str = "bf16") -> int:
+        """The replica's KV cache: keys and values of every layer for `context` × `concurrency` tokens."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * context * concurrency * _kv_bytes(kv_dtype)
+
+
+def _first_int(config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
+            return value
+    return None
+
+
+def model_shape(config: Mapping[str, Any]) -> ModelShape | str:
+    """The shape of the model a config describes, or a sentence saying what is missing.
+
+    The config is untrusted publisher input: a value that is not an int, a bool, ≤ 0 or above
+    MAX_DIMENSION counts as missing. Layers, KV heads and head_dim are needed (the KV cache); the
+    rest only bound prefill (parameters) and tensor parallelism (heads), and are None when absent.
+    """
+    if not isinstance(config, Mapping):
+        return "the release's model_config is not an object, so the KV cache is not counted"
+    layers = _first_int(config, _LAYERS)
+    heads = _first_int(config, _HEADS)
+    kv_heads = _first_int(config, _KV_HEADS) or heads
+    head_dim = _first_int(config, _HEAD_DIM)
+    hidden = _first_int(config, _HIDDEN)
+    if head_dim is None and hidden is not None and heads and hidden % heads == 0:
+        head_dim = hidden // heads
+    if layers is None or kv_heads is None or head_dim is None:
+        missing = [
+            name
+            for name, value in (
+                ("num_hidden_layers", layers),
+                ("num_key_value_heads", kv_heads),
+                ("head_dim", head_dim),
+            )
+            if value is None
+        ]
+        return "the release's model_config lacks " + ", ".join(missing) + ", so the KV cache is not counted"
+    tied = config.get(_TIED)
+    return ModelShape(
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        intermediate=_first_int(config, _INTERMEDIATE),
+        vocab=_first_int(config, _VOCAB),
+        tied_embeddings=tied if isinstance(tied, bool) else False,
+    )
+
+
+def matmul_dtype(quant: str) -> MatmulDtype:
+    """The input type of an artifact's matmuls: fp8 for FP8 W8A8, int8 for int8 W8A8, else bf16.
+
+    Weight-only schemes (W8A16, W4A16, GGUF types) dequantize to bf16 before each matmul. On hardware
+    without fp8/int8 units `HardwareProfile.matmul_tflops` falls back to bf16."""
+    scheme = SCHEMES.get(quant)
+    if scheme is not None and scheme.input_activations is not None:
+        return "fp8" if scheme.input_activations.type == "float" else "int8"
+    return _MATMUL_DTYPES.get(quant, "bf16")
+
+
+def _kv_bytes(kv_dtype: str) -> int:
+    try:
+        return KV_DTYPES[kv_dtype]
+    except KeyError:
+        raise UnknownName(
+            f"unknown KV cache dtype {kv_dtype!r}; known: {', '.join(KV_DTYPES)}",
+            details={"kv_dtype": str(kv_dtype)[:64], "known": list(KV_DTYPES)},
+        ) from None
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One replica of an artifact on a hardware profile: its tensor-parallel degree, memory and bounds."""
+
+    hardware: str
+    quant: str
+    context: int
+    concurrency: int
+    kv_dtype: str
+    fits: bool
+    tp: int  # chosen; when nothing fits, the largest tried
+    devices: int  # = tp
+    max_tp: int  # min(devices_per_node, max_devices)
+    memory_per_device_bytes: int
+    usable_per_device_bytes: int  # MEMORY_UTILIZATION of it
+    weights_bytes: int
+    weights_per_device_bytes: int
+    kv_cache_bytes: int  # the replica's (0 when the shape is unknown)
+    kv_per_device_bytes: int  # with KV heads replicated where tp > kv_heads
+    kv_room_per_device_bytes: int  # usable - weights per device: left for KV (negative: the weights alone do not fit)
+    required_per_device_bytes: int  # weights + KV per device
+    decode_tokens_per_s: float  # whole replica, `concurrency` sequences
+    decode_tokens_per_s_per_sequence: float
+    prefill_tokens_per_s: float | None
+    ttft_s: float | None  # one prompt of `context` tokens; None when parameters are unknown
+    matmul_dtype: MatmulDtype  # the type the matmuls run in on this hardware
+    matmul_tflops: float
+    cost_per_mtok: float | None  # USD per million output tokens at the decode bound; None without a price
+    explanation: str
+
+
+def _check_count(name: str, value: Any, minimum: int, maximum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise InvalidInput(
+            f"{name} must be an integer from {minimum} to {maximum}; got {str(value)[:32]}",
+            code="REPLICA_INPUT_INVALID",
+            details={"field": name, "minimum": minimum, "maximum": maximum},
+        )
+    return value
+
+
+def _tp_degrees(shape: ModelShape | str, limit: int) -> tuple[list[int], list[int]]:
+    """(allowed, excluded): the powers of two up to `limit`, split by whether the heads divide over them."""
+    allowed: list[int] = []
+    excluded: list[int] = []
+    tp = 1
+    while tp <= limit:
+        ok = isinstance(shape, str) or (
+            (shape.heads is None or shape.heads % tp == 0) and (shape.kv_heads % tp == 0 or tp % shape.kv_heads == 0)
+        )
+        (allowed if ok else excluded).append(tp)
+        tp *= 2
+    return allowed, excluded
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def plan_replica(
+    profile: HardwareProfile,
+    shape: ModelShape | str,
+    weights_bytes: int,
+    quant: str,
+    context: int,
+    concurrency: int,
+    kv_dtype: str = "bf16",
+    max_devices: int | None = None,
+) -> ReplicaPlan:
+    """The smallest tensor-parallel replica of an artifact (`weights_bytes`, `quant`) on `profile` that
+    holds the weights and a KV cache of `context` × `concurrency` tokens, with its decode, prefill and
+    cost bounds. `shape` is `model_shape(config)`; a sentence there (the shape is unknown) counts no
+    KV cache and leaves TTFT unknown. TP degrees are powers of two up to min(devices_per_node,
+    max_devices) that split the attention heads and the KV heads (or replicate the KV heads evenly)."""
+    context = _check_count("context", context, 1, MAX_DIMENSION)
+    concurrency = _check_count("concurrency", concurrency, 1, MAX_DIMENSION)
+    weights_bytes = _check_count("weights_bytes", weights_bytes, 0, MAX_WEIGHTS_BYTES)
+    if max_devices is not None:
+        _check_count("max_devices", max_devices, 1, MAX_DIMENSION)
+    kv_elem = _kv_bytes(kv_dtype)
+    limit = min(profile.devices_per_node, max_devices or profile.devices_per_node)
+    allowed, excluded = _tp_degrees(shape, limit)
+    memory = int(profile.memory_gib * GIB)
+    usable = round(MEMORY_UTILIZATION * memory)
+    kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ModelShape) else 0
+
+    def per_device(tp: int) -> tuple[int, int]:
+        weights = -(-weights_bytes // tp)
+        if not isinstance(shape, ModelShape):
+            return weights, 0
+        heads_here = max(shape.kv_heads // tp, 1)  # tp > kv_heads: each device keeps one KV head
+        return weights, 2 * shape.layers * heads_here * shape.head_dim * context * concurrency * kv_elem
+
+    tried: list[tuple[int, int]] = []  # (tp, weights + KV per device) of each TP that did not fit
+    tp = allowed[-1]
+    for candidate in allowed:
+        w, kv = per_device(candidate)
+        if w + kv <= usable:
+            tp = candidate
+            break
+        tried.append((candidate, w + kv))
+    w_dev, kv_dev = per_device(tp)
+    fits = w_dev + kv_dev <= usable
+
+    efficiency = 1.0 if tp == 1 or profile.interconnect is None else profile.interconnect.tp_efficiency
+    step_s = max(w_dev + kv_dev, 1) / (profile.bandwidth_gbs * 1e9 * efficiency)
+    decode = concurrency / step_s
+    tflops, used = profile.matmul_tflops(matmul_dtype(quant))
+    params = shape.parameters() if isinstance(shape, ModelShape) else None
+    ttft: float | None = None
+    if isinstance(shape, ModelShape) and params is not None and shape.heads is not None:
+        flops = 2 * params * context + 2 * shape.layers * shape.heads * shape.head_dim * context**2
+        ttft = flops / (tp * tflops * 1e12 * efficiency)
+    price = profile.price_per_device_hour
+    cost = price * tp / (decode * 3600) * 1e6 if price is not None else None
+
+    link = f" ({profile.interconnect.name})" if tp > 1 and profile.interconnect is not None else ""
+    arithmetic = f"{_gib(w_dev)} weights + {_gib(kv_dev)} KV per device"
+    room = f"{_gib(usable)} usable of {_gib(memory)}"
+    if fits:
+        parts = [f"TP {tp} of {limit}{link}: {arithmetic} ≤ {room}"]
+        if tried:
+            parts.append(", ".join(f"TP {t} needs {_gib(need)}" for t, need in tried))
+    else:
+        parts = [f"does not fit in {limit} device{'s' if limit > 1 else ''}: TP {tp}{link} needs {arithmetic} > {room}"]
+    if excluded and isinstance(shape, ModelShape):
+        heads = f"{shape.heads} heads, " if shape.heads is not None else ""
+        parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.kv_heads} KV heads)")
+    if isinstance(shape, ModelShape) and tp > shape.kv_heads:
+        parts.append(f"KV heads replicated: {shape.kv_heads} over TP {tp}, one per device")
+    if isinstance(shape, str):
+        parts.append(shape)
+    return ReplicaPlan(
+        hardware=profile.name,
+        quant=quant,
+        context=context,
+        concurrency=concurrency,
+        kv_dtype=kv_dtype,
+        fits=fits,
+        tp=tp,
+        devices=tp,
+        max_tp=limit,
+        memory_per_device_bytes=memory,
+        usable_per_device_bytes=usable,
+        weights_bytes=weights_bytes,
+        weights_per_device_bytes=w_dev,
+        kv_cache_bytes=kv_total,
+        kv_per_device_bytes=kv_dev,
+        kv_room_per_device_bytes=usable - w_dev,
+        required_per_device_bytes=w_dev + kv_dev,
+        decode_tokens_per_s=decode,
+        decode_tokens_per_s_per_sequence=1 / step_s,
+        prefill_tokens_per_s=context / ttft if ttft else None,
+        ttft_s=ttft,
+        matmul_dtype=used,
+        matmul_tflops=tflops,
+        cost_per_mtok=cost,
+        explanation="; ".join(parts),
+    )
