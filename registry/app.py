@@ -35,16 +35,20 @@ from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
 from registry.deps import require
+from registry.hardware.routes import router as hardware_router
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
 from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware
+from registry.performance.routes import router as performance_router
 from registry.releases.routes import router as releases_router
 from registry.resolve.routes import router as resolve_router
 from registry.resolve.service import ChannelFingerprints, ResolveCache
 from registry.settings import RegistrySettings
 from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router
+from registry.webhooks.delivery import DeliveryWorker
+from registry.webhooks.routes import router as webhooks_router
 
 OPENAPI_TAGS = [
     {"name": "models", "description": "Named models."},
@@ -52,9 +56,12 @@ OPENAPI_TAGS = [
     {"name": "artifacts", "description": "Built artifacts of a release, their files and eval results."},
     {"name": "blobs", "description": "Content-addressed uploads and downloads."},
     {"name": "channels", "description": "dev/staging/prod aliases; promotion is gated on evals."},
-    {"name": "resolve", "description": "What a node of some hardware should load."},
+    {"name": "resolve", "description": "What a pool of some hardware should load, on how many devices, and why."},
+    {"name": "hardware", "description": "The hardware catalog resolve sizes replicas with (changes: admin)."},
+    {"name": "performance", "description": "Measured serving performance per artifact and SKU."},
     {"name": "audit", "description": "Audit log."},
     {"name": "tokens", "description": "API tokens with scopes (admin)."},
+    {"name": "webhooks", "description": "Registry events POSTed, signed, to subscribers; the delivery log (admin)."},
     {"name": "health", "description": "Liveness, readiness and Prometheus metrics."},
     {"name": "hf-compat", "description": "Hugging Face Hub-compatible downloads (HF_ENDPOINT=<registry>)."},
 ]
@@ -102,9 +109,13 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        webhooks = DeliveryWorker(database_url, settings)
+        if settings.webhook_delivery:
+            webhooks.start()
         try:
             yield
         finally:
+            await webhooks.stop()
             app.state.resolve_cache.fingerprints.close()
             engine.dispose()
 
@@ -138,6 +149,9 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         channels_router,
         audit_router,
         auth_router,
+        webhooks_router,
+        hardware_router,
+        performance_router,
     ):
         # Every API route needs at least `read` (anonymous when settings.anonymous_read); routes
         # that change anything add their own scope.

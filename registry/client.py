@@ -334,18 +334,76 @@ class RegistryClient:
         result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/channels/{_seg(channel)}", json=body)
         return result
 
-    def resolve(
-        self, model: str, hardware: str, channel: str = "prod", context: int = 4096, concurrency: int = 1
+    def set_split(
+        self,
+        model: str,
+        channel: str,
+        weights: dict[str, float],
+        force: bool = False,
+        reason: str | None = None,
+        actor: str | None = None,
     ) -> dict[str, Any]:
-        """The artifact a node of `hardware` should load from `channel`, why, and ranked fallbacks."""
-        params = {
+        """Split `channel`'s traffic over releases ({"1.4.0": 95, "1.5.0": 5}, percent); each passes the gates."""
+        body = {
+            "weights": [{"version": v, "weight": w} for v, w in weights.items()],
+            "force": force,
+            "reason": reason,
+            "actor": actor,
+        }
+        path = f"/v1/models/{_seg(model)}/channels/{_seg(channel)}/split"
+        result: dict[str, Any] = self._json("PUT", path, json=body)
+        return result
+
+    def resolve(
+        self,
+        model: str,
+        hardware: str,
+        channel: str = "prod",
+        context: int = 4096,
+        concurrency: int = 1,
+        *,
+        policy: str = "latency",
+        kv_cache_dtype: str = "bf16",
+        min_tokens_per_s: float | None = None,
+        max_ttft_ms: float | None = None,
+        key: str | None = None,
+    ) -> dict[str, Any]:
+        """The artifact a pool of `hardware` ("h100" or "h100:4,mi300x") should load from `channel`, why,
+        and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split."""
+        params: dict[str, Any] = {
             "model": model,
             "hardware": hardware,
             "channel": channel,
             "context": context,
             "concurrency": concurrency,
+            "policy": policy,
+            "kv_cache_dtype": kv_cache_dtype,
         }
+        optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key}
+        params.update({k: v for k, v in optional.items() if v is not None})
         result: dict[str, Any] = self._json("GET", "/v1/resolve", params=params)
+        return result
+
+    # -- hardware catalog and measured performance -----------------------------------------------
+
+    def hardware(self) -> list[dict[str, Any]]:
+        """The registry's hardware catalog (built-in entries and the registry's own)."""
+        result: list[dict[str, Any]] = self._json("GET", "/v1/hardware")
+        return result
+
+    def put_hardware(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """Add SKU `name` to the catalog or override its entry (admin)."""
+        result: dict[str, Any] = self._json("PUT", f"/v1/hardware/{_seg(name)}", json=entry)
+        return result
+
+    def delete_hardware(self, name: str) -> None:
+        """Remove the registry's entry for `name` (a built-in one returns to its default; admin)."""
+        self._send("DELETE", f"/v1/hardware/{_seg(name)}")
+
+    def post_performance(self, model: str, version: str, artifact: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Record a measured performance of an artifact on one SKU (publish scope)."""
+        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}/performance"
+        result: dict[str, Any] = self._json("POST", path, json=record)
         return result
 
     # -- access control and audit ----------------------------------------------------------------

@@ -67,8 +67,12 @@ def registry_metadata() -> MetaData:
     from registry.auth import models as _auth  # noqa: F401
     from registry.blobs import models as _blobs  # noqa: F401
     from registry.channels import models as _channels  # noqa: F401
+    from registry.hardware import models as _hardware  # noqa: F401
     from registry.models import models as _models  # noqa: F401
+    from registry.performance import models as _performance  # noqa: F401
     from registry.releases import models as _releases  # noqa: F401
+    from registry.resolve import models as _resolve  # noqa: F401
+    from registry.webhooks import models as _webhooks  # noqa: F401
 
     return Base.metadata
 

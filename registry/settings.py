@@ -65,6 +65,22 @@ class RegistrySettings(BaseSettings):
     protected_channels: list[str] = Field(
         default_factory=lambda: ["prod"], description="channels whose promotion needs the `promote` scope"
     )
+    webhook_delivery: bool = Field(
+        default=True, description="this process sends webhook deliveries (off: it only queues them, others send)"
+    )
+    webhook_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="a webhook delivery attempt's time limit, connect to response"
+    )
+    webhook_max_attempts: int = Field(
+        default=8, ge=1, le=100, description="attempts at a webhook delivery before it is marked failed"
+    )
+    webhook_backoff_base_s: float = Field(
+        default=10.0, gt=0, description="wait after a failed attempt n: base * 2^(n-1), capped at webhook_backoff_max_s"
+    )
+    webhook_backoff_max_s: float = Field(default=3600.0, gt=0, description="longest wait between delivery attempts")
+    webhook_poll_interval_s: float = Field(
+        default=2.0, gt=0, le=300, description="how often each server process looks for due webhook deliveries"
+    )
 
     @classmethod
     def settings_customise_sources(

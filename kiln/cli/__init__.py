@@ -12,7 +12,7 @@ import sys
 import typer
 
 from core.errors import KilnError
-from kiln.cli import build, releases, runtimes, server, tokens  # noqa: F401 - each registers its commands
+from kiln.cli import build, hardware, releases, runtimes, server, tokens  # noqa: F401 - each registers its commands
 from kiln.cli.common import EXIT_CODES, app, emit
 from kiln.console import err, safe_text
 

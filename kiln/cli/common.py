@@ -52,6 +52,8 @@ token_app = typer.Typer(help="Manage registry API tokens (needs the admin scope)
 app.add_typer(token_app, name="token")
 runtime_app = typer.Typer(help="Install and list runtime environments (vLLM runs in its own).", no_args_is_help=True)
 app.add_typer(runtime_app, name="runtime")
+hardware_app = typer.Typer(help="The registry's hardware catalog (changes need the admin scope).", no_args_is_help=True)
+app.add_typer(hardware_app, name="hardware")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
 WorkDirOpt = Annotated[

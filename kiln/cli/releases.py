@@ -1,4 +1,4 @@
-"""Release commands against a registry: seal, abandon, promote, yank, resolve, and the audit log."""
+"""Release commands against a registry: seal, abandon, promote, split, yank, resolve, and the audit log."""
 
 from __future__ import annotations
 
@@ -56,6 +56,36 @@ def promote(
 
 
 @app.command()
+def split(
+    model: str,
+    weights: Annotated[list[str], typer.Argument(metavar="VERSION=PERCENT...", help="e.g. 1.4.0=95 1.5.0=5")],
+    channel: Annotated[str, typer.Option(help="Channel to split, e.g. prod.")],
+    force: Annotated[bool, typer.Option(help="Include a release whose eval gate failed (needs --reason).")] = False,
+    reason: Annotated[str | None, typer.Option(help="Why; recorded in the audit log.")] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Split CHANNEL of MODEL over releases with weights (a canary); `VERSION=100` alone rolls back or forward."""
+    parsed: dict[str, float] = {}
+    for item in weights:
+        version, sep, percent = item.partition("=")
+        try:
+            parsed[version] = float(percent) if sep else float("nan")
+        except ValueError:
+            parsed[version] = float("nan")
+        if not sep or parsed[version] != parsed[version]:
+            raise typer.BadParameter(f"{item!r}: expected VERSION=PERCENT, e.g. 1.5.0=5")
+    with RegistryClient.connect(registry) as client:
+        out = client.set_split(model, channel, parsed, force=force, reason=reason, actor=os.environ.get("USER"))
+    members = out.get("split") or [{"version": out["version"], "weight": 100}]
+    answer(
+        out,
+        as_json,
+        f"{model}: channel {channel} -> " + ", ".join(f"{m['version']} {m['weight']:g} %" for m in members),
+    )
+
+
+@app.command()
 def yank(
     ref: Annotated[str, typer.Argument(metavar="MODEL@VERSION")],
     reason: Annotated[str, typer.Option(help="Why; recorded in the audit log.")],
@@ -72,29 +102,55 @@ def yank(
 @app.command()
 def resolve(
     model: str,
-    hardware: Annotated[str, typer.Option(help="Hardware profile of the serving pool, e.g. cpu, h100.")],
+    hardware: Annotated[
+        str, typer.Option(help="Hardware pools, best first, optionally with free devices: h100 or h100:4,mi300x.")
+    ],
     channel: Annotated[str, typer.Option(help="Channel to resolve.")] = "prod",
     context: Annotated[int, typer.Option(help="Context length to size the KV cache for.")] = 4096,
-    concurrency: Annotated[int, typer.Option(help="Concurrent sequences per node.")] = 1,
+    concurrency: Annotated[int, typer.Option(help="Concurrent sequences per replica.")] = 1,
+    policy: Annotated[str, typer.Option(help="latency | cost | quality.")] = "latency",
+    kv_cache_dtype: Annotated[str, typer.Option(help="bf16 | fp8.")] = "bf16",
+    min_tokens_per_s: Annotated[float | None, typer.Option(help="SLO: decode tokens/s per sequence.")] = None,
+    max_ttft_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, ms.")] = None,
+    key: Annotated[str | None, typer.Option(help="Request or session id: a stable release of a split.")] = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     as_json: JsonOpt = False,
 ) -> None:
-    """Which artifact a node of HARDWARE should load for MODEL on CHANNEL, and why."""
+    """Which artifact a pool of HARDWARE should load for MODEL on CHANNEL, on how many devices, and why."""
     with RegistryClient.connect(registry) as client:
-        answer = client.resolve(model, hardware, channel, context=context, concurrency=concurrency)
+        answer = client.resolve(
+            model,
+            hardware,
+            channel,
+            context=context,
+            concurrency=concurrency,
+            policy=policy,
+            kv_cache_dtype=kv_cache_dtype,
+            min_tokens_per_s=min_tokens_per_s,
+            max_ttft_ms=max_ttft_ms,
+            key=key,
+        )
     if as_json:
         emit(answer)
         return
     a, why = answer["artifact"], answer["reason"]
     stdout.print(
-        safe_text(f"{answer['model']}@{answer['version']} ({answer['channel']}) on {answer['hardware']}: {a['name']}")
+        safe_text(
+            f"{answer['model']}@{answer['version']} ({answer['channel']}) on {answer['hardware']}: {a['name']}, "
+            f"TP {why['tp']}"
+        )
     )
+    stdout.print(f"  {safe_text(answer.get('explanation', ''))}")
     stdout.print(f"  {safe_text(why.get('explanation', ''))}")
+    if answer.get("split"):
+        shares = ", ".join(f"{m['version']} {m['weight']:g} %" for m in answer["split"])
+        stdout.print(safe_text(f"  split: {shares}"))
     for f in a["files"]:
         stdout.print(safe_text(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes"))
         stdout.print(f"    {safe_text(f['url'])}")
     if answer.get("fallbacks"):
-        stdout.print(safe_text("  fallbacks: " + ", ".join(fb["artifact"]["name"] for fb in answer["fallbacks"])))
+        names = ", ".join(f"{fb['artifact']['name']}@{fb['hardware']}" for fb in answer["fallbacks"])
+        stdout.print(safe_text("  fallbacks: " + names))
     if not registry.startswith(("http://", "https://")):
         err.print(f"[dim]embedded registry: `kiln serve --data-dir {safe_text(registry)}` serves these URLs[/dim]")
 

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from registry.audit.models import AuditEvent
 from registry.auth.principal import Principal
+from registry.webhooks import outbox as webhooks
 
 ANONYMOUS = "anonymous"
 
@@ -23,11 +24,17 @@ def record(
     model: str | None = None,
     reason: str | None = None,
 ) -> AuditEvent:
-    """Add an audit event to the session; it commits (or not) with the change it describes."""
+    """Add an audit event to the session; it commits (or not) with the change it describes.
+
+    A registry event (`registry.webhooks.outbox.EVENTS`) is flushed and queued for the webhooks that
+    subscribe to it, in the same transaction."""
     event = AuditEvent(
         actor=actor or ANONYMOUS, action=action, model=model, target=target, details=details, reason=reason
     )
     session.add(event)
+    if action in webhooks.EVENTS:  # a registry event: its deliveries commit, or roll back, with it
+        session.flush()
+        webhooks.enqueue(session, event)
     return event
 
 

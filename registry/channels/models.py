@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ForeignKey, String, Text, UniqueConstraint
+from sqlalchemy import JSON, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from registry.db import Base, utcnow
@@ -24,6 +25,11 @@ class Channel(Base):
     # judges artifacts by the evals up to this one, so an eval posted later changes what the
     # channel serves only through a new promotion (by someone allowed to promote to it).
     evals_through: Mapped[int] = mapped_column(default=0)
+    # A weighted split over several releases (a canary), or None: all traffic to `release_id`.
+    # [{"release_id", "version", "weight" (basis points, summing to 10,000), "evals_through",
+    # "buckets" ([start, end) ranges of the 10,000 key buckets it serves, registry.channels.buckets)}].
+    # `release_id` is the member with the largest weight.
+    split: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     model: Mapped[Model] = relationship(lazy="raise")
@@ -31,7 +37,9 @@ class Channel(Base):
 
 
 class ChannelEvent(Base):
-    """One promotion: the channel moved from one version to another (None for its first)."""
+    """One promotion or weight change: the channel moved from one version to another (None for its first).
+
+    For a split, `to_version` is its largest member and `split` the weights after the change."""
 
     __tablename__ = "channel_events"
 
@@ -40,6 +48,7 @@ class ChannelEvent(Base):
     from_version: Mapped[str | None] = mapped_column(String(64))
     to_version: Mapped[str] = mapped_column(String(64))
     forced: Mapped[bool]
+    split: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     reason: Mapped[str | None] = mapped_column(Text)
     actor: Mapped[str | None] = mapped_column(String(128))
     at: Mapped[datetime] = mapped_column(default=utcnow)

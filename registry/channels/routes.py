@@ -11,7 +11,7 @@ from registry.api.errors import error_responses
 from registry.api.params import ChannelName, ModelName
 from registry.auth.principal import Principal
 from registry.channels import service
-from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest
+from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest, SplitRequest
 from registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
 
 router = APIRouter(prefix="/v1", tags=["channels"])
@@ -23,12 +23,14 @@ def _detail(session: Session, model: str, channel: str) -> ChannelDetail:
         model=model,
         name=row.name,
         version=version,
+        split=service.public_split(row.split) if row.split else None,  # type: ignore[arg-type]
         updated_at=row.updated_at,
         history=[
             ChannelEventOut(
                 from_version=e.from_version,
                 to_version=e.to_version,
                 forced=e.forced,
+                split=e.split,  # type: ignore[arg-type]
                 reason=e.reason,
                 actor=e.actor,
                 at=e.at,
@@ -59,11 +61,33 @@ def promote(
     session: WriteSessionDep,
     principal: Annotated[Principal, Depends(may_promote)],
 ) -> ChannelDetail:
-    # Who is recorded: the token; a name the client gives (a CI job, a person) is kept beside it.
-    if principal.name != "local":
-        actor = f"{principal.name} ({request.actor})" if request.actor else principal.name
-        request = request.model_copy(update={"actor": actor[:128]})
+    request = request.model_copy(update={"actor": _actor(principal, request.actor)})
     service.promote(session, model, channel, request)
+    session.commit()
+    return _detail(session, model, channel)
+
+
+def _actor(principal: Principal, given: str | None) -> str | None:
+    """Who is recorded: the token; a name the client gives (a CI job, a person) is kept beside it."""
+    if principal.name == "local":
+        return given
+    return (f"{principal.name} ({given})" if given else principal.name)[:128]
+
+
+@router.put(
+    "/models/{model}/channels/{channel}/split",
+    summary="Split a channel's traffic over releases with weights (canary); each release passes the promotion gates",
+    responses=error_responses(404, 409, 422),
+)
+def set_split(
+    model: ModelName,
+    channel: ChannelName,
+    request: SplitRequest,
+    session: WriteSessionDep,
+    principal: Annotated[Principal, Depends(may_promote)],
+) -> ChannelDetail:
+    request = request.model_copy(update={"actor": _actor(principal, request.actor)})
+    service.set_split(session, model, channel, request)
     session.commit()
     return _detail(session, model, channel)
 
@@ -71,7 +95,13 @@ def promote(
 @router.get("/models/{model}/channels", summary="A model's channels", responses=error_responses(404))
 def list_channels(model: ModelName, session: SessionDep) -> list[ChannelOut]:
     return [
-        ChannelOut(model=model, name=c.name, version=v, updated_at=c.updated_at)
+        ChannelOut(
+            model=model,
+            name=c.name,
+            version=v,
+            split=service.public_split(c.split) if c.split else None,  # type: ignore[arg-type]
+            updated_at=c.updated_at,
+        )
         for c, v in service.list_channels(session, model)
     ]
 

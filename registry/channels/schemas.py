@@ -24,10 +24,61 @@ class PromoteRequest(BaseModel):
         return self
 
 
+MAX_SPLIT_MEMBERS = 8
+BASIS_POINTS = 10_000  # a split's weights, in hundredths of a percent
+
+
+class SplitWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(pattern=VERSION_PATTERN)
+    weight: float = Field(gt=0, le=100, allow_inf_nan=False, description="percent of the traffic, to 0.01")
+
+    @property
+    def basis_points(self) -> int:
+        return round(self.weight * 100)
+
+    @model_validator(mode="after")
+    def _hundredths(self) -> SplitWeight:
+        if abs(self.weight * 100 - self.basis_points) > 1e-6:
+            raise ValueError(f"weight {self.weight} has more precision than 0.01 %")
+        return self
+
+
+class SplitRequest(BaseModel):
+    """A channel's traffic over releases, e.g. 95 % to 1.4.0 and 5 % to 1.5.0:
+    `{"weights": [{"version": "1.4.0", "weight": 95}, {"version": "1.5.0", "weight": 5}]}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: list[SplitWeight] = Field(min_length=1, max_length=MAX_SPLIT_MEMBERS)
+    force: bool = Field(default=False, description="include releases that failed eval gates; needs a reason")
+    reason: str | None = Field(default=None, max_length=10_000)
+    actor: str | None = Field(default=None, max_length=128, description="who asks (recorded in history)")
+
+    @model_validator(mode="after")
+    def _valid_split(self) -> SplitRequest:
+        versions = [w.version for w in self.weights]
+        if len(set(versions)) != len(versions):
+            raise ValueError(f"a release is listed twice: {versions}")
+        total = sum(w.basis_points for w in self.weights)
+        if total != BASIS_POINTS:
+            raise ValueError(f"weights sum to {total / 100:g} %, not 100 %")
+        if self.force and not (self.reason and self.reason.strip()):
+            raise ValueError("a forced split needs a non-empty reason")
+        return self
+
+
+class SplitMemberOut(BaseModel):
+    version: str
+    weight: float = Field(description="percent of the traffic")
+
+
 class ChannelEventOut(BaseModel):
     from_version: str | None
     to_version: str
     forced: bool
+    split: list[SplitMemberOut] | None = Field(default=None, description="the weights after a split change")
     reason: str | None
     actor: str | None
     at: datetime
@@ -36,7 +87,8 @@ class ChannelEventOut(BaseModel):
 class ChannelOut(BaseModel):
     model: str
     name: str
-    version: str = Field(description="the release the channel points at")
+    version: str = Field(description="the release the channel points at (of a split: the largest member)")
+    split: list[SplitMemberOut] | None = Field(default=None, description="a weighted split over releases (canary)")
     updated_at: datetime
 
 

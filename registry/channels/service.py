@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from core.errors import Conflict, GateFailed, NotFound
 from registry.artifacts.models import Artifact, eval_status
 from registry.audit import service as audit
+from registry.channels import buckets
 from registry.channels.models import Channel, ChannelEvent
-from registry.channels.schemas import PromoteRequest
+from registry.channels.schemas import PromoteRequest, SplitRequest
 from registry.db import lock_row, utcnow
 from registry.models.models import Model
 from registry.models.service import get_model
@@ -46,32 +49,24 @@ def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, 
     return channel, channel.release.version, list(history)
 
 
-def promote(session: Session, model: str, name: str, request: PromoteRequest) -> None:
-    """Point channel `name` of `model` at the sealed release `request.version`.
-
-    Promotions of a model's channels are serialised (a row lock on the model; SQLite's write lock),
-    so history is a true chain of from -> to. Refused for a release that is not sealed
-    (RELEASE_NOT_SEALED), yanked (RELEASE_YANKED), and (EVAL_GATE_FAILED) while any artifact has a
-    failed eval, unless forced with a reason. The channel remembers the newest eval it was judged
-    with: evals posted later change what it serves only through another promotion. Every
-    promotion is recorded in the channel history and the audit log, a forced one with its reason
-    and the failures it overrode.
-    """
-    model_row = get_model(session, model)
-    lock_row(session, Model.id, model_row.id)
-    release = lock_release(session, model, request.version, shared=False)
+def _gated_release(
+    session: Session, model: str, version: str, force: bool
+) -> tuple[Release, int, list[dict[str, Any]]]:
+    """A release a channel may point at: sealed, not yanked, every artifact past its eval gate unless
+    forced. Returns it, the newest eval it is judged with, and the failures a force overrides."""
+    release = lock_release(session, model, version, shared=False)
     if release.yanked_at is not None:
         raise Conflict(
-            f"release {model}@{request.version} is yanked ({release.yank_reason}); promote another release",
+            f"release {model}@{version} is yanked ({release.yank_reason}); promote another release",
             code="RELEASE_YANKED",
-            details={"model": model, "version": request.version},
+            details={"model": model, "version": version},
         )
     if release.status != "sealed":
         raise Conflict(
-            f"release {model}@{request.version} is {release.status}, not sealed: only a sealed (complete) "
+            f"release {model}@{version} is {release.status}, not sealed: only a sealed (complete) "
             "release can be promoted",
             code="RELEASE_NOT_SEALED",
-            details={"model": model, "version": request.version, "status": release.status},
+            details={"model": model, "version": version, "status": release.status},
         )
     artifacts = list(
         session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
@@ -84,29 +79,46 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest) ->
         }
         for a in failed
     ]
-    if failing and not request.force:
+    if failing and not force:
         names = ", ".join(a.name for a in failed)
         raise GateFailed(
-            f"release {model}@{request.version} has artifacts that failed their eval gates: {names}; "
+            f"release {model}@{version} has artifacts that failed their eval gates: {names}; "
             "promote with force and a reason to override",
-            details={"model": model, "version": request.version, "failing": failing},
+            details={"model": model, "version": version, "failing": failing},
         )
     evals_through = max((e.id for a in artifacts for e in a.evals), default=0)
+    return release, evals_through, failing
 
+
+def promote(session: Session, model: str, name: str, request: PromoteRequest) -> None:
+    """Point channel `name` of `model` at the sealed release `request.version` (all of its traffic).
+
+    Promotions of a model's channels are serialised (a row lock on the model; SQLite's write lock),
+    so history is a true chain of from -> to. Refused for a release that is not sealed
+    (RELEASE_NOT_SEALED), yanked (RELEASE_YANKED), and (EVAL_GATE_FAILED) while any artifact has a
+    failed eval, unless forced with a reason. The channel remembers the newest eval it was judged
+    with: evals posted later change what it serves only through another promotion. Every
+    promotion is recorded in the channel history and the audit log, a forced one with its reason
+    and the failures it overrode. A weighted split the channel had is replaced.
+    """
+    model_row = get_model(session, model)
+    lock_row(session, Model.id, model_row.id)
+    release, evals_through, failing = _gated_release(session, model, request.version, request.force)
     channel = _find_channel(session, release.model_id, name)
-    before = channel.release.version if channel is not None else None
+    before = _state(channel)
     if channel is None:
         channel = Channel(model_id=release.model_id, name=name, release_id=release.id, evals_through=evals_through)
         session.add(channel)
     else:
         channel.release_id = release.id
         channel.evals_through = evals_through
+        channel.split = None
         channel.updated_at = utcnow()
     session.flush()
     session.add(
         ChannelEvent(
             channel_id=channel.id,
-            from_version=before,
+            from_version=before["version"],
             to_version=release.version,
             forced=request.force,
             reason=request.reason,
@@ -121,12 +133,144 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest) ->
         actor=request.actor,
         reason=request.reason,
         details={
-            "before": {"version": before},
+            "before": before,
             "after": {"version": release.version, "evals_through": evals_through},
             "overridden_failures": failing,
         },
     )
     session.flush()
+
+
+def _state(channel: Channel | None) -> dict[str, Any]:
+    """What a channel serves, for history and audit: its version, and its split if it has one."""
+    if channel is None:
+        return {"version": None}
+    state: dict[str, Any] = {"version": channel.release.version}
+    if channel.split:
+        state["split"] = public_split(channel.split)
+    return state
+
+
+def public_split(split: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """[{version, weight (percent)}] of a stored split."""
+    return [{"version": m["version"], "weight": m["weight"] * 100 / buckets.BASIS_POINTS} for m in split]
+
+
+def set_split(session: Session, model: str, name: str, request: SplitRequest) -> None:
+    """Point channel `name` at several releases with weights (a canary: 95 % 1.4.0, 5 % 1.5.0).
+
+    Every release is checked as a promotion checks one (sealed, not yanked, past its eval gates
+    unless forced with a reason). Each member owns key buckets (`registry.channels.buckets`): a
+    member whose share is unchanged keeps them all, so a key changes release only when the share of
+    its release changed. A split of one release is a promotion to it. Recorded in the history and audited
+    (`channel.split`), like a promotion.
+    """
+    model_row = get_model(session, model)
+    lock_row(session, Model.id, model_row.id)
+    gated = {w.version: _gated_release(session, model, w.version, request.force) for w in request.weights}
+    channel = _find_channel(session, model_row.id, name)
+    before = _state(channel)
+    previous: dict[str, buckets.Ranges] = {}
+    if channel is not None and channel.split:
+        previous = {m["version"]: buckets.merged(m.get("buckets", [])) for m in channel.split}
+    elif channel is not None:
+        previous = {channel.release.version: [(0, buckets.BASIS_POINTS)]}
+    order = [v for v in previous if v in gated] + [w.version for w in request.weights if w.version not in previous]
+    basis_points = {w.version: w.basis_points for w in request.weights}
+    assigned = buckets.reassign(previous, {v: basis_points[v] for v in order})
+    members: list[dict[str, Any]] = [
+        {
+            "release_id": gated[v][0].id,
+            "version": v,
+            "weight": basis_points[v],
+            "evals_through": gated[v][1],
+            "buckets": [list(r) for r in assigned[v]],
+        }
+        for v in order
+    ]
+    primary = max(members, key=lambda m: m["weight"])  # the first of the largest
+    if channel is None:
+        channel = Channel(model_id=model_row.id, name=name, release_id=primary["release_id"])
+        session.add(channel)
+    channel.release_id = primary["release_id"]
+    channel.evals_through = primary["evals_through"]
+    channel.split = members if len(members) > 1 else None
+    channel.updated_at = utcnow()
+    session.flush()
+    after = {"version": primary["version"], **({"split": public_split(members)} if len(members) > 1 else {})}
+    session.add(
+        ChannelEvent(
+            channel_id=channel.id,
+            from_version=before["version"],
+            to_version=primary["version"],
+            forced=request.force,
+            split=after.get("split"),
+            reason=request.reason,
+            actor=request.actor,
+        )
+    )
+    audit.record(
+        session,
+        action="channel.split",
+        target=f"{model}/{name}",
+        model=model,
+        actor=request.actor,
+        reason=request.reason,
+        details={
+            "before": before,
+            "after": after,
+            "forced": request.force,
+            "overridden_failures": [f for _, (_, _, failing) in gated.items() for f in failing],
+        },
+    )
+    session.flush()
+
+
+def drop_from_splits(session: Session, model: str, release_id: int, version: str, actor: str) -> list[str]:
+    """Take a yanked release out of every split it is a minor member of, its weight going to the
+    split's largest member; audited as `channel.split`. Returns the channels changed. (A channel whose
+    largest member is yanked keeps pointing at it, and resolve refuses it, as for any yanked release.)"""
+    model_row = get_model(session, model)
+    changed = []
+    for channel in session.scalars(
+        select(Channel).where(Channel.model_id == model_row.id).options(selectinload(Channel.release))
+    ):
+        split = channel.split or []
+        if channel.release_id == release_id or not any(m["release_id"] == release_id for m in split):
+            continue
+        before = _state(channel)
+        dropped = next(m for m in split if m["release_id"] == release_id)
+        kept = [dict(m) for m in split if m["release_id"] != release_id]
+        for m in kept:
+            if m["release_id"] == channel.release_id:  # the largest member takes the share and its keys
+                m["weight"] += dropped["weight"]
+                m["buckets"] = [list(r) for r in buckets.merged(m.get("buckets", []) + dropped.get("buckets", []))]
+        channel.split = kept if len(kept) > 1 else None
+        channel.updated_at = utcnow()
+        after = {"version": channel.release.version, **({"split": public_split(kept)} if len(kept) > 1 else {})}
+        session.add(
+            ChannelEvent(
+                channel_id=channel.id,
+                from_version=channel.release.version,
+                to_version=channel.release.version,
+                forced=False,
+                split=after.get("split"),
+                reason=f"release {version} yanked",
+                actor=actor,
+            )
+        )
+        audit.record(
+            session,
+            action="channel.split",
+            target=f"{model}/{channel.name}",
+            model=model,
+            actor=actor,
+            reason=f"release {version} yanked",
+            details={"before": before, "after": after},
+        )
+        changed.append(channel.name)
+    session.flush()
+    return changed
 
 
 def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:
@@ -135,5 +279,11 @@ def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:
 
 
 def channels_of_release(session: Session, release_id: int) -> list[str]:
-    query = select(Channel.name).where(Channel.release_id == release_id).order_by(Channel.name)
-    return list(session.scalars(query))
+    """The channels that serve the release: those pointing at it, and those whose split has it."""
+    query = select(Channel).join(Release, Release.model_id == Channel.model_id).where(Release.id == release_id)
+    channels = session.scalars(query.order_by(Channel.name))
+    return [
+        c.name
+        for c in channels
+        if c.release_id == release_id or any(m["release_id"] == release_id for m in c.split or [])
+    ]

@@ -12,7 +12,7 @@ from registry.api.params import ModelName, Version
 from registry.artifacts.models import Artifact
 from registry.artifacts.schemas import ArtifactSummary
 from registry.auth.principal import Principal
-from registry.channels.service import channels_of_release
+from registry.channels.service import channels_of_release, drop_from_splits
 from registry.deps import SessionDep, WriteSessionDep, require
 from registry.releases import service
 from registry.releases.models import Release
@@ -137,5 +137,6 @@ def yank_release(
     release = service.get_release(session, model, version)
     channels = channels_of_release(session, release.id)
     row = service.yank_release(session, model, version, body.reason, principal.name, channels)
+    drop_from_splits(session, model, release.id, version, principal.name)
     session.commit()
     return _out(row, model)

@@ -1,24 +1,40 @@
-"""HTTP route for resolve."""
+"""HTTP route for resolve: policies over pools, weighted channel splits with stable keys, ETags and long-poll."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import asyncio
+import hashlib
+import time
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
-from core.hardware import get_profile
 from registry.api.errors import error_responses
 from registry.api.lean_route import LeanRoute
 from registry.api.params import CHANNEL_PATTERN, MODEL_NAME_PATTERN
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.schemas import FileOut
 from registry.deps import require
-from registry.resolve.schemas import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason
+from registry.resolve.schemas import (
+    MeasurementOut,
+    ResolveCandidate,
+    ResolvedArtifact,
+    ResolveOut,
+    ResolveReason,
+    SplitMember,
+)
 from registry.resolve.service import (
+    BASIS_POINTS,
     Candidate,
+    ChannelSnapshot,
+    Policy,
     ResolveCache,
+    ResolveQuery,
     channel_snapshot,
+    explain_choice,
+    load_catalog,
     load_release_view,
+    parse_pools,
     rank_candidates,
 )
 from registry.settings import RegistrySettings
@@ -27,10 +43,15 @@ from registry.settings import RegistrySettings
 # (registry.api.lean_route). The lane runs the router's own dependencies: it declares its READ.
 router = APIRouter(prefix="/v1", tags=["resolve"], route_class=LeanRoute, dependencies=[require("read")])
 
+MAX_WAIT_S = 60
+POLL_INTERVAL_S = 1.0  # how often a long-poll looks again (one indexed query, or SQLite's data_version)
+
 
 def _candidate_out(c: Candidate, base: str, model: str, version: str) -> ResolveCandidate:
-    a = c.artifact
+    a, plan, speed = c.artifact, c.plan, c.speed
+    m = speed.measurement
     return ResolveCandidate(
+        hardware=c.hardware,
         artifact=ResolvedArtifact(
             name=a.name,
             target=a.target,
@@ -49,57 +70,160 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
         ),
         reason=ResolveReason(
             fits=c.fits,
-            weights_bytes=c.weights_bytes,
-            kv_cache_bytes=c.kv_cache_bytes,
-            memory_bytes=c.memory_bytes,
-            required_bytes=c.required_bytes,
-            decode_tokens_per_s_bound=c.decode_tokens_per_s_bound,
+            tp=plan.tp,
+            weights_bytes=plan.weights_bytes,
+            kv_cache_bytes=plan.kv_cache_bytes,
+            memory_bytes=plan.memory_per_device_bytes,
+            usable_bytes=plan.usable_per_device_bytes,
+            required_bytes=plan.required_per_device_bytes,
+            kv_room_bytes=plan.kv_room_per_device_bytes,
+            decode_tokens_per_s_bound=plan.decode_tokens_per_s,
+            prefill_tokens_per_s_bound=plan.prefill_tokens_per_s,
+            tokens_per_s=speed.tokens_per_s,
+            tokens_per_s_per_sequence=speed.tokens_per_s_per_sequence,
+            ttft_ms=speed.ttft_ms,
+            cost_per_mtok=speed.cost_per_mtok,
+            speed_source=speed.source,
+            measured=MeasurementOut(
+                id=m.id,
+                runtime=m.runtime,
+                runtime_version=m.runtime_version,
+                tp=m.tp,
+                context=m.context,
+                concurrency=m.concurrency,
+                tokens_per_s=m.tokens_per_s,
+                ttft_ms=m.ttft_ms,
+                itl_p50_ms=m.itl_p50_ms,
+                itl_p99_ms=m.itl_p99_ms,
+                recorded_at=m.recorded_at,
+            )
+            if m is not None
+            else None,
+            meets_slo=c.meets_slo,
             eval_status=a.eval_status,
+            kl=a.kl,
             explanation=c.explanation,
         ),
     )
 
 
+def _split_out(snapshot: ChannelSnapshot, chosen: str) -> list[SplitMember] | None:
+    if not snapshot.is_split:
+        return None
+    return [
+        SplitMember(version=m.version, weight=w * 100 / BASIS_POINTS, chosen=m.version == chosen)
+        for m, w in snapshot.members
+    ]
+
+
+def _matches(if_none_match: str | None, etag: str) -> bool:
+    if if_none_match is None:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+    return etag in tags or "*" in tags
+
+
 @router.get(
     "/resolve",
-    summary="The artifact a node of this hardware should load from a channel, why, and ranked fallbacks",
+    summary="The artifact a pool of this hardware should load from a channel, why, and ranked fallbacks",
     response_model=ResolveOut,
-    responses=error_responses(404, 422),
+    responses={304: {"description": "unchanged since the caller's ETag (If-None-Match)"}, **error_responses(404, 422)},
 )
 async def resolve(
     request: Request,
     model: Annotated[str, Query(pattern=MODEL_NAME_PATTERN)],
-    hardware: Annotated[str, Query(description="hardware profile name, e.g. h100, cpu")],
+    hardware: Annotated[
+        str,
+        Query(
+            max_length=1000,
+            description="hardware pools in order of preference, each optionally with its free devices: "
+            "h100 or h100:4,mi300x,tpu-v5e:16",
+        ),
+    ],
     channel: Annotated[str, Query(pattern=CHANNEL_PATTERN)] = "prod",
     context: Annotated[int, Query(ge=1, le=10_000_000, description="tokens of context per sequence")] = 4096,
     concurrency: Annotated[int, Query(ge=1, le=100_000, description="sequences served at once")] = 1,
+    policy: Annotated[
+        Literal["latency", "cost", "quality"],
+        Query(description="latency: fastest per sequence; cost: cheapest per token; quality: lowest KL"),
+    ] = "latency",
+    kv_cache_dtype: Annotated[Literal["bf16", "fp8"], Query(description="the KV cache's element type")] = "bf16",
+    min_tokens_per_s: Annotated[
+        float | None, Query(gt=0, le=1e9, allow_inf_nan=False, description="SLO: decode tokens/s per sequence")
+    ] = None,
+    max_ttft_ms: Annotated[
+        float | None, Query(gt=0, le=1e9, allow_inf_nan=False, description="SLO: time to first token")
+    ] = None,
+    key: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=256,
+            description="a request or session id: on a split channel, the same key gets the same release "
+            "while the weights are unchanged",
+        ),
+    ] = None,
+    wait: Annotated[
+        int,
+        Query(
+            ge=0,
+            le=MAX_WAIT_S,
+            description="with If-None-Match: hold the request up to this many seconds "
+            "until the answer changes (long-poll); 304 if it does not",
+        ),
+    ] = 0,
 ) -> Response:
     # async, and rendered here rather than by FastAPI: no thread hop and no second validation of
     # the answer on the hot path. With warm caches the work is one indexed query (on the resolve
     # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
-    profile = get_profile(hardware)
+    query = ResolveQuery(
+        parse_pools(hardware), policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms
+    )
+    if_none_match = request.headers.get("if-none-match")
+    body, etag = _answer(request, model, channel, query, key)
+    if wait and if_none_match is not None:
+        deadline = time.monotonic() + wait
+        while _matches(if_none_match, etag) and time.monotonic() < deadline:
+            await asyncio.sleep(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+            body, etag = _answer(request, model, channel, query, key)
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if _matches(if_none_match, etag):
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _answer(request: Request, model: str, channel: str, query: ResolveQuery, key: str | None) -> tuple[bytes, str]:
+    """The rendered answer and its ETag, from the caches where nothing it depends on changed."""
     state = request.app.state  # not dependencies: each one solved costs more than this route's own work
     settings: RegistrySettings = state.settings
     cache: ResolveCache = state.resolve_cache
     sessions = state.session_factory
     snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
+    member = snapshot.choose(model, channel, key)
     base = base_url(request, settings)
-    answer_key = (snapshot, model, channel, profile.name, context, concurrency, base)
-    body = cache.answers.get(answer_key)
-    if body is None:
-        with sessions() as session:
-            view = load_release_view(session, model, snapshot, cache)
-        ranked = rank_candidates(view, profile, context, concurrency, channel)
-        best, *rest = (_candidate_out(c, base, model, view.version) for c in ranked)
-        answer = ResolveOut(
-            model=model,
-            channel=channel,
-            version=view.version,
-            hardware=profile.name,
-            artifact=best.artifact,
-            reason=best.reason,
-            fallbacks=rest,
-        )
-        body = answer.model_dump_json().encode()
-        cache.answers.put(answer_key, body)
-    return Response(body, media_type="application/json")
+    answer_key = (snapshot, member, model, channel, query, base)
+    hit = cache.answers.get(answer_key)
+    if hit is not None:
+        return hit
+    catalog = load_catalog(sessions, snapshot.revision, cache)
+    with sessions() as session:
+        view = load_release_view(session, model, member, snapshot.revision, cache)
+    ranked = rank_candidates(view, catalog, query, channel)
+    best, *rest = (_candidate_out(c, base, model, view.version) for c in ranked)
+    policy: Policy = query.policy
+    answer = ResolveOut(
+        model=model,
+        channel=channel,
+        version=view.version,
+        hardware=ranked[0].hardware,
+        policy=policy,
+        artifact=best.artifact,
+        reason=best.reason,
+        explanation=explain_choice(ranked, query),
+        fallbacks=rest,
+        split=_split_out(snapshot, view.version),
+    )
+    body = answer.model_dump_json().encode()
+    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+    cache.answers.put(answer_key, (body, etag))
+    return body, etag

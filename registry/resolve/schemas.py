@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from registry.artifacts.models import EvalStatus
@@ -17,27 +19,67 @@ class ResolvedArtifact(BaseModel):
     files: list[FileOut]
 
 
+class MeasurementOut(BaseModel):
+    id: int
+    runtime: str
+    runtime_version: str
+    tp: int
+    context: int
+    concurrency: int
+    tokens_per_s: float
+    ttft_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    recorded_at: str
+
+
 class ResolveReason(BaseModel):
-    fits: bool = Field(description="weights + KV cache + 10% overhead fit in the hardware's memory")
+    fits: bool = Field(description="the replica fits in its devices' memory and in the pool's free devices")
+    tp: int = Field(description="devices per replica (tensor-parallel degree): the smallest that fits")
     weights_bytes: int
-    kv_cache_bytes: int = Field(description="2 (K,V) × layers × kv_heads × head_dim × context × concurrency × 2 B")
-    memory_bytes: int = Field(description="memory of the hardware profile")
-    required_bytes: int = Field(description="(weights + KV cache) × 1.1")
-    decode_tokens_per_s_bound: float = Field(description="memory bandwidth / weight bytes read per token")
+    kv_cache_bytes: int = Field(
+        description="the replica's: 2 (K,V) × layers × kv_heads × head_dim × context × concurrency × KV bytes"
+    )
+    memory_bytes: int = Field(description="memory of one device")
+    usable_bytes: int = Field(description="90 % of it: the rest is kept for activations and the runtime")
+    required_bytes: int = Field(description="weights + KV cache per device (KV heads replicated where TP > KV heads)")
+    kv_room_bytes: int = Field(description="usable memory per device left for the KV cache after the weights")
+    decode_tokens_per_s_bound: float = Field(
+        description="replica decode bound: concurrency × bandwidth × TP efficiency / bytes read per device per step"
+    )
+    prefill_tokens_per_s_bound: float | None = Field(description="context / time-to-first-token bound")
+    tokens_per_s: float = Field(description="replica output tokens/s the answer is ranked by (measured or bound)")
+    tokens_per_s_per_sequence: float
+    ttft_ms: float | None
+    cost_per_mtok: float | None = Field(description="USD per million output tokens (catalog price), None without")
+    speed_source: Literal["measured", "estimate"]
+    measured: MeasurementOut | None = Field(description="the performance record used, where one applies")
+    meets_slo: bool
     eval_status: EvalStatus
+    kl: float | None
     explanation: str
 
 
 class ResolveCandidate(BaseModel):
+    hardware: str
     artifact: ResolvedArtifact
     reason: ResolveReason
+
+
+class SplitMember(BaseModel):
+    version: str
+    weight: float = Field(description="percent of the channel's traffic")
+    chosen: bool = Field(description="the release this answer is for")
 
 
 class ResolveOut(BaseModel):
     model: str
     channel: str
-    version: str
-    hardware: str
+    version: str = Field(description="the release this answer is for (of a split: the caller key's, else the largest)")
+    hardware: str = Field(description="the pool the artifact is for")
+    policy: Literal["latency", "cost", "quality"]
     artifact: ResolvedArtifact
     reason: ResolveReason
-    fallbacks: list[ResolveCandidate] = Field(description="the other candidates, best first")
+    explanation: str = Field(description="why this candidate won under the policy")
+    fallbacks: list[ResolveCandidate] = Field(description="the other candidates, across pools, best first")
+    split: list[SplitMember] | None = Field(description="the channel's weighted split (canary), if it has one")

@@ -1,50 +1,57 @@
-"""Resolve: rank a channel's artifacts for one hardware profile by fit, eval status and speed.
+"""Resolve: rank what a channel serves for one or more hardware pools, by a policy, with fit, speed and cost.
 
-The database work is a snapshot of the release (`load_release_view`); the ranking
-(`rank_candidates`) is a pure function of that snapshot and the hardware profile.
+The database work is a snapshot of the channel (`channel_snapshot`: the release or weighted split it
+points at, and the routing revision) and of each release (`load_release_view`); the ranking
+(`rank_candidates`) is a pure function of a release view, the hardware catalog and the query.
+
+For each pool and each artifact built for its hardware, `registry.resolve.fit.plan_replica` sizes a
+replica (tensor-parallel degree, memory per device) and bounds its decode speed, time to first
+token and cost per million tokens; a measured performance record of that artifact on that SKU at
+the same TP, concurrency and at least the context replaces the estimate. The policy then ranks:
+`latency` the fastest per sequence, `cost` the cheapest per token, `quality` the lowest KL, each
+among candidates that fit, have room in their pool and meet the caller's SLO.
 
 Resolve is the hot path (routers ask it on every failover), so snapshots are cached per process.
-Each request still asks the database one indexed question (`_FINGERPRINT`: which release the
-channel points at, and the newest eval result it was promoted with), so a promotion is seen at
-once, by every worker. A channel points only at sealed releases, whose artifacts never change, and
-an eval posted after the promotion is not read until the channel is promoted again.
+Each request still asks the database one indexed question (`_FINGERPRINT`: which release(s) the
+channel points at, the newest eval result it was promoted with, and the routing revision, which
+grows with every catalog or performance change), so a promotion, a weight change or a new record is
+seen at once, by every worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-from sqlalchemy import Engine, bindparam, select
+from sqlalchemy import Engine, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
-from core.errors import NotFound, Unavailable
-from core.hardware import HardwareProfile
+from core.errors import InvalidInput, NotFound, Unavailable
+from core.hardware import HardwareCatalog, HardwareProfile
 from registry.artifacts.models import Artifact, EvalStatus, eval_status
+from registry.channels.buckets import BASIS_POINTS, bucket_of, merged, owner, reassign
 from registry.channels.models import Channel
 from registry.models.models import Model
 from registry.models.service import get_model
+from registry.performance.models import PerformanceRecord
 from registry.releases.models import Release
+from registry.resolve.fit import ModelShape, ReplicaPlan, model_shape, plan_replica
+from registry.resolve.models import RoutingState
 
 K = TypeVar("K")
 V = TypeVar("V")
 
-KV_BYTES_PER_ELEMENT = 2  # fp16/bf16 KV cache
-OVERHEAD = 1.10  # activations, allocator slack, runtime buffers
 GIB = 1024**3
-
-# Keys read from a release's model_config, Hugging Face names first.
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "layers")
-_HEADS = ("num_attention_heads", "n_head", "heads")
-_KV_HEADS = ("num_key_value_heads", "kv_heads", "num_kv_heads")
-_HEAD_DIM = ("head_dim",)
-_HIDDEN = ("hidden_size", "n_embd", "hidden")
+Policy = Literal["latency", "cost", "quality"]
+POLICIES: tuple[Policy, ...] = ("latency", "cost", "quality")
+MAX_POOLS = 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,24 @@ class FileView:
     path: str
     sha256: str
     size: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A performance record as resolve reads it."""
+
+    id: int
+    hardware: str
+    runtime: str
+    runtime_version: str
+    tp: int
+    context: int
+    concurrency: int
+    tokens_per_s: float
+    ttft_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    recorded_at: str
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,7 @@ class ArtifactView:
     kl: float | None  # best (lowest) metrics.kl over its evals
     failed_reasons: tuple[str, ...]
     files: tuple[FileView, ...]
+    measurements: tuple[Measurement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,82 +105,150 @@ class ReleaseView:
 
 
 @dataclass(frozen=True)
+class Pool:
+    """A pool of one SKU a router can place a replica in; `free_devices` None: not limited."""
+
+    hardware: str
+    free_devices: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolveQuery:
+    """What the caller asks: pools (in its order of preference), policy, workload and SLO."""
+
+    pools: tuple[Pool, ...]
+    policy: Policy = "latency"
+    context: int = 4096
+    concurrency: int = 1
+    kv_dtype: str = "bf16"
+    min_tokens_per_s: float | None = None  # per sequence
+    max_ttft_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The speed a candidate is ranked by: measured where a record applies, else the plan's bounds."""
+
+    source: Literal["measured", "estimate"]
+    tokens_per_s: float  # whole replica
+    tokens_per_s_per_sequence: float
+    ttft_ms: float | None
+    cost_per_mtok: float | None
+    measurement: Measurement | None
+    note: str
+
+
+@dataclass(frozen=True)
 class Candidate:
     artifact: ArtifactView
-    fits: bool
-    weights_bytes: int
-    kv_cache_bytes: int
-    memory_bytes: int
-    required_bytes: int
-    decode_tokens_per_s_bound: float
+    pool: Pool
+    pool_index: int
+    plan: ReplicaPlan
+    speed: Speed
+    fits: bool  # the replica fits in memory and in the pool's free devices
+    meets_slo: bool
+    slo_misses: tuple[str, ...]
     explanation: str
 
-
-# Larger values are not an architecture (the largest models have ~10^2 layers, 10^5 hidden): a
-# release's model_config is publisher input, so anything past this is treated as missing.
-MAX_DIMENSION = 2**24
-
-
-def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
-            return value
-    return None
+    @property
+    def hardware(self) -> str:
+        return self.pool.hardware
 
 
-def kv_cache_shape(config: dict[str, Any]) -> tuple[int, int, int] | str:
-    """(layers, kv_heads, head_dim) from a model config, or a sentence saying what is missing."""
-    layers = _first_int(config, _LAYERS)
-    heads = _first_int(config, _HEADS)
-    kv_heads = _first_int(config, _KV_HEADS) or heads
-    head_dim = _first_int(config, _HEAD_DIM)
-    hidden = _first_int(config, _HIDDEN)
-    if head_dim is None and hidden is not None and heads:
-        head_dim = hidden // heads
-    missing = [
-        name
-        for name, value in (("num_hidden_layers", layers), ("num_key_value_heads", kv_heads), ("head_dim", head_dim))
-        if value is None
-    ]
-    if missing or layers is None or kv_heads is None or head_dim is None:
-        return "the release's model_config lacks " + ", ".join(missing) + ", so the KV cache is not counted"
-    return layers, kv_heads, head_dim
+def parse_pools(text: str) -> tuple[Pool, ...]:
+    """`h100,mi300x:16,tpu-v5e`: pools by SKU name, each optionally with its free devices."""
+    pools: list[Pool] = []
+    for item in text.split(","):
+        name, sep, free = item.strip().partition(":")
+        if not _valid_name(name):
+            raise InvalidInput(
+                f"hardware {item.strip()[:40]!r}: expected an SKU name, optionally with its free devices "
+                "(h100 or h100:4), comma-separated",
+                code="RESOLVE_POOLS_INVALID",
+            )
+        free_devices: int | None = None
+        if sep:
+            if not (free.isascii() and free.isdigit() and len(free) <= 7):
+                raise InvalidInput(
+                    f"hardware {item.strip()[:40]!r}: free devices must be a whole number (0 to 9999999)",
+                    code="RESOLVE_POOLS_INVALID",
+                )
+            free_devices = int(free)
+        if any(p.hardware == name for p in pools):
+            raise InvalidInput(f"hardware {name!r} is listed twice", code="RESOLVE_POOLS_INVALID")
+        pools.append(Pool(name, free_devices))
+    if len(pools) > MAX_POOLS:
+        raise InvalidInput(f"at most {MAX_POOLS} hardware pools per query", code="RESOLVE_POOLS_INVALID")
+    return tuple(pools)
 
 
-def kv_cache_bytes(shape: tuple[int, int, int], context: int, concurrency: int) -> int:
-    layers, kv_heads, head_dim = shape
-    return 2 * layers * kv_heads * head_dim * context * concurrency * KV_BYTES_PER_ELEMENT
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _valid_name(name: str) -> bool:
+    # HARDWARE_NAME_PATTERN, without a regex on the hot path
+    return 0 < len(name) <= 32 and name[0] not in "._-" and set(name) <= _NAME_CHARS
 
 
 def _human(n: int | float) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
+        if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
 
 
-# Built once with bound parameters, so SQLAlchemy's compiled-statement cache hit is cheap.
+# Built once with bound parameters, so SQLAlchemy's compiled-statement cache hit is cheap. The
+# routing revision rides along (an outer join to its one row, 0 where it is missing).
 _FINGERPRINT = (
-    select(Release.id, Release.version, Channel.evals_through, Release.yanked_at)
+    select(
+        Release.id,
+        Release.version,
+        Channel.evals_through,
+        Release.yanked_at,
+        Channel.split,
+        func.coalesce(RoutingState.revision, literal_column("0")),
+    )
     .join(Channel, Channel.release_id == Release.id)
     .join(Model, Model.id == Channel.model_id)
+    .outerjoin(RoutingState, RoutingState.id == literal_column("1"))
     .where(Model.name == bindparam("model"), Channel.name == bindparam("channel"))
 )
 
 
 @dataclass(frozen=True)
 class SnapshotKey:
-    """What `_FINGERPRINT` reads: it changes whenever the release view of a channel would.
+    """One release as a channel judges it: by the eval results up to `evals_through`.
 
     A channel points only at sealed releases, whose artifacts never change, and judges them by
-    the eval results up to `evals_through` (which never change either): so the release and that
-    eval id name the view exactly.
-    """
+    the eval results up to `evals_through` (which never change either); performance records are
+    added, which the routing revision in `ChannelSnapshot` tracks."""
 
     release_id: int
     version: str
     evals_through: int
+
+
+@dataclass(frozen=True)
+class ChannelSnapshot:
+    """What `_FINGERPRINT` reads: it changes whenever the answer for a channel could."""
+
+    members: tuple[tuple[SnapshotKey, int], ...]  # (release, weight in basis points)
+    primary: SnapshotKey  # the largest member (all of the traffic without a split)
+    revision: int
+    # (release, the key buckets it serves), registry.channels.buckets; empty without a split
+    buckets: tuple[tuple[SnapshotKey, tuple[tuple[int, int], ...]], ...] = ()
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.members) > 1
+
+    def choose(self, model: str, channel: str, key: str | None) -> SnapshotKey:
+        """The member a caller key lands on (it keeps it while its share is unchanged); the primary without a key."""
+        if key is None or not self.is_split:
+            return self.primary
+        member = owner(self.buckets, bucket_of(model, channel, key))
+        assert isinstance(member, SnapshotKey)
+        return member
 
 
 class LRUCache(Generic[K, V]):
@@ -181,6 +275,7 @@ class LRUCache(Generic[K, V]):
 
 
 _MAX_FINGERPRINTS = 4096
+FingerprintRow = tuple[int, str, int, Any, Any, int]
 
 
 class ChannelFingerprints:
@@ -208,8 +303,8 @@ class ChannelFingerprints:
         self._data_version: int | None = None
         self._rows: dict[tuple[str, str], Any] = {}
 
-    def lookup(self, model: str, channel: str) -> tuple[int, str, int, Any] | None:
-        """(release id, version, evals_through, yanked_at) of `model`'s `channel`, or None."""
+    def lookup(self, model: str, channel: str) -> FingerprintRow | None:
+        """(release id, version, evals_through, yanked_at, split, routing revision) of `model`'s `channel`, or None."""
         try:
             if self._connection is None:
                 self._connection = self._engine.raw_connection()
@@ -225,7 +320,7 @@ class ChannelFingerprints:
             key = (model, channel)
             if key not in self._rows:
                 self._rows[key] = self._query(model, channel)
-            row: tuple[int, str, int, Any] | None = self._rows[key]
+            row: FingerprintRow | None = self._rows[key]
             return row
         except DBAPIError as exc:
             self.close()
@@ -234,11 +329,11 @@ class ChannelFingerprints:
             self.close()
             raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
 
-    def _query(self, model: str, channel: str) -> tuple[int, str, int, Any] | None:
+    def _query(self, model: str, channel: str) -> FingerprintRow | None:
         params = {"model": model, "channel": channel}
         args: Any = [params[name] for name in self._positional] if self._positional is not None else params
         row = self._fetchone(self._sql, args)
-        return None if row is None else (row[0], row[1], row[2], row[3])
+        return None if row is None else (row[0], row[1], row[2], row[3], row[4], row[5])
 
     def _fetchone(self, sql: str, args: Any) -> Any:
         # fetchall: the statement runs to its end, so no read transaction stays open between requests.
@@ -255,12 +350,13 @@ class ChannelFingerprints:
 
 
 class ResolveCache:
-    """Per-process caches for resolve: release views, and rendered answers keyed by everything they depend on."""
+    """Per-process caches for resolve: release views, catalogs, and answers keyed by all they depend on."""
 
     def __init__(self, fingerprints: ChannelFingerprints, max_views: int = 1024, max_answers: int = 8192):
         self.fingerprints = fingerprints
-        self.views: LRUCache[SnapshotKey, ReleaseView] = LRUCache(max_views)
-        self.answers: LRUCache[tuple[object, ...], bytes] = LRUCache(max_answers)
+        self.views: LRUCache[tuple[SnapshotKey, int], ReleaseView] = LRUCache(max_views)
+        self.catalogs: LRUCache[int, HardwareCatalog] = LRUCache(4)
+        self.answers: LRUCache[tuple[object, ...], tuple[bytes, str]] = LRUCache(max_answers)
 
 
 def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
@@ -276,15 +372,15 @@ def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
 
 def channel_snapshot(
     fingerprints: ChannelFingerprints, session_factory: Callable[[], Session], model: str, channel: str
-) -> SnapshotKey:
-    """One indexed query: the release `model`'s `channel` points at, and the newest eval it was promoted with.
+) -> ChannelSnapshot:
+    """One indexed query: the release(s) `model`'s `channel` points at, with weights, and the routing revision.
 
     Only a miss opens a session, to say precisely what is missing (the model, or its channel)."""
     row = fingerprints.lookup(model, channel)
     if row is None:
         with session_factory() as session:
             raise _channel_not_found(session, model, channel)
-    release_id, version, evals_through, yanked_at = row
+    release_id, version, evals_through, yanked_at, split, revision = row
     if yanked_at is not None:
         raise NotFound(
             f"channel {channel!r} of {model!r} points at release {version}, which is yanked; "
@@ -292,35 +388,86 @@ def channel_snapshot(
             code="CHANNEL_RELEASE_YANKED",
             details={"model": model, "channel": channel, "version": version},
         )
-    return SnapshotKey(release_id, version, evals_through)
+    primary = SnapshotKey(release_id, version, evals_through)
+    if isinstance(split, str):  # SQLite hands JSON back as text, PostgreSQL parsed
+        split = json.loads(split)
+    if not split:
+        return ChannelSnapshot(((primary, BASIS_POINTS),), primary, revision)
+    keys = [SnapshotKey(m["release_id"], m["version"], m["evals_through"]) for m in split]
+    members = tuple((k, m["weight"]) for k, m in zip(keys, split, strict=True))
+    if all("buckets" in m for m in split):
+        assigned = {k: merged(m["buckets"]) for k, m in zip(keys, split, strict=True)}
+    else:  # laid out in the members' order
+        assigned = {
+            k: r
+            for k, r in zip(keys, reassign({}, {str(i): w for i, (_, w) in enumerate(members)}).values(), strict=True)
+        }
+    return ChannelSnapshot(members, primary, revision, tuple((k, tuple(r)) for k, r in assigned.items()))
+
+
+def load_catalog(session_factory: Callable[[], Session], revision: int, cache: ResolveCache) -> HardwareCatalog:
+    """The registry's hardware catalog at `revision` (built-in entries and the registry's own)."""
+    catalog = cache.catalogs.get(revision)
+    if catalog is None:
+        from registry.hardware.service import effective_catalog
+
+        with session_factory() as session:
+            catalog = effective_catalog(session)
+        cache.catalogs.put(revision, catalog)
+    return catalog
 
 
 def load_release_view(
-    session: Session, model: str, snapshot: SnapshotKey, cache: ResolveCache | None = None
+    session: Session, model: str, snapshot: SnapshotKey, revision: int = 0, cache: ResolveCache | None = None
 ) -> ReleaseView:
-    """The release of `snapshot` with its artifacts, files and evals (three queries, or none if cached)."""
-    view = cache.views.get(snapshot) if cache is not None else None
+    """The release of `snapshot` with its artifacts, files, evals and measurements (four queries, or none if cached)."""
+    view = cache.views.get((snapshot, revision)) if cache is not None else None
     if view is not None:
         return view
     release = session.get_one(Release, snapshot.release_id)
-    artifacts = session.scalars(
-        select(Artifact)
-        .where(Artifact.release_id == snapshot.release_id)
-        .order_by(Artifact.name)
-        .options(selectinload(Artifact.files), selectinload(Artifact.evals))
+    artifacts = list(
+        session.scalars(
+            select(Artifact)
+            .where(Artifact.release_id == snapshot.release_id)
+            .order_by(Artifact.name)
+            .options(selectinload(Artifact.files), selectinload(Artifact.evals))
+        )
     )
+    measured: dict[int, list[Measurement]] = {}
+    records = session.scalars(
+        select(PerformanceRecord)
+        .where(PerformanceRecord.artifact_id.in_([a.id for a in artifacts]))
+        .order_by(PerformanceRecord.id.desc())
+    )
+    for r in records:
+        measured.setdefault(r.artifact_id, []).append(
+            Measurement(
+                r.id,
+                r.hardware,
+                r.runtime,
+                r.runtime_version,
+                r.tp,
+                r.context,
+                r.concurrency,
+                r.tokens_per_s,
+                r.ttft_ms,
+                r.itl_p50_ms,
+                r.itl_p99_ms,
+                r.recorded_at.isoformat(),
+            )
+        )
     view = ReleaseView(
         model,
         release.version,
         release.model_config,
-        tuple(_artifact_view(a, snapshot.evals_through) for a in artifacts),
+        tuple(_artifact_view(a, snapshot.evals_through, measured.get(a.id, [])) for a in artifacts),
     )
     if cache is not None:
-        cache.views.put(snapshot, view)
+        cache.views.put((snapshot, revision), view)
     return view
 
 
-def _artifact_view(a: Artifact, evals_through: int) -> ArtifactView:
+def _artifact_view(a: Artifact, evals_through: int, measurements: list[Measurement]) -> ArtifactView:
     """The artifact as the channel judges it: by the eval results it was promoted with."""
     evals = [e for e in a.evals if e.id <= evals_through]
     kls = [
@@ -341,88 +488,236 @@ def _artifact_view(a: Artifact, evals_through: int) -> ArtifactView:
         kl=min(kls) if kls and all(math.isfinite(k) for k in kls) else None,
         failed_reasons=tuple(f"{e.runtime}: {e.reason or 'failed'}" for e in evals if e.status == "failed"),
         files=tuple(FileView(f.path, f.sha256, f.size) for f in a.files),
+        measurements=tuple(measurements),
     )
 
 
-def _candidate(
-    artifact: ArtifactView, profile: HardwareProfile, shape: tuple[int, int, int] | str, context: int, concurrency: int
-) -> Candidate:
-    weights = artifact.total_size
-    kv = kv_cache_bytes(shape, context, concurrency) if isinstance(shape, tuple) else 0
-    memory = int(profile.memory_gib * GIB)
-    required = math.ceil((weights + kv) * OVERHEAD)
-    fits = required <= memory
-    tps = profile.bandwidth_gbs * 1e9 / max(weights, 1)
-    parts = [
-        f"{artifact.name}: weights {_human(weights)} + KV cache {_human(kv)} "
-        f"(context {context} × concurrency {concurrency}) + 10% = {_human(required)}, "
-        + ("fits in" if fits else "does not fit in")
-        + f" {_human(memory)} on {profile.name}",
-        f"decode bound {tps:.1f} tokens/s ({profile.bandwidth_gbs:g} GB/s ÷ weight bytes)",
-        f"eval {artifact.eval_status}",
+def runs_on(artifact: ArtifactView, profile: HardwareProfile, catalog: HardwareCatalog) -> tuple[bool, str]:
+    """Whether the artifact runs on `profile`, and why not. An SKU the artifact was built before (not in
+    its hardware, nor its unsupported list) runs it when a listed SKU has the same architecture."""
+    if profile.name in artifact.hardware:
+        return True, ""
+    if profile.name in artifact.unsupported:
+        return False, artifact.unsupported[profile.name]
+    twin = catalog.twin(profile, artifact.hardware)
+    if twin is not None:
+        return True, f"as {twin} (same architecture, {profile.arch})"
+    return False, "not built for it"
+
+
+def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> Measurement | None:
+    """The record that speaks for this replica: same SKU, TP and concurrency, at the requested context or
+    longer (the nearest, then the newest)."""
+    matching = [
+        m
+        for m in artifact.measurements
+        if m.hardware == plan.hardware
+        and m.tp == plan.tp
+        and m.concurrency == plan.concurrency
+        and m.context >= plan.context
     ]
-    if isinstance(shape, str):
-        parts.append(shape)
-    if artifact.kl is not None:
-        parts.append(f"kl {artifact.kl:g}")
-    return Candidate(artifact, fits, weights, kv, memory, required, tps, "; ".join(parts))
+    return min(matching, key=lambda m: (m.context, -m.id)) if matching else None
 
 
-def _rank_key(c: Candidate) -> tuple[bool, int, float, float, str]:
+def _speed(artifact: ArtifactView, plan: ReplicaPlan, profile: HardwareProfile) -> Speed:
+    m = _measurement(artifact, plan)
+    if m is None:
+        others = [x for x in artifact.measurements if x.hardware == plan.hardware]
+        note = "estimated (bounds from the catalog)"
+        if others:
+            at = ", ".join(f"TP {x.tp}, {x.context} × {x.concurrency}" for x in others[:3])
+            note += f"; measured on {plan.hardware} only at {at}"
+        return Speed(
+            "estimate",
+            plan.decode_tokens_per_s,
+            plan.decode_tokens_per_s_per_sequence,
+            plan.ttft_s * 1000 if plan.ttft_s is not None else None,
+            plan.cost_per_mtok,
+            None,
+            note,
+        )
+    price = profile.price_per_device_hour
+    cost = price * plan.tp / (m.tokens_per_s * 3600) * 1e6 if price is not None else None
+    note = (
+        f"measured by {m.runtime_version} on {m.hardware} (TP {m.tp}, context {m.context} × {m.concurrency}): "
+        f"{m.tokens_per_s:g} tokens/s, TTFT {m.ttft_ms:g} ms, ITL p50 {m.itl_p50_ms:g} ms / p99 {m.itl_p99_ms:g} ms"
+    )
+    return Speed("measured", m.tokens_per_s, 1000 / m.itl_p50_ms, m.ttft_ms, cost, m, note)
+
+
+def _slo_misses(speed: Speed, query: ResolveQuery) -> tuple[str, ...]:
+    misses = []
+    if query.min_tokens_per_s is not None and speed.tokens_per_s_per_sequence < query.min_tokens_per_s:
+        misses.append(f"{speed.tokens_per_s_per_sequence:.1f} < {query.min_tokens_per_s:g} tokens/s per sequence")
+    if query.max_ttft_ms is not None:
+        if speed.ttft_ms is None:
+            misses.append("TTFT unknown (the model_config lacks its parameter count)")
+        elif speed.ttft_ms > query.max_ttft_ms:
+            misses.append(f"TTFT {speed.ttft_ms:.0f} > {query.max_ttft_ms:g} ms")
+    return tuple(misses)
+
+
+def _candidate(
+    artifact: ArtifactView,
+    pool: Pool,
+    index: int,
+    profile: HardwareProfile,
+    shape: ModelShape | str,
+    query: ResolveQuery,
+    how: str,
+) -> Candidate:
+    plan = plan_replica(
+        profile,
+        shape,
+        artifact.total_size,
+        artifact.quant,
+        query.context,
+        query.concurrency,
+        query.kv_dtype,
+        max_devices=pool.free_devices or None,
+    )
+    speed = _speed(artifact, plan, profile)
+    room = pool.free_devices is None or plan.tp <= pool.free_devices
+    fits = plan.fits and room
+    misses = _slo_misses(speed, query)
+    cost = f"${speed.cost_per_mtok:.3g}/Mtok" if speed.cost_per_mtok is not None else "no price"
+    ttft = f"TTFT {speed.ttft_ms:.0f} ms" if speed.ttft_ms is not None else "TTFT unknown"
+    parts = [
+        f"{artifact.name} on {pool.hardware}{f' {how}' if how else ''}: {plan.explanation}",
+        f"{speed.tokens_per_s:.1f} tokens/s per replica, {speed.tokens_per_s_per_sequence:.1f} per sequence, "
+        f"{ttft}, {cost} ({speed.note})",
+        f"eval {artifact.eval_status}" + (f", kl {artifact.kl:g}" if artifact.kl is not None else ""),
+    ]
+    if not room:
+        parts.append(f"the pool has {pool.free_devices} free devices, the replica needs {plan.tp}")
+    if misses:
+        parts.append("misses the SLO: " + "; ".join(misses))
+    return Candidate(artifact, pool, index, plan, speed, fits, not misses, misses, "; ".join(parts))
+
+
+def _policy_key(c: Candidate, policy: Policy) -> tuple[float, ...]:
+    speed = -c.speed.tokens_per_s_per_sequence
     kl = c.artifact.kl if c.artifact.kl is not None else math.inf
+    cost = c.speed.cost_per_mtok if c.speed.cost_per_mtok is not None else math.inf
+    if policy == "cost":
+        return (cost, speed, kl)
+    if policy == "quality":
+        return (kl, speed, cost)
+    return (speed, kl, cost)
+
+
+def _rank_key(c: Candidate, policy: Policy) -> tuple[object, ...]:
     return (
         not c.fits,
+        not c.meets_slo,
         0 if c.artifact.eval_status == "passed" else 1,
-        -c.decode_tokens_per_s_bound,
-        kl,
+        *_policy_key(c, policy),
+        c.pool_index,
         c.artifact.name,
     )
 
 
-def rank_candidates(
-    view: ReleaseView, profile: HardwareProfile, context: int, concurrency: int, channel: str
-) -> list[Candidate]:
-    """Candidates for `profile`, best first; the first one fits. NO_COMPATIBLE_ARTIFACT says why none does."""
+def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuery, channel: str) -> list[Candidate]:
+    """Every (artifact, pool) candidate, best first by the query's policy; the first fits and meets the SLO.
+
+    NO_COMPATIBLE_ARTIFACT says why nothing runs or fits; SLO_UNMET what the best achieves."""
     where = f"{view.model}@{view.version} (channel {channel})"
-    details: dict[str, Any] = {"model": view.model, "version": view.version, "hardware": profile.name}
-    for_hw = [a for a in view.artifacts if profile.name in a.hardware]
-    if not for_hw:
-        supported = sorted({h for a in view.artifacts for h in a.hardware})
-        # Why not, per reason (the capability the hardware lacks), with the artifacts it rules out.
-        why: dict[str, list[str]] = {}
+    profiles = [catalog.get(p.hardware) for p in query.pools]
+    names = [p.name for p in profiles]
+    details: dict[str, Any] = {"model": view.model, "version": view.version, "hardware": names}
+    shape = model_shape(view.model_config)
+    candidates: list[Candidate] = []
+    why: dict[str, list[str]] = {}  # reason -> "artifact (hardware)"
+    failed: list[str] = []
+    for index, (pool, profile) in enumerate(zip(query.pools, profiles, strict=True)):
         for a in view.artifacts:
-            why.setdefault(a.unsupported.get(profile.name, "not built for it"), []).append(a.name)
-        reasons = "; ".join(f"{reason} ({', '.join(names)})" for reason, names in why.items())
+            runs, how = runs_on(a, profile, catalog)
+            if not runs:
+                why.setdefault(how, []).append(f"{a.name} ({profile.name})" if len(profiles) > 1 else a.name)
+            elif a.eval_status == "failed":
+                failed.append(f"{a.name} on {profile.name} ({', '.join(a.failed_reasons)})")
+            else:
+                candidates.append(_candidate(a, pool, index, profile, shape, query, how))
+    if not candidates:
+        if failed:
+            raise NotFound(
+                f"every artifact of {where} for {', '.join(names)} failed its eval: {'; '.join(failed)}",
+                code="NO_COMPATIBLE_ARTIFACT",
+                details={**details, "failed": failed},
+            )
+        supported = sorted({h for a in view.artifacts for h in a.hardware})
+        reasons = "; ".join(f"{reason} ({', '.join(items)})" for reason, items in why.items())
         what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
         raise NotFound(
-            f"release {where} has no artifact for hardware {profile.name!r}: {what}",
+            f"release {where} has no artifact for hardware {', '.join(map(repr, names))}: {what}",
             code="NO_COMPATIBLE_ARTIFACT",
             details={**details, "supported_hardware": supported, "reasons": why},
         )
-    usable = [a for a in for_hw if a.eval_status != "failed"]
-    if not usable:
-        failures = "; ".join(f"{a.name} ({', '.join(a.failed_reasons)})" for a in for_hw)
-        raise NotFound(
-            f"every artifact of {where} for {profile.name!r} failed its eval: {failures}",
-            code="NO_COMPATIBLE_ARTIFACT",
-            details={**details, "failed": [a.name for a in for_hw]},
-        )
-    shape = kv_cache_shape(view.model_config)
-    ranked = sorted((_candidate(a, profile, shape, context, concurrency) for a in usable), key=_rank_key)
-    if not ranked[0].fits:
+    ranked = sorted(candidates, key=lambda c: _rank_key(c, query.policy))
+    best = ranked[0]
+    if not best.fits:
         needs = "; ".join(
-            f"{c.artifact.name} needs {_human(c.required_bytes)} "
-            f"(weights {_human(c.weights_bytes)} + KV cache {_human(c.kv_cache_bytes)} + 10%)"
+            f"{c.artifact.name} on {c.hardware} needs TP {c.plan.tp} × {_human(c.plan.required_per_device_bytes)} "
+            f"(weights {_human(c.plan.weights_per_device_bytes)} + KV cache {_human(c.plan.kv_per_device_bytes)}"
+            f" per device) of {_human(c.plan.usable_per_device_bytes)} usable"
+            + (f", {c.pool.free_devices} free" if c.pool.free_devices is not None else "")
             for c in ranked
         )
         raise NotFound(
-            f"no artifact of {where} for {profile.name!r} fits in its {_human(ranked[0].memory_bytes)} "
-            f"with context {context} × concurrency {concurrency}: {needs}",
+            f"no artifact of {where} fits on {', '.join(names)} with context {query.context} × concurrency "
+            f"{query.concurrency}: {needs}",
             code="NO_COMPATIBLE_ARTIFACT",
             details={
                 **details,
-                "memory_bytes": ranked[0].memory_bytes,
-                "candidates": [{"artifact": c.artifact.name, "required_bytes": c.required_bytes} for c in ranked],
+                "memory_bytes": best.plan.memory_per_device_bytes,
+                "candidates": [
+                    {
+                        "artifact": c.artifact.name,
+                        "hardware": c.hardware,
+                        "tp": c.plan.tp,
+                        "required_bytes": c.plan.required_per_device_bytes,
+                    }
+                    for c in ranked
+                ],
+            },
+        )
+    if not best.meets_slo:
+        raise NotFound(
+            f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.name} on "
+            f"{best.hardware}: {'; '.join(best.slo_misses)}",
+            code="SLO_UNMET",
+            details={
+                **details,
+                "best": {
+                    "artifact": best.artifact.name,
+                    "hardware": best.hardware,
+                    "tokens_per_s_per_sequence": best.speed.tokens_per_s_per_sequence,
+                    "ttft_ms": best.speed.ttft_ms,
+                },
             },
         )
     return ranked
+
+
+_POLICY_WORDS = {
+    "latency": "the fastest per sequence",
+    "cost": "the cheapest per million tokens",
+    "quality": "the lowest KL divergence from the reference",
+}
+
+
+def explain_choice(ranked: list[Candidate], query: ResolveQuery) -> str:
+    """One sentence on why the first candidate won under the policy."""
+    best = ranked[0]
+    eligible = sum(c.fits and c.meets_slo for c in ranked)
+    slo = []
+    if query.min_tokens_per_s is not None:
+        slo.append(f"≥ {query.min_tokens_per_s:g} tokens/s per sequence")
+    if query.max_ttft_ms is not None:
+        slo.append(f"TTFT ≤ {query.max_ttft_ms:g} ms")
+    meets = f" meeting {' and '.join(slo)}" if slo else ""
+    return (
+        f"policy {query.policy}: {best.artifact.name} on {best.hardware} (TP {best.plan.tp}) is "
+        f"{_POLICY_WORDS[query.policy]} of {eligible} candidate{'s' if eligible != 1 else ''} that fit"
+        f"{meets} across {', '.join(p.hardware for p in query.pools)}"
+    )

@@ -167,3 +167,39 @@ def serve_in_thread(app: FastAPI) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def declare_blob(app: FastAPI, size: int, label: str) -> str:
+    """Record a blob of `size` bytes as stored, without its bytes, and return its digest.
+
+    For tests of what sizes decide (replica fit, TP, cost): a 70B checkpoint's 141 GB cannot be
+    uploaded in a test. Publishing checks only that the blob is recorded with the manifest's size,
+    so an artifact can be published from declared blobs; its files cannot be downloaded."""
+    from registry.blobs.models import Blob
+
+    digest = sha(f"declared blob {label} of {size} bytes".encode())
+    with app.state.session_factory() as session:
+        if session.get(Blob, digest) is None:
+            session.add(Blob(sha256=digest, size=size))
+            session.commit()
+    return digest
+
+
+def publish_declared(
+    client: TestClient,
+    app: FastAPI,
+    name: str,
+    size: int,
+    hardware: list[str],
+    model: str = "tiny",
+    version: str = "1.0",
+    **extra: Any,
+) -> dict[str, Any]:
+    """Publish artifact `name` as one file of `size` bytes from a declared blob (`declare_blob`)."""
+    body = manifest(name, {}, hardware, **extra)
+    digest = declare_blob(app, size, f"{model}@{version}/{name}")
+    body["files"] = [{"path": "model.safetensors", "sha256": digest, "size": size}]
+    response = client.post(f"/v1/models/{model}/releases/{version}/artifacts", json=body)
+    assert response.status_code in (200, 201), response.text
+    result: dict[str, Any] = response.json()
+    return result

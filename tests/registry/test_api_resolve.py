@@ -7,13 +7,15 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from core.hardware import get_profile
+from core.errors import NotFound
+from core.hardware import builtin_catalog
 from registry.app import create_app
-from registry.resolve.service import ArtifactView, FileView, ReleaseView, rank_candidates
+from registry.resolve.service import ArtifactView, FileView, Pool, ReleaseView, ResolveQuery, rank_candidates
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish, seal
 
+GIB = 1024**3
 KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # LLAMA_CONFIG: 128 KiB
 
 
@@ -70,23 +72,38 @@ def test_resolve_picks_the_best_and_ranks_fallbacks(client: TestClient) -> None:
     ]
     assert client.get(artifact["files"][0]["url"]).content == b"4" * 100
     reason = answer["reason"]
-    assert reason["fits"] is True
+    assert (reason["fits"], reason["tp"]) == (True, 1)
     assert reason["weights_bytes"] == 100
     assert reason["kv_cache_bytes"] == KV_PER_TOKEN * 4096
-    assert reason["memory_bytes"] == 80 * 1024**3
-    assert reason["decode_tokens_per_s_bound"] == pytest.approx(3350e9 / 100)
-    assert reason["eval_status"] == "passed"
-    assert "fits in 80.00 GiB on h100" in reason["explanation"]
+    assert reason["memory_bytes"] == 80 * GIB
+    assert reason["usable_bytes"] == round(0.9 * 80 * GIB)  # the rest is left to activations and the runtime
+    assert reason["required_bytes"] == 100 + KV_PER_TOKEN * 4096
+    assert reason["kv_room_bytes"] == reason["usable_bytes"] - 100
+    # Decode reads the weights and the whole KV cache each step, at the H100's 3350 GB/s.
+    assert reason["decode_tokens_per_s_bound"] == pytest.approx(3350e9 / (100 + KV_PER_TOKEN * 4096))
+    assert reason["tokens_per_s_per_sequence"] == reason["decode_tokens_per_s_bound"]
+    assert reason["speed_source"] == "estimate" and reason["measured"] is None
+    assert reason["eval_status"] == "passed" and reason["meets_slo"] is True
+    assert "TP 1 of 8: 0.0 GiB weights + 0.5 GiB KV per device ≤ 72.0 GiB usable of 80.0 GiB" in reason["explanation"]
+    assert answer["explanation"].startswith("policy latency: gguf-q4 on h100 (TP 1) is the fastest per sequence")
     bf16 = answer["fallbacks"][1]["reason"]
     assert bf16["eval_status"] == "not_evaluated" and bf16["weights_bytes"] == 400
+    assert bf16["tokens_per_s_per_sequence"] < reason["tokens_per_s_per_sequence"]
 
 
 def test_kv_cache_scales_with_context_and_concurrency(client: TestClient) -> None:
     seed(client)
     reason = resolve(client, hardware="cpu", context=8192, concurrency=4).json()["reason"]
-    assert reason["kv_cache_bytes"] == KV_PER_TOKEN * 8192 * 4
-    assert reason["required_bytes"] == pytest.approx((100 + KV_PER_TOKEN * 8192 * 4) * 1.1, abs=1)
-    assert "context 8192 × concurrency 4" in reason["explanation"]
+    assert reason["kv_cache_bytes"] == KV_PER_TOKEN * 8192 * 4 == 4 * GIB
+    assert (reason["tp"], reason["required_bytes"]) == (1, 100 + 4 * GIB)
+    assert reason["usable_bytes"] == round(0.9 * 64 * GIB)
+    # Four sequences share each step: the replica makes four tokens a step, each sequence one.
+    assert reason["decode_tokens_per_s_bound"] == pytest.approx(4 * 50e9 / (100 + 4 * GIB))
+    assert reason["tokens_per_s_per_sequence"] == pytest.approx(reason["decode_tokens_per_s_bound"] / 4)
+    assert "0.0 GiB weights + 4.0 GiB KV per device ≤ 57.6 GiB usable of 64.0 GiB" in reason["explanation"]
+    single = resolve(client, hardware="cpu").json()["reason"]
+    assert single["kv_cache_bytes"] == KV_PER_TOKEN * 4096
+    assert single["tokens_per_s_per_sequence"] > reason["tokens_per_s_per_sequence"]
 
 
 def test_kl_breaks_ties(client: TestClient) -> None:
@@ -104,10 +121,17 @@ def test_kl_breaks_ties(client: TestClient) -> None:
 
 def test_nothing_fits_says_why_with_numbers(client: TestClient) -> None:
     seed(client)
+    # 8 GiB of KV cache alone is more than the 7.2 GiB usable (90 %) of the 8 GiB edge board.
     error = assert_error(resolve(client, hardware="edge", context=65536), 404, "NO_COMPATIBLE_ARTIFACT")
-    assert "fits in its 8.00 GiB" in error["message"]
-    assert "gguf-q4 needs 8.80 GiB" in error["message"]
-    assert error["details"]["candidates"][0]["artifact"] == "gguf-q4"
+    assert "fits on edge with context 65536 × concurrency 1" in error["message"]
+    assert (
+        "gguf-q4 on edge needs TP 1 × 8.00 GiB (weights 100 B + KV cache 8.00 GiB per device) of 7.20 GiB usable"
+        in error["message"]
+    )
+    assert error["details"]["memory_bytes"] == 8 * GIB
+    assert error["details"]["candidates"] == [
+        {"artifact": "gguf-q4", "hardware": "edge", "tp": 1, "required_bytes": 100 + KV_PER_TOKEN * 65536}
+    ]
     assert resolve(client, hardware="edge", context=4096).status_code == 200
 
 
@@ -216,16 +240,33 @@ def _artifact(name: str, size: int, status: str = "passed", kl: float | None = N
 
 
 def test_ranking_puts_what_fits_first() -> None:
-    gib = 1024**3
-    # 70B-class bf16 (140 GiB) does not fit an 80 GiB H100; int4 (38 GiB) does, even not evaluated.
-    ranked = rank_candidates(
-        _view(_artifact("bf16", 140 * gib), _artifact("int4", 38 * gib, "not_evaluated"), _artifact("fp8", 75 * gib)),
-        get_profile("h100"),
-        context=4096,
-        concurrency=1,
-        channel="prod",
-    )
-    assert [(c.artifact.name, c.fits) for c in ranked] == [("int4", True), ("fp8", False), ("bf16", False)]
+    view = _view(_artifact("bf16", 140 * GIB), _artifact("int4", 38 * GIB, "not_evaluated"), _artifact("fp8", 75 * GIB))
+    catalog = builtin_catalog()
+    # On one H100 (72 GiB usable of 80, plus 0.5 GiB of KV cache): only int4 (38 GiB) fits, even not
+    # evaluated; fp8 (75 GiB, under the 80 GiB the device has) does not.
+    one = rank_candidates(view, catalog, ResolveQuery((Pool("h100", free_devices=1),)), "prod")
+    assert [(c.artifact.name, c.fits, c.plan.tp) for c in one] == [
+        ("int4", True, 1),
+        ("fp8", False, 1),
+        ("bf16", False, 1),
+    ]
+    assert one[1].plan.required_per_device_bytes == 75 * GIB + KV_PER_TOKEN * 4096
+    assert one[1].plan.usable_per_device_bytes == round(0.9 * 80 * GIB)
+    # A whole node: fp8 and bf16 fit at TP 2, and the evaluated ones rank first, the faster first.
+    node = rank_candidates(view, catalog, ResolveQuery((Pool("h100"),)), "prod")
+    assert [(c.artifact.name, c.fits, c.plan.tp) for c in node] == [
+        ("fp8", True, 2),
+        ("bf16", True, 2),
+        ("int4", True, 1),
+    ]
+    assert node[1].plan.required_per_device_bytes == 70 * GIB + KV_PER_TOKEN * 4096 // 2
+    # Nothing fits a pool of one device: NO_COMPATIBLE_ARTIFACT with each candidate's TP and bytes.
+    with pytest.raises(NotFound) as raised:
+        rank_candidates(_view(_artifact("bf16", 140 * GIB)), catalog, ResolveQuery((Pool("h100", 1),)), "prod")
+    assert raised.value.code == "NO_COMPATIBLE_ARTIFACT"
+    assert raised.value.details["candidates"] == [
+        {"artifact": "bf16", "hardware": "h100", "tp": 1, "required_bytes": 140 * GIB + KV_PER_TOKEN * 4096}
+    ]
 
 
 def test_another_workers_promotion_is_resolved_at_once(settings: RegistrySettings) -> None:

@@ -1,0 +1,65 @@
+"""HTTP routes for the hardware catalog: read by anyone who may read, changed by admins (audited)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Path
+from sqlalchemy.orm import Session
+
+from core.hardware import HARDWARE_NAME_PATTERN
+from registry.api.errors import error_responses
+from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from registry.hardware import service
+from registry.hardware.schemas import HardwareOut
+
+router = APIRouter(prefix="/v1", tags=["hardware"])
+
+HardwareName = Annotated[str, Path(pattern=HARDWARE_NAME_PATTERN, description="SKU name, e.g. h100")]
+
+
+def _catalog(session: Session) -> list[HardwareOut]:
+    sources = service.catalog_sources(session)
+    catalog = service.effective_catalog(session)
+    return [HardwareOut(**p.model_dump(), source=sources[p.name]) for p in catalog]  # type: ignore[arg-type]
+
+
+@router.get("/hardware", summary="The hardware catalog resolve sizes replicas with")
+def list_hardware(session: SessionDep) -> list[HardwareOut]:
+    return _catalog(session)
+
+
+@router.get("/hardware/{name}", summary="One SKU of the hardware catalog", responses=error_responses(404))
+def get_hardware(name: HardwareName, session: SessionDep) -> HardwareOut:
+    profile, source = service.get_entry(session, name)
+    return HardwareOut(**profile.model_dump(), source=source)  # type: ignore[arg-type]
+
+
+@router.put(
+    "/hardware/{name}",
+    summary="Add an SKU to the catalog, or replace (override) its entry; admin, audited",
+    responses=error_responses(422),
+    dependencies=[require("admin")],
+)
+def put_hardware(
+    name: HardwareName,
+    session: WriteSessionDep,
+    principal: PrincipalDep,
+    entry: Annotated[dict[str, Any], Body(description="a catalog entry, as GET /v1/hardware/{name} shows one")],
+) -> HardwareOut:
+    entry = {k: v for k, v in entry.items() if k != "source"}
+    service.put_entry(session, name, entry, principal.name)
+    session.commit()
+    return get_hardware(name, session)
+
+
+@router.delete(
+    "/hardware/{name}",
+    summary="Remove the registry's entry for an SKU (a built-in one returns to its default); admin, audited",
+    responses=error_responses(404),
+    dependencies=[require("admin")],
+    status_code=204,
+)
+def delete_hardware(name: HardwareName, session: WriteSessionDep, principal: PrincipalDep) -> None:
+    service.delete_entry(session, name, principal.name)
+    session.commit()

@@ -1,0 +1,111 @@
+"""The registry's hardware catalog: kiln's built-in entries, with admins' additions and overrides over them.
+
+Every change is audited and bumps the routing revision, so resolve answers from the new catalog at
+once, in every worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import InvalidInput, NotFound
+from core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
+from registry.audit import service as audit
+from registry.hardware.models import HardwareEntry
+from registry.resolve.models import bump_routing_revision
+
+
+def registry_entries(session: Session) -> list[HardwareProfile]:
+    """The entries admins gave, validated again on the way out (an entry from an older kiln may not parse)."""
+    return [parse_profile(row.profile, f"registry hardware entry {row.name!r}") for row in _rows(session)]
+
+
+def _rows(session: Session) -> list[HardwareEntry]:
+    return list(session.scalars(select(HardwareEntry).order_by(HardwareEntry.name)))
+
+
+def effective_catalog(session: Session) -> HardwareCatalog:
+    """The catalog resolve uses: built-in entries, replaced or extended by the registry's own."""
+    return builtin_catalog().extended(registry_entries(session))
+
+
+def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
+    """One SKU of the effective catalog and where its entry comes from; HARDWARE_NOT_FOUND lists the known."""
+    catalog = effective_catalog(session)
+    if name not in catalog.profiles:
+        known = sorted(catalog.profiles)
+        raise NotFound(
+            f"unknown hardware {name!r}; known: {', '.join(known)}",
+            code="HARDWARE_NOT_FOUND",
+            details={"hardware": name, "known": known},
+        )
+    return catalog.profiles[name], catalog_sources(session)[name]
+
+
+def catalog_sources(session: Session) -> dict[str, str]:
+    """Where each entry of the effective catalog comes from: builtin | registry | registry (overrides builtin)."""
+    builtin = set(builtin_catalog().profiles)
+    sources = dict.fromkeys(builtin, "builtin")
+    for row in _rows(session):
+        sources[row.name] = "registry (overrides builtin)" if row.name in builtin else "registry"
+    return sources
+
+
+def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> HardwareProfile:
+    """Add SKU `name`, or replace its entry (a built-in one is overridden, not changed); audited."""
+    if "name" in data and data["name"] != name:
+        raise InvalidInput(
+            f"hardware entry {name!r}: name: the body names {str(data['name'])[:40]!r}; it must name the SKU of "
+            "the path, or leave the name out",
+            code="HARDWARE_CATALOG_INVALID",
+        )
+    profile = parse_profile({**data, "name": name}, f"hardware entry {name!r}")
+    row = session.scalars(select(HardwareEntry).where(HardwareEntry.name == name)).one_or_none()
+    before = row.profile if row is not None else _builtin_dump(name)
+    after = profile.model_dump(mode="json")
+    if row is None:
+        session.add(HardwareEntry(name=name, profile=after, updated_by=actor))
+    else:
+        row.profile = after
+        row.updated_by = actor
+    audit.record(
+        session,
+        action="hardware.put",
+        target=f"hardware/{name}",
+        actor=actor,
+        details={"before": before, "after": after},
+    )
+    bump_routing_revision(session)
+    session.flush()
+    return profile
+
+
+def delete_entry(session: Session, name: str, actor: str) -> None:
+    """Remove the registry's entry for `name`: an added SKU goes, an overridden built-in one returns; audited."""
+    row = session.scalars(select(HardwareEntry).where(HardwareEntry.name == name)).one_or_none()
+    if row is None:
+        builtin = name in builtin_catalog().profiles
+        raise NotFound(
+            f"the registry has no entry of its own for hardware {name!r}"
+            + ("; built-in entries can be overridden (PUT), not deleted" if builtin else ""),
+            code="HARDWARE_NOT_FOUND",
+            details={"hardware": name},
+        )
+    audit.record(
+        session,
+        action="hardware.delete",
+        target=f"hardware/{name}",
+        actor=actor,
+        details={"before": row.profile, "after": _builtin_dump(name)},
+    )
+    session.delete(row)
+    bump_routing_revision(session)
+    session.flush()
+
+
+def _builtin_dump(name: str) -> dict[str, Any] | None:
+    profile = builtin_catalog().profiles.get(name)
+    return profile.model_dump(mode="json") if profile is not None else None

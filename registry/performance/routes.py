@@ -1,0 +1,61 @@
+"""HTTP routes for measured performance records (publish scope to post, read to list)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from registry.api.errors import error_responses
+from registry.api.params import ArtifactName, ModelName, Version
+from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from registry.performance import service
+from registry.performance.models import PerformanceRecord
+from registry.performance.schemas import PerformanceCreate, PerformanceOut
+
+router = APIRouter(prefix="/v1", tags=["performance"])
+PATH = "/models/{model}/releases/{version}/artifacts/{name}/performance"
+
+
+def _out(row: PerformanceRecord, artifact: str) -> PerformanceOut:
+    return PerformanceOut(
+        id=row.id,
+        artifact=artifact,
+        hardware=row.hardware,
+        runtime=row.runtime,
+        runtime_version=row.runtime_version,
+        tp=row.tp,
+        context=row.context,
+        concurrency=row.concurrency,
+        tokens_per_s=row.tokens_per_s,
+        ttft_ms=row.ttft_ms,
+        itl_p50_ms=row.itl_p50_ms,
+        itl_p99_ms=row.itl_p99_ms,
+        recorded_by=row.recorded_by,
+        recorded_at=row.recorded_at,
+    )
+
+
+@router.post(
+    PATH,
+    dependencies=[require("publish")],
+    status_code=201,
+    summary="Record a measured serving performance of an artifact on one SKU (resolve prefers it to estimates)",
+    responses=error_responses(404, 422),
+)
+def post_performance(
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    spec: PerformanceCreate,
+    session: WriteSessionDep,
+    principal: PrincipalDep,
+) -> PerformanceOut:
+    row = service.post_record(session, model, version, name, spec, principal.name)
+    session.commit()
+    return _out(row, name)
+
+
+@router.get(PATH, summary="An artifact's measured performance records, newest first", responses=error_responses(404))
+def list_performance(
+    model: ModelName, version: Version, name: ArtifactName, session: SessionDep
+) -> list[PerformanceOut]:
+    return [_out(r, name) for r in service.list_records(session, model, version, name)]

@@ -1,0 +1,43 @@
+"""API shapes for measured performance records."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.hardware import HARDWARE_NAME_PATTERN
+from registry.artifacts.schemas import (
+    RUNTIME_MAX_LENGTH,
+    RUNTIME_PATTERN,
+    RUNTIME_VERSION_MAX_LENGTH,
+    RUNTIME_VERSION_PATTERN,
+)
+
+
+class PerformanceCreate(BaseModel):
+    """One measurement of an artifact served on one SKU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hardware: str = Field(pattern=HARDWARE_NAME_PATTERN, description="catalog SKU it ran on", examples=["h100"])
+    runtime: str = Field(pattern=RUNTIME_PATTERN, max_length=RUNTIME_MAX_LENGTH, examples=["vllm"])
+    runtime_version: str = Field(
+        pattern=RUNTIME_VERSION_PATTERN, max_length=RUNTIME_VERSION_MAX_LENGTH, examples=["vLLM 0.32.0, CUDA 12.8"]
+    )
+    tp: int = Field(ge=1, le=1024, description="devices per replica (tensor-parallel degree)")
+    context: int = Field(ge=1, le=10_000_000, description="tokens of context per sequence")
+    concurrency: int = Field(ge=1, le=100_000, description="sequences served at once")
+    tokens_per_s: float = Field(
+        gt=0, le=1e9, allow_inf_nan=False, description="output tokens/s of the whole replica at that concurrency"
+    )
+    ttft_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="time to first token")
+    itl_p50_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="inter-token latency, median")
+    itl_p99_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="inter-token latency, 99th percentile")
+
+
+class PerformanceOut(PerformanceCreate):
+    id: int
+    artifact: str
+    recorded_by: str
+    recorded_at: datetime

@@ -1,0 +1,54 @@
+"""Measured performance records: posted per artifact and SKU, read by resolve in place of its estimates."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import InvalidInput
+from registry.artifacts.service import get_artifact
+from registry.hardware.service import effective_catalog
+from registry.performance.models import PerformanceRecord
+from registry.performance.schemas import PerformanceCreate
+from registry.resolve.models import bump_routing_revision
+
+
+def post_record(
+    session: Session, model: str, version: str, artifact: str, spec: PerformanceCreate, actor: str
+) -> PerformanceRecord:
+    """Record one measurement; the SKU must be in the catalog and run the artifact (as resolve judges it:
+    built for it, or of the same architecture as an SKU it was built for)."""
+    row = get_artifact(session, model, version, artifact)
+    catalog = effective_catalog(session)
+    profile = catalog.get(spec.hardware)
+    if spec.itl_p99_ms < spec.itl_p50_ms:
+        raise InvalidInput(
+            f"itl_p99_ms {spec.itl_p99_ms} is below itl_p50_ms {spec.itl_p50_ms}", code="PERFORMANCE_INVALID"
+        )
+    if spec.tp > profile.devices_per_node:
+        raise InvalidInput(
+            f"tp {spec.tp} is more than the {profile.devices_per_node} devices of a {profile.name} node",
+            code="PERFORMANCE_INVALID",
+            details={"hardware": profile.name, "devices_per_node": profile.devices_per_node},
+        )
+    runs = spec.hardware in row.hardware or (
+        spec.hardware not in row.unsupported and catalog.twin(profile, row.hardware) is not None
+    )
+    if not runs:
+        raise InvalidInput(
+            f"{model}@{version}/{artifact} does not run on {spec.hardware}; it runs on {', '.join(row.hardware)}"
+            " (and SKUs of their architectures)",
+            code="PERFORMANCE_INVALID",
+            details={"hardware": spec.hardware, "artifact_hardware": list(row.hardware)},
+        )
+    record = PerformanceRecord(artifact_id=row.id, recorded_by=actor, **spec.model_dump())
+    session.add(record)
+    bump_routing_revision(session)
+    session.flush()
+    return record
+
+
+def list_records(session: Session, model: str, version: str, artifact: str) -> list[PerformanceRecord]:
+    row = get_artifact(session, model, version, artifact)
+    query = select(PerformanceRecord).where(PerformanceRecord.artifact_id == row.id)
+    return list(session.scalars(query.order_by(PerformanceRecord.id.desc())))

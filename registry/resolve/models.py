@@ -1,0 +1,27 @@
+"""ORM row for the routing revision: what resolve's cached answers depend on beyond a channel."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from registry.db import Base
+
+
+class RoutingState(Base):
+    """One row. `revision` grows with every change to the hardware catalog or to performance records,
+    so resolve's one query per request sees them, as it sees promotions, in every worker at once."""
+
+    __tablename__ = "routing_state"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    revision: Mapped[int] = mapped_column(default=0)
+
+
+def bump_routing_revision(session: Session) -> None:
+    """Mark resolve's cached answers stale (in the caller's transaction)."""
+    result = session.execute(
+        update(RoutingState).where(RoutingState.id == 1).values(revision=RoutingState.revision + 1)
+    )
+    if getattr(result, "rowcount", 1) == 0:  # a schema made without the migrations' first row
+        session.add(RoutingState(id=1, revision=1))

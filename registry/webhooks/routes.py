@@ -1,0 +1,75 @@
+"""/v1/webhooks: subscribe to registry events, read the delivery log, redeliver (admin scope); changes are audited."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from registry.api.errors import error_responses
+from registry.api.params import RowId
+from registry.auth.principal import Principal
+from registry.deps import SessionDep, WriteSessionDep, require
+from registry.webhooks import service
+from registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
+
+router = APIRouter(prefix="/v1", tags=["webhooks"])
+Admin = Annotated[Principal, require("admin")]
+
+
+@router.post("/webhooks", status_code=201, summary="Create a webhook (its signing secret is returned once)")
+def create_webhook(spec: WebhookCreate, session: WriteSessionDep, principal: Admin) -> WebhookCreated:
+    webhook, secret = service.create_webhook(
+        session, principal, url=spec.url, events=spec.events, model_pattern=spec.model_pattern, secret=spec.secret
+    )
+    session.commit()
+    return WebhookCreated(**WebhookOut.from_row(webhook).model_dump(), secret=secret)
+
+
+@router.get("/webhooks", summary="List webhooks, active or deleted (never their secrets)")
+def list_webhooks(session: SessionDep, principal: Admin) -> list[WebhookOut]:
+    return [WebhookOut.from_row(w) for w in service.list_webhooks(session, principal)]
+
+
+@router.get("/webhooks/{webhook_id}", summary="A webhook (never its secret)", responses=error_responses(404))
+def get_webhook(webhook_id: RowId, session: SessionDep, principal: Admin) -> WebhookOut:
+    return WebhookOut.from_row(service.get_webhook(session, principal, webhook_id))
+
+
+@router.delete(
+    "/webhooks/{webhook_id}",
+    summary="Delete a webhook: it gets no more events and its pending deliveries stop (its log is kept)",
+    responses=error_responses(404),
+)
+def delete_webhook(webhook_id: RowId, session: WriteSessionDep, principal: Admin) -> WebhookOut:
+    webhook = service.deactivate_webhook(session, principal, webhook_id)
+    session.commit()
+    return WebhookOut.from_row(webhook)
+
+
+@router.get(
+    "/webhooks/{webhook_id}/deliveries",
+    summary="A webhook's delivery log, newest first, with every attempt",
+    responses=error_responses(404),
+)
+def list_deliveries(
+    webhook_id: RowId,
+    session: SessionDep,
+    principal: Admin,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[DeliveryOut]:
+    return [
+        DeliveryOut.from_row(d, d.attempt_log) for d in service.list_deliveries(session, principal, webhook_id, limit)
+    ]
+
+
+@router.post(
+    "/webhooks/{webhook_id}/deliveries/{delivery_id}/redeliver",
+    status_code=201,
+    summary="Send a delivered or failed delivery's event again, as a new delivery",
+    responses=error_responses(404, 409),
+)
+def redeliver(webhook_id: RowId, delivery_id: RowId, session: WriteSessionDep, principal: Admin) -> DeliveryOut:
+    delivery = service.redeliver(session, principal, webhook_id, delivery_id)
+    session.commit()
+    return DeliveryOut.from_row(delivery, [])

@@ -1,0 +1,199 @@
+"""Webhook administration: create (the secret is returned once), list, deactivate, the delivery log, redeliver.
+
+An admin token limited to model patterns manages only webhooks whose pattern lies within its own:
+it could otherwise subscribe to events about models it may not read.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from urllib.parse import urlsplit
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, selectinload
+
+from core.errors import Conflict, Forbidden, InvalidInput, NotFound, UnknownName
+from registry.audit import service as audit
+from registry.auth.principal import Principal
+from registry.db import utcnow
+from registry.webhooks.models import Webhook, WebhookDelivery
+from registry.webhooks.outbox import EVENTS
+
+MAX_URL_LENGTH = 2048
+_PATTERN = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
+
+
+def check_url(url: str) -> None:
+    """InvalidInput (INVALID_WEBHOOK_URL) unless `url` is an absolute http(s) URL with a host."""
+    problem = None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- parses the port, raising ValueError on a bad one
+    except ValueError as exc:
+        problem = str(exc)
+    else:
+        if parts.scheme not in ("http", "https"):
+            problem = "the scheme must be http or https"
+        elif not parts.hostname:
+            problem = "it has no host"
+    if problem is None and (len(url) > MAX_URL_LENGTH or any(c.isspace() or not c.isprintable() for c in url)):
+        problem = f"it must be at most {MAX_URL_LENGTH} printable characters without spaces"
+    if problem is not None:
+        raise InvalidInput(f"webhook URL {url[:200]!r} is not valid: {problem}", code="INVALID_WEBHOOK_URL")
+
+
+def check_events(events: list[str]) -> None:
+    """UnknownName (UNKNOWN_EVENT), listing the known events, unless every one of `events` is known."""
+    unknown = [e for e in events if e not in EVENTS]
+    if unknown:
+        raise UnknownName(
+            f"unknown webhook events: {', '.join(unknown)}; known: {', '.join(EVENTS)}",
+            code="UNKNOWN_EVENT",
+            details={"unknown": unknown, "known": list(EVENTS)},
+        )
+
+
+def _origin(url: str) -> str:
+    # What the audit log (readable with `read`) says of a URL: its path may hold a credential.
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def create_webhook(
+    session: Session,
+    actor: Principal,
+    *,
+    url: str,
+    events: list[str],
+    model_pattern: str,
+    secret: str | None = None,
+) -> tuple[Webhook, str]:
+    """A new active webhook and its signing secret (generated unless given). Audited, without URL path or secret."""
+    check_url(url)
+    check_events(events)
+    if not _PATTERN.fullmatch(model_pattern):
+        raise InvalidInput(
+            f"a model pattern is a lowercase name with * ? [ ]; got {model_pattern!r}", code="INVALID_PATTERN"
+        )
+    if not actor.covers_patterns([model_pattern]):
+        raise Forbidden(
+            f"token {actor.name!r} is limited to {', '.join(actor.models)} and cannot subscribe to "
+            f"events of {model_pattern!r}",
+            details={"model_pattern": model_pattern, "limited_to": list(actor.models), "token": actor.name},
+        )
+    secret = secret if secret is not None else secrets.token_urlsafe(32)
+    webhook = Webhook(
+        url=url,
+        secret=secret,
+        events=list(events),
+        model_pattern=model_pattern,
+        active=True,
+        created_by=actor.name,
+    )
+    session.add(webhook)
+    session.flush()
+    audit.record(
+        session,
+        action="webhook.create",
+        target=f"webhook:{webhook.id}",
+        actor=actor.name,
+        details={
+            "before": None,
+            "after": {"url": _origin(url), "events": webhook.events, "model_pattern": model_pattern},
+        },
+    )
+    return webhook, secret
+
+
+def list_webhooks(session: Session, actor: Principal) -> list[Webhook]:
+    """The webhooks `actor` may manage, active or not, oldest first."""
+    return [
+        w for w in session.scalars(select(Webhook).order_by(Webhook.id)) if actor.covers_patterns([w.model_pattern])
+    ]
+
+
+def get_webhook(session: Session, actor: Principal, webhook_id: int) -> Webhook:
+    """A webhook `actor` may manage; one outside its model patterns is NotFound, as if absent."""
+    webhook = session.get(Webhook, webhook_id)
+    if webhook is None or not actor.covers_patterns([webhook.model_pattern]):
+        raise NotFound(f"webhook {webhook_id} not found", details={"webhook": webhook_id})
+    return webhook
+
+
+def deactivate_webhook(session: Session, actor: Principal, webhook_id: int) -> Webhook:
+    """Deactivate a webhook (idempotent): it gets no new events, and its pending deliveries are failed."""
+    webhook = get_webhook(session, actor, webhook_id)
+    if not webhook.active:
+        return webhook
+    webhook.active = False
+    session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.webhook_id == webhook.id, WebhookDelivery.state == "pending")
+        .values(state="failed", last_error="the webhook was deleted")
+        .execution_options(synchronize_session=False)
+    )
+    audit.record(
+        session,
+        action="webhook.delete",
+        target=f"webhook:{webhook.id}",
+        actor=actor.name,
+        details={"before": {"active": True}, "after": {"active": False}},
+    )
+    session.flush()
+    return webhook
+
+
+def list_deliveries(session: Session, actor: Principal, webhook_id: int, limit: int = 100) -> list[WebhookDelivery]:
+    """A webhook's newest `limit` deliveries, newest first, each with its attempts."""
+    webhook = get_webhook(session, actor, webhook_id)
+    query = (
+        select(WebhookDelivery)
+        .where(WebhookDelivery.webhook_id == webhook.id)
+        .order_by(WebhookDelivery.id.desc())
+        .limit(limit)
+        .options(selectinload(WebhookDelivery.attempt_log))
+    )
+    return list(session.scalars(query))
+
+
+def redeliver(session: Session, actor: Principal, webhook_id: int, delivery_id: int) -> WebhookDelivery:
+    """A new pending delivery of a delivered or failed delivery's payload (same event `id`; receivers
+    that deduplicate by it will see it as the same event)."""
+    webhook = get_webhook(session, actor, webhook_id)
+    original = session.get(WebhookDelivery, delivery_id)
+    if original is None or original.webhook_id != webhook.id:
+        raise NotFound(
+            f"webhook {webhook_id} has no delivery {delivery_id}",
+            details={"webhook": webhook_id, "delivery": delivery_id},
+        )
+    if not webhook.active:
+        raise Conflict(
+            f"webhook {webhook_id} was deleted; create a new one to receive events",
+            code="WEBHOOK_INACTIVE",
+            details={"webhook": webhook_id},
+        )
+    if original.state == "pending":
+        raise Conflict(
+            f"delivery {delivery_id} is still pending (attempt {original.attempts + 1} is due); it will be sent",
+            code="DELIVERY_PENDING",
+            details={"webhook": webhook_id, "delivery": delivery_id},
+        )
+    copy = WebhookDelivery(
+        webhook_id=webhook.id,
+        audit_event_id=original.audit_event_id,
+        event=original.event,
+        payload=original.payload,
+        state="pending",
+        next_attempt_at=utcnow(),
+    )
+    session.add(copy)
+    session.flush()
+    audit.record(
+        session,
+        action="webhook.redeliver",
+        target=f"webhook:{webhook.id}",
+        actor=actor.name,
+        details={"before": {"delivery": delivery_id}, "after": {"delivery": copy.id}},
+    )
+    return copy
