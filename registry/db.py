@@ -63,6 +63,7 @@ class Base(DeclarativeBase):
 def registry_metadata() -> MetaData:
     """The whole schema: imports every domain's ORM module so that its tables are registered."""
     from registry.artifacts import models as _artifacts  # noqa: F401
+    from registry.attestations import models as _attestations  # noqa: F401
     from registry.audit import models as _audit  # noqa: F401
     from registry.auth import models as _auth  # noqa: F401
     from registry.blobs import models as _blobs  # noqa: F401

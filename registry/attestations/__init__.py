@@ -1,0 +1,1 @@
+"""Attestations of an artifact: its signature (OpenSSF model signing) and build provenance (in-toto SLSA)."""
