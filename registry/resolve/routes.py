@@ -176,23 +176,26 @@ async def resolve(
     # async, and rendered here rather than by FastAPI: no thread hop and no second validation of
     # the answer on the hot path. With warm caches the work is one indexed query (on the resolve
     # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
-    query = ResolveQuery(
-        parse_pools(hardware), policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms
-    )
+    # The query's own values (strings and numbers, cheap to hash) key the answer with the channel's
+    # fingerprint and the release the key lands on; the pools are parsed only on a miss.
+    asked = (hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     if_none_match = request.headers.get("if-none-match")
-    body, etag = _answer(request, model, channel, query, key)
+    body, etag = _answer(request, model, channel, asked, key)
     if wait and if_none_match is not None:
         deadline = time.monotonic() + wait
         while _matches(if_none_match, etag) and time.monotonic() < deadline:
             await asyncio.sleep(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
-            body, etag = _answer(request, model, channel, query, key)
+            body, etag = _answer(request, model, channel, asked, key)
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if _matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     return Response(body, media_type="application/json", headers=headers)
 
 
-def _answer(request: Request, model: str, channel: str, query: ResolveQuery, key: str | None) -> tuple[bytes, str]:
+Asked = tuple[str, Policy, int, int, str, float | None, float | None]
+
+
+def _answer(request: Request, model: str, channel: str, asked: Asked, key: str | None) -> tuple[bytes, str]:
     """The rendered answer and its ETag, from the caches where nothing it depends on changed."""
     state = request.app.state  # not dependencies: each one solved costs more than this route's own work
     settings: RegistrySettings = state.settings
@@ -201,22 +204,25 @@ def _answer(request: Request, model: str, channel: str, query: ResolveQuery, key
     snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
     member = snapshot.choose(model, channel, key)
     base = base_url(request, settings)
-    answer_key = (snapshot, member, model, channel, query, base)
+    answer_key = (snapshot.fingerprint, member.release_id, model, channel, asked, base)
     hit = cache.answers.get(answer_key)
     if hit is not None:
         return hit
+    hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms = asked
+    query = ResolveQuery(
+        parse_pools(hardware), policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms
+    )
     catalog = load_catalog(sessions, snapshot.revision, cache)
     with sessions() as session:
         view = load_release_view(session, model, member, snapshot.revision, cache)
     ranked = rank_candidates(view, catalog, query, channel)
     best, *rest = (_candidate_out(c, base, model, view.version) for c in ranked)
-    policy: Policy = query.policy
     answer = ResolveOut(
         model=model,
         channel=channel,
         version=view.version,
         hardware=ranked[0].hardware,
-        policy=policy,
+        policy=query.policy,
         artifact=best.artifact,
         reason=best.reason,
         explanation=explain_choice(ranked, query),

@@ -26,7 +26,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from sqlalchemy import Engine, bindparam, func, literal_column, select
@@ -237,6 +237,8 @@ class ChannelSnapshot:
     revision: int
     # (release, the key buckets it serves), registry.channels.buckets; empty without a split
     buckets: tuple[tuple[SnapshotKey, tuple[tuple[int, int], ...]], ...] = ()
+    # The fingerprint row it was built from, as plain values: what answers are cached by (cheap to hash).
+    fingerprint: tuple[object, ...] = field(default=(), compare=False)
 
     @property
     def is_split(self) -> bool:
@@ -302,6 +304,7 @@ class ChannelFingerprints:
         self._versioned = engine.dialect.name == "sqlite"
         self._data_version: int | None = None
         self._rows: dict[tuple[str, str], Any] = {}
+        self.snapshots: dict[tuple[object, ...], ChannelSnapshot] = {}  # built once per fingerprint row
 
     def lookup(self, model: str, channel: str) -> FingerprintRow | None:
         """(release id, version, evals_through, yanked_at, split, routing revision) of `model`'s `channel`, or None."""
@@ -388,11 +391,24 @@ def channel_snapshot(
             code="CHANNEL_RELEASE_YANKED",
             details={"model": model, "channel": channel, "version": version},
         )
+    # SQLite hands JSON back as text, PostgreSQL parsed: the text (or its dump) keys the built snapshot.
+    split_text = split if isinstance(split, str) or split is None else json.dumps(split, sort_keys=True)
+    fingerprint = (release_id, version, evals_through, split_text, revision)
+    snapshot = fingerprints.snapshots.get(fingerprint)
+    if snapshot is None:
+        snapshot = _build_snapshot(fingerprint)
+        if len(fingerprints.snapshots) >= _MAX_FINGERPRINTS:
+            fingerprints.snapshots.clear()
+        fingerprints.snapshots[fingerprint] = snapshot
+    return snapshot
+
+
+def _build_snapshot(fingerprint: tuple[int, str, int, str | None, int]) -> ChannelSnapshot:
+    release_id, version, evals_through, split_text, revision = fingerprint
     primary = SnapshotKey(release_id, version, evals_through)
-    if isinstance(split, str):  # SQLite hands JSON back as text, PostgreSQL parsed
-        split = json.loads(split)
+    split = json.loads(split_text) if split_text else None
     if not split:
-        return ChannelSnapshot(((primary, BASIS_POINTS),), primary, revision)
+        return ChannelSnapshot(((primary, BASIS_POINTS),), primary, revision, fingerprint=fingerprint)
     keys = [SnapshotKey(m["release_id"], m["version"], m["evals_through"]) for m in split]
     members = tuple((k, m["weight"]) for k, m in zip(keys, split, strict=True))
     if all("buckets" in m for m in split):
@@ -402,7 +418,9 @@ def channel_snapshot(
             k: r
             for k, r in zip(keys, reassign({}, {str(i): w for i, (_, w) in enumerate(members)}).values(), strict=True)
         }
-    return ChannelSnapshot(members, primary, revision, tuple((k, tuple(r)) for k, r in assigned.items()))
+    return ChannelSnapshot(
+        members, primary, revision, tuple((k, tuple(r)) for k, r in assigned.items()), fingerprint=fingerprint
+    )
 
 
 def load_catalog(session_factory: Callable[[], Session], revision: int, cache: ResolveCache) -> HardwareCatalog:
