@@ -104,6 +104,13 @@ CPU_LIMITS: tuple[Limitation, ...] = (
         "vLLM's CPU weight-only kernel (CPUWNA16) takes 4-bit weights only; int8 weight-only has no CPU kernel",
     ),
     Limitation(
+        "FP8 W8A8",
+        lambda s: s.weight_type == "float" and s.weight_strategy != "block" and s.activations,
+        "fp8_matmul",
+        "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm (oneDNN), which has no usable FP8 "
+        "kernel for this CPU",
+    ),
+    Limitation(
         "block FP8",
         lambda s: s.weight_type == "float" and s.weight_strategy == "block",
         "amx",
@@ -112,19 +119,27 @@ CPU_LIMITS: tuple[Limitation, ...] = (
 )
 
 
+# An FP8 matmul of the worker's probe shape slower than this is oneDNN's reference implementation (an
+# optimized one takes well under a millisecond; the reference one hundreds), too slow to evaluate with.
+FP8_MATMUL_MAX_MS = 20.0
+
 # The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
 # runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
-# float32 (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`).
+# float32: its 4-bit weight-only GEMM (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`), and
+# with AMX in use its int8 W8A8 GEMM (`int8_scaled_mm_with_quant: expect A to be bfloat16 or half`).
+# (name, which schemes, dtype, only where AMX is used)
 DEFAULT_DTYPE = "float32"
-COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str], ...] = (
-    ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16"),
+COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
+    ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
+    ("int8 W8A8 with AMX", lambda s: s.weight_type == "int" and s.weight_bits == 8 and s.activations, "bfloat16", True),
 )
 
 
-def compute_dtype(schemes: Sequence[WeightScheme]) -> str:
-    """The activation dtype vLLM evaluates a bundle of `schemes` in (`COMPUTE_DTYPES`, else float32)."""
-    for _, matches, dtype in COMPUTE_DTYPES:
-        if any(matches(s) for s in schemes):
+def compute_dtype(schemes: Sequence[WeightScheme], amx: bool = False) -> str:
+    """The activation dtype vLLM evaluates a bundle of `schemes` in (`COMPUTE_DTYPES`, else float32);
+    `amx`: whether the worker lets vLLM use its AMX kernels."""
+    for _, matches, dtype, needs_amx in COMPUTE_DTYPES:
+        if (amx or not needs_amx) and any(matches(s) for s in schemes):
             return dtype
     return DEFAULT_DTYPE
 
@@ -176,6 +191,16 @@ def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head:
             return f"{limit.scheme}: {limit.reason}"
         if limit.needs == "amx" and not hello["amx"]["used"]:
             return f"{limit.scheme}: {limit.reason}; AMX here: {hello['amx']['reason']}"
+        probe = hello.get("fp8_matmul")
+        if limit.needs == "fp8_matmul" and probe is not None:  # a worker from before the probe: let vLLM say
+            m, k, n = probe.get("shape", (0, 0, 0))
+            if not probe.get("ok"):
+                return f"{limit.scheme}: {limit.reason} ({probe.get('error')})"
+            if probe.get("ms", 0.0) > FP8_MATMUL_MAX_MS:
+                return (
+                    f"{limit.scheme}: {limit.reason} (only oneDNN's reference one: {probe['ms']:.0f} ms for a "
+                    f"{m}×{k}×{n} matmul)"
+                )
         kernel = limit.needs.removeprefix("kernel:")
         if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
             return f"{limit.scheme}: {limit.reason}"
@@ -322,7 +347,7 @@ class VllmRuntime:
                     "kv_cache_bytes": KV_CACHE_BYTES,
                     "full_vocab_limit": FULL_VOCAB_LIMIT,
                     "top_k": TOP_K,
-                    "dtype": compute_dtype(schemes),
+                    "dtype": compute_dtype(schemes, bool(hello["amx"]["used"])),
                 }
             )
         except WorkerError as e:
@@ -334,7 +359,7 @@ class VllmRuntime:
         self.vocab_size = int(loaded["vocab"])
         self.load_seconds = float(loaded["load_s"])
         exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
-        self.dtype = compute_dtype(schemes)
+        self.dtype = compute_dtype(schemes, bool(hello["amx"]["used"]))
         self.version = (
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"

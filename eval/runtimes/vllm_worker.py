@@ -38,6 +38,10 @@ AMX_PROBE = (
 )
 
 
+# (m, k, n) of the FP8 matmul probe: an optimized kernel does it in well under a millisecond.
+FP8_PROBE = (64, 512, 512)
+
+
 def amx_decision(advertised: bool, probe_returncode: int | None, override: str = "auto") -> tuple[bool, str]:
     """Whether vLLM may use AMX here, and why.
 
@@ -132,6 +136,11 @@ class Worker:
             # v1/attention/backends/cpu_attn.py, kernels/linear/scaled_mm/cpu.py); oneDNN is capped too.
             torch.cpu._is_amx_tile_supported = lambda: False
             os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+        else:
+            # AMX runs here: vLLM's AMX kernels hand oneDNN AMX-only primitives (its FP8 matmul among
+            # them), which a cap below AMX (kiln's default elsewhere) makes fail to be created. oneDNN
+            # reads the cap at its first primitive, which has not happened yet in this process.
+            os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_AMX"
         return {"advertised": advertised, "used": use, "reason": reason}
 
     def hello(self, _: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +162,24 @@ class Worker:
             "prompt_logprobs": "engine arrays" if self.fast_prompt_logprobs else "RequestOutput",
             "amx_tile_supported_after_decision": bool(self.torch.cpu._is_amx_tile_supported()),
             "head_sizes": self._head_sizes(),
+            "fp8_matmul": self._probe_fp8_matmul(),
         }
+
+    def _probe_fp8_matmul(self) -> dict[str, Any]:
+        """Whether torch's FP8 matmul (`torch._scaled_mm`, oneDNN on CPU: what vLLM runs per-channel FP8 W8A8
+        with here) works on this CPU, and how fast: oneDNN may have no FP8 primitive for it, or only its
+        reference one (seconds per layer)."""
+        torch = self.torch
+        a = torch.ones(FP8_PROBE[0], FP8_PROBE[1]).to(torch.float8_e4m3fn)
+        b = torch.ones(FP8_PROBE[2], FP8_PROBE[1]).to(torch.float8_e4m3fn).t()
+        one = torch.tensor(1.0)
+        try:
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)  # warm-up
+            started = time.perf_counter()
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            return {"ok": True, "ms": (time.perf_counter() - started) * 1000, "shape": list(FP8_PROBE)}
+        except Exception as e:  # noqa: BLE001 - the probe reports whatever the kernel raised
+            return {"ok": False, "error": str(e).split(". Run workload")[0][:200], "shape": list(FP8_PROBE)}
 
     def _head_sizes(self) -> list[int] | None:
         """The attention head sizes vLLM's CPU attention takes (None: this vLLM does not say)."""
