@@ -179,7 +179,8 @@ async def resolve(
     # The query's own values (strings and numbers, cheap to hash) key the answer with the channel's
     # fingerprint and the release the key lands on; the pools are parsed only on a miss.
     asked = (hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
-    if_none_match = request.headers.get("if-none-match")
+    # The raw header list, not `request.headers` (built per request): this is the hot path.
+    if_none_match = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"if-none-match"), None)
     body, etag = _answer(request, model, channel, asked, key)
     if wait and if_none_match is not None:
         deadline = time.monotonic() + wait

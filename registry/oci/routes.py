@@ -1,0 +1,213 @@
+"""The OCI distribution spec v1.1 pull endpoints at /v2/, for oras, skopeo, crane, containerd and KServe.
+
+Errors here have the spec's shape, `{"errors": [{"code", "message", "detail"}]}`, with its codes: the
+routes of this router render the kiln errors they raise through `OciRoute` (the rest of the API keeps
+kiln's own shape). A 401 carries the token challenge clients follow: `GET /v2/token` with Basic auth
+(any user name, a kiln token as the password) answers that same token as the bearer, so every read
+is checked with kiln's own scopes (`read` on the model).
+
+The routes are left out of the OpenAPI document: the OCI spec is their contract, in its error shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from core.errors import KilnError, Unauthorized
+from registry.api.urls import base_url
+from registry.blobs import service as blobs
+from registry.blobs.download import blob_response, parse_range
+from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep
+from registry.oci import media_types as mt
+from registry.oci import service
+from registry.oci.service import Document
+from registry.settings import RegistrySettings
+
+API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
+SERVICE = "kiln"
+
+
+def _challenge(request: Request, settings: RegistrySettings) -> str:
+    realm = f"{base_url(request, settings)}/v2/token"
+    challenge = f'Bearer realm="{realm}",service="{SERVICE}"'
+    name = request.path_params.get("name")
+    if name:
+        challenge += f',scope="repository:{name}:pull"'
+    return challenge
+
+
+def oci_error(request: Request, error: KilnError) -> Response:
+    """A kiln error in the spec's error shape; an unmapped one keeps kiln's shape (it is not the spec's)."""
+    code, status = mt.OCI_ERROR_BY_KILN_CODE.get(error.code, (None, 0))
+    if code is None:
+        raise error
+    headers = dict(API_VERSION)
+    if status == 401:
+        headers["WWW-Authenticate"] = _challenge(request, request.app.state.settings)
+    if status == 416 and "size" in error.details:
+        headers["Content-Range"] = f"bytes */{error.details['size']}"
+    body = {"errors": [{"code": code, "message": error.message, "detail": error.details}]}
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class OciRoute(APIRoute):
+    """A route whose kiln errors (its dependencies' included) are answered in the spec's error shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except KilnError as error:
+                return oci_error(request, error)
+            except RequestValidationError as error:
+                message = "; ".join(str(e.get("msg", "")) for e in error.errors())
+                return oci_error(request, KilnError(f"invalid request: {message}", code="INVALID_INPUT"))
+
+        return route
+
+
+router = APIRouter(prefix="/v2", route_class=OciRoute, include_in_schema=False)
+
+
+def _document(request: Request, document: Document, *, digest_header: bool = True) -> Response:
+    """A derived document: GET or HEAD, with its digest, type and length (and a byte range, for blobs)."""
+    headers = {
+        **API_VERSION,
+        "ETag": f'"{document.digest}"',
+        "Content-Length": str(len(document.body)),
+        "Accept-Ranges": "bytes",
+    }
+    if digest_header:
+        headers["Docker-Content-Digest"] = document.digest
+    body, status = document.body, 200
+    byte_range = parse_range(request.headers.get("range"), len(body))
+    if byte_range is not None:
+        first, last = byte_range
+        body, status = body[first : last + 1], 206
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(document.body)}"
+        headers["Content-Length"] = str(len(body))
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers, media_type=document.media_type)
+    return Response(body, status_code=status, headers=headers, media_type=document.media_type)
+
+
+@router.get("/")
+def version_check(principal: PrincipalDep) -> Response:
+    """200 when the caller may read (the spec's end-1); 401 with the token challenge otherwise."""
+    if not principal.has("read"):
+        raise Unauthorized("this registry needs a token: log in with a kiln token as the password")
+    return JSONResponse({}, headers=API_VERSION)
+
+
+@router.get("/token")
+def token(request: Request, settings: SettingsDep) -> Response:
+    """The token endpoint of the challenge: Basic auth (any user, a kiln token as password) or a Bearer
+    kiln token, answered with that token as the bearer (it is already a hashed, revocable secret)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, credentials = header.partition(" ")
+    secret = ""
+    if scheme.lower() == "basic":
+        try:
+            secret = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            secret = ""
+    elif scheme.lower() == "bearer":
+        secret = credentials.strip()
+    if not settings.auth_required or (not secret and settings.anonymous_read):
+        # Nothing to check: reads are open. An empty token makes clients send no Authorization at all.
+        return JSONResponse({"token": "", "access_token": ""}, headers=API_VERSION)
+    if not secret or request.app.state.token_cache.lookup(secret) is None:
+        raise Unauthorized("send a kiln token as the password (Basic) or as a Bearer token", code="INVALID_TOKEN")
+    return JSONResponse({"token": secret, "access_token": secret, "expires_in": 3600}, headers=API_VERSION)
+
+
+def _index(request: Request) -> service.DigestIndex:
+    """The app's index of derived digests, made on first use (it is this router's own cache)."""
+    index: service.DigestIndex | None = getattr(request.app.state, "oci_digests", None)
+    if index is None:
+        index = request.app.state.oci_digests = service.DigestIndex()
+    return index
+
+
+def _model(session: SessionDep, principal: PrincipalDep, name: str) -> Any:
+    principal.require("read", service.model_name(name))
+    return service.find_model(session, name)
+
+
+@router.api_route("/{name:path}/manifests/{reference}", methods=["GET", "HEAD"])
+def get_manifest(name: str, reference: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
+    """A manifest by tag or digest (end-3): `Docker-Content-Digest`, its media type and length."""
+    model = _model(session, principal, name)
+    return _document(request, service.resolve_manifest(session, model, _index(request), name, reference))
+
+
+@router.api_route("/{name:path}/blobs/{digest}", methods=["GET", "HEAD"])
+def get_blob(
+    name: str, digest: str, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
+) -> Response:
+    """A blob by digest (end-2), with Range: an artifact file or attestation (the stored blob), or a config."""
+    model = _model(session, principal, name)
+    found = service.find_blob(session, model, _index(request), name, digest)
+    if isinstance(found, Document):
+        return _document(request, found)
+    blobs.get_blob(session, store, found.sha256)  # the row and the bytes: a blob being collected is not served
+    response = blob_response(request, store, found.sha256)
+    response.headers.update({**API_VERSION, "Docker-Content-Digest": digest})
+    return response
+
+
+@router.get("/{name:path}/tags/list")
+def list_tags(
+    name: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    n: int | None = Query(default=None, ge=0, le=10_000),
+    last: str | None = None,
+) -> Response:
+    """The repository's tags in lexical order (end-8), `n` at a time after `last`, with a `Link` to the next."""
+    model = _model(session, principal, name)
+    tags, more = service.tags_page(list(service.tag_table(session, model)), n, last)
+    headers = dict(API_VERSION)
+    if more and tags:
+        headers["Link"] = f'</v2/{name}/tags/list?n={n}&last={tags[-1]}>; rel="next"'
+    return JSONResponse({"name": name, "tags": tags}, headers=headers)
+
+
+@router.get("/{name:path}/referrers/{digest}")
+def list_referrers(
+    name: str,
+    digest: str,
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    artifact_type: str | None = Query(default=None, alias="artifactType"),
+) -> Response:
+    """The manifests whose subject is `digest` (end-12): the artifact's signature and provenance."""
+    model = _model(session, principal, name)
+    index = service.referrers_index(session, model, _index(request), digest, artifact_type)
+    response = _document(request, index, digest_header=False)
+    if artifact_type is not None:
+        response.headers["OCI-Filters-Applied"] = "artifactType"
+    return response
+
+
+@router.api_route("/{path:path}", methods=["POST", "PUT", "PATCH", "DELETE"])
+def refuse_push(path: str) -> Response:
+    """Pushing through OCI is not offered: artifacts are published (and sealed) with `kiln publish`."""
+    raise KilnError(
+        "this registry is pull-only over OCI: publish artifacts with `kiln publish`",
+        code="OCI_PUSH_UNSUPPORTED",
+        details={"path": f"/v2/{path}"},
+    )
