@@ -13,6 +13,8 @@ LLAMA_WHEEL := $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linu
 export ONEDNN_MAX_CPU_ISA := AVX512_CORE_BF16
 
 RECIPE := examples/tiny-llama/kiln.yaml
+# The demo's publisher key: TEST ONLY (published in this repository; see examples/tiny-llama/signing/).
+DEMO_KEY := examples/tiny-llama/signing/TEST-ONLY-key.pem
 REGISTRY_DIR := .kiln/registry
 
 .PHONY: install runtimes demo test test-fast lint bench clean
@@ -39,7 +41,9 @@ $(LLAMA_WHEEL):
 
 demo: runtimes
 	$(BIN)/kiln build $(RECIPE)
-	$(BIN)/kiln publish $(RECIPE) --registry $(REGISTRY_DIR)
+	$(BIN)/kiln keys add $(DEMO_KEY).pub --model tiny-llama --registry $(REGISTRY_DIR)
+	$(BIN)/kiln publish $(RECIPE) --registry $(REGISTRY_DIR) --signing-key $(DEMO_KEY)
+	$(BIN)/kiln verify tiny-llama@1.0.0/gguf-q4_k_m --key $(DEMO_KEY).pub --registry $(REGISTRY_DIR)
 	$(BIN)/kiln promote tiny-llama@1.0.0 --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware cpu --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware tpu-v5e --channel prod --registry $(REGISTRY_DIR)

@@ -27,6 +27,7 @@ from registry.api.errors import error_responses, install_error_handlers
 from registry.api.health import router as health_router
 from registry.api.lean_route import LeanLane
 from registry.artifacts.routes import router as artifacts_router
+from registry.attestations.routes import router as attestations_router
 from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
 from registry.auth.routes import router as auth_router
@@ -38,6 +39,7 @@ from registry.deps import require
 from registry.hardware.routes import router as hardware_router
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
+from registry.oci.routes import router as oci_router
 from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware
 from registry.performance.routes import router as performance_router
@@ -55,6 +57,7 @@ OPENAPI_TAGS = [
     {"name": "releases", "description": "Immutable versions of a model."},
     {"name": "artifacts", "description": "Built artifacts of a release, their files and eval results."},
     {"name": "blobs", "description": "Content-addressed uploads and downloads."},
+    {"name": "attestations", "description": "Artifact signatures and provenance, verified on upload; trusted keys."},
     {"name": "channels", "description": "dev/staging/prod aliases; promotion is gated on evals."},
     {"name": "resolve", "description": "What a pool of some hardware should load, on how many devices, and why."},
     {"name": "hardware", "description": "The hardware catalog resolve sizes replicas with (changes: admin)."},
@@ -145,6 +148,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         models_router,
         releases_router,
         artifacts_router,
+        attestations_router,
         blobs_router,
         channels_router,
         audit_router,
@@ -158,6 +162,8 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         app.include_router(router, dependencies=[READ], responses=COMMON_ERRORS)  # each router has its /v1 prefix
     app.include_router(resolve_router, responses=COMMON_ERRORS)  # its READ is its own: the lane runs it
     app.include_router(health_router, responses=error_responses(503))
+    # /v2/: the OCI distribution API (its own error shape; each read checks `read` on the repository's model).
+    app.include_router(oci_router)
     # The web pages read through the same services, under the same READ rule, as the API.
     app.include_router(web_router, dependencies=[READ])
     # Last: its /{repo}/resolve/... patterns are the most general.

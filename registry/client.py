@@ -24,7 +24,8 @@ import httpx2
 from core import errors
 from core.digest import CHUNK
 from core.errors import DigestMismatch, KilnError, Unavailable
-from core.manifest import ArtifactManifest
+from core.manifest import ArtifactManifest, check_relative_path
+from core.signing import ATTESTATION_FILES
 
 _ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
     400: errors.InvalidInput,
@@ -432,3 +433,72 @@ class RegistryClient:
         params: dict[str, Any] = {"limit": limit} | ({"model": model} if model else {})
         result: list[dict[str, Any]] = self._json("GET", "/v1/audit", params=params)
         return result
+
+    # -- signatures, provenance and trusted keys ---------------------------------------------------
+
+    def attach_attestation(
+        self, model: str, version: str, artifact: str, kind: str, path: str | Path
+    ) -> dict[str, Any]:
+        """Upload a Sigstore bundle and attach it to an artifact as its `signature` or `provenance`."""
+        blob = self.upload_blob(path)
+        body = {"kind": kind, "sha256": blob.sha256, "size": blob.size}
+        result: dict[str, Any] = self._json(
+            "POST", f"{_artifact_path(model, version, artifact)}/attestations", json=body
+        )
+        return result
+
+    def list_attestations(self, model: str, version: str, artifact: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._json("GET", f"{_artifact_path(model, version, artifact)}/attestations")
+        return result
+
+    def get_artifact(self, model: str, version: str, artifact: str) -> dict[str, Any]:
+        """An artifact's manifest, files (with download URLs) and evals."""
+        result: dict[str, Any] = self._json("GET", _artifact_path(model, version, artifact))
+        return result
+
+    def download(self, url_path: str, dest: str | Path) -> None:
+        """Stream a registry path (a file or an attestation of an artifact) to `dest` (via a temp file)."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            with self._http.stream("GET", url_path, follow_redirects=True) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise error_from_response(response)
+                with open(tmp, "wb") as out:
+                    for chunk in response.iter_bytes(CHUNK):
+                        out.write(chunk)
+        except httpx2.TransportError as exc:
+            raise Unavailable(f"registry {self.location} unreachable: {exc}") from exc
+        tmp.replace(dest)
+
+    def download_artifact(self, model: str, version: str, artifact: str, dest: str | Path) -> dict[str, Any]:
+        """Download an artifact's files and its attestations (as `model.sig`, `provenance.sigstore.json`)
+        into `dest`; returns the artifact's detail."""
+        detail = self.get_artifact(model, version, artifact)
+        base = _artifact_path(model, version, artifact)
+        for f in detail["files"]:
+            check_relative_path(f["path"])
+            self.download(f"{base}/files/{quote(f['path'], safe='/')}", Path(dest) / f["path"])
+        for a in self.list_attestations(model, version, artifact):
+            self.download(f"{base}/attestations/{a['kind']}", Path(dest) / ATTESTATION_FILES[a["kind"]])
+        return detail
+
+    def add_key(self, public_key_pem: str, model_pattern: str) -> dict[str, Any]:
+        """Trust a publisher public key for models matching `model_pattern` (admin)."""
+        body = {"public_key_pem": public_key_pem, "model_pattern": model_pattern}
+        result: dict[str, Any] = self._json("POST", "/v1/keys", json=body)
+        return result
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._json("GET", "/v1/keys")
+        return result
+
+    def revoke_key(self, key_id: str, reason: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("POST", f"/v1/keys/{_seg(key_id)}/revoke", json={"reason": reason})
+        return result
+
+
+def _artifact_path(model: str, version: str, artifact: str) -> str:
+    return f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}"

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny-llama" / "kiln.yaml"
 KILN = [sys.executable, "-m", "kiln"]
+TEST_KEY = ROOT / "examples" / "tiny-llama" / "signing" / "TEST-ONLY-key.pem"
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
     # The operator's first admin token, made with direct access to the database; clients use $KILN_TOKEN.
     made = kiln("token", "create", "e2e", "--scopes", "admin", "--registry", str(data), env=env)
     env["KILN_TOKEN"] = made.stdout.strip()
+    # The example's publisher key is trusted for it: every publish signs, and an unsigned artifact never seals.
+    kiln("keys", "add", f"{TEST_KEY}.pub", "--model", "tiny-llama", "--registry", str(data), env=env)
+    env["KILN_SIGNING_KEY"] = str(TEST_KEY)
     log = open(data / "server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [*KILN, "serve", "--port", str(port)], env=server_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -90,6 +94,11 @@ def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, s
     kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
     again = json.loads(kiln("publish", str(RECIPE), "--registry", server, "--json", env=env).stdout)
     assert again["failed_gates"] == []  # re-publishing identical content is accepted as is
+    # Sealed with the key trusted, so every artifact carries a verified signature; one checked offline here.
+    verified = kiln(
+        "verify", "tiny-llama@1.0.0/gguf-q4_k_m", "--key", f"{TEST_KEY}.pub", "--registry", server, "--json", env=env
+    )
+    assert json.loads(verified.stdout)["provenance"] is True
 
     kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
     resolved = kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env)
@@ -197,3 +206,44 @@ def test_unknown_hardware_and_missing_model_give_clear_errors(server: str, env: 
     assert bad.returncode == 2 and "known" in bad.stderr
     missing = kiln("resolve", "no-such-model", "--hardware", "cpu", "--registry", server, env=env, check=False)
     assert missing.returncode == 4
+
+
+def test_oras_and_skopeo_fetch_the_gguf_from_the_registry(server: str, env: dict[str, str], tmp_path: Path) -> None:
+    """OCI clients pull the example's GGUF by its channel tag: the files are the published ones, byte for byte."""
+    import shutil
+
+    import oras.client
+
+    kiln("publish", str(RECIPE), "--registry", server, env=env)
+    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    resolved = json.loads(
+        kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env).stdout
+    )
+    assert resolved["artifact"]["name"] == "gguf-q4_k_m"
+    published = {f["path"]: f["sha256"] for f in resolved["artifact"]["files"]}
+    host = server.removeprefix("http://")
+
+    pulled = oras.client.OrasClient(hostname=host, insecure=True).pull(
+        target=f"{host}/tiny-llama:prod-gguf-q4_k_m", outdir=str(tmp_path / "oras")
+    )
+    got = {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in pulled}
+    assert got == published
+
+    skopeo = shutil.which("skopeo")
+    if skopeo is None and os.environ.get("KILN_REQUIRE_SKOPEO") != "1":
+        pytest.skip("skopeo is not installed (apt-get install skopeo)")
+    layout = tmp_path / "layout"
+    subprocess.run(
+        [
+            skopeo or "skopeo",
+            "copy",
+            "--src-tls-verify=false",
+            f"docker://{host}/tiny-llama:prod-gguf-q4_k_m",
+            f"oci:{layout}:gguf",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    blobs = {p.name for p in (layout / "blobs" / "sha256").iterdir()}
+    assert set(published.values()) <= blobs

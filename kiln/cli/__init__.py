@@ -1,8 +1,8 @@
 """The `kiln` command line, one module per command group, on top of every other layer.
 
 build (build, plan, publish, inspect) · releases (seal, abandon, promote, yank, resolve, audit) ·
-tokens · runtimes (runtime install, list) · server (serve, db upgrade, gc). `main` maps kiln errors to the
-exit codes of `common`.
+tokens · signing (verify, keys) · runtimes (runtime install, list) · server (serve, db upgrade, gc).
+`main` maps kiln errors to the exit codes of `common`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import typer
 
 from core.errors import KilnError
-from kiln.cli import build, hardware, releases, runtimes, server, tokens  # noqa: F401 - each registers its commands
+from kiln.cli import build, hardware, releases, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
 from kiln.cli.common import EXIT_CODES, app, emit
 from kiln.console import err, safe_text
 

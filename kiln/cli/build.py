@@ -160,9 +160,22 @@ def publish(
     retries: RetriesOpt = 3,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
+    signing_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--signing-key",
+            envvar="KILN_SIGNING_KEY",
+            help="PEM EC private key: sign each artifact (OpenSSF model signature) and its SLSA provenance "
+            "($KILN_SIGNING_KEY_PASSWORD if encrypted).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
     choice = _executor(executor, store, ray_address, retries)
+    if signing_key is not None:
+        # The publish stages read it from the environment, as `kiln run-stage` on a CI runner does.
+        os.environ["KILN_SIGNING_KEY"] = str(signing_key.resolve())
     _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice)
 
 

@@ -4,14 +4,22 @@ Each publish stage opens the release (the same open release for all of them: its
 planned artifacts included, is identical) and adds its artifact; the seal stage then seals it.
 Runs every time (the registry is outside the work dir); the registry makes it idempotent:
 blobs already present are skipped, an identical manifest or eval is accepted as is.
+
+With a signing key ($KILN_SIGNING_KEY, which `kiln publish --signing-key` sets) each artifact is
+signed (OpenSSF model signature over its files) and its SLSA provenance statement signed with the same
+key; both are attached to the artifact, and the registry verifies them against the keys it trusts.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from core import __version__
 from core.manifest import ArtifactManifest
 from eval.report import EvalReport
 from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
+from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from pipeline.stage import Stage, StageContext, StageOutput
 from registry.client import RegistryClient
 
@@ -76,7 +84,40 @@ def run(ctx: StageContext) -> PublishRecord:
                 gates=each.gate.model_dump(mode="json") if each.gate is not None else {},
                 reason="; ".join(each.failures) or each.reason,
             )
+        key = SigningKey.from_env()
+        if key is not None:
+            _attach_signed(ctx, client, manifest, ingest, reports, key)
     return PublishRecord(artifact=manifest.name, manifest_digest=manifest.content_digest())
+
+
+def _attach_signed(
+    ctx: StageContext,
+    client: RegistryClient,
+    manifest: ArtifactManifest,
+    ingest: IngestRecord,
+    reports: dict[str, EvalReport],
+    key: SigningKey,
+) -> None:
+    """Sign the artifact's files and its provenance with `key`, and attach both to the artifact."""
+    p = ctx.node.params
+    statement = provenance_statement(
+        manifest,
+        model=p["model"],
+        version=p["version"],
+        source_digest=ingest.source_digest,
+        source_files=[f.model_dump() for f in ingest.source_files],
+        stages={output.node_id: output.provenance for output in ctx.inputs.values()},
+        evals={runtime: r.model_dump(mode="json", exclude_none=True) for runtime, r in reports.items()},
+    )
+    bundles = {
+        "signature": sign_files(ctx.input("artifact").files_dir, manifest, key),
+        "provenance": sign_provenance(statement, key),
+    }
+    with tempfile.TemporaryDirectory(prefix="kiln-attest-") as tmp:
+        for kind, data in bundles.items():
+            path = Path(tmp) / kind
+            path.write_bytes(data)
+            client.attach_attestation(p["model"], p["version"], manifest.name, kind, path)
 
 
 STAGE = Stage(

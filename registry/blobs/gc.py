@@ -34,6 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from registry.artifacts.models import ArtifactFile
+from registry.attestations.models import Attestation
 from registry.blobs.models import Blob
 from registry.blobs.store import BlobStore
 from registry.db import utcnow
@@ -77,7 +78,8 @@ class GcReport:
 
 
 def _unreferenced() -> Any:
-    return ~exists().where(ArtifactFile.sha256 == Blob.sha256)
+    """No artifact file and no attestation (signature, provenance) holds the blob."""
+    return ~exists().where(ArtifactFile.sha256 == Blob.sha256) & ~exists().where(Attestation.sha256 == Blob.sha256)
 
 
 def collectable_blobs(session: Session, cutoff: datetime) -> tuple[list[CollectableBlob], int]:

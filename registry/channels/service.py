@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from core.errors import Conflict, GateFailed, NotFound
 from registry.artifacts.models import Artifact, eval_status
+from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
 from registry.channels import buckets
 from registry.channels.models import Channel, ChannelEvent
@@ -71,6 +72,15 @@ def _gated_release(
     artifacts = list(
         session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
     )
+    # Not overridable by force: a model with trusted keys is served only from signed artifacts.
+    unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts])
+    if unsigned:
+        raise Conflict(
+            f"release {model}@{version} has artifacts without a signature by an active key trusted for "
+            f"{model!r}: {', '.join(unsigned)}",
+            code="ARTIFACT_UNSIGNED",
+            details={"model": model, "version": version, "unsigned": unsigned},
+        )
     failed = [a for a in artifacts if eval_status(a.evals) == "failed"]
     failing = [
         {

@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from core.errors import Conflict, NotFound
 from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
+from registry.attestations.models import Attestation
+from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
 from registry.db import insert_once, lock_row, utcnow
 from registry.models.models import Model
@@ -171,6 +173,14 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
             code="RELEASE_INCOMPLETE",
             details={"model": model, "version": version, "missing": missing, "unevaluated": unevaluated},
         )
+    unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts])
+    if unsigned:
+        raise Conflict(
+            f"release {model}@{version} has artifacts without a signature by a key trusted for {model!r}: "
+            f"{', '.join(unsigned)}; publish them with a signing key (`kiln publish --signing-key`)",
+            code="ARTIFACT_UNSIGNED",
+            details={"model": model, "version": version, "unsigned": unsigned},
+        )
     release.status = "sealed"
     release.sealed_at = utcnow()
     audit.record(
@@ -198,7 +208,7 @@ def abandon_release(session: Session, model: str, version: str, reason: str, act
         )
     artifact_ids = select(Artifact.id).where(Artifact.release_id == release.id)
     dropped = sorted(session.scalars(select(Artifact.name).where(Artifact.release_id == release.id)))
-    for table in (EvalResult, ArtifactFile):
+    for table in (EvalResult, ArtifactFile, Attestation):
         session.query(table).filter(table.artifact_id.in_(artifact_ids)).delete(synchronize_session=False)
     session.query(Artifact).filter(Artifact.release_id == release.id).delete(synchronize_session=False)
     release.status = "abandoned"

@@ -1,0 +1,124 @@
+"""HTTP routes for artifact attestations (attached by publishers, verified on upload) and trusted keys (admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
+
+from registry.api.errors import error_responses
+from registry.api.params import ArtifactName, ModelName, Version
+from registry.api.urls import base_url
+from registry.attestations import service
+from registry.attestations.models import Attestation
+from registry.attestations.schemas import (
+    AttestationCreate,
+    AttestationKind,
+    AttestationOut,
+    KeyRevoke,
+    TrustedKeyCreate,
+    TrustedKeyOut,
+)
+from registry.auth.principal import Principal
+from registry.blobs.download import blob_response
+from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
+
+router = APIRouter(prefix="/v1", tags=["attestations"])
+Admin = Annotated[Principal, require("admin")]
+ATTESTATIONS = "/models/{model}/releases/{version}/artifacts/{name}/attestations"
+KeyId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the public key's DER")]
+
+
+def _out(
+    request: Request, settings: SettingsDep, model: str, version: str, name: str, row: Attestation
+) -> AttestationOut:
+    url = f"{base_url(request, settings)}/v1{ATTESTATIONS.format(model=model, version=version, name=name)}/{row.kind}"
+    return AttestationOut.from_row(row, url)
+
+
+@router.post(
+    ATTESTATIONS,
+    dependencies=[require("publish")],
+    status_code=201,
+    summary="Attach an uploaded signature or provenance bundle to an artifact, verified against the trusted keys",
+    responses={
+        200: {"model": AttestationOut, "description": "an identical one was attached"},
+        **error_responses(404, 409, 422),
+    },
+)
+def attach_attestation(
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    spec: AttestationCreate,
+    request: Request,
+    response: Response,
+    session: WriteSessionDep,
+    store: BlobStoreDep,
+    settings: SettingsDep,
+) -> AttestationOut:
+    row, created = service.attach(session, store, model, version, name, spec)
+    session.commit()
+    if not created:
+        response.status_code = 200
+    return _out(request, settings, model, version, name, row)
+
+
+@router.get(ATTESTATIONS, summary="An artifact's attestations", responses=error_responses(404))
+def list_attestations(
+    model: ModelName, version: Version, name: ArtifactName, request: Request, session: SessionDep, settings: SettingsDep
+) -> list[AttestationOut]:
+    return [
+        _out(request, settings, model, version, name, r)
+        for r in service.list_attestations(session, model, version, name)
+    ]
+
+
+@router.get(
+    ATTESTATIONS + "/{kind}",
+    summary="Download an attestation (a Sigstore bundle) of an artifact of a sealed release",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/vnd.dev.sigstore.bundle.v0.3+json": {}}},
+        **error_responses(404, 409, 410),
+    },
+)
+def download_attestation(
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    kind: AttestationKind,
+    request: Request,
+    session: SessionDep,
+    store: BlobStoreDep,
+) -> Response:
+    row = service.get_attestation(session, model, version, name, kind)
+    return blob_response(request, store, row.sha256, row.media_type)
+
+
+@router.post(
+    "/keys",
+    status_code=201,
+    summary="Trust a publisher key for a model pattern (admin, audited)",
+    responses={200: {"model": TrustedKeyOut}, **error_responses(409, 422)},
+)
+def add_key(spec: TrustedKeyCreate, session: WriteSessionDep, principal: Admin, response: Response) -> TrustedKeyOut:
+    row, created = service.add_key(session, spec, principal.name)
+    session.commit()
+    if not created:
+        response.status_code = 200
+    return TrustedKeyOut.from_row(row)
+
+
+@router.get("/keys", summary="Trusted publisher keys, revoked ones included")
+def list_keys(session: SessionDep) -> list[TrustedKeyOut]:
+    return [TrustedKeyOut.from_row(k) for k in service.list_keys(session)]
+
+
+@router.post("/keys/{key_id}/revoke", summary="Revoke a trusted key (admin, audited)", responses=error_responses(404))
+def revoke_key(
+    key_id: KeyId, session: WriteSessionDep, principal: Admin, body: KeyRevoke | None = None
+) -> TrustedKeyOut:
+    row = service.revoke_key(session, key_id, principal.name, body.reason if body else None)
+    session.commit()
+    return TrustedKeyOut.from_row(row)

@@ -1,0 +1,243 @@
+"""Attestations (signatures, provenance) of artifacts, verified on upload; the publisher keys trusted for them.
+
+An attestation is a Sigstore bundle uploaded as a blob, then attached to an artifact. It is stored only
+if it verifies with a key trusted for the model (`TrustedKey.model_pattern`, not revoked) and names
+exactly the artifact's files with their digests; otherwise SIGNATURE_INVALID / SIGNATURE_MISMATCH /
+KEY_REVOKED / NO_TRUSTED_KEY say why. Keys are added and revoked by admins, audited. Services flush;
+the request commits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import Conflict, InvalidInput, NotFound
+from core.signing import (
+    MODEL_SIGNATURE_PREDICATE,
+    SLSA_PROVENANCE_V1,
+    SignatureInvalid,
+    file_differences,
+    key_id,
+    load_public_key,
+    read_bundle,
+    signed_by,
+    signed_files,
+    statement_of,
+    subject_files,
+)
+from registry.artifacts.models import Artifact
+from registry.artifacts.service import get_artifact
+from registry.attestations.models import Attestation, TrustedKey
+from registry.attestations.policy import keys_for
+from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
+from registry.audit import service as audit
+from registry.blobs.service import get_blob
+from registry.blobs.store import BlobNotFound, BlobStore
+from registry.db import insert_once, utcnow
+from registry.releases.service import check_open, check_served, get_release, lock_release
+
+PREDICATES = {"signature": MODEL_SIGNATURE_PREDICATE, "provenance": SLSA_PROVENANCE_V1}
+
+
+# -- trusted keys -------------------------------------------------------------------------------
+
+
+def _find_key(session: Session, kid: str) -> TrustedKey | None:
+    return session.scalars(select(TrustedKey).where(TrustedKey.key_id == kid)).one_or_none()
+
+
+def add_key(session: Session, spec: TrustedKeyCreate, actor: str) -> tuple[TrustedKey, bool]:
+    """Trust a public key for the models matching a pattern (audited `key.add`). The same key and
+    pattern again is a no-op; the key under another pattern, or a revoked key, is a Conflict."""
+    public = load_public_key(spec.public_key_pem)
+    kid = key_id(public)
+
+    def same(existing: TrustedKey) -> TrustedKey:
+        if existing.revoked_at is not None:
+            raise Conflict(
+                f"key {kid} was revoked at {existing.revoked_at}; a revoked key is never trusted again",
+                code="KEY_REVOKED",
+                details={"key_id": kid},
+            )
+        if existing.model_pattern != spec.model_pattern:
+            raise Conflict(
+                f"key {kid} is already trusted for {existing.model_pattern!r}; revoke it or use another key",
+                details={"key_id": kid, "model_pattern": existing.model_pattern},
+            )
+        return existing
+
+    existing = _find_key(session, kid)
+    if existing is not None:
+        return same(existing), False
+    row = TrustedKey(
+        key_id=kid, model_pattern=spec.model_pattern, public_key_pem=public_key_pem_text(spec), created_by=actor
+    )
+    row, created = insert_once(session, row, lambda: _find_key(session, kid))
+    if not created:
+        return same(row), False
+    audit.record(
+        session,
+        action="key.add",
+        target=kid,
+        actor=actor,
+        details={"before": None, "after": {"key_id": kid, "model_pattern": spec.model_pattern}},
+    )
+    session.flush()
+    return row, True
+
+
+def public_key_pem_text(spec: TrustedKeyCreate) -> str:
+    return spec.public_key_pem.strip() + "\n"
+
+
+def list_keys(session: Session) -> list[TrustedKey]:
+    return list(session.scalars(select(TrustedKey).order_by(TrustedKey.id)))
+
+
+def revoke_key(session: Session, kid: str, actor: str, reason: str | None) -> TrustedKey:
+    """Revoke a trusted key (idempotent, audited `key.revoke`): from now on nothing it signed counts as
+    signed, for new uploads, sealing and promotion alike."""
+    row = _find_key(session, kid)
+    if row is None:
+        raise NotFound(f"no trusted key {kid}", details={"key_id": kid})
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        audit.record(
+            session,
+            action="key.revoke",
+            target=kid,
+            actor=actor,
+            reason=reason,
+            details={"before": {"revoked": False}, "after": {"revoked": True}, "model_pattern": row.model_pattern},
+        )
+        session.flush()
+    return row
+
+
+# -- attestations -------------------------------------------------------------------------------
+
+
+def _read_blob(session: Session, store: BlobStore, spec: AttestationCreate) -> bytes:
+    try:
+        row = get_blob(session, store, spec.sha256)
+    except BlobNotFound:
+        raise InvalidInput(
+            f"upload the {spec.kind} blob {spec.sha256[:12]}… first",
+            code="BLOB_MISSING",
+            details={"sha256": spec.sha256},
+        ) from None
+    if row.size != spec.size:
+        raise InvalidInput(f"blob {spec.sha256[:12]}… has {row.size} bytes, not {spec.size}", code="BLOB_MISSING")
+    data = b"".join(store.open_range(spec.sha256))
+    if hashlib.sha256(data).hexdigest() != spec.sha256:  # the store's bytes are what was uploaded
+        raise SignatureInvalid(f"blob {spec.sha256[:12]}… in the store no longer matches its digest")
+    return data
+
+
+def verify_attestation(session: Session, model: str, artifact: Artifact, kind: str, data: bytes) -> str:
+    """The id of the trusted key that signed `data`, once it is checked to attest exactly the artifact's
+    files; raises with the reason otherwise."""
+    envelope = read_bundle(data)
+    keys = keys_for(session, model, include_revoked=True)
+    if not keys:
+        raise SignatureInvalid(
+            f"no publisher key is trusted for model {model!r}: an admin adds one (`kiln keys add`) before "
+            "signed artifacts are accepted",
+            code="NO_TRUSTED_KEY",
+            details={"model": model},
+        )
+    signer = next((k for k in keys if signed_by(envelope, load_public_key(k.public_key_pem))), None)
+    if signer is None:
+        trusted = [k.key_id for k in keys if k.revoked_at is None]
+        raise SignatureInvalid(
+            f"the {kind} of {artifact.name!r} is not signed by a key trusted for model {model!r}, or was altered",
+            details={"artifact": artifact.name, "kind": kind, "trusted_keys": trusted},
+        )
+    if signer.revoked_at is not None:
+        raise SignatureInvalid(
+            f"the {kind} of {artifact.name!r} is signed by key {signer.key_id}, revoked at {signer.revoked_at}",
+            code="KEY_REVOKED",
+            details={"artifact": artifact.name, "kind": kind, "key_id": signer.key_id},
+        )
+    statement = statement_of(envelope, PREDICATES[kind])
+    attested = signed_files(statement) if kind == "signature" else subject_files(statement)
+    problems = file_differences(attested, {f.path: f.sha256 for f in artifact.files})
+    if problems:
+        raise SignatureInvalid(
+            f"the {kind} of {artifact.name!r} does not match its files: " + "; ".join(problems),
+            code="SIGNATURE_MISMATCH",
+            details={"artifact": artifact.name, "kind": kind, "problems": problems},
+        )
+    return signer.key_id
+
+
+def _find(session: Session, artifact_id: int, kind: str) -> Attestation | None:
+    query = select(Attestation).where(Attestation.artifact_id == artifact_id, Attestation.kind == kind)
+    return session.scalars(query).one_or_none()
+
+
+def attach(
+    session: Session, store: BlobStore, model: str, version: str, name: str, spec: AttestationCreate
+) -> tuple[Attestation, bool]:
+    """Verify an uploaded attestation and attach it to the artifact (True if stored now).
+
+    While the release is open a new one replaces the artifact's previous one of that kind (a re-run
+    of a publish signs again, and ECDSA signatures differ each time). Once sealed, an attestation by an active
+    key never changes (one that verifies just as well is answered with the stored one); one the artifact
+    lacks, or whose key was revoked since, may still be attached: it is verified like any other and
+    changes no file (a release sealed before its model's key was trusted, or signed by a revoked key,
+    can be signed and then promoted).
+    """
+    release = lock_release(session, model, version, shared=True)
+    artifact = get_artifact(session, model, version, name)
+    signer = verify_attestation(session, model, artifact, spec.kind, _read_blob(session, store, spec))
+    existing = _find(session, artifact.id, spec.kind)
+    if existing is not None and existing.sha256 == spec.sha256:
+        return existing, False
+    if release.status == "sealed":
+        if existing is not None and existing.signer in {k.key_id for k in keys_for(session, model)}:
+            return existing, False
+    else:
+        check_open(release, model, f"attach a {spec.kind} to {name!r}")
+    if existing is not None:
+        existing.sha256, existing.size, existing.media_type, existing.signer = (
+            spec.sha256,
+            spec.size,
+            spec.media_type,
+            signer,
+        )
+        existing.created_at = utcnow()
+        session.flush()
+        return existing, True
+    row = Attestation(
+        artifact_id=artifact.id,
+        kind=spec.kind,
+        media_type=spec.media_type,
+        sha256=spec.sha256,
+        size=spec.size,
+        signer=signer,
+    )
+    return insert_once(session, row, lambda: _find(session, artifact.id, spec.kind))
+
+
+def list_attestations(session: Session, model: str, version: str, name: str) -> list[Attestation]:
+    artifact = get_artifact(session, model, version, name)
+    return list(
+        session.scalars(select(Attestation).where(Attestation.artifact_id == artifact.id).order_by(Attestation.kind))
+    )
+
+
+def get_attestation(session: Session, model: str, version: str, name: str, kind: str) -> Attestation:
+    """One attestation of an artifact of a served (sealed, not yanked) release."""
+    check_served(get_release(session, model, version), model)
+    artifact = get_artifact(session, model, version, name)
+    row = _find(session, artifact.id, kind)
+    if row is None:
+        raise NotFound(
+            f"artifact {model}@{version}/{name} has no {kind}",
+            details={"model": model, "version": version, "artifact": name, "kind": kind},
+        )
+    return row

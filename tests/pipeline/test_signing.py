@@ -1,0 +1,193 @@
+"""Signing an artifact's files and provenance, and verifying a directory offline (interop with model-signing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from model_signing import verifying as ms_verifying
+
+from core.digest import sha256_file
+from core.errors import DigestMismatch
+from core.manifest import ArtifactManifest, FileEntry
+from core.signing import (
+    MODEL_SIGNATURE_PREDICATE,
+    PROVENANCE_FILE,
+    SIGNATURE_FILE,
+    SLSA_PROVENANCE_V1,
+    KeyInvalid,
+    SignatureInvalid,
+    load_public_key,
+    signed_files,
+    verify_bundle,
+    verify_directory,
+)
+from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+
+
+def write_key_pair(directory: Path, curve: ec.EllipticCurve | None = None) -> tuple[SigningKey, Path]:
+    private = ec.generate_private_key(curve or ec.SECP256R1())
+    key = directory / "key.pem"
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    pub = directory / "key.pub"
+    pub.write_bytes(
+        private.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return SigningKey(key), pub
+
+
+def artifact(directory: Path) -> ArtifactManifest:
+    (directory / "sub").mkdir(parents=True)
+    (directory / "model.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    (directory / "sub" / "config.json").write_text('{"a": 1}')
+    files = [
+        FileEntry(path=p.relative_to(directory).as_posix(), sha256=sha256_file(p), size=p.stat().st_size)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    ]
+    return ArtifactManifest(
+        name="gguf-q8", target="gguf", format="gguf-v3", quant="q8_0", hardware=["cpu"], files=files
+    )
+
+
+@pytest.fixture
+def signed(tmp_path: Path) -> tuple[Path, Path, ArtifactManifest]:
+    """An artifact directory with its signature and provenance beside the files, and the public key."""
+    files = tmp_path / "artifact"
+    manifest = artifact(files)
+    key, pub = write_key_pair(tmp_path)
+    statement = provenance_statement(
+        manifest,
+        model="tiny",
+        version="1.0",
+        source_digest="0" * 64,
+        source_files=[{"path": "model.safetensors", "sha256": "1" * 64, "size": 10}],
+        stages={"export/gguf-q8": {"cache_key": "2" * 64, "params": {"quant": "q8_0"}, "host": "h"}},
+        evals={"llama.cpp": {"status": "passed", "metrics": {"kl": 0.001}}},
+    )
+    signature, provenance = sign_files(files, manifest, key), sign_provenance(statement, key)
+    (files / SIGNATURE_FILE).write_bytes(signature)
+    (files / PROVENANCE_FILE).write_bytes(provenance)
+    return files, pub, manifest
+
+
+def test_signature_is_model_signing_format_and_verifies_offline(signed: tuple[Path, Path, ArtifactManifest]) -> None:
+    files, pub, manifest = signed
+    key = load_public_key(pub.read_bytes())
+    result = verify_directory(files, key)
+    assert result.files == {f.path: f.sha256 for f in manifest.files}
+    assert result.provenance is not None
+    predicate = result.provenance["predicate"]
+    assert result.provenance["predicateType"] == SLSA_PROVENANCE_V1
+    assert predicate["buildDefinition"]["internalParameters"]["stages"]["export/gguf-q8"]["cache_key"] == "2" * 64
+    assert predicate["runDetails"]["byproducts"][0]["annotations"]["metrics"] == {"kl": 0.001}
+    statement = verify_bundle((files / SIGNATURE_FILE).read_bytes(), key, MODEL_SIGNATURE_PREDICATE)
+    assert signed_files(statement) == result.files
+    # The OpenSSF tool's own verifier accepts kiln's signature (it hashes the directory itself).
+    ms_verifying.Config().use_elliptic_key_verifier(public_key=pub).set_ignore_unsigned_files(True).verify(
+        files, files / SIGNATURE_FILE
+    )
+
+
+def test_one_changed_byte_is_named(signed: tuple[Path, Path, ArtifactManifest]) -> None:
+    files, pub, _ = signed
+    data = bytearray((files / "model.gguf").read_bytes())
+    data[100] ^= 1
+    (files / "model.gguf").write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match=r"file model\.gguf: digest mismatch") as info:
+        verify_directory(files, load_public_key(pub.read_bytes()))
+    assert info.value.details["files"] == ["model.gguf"]
+
+
+def test_added_and_removed_files_are_named(signed: tuple[Path, Path, ArtifactManifest]) -> None:
+    files, pub, _ = signed
+    (files / "sub" / "config.json").unlink()
+    (files / "extra.bin").write_bytes(b"x")
+    with pytest.raises(DigestMismatch) as info:
+        verify_directory(files, load_public_key(pub.read_bytes()))
+    assert "file extra.bin: not signed" in info.value.message
+    assert "file sub/config.json: signed but missing" in info.value.message
+
+
+def test_another_key_or_an_altered_bundle_is_refused(
+    signed: tuple[Path, Path, ArtifactManifest], tmp_path: Path
+) -> None:
+    files, pub, _ = signed
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    _, other_pub = write_key_pair(other_dir, ec.SECP384R1())
+    with pytest.raises(SignatureInvalid, match="not signed by key"):
+        verify_directory(files, load_public_key(other_pub.read_bytes()))
+    bundle = json.loads((files / SIGNATURE_FILE).read_text())
+    bundle["dsseEnvelope"]["payload"] = bundle["dsseEnvelope"]["payload"][:-8] + "AAAAAAA="
+    (files / SIGNATURE_FILE).write_text(json.dumps(bundle))
+    with pytest.raises(SignatureInvalid):
+        verify_directory(files, load_public_key(pub.read_bytes()))
+
+
+def test_unsupported_keys_are_refused(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    pem = (
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    with pytest.raises(KeyInvalid, match="elliptic-curve"):
+        load_public_key(pem)
+    with pytest.raises(KeyInvalid):
+        load_public_key(b"not a key")
+
+
+def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: Path) -> None:
+    """`kiln publish --signing-key` into a registry that trusts the key: sealed (so every artifact is signed),
+    and `kiln verify MODEL@VERSION/ARTIFACT` passes on the download."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from registry.client import RegistryClient
+    from tests.model_factory import make_model
+
+    root = tmp_path / "recipe"
+    make_model(root / "model", hidden_size=64, intermediate_size=128, num_kv_heads=2)
+    (root / "heldout.txt").write_text("def f(x):\n    return [x, x + 1, str(x)]\n" * 40)
+    recipe = {
+        "model": "m",
+        "version": "1",
+        "source": "model",
+        "eval": {"text": "heldout.txt", "max_tokens": 64, "window": 32, "greedy_prompts": 1, "greedy_tokens": 2},
+        "targets": [{"target": "gguf", "quants": ["f16", "q8_0"]}],
+    }
+    (root / "kiln.yaml").write_text(yaml.safe_dump(recipe))
+    key, pub = write_key_pair(tmp_path)
+    registry, work = str(tmp_path / "registry"), str(tmp_path / "work")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+    def kiln(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "kiln", *args], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    kiln("keys", "add", str(pub), "--model", "m", "--registry", registry)
+    kiln("publish", str(root / "kiln.yaml"), "--work-dir", work, "--registry", registry, "--signing-key", str(key.path))
+    with RegistryClient.connect(registry) as client:
+        release = client.get_release("m", "1")
+        assert release["status"] == "sealed"
+        kinds = {
+            a["name"]: [x["kind"] for x in client.list_attestations("m", "1", a["name"])] for a in release["artifacts"]
+        }
+    assert kinds == {"gguf-f16": ["provenance", "signature"], "gguf-q8_0": ["provenance", "signature"]}
+    out = kiln("verify", "m@1/gguf-q8_0", "--key", str(pub), "--registry", registry, "--json")
+    assert json.loads(out.stdout)["verified"] is True
