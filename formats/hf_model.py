@@ -298,14 +298,18 @@ class ModelShape:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """What the registry keeps about the model (resolve sizes KV caches from it)."""
+        """What the registry keeps about the model: resolve sizes KV caches, tensor-parallel degrees and
+        prefill FLOPs from it (`registry.resolve.fit.model_shape`)."""
         return {
             "architecture": self.architecture,
             "num_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
 

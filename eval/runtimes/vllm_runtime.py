@@ -125,13 +125,15 @@ FP8_MATMUL_MAX_MS = 20.0
 
 # The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
 # runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
-# float32: its 4-bit weight-only GEMM (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`), and
-# with AMX in use its int8 W8A8 GEMM (`int8_scaled_mm_with_quant: expect A to be bfloat16 or half`).
+# float32: its 4-bit weight-only GEMM (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`), with
+# AMX in use its int8 W8A8 GEMM (`int8_scaled_mm_with_quant: expect A to be bfloat16 or half`), and its
+# block FP8 GEMM, AMX only (`fp8_scaled_mm_cpu: expect A to be bfloat16 or half`).
 # (name, which schemes, dtype, only where AMX is used)
 DEFAULT_DTYPE = "float32"
 COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
     ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
     ("int8 W8A8 with AMX", lambda s: s.weight_type == "int" and s.weight_bits == 8 and s.activations, "bfloat16", True),
+    ("block FP8", lambda s: s.weight_type == "float" and s.weight_strategy == "block", "bfloat16", False),
 )
 
 

@@ -77,7 +77,7 @@ def open_ingested(output: StageOutput) -> SourceModel:
 
 STAGE = Stage(
     "ingest",
-    "2",
+    "3",  # 3: the shape's summary names the heads, intermediate size and tied embeddings (replica sizing)
     run,
     IngestRecord,
     "check the SafeTensors release and record the sha256 of every file",

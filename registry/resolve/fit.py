@@ -209,7 +209,8 @@ def _tp_degrees(shape: ModelShape | str, limit: int) -> tuple[list[int], list[in
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """GiB to one decimal, or MiB below a tenth of a GiB (a small model's weights are not "0.0 GiB")."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def plan_replica(

@@ -84,7 +84,7 @@ def test_resolve_picks_the_best_and_ranks_fallbacks(client: TestClient) -> None:
     assert reason["tokens_per_s_per_sequence"] == reason["decode_tokens_per_s_bound"]
     assert reason["speed_source"] == "estimate" and reason["measured"] is None
     assert reason["eval_status"] == "passed" and reason["meets_slo"] is True
-    assert "TP 1 of 8: 0.0 GiB weights + 0.5 GiB KV per device ≤ 72.0 GiB usable of 80.0 GiB" in reason["explanation"]
+    assert "TP 1 of 8: 0.0 MiB weights + 0.5 GiB KV per device ≤ 72.0 GiB usable of 80.0 GiB" in reason["explanation"]
     assert answer["explanation"].startswith("policy latency: gguf-q4 on h100 (TP 1) is the fastest per sequence")
     bf16 = answer["fallbacks"][1]["reason"]
     assert bf16["eval_status"] == "not_evaluated" and bf16["weights_bytes"] == 400
@@ -100,7 +100,7 @@ def test_kv_cache_scales_with_context_and_concurrency(client: TestClient) -> Non
     # Four sequences share each step: the replica makes four tokens a step, each sequence one.
     assert reason["decode_tokens_per_s_bound"] == pytest.approx(4 * 50e9 / (100 + 4 * GIB))
     assert reason["tokens_per_s_per_sequence"] == pytest.approx(reason["decode_tokens_per_s_bound"] / 4)
-    assert "0.0 GiB weights + 4.0 GiB KV per device ≤ 57.6 GiB usable of 64.0 GiB" in reason["explanation"]
+    assert "0.0 MiB weights + 4.0 GiB KV per device ≤ 57.6 GiB usable of 64.0 GiB" in reason["explanation"]
     single = resolve(client, hardware="cpu").json()["reason"]
     assert single["kv_cache_bytes"] == KV_PER_TOKEN * 4096
     assert single["tokens_per_s_per_sequence"] > reason["tokens_per_s_per_sequence"]
