@@ -257,6 +257,7 @@ def _release_nodes(
                     "artifact": a.name,
                     "description": recipe.description,
                     "planned": planned,
+                    "recipe_digest": recipe.digest(),
                 },
                 inputs=inputs,
                 args={"registry": registry},

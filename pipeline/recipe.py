@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.digest import sha256_json
 from core.errors import KilnError, RecipeInvalid
 from core.manifest import ARTIFACT_NAME
 from core.untrusted import short_repr
@@ -119,6 +120,11 @@ class Recipe(_Strict):
     # Set by parse_recipe from its arguments, never from the recipe's data.
     base_dir: Path = Field(default=Path("."), exclude=True)
     allowed_roots: tuple[Path, ...] = Field(default=(), exclude=True)
+
+    def digest(self) -> str:
+        """sha256 of the validated recipe as canonical JSON (defaults filled in, paths as written): what
+        the release's provenance names it by."""
+        return sha256_json(self.model_dump(mode="json"))
 
     @field_validator("source")
     @classmethod

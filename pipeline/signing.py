@@ -81,10 +81,12 @@ def provenance_statement(
     source_files: list[Mapping[str, Any]],
     stages: Mapping[str, Mapping[str, Any]],
     evals: Mapping[str, Mapping[str, Any]],
+    recipe_digest: str | None = None,
 ) -> dict[str, Any]:
     """An in-toto statement with a SLSA v1 provenance predicate for one artifact.
 
-    Subjects: the artifact's files. Build definition: the release and the source release's digests;
+    Subjects: the artifact's files. Build definition: the release, the recipe's digest (`Recipe.digest`)
+    and the source release's digests;
     internal parameters: each stage that made it (cache key, code version, params, tool versions,
     host, when). Run details: the builder (kiln and its version) and the eval results.
     """
@@ -103,9 +105,11 @@ def provenance_statement(
                     "target": manifest.target,
                     "format": manifest.format,
                     "quant": manifest.quant,
+                    **({"recipe": {"digest": {"sha256": recipe_digest}}} if recipe_digest else {}),
                 },
                 "internalParameters": {"stages": {k: dict(v) for k, v in sorted(stages.items())}},
                 "resolvedDependencies": [
+                    *([{"name": "recipe", "digest": {"sha256": recipe_digest}}] if recipe_digest else []),
                     {"name": "source", "digest": {"sha256": source_digest}},
                     *({"name": f"source/{f['path']}", "digest": {"sha256": f["sha256"]}} for f in source_files),
                 ],

@@ -108,6 +108,7 @@ def _attach_signed(
         source_files=[f.model_dump() for f in ingest.source_files],
         stages={output.node_id: output.provenance for output in ctx.inputs.values()},
         evals={runtime: r.model_dump(mode="json", exclude_none=True) for runtime, r in reports.items()},
+        recipe_digest=p.get("recipe_digest"),
     )
     bundles = {
         "signature": sign_files(ctx.input("artifact").files_dir, manifest, key),

@@ -191,3 +191,14 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     assert kinds == {"gguf-f16": ["provenance", "signature"], "gguf-q8_0": ["provenance", "signature"]}
     out = kiln("verify", "m@1/gguf-q8_0", "--key", str(pub), "--registry", registry, "--json")
     assert json.loads(out.stdout)["verified"] is True
+    # The provenance names the recipe by its digest, beside the source's files.
+    from pipeline.recipe import load_recipe
+
+    with RegistryClient.connect(registry) as client:
+        client.download("/v1/models/m/releases/1/artifacts/gguf-q8_0/attestations/provenance", tmp_path / "prov")
+    statement = verify_bundle((tmp_path / "prov").read_bytes(), load_public_key(pub.read_bytes()), SLSA_PROVENANCE_V1)
+    dependencies = {
+        d["name"]: d["digest"]["sha256"] for d in statement["predicate"]["buildDefinition"]["resolvedDependencies"]
+    }
+    assert dependencies["recipe"] == load_recipe(root / "kiln.yaml").digest()
+    assert any(name.startswith("source/") for name in dependencies)
