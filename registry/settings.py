@@ -65,6 +65,11 @@ class RegistrySettings(BaseSettings):
     protected_channels: list[str] = Field(
         default_factory=lambda: ["prod"], description="channels whose promotion needs the `promote` scope"
     )
+    signed_channels: list[str] = Field(
+        default_factory=list,
+        description="channels that serve only artifacts signed by a trusted key, for every model (models with "
+        "trusted keys need signatures on every channel anyway); e.g. the protected channels",
+    )
     webhook_delivery: bool = Field(
         default=True, description="this process sends webhook deliveries (off: it only queues them, others send)"
     )

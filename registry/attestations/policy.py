@@ -25,12 +25,15 @@ def keys_for(session: Session, model: str, *, include_revoked: bool = False) -> 
     return [k for k in session.scalars(query) if fnmatch.fnmatchcase(model, k.model_pattern)]
 
 
-def unsigned_artifacts(session: Session, model: str, artifacts: Iterable[tuple[int, str]]) -> list[str]:
+def unsigned_artifacts(
+    session: Session, model: str, artifacts: Iterable[tuple[int, str]], *, required: bool = False
+) -> list[str]:
     """Names of `artifacts` ((id, name) pairs) of `model` without a signature verified by an active key
-    trusted for it; empty when no key was ever trusted for the model (signing is not required of it)."""
+    trusted for it; empty when no key was ever trusted for the model (signing is not required of it)
+    unless `required` (a channel that serves only signed artifacts: then every one is unsigned)."""
     keys = keys_for(session, model, include_revoked=True)
     if not keys:
-        return []
+        return sorted(name for _, name in artifacts) if required else []
     active = {k.key_id for k in keys if k.revoked_at is None}
     by_id = dict(artifacts)
     signed = set(

@@ -59,10 +59,11 @@ def promote(
     channel: ChannelName,
     request: PromoteRequest,
     session: WriteSessionDep,
+    settings: SettingsDep,
     principal: Annotated[Principal, Depends(may_promote)],
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
-    service.promote(session, model, channel, request)
+    service.promote(session, model, channel, request, signed_only=channel in settings.signed_channels)
     session.commit()
     return _detail(session, model, channel)
 
@@ -84,10 +85,11 @@ def set_split(
     channel: ChannelName,
     request: SplitRequest,
     session: WriteSessionDep,
+    settings: SettingsDep,
     principal: Annotated[Principal, Depends(may_promote)],
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
-    service.set_split(session, model, channel, request)
+    service.set_split(session, model, channel, request, signed_only=channel in settings.signed_channels)
     session.commit()
     return _detail(session, model, channel)
 

@@ -51,9 +51,10 @@ def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, 
 
 
 def _gated_release(
-    session: Session, model: str, version: str, force: bool
+    session: Session, model: str, version: str, force: bool, signed_only: bool = False
 ) -> tuple[Release, int, list[dict[str, Any]]]:
-    """A release a channel may point at: sealed, not yanked, every artifact past its eval gate unless
+    """A release a channel may point at: sealed, not yanked, signed where the model has trusted keys (or
+    the channel is one of the registry's `signed_channels`), every artifact past its eval gate unless
     forced. Returns it, the newest eval it is judged with, and the failures a force overrides."""
     release = lock_release(session, model, version, shared=False)
     if release.yanked_at is not None:
@@ -73,11 +74,12 @@ def _gated_release(
         session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
     )
     # Not overridable by force: a model with trusted keys is served only from signed artifacts.
-    unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts])
+    unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts], required=signed_only)
     if unsigned:
+        where = " (the channel serves only signed artifacts)" if signed_only else ""
         raise Conflict(
             f"release {model}@{version} has artifacts without a signature by an active key trusted for "
-            f"{model!r}: {', '.join(unsigned)}",
+            f"{model!r}{where}: {', '.join(unsigned)}",
             code="ARTIFACT_UNSIGNED",
             details={"model": model, "version": version, "unsigned": unsigned},
         )
@@ -100,7 +102,7 @@ def _gated_release(
     return release, evals_through, failing
 
 
-def promote(session: Session, model: str, name: str, request: PromoteRequest) -> None:
+def promote(session: Session, model: str, name: str, request: PromoteRequest, signed_only: bool = False) -> None:
     """Point channel `name` of `model` at the sealed release `request.version` (all of its traffic).
 
     Promotions of a model's channels are serialised (a row lock on the model; SQLite's write lock),
@@ -113,7 +115,7 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest) ->
     """
     model_row = get_model(session, model)
     lock_row(session, Model.id, model_row.id)
-    release, evals_through, failing = _gated_release(session, model, request.version, request.force)
+    release, evals_through, failing = _gated_release(session, model, request.version, request.force, signed_only)
     channel = _find_channel(session, release.model_id, name)
     before = _state(channel)
     if channel is None:
@@ -166,7 +168,7 @@ def public_split(split: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"version": m["version"], "weight": m["weight"] * 100 / buckets.BASIS_POINTS} for m in split]
 
 
-def set_split(session: Session, model: str, name: str, request: SplitRequest) -> None:
+def set_split(session: Session, model: str, name: str, request: SplitRequest, signed_only: bool = False) -> None:
     """Point channel `name` at several releases with weights (a canary: 95 % 1.4.0, 5 % 1.5.0).
 
     Every release is checked as a promotion checks one (sealed, not yanked, past its eval gates
@@ -177,7 +179,7 @@ def set_split(session: Session, model: str, name: str, request: SplitRequest) ->
     """
     model_row = get_model(session, model)
     lock_row(session, Model.id, model_row.id)
-    gated = {w.version: _gated_release(session, model, w.version, request.force) for w in request.weights}
+    gated = {w.version: _gated_release(session, model, w.version, request.force, signed_only) for w in request.weights}
     channel = _find_channel(session, model_row.id, name)
     before = _state(channel)
     previous: dict[str, buckets.Ranges] = {}

@@ -228,3 +228,24 @@ def test_an_open_release_with_attestations_can_be_abandoned(
     response = client.post("/v1/models/tiny/releases/1.0/abandon", json={"reason": "bad build"})
     assert response.status_code == 200, response.text
     assert response.json()["status"] == "abandoned"
+
+
+def test_signed_channels_serve_only_signed_artifacts_even_without_keys(
+    app: FastAPI, client: TestClient, keys: dict[str, Any], tmp_path: Path
+) -> None:
+    settings = app.state.settings
+    before = settings.signed_channels
+    settings.signed_channels = ["prod"]
+    try:
+        published(client)
+        seal(client)
+        assert promote(client, channel="staging").status_code == 200  # not a signed channel
+        error = assert_error(promote(client, force=True, reason="anyway"), 409, "ARTIFACT_UNSIGNED")
+        assert "serves only signed artifacts" in error["message"] and error["details"]["unsigned"] == ["gguf-q8"]
+        split = client.put("/v1/models/tiny/channels/prod/split", json={"weights": [{"version": "1.0", "weight": 100}]})
+        assert_error(split, 409, "ARTIFACT_UNSIGNED")
+        client.post("/v1/keys", json={"model_pattern": "tiny", "public_key_pem": keys["trusted"][1].read_text()})
+        assert attach(client, "signature", bundles(tmp_path, keys["trusted"][0])["signature"]).status_code == 201
+        assert promote(client).status_code == 200
+    finally:
+        settings.signed_channels = before
