@@ -127,30 +127,18 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest, si
         channel.split = None
         channel.updated_at = utcnow()
     session.flush()
-    session.add(
-        ChannelEvent(
-            channel_id=channel.id,
-            from_version=before["version"],
-            to_version=release.version,
-            forced=request.force,
-            reason=request.reason,
-            actor=request.actor,
-        )
-    )
-    audit.record(
+    _record(
         session,
+        channel,
+        model,
         action="channel.promote.forced" if request.force else "channel.promote",
-        target=f"{model}/{name}",
-        model=model,
-        actor=request.actor,
+        before=before,
+        after={"version": release.version, "evals_through": evals_through},
+        forced=request.force,
         reason=request.reason,
-        details={
-            "before": before,
-            "after": {"version": release.version, "evals_through": evals_through},
-            "overridden_failures": failing,
-        },
+        actor=request.actor,
+        details={"overridden_failures": failing},
     )
-    session.flush()
 
 
 def _state(channel: Channel | None) -> dict[str, Any]:
@@ -161,6 +149,44 @@ def _state(channel: Channel | None) -> dict[str, Any]:
     if channel.split:
         state["split"] = public_split(channel.split)
     return state
+
+
+def _record(
+    session: Session,
+    channel: Channel,
+    model: str,
+    *,
+    action: str,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    forced: bool,
+    reason: str | None,
+    actor: str | None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    """A change of what a channel serves, in its history and the audit log (with `details` beside
+    before/after), in the caller's transaction."""
+    session.add(
+        ChannelEvent(
+            channel_id=channel.id,
+            from_version=before["version"],
+            to_version=after["version"],
+            forced=forced,
+            split=after.get("split"),
+            reason=reason,
+            actor=actor,
+        )
+    )
+    audit.record(
+        session,
+        action=action,
+        target=f"{model}/{channel.name}",
+        model=model,
+        actor=actor,
+        reason=reason,
+        details={"before": before, "after": after, **(details or {})},
+    )
+    session.flush()
 
 
 def public_split(split: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -210,32 +236,21 @@ def set_split(session: Session, model: str, name: str, request: SplitRequest, si
     channel.updated_at = utcnow()
     session.flush()
     after = {"version": primary["version"], **({"split": public_split(members)} if len(members) > 1 else {})}
-    session.add(
-        ChannelEvent(
-            channel_id=channel.id,
-            from_version=before["version"],
-            to_version=primary["version"],
-            forced=request.force,
-            split=after.get("split"),
-            reason=request.reason,
-            actor=request.actor,
-        )
-    )
-    audit.record(
+    _record(
         session,
+        channel,
+        model,
         action="channel.split",
-        target=f"{model}/{name}",
-        model=model,
-        actor=request.actor,
+        before=before,
+        after=after,
+        forced=request.force,
         reason=request.reason,
+        actor=request.actor,
         details={
-            "before": before,
-            "after": after,
             "forced": request.force,
-            "overridden_failures": [f for _, (_, _, failing) in gated.items() for f in failing],
+            "overridden_failures": [f for _, _, failing in gated.values() for f in failing],
         },
     )
-    session.flush()
 
 
 def drop_from_splits(session: Session, model: str, release_id: int, version: str, actor: str) -> list[str]:
@@ -260,25 +275,16 @@ def drop_from_splits(session: Session, model: str, release_id: int, version: str
         channel.split = kept if len(kept) > 1 else None
         channel.updated_at = utcnow()
         after = {"version": channel.release.version, **({"split": public_split(kept)} if len(kept) > 1 else {})}
-        session.add(
-            ChannelEvent(
-                channel_id=channel.id,
-                from_version=channel.release.version,
-                to_version=channel.release.version,
-                forced=False,
-                split=after.get("split"),
-                reason=f"release {version} yanked",
-                actor=actor,
-            )
-        )
-        audit.record(
+        _record(
             session,
+            channel,
+            model,
             action="channel.split",
-            target=f"{model}/{channel.name}",
-            model=model,
-            actor=actor,
+            before=before,
+            after=after,
+            forced=False,
             reason=f"release {version} yanked",
-            details={"before": before, "after": after},
+            actor=actor,
         )
         changed.append(channel.name)
     session.flush()

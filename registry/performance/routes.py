@@ -16,22 +16,8 @@ PATH = "/models/{model}/releases/{version}/artifacts/{name}/performance"
 
 
 def _out(row: PerformanceRecord, artifact: str) -> PerformanceOut:
-    return PerformanceOut(
-        id=row.id,
-        artifact=artifact,
-        hardware=row.hardware,
-        runtime=row.runtime,
-        runtime_version=row.runtime_version,
-        tp=row.tp,
-        context=row.context,
-        concurrency=row.concurrency,
-        tokens_per_s=row.tokens_per_s,
-        ttft_ms=row.ttft_ms,
-        itl_p50_ms=row.itl_p50_ms,
-        itl_p99_ms=row.itl_p99_ms,
-        recorded_by=row.recorded_by,
-        recorded_at=row.recorded_at,
-    )
+    fields = {name: getattr(row, name) for name in PerformanceOut.model_fields if name != "artifact"}
+    return PerformanceOut(**fields, artifact=artifact)
 
 
 @router.post(

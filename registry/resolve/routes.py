@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import asdict
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -84,21 +85,7 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
             ttft_ms=speed.ttft_ms,
             cost_per_mtok=speed.cost_per_mtok,
             speed_source=speed.source,
-            measured=MeasurementOut(
-                id=m.id,
-                runtime=m.runtime,
-                runtime_version=m.runtime_version,
-                tp=m.tp,
-                context=m.context,
-                concurrency=m.concurrency,
-                tokens_per_s=m.tokens_per_s,
-                ttft_ms=m.ttft_ms,
-                itl_p50_ms=m.itl_p50_ms,
-                itl_p99_ms=m.itl_p99_ms,
-                recorded_at=m.recorded_at,
-            )
-            if m is not None
-            else None,
+            measured=MeasurementOut(**asdict(m)) if m is not None else None,
             meets_slo=c.meets_slo,
             eval_status=a.eval_status,
             kl=a.kl,

@@ -20,7 +20,10 @@ class ResolvedArtifact(BaseModel):
 
 
 class MeasurementOut(BaseModel):
+    """A performance record as resolve used it (`registry.resolve.service.Measurement`)."""
+
     id: int
+    hardware: str
     runtime: str
     runtime_version: str
     tp: int
