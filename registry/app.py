@@ -39,6 +39,7 @@ from registry.deps import require
 from registry.hardware.routes import router as hardware_router
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
+from registry.oci.base_image import load_base_image
 from registry.oci.routes import router as oci_router
 from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware
@@ -106,6 +107,9 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     try:
         _check_schema(engine, settings)
         blob_store = open_blob_store(settings.effective_blob_url(), settings)
+        modelcar_base = (
+            load_base_image(settings.modelcar_base, settings.modelcar_platform) if settings.modelcar_base else None
+        )
     except BaseException:
         engine.dispose()
         raise
@@ -134,6 +138,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.session_factory = create_session_factory(engine)
     app.state.write_session_factory = create_session_factory(engine, write=True)
     app.state.blob_store = blob_store
+    app.state.modelcar = modelcar_base
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))
     app.state.token_cache = TokenCache(app.state.session_factory)
     app.state.metrics = RegistryMetrics()

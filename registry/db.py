@@ -70,6 +70,7 @@ def registry_metadata() -> MetaData:
     from registry.channels import models as _channels  # noqa: F401
     from registry.hardware import models as _hardware  # noqa: F401
     from registry.models import models as _models  # noqa: F401
+    from registry.oci import models as _oci  # noqa: F401
     from registry.performance import models as _performance  # noqa: F401
     from registry.releases import models as _releases  # noqa: F401
     from registry.resolve import models as _resolve  # noqa: F401

@@ -70,6 +70,14 @@ class RegistrySettings(BaseSettings):
         description="channels that serve only artifacts signed by a trusted key, for every model (models with "
         "trusted keys need signatures on every channel anyway); e.g. the protected channels",
     )
+    modelcar_base: Path | None = Field(
+        default=None,
+        description="OCI image layout of the base image (with a shell) that model cars (`modelcar/<model>`) are "
+        "built on; unset: no model cars",
+    )
+    modelcar_platform: str = Field(
+        default="linux/amd64", pattern=r"^[a-z0-9]+/[a-z0-9]+$", description="the base image's os/architecture"
+    )
     webhook_delivery: bool = Field(
         default=True, description="this process sends webhook deliveries (off: it only queues them, others send)"
     )

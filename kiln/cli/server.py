@@ -24,13 +24,40 @@ def serve(
     data_dir: Annotated[
         str | None, typer.Option(envvar="KILN_REGISTRY_DATA_DIR", help="Embedded registry directory.")
     ] = None,
+    modelcar_base: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KILN_REGISTRY_MODELCAR_BASE",
+            help="OCI image layout of the base image model cars are built on (offers modelcar/<model>).",
+        ),
+    ] = None,
 ) -> None:
     """Run the registry server (uvicorn with uvloop and httptools)."""
     from registry.server import serve as run_server
 
     if data_dir:
         os.environ["KILN_REGISTRY_DATA_DIR"] = data_dir
+    if modelcar_base:
+        os.environ["KILN_REGISTRY_MODELCAR_BASE"] = modelcar_base
     run_server(host=host, port=port, workers=workers)
+
+
+@app.command("modelcar-base")
+def modelcar_base(
+    layout: Annotated[Path, typer.Argument(help="Directory to write the OCI image layout to.")],
+    busybox: Annotated[Path, typer.Option(help="A statically linked busybox (Debian: busybox-static).")] = Path(
+        "/bin/busybox"
+    ),
+) -> None:
+    """Write a model-car base image (a static busybox: sh, ln, sleep) as an OCI image layout."""
+    from registry.oci.base_image import write_busybox_base
+
+    try:
+        layout.mkdir(parents=True, exist_ok=True)
+        digest = write_busybox_base(busybox, layout)
+    except OSError as e:
+        raise InvalidInput(f"cannot write a base image from {str(busybox)!r} to {str(layout)!r}: {e}") from None
+    stdout.print(f"base image {digest} written to {safe_text(str(layout))}")
 
 
 @db_app.command("upgrade")

@@ -8,6 +8,8 @@ URL instead of a stream; the client then sends its Range to S3 itself.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from functools import partial
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
@@ -100,6 +102,22 @@ def blob_response(
             # The redirect itself must not outlive the presigned URL in any cache.
             return Response(status_code=307, headers={"Location": url, "ETag": etag, "Cache-Control": "no-store"})
 
+    return ranged_response(request, size, etag, partial(store.open_range, sha256), media_type, headers)
+
+
+def ranged_response(
+    request: Request,
+    size: int,
+    etag: str,
+    read: Callable[[int, int], Iterator[bytes]],
+    media_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """GET/HEAD of `size` bytes that `read(start, stop)` streams: 200, 206 (Range, If-Range) or 416.
+
+    The one place byte ranges are answered: stored blobs, and content the registry derives (OCI
+    documents, a model car's tar layers)."""
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
     range_header = request.headers.get("range")
     if_range = request.headers.get("if-range")
     if if_range is not None and if_range.strip() != etag:
@@ -115,6 +133,4 @@ def blob_response(
     media_type = media_type or "application/octet-stream"
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers, media_type=media_type)
-    return StreamingResponse(
-        store.open_range(sha256, first, last + 1), status_code=status, headers=headers, media_type=media_type
-    )
+    return StreamingResponse(read(first, last + 1), status_code=status, headers=headers, media_type=media_type)

@@ -72,23 +72,7 @@ class LocalBlobStore:
         stop = total if end is None else min(end, total)
         if start < 0 or start > stop:
             raise InvalidInput(f"invalid range [{start}, {stop}) of a {total}-byte blob")
-        return self._read(path, start, stop)
-
-    def _read(self, path: Path, start: int, stop: int) -> Iterator[bytes]:
-        # The file is opened on first iteration, so an unconsumed iterator holds no handle.
-        try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-        except FileNotFoundError:
-            raise BlobNotFound(f"blob {path.name} was deleted before it was read") from None
-        with f:
-            f.seek(start)
-            remaining = stop - start
-            while remaining > 0:
-                chunk = f.read(min(self.chunk_size, remaining))
-                if not chunk:
-                    raise BlobNotFound(f"blob {path.name} was truncated while reading")
-                remaining -= len(chunk)
-                yield chunk
+        return read_file(path, start, stop, self.chunk_size)
 
     def delete(self, sha256: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -96,3 +80,21 @@ class LocalBlobStore:
 
     def download_url(self, sha256: str) -> str | None:
         return None  # local files are always streamed by the registry
+
+
+def read_file(path: Path, start: int, stop: int, chunk_size: int = DEFAULT_CHUNK) -> Iterator[bytes]:
+    """Bytes `[start, stop)` of a file, in chunks; BlobNotFound if it is gone or shorter than that."""
+    # The file is opened on first iteration, so an unconsumed iterator holds no handle.
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        raise BlobNotFound(f"blob {path.name} was deleted before it was read") from None
+    with f:
+        f.seek(start)
+        remaining = stop - start
+        while remaining > 0:
+            chunk = f.read(min(chunk_size, remaining))
+            if not chunk:
+                raise BlobNotFound(f"blob {path.name} was truncated while reading")
+            remaining -= len(chunk)
+            yield chunk

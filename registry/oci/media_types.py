@@ -13,6 +13,12 @@ from typing import Final
 # OCI image-spec v1.1.
 IMAGE_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
 IMAGE_INDEX: Final = "application/vnd.oci.image.index.v1+json"
+IMAGE_CONFIG: Final = "application/vnd.oci.image.config.v1+json"
+LAYER_TAR: Final = "application/vnd.oci.image.layer.v1.tar"
+# The layer types a model car's base image may have (what `skopeo copy ... oci:DIR` writes).
+BASE_LAYER_TYPES: Final = frozenset(
+    {LAYER_TAR, "application/vnd.oci.image.layer.v1.tar+gzip", "application/vnd.oci.image.layer.v1.tar+zstd"}
+)
 # The config of an artifact that has none: the two bytes `{}` (image-spec, guidelines for artifact usage).
 EMPTY_CONFIG: Final = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG_BYTES: Final = b"{}"
@@ -29,6 +35,9 @@ MODEL_CODE_RAW: Final = "application/vnd.cncf.model.code.v1.raw"
 # Annotation keys.
 TITLE: Final = "org.opencontainers.image.title"  # what oras names a pulled layer's file
 VERSION: Final = "org.opencontainers.image.version"
+BASE_DIGEST: Final = "org.opencontainers.image.base.digest"
+BASE_NAME: Final = "org.opencontainers.image.base.name"
+REF_NAME: Final = "org.opencontainers.image.ref.name"  # a manifest's tag in an OCI image layout's index
 MODEL_FILEPATH: Final = "org.cncf.model.filepath"
 KILN_MODEL: Final = "dev.kiln.model"
 KILN_ARTIFACT: Final = "dev.kiln.artifact"

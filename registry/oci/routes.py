@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -24,11 +24,13 @@ from fastapi.routing import APIRoute
 from core.errors import KilnError, Unauthorized
 from registry.api.urls import base_url
 from registry.blobs import service as blobs
-from registry.blobs.download import blob_response, parse_range
+from registry.blobs.download import blob_response, ranged_response
+from registry.blobs.local import read_file
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep
 from registry.oci import media_types as mt
-from registry.oci import service
-from registry.oci.service import Document
+from registry.oci import modelcar, service
+from registry.oci.documents import Document, Served
+from registry.oci.models import TarLayer
 from registry.settings import RegistrySettings
 
 API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
@@ -81,26 +83,21 @@ class OciRoute(APIRoute):
 router = APIRouter(prefix="/v2", route_class=OciRoute, include_in_schema=False)
 
 
+def _derived(
+    request: Request, digest: str, size: int, read: Callable[[int, int], Iterator[bytes]], media_type: str | None = None
+) -> Response:
+    """Content the registry derives or holds outside the blob store, by digest: GET or HEAD, with Range."""
+    headers = {**API_VERSION, "Docker-Content-Digest": digest}
+    return ranged_response(request, size, f'"{digest}"', read, media_type, headers)
+
+
 def _document(request: Request, document: Document, *, digest_header: bool = True) -> Response:
     """A derived document: GET or HEAD, with its digest, type and length (and a byte range, for blobs)."""
-    headers = {
-        **API_VERSION,
-        "ETag": f'"{document.digest}"',
-        "Content-Length": str(len(document.body)),
-        "Accept-Ranges": "bytes",
-    }
-    if digest_header:
-        headers["Docker-Content-Digest"] = document.digest
-    body, status = document.body, 200
-    byte_range = parse_range(request.headers.get("range"), len(body))
-    if byte_range is not None:
-        first, last = byte_range
-        body, status = body[first : last + 1], 206
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(document.body)}"
-        headers["Content-Length"] = str(len(body))
-    if request.method == "HEAD":
-        return Response(status_code=status, headers=headers, media_type=document.media_type)
-    return Response(body, status_code=status, headers=headers, media_type=document.media_type)
+    body = document.body
+    response = _derived(request, document.digest, len(body), lambda a, b: iter((body[a:b],)), document.media_type)
+    if not digest_header:
+        del response.headers["Docker-Content-Digest"]
+    return response
 
 
 @router.get("/")
@@ -141,27 +138,41 @@ def _index(request: Request) -> service.DigestIndex:
     return index
 
 
-def _model(session: SessionDep, principal: PrincipalDep, name: str) -> Any:
+def _repository(request: Request, session: SessionDep, principal: PrincipalDep, name: str) -> service.Repository:
     principal.require("read", service.model_name(name))
-    return service.find_model(session, name)
+    return service.find_repository(session, name, request.app.state.modelcar)
 
 
 @router.api_route("/{name:path}/manifests/{reference}", methods=["GET", "HEAD"])
-def get_manifest(name: str, reference: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
+def get_manifest(
+    name: str, reference: str, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
+) -> Response:
     """A manifest by tag or digest (end-3): `Docker-Content-Digest`, its media type and length."""
-    model = _model(session, principal, name)
-    return _document(request, service.resolve_manifest(session, model, _index(request), name, reference))
+    repo = _repository(request, session, principal, name)
+
+    def record_layers(served: Served) -> modelcar.LayerMap:
+        return modelcar.record_layers(request.app.state.write_session_factory, store, served.artifact.files)
+
+    return _document(request, service.resolve_manifest(session, repo, _index(request), reference, record_layers))
 
 
 @router.api_route("/{name:path}/blobs/{digest}", methods=["GET", "HEAD"])
 def get_blob(
     name: str, digest: str, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
 ) -> Response:
-    """A blob by digest (end-2), with Range: an artifact file or attestation (the stored blob), or a config."""
-    model = _model(session, principal, name)
-    found = service.find_blob(session, model, _index(request), name, digest)
+    """A blob by digest (end-2), with Range: an artifact file or attestation (the stored blob), or a config;
+    for a model car, also a base image layer (from its layout) or a file's tar layer (streamed from the blob)."""
+    repo = _repository(request, session, principal, name)
+    found = service.find_blob(session, repo, _index(request), digest)
     if isinstance(found, Document):
         return _document(request, found)
+    if isinstance(found, service.BaseLayer):
+        path = found.car.blob_path(found.sha256)
+        return _derived(request, digest, found.size, lambda a, b: read_file(path, a, b))
+    if isinstance(found, TarLayer):
+        blobs.get_blob(session, store, found.blob_sha256)
+        layer = found
+        return _derived(request, digest, layer.size, lambda a, b: modelcar.read_layer(store, layer, a, b))
     blobs.get_blob(session, store, found.sha256)  # the row and the bytes: a blob being collected is not served
     response = blob_response(request, store, found.sha256)
     response.headers.update({**API_VERSION, "Docker-Content-Digest": digest})
@@ -171,14 +182,15 @@ def get_blob(
 @router.get("/{name:path}/tags/list")
 def list_tags(
     name: str,
+    request: Request,
     session: SessionDep,
     principal: PrincipalDep,
     n: int | None = Query(default=None, ge=0, le=10_000),
     last: str | None = None,
 ) -> Response:
     """The repository's tags in lexical order (end-8), `n` at a time after `last`, with a `Link` to the next."""
-    model = _model(session, principal, name)
-    tags, more = service.tags_page(list(service.tag_table(session, model)), n, last)
+    repo = _repository(request, session, principal, name)
+    tags, more = service.tags_page(list(service.tag_table(session, repo.model)), n, last)
     headers = dict(API_VERSION)
     if more and tags:
         headers["Link"] = f'</v2/{name}/tags/list?n={n}&last={tags[-1]}>; rel="next"'
@@ -195,8 +207,8 @@ def list_referrers(
     artifact_type: str | None = Query(default=None, alias="artifactType"),
 ) -> Response:
     """The manifests whose subject is `digest` (end-12): the artifact's signature and provenance."""
-    model = _model(session, principal, name)
-    index = service.referrers_index(session, model, _index(request), digest, artifact_type)
+    repo = _repository(request, session, principal, name)
+    index = service.referrers_index(session, repo, _index(request), digest, artifact_type)
     response = _document(request, index, digest_header=False)
     if artifact_type is not None:
         response.headers["OCI-Filters-Applied"] = "artifactType"

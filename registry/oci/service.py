@@ -12,6 +12,9 @@
   the registry's own blob, never copied. Its config is a ModelPack model config, derived the same way.
 - referrers: each attestation of an artifact (signature, provenance) as a small manifest whose
   `subject` is the artifact's manifest and whose one layer is the attestation's blob.
+- model cars: the repository `modelcar/<model>` has the same tags, each naming the artifact as a
+  container image for KServe (`registry.oci.modelcar`): the configured base image, then the files
+  under `/models`. Offered when the registry has a base image (KILN_REGISTRY_MODELCAR_BASE).
 
 Services raise kiln errors with the spec's codes (`registry.oci.media_types.OCI_ERROR_BY_KILN_CODE`);
 the routes render them in the spec's error shape.
@@ -19,9 +22,9 @@ the routes render them in the spec's error shape.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,58 +39,53 @@ from registry.attestations.models import Attestation
 from registry.channels.models import Channel
 from registry.models.models import Model
 from registry.oci import media_types as mt
+from registry.oci import modelcar
+from registry.oci.base_image import BaseImage
+from registry.oci.documents import Document, Served, kiln_annotations
+from registry.oci.models import TarLayer
 from registry.releases.models import Release
 
 NAMESPACE = "kiln"
+MODELCAR_NAMESPACE = "modelcar"
 _MODEL = re.compile(MODEL_NAME_PATTERN.removeprefix("^").removesuffix("$"))
 
 
 @dataclass(frozen=True)
-class Document:
-    """A JSON document the registry derives (a manifest, an index, a config blob): its bytes and media type."""
+class Repository:
+    """A repository as a client named it: the model, and the base image when it is the model-car layout."""
 
-    media_type: str
-    body: bytes
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.body).hexdigest()
-
-    @property
-    def digest(self) -> str:
-        return f"sha256:{self.sha256}"
-
-    def descriptor(self, **extra: Any) -> dict[str, Any]:
-        return {"mediaType": self.media_type, "digest": self.digest, "size": len(self.body), **extra}
-
-
-@dataclass(frozen=True)
-class Served:
-    """An artifact of a served release (files loaded), as an OCI repository holds it."""
-
-    model: str
-    version: str
-    artifact: Artifact
+    name: str
+    model: Model
+    car: BaseImage | None = None
 
 
 def model_name(repository: str) -> str:
-    """The model a repository name names: `<model>` or `kiln/<model>`; NAME_INVALID otherwise."""
+    """The model a repository name names: `<model>`, `kiln/<model>` or `modelcar/<model>`; NAME_INVALID otherwise."""
     namespace, _, name = repository.rpartition("/")
-    if namespace not in ("", NAMESPACE) or not _MODEL.fullmatch(name):
+    if namespace not in ("", NAMESPACE, MODELCAR_NAMESPACE) or not _MODEL.fullmatch(name):
         raise InvalidInput(
-            f"repository {repository!r} is not '<model>' or '{NAMESPACE}/<model>'",
+            f"repository {repository!r} is not '<model>', '{NAMESPACE}/<model>' or '{MODELCAR_NAMESPACE}/<model>'",
             code="NAME_INVALID",
             details={"repository": repository},
         )
     return name
 
 
-def find_model(session: Session, repository: str) -> Model:
+def find_repository(session: Session, repository: str, car: BaseImage | None) -> Repository:
+    """The repository `repository` names; NAME_UNKNOWN for an unknown model, or model cars without a base image."""
     name = model_name(repository)
+    wants_car = repository.startswith(f"{MODELCAR_NAMESPACE}/")
+    if wants_car and car is None:
+        raise NotFound(
+            f"repository {repository!r} not found: this registry offers no model cars "
+            "(it has no base image; KILN_REGISTRY_MODELCAR_BASE)",
+            code="NAME_UNKNOWN",
+            details={"repository": repository},
+        )
     row = session.scalars(select(Model).where(Model.name == name)).one_or_none()
     if row is None:
         raise NotFound(f"repository {repository!r} not found", code="NAME_UNKNOWN", details={"repository": repository})
-    return row
+    return Repository(repository, row, car if wants_car else None)
 
 
 def _served() -> Any:
@@ -168,14 +166,7 @@ def artifact_manifest(served: Served) -> Document:
         "artifactType": mt.MODEL_ARTIFACT_TYPE,
         "config": model_config(served).descriptor(),
         "layers": layers,
-        "annotations": {
-            mt.VERSION: served.version,
-            mt.KILN_MODEL: served.model,
-            mt.KILN_ARTIFACT: a.name,
-            mt.KILN_TARGET: a.target,
-            mt.KILN_HARDWARE: ",".join(a.hardware),
-            mt.KILN_MANIFEST_DIGEST: a.manifest_digest,
-        },
+        "annotations": kiln_annotations(served),
     }
     return Document(mt.IMAGE_MANIFEST, canonical_json(manifest))
 
@@ -222,15 +213,28 @@ class Derived:
         return next((d for d in self.documents() if d.sha256 == sha256), None)
 
 
-def derive(session: Session, model: Model, artifact_id: int | None = None) -> list[Derived]:
-    """The derived documents of the model's served artifacts (or of the one with `artifact_id`)."""
-    served = served_artifacts(session, model, artifact_id)
+def derive(
+    session: Session, repo: Repository, artifact_id: int | None = None, layers: modelcar.LayerMap | None = None
+) -> list[Derived]:
+    """The derived documents of the repository's served artifacts (or of the one with `artifact_id`).
+
+    In the model-car layout, only of the artifacts whose tar layers are recorded (`layers`, or the
+    database's): the others' manifests have not been asked for by tag yet, so no client has their digests."""
+    served = served_artifacts(session, repo.model, artifact_id)
+    if repo.car is not None:
+        if layers is None:
+            layers = modelcar.known_layers(session, [f for s in served for f in s.artifact.files])
+        served = [s for s in served if modelcar.has_layers(s, layers)]
     attestations = _attestations(session, [s.artifact.id for s in served])
     out = []
     for s in served:
-        manifest = artifact_manifest(s)
+        if repo.car is None:
+            manifest, config = artifact_manifest(s), model_config(s)
+        else:
+            assert layers is not None
+            manifest, config = modelcar.image_manifest(s, repo.car, layers), modelcar.image_config(s, repo.car, layers)
         referrers = tuple(attestation_manifest(manifest, a) for a in attestations.get(s.artifact.id, []))
-        out.append(Derived(s.artifact.id, manifest, model_config(s), referrers))
+        out.append(Derived(s.artifact.id, manifest, config, referrers))
     return out
 
 
@@ -254,15 +258,17 @@ class DigestIndex:
             self._entries[document.sha256] = derived.artifact_id
 
 
-def find_derived(session: Session, model: Model, index: DigestIndex, sha256: str) -> tuple[Derived, Document] | None:
-    """The served artifact of `model` that derives the document with this sha256, and that document."""
+def find_derived(
+    session: Session, repo: Repository, index: DigestIndex, sha256: str
+) -> tuple[Derived, Document] | None:
+    """The served artifact of the repository that derives the document with this sha256, and that document."""
     artifact_id = index.get(sha256)
     if artifact_id is not None:
-        for derived in derive(session, model, artifact_id):
+        for derived in derive(session, repo, artifact_id):
             if (document := derived.find(sha256)) is not None:
                 return derived, document
     found = None
-    for derived in derive(session, model):
+    for derived in derive(session, repo):
         index.add(derived)
         if found is None and (document := derived.find(sha256)) is not None:
             found = derived, document
@@ -277,11 +283,21 @@ def manifest_unknown(repository: str, reference: str) -> NotFound:
     )
 
 
-def resolve_manifest(session: Session, model: Model, index: DigestIndex, repository: str, reference: str) -> Document:
-    """The manifest `reference` (a tag or a `sha256:` digest) names in the model's repository."""
+def resolve_manifest(
+    session: Session,
+    repo: Repository,
+    index: DigestIndex,
+    reference: str,
+    record_layers: Callable[[Served], modelcar.LayerMap],
+) -> Document:
+    """The manifest `reference` (a tag or a `sha256:` digest) names in the repository.
+
+    A model car's manifest by tag has its file layers hashed and recorded first where they are not
+    (`record_layers`: one read of each such file)."""
+    repository = repo.name
     digest = mt.DIGEST.fullmatch(reference)
     if digest is not None:
-        found = find_derived(session, model, index, digest["hex"])
+        found = find_derived(session, repo, index, digest["hex"])
         if found is None or found[1].media_type != mt.IMAGE_MANIFEST:
             raise manifest_unknown(repository, reference)
         return found[1]
@@ -295,11 +311,15 @@ def resolve_manifest(session: Session, model: Model, index: DigestIndex, reposit
         raise InvalidInput(
             f"tag {reference!r} is not a valid OCI tag", code="TAG_INVALID", details={"reference": reference}
         )
-    artifact_id = tag_table(session, model).get(reference)
-    served = served_artifacts(session, model, artifact_id) if artifact_id is not None else []
+    artifact_id = tag_table(session, repo.model).get(reference)
+    served = served_artifacts(session, repo.model, artifact_id) if artifact_id is not None else []
     if not served:
         raise manifest_unknown(repository, reference)
-    return artifact_manifest(served[0])
+    if repo.car is None:
+        return artifact_manifest(served[0])
+    (derived,) = derive(session, repo, served[0].artifact.id, record_layers(served[0]))
+    index.add(derived)
+    return derived.manifest
 
 
 def check_digest(digest: str) -> str:
@@ -317,10 +337,33 @@ class StoredBlob:
     sha256: str
 
 
+@dataclass(frozen=True)
+class BaseLayer:
+    """A layer of the model-car base image, served from its layout."""
+
+    car: BaseImage
+    sha256: str
+    size: int
+
+
+def _served_tar_layer(session: Session, model: Model, sha256: str) -> TarLayer | None:
+    """The recorded tar layer with this digest, if a served artifact of `model` has its file at its path."""
+    return session.scalars(
+        select(TarLayer)
+        .join(ArtifactFile, (ArtifactFile.sha256 == TarLayer.blob_sha256) & (ArtifactFile.path == TarLayer.path))
+        .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
+        .join(Release, Release.id == Artifact.release_id)
+        .where(TarLayer.sha256 == sha256, Release.model_id == model.id, _served())
+        .limit(1)
+    ).first()
+
+
 def find_blob(
-    session: Session, model: Model, index: DigestIndex, repository: str, digest: str
-) -> StoredBlob | Document:
-    """A blob of the repository: a file or attestation of a served artifact (stored), or a derived config."""
+    session: Session, repo: Repository, index: DigestIndex, digest: str
+) -> StoredBlob | Document | BaseLayer | TarLayer:
+    """A blob of the repository: a file or attestation of a served artifact (stored), or a derived config;
+    in the model-car layout also a base image layer or a file's tar layer."""
+    model, repository = repo.model, repo.name
     hex_ = check_digest(digest)
     served_file = session.execute(
         select(ArtifactFile.sha256)
@@ -341,8 +384,13 @@ def find_blob(
         return StoredBlob(hex_)
     if hex_ == mt.EMPTY_CONFIG_SHA256:
         return Document(mt.EMPTY_CONFIG, mt.EMPTY_CONFIG_BYTES)
-    found = find_derived(session, model, index, hex_)
-    if found is None or found[1].media_type != mt.MODEL_CONFIG:
+    if repo.car is not None:
+        if (layer := repo.car.layer(hex_)) is not None:
+            return BaseLayer(repo.car, hex_, int(layer["size"]))
+        if (tar_layer := _served_tar_layer(session, model, hex_)) is not None:
+            return tar_layer
+    found = find_derived(session, repo, index, hex_)
+    if found is None or found[1].media_type not in (mt.MODEL_CONFIG, mt.IMAGE_CONFIG):
         raise NotFound(
             f"blob {digest} not found in {repository!r}",
             code="BLOB_UNKNOWN",
@@ -352,11 +400,11 @@ def find_blob(
 
 
 def referrers_index(
-    session: Session, model: Model, index: DigestIndex, digest: str, artifact_type: str | None
+    session: Session, repo: Repository, index: DigestIndex, digest: str, artifact_type: str | None
 ) -> Document:
     """The image index of the manifests whose subject is `digest` (empty when there are none)."""
     hex_ = check_digest(digest)
-    found = find_derived(session, model, index, hex_)
+    found = find_derived(session, repo, index, hex_)
     referrers = found[0].referrers if found is not None and found[1] is found[0].manifest else ()
     manifests = []
     for referrer in referrers:

@@ -1,0 +1,45 @@
+"""Model cars: the digests of the tar layers derived from artifact files.
+
+Revision ID: 0010
+Revises: 0009
+Create Date: 2026-11-25
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0010"
+down_revision: str | None = "0009"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "oci_tar_layers",
+        sa.Column("sha256", sa.String(length=64), nullable=False),
+        sa.Column("blob_sha256", sa.String(length=64), nullable=False),
+        sa.Column("path", sa.String(length=512), nullable=False),
+        sa.Column("size", sa.BigInteger(), nullable=False),
+        sa.Column("file_size", sa.BigInteger(), nullable=False),
+        sa.Column("header", sa.LargeBinary(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["blob_sha256"],
+            ["blobs.sha256"],
+            name=op.f("fk_oci_tar_layers_blob_sha256_blobs"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("sha256", name=op.f("pk_oci_tar_layers")),
+        sa.UniqueConstraint("blob_sha256", "path", name=op.f("uq_oci_tar_layers_blob_sha256_path")),
+    )
+    op.create_index(op.f("ix_oci_tar_layers_blob_sha256"), "oci_tar_layers", ["blob_sha256"])
+
+
+def downgrade() -> None:
+    op.drop_index(op.f("ix_oci_tar_layers_blob_sha256"), table_name="oci_tar_layers")
+    op.drop_table("oci_tar_layers")
