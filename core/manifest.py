@@ -79,6 +79,13 @@ class ArtifactManifest(BaseModel):
         paths = [f.path for f in v]
         if len(set(paths)) != len(paths):
             raise ValueError("duplicate file paths in manifest")
+        # No directory holds a file and a directory of one name: a copy of the artifact could not exist.
+        known = set(paths)
+        for path in paths:
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                if (parent := "/".join(parts[:i])) in known:
+                    raise ValueError(f"file path {parent!r} is also a directory of {path!r}")
         return sorted(v, key=lambda f: f.path)
 
     @property

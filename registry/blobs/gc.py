@@ -38,6 +38,7 @@ from registry.attestations.models import Attestation
 from registry.blobs.models import Blob
 from registry.blobs.store import BlobStore
 from registry.db import utcnow
+from registry.oci.models import TarLayer, TarLayerBlob
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def collectable_blobs(session: Session, cutoff: datetime) -> tuple[list[Collecta
 
 
 def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: datetime) -> bool:
-    """Delete one blob, row and bytes, if it is still unreferenced and was uploaded before `cutoff`.
+    """Delete one blob, row and bytes (and the model-car layers that held it), if it is still unreferenced
+    and was uploaded before `cutoff`.
 
     One transaction: the row is deleted (and locked) first, the bytes next, then it commits. False
     when the blob was referenced or re-uploaded meanwhile; nothing is changed then. A store error
@@ -104,7 +106,12 @@ def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: dateti
         .where(Blob.sha256 == sha256, Blob.uploaded_at < cutoff, _unreferenced())
         .execution_options(synchronize_session=False)
     )
+    # The model-car layers that hold the blob go with it (rolled back with the rest if it stays). First:
+    # deleting the blob's row takes its link rows with it.
+    held = select(TarLayerBlob.layer_sha256).where(TarLayerBlob.blob_sha256 == sha256)
+    layers = delete(TarLayer).where(TarLayer.sha256.in_(held)).execution_options(synchronize_session=False)
     try:
+        session.execute(layers)
         result = session.execute(statement)
     except IntegrityError:  # a publish committed a reference while we waited for its lock
         session.rollback()

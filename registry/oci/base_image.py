@@ -16,7 +16,7 @@ import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from core.digest import canonical_json
 from core.errors import InvalidInput
@@ -27,6 +27,7 @@ CODE: Final = "MODELCAR_BASE_INVALID"
 MAX_DOCUMENT_BYTES: Final = 4 * 1024 * 1024
 # ELF e_machine -> OCI architecture, for a base built from a static binary.
 ELF_ARCHITECTURES: Final = {62: "amd64", 183: "arm64", 243: "riscv64", 21: "ppc64le", 22: "s390x"}
+ELF_PT_INTERP: Final = 3  # a program header naming the dynamic loader
 # What `kiln modelcar-base` links to busybox: what KServe's command and a look inside need.
 BUSYBOX_APPLETS: Final = ("sh", "ln", "sleep", "ls", "cat", "sha256sum")
 
@@ -103,6 +104,12 @@ def _manifests(layout: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
     return manifests
 
 
+def _ref_name(entry: dict[str, Any]) -> str | None:
+    annotations = entry.get("annotations")
+    name = annotations.get(mt.REF_NAME) if isinstance(annotations, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _platform_of(config: dict[str, Any]) -> str:
     return f"{config.get('os')}/{config.get('architecture')}"
 
@@ -115,9 +122,11 @@ def load_base_image(layout: Path, platform: str = "linux/amd64") -> BaseImage:
     layout = Path(layout)
     if not (layout / "index.json").is_file():
         raise _invalid(layout, "not an OCI image layout (no index.json); write one with skopeo copy ... oci:DIR")
+    if (layout / "index.json").stat().st_size > MAX_DOCUMENT_BYTES:
+        raise _invalid(layout, f"index.json is over {MAX_DOCUMENT_BYTES} bytes")
     index = _json(layout, layout / "index.json")
     seen: list[str] = []
-    pending = [(entry, entry.get("annotations", {}).get(mt.REF_NAME)) for entry in _manifests(layout, index)]
+    pending = [(entry, _ref_name(entry)) for entry in _manifests(layout, index)]
     while pending:
         entry, name = pending.pop(0)
         if entry.get("mediaType") == mt.IMAGE_INDEX:
@@ -138,7 +147,12 @@ def load_base_image(layout: Path, platform: str = "linux/amd64") -> BaseImage:
 
 
 def _image(
-    layout: Path, platform: str, entry: dict[str, Any], name: Any, manifest: dict[str, Any], config: dict[str, Any]
+    layout: Path,
+    platform: str,
+    entry: dict[str, Any],
+    name: str | None,
+    manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> BaseImage:
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not layers:
@@ -153,12 +167,14 @@ def _image(
     diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
     if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
         raise _invalid(layout, "the config's rootfs.diff_ids do not match the manifest's layers")
+    if not all(isinstance(d, str) and mt.DIGEST.fullmatch(d) for d in diff_ids):
+        raise _invalid(layout, "the config's rootfs.diff_ids are not all sha256 digests")
     descriptors = tuple({k: layer[k] for k in ("mediaType", "digest", "size")} for layer in layers)
     return BaseImage(
         layout=layout,
         platform=platform,
         manifest_digest=str(entry["digest"]),
-        name=name if isinstance(name, str) else None,
+        name=name,
         config=config,
         layers=descriptors,
     )
@@ -176,17 +192,33 @@ def _write_blob(layout: Path, body: bytes) -> dict[str, Any]:
     return {"digest": f"sha256:{sha256}", "size": len(body)}
 
 
+def static_elf_architecture(binary: bytes, name: str) -> str:
+    """The OCI architecture of a statically linked 64-bit ELF executable; MODELCAR_BASE_INVALID otherwise
+    (a dynamically linked shell would not start in an image that has no loader)."""
+    if len(binary) < 64 or binary[:4] != b"\x7fELF" or binary[4] != 2 or binary[5] not in (1, 2):
+        raise InvalidInput(f"{name!r} is not a 64-bit ELF executable", code=CODE)
+    order: Literal["little", "big"] = "little" if binary[5] == 1 else "big"
+
+    def field(offset: int, size: int) -> int:
+        return int.from_bytes(binary[offset : offset + size], order)
+
+    architecture = ELF_ARCHITECTURES.get(field(18, 2))
+    if architecture is None:
+        raise InvalidInput(f"{name!r} is for an architecture kiln does not name", code=CODE)
+    table, entry_size, count = field(32, 8), field(54, 2), field(56, 2)
+    for i in range(count):
+        if field(table + i * entry_size, 4) == ELF_PT_INTERP:
+            raise InvalidInput(f"{name!r} is dynamically linked; use a static one (Debian: busybox-static)", code=CODE)
+    return architecture
+
+
 def write_busybox_base(busybox: Path, layout: Path, name: str = "busybox") -> str:
     """Write an OCI image layout whose one layer is a static busybox with the applets a model car needs.
 
     Deterministic (mtime 0, root-owned, fixed order): the same binary always gives the same digests.
     Returns the manifest's digest."""
     binary = Path(busybox).read_bytes()
-    if binary[:4] != b"\x7fELF":
-        raise InvalidInput(f"{str(busybox)!r} is not an ELF executable", code=CODE)
-    architecture = ELF_ARCHITECTURES.get(int.from_bytes(binary[18:20], "little"))
-    if architecture is None:
-        raise InvalidInput(f"{str(busybox)!r} is for an architecture kiln does not name", code=CODE)
+    architecture = static_elf_architecture(binary, str(busybox))
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for directory in ("bin", "mnt", "proc", "tmp"):

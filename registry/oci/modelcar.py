@@ -1,14 +1,18 @@
 """Model cars: an artifact as a container image that KServe runs beside its server, files under `/models`.
 
-The image is the base image's layers (`registry.oci.base_image`), then one uncompressed tar layer per
-artifact file holding `models/<path>`. A tar layer is derived from the stored blob: a header, the blob's
-own bytes, then zeros. It is never stored; it is streamed from the blob, with Range. Its digest needs one
-read of the file, so it is computed the first time the image's manifest is asked for by tag, and recorded
-(`TarLayer`, with the header as written) for every later pull, on every replica.
+The image is the base image's layers (`registry.oci.base_image`), then uncompressed tar layers holding
+the artifact's files at `models/<path>`: one layer per file, or, for an artifact of more than
+MAX_FILE_LAYERS files (a 405B model's 191 shards, an orbax checkpoint's arrays), consecutive files packed
+into MAX_FILE_LAYERS layers of about equal bytes, since overlay filesystems stack a bounded number of
+layers. A tar layer is derived from stored blobs: for each file, a header, the blob's own bytes, zeros to a
+whole block; then the end-of-archive blocks. It is never stored; it is streamed from the blobs, with Range.
+Its digest needs one read of its files (checked against their sha256 on the way), so it is computed once
+and recorded (`TarLayer`, with the headers as written) for every later pull, on every replica: in the
+background after a release is sealed, or else when the image's manifest is first asked for by tag.
 
 Headers are deterministic: mode 0644 (directories 0755), owner root, mtime 0, PAX records only where
-ustar cannot say it (long or non-ASCII names, files of 8 GiB and more). So the same file at the same path
-always makes the same layer, whichever artifact or model it is in.
+ustar cannot say it (long names, files of 8 GiB and more). So the same files at the same paths always make
+the same layer, whichever artifact or model they are in.
 """
 
 from __future__ import annotations
@@ -16,30 +20,41 @@ from __future__ import annotations
 import hashlib
 import logging
 import tarfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any, Final
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
-from core.digest import canonical_json
-from registry.artifacts.models import ArtifactFile
+from core.digest import canonical_json, sha256_json
+from core.errors import KilnError
+from registry.artifacts.models import Artifact, ArtifactFile
 from registry.blobs.store import BlobStore
 from registry.db import insert_once
 from registry.oci import media_types as mt
 from registry.oci.base_image import BaseImage
 from registry.oci.documents import Document, Served, kiln_annotations
-from registry.oci.models import TarLayer
+from registry.oci.models import TarLayer, TarLayerBlob
 
 log = logging.getLogger(__name__)
 
 MODELS_DIR: Final = "models"
 BLOCK: Final = 512
 END_OF_ARCHIVE: Final = 2 * BLOCK
+# The most file layers a model car has: with a base of a few layers it stays under the 125 that Docker's
+# overlay2 driver stacks (containerd's overlay allows about 500).
+MAX_FILE_LAYERS: Final = 100
+# Rows asked for in one query (a bound on bind parameters: PostgreSQL allows 65,535).
+QUERY_BATCH: Final = 1000
+# Hashing the same layer twice at once in one process waits for the first instead (striped locks).
+_LOCKS: Final = tuple(threading.Lock() for _ in range(64))
 
-LayerMap = dict[tuple[str, str], TarLayer]  # (blob sha256, path) -> its layer
+Group = tuple[ArtifactFile, ...]  # the files of one layer, in path order
+LayerMap = dict[str, TarLayer]  # members_key -> its layer
 
 
 def _entry(name: str, kind: bytes, mode: int, size: int = 0) -> bytes:
@@ -52,73 +67,178 @@ def tar_header(path: str, size: int) -> bytes:
     """The tar entries before a file's bytes: each directory from `models/` down, then the file's header."""
     parts = PurePosixPath(MODELS_DIR, path).parts
     directories = ["/".join(parts[: i + 1]) for i in range(len(parts) - 1)]
-    return b"".join(
-        [
-            *(_entry(d, tarfile.DIRTYPE, 0o755) for d in directories),
-            _entry("/".join(parts), tarfile.REGTYPE, 0o644, size),
-        ]
+    entries = [_entry(d, tarfile.DIRTYPE, 0o755) for d in directories]
+    return b"".join([*entries, _entry("/".join(parts), tarfile.REGTYPE, 0o644, size)])
+
+
+def padding(size: int) -> int:
+    """Zeros after a file's `size` bytes, to a whole tar block."""
+    return -size % BLOCK
+
+
+def groups(files: Sequence[ArtifactFile]) -> list[Group]:
+    """An artifact's files as layers: one each, or consecutive files in MAX_FILE_LAYERS groups of about
+    equal bytes. Deterministic: the same files always make the same groups."""
+    files = sorted(files, key=lambda f: f.path)
+    if len(files) <= MAX_FILE_LAYERS:
+        return [(f,) for f in files]
+    out: list[Group] = []
+    start, taken = 0, 0
+    total = sum(f.size for f in files) or 1
+    for i, f in enumerate(files):
+        taken += f.size
+        layers_left = MAX_FILE_LAYERS - len(out) - 1
+        files_left = len(files) - i - 1
+        # Close the group at its share of the bytes, or when the rest just fills one layer each.
+        if layers_left > 0 and (taken * MAX_FILE_LAYERS >= total * (len(out) + 1) or files_left <= layers_left):
+            out.append(tuple(files[start : i + 1]))
+            start = i + 1
+    if start < len(files):
+        out.append(tuple(files[start:]))
+    return out
+
+
+def members_key(group: Group) -> str:
+    return sha256_json([[f.path, f.sha256, f.size] for f in group])
+
+
+def known_layers(session: Session, keys: Iterable[str]) -> LayerMap:
+    """The recorded layers with these member keys (without their headers: only serving reads them)."""
+    keys = sorted(set(keys))
+    out: LayerMap = {}
+    for i in range(0, len(keys), QUERY_BATCH):
+        query = select(TarLayer).where(TarLayer.members_key.in_(keys[i : i + QUERY_BATCH]))
+        out.update((r.members_key, r) for r in session.scalars(query.options(defer(TarLayer.headers))))
+    return out
+
+
+def corrupt(file: ArtifactFile, what: str) -> KilnError:
+    return KilnError(
+        f"the stored blob of {file.path!r} ({file.sha256}) is corrupt: {what}; restore it from a good copy",
+        code="BLOB_CORRUPT",
+        details={"path": file.path, "sha256": file.sha256},
     )
 
 
-def tar_trailer(size: int) -> bytes:
-    """The zeros after a file's `size` bytes: padding to a whole block, then the end-of-archive blocks."""
-    return bytes(-size % BLOCK + END_OF_ARCHIVE)
-
-
-def known_layers(session: Session, files: Iterable[ArtifactFile]) -> LayerMap:
-    """The recorded layers of these files."""
-    wanted = {(f.sha256, f.path) for f in files}
-    if not wanted:
-        return {}
-    rows = session.scalars(select(TarLayer).where(TarLayer.blob_sha256.in_({sha for sha, _ in wanted}))).all()
-    return {(r.blob_sha256, r.path): r for r in rows if (r.blob_sha256, r.path) in wanted}
-
-
-def _hash_layer(store: BlobStore, file: ArtifactFile) -> TarLayer:
-    header, trailer = tar_header(file.path, file.size), tar_trailer(file.size)
-    digest = hashlib.sha256(header)
+def _hash_layer(store: BlobStore, group: Group) -> TarLayer:
+    """Read the group's blobs once: the layer's digest, and each blob's own, which must be its file's."""
+    headers = [tar_header(f.path, f.size) for f in group]
+    layer = hashlib.sha256()
     started = time.monotonic()
-    for chunk in store.open_range(file.sha256):
-        digest.update(chunk)
-    digest.update(trailer)
-    log.info("model car layer models/%s: %d bytes hashed in %.1f s", file.path, file.size, time.monotonic() - started)
+    with ThreadPoolExecutor(1) as pool:  # hashlib lets go of the GIL: both digests at once on two cores
+        for file, header in zip(group, headers, strict=True):
+            layer.update(header)
+            content, size = hashlib.sha256(), 0
+            for chunk in store.open_range(file.sha256):
+                pending = pool.submit(content.update, chunk)
+                layer.update(chunk)
+                size += len(chunk)
+                pending.result()
+            if size != file.size:
+                raise corrupt(file, f"{size} bytes where {file.size} were published")
+            if content.hexdigest() != file.sha256:
+                raise corrupt(file, f"its bytes hash to {content.hexdigest()}")
+            layer.update(bytes(padding(file.size)))
+    layer.update(bytes(END_OF_ARCHIVE))
+    nbytes = sum(f.size for f in group)
+    log.info(
+        "model car layer of %d file(s), %d bytes, hashed in %.1f s", len(group), nbytes, time.monotonic() - started
+    )
     return TarLayer(
-        sha256=digest.hexdigest(),
-        blob_sha256=file.sha256,
-        path=file.path,
-        size=len(header) + file.size + len(trailer),
-        file_size=file.size,
-        header=header,
+        sha256=layer.hexdigest(),
+        members_key=members_key(group),
+        member_count=len(group),
+        members=[
+            {"path": f.path, "sha256": f.sha256, "size": f.size, "header": len(h)}
+            for f, h in zip(group, headers, strict=True)
+        ],
+        size=sum(len(h) + f.size + padding(f.size) for h, f in zip(headers, group, strict=True)) + END_OF_ARCHIVE,
+        headers=b"".join(headers),
     )
 
 
-def record_layers(sessions: Callable[[], Session], store: BlobStore, files: Iterable[ArtifactFile]) -> LayerMap:
-    """The layers of these files, hashing (one streamed read each) and recording those not recorded yet.
-
-    Each is committed as soon as it is hashed, so an interrupted first pull of a large artifact keeps
-    what it has done; two replicas hashing the same file record one row."""
-    files = list(files)
-    with sessions() as session:
-        layers = known_layers(session, files)
-    for file in files:
-        key = (file.sha256, file.path)
-        if key in layers:
-            continue
-        row = _hash_layer(store, file)
+def _record(sessions: Callable[[], Session], store: BlobStore, group: Group) -> TarLayer:
+    key = members_key(group)
+    with _LOCKS[int(key[:8], 16) % len(_LOCKS)]:
+        with sessions() as session:  # hashed meanwhile, here or by another replica?
+            found = known_layers(session, [key]).get(key)
+        if found is not None:
+            return found
+        row = _hash_layer(store, group)
         with sessions() as session:
 
-            def recorded(session: Session = session, file: ArtifactFile = file) -> TarLayer | None:
-                return session.scalars(
-                    select(TarLayer).where(TarLayer.blob_sha256 == file.sha256, TarLayer.path == file.path)
-                ).one_or_none()
+            def recorded() -> TarLayer | None:
+                return session.scalars(select(TarLayer).where(TarLayer.members_key == key)).one_or_none()
 
-            layers[key], _ = insert_once(session, row, recorded)
+            row, inserted = insert_once(session, row, recorded)
+            if inserted:
+                for blob in sorted({f.sha256 for f in group}):
+                    session.add(TarLayerBlob(layer_sha256=row.sha256, blob_sha256=blob))
             session.commit()
+        return row
+
+
+def record_layers(
+    sessions: Callable[[], Session], store: BlobStore, files: Sequence[ArtifactFile], known: LayerMap | None = None
+) -> LayerMap:
+    """The layers of an artifact's files, hashing (one streamed read of each file) and recording those not
+    recorded yet. Each is committed as soon as it is hashed, so an interrupted first pull of a large
+    artifact keeps what it has done; replicas hashing the same layer at once record one row."""
+    layers = dict(known or {})
+    for group in groups(files):
+        key = members_key(group)
+        if key not in layers:
+            layers[key] = _record(sessions, store, group)
     return layers
 
 
-def has_layers(served: Served, layers: LayerMap) -> bool:
-    return all((f.sha256, f.path) in layers for f in served.artifact.files)
+def served_layers(
+    session: Session, write_sessions: Callable[[], Session], store: BlobStore, served: Served
+) -> LayerMap:
+    """The layers of a served artifact, read with the request's `session`; those not recorded yet are
+    hashed and recorded (with `write_sessions`), after `session` is closed: hashing a large artifact
+    takes minutes, and holds no database connection meanwhile."""
+    files = served.artifact.files
+    known = known_layers(session, [members_key(g) for g in groups(files)])
+    if artifact_layers(served, known) is not None:
+        return known
+    session.close()
+    return record_layers(write_sessions, store, files, known)
+
+
+def record_release_layers(sessions: Callable[[], Session], store: BlobStore, release_id: int) -> None:
+    """Hash and record the layers of a just-sealed release's artifacts (run after the seal is answered).
+
+    A failure is logged, not raised: the first pull of a model car hashes whatever is missing."""
+    with sessions() as session:
+        artifacts = session.scalars(select(Artifact.id).where(Artifact.release_id == release_id)).all()
+    for artifact_id in artifacts:
+        with sessions() as session:
+            files = session.scalars(select(ArtifactFile).where(ArtifactFile.artifact_id == artifact_id)).all()
+        try:
+            record_layers(sessions, store, files)
+        except Exception:
+            log.exception(
+                "model car layers of artifact %d were not recorded; its first pull will hash them", artifact_id
+            )
+
+
+def artifact_layers(served: Served, layers: LayerMap) -> list[tuple[Group, TarLayer]] | None:
+    """The artifact's groups with their recorded layers; None while any is not recorded."""
+    out = []
+    for group in groups(served.artifact.files):
+        layer = layers.get(members_key(group))
+        if layer is None:
+            return None
+        out.append((group, layer))
+    return out
+
+
+def _recorded(served: Served, layers: LayerMap) -> list[tuple[Group, TarLayer]]:
+    found = artifact_layers(served, layers)
+    if found is None:
+        raise KeyError(f"model car layers of {served.artifact.name} are not recorded")
+    return found
 
 
 def image_config(served: Served, base: BaseImage, layers: LayerMap) -> Document:
@@ -128,18 +248,20 @@ def image_config(served: Served, base: BaseImage, layers: LayerMap) -> Document:
     }
     if isinstance(base.config.get("config"), dict):
         config["config"] = base.config["config"]
-    files = [f"sha256:{layers[(f.sha256, f.path)].sha256}" for f in served.artifact.files]
+    files = [f"sha256:{layer.sha256}" for _, layer in _recorded(served, layers)]
     config["rootfs"] = {"type": "layers", "diff_ids": [*base.diff_ids, *files]}
     return Document(mt.IMAGE_CONFIG, canonical_json(config))
 
 
 def image_manifest(served: Served, base: BaseImage, layers: LayerMap) -> Document:
-    """The model car's image manifest: the base's layers, then one tar layer per file."""
+    """The model car's image manifest: the base's layers, then the file layers (a file's path annotated
+    on a layer of one file)."""
     files = []
-    for f in served.artifact.files:
-        layer = layers[(f.sha256, f.path)]
-        descriptor = {"mediaType": mt.LAYER_TAR, "digest": f"sha256:{layer.sha256}", "size": layer.size}
-        files.append({**descriptor, "annotations": {mt.MODEL_FILEPATH: f.path}})
+    for group, layer in _recorded(served, layers):
+        descriptor: dict[str, Any] = {"mediaType": mt.LAYER_TAR, "digest": f"sha256:{layer.sha256}", "size": layer.size}
+        if len(group) == 1:
+            descriptor["annotations"] = {mt.MODEL_FILEPATH: group[0].path}
+        files.append(descriptor)
     annotations = {**kiln_annotations(served), mt.BASE_DIGEST: base.manifest_digest}
     if base.name is not None:
         annotations[mt.BASE_NAME] = base.name
@@ -171,10 +293,18 @@ def read_parts(parts: list[Part], start: int, stop: int) -> Iterator[bytes]:
 
 
 def read_layer(store: BlobStore, layer: TarLayer, start: int, stop: int) -> Iterator[bytes]:
-    """Bytes `[start, stop)` of a file's tar layer: its header, the stored blob's bytes, the trailer."""
+    """Bytes `[start, stop)` of a tar layer: per member its header, its stored blob's bytes and padding;
+    then the end-of-archive blocks."""
+    parts: list[Part] = []
+    offset = 0
+    for member in layer.members:
+        header = layer.headers[offset : offset + member["header"]]
+        offset += member["header"]
+        sha256, size = member["sha256"], member["size"]
 
-    def blob(first: int, last: int) -> Iterator[bytes]:
-        return store.open_range(layer.blob_sha256, first, last)
+        def blob(first: int, last: int, sha256: str = sha256) -> Iterator[bytes]:
+            return store.open_range(sha256, first, last)
 
-    parts = [_bytes(layer.header), (layer.file_size, blob), _bytes(tar_trailer(layer.file_size))]
+        parts += [_bytes(header), (size, blob), _bytes(bytes(padding(size)))]
+    parts.append(_bytes(bytes(END_OF_ARCHIVE)))
     return read_parts(parts, start, stop)

@@ -1,28 +1,41 @@
-"""ORM row for a model car's file layer: a tar stream derived from a stored blob, never stored itself."""
+"""ORM rows for a model car's file layers: tar streams derived from stored blobs, never stored themselves."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import BigInteger, ForeignKey, LargeBinary, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, ForeignKey, Integer, LargeBinary, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from registry.db import Base, utcnow
 
 
 class TarLayer(Base):
-    """The tar layer that puts one artifact file at `models/<path>`: `header`, then the blob's bytes, then
-    zeros (padding to a 512-byte block and the two end-of-archive blocks). Its digest needs one read of the
-    blob, so it is recorded once; the header is kept as written, so the bytes served are always the ones
-    hashed. Deleted with its blob (garbage collection)."""
+    """A tar layer that puts artifact files at `models/<path>`: for each member, its header, the blob's
+    bytes and zeros to a whole block; then the two end-of-archive blocks. Its digest needs one read of
+    its files, so it is recorded once; the headers are kept as written, so the bytes served are always
+    the ones hashed. Deleted when any of its blobs is collected (`registry.blobs.gc`)."""
 
     __tablename__ = "oci_tar_layers"
-    __table_args__ = (UniqueConstraint("blob_sha256", "path"),)
 
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)  # the layer's digest (and diff id)
-    blob_sha256: Mapped[str] = mapped_column(String(64), ForeignKey("blobs.sha256", ondelete="CASCADE"), index=True)
-    path: Mapped[str] = mapped_column(String(512))
+    members_key: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 of its members, canonical JSON
+    member_count: Mapped[int] = mapped_column(Integer)
+    members: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # [{path, sha256, size, header}]: header's bytes
     size: Mapped[int] = mapped_column(BigInteger)  # the whole layer's
-    file_size: Mapped[int] = mapped_column(BigInteger)  # the blob's, inside it
-    header: Mapped[bytes] = mapped_column(LargeBinary)
+    headers: Mapped[bytes] = mapped_column(LargeBinary)  # each member's header, in order
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TarLayerBlob(Base):
+    """A blob a tar layer holds: what garbage collection follows to delete the layer with the blob."""
+
+    __tablename__ = "oci_tar_layer_blobs"
+
+    layer_sha256: Mapped[str] = mapped_column(
+        String(64), ForeignKey("oci_tar_layers.sha256", ondelete="CASCADE"), primary_key=True
+    )
+    blob_sha256: Mapped[str] = mapped_column(
+        String(64), ForeignKey("blobs.sha256", ondelete="CASCADE"), primary_key=True, index=True
+    )

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from core.errors import KilnError, Unauthorized
+from core.errors import KilnError, Unauthorized, Unavailable
 from registry.api.urls import base_url
 from registry.blobs import service as blobs
 from registry.blobs.download import blob_response, ranged_response
@@ -151,7 +151,7 @@ def get_manifest(
     repo = _repository(request, session, principal, name)
 
     def record_layers(served: Served) -> modelcar.LayerMap:
-        return modelcar.record_layers(request.app.state.write_session_factory, store, served.artifact.files)
+        return modelcar.served_layers(session, request.app.state.write_session_factory, store, served)
 
     return _document(request, service.resolve_manifest(session, repo, _index(request), reference, record_layers))
 
@@ -168,9 +168,16 @@ def get_blob(
         return _document(request, found)
     if isinstance(found, service.BaseLayer):
         path = found.car.blob_path(found.sha256)
+        if not path.is_file() or path.stat().st_size != found.size:
+            raise Unavailable(
+                f"the model car base image's layer {digest} changed on disk since the registry started",
+                code="MODELCAR_BASE_CHANGED",
+                details={"layout": str(found.car.layout), "digest": digest},
+            )
         return _derived(request, digest, found.size, lambda a, b: read_file(path, a, b))
     if isinstance(found, TarLayer):
-        blobs.get_blob(session, store, found.blob_sha256)
+        for member in found.members:  # the rows and the bytes: blobs being collected are not served
+            blobs.get_blob(session, store, member["sha256"])
         layer = found
         return _derived(request, digest, layer.size, lambda a, b: modelcar.read_layer(store, layer, a, b))
     blobs.get_blob(session, store, found.sha256)  # the row and the bytes: a blob being collected is not served

@@ -223,8 +223,9 @@ def derive(
     served = served_artifacts(session, repo.model, artifact_id)
     if repo.car is not None:
         if layers is None:
-            layers = modelcar.known_layers(session, [f for s in served for f in s.artifact.files])
-        served = [s for s in served if modelcar.has_layers(s, layers)]
+            keys = [modelcar.members_key(g) for s in served for g in modelcar.groups(s.artifact.files)]
+            layers = modelcar.known_layers(session, keys)
+        served = [s for s in served if modelcar.artifact_layers(s, layers) is not None]
     attestations = _attestations(session, [s.artifact.id for s in served])
     out = []
     for s in served:
@@ -347,15 +348,28 @@ class BaseLayer:
 
 
 def _served_tar_layer(session: Session, model: Model, sha256: str) -> TarLayer | None:
-    """The recorded tar layer with this digest, if a served artifact of `model` has its file at its path."""
-    return session.scalars(
-        select(TarLayer)
-        .join(ArtifactFile, (ArtifactFile.sha256 == TarLayer.blob_sha256) & (ArtifactFile.path == TarLayer.path))
+    """The recorded tar layer with this digest, if its files are files of one served artifact of `model`."""
+    layer = session.get(TarLayer, sha256)
+    if layer is None:
+        return None
+    first = layer.members[0]
+    candidates = session.scalars(
+        select(ArtifactFile.artifact_id)
         .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
         .join(Release, Release.id == Artifact.release_id)
-        .where(TarLayer.sha256 == sha256, Release.model_id == model.id, _served())
-        .limit(1)
-    ).first()
+        .where(ArtifactFile.path == first["path"], ArtifactFile.sha256 == first["sha256"])
+        .where(Release.model_id == model.id, _served())
+    ).all()
+    wanted = {(m["path"], m["sha256"], m["size"]) for m in layer.members}
+    for artifact_id in candidates:
+        files = session.execute(
+            select(ArtifactFile.path, ArtifactFile.sha256, ArtifactFile.size).where(
+                ArtifactFile.artifact_id == artifact_id
+            )
+        ).all()
+        if wanted <= {tuple(f) for f in files}:
+            return layer
+    return None
 
 
 def find_blob(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, BackgroundTasks, Request, Response
 from sqlalchemy.orm import selectinload
 
 from registry.api.errors import error_responses
@@ -13,7 +13,8 @@ from registry.artifacts.models import Artifact
 from registry.artifacts.schemas import ArtifactSummary
 from registry.auth.principal import Principal
 from registry.channels.service import channels_of_release, drop_from_splits
-from registry.deps import SessionDep, WriteSessionDep, require
+from registry.deps import BlobStoreDep, SessionDep, WriteSessionDep, require
+from registry.oci.modelcar import record_release_layers
 from registry.releases import service
 from registry.releases.models import Release
 from registry.releases.schemas import ReasonRequest, ReleaseCreate, ReleaseDetail, ReleaseOut
@@ -95,13 +96,20 @@ def seal_release(
     model: ModelName,
     version: Version,
     session: WriteSessionDep,
+    store: BlobStoreDep,
+    request: Request,
     response: Response,
+    background: BackgroundTasks,
     principal: Annotated[Principal, PUBLISH],
 ) -> ReleaseOut:
+    """Seal the release. Where the registry offers model cars, their file layers are then hashed in the
+    background, after the answer, so the first pull of a model car finds them recorded."""
     row, sealed_now = service.seal_release(session, model, version, principal.name)
     session.commit()
     if not sealed_now:
         response.status_code = 200
+    elif request.app.state.modelcar is not None:
+        background.add_task(record_release_layers, request.app.state.write_session_factory, store, row.id)
     return _out(row, model)
 
 

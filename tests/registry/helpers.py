@@ -48,6 +48,18 @@ def stored_blob_objects(settings: RegistrySettings) -> list[str]:
     return sorted(keys + uploads)
 
 
+def overwrite_stored_blob(store: Any, sha256: str, data: bytes) -> None:
+    """Replace a stored blob's bytes behind the registry's back (a disk or bucket going bad), in either store."""
+    from registry.blobs.local import LocalBlobStore
+    from registry.blobs.s3 import S3BlobStore
+
+    if isinstance(store, LocalBlobStore):
+        store.path(sha256).write_bytes(data)
+    else:
+        assert isinstance(store, S3BlobStore)
+        store.client.put_object(Bucket=store.bucket, Key=store.key(sha256), Body=data)
+
+
 def assert_error(response: Any, status: int, code: str) -> dict[str, Any]:
     """Check the error shape and return `error`."""
     assert response.status_code == status, response.text[:500]

@@ -17,23 +17,34 @@ import shutil
 import subprocess
 import tarfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from starlette.testclient import TestClient
 
 from core.errors import InvalidInput
 from registry.app import create_app
 from registry.oci.base_image import load_base_image, write_busybox_base
-from registry.oci.modelcar import tar_header, tar_trailer
-from registry.oci.models import TarLayer
+from registry.oci.modelcar import END_OF_ARCHIVE, MAX_FILE_LAYERS, padding, tar_header
+from registry.oci.models import TarLayer, TarLayerBlob
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
-from tests.registry.helpers import serve_in_thread
-from tests.registry.test_oci import FILES, MODEL, TAG, _attest, _seed, manifest_of, oci_error
+from tests.registry.helpers import (
+    make_release,
+    manifest,
+    overwrite_stored_blob,
+    post_eval,
+    publish,
+    seal,
+    serve_in_thread,
+    upload,
+)
+from tests.registry.test_oci import CONFIG, FILES, MODEL, TAG, _attest, _seed, manifest_of, oci_error
 
 CAR = f"modelcar/{MODEL}"
 IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -58,7 +69,7 @@ def base_layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     layout = tmp_path_factory.mktemp("base")
     binary = Path(BUSYBOX) if BUSYBOX else layout.parent / "fake-busybox"
     if BUSYBOX is None:
-        binary.write_bytes(b"\x7fELF" + bytes(14) + (62).to_bytes(2, "little") + bytes(100))
+        binary.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
     write_busybox_base(binary, layout)
     return layout
 
@@ -142,19 +153,138 @@ def test_tar_layers_answer_ranges_across_header_file_and_padding(car: TestClient
     oci_error(past, 416, "UNSUPPORTED")
 
 
-def test_layers_are_hashed_once_and_survive_a_restart(car: TestClient, car_app: FastAPI, base_layout: Path) -> None:
+def _layer_count(app: FastAPI) -> int:
+    with app.state.session_factory() as session:
+        return int(session.scalar(select(func.count()).select_from(TarLayer)) or 0)
+
+
+def test_layers_are_hashed_at_seal_or_first_pull_and_kept(car: TestClient, car_app: FastAPI) -> None:
+    # Sealing 1.0.0 hashed its files' layers after answering: config.json is the same bytes at the same
+    # path in both artifacts, so one layer; 2.0.0 is open, so none of its files.
+    assert _layer_count(car_app) == 4
     first, digest = manifest_of(car, TAG, name=CAR)
-    manifest_of(car, "1.0.0-hf-bf16", name=CAR)
-    with car_app.state.session_factory() as session:
-        # config.json is the same bytes at the same path in both artifacts: one layer.
-        assert session.scalar(select(func.count()).select_from(TarLayer)) == 4
+    with car_app.state.write_session_factory() as session:
+        session.execute(delete(TarLayer))
+        session.commit()
+    # Not recorded (a seal cut short): the first pull by tag hashes them, to the same digests.
+    assert manifest_of(car, TAG, name=CAR) == (first, digest)
+    assert _layer_count(car_app) == 3
     again = create_app(car_app.state.settings)
     try:
         with TestClient(again) as client:
             client.headers["Authorization"] = f"Bearer {make_token(again, ['read'], name='reader')}"
-            assert manifest_of(client, TAG, name=CAR) == (first, digest)
+            assert manifest_of(client, digest, name=CAR) == (first, digest)  # by digest, from the record
     finally:
         again.state.engine.dispose()
+
+
+def test_gc_deletes_a_collected_blobs_layers(car: TestClient, car_app: FastAPI) -> None:
+    from datetime import timedelta
+
+    from registry.blobs.gc import collect_garbage
+    from registry.blobs.models import Blob
+
+    orphan = upload(car, b"uploaded, never published")
+    with car_app.state.write_session_factory() as session:
+        member = {"path": "orphan.bin", "sha256": orphan, "size": 25, "header": 1024}
+        session.add(
+            TarLayer(sha256="f" * 64, members_key="e" * 64, member_count=1, members=[member], size=2048, headers=b"h")
+        )
+        session.flush()
+        session.add(TarLayerBlob(layer_sha256="f" * 64, blob_sha256=orphan))
+        session.commit()
+    report = collect_garbage(car_app.state.write_session_factory, car_app.state.blob_store, timedelta(0))
+    assert [b.sha256 for b in report.deleted] == [orphan]
+    with car_app.state.session_factory() as session:
+        assert session.get(Blob, orphan) is None and session.get(TarLayer, "f" * 64) is None
+        assert (
+            session.scalar(select(func.count()).select_from(TarLayerBlob).where(TarLayerBlob.blob_sha256 == orphan))
+            == 0
+        )
+    assert _layer_count(car_app) == 4  # the published files' stay
+
+
+def test_a_corrupt_blob_is_refused_not_hashed(car: TestClient, car_app: FastAPI) -> None:
+    with car_app.state.write_session_factory() as session:
+        session.execute(delete(TarLayer))
+        session.commit()
+    gguf = FILES["model.gguf"]
+    overwrite_stored_blob(car_app.state.blob_store, _sha(gguf), gguf[:-1] + bytes([gguf[-1] ^ 1]))
+    response = car.get(f"/v2/{CAR}/manifests/{TAG}")
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "BLOB_CORRUPT" and error["details"]["path"] == "model.gguf"
+    overwrite_stored_blob(car_app.state.blob_store, _sha(gguf), gguf[:100])
+    assert car.get(f"/v2/{CAR}/manifests/{TAG}").json()["error"]["code"] == "BLOB_CORRUPT"
+    with car_app.state.session_factory() as session:
+        recorded = session.scalars(select(TarLayer)).all()
+    assert "model.gguf" not in {m["path"] for layer in recorded for m in layer.members}
+
+
+def test_many_files_are_packed_into_bounded_layers(car: TestClient) -> None:
+    files = {f"shards/part-{i:04d}.bin": bytes([i % 251]) * (300 + 97 * i) for i in range(MAX_FILE_LAYERS + 57)}
+    files["config.json"] = CONFIG
+    make_release(car, model=MODEL, version="3.0.0", planned=["orbax-bf16"])
+    publish(car, "orbax-bf16", files, ["tpu-v5e"], model=MODEL, version="3.0.0", target="orbax", format="orbax")
+    assert post_eval(car, "orbax-bf16", "passed", model=MODEL, version="3.0.0").status_code == 201
+    seal(car, model=MODEL, version="3.0.0")
+    manifest, _ = manifest_of(car, "3.0.0-orbax-bf16", name=CAR)
+    layers = [x for x in manifest["layers"] if x["mediaType"] == LAYER_TAR][1:]  # past the base's
+    assert len(layers) == MAX_FILE_LAYERS
+    unpacked: dict[str, bytes] = {}
+    for layer in layers:
+        body = _blob(car, layer["digest"])
+        assert len(body) == layer["size"]
+        with tarfile.open(fileobj=io.BytesIO(body), mode="r:") as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None
+                    unpacked[member.name.removeprefix("models/")] = extracted.read()
+    assert unpacked == files
+    # A range across two files of one layer: the second's header sits between them.
+    packed = next(x for x in layers if "annotations" not in x)
+    whole = _blob(car, packed["digest"])
+    middle = len(whole) // 2
+    response = car.get(f"/v2/{CAR}/blobs/{packed['digest']}", headers={"Range": f"bytes={middle - 700}-{middle + 700}"})
+    assert response.status_code == 206 and response.content == whole[middle - 700 : middle + 701]
+
+
+def test_concurrent_first_pulls_read_each_file_once(car_app: FastAPI, car: TestClient) -> None:
+    with car_app.state.write_session_factory() as session:
+        session.execute(delete(TarLayer))
+        session.commit()
+    store = car_app.state.blob_store
+    reads: list[str] = []
+    original = store.open_range
+
+    def counting(sha256: str, start: int = 0, end: int | None = None) -> Any:
+        reads.append(sha256)
+        return original(sha256, start, end)
+
+    store.open_range = counting
+    token = car.headers["Authorization"]
+    with serve_in_thread(car_app) as port:
+
+        def pull(_: int) -> str:
+            with httpx.Client(headers={"Authorization": token}) as client:
+                response = client.get(f"http://127.0.0.1:{port}/v2/{CAR}/manifests/{TAG}", timeout=60)
+            assert response.status_code == 200, response.text
+            return response.headers["docker-content-digest"]
+
+        with ThreadPoolExecutor(4) as pool:
+            digests = set(pool.map(pull, range(4)))
+    assert len(digests) == 1
+    assert sorted(reads) == sorted(_sha(data) for data in FILES.values())
+
+
+def test_a_file_and_a_directory_of_one_name_are_refused_at_publish(car: TestClient) -> None:
+    make_release(car, model=MODEL, version="4.0.0", planned=["gguf-q4_k_m"])
+    for data in (b"a", b"b"):
+        upload(car, data)
+    body = manifest("gguf-q4_k_m", {"a": b"a", "a/b": b"b"}, ["cpu"])
+    response = car.post(f"/v1/models/{MODEL}/releases/4.0.0/artifacts", json=body)
+    assert response.status_code == 422 and "'a' is also a directory of 'a/b'" in response.text
 
 
 def test_model_car_referrers_and_refusals(car: TestClient, car_app: FastAPI) -> None:
@@ -222,6 +352,30 @@ def test_a_bad_base_image_stops_the_registry_with_the_reason(
     hostile = _copy_layout(base_layout, tmp_path / "hostile")
     _rewrite_json(hostile / "index.json", lambda index: {**index, "manifests": [{"digest": "../../etc", "size": 1}]})
     cases["hostile"] = (hostile, "needs a sha256 digest")
+    bad_diff = _copy_layout(base_layout, tmp_path / "bad-diff")
+    base = load_base_image(bad_diff)
+    config = {**base.config, "rootfs": {"type": "layers", "diff_ids": ["sha256:nope"]}}
+    config_body = json.dumps(config).encode()
+    (bad_diff / "blobs" / "sha256" / _sha(config_body)).write_bytes(config_body)
+    manifest_path = bad_diff / "blobs" / "sha256" / base.manifest_digest.removeprefix("sha256:")
+    image = json.loads(manifest_path.read_bytes())
+    image["config"] = {**image["config"], "digest": f"sha256:{_sha(config_body)}", "size": len(config_body)}
+    image_body = json.dumps(image).encode()
+    (bad_diff / "blobs" / "sha256" / _sha(image_body)).write_bytes(image_body)
+    _rewrite_json(
+        bad_diff / "index.json",
+        lambda index: {
+            **index,
+            "manifests": [{**index["manifests"][0], "digest": f"sha256:{_sha(image_body)}", "size": len(image_body)}],
+        },
+    )
+    cases["bad diff ids"] = (bad_diff, "not all sha256 digests")
+    nameless = _copy_layout(base_layout, tmp_path / "nameless")
+    _rewrite_json(
+        nameless / "index.json",
+        lambda index: {**index, "manifests": [{**m, "annotations": None} for m in index["manifests"]]},
+    )
+    assert load_base_image(nameless).name is None  # odd annotations are no name, not a crash
     for case, (layout, reason) in cases.items():
         with pytest.raises(InvalidInput) as raised:
             create_app(settings.model_copy(update={"modelcar_base": layout}))
@@ -229,6 +383,30 @@ def test_a_bad_base_image_stops_the_registry_with_the_reason(
         assert reason in raised.value.message, (case, raised.value.message)
     with pytest.raises(InvalidInput, match=r"no image for linux/arm64 \(it has: linux/amd64\)"):
         load_base_image(base_layout, "linux/arm64")
+
+
+def test_the_busybox_base_needs_a_static_64_bit_executable(tmp_path: Path) -> None:
+    # A program header table of one entry, PT_INTERP: a dynamically linked executable.
+    header = bytearray(b"\x7fELF\x02\x01" + bytes(58))
+    header[18:20] = (62).to_bytes(2, "little")
+    header[32:40] = (64).to_bytes(8, "little")
+    header[54:56] = (56).to_bytes(2, "little")
+    header[56:58] = (1).to_bytes(2, "little")
+    dynamic = tmp_path / "dynamic"
+    dynamic.write_bytes(bytes(header) + (3).to_bytes(4, "little") + bytes(52))
+    script = tmp_path / "script"
+    script.write_bytes(b"#!/bin/sh\necho not a binary\n")
+    for binary, reason in ((dynamic, "dynamically linked"), (script, "not a 64-bit ELF")):
+        with pytest.raises(InvalidInput, match=reason) as raised:
+            write_busybox_base(binary, tmp_path / binary.name)
+        assert raised.value.code == "MODELCAR_BASE_INVALID"
+    big_endian = bytearray(header)
+    big_endian[5] = 2
+    big_endian[18:20] = (22).to_bytes(2, "big")
+    big_endian[56:58] = bytes(2)  # no program headers: static
+    (tmp_path / "s390x").write_bytes(bytes(big_endian))
+    write_busybox_base(tmp_path / "s390x", tmp_path / "s390x-layout")
+    assert load_base_image(tmp_path / "s390x-layout", "linux/s390x").config["architecture"] == "s390x"
 
 
 class _Sparse(io.RawIOBase):
@@ -269,7 +447,7 @@ class _Sparse(io.RawIOBase):
 )
 def test_tar_headers_hold_long_and_unicode_paths_and_files_over_8_gib(path: str) -> None:
     size = 20 * 1024**3 + 7  # past ustar's 8 GiB: the size goes in a PAX record
-    header, trailer = tar_header(path, size), tar_trailer(size)
+    header, trailer = tar_header(path, size), bytes(padding(size) + END_OF_ARCHIVE)
     assert (len(header) + size + len(trailer)) % 512 == 0
     with tarfile.open(fileobj=io.BufferedReader(_Sparse(header, size, trailer)), mode="r:") as tar:
         members = tar.getmembers()

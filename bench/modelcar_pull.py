@@ -1,0 +1,168 @@
+"""Benchmark: what a model car costs over the plain OCI artifact, for one large file, in one run.
+
+    python bench/modelcar_pull.py [--size-mib 1024] [--repeat 3]
+
+Serves a fresh embedded registry with `kiln serve` and a model-car base image (`kiln modelcar-base`, from
+/bin/busybox where there is one), publishes one sealed artifact holding a random file of --size-mib, and
+measures with curl, each figure the best of --repeat:
+- the first `GET /v2/modelcar/<model>/manifests/<tag>`, which hashes the file's tar layer once (its
+  record is deleted before each try), beside sha256 of the same file with Python's hashlib (the ceiling:
+  the layer's bytes must be read and hashed once);
+- the same manifest once recorded;
+- the file's tar layer from `/v2/modelcar/<model>/blobs/<digest>` (header, the stored blob, zeros),
+  beside the same file as the ModelPack layer from `/v2/<model>/blobs/<sha256>` (the stored blob itself).
+No target in DESIGN.md; the ratios say what the layout costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, VERSION, ARTIFACT = "bench", "1.0", "gguf-q8"
+
+
+def best_seconds(command: list[str], repeat: int, before: object = None) -> float:
+    """The fastest of `repeat` runs of `command` (calling `before()` first, untimed, each time)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if callable(before):
+            before()
+        t0 = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def random_file(path: Path, size_mib: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for _ in range(size_mib):
+            chunk = os.urandom(1 << 20)
+            digest.update(chunk)
+            f.write(chunk)
+    return digest.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=None, help="where the file and the registry go (default: a temp dir)")
+    add_record_argument(ap, "modelcar_pull")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import httpx
+    from sqlalchemy import delete
+
+    from registry.app import create_app
+    from registry.client import RegistryClient
+    from registry.oci.base_image import write_busybox_base
+    from registry.oci.models import TarLayer
+    from registry.settings import RegistrySettings
+    from tests.registry.conftest import make_token
+    from tests.registry.helpers import make_release, manifest, post_eval, seal
+    from tests.registry.s3_server import free_port
+
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        work = Path(tmp)
+        weights = work / "model.gguf"
+        sha = random_file(weights, args.size_mib)
+        nbytes = weights.stat().st_size
+        base = work / "base"
+        busybox = Path("/bin/busybox")
+        if not busybox.is_file():  # the registry serves the base's bytes as they are: a stand-in will do
+            busybox = work / "busybox"
+            busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+        base.mkdir()
+        write_busybox_base(busybox, base)
+        data = work / "registry"
+        RegistryClient.connect(data).close()
+        app = create_app(RegistrySettings(data_dir=data, auth_required=True))
+        token = make_token(app, ["admin"], name="bench")
+        app.state.engine.dispose()
+        port = free_port()
+        env = {**os.environ, "KILN_REGISTRY_DATA_DIR": str(data), "KILN_REGISTRY_MODELCAR_BASE": str(base)}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "serve", "--port", str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        host = f"http://127.0.0.1:{port}"
+        auth = ["-H", f"Authorization: Bearer {token}"]
+        try:
+            for _ in range(150):
+                if subprocess.run(["curl", "-sf", f"{host}/healthz"], capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.2)
+            put = ["curl", "-sf", *auth, "-H", "Expect:", "-T", str(weights), f"{host}/v1/blobs/{sha}"]
+            subprocess.run(put, check=True, capture_output=True)
+            with httpx.Client(base_url=host, headers={"Authorization": f"Bearer {token}"}, timeout=600) as client:
+                make_release(client, model=MODEL, version=VERSION, planned=[ARTIFACT])  # type: ignore[arg-type]
+                body = manifest(ARTIFACT, {}, ["cpu"])
+                body["files"] = [{"path": weights.name, "sha256": sha, "size": nbytes}]
+                created = client.post(f"/v1/models/{MODEL}/releases/{VERSION}/artifacts", json=body)
+                assert created.status_code == 201, created.text
+                assert post_eval(client, ARTIFACT, "passed", model=MODEL, version=VERSION).status_code == 201  # type: ignore[arg-type]
+                seal(client, model=MODEL, version=VERSION)  # type: ignore[arg-type]
+
+            car = f"{host}/v2/modelcar/{MODEL}"
+            get_manifest = ["curl", "-sf", *auth, "-o", "/dev/null", f"{car}/manifests/{VERSION}-{ARTIFACT}"]
+            db = create_app(RegistrySettings(data_dir=data))
+
+            def forget() -> None:
+                with db.state.write_session_factory() as session:
+                    session.execute(delete(TarLayer))
+                    session.commit()
+
+            first_s = best_seconds(get_manifest, args.repeat, before=forget)
+            recorded_s = best_seconds(get_manifest, args.repeat)
+            db.state.engine.dispose()
+            shown = subprocess.run(
+                ["curl", "-sf", *auth, f"{car}/manifests/{VERSION}-{ARTIFACT}"], check=True, capture_output=True
+            )
+            layer = json.loads(shown.stdout)["layers"][-1]["digest"]
+            tar_s = best_seconds(["curl", "-sf", *auth, "-o", "/dev/null", f"{car}/blobs/{layer}"], args.repeat)
+            raw = ["curl", "-sf", *auth, "-o", "/dev/null", f"{host}/v2/{MODEL}/blobs/sha256:{sha}"]
+            raw_s = best_seconds(raw, args.repeat)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(weights)!r}, 'rb')\n"
+        hashing += "while b := f.read(8 << 20): h.update(b)"
+        hash_s = best_seconds([sys.executable, "-c", hashing], args.repeat)
+        shutil.rmtree(data, ignore_errors=True)
+
+    mb_s = {
+        "first manifest (hashes the layer)": nbytes / first_s / 1e6,
+        "sha256 of the file (ceiling)": nbytes / hash_s / 1e6,
+        "tar layer download": nbytes / tar_s / 1e6,
+        "ModelPack layer download (peer)": nbytes / raw_s / 1e6,
+    }
+    ratios = {"first manifest / sha256": hash_s / first_s, "tar layer / ModelPack layer": raw_s / tar_s}
+    print(f"{args.size_mib} MiB file, best of {args.repeat}")
+    print(f"{'what':>36} {'MB/s':>8}")
+    for name, value in mb_s.items():
+        print(f"{name:>36} {value:>8.0f}")
+    print(f"{'recorded manifest':>36} {recorded_s * 1000:>7.1f} ms")
+    for name, value in ratios.items():
+        print(f"{name:>36} {value:>8.2f}x")
+    record = run_record(size_mib=args.size_mib, mb_s=mb_s, recorded_manifest_ms=recorded_s * 1000, ratios=ratios)
+    save_record(record, args.record)
+
+
+if __name__ == "__main__":
+    main()
