@@ -11,7 +11,9 @@ A stage returns a typed record (`pipeline.records`); `stage.json` stores it as t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -359,6 +361,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@functools.cache
+def _distributions_by_module() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())  # scans what is installed: once per process
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the installed distributions whose modules this process has loaded (the standard
+    library aside): what a stage ran with. In a process that ran earlier stages it includes theirs."""
+    by_module = _distributions_by_module()
+    loaded = {name.partition(".")[0] for name in list(sys.modules)} - set(sys.stdlib_module_names)
+    names = sorted({dist for module in loaded for dist in by_module.get(module, [])})
+    return {name: version for name in names if (version := _version(name)) is not None}
+
+
+@functools.cache
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def provenance(node: Node, key: str, inputs: dict[str, StageOutput], started: float) -> dict[str, Any]:
     return {
         "stage": node.stage.name,
@@ -369,6 +393,7 @@ def provenance(node: Node, key: str, inputs: dict[str, StageOutput], started: fl
         "external": node.external,
         "kiln_version": __version__,
         "python": platform.python_version(),
+        "libraries": library_versions(),
         "host": socket.gethostname(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -202,3 +203,9 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     }
     assert dependencies["recipe"] == load_recipe(root / "kiln.yaml").digest()
     assert any(name.startswith("source/") for name in dependencies)
+    # Each stage names the libraries it ran with, at their installed versions (the standard library aside).
+    stages = statement["predicate"]["buildDefinition"]["internalParameters"]["stages"]
+    export = stages["export/gguf-q8_0"]["libraries"]
+    assert export["safetensors"] == importlib.metadata.version("safetensors")
+    assert export["numpy"] == importlib.metadata.version("numpy")
+    assert "pydantic" in export and not {"json", "os", "sys"} & set(export)
