@@ -24,6 +24,7 @@ from tests.registry.helpers import (
     assert_error,
     make_release,
     manifest,
+    overwrite_stored_blob,
     post_eval,
     promote,
     publish,
@@ -176,13 +177,10 @@ def test_models_without_keys_need_no_signature_until_one_is_trusted(
 def test_kiln_verify_passes_on_a_download_and_names_a_tampered_file(
     app: FastAPI,
     client: TestClient,
-    settings: RegistrySettings,
     keys: dict[str, Any],
     trusted: dict[str, Any],
     tmp_path: Path,
 ) -> None:
-    if not settings.effective_blob_url().startswith("file://"):
-        pytest.skip("tampers with a file in the local blob store")
     published(client)
     for kind, data in bundles(tmp_path, keys["trusted"][0]).items():
         assert attach(client, kind, data).status_code == 201
@@ -202,11 +200,9 @@ def test_kiln_verify_passes_on_a_download_and_names_a_tampered_file(
             tmp_path / "download" / PROVENANCE_FILE
         ).is_file()
         # One byte of a published file changes in the blob store: a fresh download no longer verifies.
-        digest = sha(FILES["model.gguf"])
-        blob = Path(settings.effective_blob_url().removeprefix("file://")) / digest[:2] / digest[2:4] / digest
-        tampered = bytearray(blob.read_bytes())
+        tampered = bytearray(FILES["model.gguf"])
         tampered[7] ^= 0xFF
-        blob.write_bytes(bytes(tampered))
+        overwrite_stored_blob(app.state.blob_store, sha(FILES["model.gguf"]), bytes(tampered))
         bad = verify("tiny@1.0/gguf-q8")
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "file model.gguf: digest mismatch" in bad.stderr
