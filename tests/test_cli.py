@@ -296,3 +296,20 @@ def test_recipe_paths_outside_its_directory_need_allow_outside(tmp_path: Path, m
     assert "chat_template.jinja is a symbolic link to" in _words(out.stderr)
     both = ["--allow-outside", str(tmp_path / "texts"), "--allow-outside", str(tmp_path / "outside")]
     assert kiln("plan", recipe, "--json", "--work-dir", work, *both).returncode == 0
+
+
+def test_modelcar_base_writes_a_layout_the_registry_loads(tmp_path: Path) -> None:
+    from registry.oci.base_image import load_base_image
+
+    busybox = tmp_path / "busybox"
+    busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+    out = kiln("modelcar-base", str(tmp_path / "base"), "--busybox", str(busybox))
+    assert out.returncode == 0, out.stderr
+    base = load_base_image(tmp_path / "base")
+    assert out.stdout.split()[2] == base.manifest_digest and base.config["architecture"] == "amd64"
+    script = tmp_path / "script"
+    script.write_text("#!/bin/sh\n")
+    refused = kiln("modelcar-base", str(tmp_path / "other"), "--busybox", str(script))
+    assert refused.returncode == 2 and "MODELCAR_BASE_INVALID" in refused.stderr and "Traceback" not in refused.stderr
+    missing = kiln("modelcar-base", str(tmp_path / "other"), "--busybox", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
