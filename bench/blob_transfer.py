@@ -20,25 +20,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
+from serving import best_seconds, kiln_serve  # bench/serving.py
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS_MB_S = {"upload": 500.0, "download": 1000.0}
-
-
-def best_seconds(command: list[str], repeat: int, before: list[str] | None = None) -> float:
-    """The fastest of `repeat` runs of `command` (running `before` first, untimed, each time)."""
-    best = float("inf")
-    for _ in range(repeat):
-        if before:
-            subprocess.run(before, check=True, capture_output=True)
-        t0 = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -61,7 +49,6 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from registry.client import RegistryClient  # creates and migrates the embedded registry
         from registry.settings import RegistrySettings
-        from tests.registry.s3_server import free_port
 
         data = work / "registry"
         RegistryClient.connect(data).close()
@@ -72,25 +59,9 @@ def main() -> None:
         app = create_app(settings)
         token = make_token(app, ["admin"], name="bench")
         app.state.engine.dispose()
-        port = free_port()
-        env = {**os.environ, "KILN_REGISTRY_DATA_DIR": str(data)}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--port", str(port)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{port}/v1/blobs/{sha}"
-        auth = ["-H", f"Authorization: Bearer {token}"]
-        try:
-            for _ in range(150):
-                if (
-                    subprocess.run(["curl", "-sf", f"http://127.0.0.1:{port}/healthz"], capture_output=True).returncode
-                    == 0
-                ):
-                    break
-                time.sleep(0.2)
+        with kiln_serve(data) as host:
+            url = f"{host}/v1/blobs/{sha}"
+            auth = ["-H", f"Authorization: Bearer {token}"]
             blob_dir = data / "blobs" / sha[:2] / sha[2:4]
             upload = [
                 "curl",
@@ -105,20 +76,16 @@ def main() -> None:
                 url,
             ]
             # Each upload starts from an empty store: the blob is removed first (a stored one is only confirmed).
-            remove = ["rm", "-rf", str(blob_dir)]
-            up_s = best_seconds(upload, args.repeat, before=remove)
-            subprocess.run(["rm", "-rf", str(blob_dir)], check=True)
+            up_s = best_seconds(upload, args.repeat, before=lambda: shutil.rmtree(blob_dir, ignore_errors=True))
+            shutil.rmtree(blob_dir, ignore_errors=True)
             subprocess.run(upload, check=True, capture_output=True)  # stored, for the downloads
             down_s = best_seconds(["curl", "-sf", *auth, "-o", "/dev/null", url], args.repeat)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
         hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(blob)!r}, 'rb')\n"
         hashing += "while b := f.read(8 << 20): h.update(b)"
         hash_s = best_seconds([sys.executable, "-c", hashing], args.repeat)
         copy = work / "copy.bin"
         durable = ["dd", f"if={blob}", f"of={copy}", "bs=8M", "conv=fsync", "status=none"]
-        sync_s = best_seconds(durable, args.repeat, before=["rm", "-f", str(copy)])
+        sync_s = best_seconds(durable, args.repeat, before=lambda: copy.unlink(missing_ok=True))
         shutil.rmtree(data, ignore_errors=True)
 
     rows = {

@@ -30,21 +30,10 @@ import time
 from pathlib import Path
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
+from serving import best_seconds, kiln_serve  # bench/serving.py
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, VERSION, ARTIFACT = "bench", "1.0", "gguf-q8"
-
-
-def best_seconds(command: list[str], repeat: int, before: object = None) -> float:
-    """The fastest of `repeat` runs of `command` (calling `before()` first, untimed, each time)."""
-    best = float("inf")
-    for _ in range(repeat):
-        if callable(before):
-            before()
-        t0 = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def random_file(path: Path, size_mib: int) -> str:
@@ -75,7 +64,6 @@ def main() -> None:
     from registry.settings import RegistrySettings
     from tests.registry.conftest import make_token
     from tests.registry.helpers import make_release, manifest, post_eval, seal
-    from tests.registry.s3_server import free_port
 
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
@@ -94,22 +82,8 @@ def main() -> None:
         app = create_app(RegistrySettings(data_dir=data, auth_required=True))
         token = make_token(app, ["admin"], name="bench")
         app.state.engine.dispose()
-        port = free_port()
-        env = {**os.environ, "KILN_REGISTRY_DATA_DIR": str(data), "KILN_REGISTRY_MODELCAR_BASE": str(base)}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--port", str(port)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        host = f"http://127.0.0.1:{port}"
-        auth = ["-H", f"Authorization: Bearer {token}"]
-        try:
-            for _ in range(150):
-                if subprocess.run(["curl", "-sf", f"{host}/healthz"], capture_output=True).returncode == 0:
-                    break
-                time.sleep(0.2)
+        with kiln_serve(data, {"KILN_REGISTRY_MODELCAR_BASE": str(base)}) as host:
+            auth = ["-H", f"Authorization: Bearer {token}"]
             put = ["curl", "-sf", *auth, "-H", "Expect:", "-T", str(weights), f"{host}/v1/blobs/{sha}"]
             subprocess.run(put, check=True, capture_output=True)
             with httpx.Client(base_url=host, headers={"Authorization": f"Bearer {token}"}, timeout=600) as client:
@@ -150,9 +124,6 @@ def main() -> None:
             tar_s = best_seconds(["curl", "-sf", *auth, "-o", "/dev/null", f"{car}/blobs/{layer}"], args.repeat)
             raw = ["curl", "-sf", *auth, "-o", "/dev/null", f"{host}/v2/{MODEL}/blobs/sha256:{sha}"]
             raw_s = best_seconds(raw, args.repeat)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
         hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(weights)!r}, 'rb')\n"
         hashing += "while b := f.read(8 << 20): h.update(b)"
         hash_s = best_seconds([sys.executable, "-c", hashing], args.repeat)
