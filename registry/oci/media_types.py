@@ -75,6 +75,7 @@ OCI_ERROR_BY_KILN_CODE: Final[dict[str, tuple[str, int]]] = {
     "FORBIDDEN": ("DENIED", 403),
     "INVALID_INPUT": ("UNSUPPORTED", 400),
     "OCI_PUSH_UNSUPPORTED": ("UNSUPPORTED", 405),
+    "OCI_ENDPOINT_UNKNOWN": ("UNSUPPORTED", 404),
     # A byte range outside the blob: the spec names no code for a 416; its parameters are unsupported.
     "RANGE_NOT_SATISFIABLE": ("UNSUPPORTED", 416),
 }

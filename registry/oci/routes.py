@@ -222,6 +222,16 @@ def list_referrers(
     return response
 
 
+@router.api_route("/{path:path}", methods=["GET", "HEAD"])
+def unknown_endpoint(path: str) -> Response:
+    """Any other read under /v2/ (an empty reference, a made-up endpoint): the spec's error shape, not kiln's."""
+    raise KilnError(
+        f"no OCI endpoint at /v2/{path[:200]}: this registry answers manifests/, blobs/, tags/list and referrers/",
+        code="OCI_ENDPOINT_UNKNOWN",
+        details={"path": f"/v2/{path[:200]}"},
+    )
+
+
 @router.api_route("/{path:path}", methods=["POST", "PUT", "PATCH", "DELETE"])
 def refuse_push(path: str) -> Response:
     """Pushing through OCI is not offered: artifacts are published (and sealed) with `kiln publish`."""

@@ -492,5 +492,5 @@ def test_kserve_runs_the_model_car(settings: RegistrySettings, base_layout: Path
         ["unshare", "--mount", "--pid", "--fork", "sh", "-c", run], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    listed = dict(reversed(line.split()) for line in result.stdout.splitlines())
+    listed = {name: digest for digest, name in (line.split() for line in result.stdout.splitlines())}
     assert listed == {path: _sha(data) for path, data in FILES.items()}
