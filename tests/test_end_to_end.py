@@ -54,6 +54,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
     # The example's publisher key is trusted for it: every publish signs, and an unsigned artifact never seals.
     kiln("keys", "add", f"{TEST_KEY}.pub", "--model", "tiny-llama", "--registry", str(data), env=env)
     env["KILN_SIGNING_KEY"] = str(TEST_KEY)
+    # Model cars on a base image from a static busybox (a stand-in binary where there is none: the
+    # registry serves the base's bytes as they are).
+    busybox = Path("/bin/busybox")
+    if not busybox.is_file():
+        busybox = data / "busybox"
+        busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+    kiln("modelcar-base", str(data / "modelcar-base"), "--busybox", str(busybox), env=env)
+    server_env["KILN_REGISTRY_MODELCAR_BASE"] = str(data / "modelcar-base")
     log = open(data / "server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [*KILN, "serve", "--port", str(port)], env=server_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -247,3 +255,42 @@ def test_oras_and_skopeo_fetch_the_gguf_from_the_registry(server: str, env: dict
     )
     blobs = {p.name for p in (layout / "blobs" / "sha256").iterdir()}
     assert set(published.values()) <= blobs
+
+
+def test_skopeo_copies_the_orbax_checkpoint_as_a_model_car(server: str, env: dict[str, str], tmp_path: Path) -> None:
+    """The example's orbax checkpoint (144 files) as a KServe model car: packed into 100 file layers above
+    the base's, which unpack (in order, with tar) to the published files under /models."""
+    import shutil
+
+    skopeo = shutil.which("skopeo")
+    if skopeo is None and os.environ.get("KILN_REQUIRE_SKOPEO") != "1":
+        pytest.skip("skopeo is not installed (apt-get install skopeo)")
+    resolved = json.loads(
+        kiln("resolve", "tiny-llama", "--hardware", "tpu-v5e", "--registry", server, "--json", env=env).stdout
+    )
+    artifact = resolved["artifact"]
+    assert len(artifact["files"]) > 100
+    host = server.removeprefix("http://")
+    layout = tmp_path / "layout"
+    subprocess.run(
+        [
+            skopeo or "skopeo",
+            "copy",
+            "--src-tls-verify=false",
+            f"docker://{host}/modelcar/tiny-llama:prod-{artifact['name']}",
+            f"oci:{layout}:car",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    index = json.loads((layout / "index.json").read_text())
+    manifest = json.loads((layout / "blobs" / "sha256" / index["manifests"][0]["digest"][7:]).read_bytes())
+    assert len(manifest["layers"]) == 1 + 100  # the busybox base, then the files packed into 100 layers
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    for layer in manifest["layers"]:
+        blob = layout / "blobs" / "sha256" / layer["digest"][7:]
+        subprocess.run(["tar", "-xf", str(blob), "-C", str(rootfs)], check=True, timeout=60)
+    for f in artifact["files"]:
+        assert hashlib.sha256((rootfs / "models" / f["path"]).read_bytes()).hexdigest() == f["sha256"], f["path"]

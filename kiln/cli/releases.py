@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, fmt_size, split_ref
 from kiln.console import err, safe_text, stdout
 from registry.client import RegistryClient
 
@@ -99,6 +99,10 @@ def yank(
     answer(out, as_json, f"{model}@{version} yanked: {reason}")
 
 
+# The files a human answer lists (an orbax checkpoint has hundreds); --json lists all.
+LISTED_FILES = 8
+
+
 @app.command()
 def resolve(
     model: str,
@@ -145,9 +149,13 @@ def resolve(
     if answer.get("split"):
         shares = ", ".join(f"{m['version']} {m['weight']:g} %" for m in answer["split"])
         stdout.print(safe_text(f"  split: {shares}"))
-    for f in a["files"]:
+    for f in a["files"][:LISTED_FILES]:
         stdout.print(safe_text(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes"))
         stdout.print(f"    {safe_text(f['url'])}")
+    if len(a["files"]) > LISTED_FILES:
+        count, total = len(a["files"]), fmt_size(sum(f["size"] for f in a["files"]))
+        more = count - LISTED_FILES
+        stdout.print(f"  ... and {more} more files ({count} in all, {total}; --json lists every one)")
     if answer.get("fallbacks"):
         names = ", ".join(f"{fb['artifact']['name']}@{fb['hardware']}" for fb in answer["fallbacks"])
         stdout.print(safe_text("  fallbacks: " + names))
