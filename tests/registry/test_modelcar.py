@@ -486,8 +486,10 @@ def test_kserve_runs_the_model_car(settings: RegistrySettings, base_layout: Path
     for layer in manifest["layers"]:
         blob = layout / "blobs" / "sha256" / layer["digest"][7:]
         subprocess.run(["tar", "-xf", str(blob), "-C", str(rootfs)], check=True, timeout=60)
-    kserve = "ln -sf /proc/$$/root/models /mnt/ && cd /mnt/models && sha256sum *"
-    run = f"mount -t proc proc {rootfs}/proc && chroot {rootfs} /bin/sh -c '{kserve}'"
+    # KServe's command (`ln -sf /proc/$$/root/models /mnt/ && sleep infinity`), with a look at the files behind
+    # the link between the two; it must still be sleeping when `timeout` ends it (exit 124).
+    kserve = "ln -sf /proc/$$/root/models /mnt/ && (cd /mnt/models && sha256sum *) && sleep infinity"
+    run = f"mount -t proc proc {rootfs}/proc && timeout 2 chroot {rootfs} /bin/sh -c '{kserve}'; [ $? -eq 124 ]"
     result = subprocess.run(
         ["unshare", "--mount", "--pid", "--fork", "sh", "-c", run], capture_output=True, text=True, timeout=60
     )
