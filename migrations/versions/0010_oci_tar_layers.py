@@ -1,4 +1,5 @@
-"""Model cars: the digests of the tar layers derived from artifact files, and the blobs each holds.
+"""Model cars: the digests of the tar layers derived from artifact files, the blobs each holds, and
+which replica is hashing one now.
 
 Revision ID: 0010
 Revises: 0009
@@ -50,9 +51,17 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("layer_sha256", "blob_sha256", name=op.f("pk_oci_tar_layer_blobs")),
     )
     op.create_index(op.f("ix_oci_tar_layer_blobs_blob_sha256"), "oci_tar_layer_blobs", ["blob_sha256"])
+    op.create_table(
+        "oci_layer_hashing",
+        sa.Column("members_key", sa.String(length=64), nullable=False),
+        sa.Column("holder", sa.String(length=255), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("members_key", name=op.f("pk_oci_layer_hashing")),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("oci_layer_hashing")
     op.drop_index(op.f("ix_oci_tar_layer_blobs_blob_sha256"), table_name="oci_tar_layer_blobs")
     op.drop_table("oci_tar_layer_blobs")
     op.drop_table("oci_tar_layers")

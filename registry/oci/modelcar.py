@@ -19,26 +19,30 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import socket
 import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import PurePosixPath
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from sqlalchemy import select
+from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
 from core.digest import canonical_json, sha256_json
 from core.errors import KilnError
 from registry.artifacts.models import Artifact, ArtifactFile
 from registry.blobs.store import BlobStore
-from registry.db import insert_once
+from registry.db import insert_once, utcnow
 from registry.oci import media_types as mt
 from registry.oci.base_image import BaseImage
 from registry.oci.documents import Document, Served, kiln_annotations
-from registry.oci.models import TarLayer, TarLayerBlob
+from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,12 @@ END_OF_ARCHIVE: Final = 2 * BLOCK
 MAX_FILE_LAYERS: Final = 100
 # Rows asked for in one query (a bound on bind parameters: PostgreSQL allows 65,535).
 QUERY_BATCH: Final = 1000
-# Hashing the same layer twice at once in one process waits for the first instead (striped locks).
+# Hashing the same layer twice at once in one process waits for the first instead (striped locks); across
+# replicas, a claim in the database (`LayerHashing`) does: held LEASE_S, renewed every RENEW_S while hashing.
 _LOCKS: Final = tuple(threading.Lock() for _ in range(64))
+LEASE_S: Final = 60.0
+RENEW_S: Final = 10.0
+WAIT_POLL_S: Final = 0.5
 
 Group = tuple[ArtifactFile, ...]  # the files of one layer, in path order
 LayerMap = dict[str, TarLayer]  # members_key -> its layer
@@ -120,8 +128,9 @@ def corrupt(file: ArtifactFile, what: str) -> KilnError:
     )
 
 
-def _hash_layer(store: BlobStore, group: Group) -> TarLayer:
-    """Read the group's blobs once: the layer's digest, and each blob's own, which must be its file's."""
+def _hash_layer(store: BlobStore, group: Group, renew: Callable[[], None] = lambda: None) -> TarLayer:
+    """Read the group's blobs once: the layer's digest, and each blob's own, which must be its file's.
+    `renew` is called after each chunk (to keep this replica's claim on the work)."""
     headers = [tar_header(f.path, f.size) for f in group]
     layer = hashlib.sha256()
     started = time.monotonic()
@@ -134,6 +143,7 @@ def _hash_layer(store: BlobStore, group: Group) -> TarLayer:
                 layer.update(chunk)
                 size += len(chunk)
                 pending.result()
+                renew()
             if size != file.size:
                 raise corrupt(file, f"{size} bytes where {file.size} were published")
             if content.hexdigest() != file.sha256:
@@ -157,25 +167,86 @@ def _hash_layer(store: BlobStore, group: Group) -> TarLayer:
     )
 
 
-def _record(sessions: Callable[[], Session], store: BlobStore, group: Group) -> TarLayer:
-    key = members_key(group)
-    with _LOCKS[int(key[:8], 16) % len(_LOCKS)]:
-        with sessions() as session:  # hashed meanwhile, here or by another replica?
-            found = known_layers(session, [key]).get(key)
-        if found is not None:
-            return found
-        row = _hash_layer(store, group)
-        with sessions() as session:
-
-            def recorded() -> TarLayer | None:
-                return session.scalars(select(TarLayer).where(TarLayer.members_key == key)).one_or_none()
-
-            row, inserted = insert_once(session, row, recorded)
-            if inserted:
-                for blob in sorted({f.sha256 for f in group}):
-                    session.add(TarLayerBlob(layer_sha256=row.sha256, blob_sha256=blob))
+def _claim(sessions: Callable[[], Session], key: str, holder: str) -> bool:
+    """Claim the hashing of layer `key` for LEASE_S: True when no other replica holds a live claim."""
+    now = utcnow()
+    expires = now + timedelta(seconds=LEASE_S)
+    with sessions() as session:
+        taken = session.execute(
+            update(LayerHashing)
+            .where(LayerHashing.members_key == key, LayerHashing.expires_at < now)
+            .values(holder=holder, expires_at=expires)
+        )
+        if cast(CursorResult[Any], taken).rowcount == 1:  # a dead replica's claim, taken over
             session.commit()
-        return row
+            return True
+        if session.get(LayerHashing, key) is not None:
+            return False
+        try:
+            session.add(LayerHashing(members_key=key, holder=holder, expires_at=expires))
+            session.commit()
+        except IntegrityError:  # claimed by another replica meanwhile
+            session.rollback()
+            return False
+        return True
+
+
+def _renewer(sessions: Callable[[], Session], key: str, holder: str) -> Callable[[], None]:
+    """What keeps a claim alive while a large layer is hashed: a renewal every RENEW_S at most."""
+    last = time.monotonic()
+
+    def renew() -> None:
+        nonlocal last
+        if time.monotonic() - last < RENEW_S:
+            return
+        last = time.monotonic()
+        with sessions() as session:
+            session.execute(
+                update(LayerHashing)
+                .where(LayerHashing.members_key == key, LayerHashing.holder == holder)
+                .values(expires_at=utcnow() + timedelta(seconds=LEASE_S))
+            )
+            session.commit()
+
+    return renew
+
+
+def _release(session: Session, key: str, holder: str) -> None:
+    session.execute(delete(LayerHashing).where(LayerHashing.members_key == key, LayerHashing.holder == holder))
+
+
+def _record(sessions: Callable[[], Session], store: BlobStore, group: Group) -> TarLayer:
+    """The recorded layer of `group`, hashing it here unless another thread or replica is: then this waits
+    for its record (or for its claim to lapse, if it died)."""
+    key = members_key(group)
+    holder = f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
+    with _LOCKS[int(key[:8], 16) % len(_LOCKS)]:
+        while True:
+            with sessions() as session:
+                found = known_layers(session, [key]).get(key)
+            if found is not None:
+                return found
+            if _claim(sessions, key, holder):
+                break
+            time.sleep(WAIT_POLL_S)
+        try:
+            row = _hash_layer(store, group, _renewer(sessions, key, holder))
+            with sessions() as session:
+
+                def recorded() -> TarLayer | None:
+                    return session.scalars(select(TarLayer).where(TarLayer.members_key == key)).one_or_none()
+
+                row, inserted = insert_once(session, row, recorded)
+                if inserted:
+                    for blob in sorted({f.sha256 for f in group}):
+                        session.add(TarLayerBlob(layer_sha256=row.sha256, blob_sha256=blob))
+                _release(session, key, holder)
+                session.commit()
+            return row
+        finally:
+            with sessions() as session:  # after a failure: others may try at once
+                _release(session, key, holder)
+                session.commit()
 
 
 def record_layers(

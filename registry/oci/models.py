@@ -39,3 +39,14 @@ class TarLayerBlob(Base):
     blob_sha256: Mapped[str] = mapped_column(
         String(64), ForeignKey("blobs.sha256", ondelete="CASCADE"), primary_key=True, index=True
     )
+
+
+class LayerHashing(Base):
+    """A replica hashing a tar layer now: others wait for its record instead of reading the files again.
+    A lease: renewed while the hashing goes on, taken over once it has expired (the replica died)."""
+
+    __tablename__ = "oci_layer_hashing"
+
+    members_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime] = mapped_column()

@@ -16,6 +16,8 @@ import os
 import shutil
 import subprocess
 import tarfile
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +33,7 @@ from core.errors import InvalidInput
 from registry.app import create_app
 from registry.oci.base_image import load_base_image, write_busybox_base
 from registry.oci.modelcar import END_OF_ARCHIVE, MAX_FILE_LAYERS, padding, tar_header
-from registry.oci.models import TarLayer, TarLayerBlob
+from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
@@ -276,6 +278,69 @@ def test_concurrent_first_pulls_read_each_file_once(car_app: FastAPI, car: TestC
             digests = set(pool.map(pull, range(4)))
     assert len(digests) == 1
     assert sorted(reads) == sorted(_sha(data) for data in FILES.values())
+
+
+def test_a_replica_waits_for_another_ones_hashing(car_app: FastAPI, car: TestClient) -> None:
+    """Another replica holds the claim on a layer: a first pull here waits for its record and reads
+    nothing; a claim whose replica died (expired) is taken over."""
+    from datetime import timedelta
+
+    from registry.db import utcnow
+    from registry.oci import modelcar
+
+    first, digest = manifest_of(car, TAG, name=CAR)
+    with car_app.state.write_session_factory() as session:
+        recorded = [modelcar_row_copy(row) for row in session.scalars(select(TarLayer)).all()]
+        links = [(link.layer_sha256, link.blob_sha256) for link in session.scalars(select(TarLayerBlob)).all()]
+        session.execute(delete(TarLayer))
+        for row in recorded:  # every layer claimed by a live replica elsewhere
+            session.add(LayerHashing(members_key=row.members_key, holder="other", expires_at=utcnow() + timedelta(60)))
+        session.commit()
+    store = car_app.state.blob_store
+    reads: list[str] = []
+    original = store.open_range
+    store.open_range = lambda sha256, *a, **k: reads.append(sha256) or original(sha256, *a, **k)
+
+    def other_replica_finishes() -> None:
+        time.sleep(1.0)
+        with car_app.state.write_session_factory() as session:
+            for row in recorded:
+                session.add(row)
+            session.flush()
+            for layer, blob in links:
+                session.add(TarLayerBlob(layer_sha256=layer, blob_sha256=blob))
+            session.execute(delete(LayerHashing))
+            session.commit()
+
+    finisher = threading.Thread(target=other_replica_finishes)
+    started = time.monotonic()
+    finisher.start()
+    assert manifest_of(car, TAG, name=CAR) == (first, digest)
+    finisher.join()
+    assert time.monotonic() - started >= 0.9 and reads == []
+    # A claim that lapsed (its replica died): taken over, hashed here.
+    with car_app.state.write_session_factory() as session:
+        session.execute(delete(TarLayer))
+        for row in recorded:
+            session.add(LayerHashing(members_key=row.members_key, holder="dead", expires_at=utcnow() - timedelta(1)))
+        session.commit()
+    assert manifest_of(car, TAG, name=CAR) == (first, digest)
+    assert sorted(reads) == sorted(_sha(data) for data in FILES.values())
+    with car_app.state.session_factory() as session:
+        # Claims released (the one left is the other artifact's layer, which nobody asked for).
+        assert session.scalars(select(LayerHashing.holder)).all() == ["dead"]
+    assert modelcar.LEASE_S > modelcar.RENEW_S
+
+
+def modelcar_row_copy(row: TarLayer) -> TarLayer:
+    return TarLayer(
+        sha256=row.sha256,
+        members_key=row.members_key,
+        member_count=row.member_count,
+        members=row.members,
+        size=row.size,
+        headers=row.headers,
+    )
 
 
 def test_a_file_and_a_directory_of_one_name_are_refused_at_publish(car: TestClient) -> None:
