@@ -14,8 +14,6 @@ Targets (DESIGN.md): uploads >= 500 MB/s, downloads >= 1,000 MB/s.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
-from serving import best_seconds, kiln_serve  # bench/serving.py
+from serving import best_seconds, kiln_serve, random_file, sha256_seconds  # bench/serving.py
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS_MB_S = {"upload": 500.0, "download": 1000.0}
@@ -39,13 +37,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         blob = work / "blob.bin"
-        digest = hashlib.sha256()
-        with open(blob, "wb") as f:
-            for _ in range(args.size_mib):
-                chunk = os.urandom(1 << 20)
-                digest.update(chunk)
-                f.write(chunk)
-        sha, nbytes = digest.hexdigest(), blob.stat().st_size
+        sha = random_file(blob, args.size_mib)
+        nbytes = blob.stat().st_size
         sys.path.insert(0, str(ROOT))
         from registry.client import RegistryClient  # creates and migrates the embedded registry
         from registry.settings import RegistrySettings
@@ -80,9 +73,7 @@ def main() -> None:
             shutil.rmtree(blob_dir, ignore_errors=True)
             subprocess.run(upload, check=True, capture_output=True)  # stored, for the downloads
             down_s = best_seconds(["curl", "-sf", *auth, "-o", "/dev/null", url], args.repeat)
-        hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(blob)!r}, 'rb')\n"
-        hashing += "while b := f.read(8 << 20): h.update(b)"
-        hash_s = best_seconds([sys.executable, "-c", hashing], args.repeat)
+        hash_s = sha256_seconds(blob, args.repeat)
         copy = work / "copy.bin"
         durable = ["dd", f"if={blob}", f"of={copy}", "bs=8M", "conv=fsync", "status=none"]
         sync_s = best_seconds(durable, args.repeat, before=lambda: copy.unlink(missing_ok=True))

@@ -19,9 +19,7 @@ No target in DESIGN.md; the ratios say what the layout costs.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,20 +28,10 @@ import time
 from pathlib import Path
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
-from serving import best_seconds, kiln_serve  # bench/serving.py
+from serving import best_seconds, kiln_serve, random_file, sha256_seconds  # bench/serving.py
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, VERSION, ARTIFACT = "bench", "1.0", "gguf-q8"
-
-
-def random_file(path: Path, size_mib: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for _ in range(size_mib):
-            chunk = os.urandom(1 << 20)
-            digest.update(chunk)
-            f.write(chunk)
-    return digest.hexdigest()
 
 
 def main() -> None:
@@ -63,7 +51,7 @@ def main() -> None:
     from registry.oci.models import TarLayer
     from registry.settings import RegistrySettings
     from tests.registry.conftest import make_token
-    from tests.registry.helpers import make_release, manifest, post_eval, seal
+    from tests.registry.helpers import STAND_IN_EXECUTABLE, make_release, manifest, post_eval, seal
 
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
@@ -74,7 +62,7 @@ def main() -> None:
         busybox = Path("/bin/busybox")
         if not busybox.is_file():  # the registry serves the base's bytes as they are: a stand-in will do
             busybox = work / "busybox"
-            busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+            busybox.write_bytes(STAND_IN_EXECUTABLE)
         base.mkdir()
         write_busybox_base(busybox, base)
         data = work / "registry"
@@ -124,9 +112,7 @@ def main() -> None:
             tar_s = best_seconds(["curl", "-sf", *auth, "-o", "/dev/null", f"{car}/blobs/{layer}"], args.repeat)
             raw = ["curl", "-sf", *auth, "-o", "/dev/null", f"{host}/v2/{MODEL}/blobs/sha256:{sha}"]
             raw_s = best_seconds(raw, args.repeat)
-        hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(weights)!r}, 'rb')\n"
-        hashing += "while b := f.read(8 << 20): h.update(b)"
-        hash_s = best_seconds([sys.executable, "-c", hashing], args.repeat)
+        hash_s = sha256_seconds(weights, args.repeat)
         shutil.rmtree(data, ignore_errors=True)
 
     mb_s = {

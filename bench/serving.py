@@ -1,8 +1,10 @@
-"""What the HTTP benchmarks share: `kiln serve` on a free loopback port, and the best time of a command."""
+"""What the HTTP benchmarks share: `kiln serve` on a free loopback port, the best time of a command, a random
+input file, and the time to sha256 it (the ceiling of anything that must read and hash those bytes)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -50,3 +52,21 @@ def kiln_serve(data: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def random_file(path: Path, size_mib: int) -> str:
+    """Write `size_mib` MiB of random bytes to `path`; their sha256."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for _ in range(size_mib):
+            chunk = os.urandom(1 << 20)
+            digest.update(chunk)
+            f.write(chunk)
+    return digest.hexdigest()
+
+
+def sha256_seconds(path: Path, repeat: int) -> float:
+    """The best time of sha256 over `path` with Python's hashlib (OpenSSL), in a fresh process."""
+    hashing = f"import hashlib; h = hashlib.sha256(); f = open({str(path)!r}, 'rb')\n"
+    hashing += "while b := f.read(8 << 20): h.update(b)"
+    return best_seconds([sys.executable, "-c", hashing], repeat)

@@ -16,6 +16,7 @@ from formats.gguf.constants import Keys, ValueType
 from targets.base import ExportRequest, get_target
 from tests.file_builders import gguf_bytes, safetensors_bytes, valid_safetensors_header
 from tests.model_factory import make_model
+from tests.registry.helpers import STAND_IN_EXECUTABLE
 
 
 def kiln(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -302,7 +303,7 @@ def test_modelcar_base_writes_a_layout_the_registry_loads(tmp_path: Path) -> Non
     from registry.oci.base_image import load_base_image
 
     busybox = tmp_path / "busybox"
-    busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+    busybox.write_bytes(STAND_IN_EXECUTABLE)
     out = kiln("modelcar-base", str(tmp_path / "base"), "--busybox", str(busybox))
     assert out.returncode == 0, out.stderr
     base = load_base_image(tmp_path / "base")

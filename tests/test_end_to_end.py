@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
+from tests.registry.helpers import STAND_IN_EXECUTABLE
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny-llama" / "kiln.yaml"
 KILN = [sys.executable, "-m", "kiln"]
@@ -59,7 +61,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
     busybox = Path("/bin/busybox")
     if not busybox.is_file():
         busybox = data / "busybox"
-        busybox.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+        busybox.write_bytes(STAND_IN_EXECUTABLE)
     kiln("modelcar-base", str(data / "modelcar-base"), "--busybox", str(busybox), env=env)
     server_env["KILN_REGISTRY_MODELCAR_BASE"] = str(data / "modelcar-base")
     log = open(data / "server.log", "w")  # noqa: SIM115 - closed below

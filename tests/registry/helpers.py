@@ -48,6 +48,11 @@ def stored_blob_objects(settings: RegistrySettings) -> list[str]:
     return sorted(keys + uploads)
 
 
+# A static 64-bit x86-64 ELF header and nothing to run: a model-car base where no busybox is installed
+# (the registry serves a base image's bytes as they are; only running the image needs a real one).
+STAND_IN_EXECUTABLE = b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100)
+
+
 def overwrite_stored_blob(store: Any, sha256: str, data: bytes) -> None:
     """Replace a stored blob's bytes behind the registry's back (a disk or bucket going bad), in either store."""
     from registry.blobs.local import LocalBlobStore

@@ -37,6 +37,7 @@ from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
+    STAND_IN_EXECUTABLE,
     make_release,
     manifest,
     overwrite_stored_blob,
@@ -71,7 +72,7 @@ def base_layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     layout = tmp_path_factory.mktemp("base")
     binary = Path(BUSYBOX) if BUSYBOX else layout.parent / "fake-busybox"
     if BUSYBOX is None:
-        binary.write_bytes(b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little") + bytes(100))
+        binary.write_bytes(STAND_IN_EXECUTABLE)
     write_busybox_base(binary, layout)
     return layout
 
