@@ -145,6 +145,7 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
                     "artifact": name,
                     "quant": quant,
                     "runtime": runtime,
+                    **eval_stage.runtime_params(runtime),
                     "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
                 },
                 inputs={"reference": reference.id, "export": export.id},

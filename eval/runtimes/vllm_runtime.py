@@ -16,9 +16,11 @@ Activations are float32, as transformers evaluates every bundle, so the two runt
 their kernels, not by their arithmetic; W4A16 is bf16, the only float type vLLM's CPU kernel for it takes
 (`COMPUTE_DTYPES`). The dtype is part of the report's runtime version.
 
-What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against the kernels the worker
-reports: such a bundle is *not evaluated here*, with the reason. A bundle vLLM refuses for any other
-reason fails the eval stage: transformers accepted it, so that is a bug to find.
+What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against this machine's verdict
+(`eval.runtimes.capabilities`: decided from the CPU's flags and the installed libraries, planned into the
+eval stage's key) and the kernels the worker reports: such a bundle is *not evaluated here*, with the
+reason. A bundle vLLM refuses for any other reason fails the eval stage: transformers accepted it, so
+that is a bug to find.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 from core.errors import Deferred, InvalidInput, StageFailed
 from eval.runtimes import environments
 from eval.runtimes.base import check_ids
+from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilities
 from eval.runtimes.vllm_worker import PROTOCOL
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -78,8 +81,9 @@ class WeightScheme:
 
 @dataclass(frozen=True)
 class Limitation:
-    """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, or `amx`
-    usable here), or never (`never`); `reason` is what the eval records when it is missing."""
+    """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, `amx` usable
+    here, or `fp8_matmul`: torch's FP8 matmul usable here), or never (`never`); `reason` is what the eval
+    records when it is missing."""
 
     scheme: str
     matches: Callable[[WeightScheme], bool]
@@ -107,8 +111,7 @@ CPU_LIMITS: tuple[Limitation, ...] = (
         "FP8 W8A8",
         lambda s: s.weight_type == "float" and s.weight_strategy != "block" and s.activations,
         "fp8_matmul",
-        "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm (oneDNN), which has no usable FP8 "
-        "kernel for this CPU",
+        "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm, which has no usable FP8 matmul here",
     ),
     Limitation(
         "block FP8",
@@ -118,10 +121,6 @@ CPU_LIMITS: tuple[Limitation, ...] = (
     ),
 )
 
-
-# An FP8 matmul of the worker's probe shape slower than this is oneDNN's reference implementation (an
-# optimized one takes well under a millisecond; the reference one hundreds), too slow to evaluate with.
-FP8_MATMUL_MAX_MS = 20.0
 
 # The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
 # runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
@@ -180,9 +179,11 @@ def head_size(config: dict[str, Any]) -> int | None:
     return None
 
 
-def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head: int | None = None) -> str | None:
-    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` here (given the worker's
-    `hello`), or None if it can."""
+def cpu_limitation(
+    schemes: Sequence[WeightScheme], capabilities: VllmCapabilities, hello: dict[str, Any], head: int | None = None
+) -> str | None:
+    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` here (given this machine's
+    `capabilities` and the worker's `hello`), or None if it can."""
     sizes = hello.get("head_sizes")
     if head is not None and sizes and head not in sizes:
         return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
@@ -191,18 +192,10 @@ def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head:
             continue
         if limit.needs == "never":
             return f"{limit.scheme}: {limit.reason}"
-        if limit.needs == "amx" and not hello["amx"]["used"]:
-            return f"{limit.scheme}: {limit.reason}; AMX here: {hello['amx']['reason']}"
-        probe = hello.get("fp8_matmul")
-        if limit.needs == "fp8_matmul" and probe is not None:  # a worker from before the probe: let vLLM say
-            m, k, n = probe.get("shape", (0, 0, 0))
-            if not probe.get("ok"):
-                return f"{limit.scheme}: {limit.reason} ({probe.get('error')})"
-            if probe.get("ms", 0.0) > FP8_MATMUL_MAX_MS:
-                return (
-                    f"{limit.scheme}: {limit.reason} (only oneDNN's reference one: {probe['ms']:.0f} ms for a "
-                    f"{m}×{k}×{n} matmul)"
-                )
+        if limit.needs == "amx" and not capabilities.amx.used:
+            return f"{limit.scheme}: {limit.reason}; AMX here: {capabilities.amx.reason}"
+        if limit.needs == "fp8_matmul" and not capabilities.fp8_matmul.usable:
+            return f"{limit.scheme}: {limit.reason} ({capabilities.fp8_matmul.reason})"
         kernel = limit.needs.removeprefix("kernel:")
         if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
             return f"{limit.scheme}: {limit.reason}"
@@ -212,11 +205,13 @@ def cpu_limitation(schemes: Sequence[WeightScheme], hello: dict[str, Any], head:
 class WorkerProcess:
     """One worker in vLLM's environment; requests are answered in order, a dead worker is an error."""
 
-    def __init__(self, python: Path, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-vllm-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
         env.pop("PYTHONPATH", None)  # nothing of kiln's environment leaks into vLLM's
         env["OMP_NUM_THREADS"] = str(threads)  # vLLM computes with these, on any machine
+        if amx is not None:  # decided by kiln (the planned verdict): the worker does not decide again
+            env[AMX_ENV] = "on" if amx else "off"
         self.threads = threads
         self.proc = subprocess.Popen(
             [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
@@ -275,6 +270,20 @@ class WorkerProcess:
         Path(self.log.name).unlink(missing_ok=True)
 
 
+def _mismatch(planned: VllmCapabilities, here: VllmCapabilities) -> StageFailed:
+    """The eval was planned under one verdict and this machine decides another."""
+    a, b = planned.model_dump(mode="json"), here.model_dump(mode="json")
+    differ = sorted(k for k in a if a[k] != b[k])
+    planned_facts = ", ".join(f"{k}={a[k]}" for k in differ)
+    here_facts = ", ".join(f"{k}={b[k]}" for k in differ)
+    return StageFailed(
+        f"this eval was planned for a machine where vLLM's capabilities are {planned_facts}; here they are "
+        f"{here_facts}: plan it on the kind of machine that runs it",
+        code="EVAL_CAPABILITY_MISMATCH",
+        details={"planned": {k: a[k] for k in differ}, "here": {k: b[k] for k in differ}},
+    )
+
+
 class WorkerError(Exception):
     """The worker answered a request with a failure (vLLM raised)."""
 
@@ -294,17 +303,18 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
-_WORKERS: dict[tuple[Path, int], WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, int, bool | None], WorkerProcess] = {}
 
 
-def shared_worker(python: Path, threads: int = DEFAULT_THREADS) -> WorkerProcess:
-    """The process's worker for that environment and thread count, started on first use, stopped at exit."""
-    worker = _WORKERS.get((python, threads))
+def shared_worker(python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None) -> WorkerProcess:
+    """The process's worker for that environment, thread count and AMX verdict (None: the worker's own),
+    started on first use, stopped at exit."""
+    worker = _WORKERS.get((python, threads, amx))
     if worker is not None and worker.proc.poll() is not None:  # died (its error was raised): start another
         worker.close()
         worker = None
     if worker is None:
-        worker = _WORKERS[(python, threads)] = WorkerProcess(python, threads)
+        worker = _WORKERS[(python, threads, amx)] = WorkerProcess(python, threads, amx)
     return worker
 
 
@@ -316,14 +326,28 @@ def _stop_workers() -> None:
 
 
 class VllmRuntime:
-    """A bundle directory loaded by `vllm.LLM` on CPU, in vLLM's own environment."""
+    """A bundle directory loaded by `vllm.LLM` on CPU, in vLLM's own environment.
+
+    `capabilities`: the verdict the eval was planned with (its stage key holds it); this machine must
+    decide the same, or the eval fails with EVAL_CAPABILITY_MISMATCH rather than record another verdict
+    under that key. None: this machine's verdict."""
 
     name = "vllm"
 
-    def __init__(self, bundle_dir: str | Path, *, max_model_len: int = 1024, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(
+        self,
+        bundle_dir: str | Path,
+        *,
+        max_model_len: int = 1024,
+        threads: int = DEFAULT_THREADS,
+        capabilities: VllmCapabilities | None = None,
+    ) -> None:
         self.path = Path(bundle_dir)
         if not self.path.is_dir():
             raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
+        here = vllm_capabilities()
+        if capabilities is not None and capabilities != here:
+            raise _mismatch(capabilities, here)
         installed = environments.find("vllm")
         if installed is None:
             raise Deferred(
@@ -332,9 +356,11 @@ class VllmRuntime:
             )
         config = bundle_config(self.path)
         schemes = bundle_schemes(config)
-        self._worker = shared_worker(installed.python, threads)
+        self._worker = shared_worker(installed.python, threads, here.amx.used)
         hello = self._worker.hello
-        why = cpu_limitation(schemes, hello, head_size(config))
+        if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
+            raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
+        why = cpu_limitation(schemes, here, hello, head_size(config))
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
@@ -349,7 +375,7 @@ class VllmRuntime:
                     "kv_cache_bytes": KV_CACHE_BYTES,
                     "full_vocab_limit": FULL_VOCAB_LIMIT,
                     "top_k": TOP_K,
-                    "dtype": compute_dtype(schemes, bool(hello["amx"]["used"])),
+                    "dtype": compute_dtype(schemes, here.amx.used),
                 }
             )
         except WorkerError as e:
@@ -361,7 +387,7 @@ class VllmRuntime:
         self.vocab_size = int(loaded["vocab"])
         self.load_seconds = float(loaded["load_s"])
         exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
-        self.dtype = compute_dtype(schemes, bool(hello["amx"]["used"]))
+        self.dtype = compute_dtype(schemes, here.amx.used)
         self.version = (
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"

@@ -6,6 +6,7 @@ from core.errors import StageFailed
 from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
+from eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
 from pipeline.records import ArtifactRecord
 from pipeline.requirements import RUNTIME_NEEDS, ModelSize, Requirements, requirements
 from pipeline.stage import Node, Stage, StageContext
@@ -23,9 +24,28 @@ def run(ctx: StageContext) -> EvalReport:
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
     report = evaluate_artifact(
-        stored_reference(ctx.input("reference")), runtime, artifact, text, Gate(**ctx.node.params["gate"])
+        stored_reference(ctx.input("reference")),
+        runtime,
+        artifact,
+        text,
+        Gate(**ctx.node.params["gate"]),
+        **_planned_capabilities(ctx.node),
     )
     return report
+
+
+def runtime_params(runtime: str) -> dict[str, object]:
+    """What an eval node's params say of the machine for `runtime`, decided when the graph is planned: for
+    vLLM, what it can run on this CPU (`eval.runtimes.capabilities`), so another verdict is another key."""
+    if runtime == "vllm":
+        return {"capabilities": vllm_capabilities().model_dump(mode="json")}
+    return {}
+
+
+def _planned_capabilities(node: Node) -> dict[str, VllmCapabilities]:
+    """The verdict the plan keyed this eval by, for the runtime to check that it holds where it runs."""
+    planned = node.params.get("capabilities")
+    return {} if planned is None else {"capabilities": VllmCapabilities.model_validate(planned)}
 
 
 def needs(node: Node, size: ModelSize) -> Requirements:

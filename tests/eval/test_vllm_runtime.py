@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from core.errors import Deferred, InvalidInput, StageFailed
 from eval.gates import gate_for
 from eval.run import evaluate, evaluate_artifact, measure
 from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
-from eval.runtimes.environments import find
+from eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, decide
+from eval.runtimes.environments import Installed, find, get_environment
 from eval.runtimes.vllm_runtime import (
     VllmRuntime,
     WeightScheme,
@@ -35,13 +37,12 @@ from quant.schemes import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest
 from targets.hf_bundle.export import export
+from tests.eval.test_capabilities import busy_cpus
 from tests.model_factory import make_model
 
-HELLO = {
-    "vllm": "0.32.0",
-    "kernels": {"cpu_gemm_wna16": True},
-    "amx": {"used": False, "reason": "this CPU does not advertise AMX tiles"},
-}
+HELLO = {"vllm": "0.32.0", "kernels": {"cpu_gemm_wna16": True}}
+# What an AMD EPYC with AVX2 decides (no AMX; FP8 matmuls in float32).
+CAPS = decide(frozenset({"avx2"}), Installed(get_environment("vllm"), Path("/opt/vllm-env"), {"version": "0.32.0"}))
 
 
 @pytest.fixture(scope="module")
@@ -95,33 +96,27 @@ def bundles(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 # --- what vLLM cannot run on this CPU is data, checked against what the worker reports -----------------
 
 
-def test_limits_follow_the_bundle_scheme_and_the_worker_kernels(bundles: dict[str, Path]) -> None:
+def test_limits_follow_the_bundle_scheme_the_verdict_and_the_worker_kernels(bundles: dict[str, Path]) -> None:
     assert bundle_schemes(bundle_config(bundles["bf16"])) == []
-    assert cpu_limitation(bundle_schemes(bundle_config(bundles["bf16"])), HELLO) is None
-    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8"])), HELLO) is None
-    assert "int8 W8A16" in (cpu_limitation(bundle_schemes(bundle_config(bundles["int8-w8a16"])), HELLO) or "")
-    block = cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), HELLO)
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["bf16"])), CAPS, HELLO) is None
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8"])), CAPS, HELLO) is None
+    assert "int8 W8A16" in (cpu_limitation(bundle_schemes(bundle_config(bundles["int8-w8a16"])), CAPS, HELLO) or "")
+    block = cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), CAPS, HELLO)
     assert block is not None and "AMX" in block and "does not advertise" in block
-    with_amx = {**HELLO, "amx": {"used": True, "reason": "advertised, and AMX code ran here"}}
-    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), with_amx) is None
-    small_heads = cpu_limitation([], {**HELLO, "head_sizes": [32, 64]}, head=16)
+    with_amx = CAPS.model_copy(update={"amx": AmxVerdict(advertised=True, used=True, reason="AMX code ran here")})
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["fp8-block"])), with_amx, HELLO) is None
+    small_heads = cpu_limitation([], CAPS, {**HELLO, "head_sizes": [32, 64]}, head=16)
     assert small_heads is not None and "head sizes 32, 64; this model's is 16" in small_heads
     w4a16 = [WeightScheme("int", 4, "group", False)]
-    assert cpu_limitation(w4a16, HELLO) is None
-    no_kernel = cpu_limitation(w4a16, {**HELLO, "kernels": {"cpu_gemm_wna16": False}})
+    assert cpu_limitation(w4a16, CAPS, HELLO) is None
+    no_kernel = cpu_limitation(w4a16, CAPS, {**HELLO, "kernels": {"cpu_gemm_wna16": False}})
     assert no_kernel is not None and "cpu_gemm_wna16" in no_kernel
-    # Per-channel FP8 W8A8 runs through torch's FP8 matmul: the worker's probe says whether it is usable.
+    # Per-channel FP8 W8A8 runs through torch's FP8 matmul: the verdict says whether it is usable, and why not.
     fp8 = bundle_schemes(bundle_config(bundles["fp8"]))
-    shape = [64, 512, 512]
-    assert cpu_limitation(fp8, {**HELLO, "fp8_matmul": {"ok": True, "ms": 0.2, "shape": shape}}) is None
-    missing = cpu_limitation(fp8, {**HELLO, "fp8_matmul": {"ok": False, "error": "no primitive", "shape": shape}})
-    assert missing is not None and "FP8 W8A8" in missing and "no primitive" in missing
-    slow = cpu_limitation(fp8, {**HELLO, "fp8_matmul": {"ok": True, "ms": 280.0, "shape": shape}})
-    assert slow is not None and "reference one: 280 ms for a 64×512×512 matmul" in slow
-    assert (
-        cpu_limitation(bundle_schemes(bundle_config(bundles["int8-w8a8"])), {**HELLO, "fp8_matmul": {"ok": False}})
-        is None
-    )
+    unusable = CAPS.model_copy(update={"fp8_matmul": Fp8MatmulVerdict(usable=False, reason="oneDNN's reference")})
+    missing = cpu_limitation(fp8, unusable, HELLO)
+    assert missing is not None and "FP8 W8A8" in missing and "(oneDNN's reference)" in missing
+    assert cpu_limitation(bundle_schemes(bundle_config(bundles["int8-w8a8"])), unusable, HELLO) is None
 
 
 @pytest.mark.parametrize(
@@ -170,10 +165,15 @@ def test_the_probe_reports_a_child_killed_by_an_illegal_instruction() -> None:
     assert probe_amx(code="pass") == 0
 
 
-def test_without_amx_vllm_sees_no_amx_tiles(vllm_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_probe_that_does_not_end_gives_no_verdict() -> None:
+    """How long the probe's child takes never decides: past the timeout there is no answer, not a False."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        probe_amx(code="import time; time.sleep(30)", timeout=1.0)
+
+
+def test_without_amx_vllm_sees_no_amx_tiles(vllm_python: Path) -> None:
     """The worker's decision reaches vLLM: torch's AMX test, which vLLM picks its kernels by, answers False."""
-    monkeypatch.setenv("KILN_VLLM_AMX", "off")
-    worker = vllm_runtime.WorkerProcess(vllm_python)
+    worker = vllm_runtime.WorkerProcess(vllm_python, amx=False)
     try:
         assert worker.hello["amx"] == {"advertised": worker.hello["amx"]["advertised"], "used": False,
                                        "reason": "disabled by KILN_VLLM_AMX=off"}  # fmt: skip
@@ -245,6 +245,25 @@ def test_quantized_bundles_in_vllm_and_transformers_agree(
         bf16 = "bfloat16 activations" in (in_vllm.runtime_version or "")
         assert abs(in_vllm.metrics.kl - in_transformers.metrics.kl) < 0.1 * in_transformers.metrics.kl, scheme
         assert abs(in_vllm.metrics.top1 - in_transformers.metrics.top1) <= (0.02 if bf16 else 0.01), scheme
+
+
+def _opens(bundle: Path, text: EvalText) -> str:
+    """What vLLM here makes of `bundle`: "loaded", or why it is not evaluated."""
+    try:
+        rt = VllmRuntime(bundle, max_model_len=text.context_needed)
+    except Deferred as e:
+        return e.message
+    rt.close()
+    return "loaded"
+
+
+def test_whether_fp8_runs_is_the_same_on_a_loaded_machine(bundles: dict[str, Path], text: EvalText) -> None:
+    quiet = {s: _opens(bundles[s], text) for s in ("fp8", "fp8-block")}
+    vllm_runtime._stop_workers()  # a new worker under load: it decides nothing the plan did not
+    with busy_cpus() as spinners:
+        loaded = {s: _opens(bundles[s], text) for s in ("fp8", "fp8-block")}
+        assert all(p.poll() is None for p in spinners)
+    assert loaded == quiet
 
 
 def test_a_scheme_vllm_cannot_run_here_is_not_evaluated_with_the_reason(
