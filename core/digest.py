@@ -63,6 +63,14 @@ class HashCache:
         self._dirty = True
         return digest
 
+    def remember(self, file: str | Path, digest: str) -> None:
+        """Record `digest` as the sha256 of `file` as it is now (its content was hashed as it was written)."""
+        p = Path(file).resolve()
+        st = p.stat()
+        stamp = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        self._entries[str(p)] = {"stat": stamp, "sha256": digest}
+        self._dirty = True
+
     def save(self) -> None:
         if not self._dirty:
             return

@@ -6,6 +6,12 @@ Outputs are written into a temporary directory and renamed into place only after
 written, so a stage killed mid-way leaves only a `.tmp-*` directory that is never mistaken for done.
 A stage returns a typed record (`pipeline.records`); `stage.json` stores it as the output's
 `result`, and reading it back validates it against the stage's record type.
+
+A `stage.json` is read like any untrusted input (`read_stage_record`): one that is not JSON kiln
+accepts, has another shape, names another key, or lists files that are missing or not what it says
+(size, sha256: verified through a stat-keyed cache, so a file is re-read only after it changed) is
+corrupt (STAGE_RECORD_CORRUPT). In the work dir such an output is moved aside under `corrupt/`,
+logged, and the stage is built again.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import shutil
@@ -30,9 +37,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from core import __version__
-from core.digest import is_sha256, sha256_file, sha256_json
+from core.digest import HashCache, is_sha256, sha256_file, sha256_json
 from core.errors import KilnError, StageFailed
 from core.manifest import FileEntry
+from core.untrusted import InvalidJSON, loads_json
 from pipeline.requirements import ModelSize, Requirements, requirements
 
 STAGE_FILE = "stage.json"
@@ -40,7 +48,11 @@ EXTERNAL_DIR = "external"
 LOG_FILE = "stage.log"  # what the stage's libraries printed; beside stage.json, not part of the output
 OUTPUT_DIR = "files"
 LOG_TAIL_LINES = 20
+CORRUPT_DIR = "corrupt"  # outputs whose stage.json or files were found corrupt, moved aside
+VERIFIED_FILE = ".verified-files.json"  # sha256 of output files by stat (core.digest.HashCache)
+MAX_STAGE_JSON = 64 * 1024 * 1024
 R = TypeVar("R", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,54 @@ class StageInputMissing(KilnError):
     code = "STAGE_INPUT_MISSING"
 
 
+class StageRecordCorrupt(KilnError):
+    """A stage.json that is not a stage record of the key it was found under, or whose files do not match it."""
+
+    code = "STAGE_RECORD_CORRUPT"
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What a stage.json holds, once checked: the stage's record, its files and its provenance."""
+
+    result: BaseModel
+    files: list[FileEntry]
+    provenance: dict[str, Any]
+
+
+def read_stage_record(node: Node, key: str, meta: bytes, where: str, *, check_node: bool = True) -> StageRecord:
+    """The stage.json `meta` (read from `where`) as the output of `node` at `key`; StageRecordCorrupt,
+    naming `where`, when it is not JSON kiln accepts, has another shape, names another key (or node, with
+    `check_node`), or lists a file twice."""
+
+    def corrupt(why: str) -> StageRecordCorrupt:
+        return StageRecordCorrupt(f"{where} {why}", details={"stage": node.id, "key": key, "path": where})
+
+    if len(meta) > MAX_STAGE_JSON:
+        raise corrupt(f"is larger than {MAX_STAGE_JSON} bytes")
+    try:
+        data = loads_json(meta, what="stage.json")
+    except InvalidJSON as e:
+        raise corrupt(f"is not valid JSON ({e.message})") from None
+    if not isinstance(data, dict):
+        raise corrupt(f"holds a JSON {type(data).__name__}, not a stage record")
+    if data.get("key") != key or (check_node and data.get("node") != node.id):
+        raise corrupt("names another node or key")
+    try:
+        result = node.stage.record.model_validate(data["result"])
+        files = [FileEntry.model_validate(f) for f in data["files"]]
+        provenance = data["provenance"]
+    except KeyError as e:
+        raise corrupt(f"has no {e.args[0]!r}") from None
+    except (TypeError, ValidationError) as e:
+        raise corrupt(f"does not hold a {node.stage.record.__name__} and its files ({type(e).__name__})") from None
+    if not isinstance(provenance, dict):
+        raise corrupt("has a provenance that is not an object")
+    if len({f.path for f in files}) != len(files):
+        raise corrupt("lists a file twice")
+    return StageRecord(result, files, provenance)
+
+
 class WorkDir:
     """The content-addressed store of stage outputs on one machine (`pipeline.store.StageStore`).
 
@@ -164,6 +224,14 @@ class WorkDir:
 
     def __init__(self, root: Path):
         self.root = root
+        self._verified: HashCache | None = None
+
+    @property
+    def verified(self) -> HashCache:
+        """sha256 of output files by stat: a cached lookup re-reads only a file that changed."""
+        if self._verified is None:
+            self._verified = HashCache(self.root / VERIFIED_FILE)
+        return self._verified
 
     @property
     def local(self) -> WorkDir:
@@ -204,26 +272,72 @@ class WorkDir:
         return self.root / stage / key
 
     def lookup(self, node: Node, key: str) -> StageOutput | None:
+        """The finished output of `node` at `key`, its files checked against its stage.json; None when there
+        is none, or when it was corrupt (then moved aside under `corrupt/`, and logged, to be built again)."""
+        try:
+            return self._read(node, key, verify=True)
+        except StageRecordCorrupt as e:
+            self._set_aside(node, key, e)
+            return None
+
+    def _read(self, node: Node, key: str, *, verify: bool) -> StageOutput | None:
         path = self.final_path(node.stage.name, key)
         meta = path / STAGE_FILE
         if not meta.is_file():
             return None
-        data = json.loads(meta.read_text())
         try:
-            result = node.stage.record.model_validate(data["result"])
-        except (KeyError, ValidationError) as e:
-            raise StageFailed(
-                f"{meta} does not hold a {node.stage.record.__name__}: {e}; delete that directory to rebuild it",
-                details={"stage": node.id, "path": str(path)},
+            with open(meta, "rb") as f:
+                raw = f.read(MAX_STAGE_JSON + 1)
+        except OSError as e:
+            raise StageRecordCorrupt(
+                f"{meta} cannot be read ({e.strerror})", details={"stage": node.id, "key": key, "path": str(meta)}
             ) from None
+        record = read_stage_record(node, key, raw, str(meta), check_node=False)
+        if verify:
+            self._verify_files(node, key, path, record.files)
         return StageOutput(
             node_id=node.id,
             key=key,
             path=path,
-            result=result,
-            files=[FileEntry(**f) for f in data["files"]],
-            provenance=data["provenance"],
+            result=record.result,
+            files=record.files,
+            provenance=record.provenance,
         )
+
+    def _verify_files(self, node: Node, key: str, path: Path, files: list[FileEntry]) -> None:
+        """Every file the stage.json lists is there with its size and sha256 (re-hashed only when changed)."""
+        for entry in files:
+            file = path / OUTPUT_DIR / entry.path
+            why = None
+            if not file.is_file() or file.is_symlink():
+                why = "is missing"
+            elif file.stat().st_size != entry.size:
+                why = f"has {file.stat().st_size} bytes, not the {entry.size} its stage.json records"
+            elif (actual := self.verified.sha256(file)) != entry.sha256:
+                why = f"has sha256 {actual}, not the {entry.sha256} its stage.json records"
+            if why is not None:
+                self.verified.save()
+                raise StageRecordCorrupt(
+                    f"{file} {why}", details={"stage": node.id, "key": key, "path": str(path / STAGE_FILE)}
+                )
+        self.verified.save()
+
+    def _set_aside(self, node: Node, key: str, error: StageRecordCorrupt) -> None:
+        """Move a corrupt output out of the store (kept under `corrupt/` to look at), so it is built again."""
+        final = self.final_path(node.stage.name, key)
+        when = time.strftime("%Y%m%dT%H%M%S")
+        aside = self.root / CORRUPT_DIR / f"{node.stage.name}-{key[:16]}-{when}-{uuid.uuid4().hex[:8]}"
+        try:
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(final, aside)
+        except FileNotFoundError:
+            return  # another process moved it first
+        except OSError as e:
+            raise StageRecordCorrupt(
+                f"{error.message}; it could not be moved aside ({e.strerror}): delete {final} to rebuild it",
+                details=error.details,
+            ) from None
+        log.warning("%s [%s]: %s; moved aside to %s, building it again", node.id, error.code, error.message, aside)
 
     def digest(self, node: Node, key: str) -> str | None:
         """The digest of the finished output of (node, key), or None: what a downstream key is made of."""
@@ -273,7 +387,13 @@ class WorkDir:
             if not (final / STAGE_FILE).is_file():
                 raise
             shutil.rmtree(tmp)  # another run finished the same key first; identical by construction
-        out = self.lookup(node, key)
+            out = self._read(node, key, verify=True)
+        else:
+            out = self._read(node, key, verify=False)  # its files were hashed as they were sealed or fetched
+            assert out is not None
+            for entry in out.files:
+                self.verified.remember(out.files_dir / entry.path, entry.sha256)
+            self.verified.save()
         assert out is not None
         return out
 

@@ -34,12 +34,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import ValidationError
-
 from core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed, Unavailable
 from core.manifest import FileEntry
-from core.untrusted import InvalidJSON, loads_json
-from pipeline.stage import OUTPUT_DIR, STAGE_FILE, Node, StageInputMissing, StageOutput, WorkDir, output_digest
+from pipeline.stage import (
+    OUTPUT_DIR,
+    STAGE_FILE,
+    Node,
+    StageInputMissing,
+    StageOutput,
+    StageRecord,
+    StageRecordCorrupt,
+    WorkDir,
+    output_digest,
+    read_stage_record,
+)
 
 STORE_ENV = "KILN_STORE"
 ENDPOINT_ENVS = ("KILN_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -130,9 +138,8 @@ class RemoteStageStore:
         meta = self._get(self.stage_key(node, key))
         if meta is None:
             return None
-        files = _checked_stage_json(node, key, meta, self.url)
-        result = node.stage.record.model_validate(loads_json(meta)["result"])
-        return output_digest(files, result)
+        record = self._checked(node, key, meta)
+        return output_digest(record.files, record.result)
 
     def new_temp(self, stage: str, key: str) -> Path:
         return self._local.new_temp(stage, key)
@@ -168,7 +175,7 @@ class RemoteStageStore:
 
     def _materialise(self, node: Node, key: str, meta: bytes) -> StageOutput:
         """Download the output `meta` (a stage.json from the bucket) into the local store, verified."""
-        files = _checked_stage_json(node, key, meta, self.url)
+        files = self._checked(node, key, meta).files
         tmp = self._local.new_temp(node.stage.name, key)
         try:
             for f in files:
@@ -205,6 +212,18 @@ class RemoteStageStore:
                 f"not the {f.sha256} ({f.size} bytes) its stage.json names",
                 details={"path": f.path, "expected": f.sha256, "actual": h.hexdigest()},
             )
+
+    def _checked(self, node: Node, key: str, meta: bytes) -> StageRecord:
+        """A stage.json from the bucket, once it is shown to be the output of (node, key)."""
+        where = f"{self.url}/{node.stage.name}/{key}/{STAGE_FILE}"
+        try:
+            return read_stage_record(node, key, meta, where)
+        except StageRecordCorrupt as e:
+            raise StageFailed(
+                f"stage store {self.url}: {e.message}",
+                code="STAGE_STORE_CORRUPT",
+                details={"stage": node.id, "key": key, "path": where},
+            ) from None
 
     # -- external inputs ---------------------------------------------------------------------------
 
@@ -258,7 +277,11 @@ class RemoteStageStore:
         finally:
             body.close()
         if len(data) > MAX_STAGE_JSON:
-            raise StageFailed(f"stage store {self.url}: {key} is larger than {MAX_STAGE_JSON} bytes")
+            raise StageFailed(
+                f"stage store {self.url}: {key} is larger than {MAX_STAGE_JSON} bytes",
+                code="STAGE_STORE_CORRUPT",
+                details={"path": key},
+            )
         return data
 
     def _exists(self, key: str) -> bool:
@@ -279,32 +302,6 @@ class RemoteStageStore:
         return Unavailable(
             f"stage store {self.url} failed: {code}", code="STAGE_STORE_UNAVAILABLE", details={"s3": code}
         )
-
-
-def _checked_stage_json(node: Node, key: str, meta: bytes, where: str) -> list[FileEntry]:
-    """The files a stage.json from `where` names, once it is shown to be the output of (node, key)."""
-
-    def corrupt(why: str) -> StageFailed:
-        return StageFailed(
-            f"stage store {where}: the stage.json of {node.id} at {key[:12]} {why}",
-            code="STAGE_STORE_CORRUPT",
-            details={"stage": node.id, "key": key},
-        )
-
-    try:
-        data = loads_json(meta, what="stage.json")
-    except InvalidJSON as e:
-        raise corrupt(f"is not valid JSON ({e.message})") from None
-    if not isinstance(data, dict) or data.get("key") != key or data.get("node") != node.id:
-        raise corrupt("names another node or key")
-    try:
-        node.stage.record.model_validate(data["result"])
-        files = [FileEntry.model_validate(f) for f in data["files"]]
-    except (KeyError, TypeError, ValidationError) as e:
-        raise corrupt(f"is malformed ({type(e).__name__})") from None
-    if len({f.path for f in files}) != len(files):
-        raise corrupt("lists a file twice")
-    return files
 
 
 def _chunks(path: Path) -> Iterator[bytes]:

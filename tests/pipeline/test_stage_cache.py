@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from core.errors import Deferred, StageFailed
+from core.errors import Deferred, KilnError, StageFailed
 from pipeline.executors.local import LocalExecutor
 from pipeline.stage import Node, Stage, StageContext, WorkDir
 
@@ -87,12 +88,77 @@ def test_cache_key_keeps_each_inputs_role() -> None:
     assert one.cache_key(digests) != other.cache_key(digests)
 
 
-def test_a_stage_json_that_breaks_its_record_schema_is_an_error(tmp_path: Path) -> None:
+def _mangled(meta: bytes, out: Path, how: str) -> bytes:
+    """`meta` (a stage.json) spoiled as `how` says; some spoil the output's file instead."""
+    m = json.loads(meta)
+    if how == "truncated":
+        return meta[: len(meta) // 2]
+    if how == "empty":
+        return b""
+    if how == "garbage":
+        return bytes(range(256)) * 4
+    if how == "list":
+        return json.dumps([m]).encode()
+    if how == "no-result":
+        return json.dumps({k: v for k, v in m.items() if k != "result"}).encode()
+    if how == "files-not-a-list":
+        return json.dumps({**m, "files": {"out.txt": m["files"][0]}}).encode()
+    if how == "bad-record":
+        return json.dumps({**m, "result": {"n": "one"}}).encode()
+    if how == "nested":
+        return json.dumps({**m, "provenance": "deep"}).encode().replace(b'"deep"', b"[" * 5000 + b"]" * 5000)
+    if how == "other-sha256":
+        return json.dumps({**m, "files": [{**m["files"][0], "sha256": "0" * 64}]}).encode()
+    if how == "file-changed":
+        (out / "files" / "out.txt").write_text("{'n': 9}")  # same size, other bytes
+    if how == "file-missing":
+        (out / "files" / "out.txt").unlink()
+    return meta
+
+
+SPOILED = [
+    "truncated", "empty", "garbage", "list", "no-result", "files-not-a-list", "bad-record", "nested",
+    "other-sha256", "file-changed", "file-missing",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", SPOILED)
+def test_a_corrupt_output_in_the_work_dir_is_moved_aside_and_built_again(
+    how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls.clear()
     first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
-    meta = first["write/a"].output.path / "stage.json"
-    meta.write_text(meta.read_text().replace('"n": 1', '"n": "one"'))
-    with pytest.raises(StageFailed, match="does not hold a Written"):
+    out = first["write/a"].output.path
+    meta = out / "stage.json"
+    meta.write_bytes(_mangled(meta.read_bytes(), out, how))
+    with caplog.at_level("WARNING", logger="pipeline.stage"):
+        again = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    assert [o.status for o in again.values()] == ["built", "cached"]  # the same output, so upper/a is reused
+    assert again["write/a"].output.digest == first["write/a"].output.digest
+    assert (again["write/a"].output.files_dir / "out.txt").read_text() == "{'n': 1}"
+    assert calls == ["write/a", "upper/a", "write/a"]
+    (aside,) = (tmp_path / "corrupt").iterdir()  # kept to look at, out of the store
+    assert aside.name.startswith("write-" + first["write/a"].key[:16])
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "write/a [STAGE_RECORD_CORRUPT]" in warning and str(out) in warning and str(aside) in warning
+    assert LocalExecutor(WorkDir(tmp_path)).run(_graph())["write/a"].status == "cached"
+
+
+def test_a_corrupt_output_that_cannot_be_moved_aside_stops_with_its_code(tmp_path: Path) -> None:
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    (first["write/a"].output.path / "stage.json").write_text("{")
+    (tmp_path / "corrupt").write_text("a file where the corrupt outputs go")
+    with pytest.raises(KilnError) as e:
         LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    assert e.value.code == "STAGE_RECORD_CORRUPT" and str(first["write/a"].output.path) in e.value.message
+
+
+def test_a_kept_output_is_read_again_only_after_it_changed(tmp_path: Path) -> None:
+    """Cached lookups verify every file's sha256 through a stat-keyed cache: hashed when the stage sealed it."""
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    out = first["write/a"].output.files_dir / "out.txt"
+    verified = json.loads((tmp_path / ".verified-files.json").read_text())
+    assert verified[str(out.resolve())]["sha256"] == first["write/a"].output.files[0].sha256
 
 
 def test_failed_stage_leaves_nothing_that_looks_done(tmp_path: Path) -> None:
@@ -204,3 +270,41 @@ def test_what_a_stage_prints_goes_to_its_log_and_a_failure_quotes_it(
     assert Path(failed.value.details["log"]).read_text().endswith("the last thing it said\n")
     print("the terminal is back")
     assert capfd.readouterr().out == "the terminal is back\n"
+
+
+def small_recipe(root: Path) -> Path:
+    """A recipe of one GGUF artifact of a small model, beside its model and held-out text."""
+    from tests.model_factory import make_model
+
+    make_model(root / "model")
+    (root / "heldout.txt").write_text((Path(__file__).parents[1] / "model_factory.py").read_text())
+    recipe = {
+        "model": "m",
+        "version": "1",
+        "source": "model",
+        "eval": {"text": "heldout.txt", "max_tokens": 256},
+        "targets": [{"target": "gguf", "quants": ["f16"]}],
+    }
+    (root / "kiln.yaml").write_text(json.dumps(recipe))
+    return root / "kiln.yaml"
+
+
+def kiln_build(
+    recipe: Path, work: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "kiln", "build", str(recipe), "--json", "--work-dir", str(work), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_kiln_build_builds_a_corrupt_stage_again_and_says_so(tmp_path: Path) -> None:
+    recipe = small_recipe(tmp_path)
+    first = kiln_build(recipe, tmp_path / "work")
+    assert first.returncode == 0, first.stderr
+    (meta,) = (tmp_path / "work" / "export").glob("*/stage.json")
+    meta.write_bytes(meta.read_bytes()[:40])  # truncated
+    again = kiln_build(recipe, tmp_path / "work")
+    assert again.returncode == 0, again.stderr
+    assert "Traceback" not in again.stdout + again.stderr
+    assert "export/gguf-f16 [STAGE_RECORD_CORRUPT]" in again.stderr and str(meta) in again.stderr
+    assert json.loads(again.stdout)["artifacts"] == json.loads(first.stdout)["artifacts"]
+    assert json.loads(meta.read_text())["node"] == "export/gguf-f16"  # built again in its place

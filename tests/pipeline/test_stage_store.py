@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from pipeline.executors.node import run_node
 from pipeline.stage import StageInputMissing, WorkDir
 from pipeline.store import RemoteStageStore, open_store, require_input
 from tests.pipeline.ray_stages import toy
-from tests.registry.s3_server import S3Server
+from tests.pipeline.test_stage_cache import kiln_build, small_recipe
+from tests.registry.s3_server import TEST_ENV, S3Server
 
 
 def _machine(s3: S3Server, url: str, root: Path) -> RemoteStageStore:
@@ -76,8 +78,18 @@ def _put_stage_json(s3: S3Server, url: str, node_stage: str, key: str, body: byt
         lambda m: json.dumps({**m, "files": [{**m["files"][0], "path": "/abs"}]}).encode(),
         lambda m: json.dumps({**m, "files": m["files"] * 2}).encode(),
         lambda m: json.dumps({k: v for k, v in m.items() if k != "files"}).encode(),
+        lambda m: json.dumps(m).encode()[:100],
+        lambda m: b"",
+        lambda m: bytes(range(256)) * 4,
+        lambda m: json.dumps([m]).encode(),
+        lambda m: json.dumps({**m, "files": {"out.txt": m["files"][0]}}).encode(),
+        lambda m: json.dumps({k: v for k, v in m.items() if k != "provenance"}).encode(),
+        lambda m: json.dumps({**m, "provenance": "deep"}).encode().replace(b'"deep"', b"[" * 5000 + b"]" * 5000),
     ],
-    ids=["not-json", "other-node", "other-key", "bad-record", "traversal", "absolute", "twice", "no-files"],
+    ids=[
+        "not-json", "other-node", "other-key", "bad-record", "traversal", "absolute", "twice", "no-files",
+        "truncated", "empty", "garbage", "list", "files-not-a-list", "no-provenance", "nested",
+    ],  # fmt: skip
 )
 def test_a_stage_json_from_the_bucket_is_checked_before_use(
     mangle: object, s3_server: S3Server, tmp_path: Path
@@ -92,8 +104,43 @@ def test_a_stage_json_from_the_bucket_is_checked_before_use(
     with pytest.raises(StageFailed) as e:
         b.lookup(node, made.key)
     assert e.value.code == "STAGE_STORE_CORRUPT"
+    assert f"{url}/toy/{made.key}/stage.json" in e.value.message  # names the object
+    with pytest.raises(StageFailed) as digest:
+        b.digest(node, made.key)  # what planning a downstream key asks: the same error
+    assert digest.value.code == "STAGE_STORE_CORRUPT"
     assert not list((tmp_path / "b").rglob("out.txt"))  # nothing materialised, no temporary left
     assert not list((tmp_path / "b").rglob(".tmp-*"))
+
+
+def test_a_stage_json_naming_other_digests_than_its_blobs_is_refused(s3_server: S3Server, tmp_path: Path) -> None:
+    url = s3_server.new_url()
+    a = _machine(s3_server, url, tmp_path / "a")
+    node = toy("x")
+    made = run_node(a, node, {})
+    assert made.output is not None and made.key is not None
+    meta = json.loads((made.output.path / "stage.json").read_text())
+    (entry,) = meta["files"]
+    other = hashlib.sha256(b"x" * entry["size"]).hexdigest()  # a blob stored under that digest holds other bytes
+    prefix = url.removeprefix("s3://kiln-test/")
+    blob = f"{prefix}/blobs/{other[:2]}/{other[2:4]}/{other}"
+    s3_server.client.put_object(Bucket="kiln-test", Key=blob, Body=b"y" * entry["size"])
+    spoiled = json.dumps({**meta, "files": [{**entry, "sha256": other}]}).encode()
+    _put_stage_json(s3_server, url, "toy", made.key, spoiled)
+    with pytest.raises(DigestMismatch, match="out.txt"):
+        _machine(s3_server, url, tmp_path / "b").lookup(node, made.key)
+    assert not list((tmp_path / "b").rglob("out.txt"))
+
+
+def test_a_corrupt_local_copy_is_set_aside_and_fetched_again(s3_server: S3Server, tmp_path: Path) -> None:
+    url = s3_server.new_url()
+    a = _machine(s3_server, url, tmp_path / "a")
+    node = toy("x")
+    made = run_node(a, node, {})
+    assert made.output is not None and made.key is not None
+    (made.output.path / "stage.json").write_bytes(b'{"truncated')
+    again = run_node(_machine(s3_server, url, tmp_path / "a"), node, {})
+    assert again.status == "cached" and again.output is not None and again.output.digest == made.output.digest
+    assert len(list((tmp_path / "a" / "corrupt").iterdir())) == 1
 
 
 def test_a_missing_or_altered_blob_is_refused(s3_server: S3Server, tmp_path: Path) -> None:
@@ -143,3 +190,22 @@ def test_an_unreachable_store_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(KilnError) as e:
         store.lookup(toy("x"), "ab" * 32)
     assert e.value.code == "STAGE_STORE_UNAVAILABLE"
+
+
+def test_kiln_build_stops_with_the_code_of_a_corrupt_stage_json_in_the_shared_store(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    url = s3_server.new_url()
+    recipe = small_recipe(tmp_path)
+    env = {**os.environ, **TEST_ENV, "KILN_S3_ENDPOINT_URL": s3_server.endpoint_url}
+    first = kiln_build(recipe, tmp_path / "a", "--store", url, env=env)
+    assert first.returncode == 0, first.stderr
+    prefix = url.removeprefix("s3://kiln-test/")
+    (key,) = [k for k in s3_server.leftovers(url) if k.startswith(f"{prefix}/export/") and k.endswith("stage.json")]
+    body = s3_server.client.get_object(Bucket="kiln-test", Key=key)["Body"].read()
+    s3_server.client.put_object(Bucket="kiln-test", Key=key, Body=body[: len(body) // 3])
+    other = kiln_build(recipe, tmp_path / "b", "--store", url, env=env)  # another machine of the store
+    assert other.returncode == 1
+    assert "Traceback" not in other.stdout + other.stderr
+    error = json.loads(other.stdout)["error"]
+    assert error["code"] == "STAGE_STORE_CORRUPT" and f"s3://kiln-test/{key}" in error["message"]
