@@ -24,6 +24,7 @@ from core.errors import Unavailable
 from registry import migrate
 from registry.api.boundary import RequestBoundaryMiddleware, add_security_headers
 from registry.api.errors import error_responses, install_error_handlers
+from registry.api.head import answer_head_like_get
 from registry.api.health import router as health_router
 from registry.api.lean_route import LeanLane
 from registry.artifacts.routes import router as artifacts_router
@@ -177,4 +178,5 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     )
     # After those: any other /ui/ URL is an HTML 404 page.
     app.include_router(web_not_found_router, dependencies=[READ])
+    answer_head_like_get(app)  # every GET route answers HEAD the same way, without the body
     return app

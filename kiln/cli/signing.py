@@ -12,7 +12,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from core.errors import InvalidInput
-from core.signing import PROVENANCE_FILE, key_id, load_public_key, public_key_pem, verify_directory
+from core.signing import (
+    PROVENANCE_FILE,
+    SignatureInvalid,
+    key_id,
+    load_public_key,
+    public_key_pem,
+    verify_directory,
+)
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
 from kiln.console import err, safe_text, stdout
 from registry.client import RegistryClient
@@ -37,7 +44,7 @@ def verify(
 ) -> None:
     """Check offline that an artifact's files are exactly the ones its signature (model.sig) covers, signed
     by KEY, and that its provenance (if present) is KEY's and names them. Exit 0 when they are; 2 naming
-    each file that differs."""
+    each file that differs, or when the registry downloaded from lists KEY as revoked."""
     public = load_public_key(key.read_bytes())
     if Path(target).is_dir():
         _verify(Path(target), public, target, as_json)
@@ -49,8 +56,21 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
         dest = keep or Path(tmp)
         with RegistryClient.connect(registry) as client:
+            _check_not_revoked(client, public)
             client.download_artifact(model, version, artifact, dest)
         _verify(dest, public, target, as_json)
+
+
+def _check_not_revoked(client: RegistryClient, public: ec.EllipticCurvePublicKey) -> None:
+    """KEY_REVOKED when the registry lists `public` as revoked: what it signed no longer counts."""
+    kid = key_id(public)
+    for key in client.list_keys():
+        if key["key_id"] == kid and key["revoked_at"] is not None:
+            raise SignatureInvalid(
+                f"key {kid} was revoked at {key['revoked_at']} on the registry: nothing it signed is trusted",
+                code="KEY_REVOKED",
+                details={"key_id": kid, "revoked_at": key["revoked_at"]},
+            )
 
 
 def _verify(directory: Path, public: ec.EllipticCurvePublicKey, what: str, as_json: bool) -> None:

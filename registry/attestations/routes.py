@@ -1,4 +1,10 @@
-"""HTTP routes for artifact attestations (attached by publishers, verified on upload) and trusted keys (admin)."""
+"""HTTP routes for artifact attestations (attached by publishers, verified on upload) and trusted keys (admin).
+
+A key belongs to the models its pattern matches. An admin limited to model patterns trusts and revokes
+only keys whose pattern lies within its own (`tiny-*` within `tiny-*`, never `*`); callers limited to
+model patterns see only the keys whose pattern matches some model of theirs, and a revoke of a key they
+cannot see is answered as if it did not exist.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
+from core.errors import Forbidden, NotFound
 from registry.api.errors import error_responses
 from registry.api.params import ArtifactName, ModelName, Version
 from registry.api.urls import base_url
@@ -21,7 +28,7 @@ from registry.attestations.schemas import (
 )
 from registry.auth.principal import Principal
 from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
+from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
 
 router = APIRouter(prefix="/v1", tags=["attestations"])
 Admin = Annotated[Principal, require("admin")]
@@ -103,6 +110,7 @@ def download_attestation(
     responses={200: {"model": TrustedKeyOut}, **error_responses(409, 422)},
 )
 def add_key(spec: TrustedKeyCreate, session: WriteSessionDep, principal: Admin, response: Response) -> TrustedKeyOut:
+    _check_key_pattern(principal, spec.model_pattern)
     row, created = service.add_key(session, spec, principal.name)
     session.commit()
     if not created:
@@ -110,15 +118,30 @@ def add_key(spec: TrustedKeyCreate, session: WriteSessionDep, principal: Admin, 
     return TrustedKeyOut.from_row(row)
 
 
-@router.get("/keys", summary="Trusted publisher keys, revoked ones included")
-def list_keys(session: SessionDep) -> list[TrustedKeyOut]:
-    return [TrustedKeyOut.from_row(k) for k in service.list_keys(session)]
+@router.get("/keys", summary="Trusted publisher keys for models the caller may read, revoked ones included")
+def list_keys(session: SessionDep, principal: PrincipalDep) -> list[TrustedKeyOut]:
+    return [TrustedKeyOut.from_row(k) for k in service.list_keys(session) if principal.sees_pattern(k.model_pattern)]
 
 
 @router.post("/keys/{key_id}/revoke", summary="Revoke a trusted key (admin, audited)", responses=error_responses(404))
 def revoke_key(
     key_id: KeyId, session: WriteSessionDep, principal: Admin, body: KeyRevoke | None = None
 ) -> TrustedKeyOut:
+    key = next((k for k in service.list_keys(session) if k.key_id == key_id), None)
+    if key is not None and not principal.sees_pattern(key.model_pattern):
+        raise NotFound(f"no trusted key {key_id}", details={"key_id": key_id})
+    if key is not None:
+        _check_key_pattern(principal, key.model_pattern)
     row = service.revoke_key(session, key_id, principal.name, body.reason if body else None)
     session.commit()
     return TrustedKeyOut.from_row(row)
+
+
+def _check_key_pattern(principal: Principal, pattern: str) -> None:
+    """Forbidden unless `principal` may trust or revoke keys for every model `pattern` matches."""
+    if not principal.covers_patterns([pattern]):
+        raise Forbidden(
+            f"token {principal.name!r} is limited to {', '.join(principal.models)} and cannot change keys "
+            f"for {pattern!r}",
+            details={"model_pattern": pattern, "limited_to": list(principal.models), "token": principal.name},
+        )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.errors import Forbidden, Unauthorized
+from registry.auth.patterns import pattern_contains, patterns_overlap
 
 Scope = Literal["read", "publish", "promote", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "publish", "promote", "admin")
@@ -33,6 +34,7 @@ class Principal:
     scopes: frozenset[Scope]
     models: tuple[str, ...] = ()  # patterns; empty: all models
     authenticated: bool = True
+    token_id: int | None = None  # the token's row, for what the registry records per token (uploads)
 
     def __post_init__(self) -> None:
         # Asked on every request: what the scopes grant, and the answer per model, are kept.
@@ -58,7 +60,27 @@ class Principal:
         """True when this principal's model limit contains `models` (a token's patterns; empty: all)."""
         if not self.models:
             return True
-        return bool(models) and all(any(pattern_within(p, own) for own in self.models) for p in models)
+        return bool(models) and all(any(pattern_contains(own, p) for own in self.models) for p in models)
+
+    def sees_pattern(self, pattern: str) -> bool:
+        """True when `pattern` (of a key, a webhook) matches some model this principal may act on."""
+        return not self.models or any(patterns_overlap(own, pattern) for own in self.models)
+
+    @property
+    def unlimited_admin(self) -> bool:
+        """An admin not limited to model patterns: the only caller who may change what belongs to no
+        model or to every model (the hardware catalog, keys and webhooks beyond its own patterns)."""
+        return self.has("admin") and not self.models
+
+    def require_unlimited_admin(self, what: str) -> None:
+        """Refuse (401/403) unless this is an admin not limited to model patterns."""
+        self.require("admin")
+        if self.models:
+            raise Forbidden(
+                f"token {self.name!r} is limited to {', '.join(self.models)}; {what} needs an admin token "
+                "for all models",
+                details={"limited_to": list(self.models), "token": self.name},
+            )
 
     def check_grant(self, scopes: list[str], models: list[str]) -> None:
         """Forbidden unless a token with `scopes` and `models` grants nothing this principal lacks."""
@@ -92,24 +114,6 @@ class Principal:
                 f"token {self.name!r} may not act on model {model!r} (limited to: {', '.join(self.models)})",
                 details={"model": model, "token": self.name},
             )
-
-
-_WILDCARDS = frozenset("*?[")
-
-
-def pattern_within(pattern: str, outer: str) -> bool:
-    """True when every model name `pattern` matches is also matched by `outer` (a sufficient check).
-
-    Holds for the same pattern, a literal name `outer` matches, and a pattern starting with the
-    literal prefix of a prefix pattern (`llama-3*` within `llama-*`). Anything else is refused:
-    wildcard containment in general is not something to guess at in an access check.
-    """
-    if pattern == outer:
-        return True
-    if not _WILDCARDS & set(pattern):
-        return fnmatch.fnmatchcase(pattern, outer)
-    prefix = outer[:-1]
-    return outer.endswith("*") and not _WILDCARDS & set(prefix) and pattern.startswith(prefix)
 
 
 ANONYMOUS_READER = Principal("anonymous", frozenset({"read"}), authenticated=False)

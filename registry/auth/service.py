@@ -92,4 +92,4 @@ def principal_for(session: Session, secret: str) -> Principal | None:
     if token is None or token.revoked_at is not None:
         return None
     scopes: frozenset[Scope] = frozenset(s for s in SCOPES if s in token.scopes)
-    return Principal(f"token:{token.name}", scopes, tuple(token.models))
+    return Principal(f"token:{token.name}", scopes, tuple(token.models), token_id=token.id)

@@ -1,7 +1,16 @@
-"""HTTP routes for blobs: streamed, verified uploads and ranged downloads."""
+"""HTTP routes for blobs: streamed, verified uploads and ranged downloads.
+
+Reads by digest answer only for blobs the caller may read (`service.check_blob_readable`): what a
+served release of its models holds, its models' open releases for publishers, and its own uploads.
+Anonymous callers, where anonymous read is on, read what served releases hold and nothing else. A
+blob the caller may not read is a 404, as if it did not exist, on GET and HEAD alike. Uploading bytes
+already stored is answered at once for a caller who may read them; anyone else sends the bytes,
+which must hash to the digest (DIGEST_MISMATCH otherwise), and may read them from then on.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -9,15 +18,17 @@ import anyio.from_thread
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import APIRouter, Request, Response
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from core.errors import InvalidInput, KilnError
+from core.errors import DigestMismatch, InvalidInput, KilnError
 from registry.api.errors import error_responses
 from registry.api.params import Sha256
+from registry.auth.principal import Principal
 from registry.blobs import service
 from registry.blobs.download import blob_response
 from registry.blobs.schemas import BlobOut
-from registry.blobs.store import DEFAULT_CHUNK
+from registry.blobs.store import DEFAULT_CHUNK, BlobNotFound
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
 
 PUBLISH = require("publish")
@@ -105,6 +116,7 @@ async def upload_blob(
     session: WriteSessionDep,
     store: BlobStoreDep,
     settings: SettingsDep,
+    principal: PrincipalDep,
 ) -> BlobOut:
     limit = settings.max_upload_bytes
     declared = request.headers.get("content-length", "")
@@ -113,8 +125,15 @@ async def upload_blob(
     existing = await run_in_threadpool(service.confirm_stored, session, store, sha256)
     await run_in_threadpool(session.commit)  # the touch: the blob is kept from collection from now on
     if existing is not None:
-        async for _ in request.stream():  # read what was sent, so the connection stays usable
-            pass
+        # Bytes someone else stored: the caller reads them back only once it has sent the same bytes.
+        proven = await run_in_threadpool(_may_read, session, principal, sha256)
+        if proven:
+            async for _ in request.stream():  # read what was sent, so the connection stays usable
+                pass
+        else:
+            await _check_digest(request, sha256, limit)
+            await run_in_threadpool(service.record_upload, session, principal, sha256)
+            await run_in_threadpool(session.commit)
         response.status_code = 200
         return BlobOut(sha256=existing.sha256, size=existing.size, created_at=existing.created_at)
     send, receive = anyio.create_memory_object_stream[bytes | KilnError](max_buffer_size=READ_AHEAD_BLOCKS)
@@ -126,10 +145,35 @@ async def upload_blob(
             )
     except BaseExceptionGroup as group:  # the task group wraps what the store or the reader raised
         raise _first(group) from None
+    await run_in_threadpool(service.record_upload, session, principal, row.sha256)
     await run_in_threadpool(session.commit)
     if not created:
         response.status_code = 200
     return BlobOut(sha256=row.sha256, size=row.size, created_at=row.created_at)
+
+
+def _may_read(session: Session, principal: Principal, sha256: str) -> bool:
+    try:
+        service.check_blob_readable(session, principal, sha256)
+    except BlobNotFound:
+        return False
+    return True
+
+
+async def _check_digest(request: Request, sha256: str, limit: int) -> None:
+    """Hash the request body (up to `limit` bytes): DIGEST_MISMATCH unless it is the blob `sha256`."""
+    digest = hashlib.sha256()
+    size = 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise _too_large(limit)
+        digest.update(piece)
+    if digest.hexdigest() != sha256:
+        raise DigestMismatch(
+            f"content has sha256 {digest.hexdigest()}, not the claimed {sha256}",
+            details={"expected": sha256, "actual": digest.hexdigest(), "size": size},
+        )
 
 
 BLOB_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -16,8 +16,9 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from registry.artifacts.models import Artifact, ArtifactFile
+from registry.attestations.models import Attestation
 from registry.auth.principal import Principal
-from registry.blobs.models import Blob
+from registry.blobs.models import Blob, BlobUpload
 from registry.blobs.store import BlobNotFound, BlobStore
 from registry.db import insert_once, utcnow
 from registry.models.models import Model
@@ -43,31 +44,46 @@ def get_blob(session: Session, store: BlobStore, sha256: str) -> Blob:
 def check_blob_readable(session: Session, principal: Principal, sha256: str) -> None:
     """BlobNotFound unless `principal` may read the blob by its digest.
 
-    A blob is read through the artifacts that hold it: a file of a served (sealed, not yanked)
-    release of a model the caller may read, or, for publishers, of an open release of a model they
-    publish, or a blob no artifact holds yet (an upload in flight). An unlimited admin reads any.
-    The answer for a blob the caller may not read is the same as for one that does not exist.
+    A blob is read through what holds it: a file or an attestation (signature, provenance) of an
+    artifact of a served (sealed, not yanked) release of a model the caller may read, or, for
+    publishers of the model, of its open release; or the caller's own upload (a token that uploaded the
+    bytes reads them back, attached or not). An unlimited admin reads any. Anonymous callers (where
+    anonymous read is on) read only what served releases hold. The answer for a blob the caller may
+    not read is the same 404 as for one that does not exist, so a digest tells nothing about others.
     """
-    if principal.has("admin") and not principal.models:
+    if principal.unlimited_admin:
         return
-    holders = session.execute(
+    if principal.token_id is not None and session.get(BlobUpload, (sha256, principal.token_id)) is not None:
+        return
+    files = select(Artifact.release_id).join(ArtifactFile, ArtifactFile.artifact_id == Artifact.id)
+    attestations = select(Artifact.release_id).join(Attestation, Attestation.artifact_id == Artifact.id)
+    releases = session.execute(
         select(Model.name, Release.status, Release.yanked_at)
-        .select_from(ArtifactFile)
-        .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
-        .join(Release, Release.id == Artifact.release_id)
         .join(Model, Model.id == Release.model_id)
-        .where(ArtifactFile.sha256 == sha256)
+        .where(
+            Release.id.in_(files.where(ArtifactFile.sha256 == sha256))
+            | Release.id.in_(attestations.where(Attestation.sha256 == sha256))
+        )
     ).all()
-    for model, status, yanked_at in holders:
+    for model, status, yanked_at in releases:
         if not principal.allows_model(model):
             continue
         if status == "sealed" and yanked_at is None and principal.has("read"):
             return
         if status == "open" and principal.has("publish"):
             return
-    if not holders and principal.has("publish"):
-        return
     raise BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
+
+
+def record_upload(session: Session, principal: Principal, sha256: str) -> None:
+    """Record that `principal`'s token uploaded the stored blob `sha256` (it may read it back from now on)."""
+    if principal.token_id is None or session.get(BlobUpload, (sha256, principal.token_id)) is not None:
+        return
+    insert_once(
+        session,
+        BlobUpload(sha256=sha256, token_id=principal.token_id),
+        lambda: session.get(BlobUpload, (sha256, principal.token_id)),
+    )
 
 
 def touch_blob(session: Session, sha256: str) -> bool:

@@ -1,4 +1,6 @@
-"""HTTP routes for the hardware catalog: read by anyone who may read, changed by admins (audited)."""
+"""HTTP routes for the hardware catalog: read by anyone who may read, changed by admins (audited).
+
+The catalog serves every model, so only an admin not limited to model patterns changes it."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from core.hardware import HARDWARE_NAME_PATTERN
 from registry.api.errors import error_responses
 from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from registry.hardware import service
-from registry.hardware.schemas import HardwareOut
+from registry.hardware.schemas import HardwareOut, entry_request_schema
 
 router = APIRouter(prefix="/v1", tags=["hardware"])
 
@@ -40,6 +42,7 @@ def get_hardware(name: HardwareName, session: SessionDep) -> HardwareOut:
     summary="Add an SKU to the catalog, or replace (override) its entry; admin, audited",
     responses=error_responses(422),
     dependencies=[require("admin")],
+    openapi_extra=entry_request_schema(),
 )
 def put_hardware(
     name: HardwareName,
@@ -47,6 +50,7 @@ def put_hardware(
     principal: PrincipalDep,
     entry: Annotated[dict[str, Any], Body(description="a catalog entry, as GET /v1/hardware/{name} shows one")],
 ) -> HardwareOut:
+    principal.require_unlimited_admin("changing the hardware catalog")
     entry = {k: v for k, v in entry.items() if k != "source"}
     service.put_entry(session, name, entry, principal.name)
     session.commit()
@@ -61,5 +65,6 @@ def put_hardware(
     status_code=204,
 )
 def delete_hardware(name: HardwareName, session: WriteSessionDep, principal: PrincipalDep) -> None:
+    principal.require_unlimited_admin("changing the hardware catalog")
     service.delete_entry(session, name, principal.name)
     session.commit()

@@ -57,8 +57,7 @@ def oci_error(request: Request, error: KilnError) -> Response:
     if status == 416 and "size" in error.details:
         headers["Content-Range"] = f"bytes */{error.details['size']}"
     body = {"errors": [{"code": code, "message": error.message, "detail": error.details}]}
-    if request.method == "HEAD":
-        return Response(status_code=status, headers=headers)
+    # HEAD too: the same status and headers as the GET (the server sends no body for a HEAD).
     return JSONResponse(body, status_code=status, headers=headers)
 
 
