@@ -1,8 +1,10 @@
 """Signing what a build publishes: the OpenSSF model signature of an artifact's files, and its SLSA provenance.
 
 The signature is made by the `model-signing` package (its elliptic-curve key signer over a per-file
-sha256 manifest of the artifact's directory); the provenance statement is built here from what the
-stages recorded and signed with the same key (`core.signing`). Both are Sigstore bundles.
+sha256 manifest of the artifact's directory, the manifest named by the artifact's claims); the
+provenance statement is built here from what the stages recorded, with the same claims in its
+external parameters, and signed with the same key (`core.signing`). Both are Sigstore bundles; what
+binds them to one artifact is described in `core.signing`.
 """
 
 from __future__ import annotations
@@ -15,21 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from model_signing import hashing as ms_hashing
-from model_signing import signing as ms_signing
+from model_signing import manifest as ms_manifest
+from model_signing._signing import sign_ec_key as ms_ec_key
+from model_signing._signing import signing as ms_signing
 
 from core import __version__
 from core.errors import DigestMismatch
 from core.manifest import ArtifactManifest
 from core.signing import (
     IN_TOTO_STATEMENT_V1,
-    MODEL_SIGNATURE_PREDICATE,
     SLSA_PROVENANCE_V1,
+    ArtifactClaims,
     file_differences,
     load_private_key,
-    read_bundle,
     sign_statement,
-    signed_files,
-    statement_of,
+    verify_attestation,
 )
 
 SIGNING_KEY_ENV = "KILN_SIGNING_KEY"  # path of the PEM private key `kiln publish` signs with
@@ -51,22 +53,43 @@ class SigningKey:
         return cls(Path(path), os.environ.get(SIGNING_KEY_PASSWORD_ENV) or None) if path else None
 
 
-def sign_files(files_dir: Path, manifest: ArtifactManifest, key: SigningKey) -> bytes:
-    """The model signature (a Sigstore bundle) of the artifact in `files_dir`, checked to cover exactly
-    the manifest's files with the manifest's digests: what was signed is what is published."""
-    load_private_key(key.path, key.password)  # KEY_INVALID with the reason, before model-signing's own errors
-    hashing = ms_hashing.Config().use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False)
-    config = (
-        ms_signing.Config()
-        .set_hashing_config(hashing)
-        .use_elliptic_key_signer(private_key=key.path, password=key.password)
+def claims_of(manifest: ArtifactManifest, *, model: str, version: str) -> ArtifactClaims:
+    """What the signature and the provenance of `manifest`'s artifact in `model@version` claim."""
+    return ArtifactClaims.of(
+        model=model,
+        version=version,
+        artifact=manifest.name,
+        target=manifest.target,
+        format=manifest.format,
+        quant=manifest.quant,
+        hardware=manifest.hardware,
+        runtime=manifest.runtime,
     )
+
+
+def sign_files(files_dir: Path, manifest: ArtifactManifest, key: SigningKey, *, model: str, version: str) -> bytes:
+    """The model signature (a Sigstore bundle) of the artifact in `files_dir` as `model@version`, checked
+    to cover exactly the manifest's files with the manifest's digests: what was signed is what is published.
+
+    model-signing hashes the directory; the manifest it signs is named by the artifact's claims
+    (`ArtifactClaims.signed_name`) instead of the directory's name, which binds the signature to them."""
+    private = load_private_key(key.path, key.password)  # KEY_INVALID with the reason, before model-signing's
+    hashing = ms_hashing.Config().use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False)
+    hashed = hashing.hash(files_dir)
+    serialization = ms_manifest.SerializationType.from_args(hashed.serialization_type)
+    claims = claims_of(manifest, model=model, version=version)
+    named = ms_manifest.Manifest(
+        claims.signed_name(),
+        [serialization.new_item(rd.identifier, rd.digest) for rd in hashed.resource_descriptors()],
+        serialization,
+    )
+    signature = ms_ec_key.Signer(key.path, key.password).sign(ms_signing.Payload(named))
     with tempfile.TemporaryDirectory(prefix="kiln-sign-") as tmp:
         out = Path(tmp) / "model.sig"
-        config.sign(files_dir, out)
+        signature.write(out)
         bundle = out.read_bytes()
-    signed = signed_files(statement_of(read_bundle(bundle), MODEL_SIGNATURE_PREDICATE))
-    problems = file_differences(signed, {f.path: f.sha256 for f in manifest.files})
+    signed = verify_attestation(bundle, private.public_key(), "signature")
+    problems = file_differences(signed.files, {f.path: f.sha256 for f in manifest.files})
     if problems:
         raise DigestMismatch(f"{files_dir} changed since its manifest was made: " + "; ".join(problems))
     return bundle
@@ -85,8 +108,9 @@ def provenance_statement(
 ) -> dict[str, Any]:
     """An in-toto statement with a SLSA v1 provenance predicate for one artifact.
 
-    Subjects: the artifact's files. Build definition: the release, the recipe's digest (`Recipe.digest`)
-    and the source release's digests;
+    Subjects: the artifact's files. Build definition: the artifact's claims (`claims_of`: the release,
+    the artifact's name, target, format, quant, hardware and runtime), the recipe's digest
+    (`Recipe.digest`) and the source release's digests;
     internal parameters: each stage that made it (cache key, code version, params, tool versions,
     host, when). Run details: the builder (kiln and its version) and the eval results.
     """
@@ -99,12 +123,7 @@ def provenance_statement(
             "buildDefinition": {
                 "buildType": BUILD_TYPE,
                 "externalParameters": {
-                    "model": model,
-                    "version": version,
-                    "artifact": manifest.name,
-                    "target": manifest.target,
-                    "format": manifest.format,
-                    "quant": manifest.quant,
+                    **claims_of(manifest, model=model, version=version).as_dict(),
                     **({"recipe": {"digest": {"sha256": recipe_digest}}} if recipe_digest else {}),
                 },
                 "internalParameters": {"stages": {k: dict(v) for k, v in sorted(stages.items())}},

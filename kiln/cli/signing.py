@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from cryptography.hazmat.primitives import serialization
@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from core.errors import InvalidInput
 from core.signing import (
     PROVENANCE_FILE,
+    ArtifactClaims,
     SignatureInvalid,
     key_id,
     load_public_key,
@@ -43,8 +44,10 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Check offline that an artifact's files are exactly the ones its signature (model.sig) covers, signed
-    by KEY, and that its provenance (if present) is KEY's and names them. Exit 0 when they are; 2 naming
-    each file that differs, or when the registry downloaded from lists KEY as revoked."""
+    by KEY, and that its provenance (if present) is KEY's and names them; both must claim the artifact
+    (model, version, name, target, quant, hardware, runtime) the registry lists, and no file may be a
+    symbolic link. Exit 0 when they are; 2 naming each file that differs, the claim that differs, or
+    when the registry downloaded from lists KEY as revoked."""
     public = load_public_key(key.read_bytes())
     if Path(target).is_dir():
         _verify(Path(target), public, target, as_json)
@@ -57,8 +60,10 @@ def verify(
         dest = keep or Path(tmp)
         with RegistryClient.connect(registry) as client:
             _check_not_revoked(client, public)
-            client.download_artifact(model, version, artifact, dest)
-        _verify(dest, public, target, as_json)
+            detail = client.download_artifact(model, version, artifact, dest)
+        expected = {"model": model, "version": version, "artifact": artifact}
+        expected |= {f: detail[f] for f in ArtifactClaims.FIELDS if f in detail}
+        _verify(dest, public, target, as_json, expected)
 
 
 def _check_not_revoked(client: RegistryClient, public: ec.EllipticCurvePublicKey) -> None:
@@ -73,8 +78,10 @@ def _check_not_revoked(client: RegistryClient, public: ec.EllipticCurvePublicKey
             )
 
 
-def _verify(directory: Path, public: ec.EllipticCurvePublicKey, what: str, as_json: bool) -> None:
-    result = verify_directory(directory, public)
+def _verify(
+    directory: Path, public: ec.EllipticCurvePublicKey, what: str, as_json: bool, expected: dict[str, Any] | None = None
+) -> None:
+    result = verify_directory(directory, public, expected)
     provenance = "and its provenance " if result.provenance is not None else f"(no {PROVENANCE_FILE}) "
     answer(
         {
@@ -82,9 +89,11 @@ def _verify(directory: Path, public: ec.EllipticCurvePublicKey, what: str, as_js
             "files": len(result.files),
             "key_id": key_id(public),
             "provenance": result.provenance is not None,
+            "claims": result.claims.as_dict(),
         },
         as_json,
-        f"{what}: {len(result.files)} files match the signature {provenance}of key {key_id(public)[:16]}…",
+        f"{what}: {len(result.files)} files match the signature {provenance}of key {key_id(public)[:16]}… "
+        f"for {result.claims.model}@{result.claims.version}/{result.claims.artifact}",
     )
 
 

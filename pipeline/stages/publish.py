@@ -6,8 +6,9 @@ Runs every time (the registry is outside the work dir); the registry makes it id
 blobs already present are skipped, an identical manifest or eval is accepted as is.
 
 With a signing key ($KILN_SIGNING_KEY, which `kiln publish --signing-key` sets) each artifact is
-signed (OpenSSF model signature over its files) and its SLSA provenance statement signed with the same
-key; both are attached to the artifact, and the registry verifies them against the keys it trusts.
+signed (OpenSSF model signature over its files, naming the artifact's claims) and its SLSA provenance
+statement signed with the same key; both are attached to the artifact, and the registry verifies them
+against the keys it trusts and the artifact they are attached to.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _attach_signed(
         recipe_digest=p.get("recipe_digest"),
     )
     bundles = {
-        "signature": sign_files(ctx.input("artifact").files_dir, manifest, key),
+        "signature": sign_files(ctx.input("artifact").files_dir, manifest, key, model=p["model"], version=p["version"]),
         "provenance": sign_provenance(statement, key),
     }
     with tempfile.TemporaryDirectory(prefix="kiln-attest-") as tmp:

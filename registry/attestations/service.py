@@ -1,32 +1,32 @@
 """Attestations (signatures, provenance) of artifacts, verified on upload; the publisher keys trusted for them.
 
 An attestation is a Sigstore bundle uploaded as a blob, then attached to an artifact. It is stored only
-if it verifies with a key trusted for the model (`TrustedKey.model_pattern`, not revoked) and names
-exactly the artifact's files with their digests; otherwise SIGNATURE_INVALID / SIGNATURE_MISMATCH /
-KEY_REVOKED / NO_TRUSTED_KEY say why. Keys are added and revoked by admins, audited. Services flush;
-the request commits.
+if it verifies with a key trusted for the model (`TrustedKey.model_pattern`, not revoked), names
+exactly the artifact's files with their digests, and claims exactly the artifact it is attached to
+(model, version, name, target, format, quant, hardware, runtime: `core.signing.ArtifactClaims`, inside
+the signed payload); otherwise SIGNATURE_INVALID / NO_TRUSTED_KEY / KEY_REVOKED /
+ATTESTATION_CLAIMS_MISSING / ATTESTATION_CLAIM_MISMATCH / ATTESTATION_SUBJECT_MISMATCH say why. Keys
+are added and revoked by admins, audited. Services flush; the request commits.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import Conflict, InvalidInput, NotFound
 from core.signing import (
-    MODEL_SIGNATURE_PREDICATE,
-    SLSA_PROVENANCE_V1,
+    AttestationKind,
     SignatureInvalid,
-    file_differences,
+    check_attested,
     key_id,
     load_public_key,
     read_bundle,
     signed_by,
-    signed_files,
-    statement_of,
-    subject_files,
+    verify_envelope,
 )
 from registry.artifacts.models import Artifact
 from registry.artifacts.service import get_artifact
@@ -38,9 +38,6 @@ from registry.blobs.service import get_blob
 from registry.blobs.store import BlobNotFound, BlobStore
 from registry.db import insert_once, utcnow
 from registry.releases.service import check_open, check_served, get_release, lock_release
-
-PREDICATES = {"signature": MODEL_SIGNATURE_PREDICATE, "provenance": SLSA_PROVENANCE_V1}
-
 
 # -- trusted keys -------------------------------------------------------------------------------
 
@@ -137,9 +134,25 @@ def _read_blob(session: Session, store: BlobStore, spec: AttestationCreate) -> b
     return data
 
 
-def verify_attestation(session: Session, model: str, artifact: Artifact, kind: str, data: bytes) -> str:
+def claims_of(artifact: Artifact, model: str, version: str) -> dict[str, Any]:
+    """The claims an attestation of `artifact` must make (`core.signing.ArtifactClaims.FIELDS`)."""
+    return {
+        "model": model,
+        "version": version,
+        "artifact": artifact.name,
+        "target": artifact.target,
+        "format": artifact.format,
+        "quant": artifact.quant,
+        "hardware": sorted(artifact.hardware),
+        "runtime": dict(artifact.runtime),
+    }
+
+
+def verify_attestation(
+    session: Session, model: str, version: str, artifact: Artifact, kind: AttestationKind, data: bytes
+) -> str:
     """The id of the trusted key that signed `data`, once it is checked to attest exactly the artifact's
-    files; raises with the reason otherwise."""
+    files and claims; raises with the reason otherwise."""
     envelope = read_bundle(data)
     keys = keys_for(session, model, include_revoked=True)
     if not keys:
@@ -153,7 +166,7 @@ def verify_attestation(session: Session, model: str, artifact: Artifact, kind: s
     if signer is None:
         trusted = [k.key_id for k in keys if k.revoked_at is None]
         raise SignatureInvalid(
-            f"the {kind} of {artifact.name!r} is not signed by a key trusted for model {model!r}, or was altered",
+            f"the {kind} of {artifact.name!r} is not signed by a key trusted for model {model!r}",
             details={"artifact": artifact.name, "kind": kind, "trusted_keys": trusted},
         )
     if signer.revoked_at is not None:
@@ -162,15 +175,13 @@ def verify_attestation(session: Session, model: str, artifact: Artifact, kind: s
             code="KEY_REVOKED",
             details={"artifact": artifact.name, "kind": kind, "key_id": signer.key_id},
         )
-    statement = statement_of(envelope, PREDICATES[kind])
-    attested = signed_files(statement) if kind == "signature" else subject_files(statement)
-    problems = file_differences(attested, {f.path: f.sha256 for f in artifact.files})
-    if problems:
-        raise SignatureInvalid(
-            f"the {kind} of {artifact.name!r} does not match its files: " + "; ".join(problems),
-            code="SIGNATURE_MISMATCH",
-            details={"artifact": artifact.name, "kind": kind, "problems": problems},
-        )
+    attested = verify_envelope(envelope, load_public_key(signer.public_key_pem), kind)
+    check_attested(
+        attested,
+        claims_of(artifact, model, version),
+        {f.path: f.sha256 for f in artifact.files},
+        f"{model}@{version}/{artifact.name}",
+    )
     return signer.key_id
 
 
@@ -193,7 +204,7 @@ def attach(
     """
     release = lock_release(session, model, version, shared=True)
     artifact = get_artifact(session, model, version, name)
-    signer = verify_attestation(session, model, artifact, spec.kind, _read_blob(session, store, spec))
+    signer = verify_attestation(session, model, version, artifact, spec.kind, _read_blob(session, store, spec))
     existing = _find(session, artifact.id, spec.kind)
     if existing is not None and existing.sha256 == spec.sha256:
         return existing, False

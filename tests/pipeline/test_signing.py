@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +18,13 @@ from core.digest import sha256_file
 from core.errors import DigestMismatch
 from core.manifest import ArtifactManifest, FileEntry
 from core.signing import (
-    MODEL_SIGNATURE_PREDICATE,
     PROVENANCE_FILE,
     SIGNATURE_FILE,
     SLSA_PROVENANCE_V1,
     KeyInvalid,
     SignatureInvalid,
     load_public_key,
-    signed_files,
-    verify_bundle,
+    verify_attestation,
     verify_directory,
 )
 from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
@@ -74,7 +74,8 @@ def signed(tmp_path: Path) -> tuple[Path, Path, ArtifactManifest]:
         stages={"export/gguf-q8": {"cache_key": "2" * 64, "params": {"quant": "q8_0"}, "host": "h"}},
         evals={"llama.cpp": {"status": "passed", "metrics": {"kl": 0.001}}},
     )
-    signature, provenance = sign_files(files, manifest, key), sign_provenance(statement, key)
+    signature = sign_files(files, manifest, key, model="tiny", version="1.0")
+    provenance = sign_provenance(statement, key)
     (files / SIGNATURE_FILE).write_bytes(signature)
     (files / PROVENANCE_FILE).write_bytes(provenance)
     return files, pub, manifest
@@ -90,8 +91,7 @@ def test_signature_is_model_signing_format_and_verifies_offline(signed: tuple[Pa
     assert result.provenance["predicateType"] == SLSA_PROVENANCE_V1
     assert predicate["buildDefinition"]["internalParameters"]["stages"]["export/gguf-q8"]["cache_key"] == "2" * 64
     assert predicate["runDetails"]["byproducts"][0]["annotations"]["metrics"] == {"kl": 0.001}
-    statement = verify_bundle((files / SIGNATURE_FILE).read_bytes(), key, MODEL_SIGNATURE_PREDICATE)
-    assert signed_files(statement) == result.files
+    assert verify_attestation((files / SIGNATURE_FILE).read_bytes(), key, "signature").files == result.files
     # The OpenSSF tool's own verifier accepts kiln's signature (it hashes the directory itself).
     ms_verifying.Config().use_elliptic_key_verifier(public_key=pub).set_ignore_unsigned_files(True).verify(
         files, files / SIGNATURE_FILE
@@ -151,9 +151,6 @@ def test_unsupported_keys_are_refused(tmp_path: Path) -> None:
 def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: Path) -> None:
     """`kiln publish --signing-key` into a registry that trusts the key: sealed (so every artifact is signed),
     and `kiln verify MODEL@VERSION/ARTIFACT` passes on the download."""
-    import subprocess
-    import sys
-
     import yaml
 
     from registry.client import RegistryClient
@@ -197,7 +194,9 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
 
     with RegistryClient.connect(registry) as client:
         client.download("/v1/models/m/releases/1/artifacts/gguf-q8_0/attestations/provenance", tmp_path / "prov")
-    statement = verify_bundle((tmp_path / "prov").read_bytes(), load_public_key(pub.read_bytes()), SLSA_PROVENANCE_V1)
+    statement = verify_attestation(
+        (tmp_path / "prov").read_bytes(), load_public_key(pub.read_bytes()), "provenance"
+    ).statement
     dependencies = {
         d["name"]: d["digest"]["sha256"] for d in statement["predicate"]["buildDefinition"]["resolvedDependencies"]
     }
@@ -209,3 +208,52 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     assert export["safetensors"] == importlib.metadata.version("safetensors")
     assert export["numpy"] == importlib.metadata.version("numpy")
     assert "pydantic" in export and not {"json", "os", "sys"} & set(export)
+
+
+def kiln_verify(directory: Path, pub: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "kiln", "verify", str(directory), "--key", str(pub), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_kiln_verify_names_the_artifact_the_signature_claims(signed: tuple[Path, Path, ArtifactManifest]) -> None:
+    files, pub, _ = signed
+    done = kiln_verify(files, pub, "--json")
+    assert done.returncode == 0, done.stderr
+    claims = json.loads(done.stdout)["claims"]
+    assert {k: claims[k] for k in ("model", "version", "artifact", "quant", "hardware")} == {
+        "model": "tiny",
+        "version": "1.0",
+        "artifact": "gguf-q8",
+        "quant": "q8_0",
+        "hardware": ["cpu"],
+    }
+
+
+@pytest.mark.parametrize("path", ["model.gguf", "sub/config.json", SIGNATURE_FILE, PROVENANCE_FILE])
+def test_kiln_verify_refuses_a_symlinked_file(
+    signed: tuple[Path, Path, ArtifactManifest], tmp_path: Path, path: str
+) -> None:
+    """A file replaced by a link to a copy of its very bytes: refused, whatever it points to."""
+    files, pub, _ = signed
+    copy = tmp_path / "outside" / path
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes((files / path).read_bytes())
+    (files / path).unlink()
+    (files / path).symlink_to(copy)
+    done = kiln_verify(files, pub)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "[FILE_IS_SYMLINK]" in done.stderr and path in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_kiln_verify_refuses_a_deeply_nested_bundle_without_a_traceback(
+    signed: tuple[Path, Path, ArtifactManifest],
+) -> None:
+    files, pub, _ = signed
+    depth = 200_000
+    (files / SIGNATURE_FILE).write_bytes(b"[" * depth + b"]" * depth)
+    done = kiln_verify(files, pub, "--json")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "[INVALID_JSON]" in done.stderr and "nests deeper than" in done.stderr
+    assert "Traceback" not in done.stderr and "RecursionError" not in done.stderr
+    assert json.loads(done.stdout)["error"]["code"] == "INVALID_JSON"

@@ -37,17 +37,20 @@ FILES = {"model.gguf": b"GGUF" + bytes(range(256)) * 8, "tokenizer.json": b'{"v"
 ATTESTATIONS = "/v1/models/tiny/releases/1.0/artifacts/gguf-q8/attestations"
 
 
-def bundles(tmp_path: Path, key: SigningKey, files: dict[str, bytes] = FILES) -> dict[str, bytes]:
-    """The signature and provenance of an artifact with `files`, as `kiln publish` makes them."""
+def bundles(tmp_path: Path, key: SigningKey, files: dict[str, bytes] = FILES, version: str = "1.0") -> dict[str, bytes]:
+    """The signature and provenance of tiny@`version`/gguf-q8 with `files`, as `kiln publish` makes them."""
     root = tmp_path / f"files-{sha(repr(sorted(files.items())).encode())[:8]}-{key.path.parent.name}"
     for path, data in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_bytes(data)
     m = ArtifactManifest.model_validate(manifest("gguf-q8", files, ["cpu"]))
     statement = provenance_statement(
-        m, model="tiny", version="1.0", source_digest="0" * 64, source_files=[], stages={}, evals={}
+        m, model="tiny", version=version, source_digest="0" * 64, source_files=[], stages={}, evals={}
     )
-    return {"signature": sign_files(root, m, key), "provenance": sign_provenance(statement, key)}
+    return {
+        "signature": sign_files(root, m, key, model="tiny", version=version),
+        "provenance": sign_provenance(statement, key),
+    }
 
 
 def attach(client: TestClient, kind: str, data: bytes) -> Any:
@@ -136,7 +139,7 @@ def test_wrong_key_other_files_or_no_key_are_refused(client: TestClient, keys: d
     mismatch = assert_error(
         attach(client, "signature", bundles(tmp_path, keys["trusted"][0], other_files)["signature"]),
         422,
-        "SIGNATURE_MISMATCH",
+        "ATTESTATION_SUBJECT_MISMATCH",
     )
     assert "file model.gguf: digest mismatch" in mismatch["message"]
     assert_error(attach(client, "provenance", b'{"not": "a bundle"}'), 422, "SIGNATURE_INVALID")
@@ -181,7 +184,8 @@ def test_kiln_verify_passes_on_a_download_and_names_a_tampered_file(
     tmp_path: Path,
 ) -> None:
     published(client)
-    for kind, data in bundles(tmp_path, keys["trusted"][0]).items():
+    made = bundles(tmp_path, keys["trusted"][0])
+    for kind, data in made.items():
         assert attach(client, kind, data).status_code == 201
     seal(client)
     pub = str(keys["trusted"][1])
@@ -194,10 +198,27 @@ def test_kiln_verify_passes_on_a_download_and_names_a_tampered_file(
     with serve_in_thread(app) as port:
         ok = verify("tiny@1.0/gguf-q8", "--json", "--download-to", str(tmp_path / "download"))
         assert ok.returncode == 0, ok.stderr
-        assert json.loads(ok.stdout) == {"verified": True, "files": 2, "key_id": trusted["key_id"], "provenance": True}
+        out = json.loads(ok.stdout)
+        assert out.pop("claims")["version"] == "1.0"
+        assert out == {"verified": True, "files": 2, "key_id": trusted["key_id"], "provenance": True}
         assert (tmp_path / "download" / SIGNATURE_FILE).is_file() and (
             tmp_path / "download" / PROVENANCE_FILE
         ).is_file()
+        # The registry serves the signature of tiny@2.0's artifact with the very same files: refused.
+        store = app.state.blob_store
+        overwrite_stored_blob(
+            store, sha(made["signature"]), bundles(tmp_path / "2.0", keys["trusted"][0], version="2.0")["signature"]
+        )
+        other = verify("tiny@1.0/gguf-q8", "--json")
+        assert other.returncode == 2, other.stdout + other.stderr
+        error = json.loads(other.stdout)["error"]
+        assert error["code"] == "ATTESTATION_CLAIM_MISMATCH"
+        assert {k: error["details"][k] for k in ("field", "expected", "got")} == {
+            "field": "version",
+            "expected": "1.0",
+            "got": "2.0",
+        }
+        overwrite_stored_blob(store, sha(made["signature"]), made["signature"])
         # One byte of a published file changes in the blob store: a fresh download no longer verifies.
         tampered = bytearray(FILES["model.gguf"])
         tampered[7] ^= 0xFF
