@@ -341,8 +341,8 @@ def read_bundle(data: bytes) -> Envelope:
     return Envelope(data=bytes(data), hint=hint, payload=payload, statement=statement)
 
 
-def signed_by(envelope: Envelope, key: ec.EllipticCurvePublicKey) -> bool:
-    """True when the bundle names `key` (its hint); whether `key` really signed it is `verify`'s to say."""
+def names_key(envelope: Envelope, key: ec.EllipticCurvePublicKey) -> bool:
+    """True when the bundle names `key` (its hint); whether `key` signed it is `verify_envelope`'s to say."""
     return envelope.hint == key_hint(key)
 
 
@@ -364,7 +364,7 @@ def verify_attestation(data: bytes, key: ec.EllipticCurvePublicKey, kind: Attest
     """The files and claims of a `kind` bundle signed by `key`; SIGNATURE_INVALID (or INVALID_JSON) if it is
     malformed, another key's or altered, ATTESTATION_CLAIMS_MISSING if it names no artifact."""
     envelope = read_bundle(data)
-    if not signed_by(envelope, key):
+    if not names_key(envelope, key):
         raise SignatureInvalid(f"the bundle is not signed by key {key_id(key)[:16]}…", details={"kind": kind})
     return verify_envelope(envelope, key, kind)
 

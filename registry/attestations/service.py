@@ -24,8 +24,8 @@ from core.signing import (
     check_attested,
     key_id,
     load_public_key,
+    names_key,
     read_bundle,
-    signed_by,
     verify_envelope,
 )
 from registry.artifacts.models import Artifact
@@ -162,7 +162,7 @@ def verify_attestation(
             code="NO_TRUSTED_KEY",
             details={"model": model},
         )
-    signer = next((k for k in keys if signed_by(envelope, load_public_key(k.public_key_pem))), None)
+    signer = next((k for k in keys if names_key(envelope, load_public_key(k.public_key_pem))), None)
     if signer is None:
         trusted = [k.key_id for k in keys if k.revoked_at is None]
         raise SignatureInvalid(
