@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 
 from core.errors import InvalidInput, UnknownName
 
@@ -33,20 +34,47 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# The range of each number an entry gives: physical bounds, wide enough for any real device (a 10-GB/s
+# edge board, a CPU node of terabytes, a rack-scale accelerator) and narrow enough that resolve's
+# arithmetic (bytes ÷ bandwidth, FLOPs ÷ FLOP/s, price ÷ tokens/s) stays finite and meaningful.
+# Numbers are strict: a JSON number (an integer is a number), never a string or a boolean.
+MEMORY_GIB = (1, 16_384)  # 1 GiB to 16 TiB per device
+BANDWIDTH_GBS = (1, 100_000)  # 1 GB/s to 100 TB/s, memory and interconnect
+TFLOPS = (0.01, 100_000)  # 10 GFLOP/s to 100 PFLOP/s dense, per device
+TP_EFFICIENCY = (0.05, 1)  # (0.05, 1]: above 0.05, so a TP group's bound is never near zero
+PRICE_PER_DEVICE_HOUR = (0, 10_000)  # USD
+COMPUTE_CAPABILITY = (10, 1000)
+DEVICES_PER_NODE = (1, 1024)
+
+
+def _number(
+    bounds: tuple[float, float],
+    description: str | None = None,
+    *,
+    above: bool = False,
+    default: Any = PydanticUndefined,
+) -> Any:
+    """A strict, finite number from `bounds[0]` (or, `above`, past it) to `bounds[1]`; required without `default`."""
+    low, high = bounds
+    if above:
+        return Field(default, strict=True, gt=low, le=high, allow_inf_nan=False, description=description)
+    return Field(default, strict=True, ge=low, le=high, allow_inf_nan=False, description=description)
+
+
 class Tflops(_Frozen):
     """Dense peak TFLOP/s per device by matmul input type (int8 in TOP/s); absent: no such units."""
 
-    bf16: float = Field(gt=0, le=1e6)
-    fp8: float | None = Field(default=None, gt=0, le=1e6)
-    int8: float | None = Field(default=None, gt=0, le=1e6)
+    bf16: float = _number(TFLOPS)
+    fp8: float | None = _number(TFLOPS, default=None)
+    int8: float | None = _number(TFLOPS, default=None)
 
 
 class Interconnect(_Frozen):
     """What joins a node's devices into one tensor-parallel group."""
 
     name: str = Field(pattern=_WORD)
-    bandwidth_gbs: float = Field(gt=0, le=1e6)
-    tp_efficiency: float = Field(gt=0, le=1, description="share of summed bandwidth/FLOP/s kept under TP")
+    bandwidth_gbs: float = _number(BANDWIDTH_GBS)
+    tp_efficiency: float = _number(TP_EFFICIENCY, "share of summed bandwidth/FLOP/s kept under TP", above=True)
 
 
 class HardwareProfile(_Frozen):
@@ -56,14 +84,20 @@ class HardwareProfile(_Frozen):
     vendor: str = Field(pattern=r"^[a-z0-9-]{1,32}$")
     family: Family
     arch: str = Field(pattern=r"^[a-z0-9_.-]{1,32}$", description="sm90, gfx942, tpu-v5e, x86_64, ...")
-    compute_capability: int | None = Field(default=None, ge=10, le=1000, description="NVIDIA only, e.g. 90")
+    compute_capability: int | None = Field(
+        default=None,
+        strict=True,
+        ge=COMPUTE_CAPABILITY[0],
+        le=COMPUTE_CAPABILITY[1],
+        description="NVIDIA only, e.g. 90",
+    )
     fp8: Fp8Flavour | None = Field(default=None, description="the FP8 type its matmuls take; None: no FP8 units")
-    memory_gib: float = Field(gt=0, le=1e6)
-    bandwidth_gbs: float = Field(gt=0, le=1e7)
+    memory_gib: float = _number(MEMORY_GIB)
+    bandwidth_gbs: float = _number(BANDWIDTH_GBS)
     tflops: Tflops
     interconnect: Interconnect | None = None
-    devices_per_node: int = Field(default=1, ge=1, le=1024)
-    price_per_device_hour: float | None = Field(default=None, ge=0, le=1e6)
+    devices_per_node: int = Field(default=1, strict=True, ge=DEVICES_PER_NODE[0], le=DEVICES_PER_NODE[1])
+    price_per_device_hour: float | None = _number(PRICE_PER_DEVICE_HOUR, "USD per device-hour", default=None)
     products: tuple[str, ...] = Field(default=(), max_length=16)
 
     @model_validator(mode="after")

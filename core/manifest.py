@@ -33,7 +33,7 @@ class FileEntry(BaseModel):
 
     path: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(ge=0, le=2**63 - 1)
+    size: int = Field(strict=True, ge=0, le=2**63 - 1)  # a JSON integer: never "50" or true
 
     @field_validator("path")
     @classmethod

@@ -24,7 +24,7 @@ class AttestationCreate(BaseModel):
         description="a Sigstore bundle (DSSE envelope over an in-toto statement)",
     )
     sha256: str = Field(pattern=SHA256_PATTERN, description="the blob, uploaded first with PUT /v1/blobs/{sha256}")
-    size: int = Field(ge=1, le=16 * 1024**2)
+    size: int = Field(strict=True, ge=1, le=16 * 1024**2)
 
 
 class AttestationOut(BaseModel):

@@ -29,10 +29,16 @@ BASIS_POINTS = 10_000  # a split's weights, in hundredths of a percent
 
 
 class SplitWeight(BaseModel):
+    """One member of a split: a percent of the traffic from 0.01 to 100 in steps of 0.01 (one basis point,
+    one of the 10,000 key buckets), so every member owns at least one bucket. A JSON number (integer or
+    decimal), never a string or a boolean."""
+
     model_config = ConfigDict(extra="forbid")
 
     version: str = Field(pattern=VERSION_PATTERN)
-    weight: float = Field(gt=0, le=100, allow_inf_nan=False, description="percent of the traffic, to 0.01")
+    weight: float = Field(
+        strict=True, ge=0.01, le=100, allow_inf_nan=False, description="percent of the traffic, 0.01 to 100, to 0.01"
+    )
 
     @property
     def basis_points(self) -> int:
@@ -40,8 +46,9 @@ class SplitWeight(BaseModel):
 
     @model_validator(mode="after")
     def _hundredths(self) -> SplitWeight:
-        if abs(self.weight * 100 - self.basis_points) > 1e-6:
-            raise ValueError(f"weight {self.weight} has more precision than 0.01 %")
+        # Relative to the weight: 0.07 * 100 is 7.000000000000001, 1e-10 * 100 is not a basis point.
+        if self.basis_points < 1 or abs(self.weight * 100 - self.basis_points) > 1e-9 * self.basis_points:
+            raise ValueError(f"weight {self.weight} is not a multiple of 0.01 %")
         return self
 
 

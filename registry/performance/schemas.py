@@ -6,7 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.hardware import HARDWARE_NAME_PATTERN
+from core.hardware import DEVICES_PER_NODE, HARDWARE_NAME_PATTERN
+from registry.api.params import ITL_MS, MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
 from registry.artifacts.schemas import (
     RUNTIME_MAX_LENGTH,
     RUNTIME_PATTERN,
@@ -25,15 +26,27 @@ class PerformanceCreate(BaseModel):
     runtime_version: str = Field(
         pattern=RUNTIME_VERSION_PATTERN, max_length=RUNTIME_VERSION_MAX_LENGTH, examples=["vLLM 0.32.0, CUDA 12.8"]
     )
-    tp: int = Field(ge=1, le=1024, description="devices per replica (tensor-parallel degree)")
-    context: int = Field(ge=1, le=10_000_000, description="tokens of context per sequence")
-    concurrency: int = Field(ge=1, le=100_000, description="sequences served at once")
-    tokens_per_s: float = Field(
-        gt=0, le=1e9, allow_inf_nan=False, description="output tokens/s of the whole replica at that concurrency"
+    tp: int = Field(
+        strict=True, ge=1, le=DEVICES_PER_NODE[1], description="devices per replica (tensor-parallel degree)"
     )
-    ttft_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="time to first token")
-    itl_p50_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="inter-token latency, median")
-    itl_p99_ms: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="inter-token latency, 99th percentile")
+    context: int = Field(strict=True, ge=1, le=MAX_CONTEXT, description="tokens of context per sequence")
+    concurrency: int = Field(strict=True, ge=1, le=MAX_CONCURRENCY, description="sequences served at once")
+    tokens_per_s: float = Field(
+        strict=True,
+        ge=TOKENS_PER_S[0],
+        le=TOKENS_PER_S[1],
+        allow_inf_nan=False,
+        description="output tokens/s of the whole replica at that concurrency",
+    )
+    ttft_ms: float = Field(
+        strict=True, ge=TTFT_MS[0], le=TTFT_MS[1], allow_inf_nan=False, description="time to first token"
+    )
+    itl_p50_ms: float = Field(
+        strict=True, ge=ITL_MS[0], le=ITL_MS[1], allow_inf_nan=False, description="inter-token latency, median"
+    )
+    itl_p99_ms: float = Field(
+        strict=True, ge=ITL_MS[0], le=ITL_MS[1], allow_inf_nan=False, description="inter-token latency, 99th percentile"
+    )
 
 
 class PerformanceOut(PerformanceCreate):

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import InvalidInput, UnknownName
-from core.hardware import HardwareProfile, MatmulDtype
+from core.hardware import (
+    BANDWIDTH_GBS,
+    DEVICES_PER_NODE,
+    MEMORY_GIB,
+    PRICE_PER_DEVICE_HOUR,
+    TFLOPS,
+    TP_EFFICIENCY,
+    HardwareProfile,
+    MatmulDtype,
+)
 from quant.schemes import SCHEMES
 
 GIB = 1024**3
@@ -194,6 +203,24 @@ def _check_count(name: str, value: Any, minimum: int, maximum: int) -> int:
     return value
 
 
+def _check_rate(
+    profile: HardwareProfile, name: str, value: Any, bounds: tuple[float, float], *, above: bool = False
+) -> float:
+    """A fact of `profile` that resolve divides by or multiplies with, inside the catalog's range.
+
+    Validated profiles always are; one built around validation (or an entry from an older kiln) is
+    refused here with the catalog's code, so no division blows up and every bound stays finite."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (bounds[0] < value if above else bounds[0] <= value) or not value <= bounds[1]:
+        low = "above " if above else ""
+        raise InvalidInput(
+            f"hardware {profile.name!r}: {name} {str(value)[:32]} is outside {low}{bounds[0]:g} to {bounds[1]:g}",
+            code="HARDWARE_CATALOG_INVALID",
+            details={"hardware": profile.name, "field": name, "minimum": bounds[0], "maximum": bounds[1]},
+        )
+    return float(value)
+
+
 def _tp_degrees(shape: ModelShape | str, limit: int) -> tuple[list[int], list[int]]:
     """(allowed, excluded): the powers of two up to `limit`, split by whether the heads divide over them."""
     allowed: list[int] = []
@@ -234,9 +261,12 @@ def plan_replica(
     if max_devices is not None:
         _check_count("max_devices", max_devices, 1, MAX_DIMENSION)
     kv_elem = _kv_bytes(kv_dtype)
-    limit = min(profile.devices_per_node, max_devices or profile.devices_per_node)
+    memory_gib = _check_rate(profile, "memory_gib", profile.memory_gib, MEMORY_GIB)
+    bandwidth_gbs = _check_rate(profile, "bandwidth_gbs", profile.bandwidth_gbs, BANDWIDTH_GBS)
+    devices_per_node = int(_check_rate(profile, "devices_per_node", profile.devices_per_node, DEVICES_PER_NODE))
+    limit = min(devices_per_node, max_devices or devices_per_node)
     allowed, excluded = _tp_degrees(shape, limit)
-    memory = int(profile.memory_gib * GIB)
+    memory = int(memory_gib * GIB)
     usable = round(MEMORY_UTILIZATION * memory)
     kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ModelShape) else 0
 
@@ -258,16 +288,24 @@ def plan_replica(
     w_dev, kv_dev = per_device(tp)
     fits = w_dev + kv_dev <= usable
 
-    efficiency = 1.0 if tp == 1 or profile.interconnect is None else profile.interconnect.tp_efficiency
-    step_s = max(w_dev + kv_dev, 1) / (profile.bandwidth_gbs * 1e9 * efficiency)
+    efficiency = 1.0
+    if tp > 1 and profile.interconnect is not None:
+        efficiency = profile.interconnect.tp_efficiency
+        efficiency = _check_rate(profile, "interconnect.tp_efficiency", efficiency, TP_EFFICIENCY, above=True)
+    # Every divisor below is a product of bounded, positive facts, and every dividend is bounded by
+    # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
+    step_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
     decode = concurrency / step_s
     tflops, used = profile.matmul_tflops(matmul_dtype(quant))
+    tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
     params = shape.parameters() if isinstance(shape, ModelShape) else None
     ttft: float | None = None
     if isinstance(shape, ModelShape) and params is not None and shape.heads is not None:
         flops = 2 * params * context + 2 * shape.layers * shape.heads * shape.head_dim * context**2
         ttft = flops / (tp * tflops * 1e12 * efficiency)
     price = profile.price_per_device_hour
+    if price is not None:
+        price = _check_rate(profile, "price_per_device_hour", price, PRICE_PER_DEVICE_HOUR)
     cost = price * tp / (decode * 3600) * 1e6 if price is not None else None
 
     link = f" ({profile.interconnect.name})" if tp > 1 and profile.interconnect is not None else ""

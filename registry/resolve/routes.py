@@ -12,7 +12,14 @@ from fastapi import APIRouter, Query, Request, Response
 
 from registry.api.errors import error_responses
 from registry.api.lean_route import LeanRoute
-from registry.api.params import CHANNEL_PATTERN, MODEL_NAME_PATTERN
+from registry.api.params import (
+    CHANNEL_PATTERN,
+    MAX_CONCURRENCY,
+    MAX_CONTEXT,
+    MODEL_NAME_PATTERN,
+    TOKENS_PER_S,
+    TTFT_MS,
+)
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.schemas import FileOut
 from registry.deps import require
@@ -128,18 +135,22 @@ async def resolve(
         ),
     ],
     channel: Annotated[str, Query(pattern=CHANNEL_PATTERN)] = "prod",
-    context: Annotated[int, Query(ge=1, le=10_000_000, description="tokens of context per sequence")] = 4096,
-    concurrency: Annotated[int, Query(ge=1, le=100_000, description="sequences served at once")] = 1,
+    context: Annotated[int, Query(ge=1, le=MAX_CONTEXT, description="tokens of context per sequence")] = 4096,
+    concurrency: Annotated[int, Query(ge=1, le=MAX_CONCURRENCY, description="sequences served at once")] = 1,
     policy: Annotated[
         Literal["latency", "cost", "quality"],
         Query(description="latency: fastest per sequence; cost: cheapest per token; quality: lowest KL"),
     ] = "latency",
     kv_cache_dtype: Annotated[Literal["bf16", "fp8"], Query(description="the KV cache's element type")] = "bf16",
     min_tokens_per_s: Annotated[
-        float | None, Query(gt=0, le=1e9, allow_inf_nan=False, description="SLO: decode tokens/s per sequence")
+        float | None,
+        Query(
+            ge=TOKENS_PER_S[0], le=TOKENS_PER_S[1], allow_inf_nan=False, description="SLO: decode tokens/s per sequence"
+        ),
     ] = None,
     max_ttft_ms: Annotated[
-        float | None, Query(gt=0, le=1e9, allow_inf_nan=False, description="SLO: time to first token")
+        float | None,
+        Query(ge=TTFT_MS[0], le=TTFT_MS[1], allow_inf_nan=False, description="SLO: time to first token"),
     ] = None,
     key: Annotated[
         str | None,

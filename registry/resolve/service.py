@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from core.errors import InvalidInput, NotFound, Unavailable
 from core.hardware import HardwareCatalog, HardwareProfile
+from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
 from registry.artifacts.models import Artifact, EvalStatus, eval_status
 from registry.channels.buckets import BASIS_POINTS, bucket_of, merged, owner, reassign
 from registry.channels.models import Channel
@@ -533,8 +534,19 @@ def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> Measurement | Non
         and m.tp == plan.tp
         and m.concurrency == plan.concurrency
         and m.context >= plan.context
+        and _in_bounds(m)
     ]
     return min(matching, key=lambda m: (m.context, -m.id)) if matching else None
+
+
+def _in_bounds(m: Measurement) -> bool:
+    """A record inside the ranges PerformanceCreate accepts: resolve divides by its speeds. (Records stored
+    by an older kiln, which took any positive number, are not used.)"""
+    return (
+        TOKENS_PER_S[0] <= m.tokens_per_s <= TOKENS_PER_S[1]
+        and TTFT_MS[0] <= m.ttft_ms <= TTFT_MS[1]
+        and ITL_MS[0] <= m.itl_p50_ms <= ITL_MS[1]
+    )
 
 
 def _speed(artifact: ArtifactView, plan: ReplicaPlan, profile: HardwareProfile) -> Speed:

@@ -396,10 +396,10 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [  # (change to h100's entry, th
         {"family": "rocm"},
         "compute_capability is given for NVIDIA (family cuda) devices, and only",
     ),  # and only cuda has one
-    ({"memory_gib": -80}, "memory_gib: Input should be greater than 0"),
-    ({"memory_gib": 0}, "memory_gib: Input should be greater than 0"),
+    ({"memory_gib": -80}, "memory_gib: Input should be greater than or equal to 1"),
+    ({"memory_gib": 0}, "memory_gib: Input should be greater than or equal to 1"),
     ({"memory_gib": "lots"}, "memory_gib: Input should be a valid number"),
-    ({"bandwidth_gbs": 1e8}, "bandwidth_gbs: Input should be less than or equal to 10000000"),
+    ({"bandwidth_gbs": 1e8}, "bandwidth_gbs: Input should be less than or equal to 100000"),
     ({"devices_per_node": 2.5}, "devices_per_node: Input should be a valid integer"),
     ({"tflops": "fast"}, "tflops: Input should be a valid dictionary"),
     ({"tflops": {"bf16": 989, "fp4": 4000}}, "tflops.fp4: Extra inputs are not permitted"),
@@ -815,7 +815,8 @@ def test_extreme_but_valid_values_are_answered(fleet: TestClient) -> None:
     # h200 and mi325x run what h100 and mi300x run (the same architectures); b200 (sm100) does not.
     assert {c["hardware"] for c in [answer, *answer["fallbacks"]]} == {"h100", "h200", "mi300x", "mi325x"}
     assert resolve(fleet, key="ключ-🔑" * 20).status_code == 200
-    assert resolve(fleet, min_tokens_per_s=1e-300).status_code == 200
+    assert resolve(fleet, min_tokens_per_s=0.001, max_ttft_ms=86_400_000).status_code == 200  # the range's ends
+    assert_error(resolve(fleet, min_tokens_per_s=1e-300), 422, "INVALID_INPUT")  # below a token in 1,000 s
 
 
 def test_query_strings_that_are_not_utf_8_are_422_or_ignored(canary: TestClient) -> None:
