@@ -1,16 +1,77 @@
-"""Structured logs: every record one JSON object per line (time, level, logger, message, request id)."""
+"""Structured logs: every record one JSON object per line (time, level, logger, message, request id).
+
+Every URL in a record, whichever library logged it (kiln, uvicorn, httpx2, botocore, urllib3), is
+written without its user name, password, query and fragment (`RedactUrls`): they carry credentials
+(webhook URLs with `?token=`, presigned S3 URLs, `https://user:password@host/`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
 # One encoder: `json.dumps` with any non-default argument builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 ACCESS_LOGGER = "kiln.registry.access"
+
+
+# scheme://[userinfo@]host-and-path[?query][#fragment]; userinfo is everything up to the authority's last @.
+_URL = re.compile(
+    r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<userinfo>(?:[^\s/?#@]*@)+)?(?P<rest>[^\s?#\"'<>]*)"
+    r"(?P<query>\?[^\s#\"'<>]*)?(?P<fragment>#[^\s\"'<>]*)?",
+    re.IGNORECASE,
+)
+# An HTTP request line's target (`"POST /hook?token=... HTTP/1.1"`, as urllib3 and uvicorn log it).
+_REQUEST_LINE = re.compile(
+    r"(?P<method>\b(?:GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS|CONNECT|TRACE) +)(?P<rest>/[^\s?#\"'<>]*)"
+    r"(?P<query>\?[^\s#\"'<>]*)?(?P<fragment>#[^\s\"'<>]*)?"
+)
+REDACTED = "REDACTED"
+_FORMATTER = logging.Formatter()  # formats exceptions (tracebacks) for redaction, as handlers would
+
+
+def _redact_match(match: re.Match[str]) -> str:
+    start = match["method"] if "method" in match.re.groupindex else match["scheme"]
+    url = start + (f"{REDACTED}@" if match.groupdict().get("userinfo") else "") + match["rest"]
+    if match["query"]:
+        url += f"?{REDACTED}"
+    if match["fragment"]:
+        url += f"#{REDACTED}"
+    return url
+
+
+def redact_urls(text: str) -> str:
+    """`text` with each URL's user name, password, query and fragment replaced by REDACTED, and the
+    query and fragment of each HTTP request line's target."""
+    if "://" in text:
+        text = _URL.sub(_redact_match, text)
+    if "?" in text or "#" in text:
+        text = _REQUEST_LINE.sub(_redact_match, text)
+    return text
+
+
+class RedactUrls(logging.Filter):
+    """A handler filter: the record's message (arguments merged in) and exception with URLs redacted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: logging reports it when it is formatted
+            return True
+        redacted = redact_urls(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = _FORMATTER.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_urls(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact_urls(record.stack_info)
+        return True
 
 
 class _Clock:
@@ -42,7 +103,9 @@ class JsonFormatter(logging.Formatter):
             entry.update(access)
         else:
             entry["message"] = record.getMessage()
-        if record.exc_info:
+        if record.exc_text:
+            entry["exception"] = record.exc_text
+        elif record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return _ENCODER.encode(entry)
 
@@ -115,12 +178,19 @@ class AccessLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def log_config(level: str = "info") -> dict[str, Any]:
-    """A `logging.config.dictConfig` (also uvicorn's `log_config`) sending every log as JSON to stderr."""
-    handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
-    access = {"class": f"{__name__}.AccessLineHandler", "stream": "ext://sys.stderr"}
+    """A `logging.config.dictConfig` (also uvicorn's `log_config`) sending every log as JSON to stderr,
+    URLs redacted (`RedactUrls` on each handler: it sees the records of every logger, libraries' too)."""
+    handler = {
+        "class": "logging.StreamHandler",
+        "formatter": "json",
+        "stream": "ext://sys.stderr",
+        "filters": ["redact_urls"],
+    }
+    access = {"class": f"{__name__}.AccessLineHandler", "stream": "ext://sys.stderr", "filters": ["redact_urls"]}
     return {
         "version": 1,
         "disable_existing_loggers": False,
+        "filters": {"redact_urls": {"()": RedactUrls}},
         "formatters": {"json": {"()": JsonFormatter}},
         "handlers": {"stderr": handler, "access": access},
         "root": {"handlers": ["stderr"], "level": level.upper()},
