@@ -52,6 +52,7 @@ from registry.settings import RegistrySettings
 from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router
 from registry.webhooks.delivery import DeliveryWorker
+from registry.webhooks.destinations import DestinationPolicy, Resolver
 from registry.webhooks.routes import router as webhooks_router
 
 OPENAPI_TAGS = [
@@ -94,8 +95,10 @@ READ = require("read")
 COMMON_ERRORS = error_responses(401, 403, 413, 422, 503)
 
 
-def create_app(settings: RegistrySettings | None = None) -> FastAPI:
-    """Build the registry app: engine, session factory and blob store from `settings` (env if None)."""
+def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Resolver | None = None) -> FastAPI:
+    """Build the registry app: engine, session factory and blob store from `settings` (env if None).
+
+    `webhook_resolver` resolves webhook host names (default: the system's resolver)."""
     settings = settings or RegistrySettings()
     database_url = settings.effective_database_url()
     if settings.is_embedded:
@@ -117,7 +120,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        webhooks = DeliveryWorker(database_url, settings)
+        webhooks = DeliveryWorker(database_url, settings, app.state.webhook_destinations)
         if settings.webhook_delivery:
             webhooks.start()
         try:
@@ -140,6 +143,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     app.state.write_session_factory = create_session_factory(engine, write=True)
     app.state.blob_store = blob_store
     app.state.modelcar = modelcar_base
+    app.state.webhook_destinations = DestinationPolicy.from_settings(settings, webhook_resolver)
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))
     app.state.token_cache = TokenCache(app.state.session_factory)
     app.state.metrics = RegistryMetrics()

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
 
 from core.errors import InvalidInput
+from registry.webhooks.destinations import AllowList
 
 
 class RegistrySettings(BaseSettings):
@@ -55,7 +58,10 @@ class RegistrySettings(BaseSettings):
     )
     max_upload_bytes: int = Field(default=256 * 1024**3, gt=0, description="largest accepted blob upload")
     max_body_bytes: int = Field(
-        default=4 * 1024**2, gt=0, description="largest accepted request body other than a blob upload (JSON)"
+        default=4 * 1024**2,
+        gt=0,
+        description="largest accepted request body other than a blob upload (JSON): the limit of an artifact "
+        "manifest or a release, and a cap on every other route's own (64 KiB unless registry.api.boundary says more)",
     )
     auth_required: bool = Field(
         default=True,
@@ -94,6 +100,25 @@ class RegistrySettings(BaseSettings):
     webhook_poll_interval_s: float = Field(
         default=2.0, gt=0, le=300, description="how often each server process looks for due webhook deliveries"
     )
+    webhook_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="internal webhook receivers, which are refused unless listed: networks (10.0.0.0/8, 127.0.0.1) "
+        "and host:port pairs (hooks.internal:8443), comma-separated or a JSON list; unspecified, multicast and "
+        "cloud metadata addresses are refused even if listed",
+    )
+
+    @field_validator("webhook_allow", mode="before")
+    @classmethod
+    def _allow_entries(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment
+            value = (
+                json.loads(value)
+                if value.lstrip().startswith("[")
+                else [e.strip() for e in value.split(",") if e.strip()]
+            )
+        if isinstance(value, list):
+            AllowList.parse(str(e) for e in value)  # a ValueError names the bad entry
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -6,6 +6,11 @@ seconds) and `X-Kiln-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<body>" 
 webhook's secret>`. A 2xx answer delivers; anything else (another status, a refused connection, a
 timeout) is retried after an exponential backoff, until the last attempt marks the delivery failed.
 Database work runs in threads, off the event loop; nothing here runs inside a registry request.
+
+Each attempt checks its URL again (`destinations`): the host is resolved, every address checked, and the
+POST goes to a checked address, with the name in the Host header and as the TLS server name. Redirects
+are not followed. An attempt's error is recorded as one of `ERROR_CLASSES`, never as the network's own
+text: the delivery log must not tell an admin more about the network than whether a receiver answered.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -25,9 +32,16 @@ import httpx2
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.errors import InvalidInput
 from registry.db import create_db_engine, create_session_factory, utcnow
 from registry.settings import RegistrySettings
 from registry.webhooks import outbox
+from registry.webhooks.destinations import (
+    Destination,
+    DestinationForbidden,
+    DestinationPolicy,
+    DestinationUnresolvable,
+)
 from registry.webhooks.outbox import AttemptResult, Claim, RetryPolicy
 
 T = TypeVar("T")
@@ -36,7 +50,19 @@ LOG = logging.getLogger("kiln.registry.webhooks")
 CLAIM_BATCH = 20
 # How much longer than an attempt's time limit a claim is held: the attempt, then recording it.
 LEASE_MARGIN_S = 60.0
-MAX_ERROR_CHARS = 500
+
+# What an attempt's `error` says when it did not deliver: one of these names, nothing else.
+ERROR_CLASSES: dict[str, str] = {
+    "destination_forbidden": "the URL is (or now resolves to) an address webhooks may not reach; nothing was sent",
+    "dns": "the host name did not resolve",
+    "refused": "the connection was refused",
+    "timeout": "no answer within the attempt's time limit (webhook_timeout_s)",
+    "tls": "the TLS handshake failed (certificate, name or protocol)",
+    "connection": "the connection failed or broke (unreachable, reset, closed)",
+    "protocol": "the answer was not HTTP",
+    "http_status": "the receiver answered with a status other than 2xx (in status_code); redirects are not followed",
+    "internal": "the attempt failed inside the registry (its log says why)",
+}
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
@@ -58,8 +84,11 @@ class DeliveryWorker:
     its own, with a small pool: requests and deliveries never wait for each other's connections.
     """
 
-    def __init__(self, database_url: str, settings: RegistrySettings) -> None:
+    def __init__(
+        self, database_url: str, settings: RegistrySettings, destinations: DestinationPolicy | None = None
+    ) -> None:
         self._database_url = database_url
+        self._destinations = destinations or DestinationPolicy.from_settings(settings)
         self._engine: Engine | None = None
         self._read_sessions: sessionmaker[Session] | None = None
         self._write_sessions: sessionmaker[Session] | None = None
@@ -74,8 +103,15 @@ class DeliveryWorker:
 
     def start(self) -> None:
         """Start polling on the running event loop."""
-        # No redirects: the configured URL is the receiver, and a 3xx is not a delivery.
-        self._http = httpx2.AsyncClient(timeout=self._timeout_s, follow_redirects=False)
+        # No redirects: the configured URL is the receiver, and a 3xx is not a delivery. No proxies from
+        # the environment: the connection goes to the checked address. No kept connections: one made for
+        # one name must not carry another name's request to the same address.
+        self._http = httpx2.AsyncClient(
+            timeout=self._timeout_s,
+            follow_redirects=False,
+            trust_env=False,
+            limits=httpx2.Limits(max_keepalive_connections=0),
+        )
         self._engine = create_db_engine(self._database_url, pool_size=2, max_overflow=2)
         self._read_sessions = create_session_factory(self._engine)
         self._write_sessions = create_session_factory(self._engine, write=True)
@@ -171,17 +207,73 @@ class DeliveryWorker:
         status: int | None = None
         error: str | None = None
         try:
-            # The whole attempt is bounded, not just each read: a receiver trickling bytes cannot hold it.
+            # The whole attempt is bounded, resolving included: a receiver trickling bytes cannot hold it.
             async with asyncio.timeout(self._timeout_s):
-                # Streamed and never read: the answer's status is all that counts, whatever its body's size.
-                async with self._http.stream("POST", claim.url, content=body, headers=headers) as response:
-                    status = response.status_code
+                destination = await asyncio.to_thread(self._destinations.check, claim.url)
+                status = await self._send(destination, body, headers)
             if not 200 <= status < 300:
-                error = f"HTTP {status}"
-        except TimeoutError:
-            error = f"no answer within {self._timeout_s:g} s"
+                error = "http_status"
+        except DestinationForbidden:
+            error = "destination_forbidden"
+        except DestinationUnresolvable:
+            error = "dns"
+        except InvalidInput:  # a URL stored before today's rules refuse it
+            error = "destination_forbidden"
         except Exception as exc:  # whatever the receiver or the network does is a failed attempt, never a crash
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = error[:MAX_ERROR_CHARS]
+            error = error_class(exc)
+            if error == "internal":
+                LOG.exception("webhook delivery %s: attempt %s failed", claim.delivery_id, claim.attempt)
         duration_ms = round((time.perf_counter() - started) * 1000)
         return AttemptResult(at=at, status_code=status, error=error, duration_ms=duration_ms)
+
+    async def _send(self, destination: Destination, body: bytes, headers: dict[str, str]) -> int:
+        """POST to the destination's first address that takes the connection; the answer's status."""
+        assert self._http is not None, "start() the worker first"
+        url = destination.url
+        headers = {**headers, "Host": url.host_header}
+        # Certificates are checked against the name, as if the URL's host had been connected to.
+        extensions = {"sni_hostname": url.host} if url.scheme == "https" and url.address is None else {}
+        for n, address in enumerate(destination.addresses, 1):
+            try:
+                # Streamed and never read: the answer's status is all that counts, whatever its body's size.
+                async with self._http.stream(
+                    "POST", url.url_to(address), content=body, headers=headers, extensions=extensions
+                ) as response:
+                    return response.status_code
+            except httpx2.ConnectError as exc:
+                if n == len(destination.addresses) or error_class(exc) == "tls":
+                    raise
+        raise AssertionError("a destination has at least one address")
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, what caused it, and what those grouped, depth first."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(current.exceptions)
+        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
+def error_class(exc: BaseException) -> str:
+    """The `ERROR_CLASSES` name of an exception an attempt raised."""
+    causes = list(_causes(exc))
+    if any(isinstance(c, ssl.SSLError | ssl.CertificateError) for c in causes):
+        return "tls"
+    if any(isinstance(c, ConnectionRefusedError) for c in causes):
+        return "refused"
+    if any(isinstance(c, TimeoutError | httpx2.TimeoutException) for c in causes):
+        return "timeout"
+    if any(isinstance(c, socket.gaierror) for c in causes):
+        return "dns"
+    if isinstance(exc, httpx2.ProtocolError):
+        return "protocol"
+    if isinstance(exc, httpx2.TransportError | OSError):
+        return "connection"
+    return "internal"

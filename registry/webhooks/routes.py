@@ -4,23 +4,44 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request
 
 from registry.api.errors import error_responses
 from registry.api.params import RowId
 from registry.auth.principal import Principal
 from registry.deps import SessionDep, WriteSessionDep, require
 from registry.webhooks import service
+from registry.webhooks.destinations import DestinationPolicy
 from registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
 
 router = APIRouter(prefix="/v1", tags=["webhooks"])
 Admin = Annotated[Principal, require("admin")]
 
 
-@router.post("/webhooks", status_code=201, summary="Create a webhook (its signing secret is returned once)")
-def create_webhook(spec: WebhookCreate, session: WriteSessionDep, principal: Admin) -> WebhookCreated:
+def get_destinations(request: Request) -> DestinationPolicy:
+    policy: DestinationPolicy = request.app.state.webhook_destinations
+    return policy
+
+
+DestinationsDep = Annotated[DestinationPolicy, Depends(get_destinations)]
+
+
+@router.post(
+    "/webhooks",
+    status_code=201,
+    summary="Create a webhook (its signing secret is returned once); its URL must be public or allow-listed",
+)
+def create_webhook(
+    spec: WebhookCreate, session: WriteSessionDep, principal: Admin, destinations: DestinationsDep
+) -> WebhookCreated:
     webhook, secret = service.create_webhook(
-        session, principal, url=spec.url, events=spec.events, model_pattern=spec.model_pattern, secret=spec.secret
+        session,
+        principal,
+        url=spec.url,
+        events=spec.events,
+        model_pattern=spec.model_pattern,
+        destinations=destinations,
+        secret=spec.secret,
     )
     session.commit()
     return WebhookCreated(**WebhookOut.from_row(webhook).model_dump(), secret=secret)

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from registry.webhooks.delivery import ERROR_CLASSES
 from registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
 from registry.webhooks.outbox import EVENTS
 
@@ -14,7 +15,11 @@ from registry.webhooks.outbox import EVENTS
 class WebhookCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(max_length=2048, description="where events are POSTed: an http or https URL")
+    url: str = Field(
+        max_length=2048,
+        description="where events are POSTed: an http or https URL of a public address (or one the operator "
+        "allow-lists), without a user name or password",
+    )
     events: list[str] = Field(min_length=1, max_length=len(EVENTS), examples=[list(EVENTS)])
     model_pattern: str = Field(default="*", max_length=64, description="the models whose events it gets (fnmatch)")
     secret: str | None = Field(
@@ -52,7 +57,10 @@ class AttemptOut(BaseModel):
     attempt: int
     at: datetime
     status_code: int | None = Field(description="the receiver's HTTP status; null when none came")
-    error: str | None
+    error: str | None = Field(
+        description="why it did not deliver, one of: " + ", ".join(ERROR_CLASSES) + "; null when it delivered",
+        examples=list(ERROR_CLASSES),
+    )
     duration_ms: int
 
     @classmethod

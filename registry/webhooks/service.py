@@ -17,30 +17,11 @@ from core.errors import Conflict, Forbidden, InvalidInput, NotFound, UnknownName
 from registry.audit import service as audit
 from registry.auth.principal import Principal
 from registry.db import utcnow
+from registry.webhooks.destinations import DestinationPolicy, parse_url
 from registry.webhooks.models import Webhook, WebhookDelivery
 from registry.webhooks.outbox import EVENTS
 
-MAX_URL_LENGTH = 2048
 _PATTERN = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
-
-
-def check_url(url: str) -> None:
-    """InvalidInput (INVALID_WEBHOOK_URL) unless `url` is an absolute http(s) URL with a host."""
-    problem = None
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- parses the port, raising ValueError on a bad one
-    except ValueError as exc:
-        problem = str(exc)
-    else:
-        if parts.scheme not in ("http", "https"):
-            problem = "the scheme must be http or https"
-        elif not parts.hostname:
-            problem = "it has no host"
-    if problem is None and (len(url) > MAX_URL_LENGTH or any(c.isspace() or not c.isprintable() for c in url)):
-        problem = f"it must be at most {MAX_URL_LENGTH} printable characters without spaces"
-    if problem is not None:
-        raise InvalidInput(f"webhook URL {url[:200]!r} is not valid: {problem}", code="INVALID_WEBHOOK_URL")
 
 
 def check_events(events: list[str]) -> None:
@@ -67,10 +48,15 @@ def create_webhook(
     url: str,
     events: list[str],
     model_pattern: str,
+    destinations: DestinationPolicy,
     secret: str | None = None,
 ) -> tuple[Webhook, str]:
-    """A new active webhook and its signing secret (generated unless given). Audited, without URL path or secret."""
-    check_url(url)
+    """A new active webhook and its signing secret (generated unless given). Audited, without URL path or secret.
+
+    Its URL must name a destination `destinations` admits (a public address unless the operator's
+    allow-list says otherwise); it is checked again, resolved afresh, before every delivery attempt.
+    """
+    parse_url(url)
     check_events(events)
     if not _PATTERN.fullmatch(model_pattern):
         raise InvalidInput(
@@ -82,6 +68,8 @@ def create_webhook(
             f"events of {model_pattern!r}",
             details={"model_pattern": model_pattern, "limited_to": list(actor.models), "token": actor.name},
         )
+    # Last: it may ask the resolver, which only an admin allowed this subscription gets to do.
+    destinations.check(url)
     secret = secret if secret is not None else secrets.token_urlsafe(32)
     webhook = Webhook(
         url=url,

@@ -37,6 +37,7 @@ FAST_DELIVERY = {
     "webhook_backoff_max_s": 0.2,
     "webhook_max_attempts": 3,
     "webhook_timeout_s": 5.0,
+    "webhook_allow": ["127.0.0.1"],  # the receivers of these tests listen on loopback
 }
 
 
@@ -230,8 +231,8 @@ def test_a_receiver_failing_twice_gets_the_event_on_the_third_attempt(client: Te
     assert (delivery["state"], delivery["attempts"], delivery["last_status"]) == ("delivered", 3, 204)
     attempts = delivery["attempt_log"]
     assert [(a["attempt"], a["status_code"], a["error"]) for a in attempts] == [
-        (1, 500, "HTTP 500"),
-        (2, 500, "HTTP 500"),
+        (1, 500, "http_status"),
+        (2, 500, "http_status"),
         (3, 204, None),
     ]
     times = [datetime.fromisoformat(a["at"]) for a in attempts]
@@ -255,7 +256,7 @@ def test_a_receiver_that_always_fails_ends_failed(client: TestClient, receiver: 
     assert len(receiver.received) == 3
     [nobody] = settled(client, unreachable["id"], 1)
     assert (nobody["state"], nobody["attempts"], nobody["last_status"]) == ("failed", 3, None)
-    assert all(a["status_code"] is None and a["error"] for a in nobody["attempt_log"])
+    assert all((a["status_code"], a["error"]) == (None, "refused") for a in nobody["attempt_log"])
     assert len(nobody["attempt_log"]) == 3
     time.sleep(0.3)  # no fourth attempt comes
     assert len(receiver.received) == 3
