@@ -236,7 +236,7 @@ def _send(client: TestClient, item: NumericInput, base: Base, value: Any) -> Any
     query = dict(base.query)
     body = base.body
     if item.where == "path":
-        path_params[item.pointer[0]] = _query_text(value) if value is not None else "null"
+        path_params[str(item.pointer[0])] = _query_text(value) if value is not None else "null"
     elif item.where == "query":
         query[str(item.pointer[0])] = _query_text(value)
     else:
@@ -255,8 +255,8 @@ def _may_take(item: NumericInput, value: Any) -> bool:
     return (value is None and item.nullable) or (item.where != "body" and value == "50" and in_range(item.schema, 50))
 
 
-def test_every_numeric_input_has_a_range(app: FastAPI) -> None:
-    inputs = numeric_inputs(app.openapi())
+def test_every_numeric_input_has_a_range(client: TestClient) -> None:
+    inputs = numeric_inputs(client.get("/openapi.json").json())
     assert len(inputs) >= 20
     unbounded = [
         str(i) for i in inputs if not ({"minimum", "exclusiveMinimum"} & set(i.schema) and "maximum" in i.schema)
@@ -267,7 +267,7 @@ def test_every_numeric_input_has_a_range(app: FastAPI) -> None:
 def test_every_numeric_input_sends_its_edges(app: FastAPI, client: TestClient) -> None:
     _seed(client)
     # Its own admin token: the edges of a token id revoke token 1, the fixture's.
-    client = TestClient(app, headers={"Authorization": f"Bearer {make_token(app, ['admin'], name='edges')}"})
+    client.headers["Authorization"] = f"Bearer {make_token(app, ['admin'], name='edges')}"
     inputs = numeric_inputs(app.openapi())
     missing = sorted({(i.method, i.path) for i in inputs} - set(BASES))
     assert not missing, f"no valid request to vary for {missing}: add one to BASES"
@@ -403,6 +403,7 @@ def test_plan_replica_refuses_a_profile_built_around_validation() -> None:
         with pytest.raises(InvalidInput) as raised:
             plan_replica(profile, shape, 16 * 2**30, "bf16", 4096, 1)
         assert raised.value.code == "HARDWARE_CATALOG_INVALID" and next(iter(change)) in raised.value.message
+    assert h100.interconnect is not None
     link = h100.interconnect.model_construct(**{**dict(h100.interconnect), "tp_efficiency": 5e-324})
     profile = type(h100).model_construct(**{**dict(h100), "interconnect": link})
     with pytest.raises(InvalidInput, match="tp_efficiency"):
