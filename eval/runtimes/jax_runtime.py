@@ -5,6 +5,11 @@ device by default, or, with `mesh=True`, onto the artifact's mesh with every arr
 `sharding.json` partition spec (`NamedSharding`), the way a TPU slice loads it; XLA then partitions
 the same jitted program over the mesh.
 
+The device is explicit, never JAX's default backend: `device` is the stage's (`cpu`, `cuda:N`;
+`pipeline.placement`), the platform whose devices the arrays are restored onto (the first N+1 for
+a mesh), so with jax[cuda] installed a CPU stage still computes on the CPU and a GPU stage on its
+GPU, with the same code path. The platform is recorded in `version` (and so in the eval report).
+
 The forward is the transformers Llama/Mistral/Qwen2 computation: RMSNorm, rotary embeddings (plain
 RoPE with the config's rope_theta), grouped-query attention with a causal (and, for Mistral, a
 sliding-window) mask, SwiGLU MLP, tied or untied lm_head, and Qwen2's q/k/v biases. int8 weights are
@@ -26,6 +31,7 @@ artifacts of the same shapes share their compilations; each compile costs about 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +55,12 @@ class JaxRuntime:
 
     name = "jax"
 
-    def __init__(self, artifact: str | Path, *, mesh: bool = False, compute_dtype: ComputeDtype = "float32") -> None:
+    def __init__(
+        self, artifact: str | Path, *, mesh: bool = False, compute_dtype: ComputeDtype = "float32", device: str = "cpu"
+    ) -> None:
+        # JAX takes 75% of a GPU's memory when its CUDA backend starts, by default; the torch stages that run
+        # in the same process (the local executor) need theirs, so it allocates what it uses instead.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         try:
             import jax
             import orbax.checkpoint
@@ -84,9 +95,13 @@ class JaxRuntime:
                 details={"runtime": self.name, "path": str(self.path)},
             )
         self.quant = str(weights.get("quant"))
+        self.devices = platform_devices(device)
+        self.platform = self.devices[0].platform
         try:
-            self.mesh = _device_mesh(sharding["mesh"]) if mesh else None
-            self.params = _restore(self.path / weights["checkpoint"], weights["tensors"], sharding, self.mesh)
+            self.mesh = _device_mesh(sharding["mesh"], self.devices) if mesh else None
+            self.params = _restore(
+                self.path / weights["checkpoint"], weights["tensors"], sharding, self.mesh, self.devices[0]
+            )
         except (KeyError, TypeError, AttributeError) as e:
             raise StageFailed(
                 f"orbax artifact {str(self.path)!r}: weights.json or sharding.json is malformed ({e!r})",
@@ -96,7 +111,7 @@ class JaxRuntime:
         self.vocab_size = self.config.vocab_size
         self.compute_dtype = compute_dtype
         self._buckets: set[int] = set()  # padded lengths whose prefill program this runtime has run
-        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax.checkpoint.__version__}"
+        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax.checkpoint.__version__}, on {self.platform}"
 
     def _read_json(self, name: str) -> dict[str, Any]:
         try:
@@ -159,14 +174,43 @@ class JaxRuntime:
         self.params = {}
 
 
-def _device_mesh(axes: dict[str, int]) -> Any:
-    """The artifact's mesh over this machine's first devices; deferred when it has too few."""
+def platform_devices(device: str) -> list[Any]:
+    """The JAX devices of the stage's device: `cpu` -> the CPU devices; `cuda` / `cuda:N` -> the GPUs from
+    the N-th on (the first is where arrays go). DEVICE_UNAVAILABLE when this JAX has no such backend."""
     import jax
+
+    from core.device import DeviceUnavailable, parse_device
+
+    parsed = parse_device(device)
+    if parsed is None:
+        raise InvalidInput("the JAX runtime needs a resolved device (cpu, cuda, cuda:N), not auto")
+    devices: list[Any] = []
+    errors = []
+    for backend in ("cpu",) if parsed.kind == "cpu" else ("cuda", "gpu"):
+        try:
+            devices = jax.devices(backend)
+            break
+        except RuntimeError as e:  # no such backend in this jax (jax without its CUDA plugin)
+            errors.append(f"{backend}: {e}")
+    if not devices:
+        raise DeviceUnavailable(
+            f"JAX has no {parsed.kind} backend here ({'; '.join(errors)}); install jax[cuda] for GPU evals",
+            details={"device": str(parsed)},
+        )
+    index = parsed.index or 0
+    if index >= len(devices):
+        raise DeviceUnavailable(
+            f"JAX sees {len(devices)} {parsed.kind} device(s); {parsed} is not one", details={"device": str(parsed)}
+        )
+    return list(devices[index:])
+
+
+def _device_mesh(axes: dict[str, int], devices: list[Any]) -> Any:
+    """The artifact's mesh over the platform's first devices; deferred when it has too few."""
     from jax.sharding import AxisType, Mesh
 
     shape = tuple(int(s) for s in axes.values())
     needed = int(np.prod(shape))
-    devices = jax.devices()
     if len(devices) < needed:
         raise Deferred(
             f"the artifact's mesh {axes} needs {needed} devices; this machine has {len(devices)} "
@@ -177,8 +221,10 @@ def _device_mesh(axes: dict[str, int]) -> Any:
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _restore(checkpoint: Path, tensors: dict[str, Any], sharding: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """`{name: jax.Array}` restored by orbax, each placed by its partition spec on `mesh` (or on one device)."""
+def _restore(
+    checkpoint: Path, tensors: dict[str, Any], sharding: dict[str, Any], mesh: Any, device: Any
+) -> dict[str, Any]:
+    """`{name: jax.Array}` restored by orbax, each placed by its partition spec on `mesh` (or on `device`)."""
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -192,7 +238,7 @@ def _restore(checkpoint: Path, tensors: dict[str, Any], sharding: dict[str, Any]
 
     def place(name: str) -> Any:
         if mesh is None:
-            return SingleDeviceSharding(jax.devices()[0])
+            return SingleDeviceSharding(device)
         return NamedSharding(mesh, PartitionSpec(*specs[name]))
 
     abstract = {

@@ -1,10 +1,15 @@
-"""transformers on CPU: the reference, and the runtime of the hf-bundle target.
+"""transformers on the stage's device: the reference, and the runtime of the hf-bundle target.
 
 As the reference it loads the source release's bf16 SafeTensors and upcasts them to float32, so
 every matmul runs in float32: the reference is the checkpoint's exact weights with as little
 rounding in the arithmetic as this machine offers. For an hf-bundle artifact it loads the bundle
 directory the same way (`dtype="auto"` keeps the checkpoint's dtype, e.g. for quantized bundles
 whose kernels need it).
+
+`device` is a torch device string (`cpu`, `cuda:0`; the stage's, `pipeline.placement`). On a CUDA
+device the model is moved there after loading; each window's ids go there and its logits come back
+as float32 numpy, one window at a time. float32 matmuls on CUDA stay IEEE float32 (torch's default:
+TF32 off), so a float32 reference on a GPU differs from the CPU's only by summation order.
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
 
 class TransformersRuntime:
-    """`AutoModelForCausalLM` from a model directory, run under `torch.inference_mode` on CPU."""
+    """`AutoModelForCausalLM` from a model directory, run under `torch.inference_mode` on `device`."""
 
     name = "transformers"
 
-    def __init__(self, model_dir: str | Path, dtype: TorchDtype = "float32") -> None:
+    def __init__(self, model_dir: str | Path, dtype: TorchDtype = "float32", device: str = "cpu") -> None:
         try:
             import torch
             import transformers
@@ -40,6 +45,7 @@ class TransformersRuntime:
         self._torch = torch
         self.model_dir = Path(model_dir)
         self.dtype = dtype
+        self.device = torch.device(device)  # a malformed string raises here, before the model loads
         torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
@@ -57,6 +63,8 @@ class TransformersRuntime:
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         _load_e4m3fnuz_exactly(model, self.model_dir)
+        if self.device.type != "cpu":
+            model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a dtype cast; it moves in place
         self._model: Any = model.eval()
         self.vocab_size = int(model.config.vocab_size)
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
@@ -65,8 +73,8 @@ class TransformersRuntime:
         ids = check_ids(token_ids, self.vocab_size, self.name)
         torch = self._torch
         with torch.inference_mode():
-            out = self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
-        return np.ascontiguousarray(out.logits[0].float().numpy(), dtype=np.float32)
+            out = self._model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
+        return np.ascontiguousarray(out.logits[0].float().cpu().numpy(), dtype=np.float32)
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
         checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
@@ -86,7 +94,7 @@ class TransformersRuntime:
             return generated
         with torch.inference_mode():
             # One prompt pass, then one token at a time on the KV cache: how a server decodes.
-            out = self._model(input_ids=torch.tensor(prompts, dtype=torch.long), use_cache=True)
+            out = self._model(input_ids=torch.tensor(prompts, dtype=torch.long, device=self.device), use_cache=True)
             for i in range(n):
                 toks = torch.argmax(out.logits[:, -1, : self.vocab_size], dim=-1)
                 for row, tok in zip(generated, toks.tolist(), strict=True):

@@ -36,6 +36,26 @@ from kiln.cli.common import (
 )
 from kiln.console import ProgressReporter, err, safe_text, stdout
 
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        envvar="KILN_DEVICE",
+        help="Where the compute stages (reference, calibration, transformers and JAX evals) run: auto (a GPU when "
+        "one is visible, else the CPU), cpu, cuda or cuda:N. With --executor ray: a GPU Ray grants (cuda), or auto.",
+    ),
+]
+
+
+def _device(spec: str, executor: Any = None) -> Any:
+    """`--device`, parsed once (INVALID_DEVICE); checked against this machine for a local build
+    (DEVICE_UNAVAILABLE), left to the cluster for Ray (`pipeline.executors.ray.RayExecutor.placement`)."""
+    from core.device import parse_device, resolve_device
+
+    if executor is not None and executor.name == "ray":
+        return parse_device(spec) or "auto"
+    return resolve_device(spec)
+
 
 def _peak_rss_mib() -> float:
     # ru_maxrss is KiB on Linux; include finished children (llama.cpp's quantizer runs in-process).
@@ -88,6 +108,7 @@ def _run_build(
     as_json: bool,
     allow_outside: list[Path] | None,
     executor: Any = None,
+    device: Any = "cpu",
 ) -> None:
     from pipeline import build
     from pipeline.recipe import load_recipe
@@ -98,7 +119,9 @@ def _run_build(
     _quiet_libraries()
     recipe = load_recipe(recipe_path, allowed_roots=allowed_roots(allow_outside))
     store = open_store(store_url, work_dir)
-    result = build.run(recipe, store, registry=registry, reporter=ProgressReporter(quiet=as_json), executor=executor)
+    result = build.run(
+        recipe, store, registry=registry, reporter=ProgressReporter(quiet=as_json), executor=executor, device=device
+    )
     summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
     report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
@@ -144,9 +167,11 @@ def build(
     retries: RetriesOpt = 3,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Build and evaluate every artifact of RECIPE, reusing finished stages."""
-    _run_build(recipe, work_dir, store, None, as_json, allow_outside, _executor(executor, store, ray_address, retries))
+    choice = _executor(executor, store, ray_address, retries)
+    _run_build(recipe, work_dir, store, None, as_json, allow_outside, choice, _device(device, choice))
 
 
 @app.command()
@@ -170,13 +195,15 @@ def publish(
             show_default=False,
         ),
     ] = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
     choice = _executor(executor, store, ray_address, retries)
+    placed = _device(device, choice)
     if signing_key is not None:
         # The publish stages read it from the environment, as `kiln run-stage` on a CI runner does.
         os.environ["KILN_SIGNING_KEY"] = str(signing_key.resolve())
-    _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice)
+    _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice, placed)
 
 
 def _executor(name: str, store: str | None, ray_address: str | None, retries: int) -> Any:
@@ -201,8 +228,10 @@ def run_stage(
     ] = None,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Run one stage of RECIPE from the store (its inputs must be there): the unit a CI job runs."""
+    placed = _device(device)
     from pipeline import build
     from pipeline.recipe import load_recipe
     from pipeline.store import open_store
@@ -211,7 +240,12 @@ def run_stage(
     _quiet_libraries()
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
     outcome = build.run_one(
-        loaded, open_store(store, work_dir), stage, registry=registry, reporter=ProgressReporter(quiet=as_json)
+        loaded,
+        open_store(store, work_dir),
+        stage,
+        registry=registry,
+        reporter=ProgressReporter(quiet=as_json),
+        device=placed,
     )
     out = {
         "stage": stage,

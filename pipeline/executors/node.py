@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from core.device import describe
 from core.errors import Deferred, KilnError, StageFailed
+from pipeline.placement import computes_on_device, stage_device
 from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, captured_output, log_tail, provenance
 from pipeline.store import StageStore
 
@@ -85,6 +87,9 @@ def run_node(
     cached = store.lookup(node, key)
     if cached is not None:
         return NodeOutcome(node, "cached", key, cached)
+    # A compute stage's device, checked before anything runs (DEVICE_UNAVAILABLE: this machine, or the Ray
+    # worker, lacks the GPU it was placed on), and described in its provenance.
+    device = describe(stage_device(node)) if computes_on_device(node) else None
     reporter.start(node, key)
     _computing_threads(node.requires.cpus)
     started = time.time()
@@ -117,6 +122,8 @@ def run_node(
             details.update(log=str(log), log_tail=log_tail(log))
         raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
     prov = provenance(node, key, inputs, started)
+    if device is not None:
+        prov["device"] = device
     if where is not None:
         prov["executor"] = where()
     if not node.stage.cacheable:

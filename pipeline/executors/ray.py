@@ -7,6 +7,11 @@ thread count a stage computes with is fixed by its requirements, not by the node
 resource `accelerator:<sku>` when it needs one (start a node with `--resources='{"accelerator:h100": 1}'`).
 Independent stages run in parallel.
 
+A compute stage placed on a GPU (`--device cuda`, or `auto` on a cluster with GPUs: `placement`) asks
+Ray for `num_gpus=1`; Ray sets the worker's `CUDA_VISIBLE_DEVICES` to the GPU it granted, and the stage
+computes on `cuda` (that GPU, the only one it sees). Every other task gets `num_gpus=0`, and Ray hides
+the node's GPUs from it. Which GPU is Ray's choice, so a device index (`cuda:1`) is refused here.
+
 Stages exchange data only through the stage store: a task gets its inputs' (node, key) and reads
 them from the store (`--store s3://...`; each Ray node keeps its local copy under
 `<work-dir>/nodes/<ray node id>/`); with no shared store, every node must see the work directory on
@@ -35,6 +40,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from core.device import CPU, Device, InvalidDevice, parse_device
 from core.errors import KilnError, StageFailed
 from pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
 from pipeline.stage import Node, StageOutput
@@ -62,7 +68,7 @@ class RayExecutor:
         self.reporter = reporter or SilentReporter()
         self.max_retries = max_retries
 
-    def run(self, nodes: list[Node]) -> dict[str, NodeOutcome]:
+    def _connect(self) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -73,6 +79,28 @@ class RayExecutor:
                 include_dashboard=False,
                 configure_logging=False,
             )
+
+    def placement(self, spec: str | Device) -> Device:
+        """The device the compute stages are placed on: `cpu`; `cuda` (a GPU Ray grants, on a node that has
+        one; with none in the cluster those stages are deferred until one joins); `auto`: `cuda` when a
+        live node offers a GPU, else the CPU."""
+        device = parse_device(spec) if isinstance(spec, str) else spec
+        if device is not None and device.kind == "cpu":
+            return device
+        if device is not None and device.index is not None:
+            raise InvalidDevice(
+                f"--device {device} with the Ray executor: Ray chooses the GPU a stage gets; use --device cuda",
+                details={"device": str(device)},
+            )
+        if device is not None:
+            return device
+        self._connect()
+        return Device("cuda") if _cluster_capacity()["max_gpus"] > 0 else CPU
+
+    def run(self, nodes: list[Node]) -> dict[str, NodeOutcome]:
+        import ray
+
+        self._connect()
         self.store.sweep_stale()
         capacity = _cluster_capacity()
         task = ray.remote(_run_task)
@@ -105,6 +133,7 @@ class RayExecutor:
             input_nodes = {r: self._node(nodes, node.inputs[r]) for r in roles}
             options = {
                 "num_cpus": min(node.requires.cpus, capacity["max_cpus"]),
+                "num_gpus": node.requires.gpus,
                 "resources": node.requires.ray_resources(),
                 "max_retries": self.max_retries,
                 "retry_exceptions": False,
@@ -244,6 +273,9 @@ def _where_ray() -> dict[str, Any]:
         "host": socket.gethostname(),
         "node_ip": info.get("NodeManagerAddress"),
         "accelerators": sorted(r.split(":", 1)[1] for r in info.get("Resources", {}) if r.startswith("accelerator:")),
+        # The GPUs Ray granted this task (none for a CPU stage) and the mask it set for them.
+        "gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "pid": os.getpid(),
     }
 
@@ -253,7 +285,7 @@ def _where_driver() -> dict[str, Any]:
 
 
 def _cluster_capacity() -> dict[str, Any]:
-    """What the cluster's live nodes offer: the largest CPU count and memory, and every accelerator."""
+    """What the cluster's live nodes offer: the largest CPU count, memory and GPU count, and every accelerator."""
     import ray
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -263,6 +295,7 @@ def _cluster_capacity() -> dict[str, Any]:
     return {
         "max_cpus": max(int(r.get("CPU", 0)) for r in resources) or 1,
         "max_memory": max(int(r.get("memory", 0)) for r in resources),
+        "max_gpus": max(int(r.get("GPU", 0)) for r in resources),
         "accelerators": {k for r in resources for k in r if k.startswith("accelerator:")},
     }
 
@@ -276,6 +309,13 @@ def _lacking(node: Node, capacity: dict[str, Any]) -> dict[str, Any] | None:
             "reason": f"waits for a node with {req.accelerator}: no node of the cluster offers {missing[0]}",
             "runner": req.accelerator,
             "waiting_for": missing,
+        }
+    if req.gpus > capacity["max_gpus"]:
+        return {
+            "reason": f"waits for a node with {req.gpus} GPU(s): no node of the cluster offers one "
+            "(placed on a GPU by --device)",
+            "runner": "gpu",
+            "waiting_for": ["GPU"],
         }
     if req.memory_bytes > capacity["max_memory"] > 0:
         gib = req.memory_bytes / 2**30

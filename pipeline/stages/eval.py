@@ -1,4 +1,8 @@
-"""Eval stage: load one artifact in the runtime that serves it and compare it with the stored reference."""
+"""Eval stage: load one artifact in the runtime that serves it and compare it with the stored reference.
+
+A runtime that kiln runs on the stage's device (transformers, the JAX forward) is a compute stage,
+placed on the build's device (`params["device"]`, `pipeline.placement`); the others run where they
+always do (llama.cpp's CPU build, vLLM's own environment)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
 from eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
+from pipeline.placement import computes_on_device, stage_device
 from pipeline.records import ArtifactRecord
 from pipeline.requirements import RUNTIME_NEEDS, ModelSize, Requirements, requirements
 from pipeline.stage import Node, Stage, StageContext
@@ -23,12 +28,14 @@ def run(ctx: StageContext) -> EvalReport:
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
+    options = {"device": stage_device(ctx.node).torch} if computes_on_device(ctx.node) else {}
     report = evaluate_artifact(
         stored_reference(ctx.input("reference")),
         runtime,
         artifact,
         text,
         Gate(**ctx.node.params["gate"]),
+        **options,
         **_planned_capabilities(ctx.node),
     )
     return report

@@ -7,7 +7,8 @@ orbax's int8) takes it as its `quantized` input instead of quantizing again.
 
 Calibrated schemes (GPTQ, AWQ) also take the calibration text (the external input
 `calibration_text`, from the store by its digest, which is in the key) and `params["calibration"]` =
-{samples, seq_len, skip_tokens, compute_dtype}.
+{samples, seq_len, skip_tokens, compute_dtype}; they are compute stages, placed on the build's device
+(`params["device"]`, `pipeline.placement`): llm-compressor onloads one decoder layer at a time there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING
 
+from pipeline.placement import stage_device
 from pipeline.records import QuantizeRecord
 from pipeline.requirements import ModelSize, Requirements, requirements
 from pipeline.stage import Node, Stage, StageContext, StageOutput
@@ -46,7 +48,14 @@ def run(ctx: StageContext) -> QuantizeRecord:
         # killed run leaves them inside the work dir's `.tmp-*` (never mistaken for done), not in /tmp.
         offload = ctx.out_dir.parent / "calibration-offload"
         offload.mkdir()
-        calibrated = calibrate(source, scheme, samples, offload_dir=offload, compute_dtype=cal["compute_dtype"])
+        calibrated = calibrate(
+            source,
+            scheme,
+            samples,
+            offload_dir=offload,
+            compute_dtype=cal["compute_dtype"],
+            device=stage_device(ctx.node).torch,
+        )
     try:
         result = write_quantized(
             source, scheme, ctx.out_dir, on_progress=lambda n: ctx.progress(n, total), calibrated=calibrated
@@ -55,7 +64,8 @@ def run(ctx: StageContext) -> QuantizeRecord:
         if calibrated is not None:
             del calibrated
             shutil.rmtree(offload, ignore_errors=True)
-    return QuantizeRecord(**result, calibration=ctx.node.params["calibration"] if scheme.calibrated else None)
+    calibration = {**ctx.node.params["calibration"], "device": ctx.node.params["device"]} if scheme.calibrated else None
+    return QuantizeRecord(**result, calibration=calibration)
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:
@@ -65,7 +75,8 @@ def open_output(output: StageOutput) -> QuantizedWeights:
 
 
 def needs(node: Node, size: ModelSize) -> Requirements:
-    """Round-to-nearest holds a tensor at a time; calibration one layer and its activations, on every core."""
+    """Round-to-nearest holds a tensor at a time; calibration one layer and its activations, on every core
+    (and on its GPU, when placed on one: `pipeline.placement.placed`)."""
     calibrated = Scheme.model_validate(node.params["scheme"]).calibrated
     return requirements("quantize-calibrated" if calibrated else "quantize", size)
 

@@ -3,6 +3,10 @@
 The stage tokenises the held-out text once and stores the ids it was cut into (`eval_text.json`) beside
 the logits; every eval stage replays both from the stage's output instead of loading the tokenizer and
 the reference model again.
+
+It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`): the
+model is loaded there and scored one window at a time, each window's logits written to the output as
+it comes back to the host.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ import numpy as np
 
 from core.errors import KilnError
 from eval.runtimes import CachedRuntime, TransformersRuntime
+from eval.runtimes.transformers_runtime import TorchDtype
 from eval.text import EvalText, load_text
+from pipeline.placement import stage_device
 from pipeline.records import IngestRecord, ReferenceParams, ReferenceRecord
 from pipeline.stage import Stage, StageContext, StageOutput
 
 TEXT_FILE = "heldout.txt"
 IDS_FILE = "eval_text.json"  # the token windows and prompts every runtime is given (eval.text.EvalText)
+# The reference computes in float32 on every device (on CUDA too: TF32 stays off), so it is the checkpoint's
+# weights with as little rounding as the device offers; recorded in its record.
+REFERENCE_DTYPE: TorchDtype = "float32"
 
 
 def eval_text(ingest: StageOutput, text_path: Path, params: ReferenceParams) -> EvalText:
@@ -48,7 +57,9 @@ def run(ctx: StageContext) -> ReferenceRecord:
     shutil.copyfile(ctx.external("text"), ctx.out_dir / TEXT_FILE)
     text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
     (ctx.out_dir / IDS_FILE).write_text(text.to_json())
-    reference = CachedRuntime(TransformersRuntime(ingest.files_dir), ctx.out_dir, identity=source_digest)
+    device = stage_device(ctx.node)
+    runtime = TransformersRuntime(ingest.files_dir, dtype=REFERENCE_DTYPE, device=device.torch)
+    reference = CachedRuntime(runtime, ctx.out_dir, identity=source_digest)
     try:
         for window in text.windows:
             reference.logits(window)
@@ -64,6 +75,7 @@ def run(ctx: StageContext) -> ReferenceRecord:
         params=params,
         windows=len(text.windows),
         tokens=text.tokens,
+        dtype=REFERENCE_DTYPE,
     )
 
 
@@ -97,5 +109,9 @@ def stored_reference(output: StageOutput) -> CachedRuntime:
 
 
 STAGE = Stage(
-    "reference", "3", run, ReferenceRecord, "reference logits of the source model (transformers, float32, CPU)"
+    "reference",
+    "3",
+    run,
+    ReferenceRecord,
+    "reference logits of the source model (transformers, float32, on the stage's device)",
 )

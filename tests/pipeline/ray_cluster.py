@@ -3,8 +3,10 @@
 `ray start --head --node-ip-address=127.0.0.1` and a second `ray start --address=...` that advertises
 `accelerator:h100`: two raylets, each with one CPU and its own object store, on 127.0.0.1 (Ray's
 `cluster_utils.Cluster` binds to the machine's interface address instead). The head advertises
-`accelerator:mi300x`, so a test can pin a stage to either node. Both nodes get the S3 test server's
-endpoint and credentials and `PYTHONPATH` with the repository, so workers import the test stages.
+`accelerator:mi300x`, so a test can pin a stage to either node. The test cluster's second node also
+offers one GPU (`--num-gpus=1`, a count Ray schedules by: there is no GPU behind it), for placement.
+Both nodes get the S3 test server's endpoint and credentials and `PYTHONPATH` with the repository, so
+workers import the test stages.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def running_ray_cluster(
     head: dict[str, float] = HEAD_RESOURCES,
     worker: dict[str, float] = WORKER_RESOURCES,
     cpus: int = 1,
+    worker_gpus: int = 0,
 ) -> Iterator[RayCluster]:
-    """`ray start` a head and a second node on loopback, `cpus` CPUs each, with these custom resources;
-    `ray stop` on exit. The benchmarks use it too."""
+    """`ray start` a head and a second node on loopback, `cpus` CPUs each, with these custom resources (and
+    `worker_gpus` GPUs on the second); `ray stop` on exit. The benchmarks use it too."""
     if not Path(RAY).is_file():
         raise RuntimeError("ray is not installed in this environment (make install installs it)")
     port = free_port()
@@ -95,7 +98,8 @@ def running_ray_cluster(
             *common,
             env=env,
         )
-        _ray("start", f"--address=127.0.0.1:{port}", f"--resources={json.dumps(worker)}", *common, env=env)
+        gpus = [f"--num-gpus={worker_gpus}"]
+        _ray("start", f"--address=127.0.0.1:{port}", f"--resources={json.dumps(worker)}", *gpus, *common, env=env)
         cluster = RayCluster(address=f"127.0.0.1:{port}", env=env, temp_dir=temp_dir)
         deadline = time.monotonic() + 60
         while len(cluster.nodes()) < 2:
@@ -110,7 +114,7 @@ def running_ray_cluster(
 
 @pytest.fixture(scope="session")
 def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
-    with running_ray_cluster(s3_server) as cluster, pytest.MonkeyPatch.context() as patch:
+    with running_ray_cluster(s3_server, worker_gpus=1) as cluster, pytest.MonkeyPatch.context() as patch:
         # This process drives builds on the cluster too.
         for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "KILN_S3_ENDPOINT_URL", "RAY_USAGE_STATS_ENABLED"):
             patch.setenv(name, cluster.env[name])

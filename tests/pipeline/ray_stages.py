@@ -42,14 +42,21 @@ def _run(ctx: StageContext) -> ToyRecord:
 TOY = Stage("toy", "1", _run, ToyRecord, "a test stage")
 
 
-def toy(name: str, *, inputs: dict[str, str] | None = None, accelerator: str | None = None, **params: object) -> Node:
-    """A toy node, `toy/<name>`, needing one CPU and `accelerator` (e.g. "nvidia:h100")."""
+def toy(
+    name: str,
+    *,
+    inputs: dict[str, str] | None = None,
+    accelerator: str | None = None,
+    gpus: int = 0,
+    **params: object,
+) -> Node:
+    """A toy node, `toy/<name>`, needing one CPU, `accelerator` (e.g. "nvidia:h100") and `gpus` GPUs."""
     return Node(
         f"toy/{name}",
         TOY,
         params={"value": name, **params},
         inputs=inputs or {},
-        requires=Requirements(cpus=1, memory_bytes=0, accelerator=accelerator),
+        requires=Requirements(cpus=1, memory_bytes=0, accelerator=accelerator, gpus=gpus),
     )
 
 

@@ -12,13 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from core.device import CPU, Device, InvalidDevice
 from core.digest import sha256_json
 from core.errors import InvalidInput
 from pipeline.executors.ray import RayExecutor
+from pipeline.placement import placed, with_device
 from pipeline.stage import WorkDir
 from pipeline.store import RemoteStageStore
 from tests.pipeline.ray_cluster import ROOT, RayCluster
@@ -106,6 +109,54 @@ def test_a_stage_no_node_can_run_waits_for_its_hardware(
     assert [o.status for o in outcomes.values()] == ["built", "deferred", "deferred"]
     assert outcomes["toy/tpu"].details["waiting_for"] == ["accelerator:tpu-v5e"]
     assert "google:tpu-v5e" in outcomes["toy/tpu"].reason and "toy/tpu" in outcomes["toy/after-tpu"].reason
+
+
+def test_a_stage_placed_on_a_gpu_asks_ray_for_one_and_runs_where_ray_granted_it(
+    ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The cluster's h100 node offers one GPU (a count: nothing computes on it here): Ray's `num_gpus`."""
+    store = _store(s3_server, tmp_path)
+    nodes = [toy("on-gpu", gpus=1), toy("on-cpu", inputs={"a": "toy/on-gpu"}), toy("two-gpus", gpus=2)]
+    outcomes = _executor(ray_cluster, store).run(nodes)
+    assert {n: o.status for n, o in outcomes.items()} == {
+        "toy/on-gpu": "built",
+        "toy/on-cpu": "built",
+        "toy/two-gpus": "deferred",
+    }
+    gpu = outcomes["toy/on-gpu"].output.provenance["executor"]  # type: ignore[union-attr]
+    assert gpu["ray_node_id"] == ray_cluster.node_ids()["accelerator:h100"]
+    assert gpu["gpu_ids"] == ["0"] and gpu["cuda_visible_devices"] == "0"  # Ray's grant, as the stage saw it
+    assert outcomes["toy/on-cpu"].output.provenance["executor"]["gpu_ids"] == []  # type: ignore[union-attr]
+    assert outcomes["toy/two-gpus"].details["waiting_for"] == ["GPU"]
+    assert "2 GPU(s)" in outcomes["toy/two-gpus"].reason
+
+
+def test_a_compute_stage_on_a_gpu_torch_cannot_see_fails_with_device_unavailable(
+    ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Placed on `cuda`, granted the node's GPU by Ray, but no CUDA device behind it: refused, never run on the CPU."""
+    from core.device import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("this machine has a CUDA device")
+    store = _store(s3_server, tmp_path)
+    node = with_device(toy("reference-like"), Device("cuda"))
+    node = replace(node, requires=placed(node, node.requires))
+    assert node.requires.gpus == 1
+    outcome = _executor(ray_cluster, store).run([node])[node.id]
+    assert outcome.status == "failed" and outcome.error is not None
+    assert outcome.error.code == "DEVICE_UNAVAILABLE" and "CUDA_VISIBLE_DEVICES=0" in outcome.error.message
+    assert store.digest(node, outcome.key or node.cache_key({})) is None
+
+
+def test_device_auto_on_a_cluster_is_a_gpu_when_a_node_offers_one(
+    ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
+) -> None:
+    executor = _executor(ray_cluster, _store(s3_server, tmp_path))
+    assert executor.placement("auto") == Device("cuda")
+    assert executor.placement("cpu") == CPU and executor.placement(Device("cuda")) == Device("cuda")
+    with pytest.raises(InvalidDevice, match="Ray chooses the GPU"):
+        executor.placement("cuda:1")
 
 
 RECIPE = """\
