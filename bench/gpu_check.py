@@ -1,0 +1,588 @@
+"""One prepared check for a GPU machine: kiln's compute stages on CUDA against the same on the CPU.
+
+    python bench/gpu_check.py --out $OUT                           # on the GPU machine, from the repo root
+    python bench/gpu_check.py --device cpu --quick --out /tmp/gc   # anywhere: the same flow, CUDA parts skipped
+
+The GPU machine is offline and bare (torch, transformers, JAX with CUDA, orbax; not kiln's other
+dependencies), so the script first sets itself up from the wheels `bench/gpu_wheels.sh` downloaded
+into `.wheelhouse/gpu/` (carried with the working tree): it installs, with `pip --no-index --no-deps
+--target`, only those of `.wheelhouse/gpu/requirements.txt` that the machine's Python lacks (what it
+has, it keeps: its torch and JAX were built against it), puts them and the checkout on PYTHONPATH, and
+runs itself again. Then, each step in its own process with its own timeout, so one failure (or a hang)
+is recorded and the rest still run, inside one overall budget (`--budget`, 270 s by default):
+
+1. `info`: the GPU, its driver, torch / transformers / JAX versions and JAX's devices.
+2. `build-cuda` and `build-cpu`, at the same time: the example (examples/tiny-llama) with a recipe
+   restricted to the targets whose runtimes are there (hf-bundle: bf16, fp8, fp8-block, int8-w8a8,
+   int8-w8a16, int4-rtn, w4a16-gptq, w4a16-awq; orbax: bf16, int8-w8a16; gguf when llama.cpp imports),
+   built with `--device cuda` (calibration, the reference, the transformers and JAX evals on the GPU)
+   and with `--device cpu`, each in its own work directory; then a table of every artifact's metrics on
+   both (KL, ppl change, top-1) and of the two references against each other.
+3. `kernels`: the fp8, fp8-block and int8-w8a8 bundles of the CUDA build through the real tensor-core
+   matmuls (`torch._scaled_mm` row-wise and block-wise, `torch._int_mm`; `eval.native_kernels`),
+   against kiln's CPU emulation of the same bundles. With `--device cpu` the same code runs with the
+   float32 stand-in kernels.
+4. `gptq-layer`: GPTQ calibration (`quant.calibrated.calibrate`, llm-compressor's sequential pipeline)
+   of one 8B-shaped decoder layer (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, random
+   weights, 512 calibration tokens) on the device, timed. `--quick` uses a small layer.
+
+One JSON record (bench/record.py's fields, then each step's) is written to `<out>/gpu_check.jsonl`,
+rewritten after every step, so a run cut short still leaves what it measured; `--record` also appends
+it to bench/results/gpu_check.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from record import RESULTS, run_record  # noqa: E402 (bench/record.py, beside this script)
+
+WHEELHOUSE = ROOT / ".wheelhouse" / "gpu"
+EXAMPLE = ROOT / "examples" / "tiny-llama"
+SETUP_ENV = "KILN_GPU_CHECK_SETUP"  # set once the wheels are installed: the script runs itself again
+HF_BUNDLE = ["bf16", "fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn", "w4a16-gptq", "w4a16-awq"]
+HF_BUNDLE_QUICK = ["fp8", "fp8-block", "int8-w8a8", "w4a16-gptq"]
+ORBAX = ["bf16", "int8-w8a16"]
+GGUF = ["f16", "q8_0", "q4_k_m"]
+KERNEL_SCHEMES = ("fp8", "fp8-block", "int8-w8a8")
+# Seconds each step may take at most (the overall budget cuts them shorter).
+STEP_LIMITS = {"info": 60, "build": 200, "kernels": 90, "gptq-layer": 120}
+
+
+# --- setup: the wheels this machine lacks -------------------------------------------------------------------
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def setup(argv: list[str]) -> None:
+    """Install the missing wheels into a fresh target directory and run this script again with them (and the
+    checkout) on PYTHONPATH; a no-op once done, or without a wheelhouse."""
+    if os.environ.get(SETUP_ENV):
+        return
+    started = time.time()
+    env = dict(os.environ)
+    info: dict[str, Any] = {"wheelhouse": str(WHEELHOUSE.relative_to(ROOT))}
+    site = Path(tempfile.gettempdir()) / "kiln-gpu-check-site"
+    reqs = WHEELHOUSE / "requirements.txt"
+    if reqs.is_file():
+        present = {
+            _norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions() if d.metadata["Name"]
+        }
+        wanted = [line.split("==") for line in reqs.read_text().split() if "==" in line]
+        missing = [f"{n}=={v}" for n, v in wanted if _norm(n) not in present]
+        info["installed"] = missing
+        info["kept"] = {n: present[_norm(n)] for n, v in wanted if _norm(n) in present and present[_norm(n)] != v}
+        shutil.rmtree(site, ignore_errors=True)
+        if missing:
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+            pip += ["--disable-pip-version-check", "--target", str(site), "--find-links", str(WHEELHOUSE)]
+            try:
+                done = subprocess.run([*pip, *missing], capture_output=True, text=True, timeout=120)
+                info["pip_rc"] = done.returncode
+                if done.returncode != 0:
+                    info["pip_error"] = done.stderr[-2000:]
+            except subprocess.TimeoutExpired:
+                info["pip_error"] = "pip install timed out after 120 s"
+    else:
+        info["missing"] = "no .wheelhouse/gpu/requirements.txt: run bench/gpu_wheels.sh first; using this Python as is"
+    info["seconds"] = round(time.time() - started, 1)
+    paths = [str(site), str(ROOT), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env[SETUP_ENV] = json.dumps(info)
+    env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # Two builds share the GPU machine (and JAX's CPU build would otherwise take 75% of the GPU's memory).
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+
+# --- the steps (each runs in its own process: `--step NAME --step-out FILE`) -----------------------------
+
+
+def step_info(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable}
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out["nvidia_smi"] = f"unavailable: {e}"
+    import torch
+
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        out["capability"] = f"sm{props.major}{props.minor}"
+    for dist in ("transformers", "jax", "jaxlib", "orbax-checkpoint", "compressed-tensors", "llmcompressor"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[dist] = importlib.metadata.version(dist)
+    try:
+        import jax
+
+        out["jax_backend"] = jax.default_backend()
+        out["jax_devices"] = [str(d) for d in jax.devices()]
+    except Exception as e:
+        out["jax_error"] = f"{type(e).__name__}: {e}"
+    from core.device import describe, resolve_device
+
+    out["device"] = describe(resolve_device(args.device))
+    return out
+
+
+def _recipe(args: argparse.Namespace, work: Path) -> Path:
+    """The example's recipe restricted to the targets whose runtimes this machine has."""
+    targets: list[dict[str, Any]] = [{"target": "hf-bundle", "quants": HF_BUNDLE_QUICK if args.quick else HF_BUNDLE}]
+    orbax = {
+        "target": "orbax",
+        "quants": ORBAX[:1] if args.quick else ORBAX,
+        "params": {"mesh": {"data": 2, "model": 4}},
+    }
+    targets.append(orbax)
+    try:
+        import llama_cpp  # noqa: F401
+
+        targets.append({"target": "gguf", "quants": GGUF[:1] if args.quick else GGUF})
+    except Exception:  # no llama.cpp build for this Python: no GGUF artifact (recorded in the step)
+        pass
+    recipe = {
+        "model": "tiny-llama",
+        "version": "1.0.0",
+        "description": "gpu_check variant of examples/tiny-llama",
+        "source": str(EXAMPLE / "model"),
+        "eval": {"text": str(EXAMPLE / "heldout.txt"), "max_tokens": 512 if args.quick else 4096, "window": 256},
+        "targets": targets,
+    }
+    if args.quick:
+        recipe["calibration"] = {"samples": 4, "seq_len": 64}
+    path = work / "kiln.yaml"
+    path.write_text(json.dumps(recipe, indent=2))  # JSON is YAML
+    return path
+
+
+class _Progress:
+    """Each stage as it finishes, in the step's log (what a step cut short had done)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+
+    def start(self, node: Any, key: str) -> None:
+        pass
+
+    def progress(self, advance: int, total: int | None) -> None:
+        pass
+
+    def finish(self, outcome: Any) -> None:
+        print(
+            f"{time.time() - self.started:7.1f}s {outcome.node.id}: {outcome.status} ({outcome.seconds:.1f}s)",
+            flush=True,
+        )
+
+
+def step_build(args: argparse.Namespace) -> dict[str, Any]:
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    recipe = load_recipe(_recipe(args, work), allowed_roots=[EXAMPLE])
+    started = time.time()
+    result = build.run(recipe, open_store(None, work / "store"), device=args.device, reporter=_Progress(started))
+    summary = result.summary()
+    devices = {
+        node_id: o.output.provenance.get("device")
+        for node_id, o in result.outcomes.items()
+        if o.output is not None and "device" in o.output.provenance
+    }
+    ref = result.outcomes["reference/source"].output
+    bundles = {
+        o.node.params["quant"]: str(o.output.files_dir)
+        for o in result.outcomes.values()
+        if o.output is not None and o.node.id.startswith("export/hf-bundle-")
+    }
+    return {
+        "device": args.device,
+        "seconds": round(time.time() - started, 1),
+        "targets": [t.target + ":" + ",".join(t.quants) for t in recipe.targets],
+        "stages": summary["stages"],
+        "stage_seconds": summary["stage_seconds"],
+        "failed_gates": summary["failed_gates"],
+        "artifacts": [
+            {
+                "artifact": r["artifact"],
+                "eval": r["eval"],
+                "evals": [
+                    {"runtime": e["runtime"], "status": e["status"], "metrics": e["metrics"], "reason": e["reason"]}
+                    for e in r.get("evals", [])
+                ],
+            }
+            for r in summary["artifacts"]
+        ],
+        "devices": devices,
+        "reference_dir": str(ref.files_dir) if ref is not None else None,
+        "bundles": bundles,
+    }
+
+
+def step_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    from eval.native_kernels import KernelUnavailable, check_kernels
+
+    bundles = json.loads(args.bundles)
+    # The token windows the build's reference scored (pipeline.stages.reference.IDS_FILE).
+    text = json.loads((Path(args.reference_dir) / "eval_text.json").read_text())
+    windows = text["windows"][: 2 if args.quick else 8]
+    kernels = "native" if args.device.startswith("cuda") else "emulated"
+    out: dict[str, Any] = {}
+    for scheme in KERNEL_SCHEMES:
+        if scheme not in bundles:
+            out[scheme] = {"status": "skipped", "reason": "not built"}
+            continue
+        try:
+            out[scheme] = {"status": "ok", **check_kernels(bundles[scheme], windows, args.device, kernels).as_dict()}
+        except KernelUnavailable as e:
+            out[scheme] = {"status": "unsupported", "reason": e.message}
+        except Exception as e:
+            out[scheme] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def step_gptq_layer(args: argparse.Namespace) -> dict[str, Any]:
+    """GPTQ of one decoder layer of the given shape with random weights, on the device, timed."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from formats.hf_model import open_source
+    from quant.calibrated import calibrate
+    from quant.schemes import get_scheme
+
+    shape = (
+        {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4}
+        if args.quick
+        else {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
+    )
+    work = Path(args.work)
+    model_dir = work / "layer-model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = transformers.LlamaConfig(
+        vocab_size=4096, num_hidden_layers=1, max_position_embeddings=1024, tie_word_embeddings=False, **shape
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    started = time.time()
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    config.save_pretrained(model_dir)
+    for f in (EXAMPLE / "model").iterdir():  # the example's tokenizer (vocab 4096): a source needs one
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copyfile(f, model_dir / f.name)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(model_dir / "model.safetensors"))
+    del model
+    made = time.time() - started
+    samples_n, seq_len = (4, 64) if args.quick else (4, 128)
+    g = torch.Generator().manual_seed(1)
+    samples = torch.randint(0, 4096, (samples_n, seq_len), generator=g).tolist()
+    source = open_source(model_dir)
+    device = args.device if ":" in args.device or args.device == "cpu" else f"{args.device}:0"
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    calibrated = calibrate(
+        source, get_scheme("w4a16-gptq"), samples, offload_dir=work, compute_dtype="bfloat16", device=device
+    )
+    seconds = time.time() - started
+    linears = len(calibrated.scales)
+    out = {
+        "shape": shape,
+        "layer_params": sum(t.numel for n, t in source.tensors.items() if ".layers.0." in n),
+        "calibration_tokens": samples_n * seq_len,
+        "device": device,
+        "linears": linears,
+        "make_model_s": round(made, 1),
+        "gptq_s": round(seconds, 2),
+    }
+    if device.startswith("cuda"):
+        out["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+    return out
+
+
+STEPS = {"info": step_info, "build": step_build, "kernels": step_kernels, "gptq-layer": step_gptq_layer}
+
+
+# --- the orchestrator ----------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Starts steps as child processes with timeouts inside the overall budget, and keeps the record."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.deadline = time.time() + args.budget
+        self.record: dict[str, Any] = run_record(
+            benchmark="gpu_check", device=args.device, quick=args.quick, steps={}, setup=_setup_info()
+        )
+
+    def start(
+        self, name: str, kind: str, *extra: str, device: str | None = None
+    ) -> tuple[subprocess.Popen[str], Path, float, str]:
+        out = self.tmp / f"{name}.json"
+        log = self.tmp / f"{name}.log"
+        most = max(STEP_LIMITS[kind], 0.8 * self.args.budget) if kind == "build" else STEP_LIMITS[kind]
+        limit = max(5.0, min(most, self.deadline - time.time() - 5))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--step", kind, "--step-out", str(out)]
+        cmd += ["--device", device or self.args.device, *(["--quick"] if self.args.quick else []), *extra]
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: started (limit {limit:.0f} s)", flush=True)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return proc, out, time.time() + limit, name
+
+    def finish(self, started: tuple[subprocess.Popen[str], Path, float, str]) -> dict[str, Any]:
+        proc, out, until, name = started
+        t0 = time.time()
+        try:
+            proc.wait(timeout=max(1.0, until - time.time()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        log = (self.tmp / f"{name}.log").read_text(errors="replace")
+        if out.is_file():
+            result = json.loads(out.read_text())
+        elif proc.returncode == -9:
+            result = {"status": "failed", "reason": "timed out (killed)", "log_tail": log[-3000:]}
+        else:
+            result = {"status": "failed", "reason": f"exit code {proc.returncode}", "log_tail": log[-3000:]}
+        result.setdefault("wall_s", round(time.time() - t0, 1))
+        self.record["steps"][name] = result
+        self.save()
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {result.get('status', 'ok')}", flush=True)
+        return result
+
+    def skip(self, name: str, reason: str) -> None:
+        self.record["steps"][name] = {"status": "skipped", "reason": reason}
+        self.save()
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: skipped ({reason})", flush=True)
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.jsonl").write_text(json.dumps(self.record, default=str) + "\n")
+
+
+def _setup_info() -> Any:
+    raw = os.environ.get(SETUP_ENV)
+    return json.loads(raw) if raw else None
+
+
+def _run_step(args: argparse.Namespace) -> None:
+    """In a child: run one step and write its result (or its failure) as JSON."""
+    started = time.time()
+    try:
+        result = {"status": "ok", **STEPS[args.step](args)}
+    except Exception as e:
+        import traceback
+
+        result = {"status": "failed", "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    result["seconds_total"] = round(time.time() - started, 1)
+    Path(args.step_out).write_text(json.dumps(result, default=str))
+
+
+def compare_references(cpu_dir: str, cuda_dir: str) -> dict[str, Any]:
+    """The CUDA reference's logits against the CPU's, window by window (same ids, same cache file names)."""
+    import numpy as np
+
+    from eval.metrics import MetricAccumulator
+
+    acc = MetricAccumulator()
+    worst = 0.0
+    windows = 0
+    for f in sorted(Path(cpu_dir).glob("*.npy")):
+        other = Path(cuda_dir) / f.name
+        if not other.is_file():
+            continue
+        a, b = np.load(f), np.load(other)
+        worst = max(worst, float(np.abs(a - b).max()))
+        acc.add(a, b, np.argmax(a, axis=-1))
+        windows += 1
+    if windows == 0:
+        return {"status": "failed", "reason": "no common reference windows"}
+    m = acc.result()
+    return {"status": "ok", "windows": windows, "kl": m.kl, "top1": m.top1, "max_abs_diff": worst}
+
+
+def _metrics(build: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    rows = {}
+    for art in build.get("artifacts", []):
+        for e in art["evals"]:
+            rows[(art["artifact"], e["runtime"])] = {"status": e["status"], **(e["metrics"] or {})}
+    return rows
+
+
+def comparison(cuda: dict[str, Any], cpu: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per artifact and runtime: its metrics in the CUDA build and in the CPU build."""
+    a, b = _metrics(cuda), _metrics(cpu)
+    rows = []
+    for key in sorted(set(a) | set(b)):
+        ga, gb = a.get(key, {}), b.get(key, {})
+        rows.append(
+            {
+                "artifact": key[0],
+                "runtime": key[1],
+                "status": f"{ga.get('status', '-')}/{gb.get('status', '-')}",
+                **{f"{m}_{d}": g.get(m) for m in ("kl", "ppl_change", "top1") for d, g in (("cuda", ga), ("cpu", gb))},
+            }
+        )
+    return rows
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_tables(record: dict[str, Any]) -> None:
+    steps = record["steps"]
+    info = steps.get("info", {})
+    print("\n== machine")
+    for k in ("nvidia_smi", "gpu", "capability", "torch", "torch_cuda", "transformers", "jax", "jax_backend", "python"):
+        if k in info:
+            print(f"  {k}: {info[k]}")
+    rows = record.get("comparison") or []
+    if rows:
+        print("\n== artifacts: CUDA build vs CPU build (KL and top-1 against each build's own reference)")
+        head = f"{'artifact':<24}{'runtime':<14}{'status':<22}{'KL cuda':>10}{'KL cpu':>10}"
+        print(head + f"{'ppl Δ cuda':>12}{'ppl Δ cpu':>11}{'top1 cuda':>10}{'top1 cpu':>9}")
+        for r in rows:
+            print(
+                f"{r['artifact']:<24}{r['runtime']:<14}{r['status']:<22}{_fmt(r['kl_cuda'], '.2e'):>10}"
+                f"{_fmt(r['kl_cpu'], '.2e'):>10}{_fmt(r['ppl_change_cuda'], '+.3%'):>12}"
+                f"{_fmt(r['ppl_change_cpu'], '+.3%'):>11}{_fmt(r['top1_cuda'], '.4f'):>10}"
+                f"{_fmt(r['top1_cpu'], '.4f'):>9}"
+            )
+    ref = steps.get("reference-cuda-vs-cpu")
+    if ref:
+        print(f"\n== reference on CUDA vs on the CPU: {json.dumps(ref)}")
+    kernels = steps.get("kernels", {})
+    if kernels:
+        print("\n== W8A8 bundles through tensor-core kernels vs kiln's CPU emulation")
+        for scheme in KERNEL_SCHEMES:
+            k = kernels.get(scheme)
+            if not isinstance(k, dict):
+                continue
+            if k.get("status") != "ok":
+                print(f"  {scheme:<10} {k.get('status')}: {k.get('reason')}")
+                continue
+            print(
+                f"  {scheme:<10} {k['kernel']:<58} linears {k['linears']:>3}  KL {k['kl']:.2e}  "
+                f"top1 {k['top1']:.4f}  max|Δ| {k['max_abs_diff']:.3f}"
+            )
+    gptq = steps.get("gptq-layer", {})
+    if gptq:
+        print(f"\n== GPTQ of one layer: {json.dumps({k: v for k, v in gptq.items() if k != 'traceback'})}")
+    print("\n== steps: " + ", ".join(f"{n}={s.get('status', 'ok')}" for n, s in steps.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="where gpu_check.jsonl goes")
+    parser.add_argument("--device", default="cuda", help="cuda (the GPU run) or cpu (the CUDA-only parts skipped)")
+    parser.add_argument("--quick", action="store_true", help="fewer artifacts and windows, a small GPTQ layer")
+    parser.add_argument("--budget", type=float, default=270.0, help="seconds for everything after the setup")
+    parser.add_argument("--record", action="store_true", help="also append the record to bench/results/")
+    parser.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
+    parser.add_argument("--step-out", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--bundles", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        _run_step(args)
+        return
+    setup(sys.argv[1:])
+    cuda = args.device.startswith("cuda")
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
+    runner = Runner(args, tmp)
+    print(f"setup: {json.dumps(runner.record['setup'])}", flush=True)
+    runner.finish(runner.start("info", "info"))
+    gpu = bool(runner.record["steps"]["info"].get("cuda_available"))
+    on_gpu = cuda and gpu
+    # The two builds at once: the CUDA one on the GPU, the CPU one on the cores. The kernels and the GPTQ
+    # layer run on the device after the device's build, while the CPU build finishes.
+    if cuda and not gpu:
+        runner.skip("build-cuda", "no CUDA device visible")
+    elif not cuda:
+        runner.skip("build-cuda", "--device cpu: CUDA-only")
+    device_build = runner.start("build-cuda", "build", "--work", str(tmp / "cuda")) if on_gpu else None
+    cpu_build = runner.start("build-cpu", "build", "--work", str(tmp / "cpu"), device="cpu")
+    if device_build is not None:
+        built = runner.finish(device_build)
+    else:
+        built = runner.finish(cpu_build)
+        cpu_build = None
+    if built.get("status") == "ok" and built.get("bundles"):
+        runner.finish(
+            runner.start(
+                "kernels",
+                "kernels",
+                "--bundles",
+                json.dumps(built["bundles"]),
+                "--reference-dir",
+                str(built["reference_dir"]),
+            )
+        )
+    else:
+        runner.skip("kernels", "the build made no hf-bundle")
+    if cuda and not gpu:
+        runner.skip("gptq-layer", "no CUDA device visible")
+    else:
+        runner.finish(runner.start("gptq-layer", "gptq-layer", "--work", str(tmp / "gptq")))
+    if cpu_build is not None:
+        runner.finish(cpu_build)
+    steps = runner.record["steps"]
+    cu, cp = steps.get("build-cuda", {}), steps.get("build-cpu", {})
+    if cu.get("status") == "ok" and cp.get("status") == "ok":
+        runner.record["comparison"] = comparison(cu, cp)
+        try:
+            steps["reference-cuda-vs-cpu"] = compare_references(cp["reference_dir"], cu["reference_dir"])
+        except Exception as e:
+            steps["reference-cuda-vs-cpu"] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+    runner.record["seconds"] = round(time.time() - runner.deadline + args.budget, 1)
+    runner.save()
+    print_tables(runner.record)
+    if args.record:
+        with open(RESULTS / "gpu_check.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(runner.record, default=str) + "\n")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nrecord: {Path(args.out) / 'gpu_check.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
