@@ -135,8 +135,8 @@ def test_api_answers_every_input_as_documented(app: FastAPI, tokens: dict[str, s
 
 # Cases per operation and mode: as an unrestricted admin (the deep paths), and anonymously (mostly 401s).
 DEEP_EXAMPLES = {
-    "admin": int(os.environ.get("KILN_FUZZ_DEEP_EXAMPLES", "100")),
-    "anonymous": int(os.environ.get("KILN_FUZZ_DEEP_EXAMPLES_ANONYMOUS", "25")),
+    "admin": int(os.environ.get("KILN_FUZZ_DEEP_EXAMPLES", "50")),
+    "anonymous": int(os.environ.get("KILN_FUZZ_DEEP_EXAMPLES_ANONYMOUS", "15")),
 }
 # positive_data_acceptance expects every schema-valid request to be accepted; the registry checks more
 # than a schema says (a file path's segments, a release that is abandoned: 410, a name that exists), so
