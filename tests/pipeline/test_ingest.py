@@ -6,6 +6,9 @@ import json
 import os
 import re
 import struct
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import pytest
 
 from core.errors import SourceInvalid, UnsafeCheckpoint
 from formats.hf_model import open_source
-from formats.safetensors import read_header
+from formats.safetensors import MAX_HEADER_BYTES, read_header
 from tests.file_builders import buffer_len, safetensors_bytes, valid_safetensors_header
 from tests.model_factory import make_model
 
@@ -205,6 +208,59 @@ def test_a_valid_hand_built_header_is_read(tmp_path: Path) -> None:
     tensors, meta = read_header(path, "x.safetensors")
     assert [(t.name, t.shape, t.nbytes) for t in tensors] == [("a", (2, 3), 24), ("b", (0,), 0), ("c", (4,), 16)]
     assert meta == {"format": "pt"}
+
+
+# A header a scanner that re-reads the rest of the text from every quote takes minutes over: an
+# unterminated string of escaped quotes. Its parse is linear: refused in a blink, whatever its size.
+def _escaped_quotes(size: int) -> bytes:
+    return (b'"' + b'\\"' * size)[:size]
+
+
+@pytest.mark.parametrize(("size", "seconds"), [(128 * 1024, 0.5), (MAX_HEADER_BYTES, 10.0)])
+def test_a_crafted_header_fails_ingest_fast(tmp_path: Path, model_dir: Path, size: int, seconds: float) -> None:
+    src = _copy(model_dir, tmp_path / "m")
+    (src / "model.safetensors").write_bytes(safetensors_bytes(_escaped_quotes(size)))
+    start = time.perf_counter()
+    with pytest.raises(SourceInvalid, match="model.safetensors: header is not valid JSON .Unterminated string"):
+        open_source(src)
+    assert time.perf_counter() - start < seconds
+
+
+def test_kiln_build_of_a_crafted_header_fails_fast_with_source_invalid(tmp_path: Path, model_dir: Path) -> None:
+    src = _copy(model_dir, tmp_path / "model")
+    (src / "model.safetensors").write_bytes(safetensors_bytes(_escaped_quotes(128 * 1024)))
+    (tmp_path / "heldout.txt").write_text("def f(): pass\n")
+    recipe = {
+        "model": "m",
+        "version": "1",
+        "source": "model",
+        "eval": {"text": "heldout.txt"},
+        "targets": [{"target": "gguf", "quants": ["f16"]}],
+    }
+    (tmp_path / "kiln.yaml").write_text(json.dumps(recipe))
+    start = time.perf_counter()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "build",
+            str(tmp_path / "kiln.yaml"),
+            "--json",
+            "--work-dir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    elapsed = time.perf_counter() - start
+    assert out.returncode == 2, out.stderr
+    error = json.loads(out.stdout)["error"]
+    assert error["code"] == "SOURCE_INVALID" and error["details"] == {"file": "model.safetensors"}, error
+    assert "Unterminated string" in error["message"]
+    # The command's own start (imports) is most of this; the crafted header used to take minutes.
+    assert elapsed < 60, elapsed
 
 
 # --- config.json is read strictly: each bad field is SOURCE_INVALID naming it -------------------------------
