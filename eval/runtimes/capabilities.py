@@ -17,6 +17,18 @@ What decides, with its sources:
   vLLM worker sets, oneDNN has no usable FP8 matmul: no primitive at all below AMX
   (AVX512_CORE_BF16), only its reference implementation with AMX (AVX512_CORE_AMX), seen on an Intel
   Xeon with AMX-BF16/INT8 and AVX512-FP16 at 275 ms for a 64x512x512 matmul.
+- Int8 W8A8: vLLM's CPU build runs it through oneDNN's int8 GEMM (vllm 0.32.0
+  model_executor/kernels/linear/scaled_mm/cpu.py, `CPUInt8ScaledMMLinearKernel`, `onednn_scaled_mm`: s8
+  per-token activations x s8 per-channel weights, float32 out), or with AMX in use its AMX kernel
+  (`int8_scaled_mm_with_quant`), which accumulates in int32. oneDNN accumulates in int32 with VNNI
+  (`vpdpbusd`); without it (seen here as `gemm:jit` on an AMD EPYC with AVX2 only, and at every ISA cap
+  down to SSE4.1) it shifts the activations to u8 and multiplies with `vpmaddubsw`, which adds each pair of
+  u8 x s8 products in a saturating 16-bit integer (oneDNN's guide, "Nuances of int8 computations"): a pair
+  of large same-signed products (above 32,767 together) is clipped. Weights of magnitude 64 or less never
+  clip (2 x 255 x 64 = 32,640): measured here, a 64x128x256 GEMM is exact with such weights and 15 % off
+  (relative) with full-range ones. Only `avx512_vnni` counts as VNNI; a CPU with AVX-VNNI alone
+  (`avx_vnni`) is decided as one without, as whether oneDNN takes those kernels under the worker's
+  AVX512_CORE_BF16 cap is unchecked.
 - AMX: vLLM picks its AMX kernels by `torch.cpu._is_amx_tile_supported()` (cpuinfo's AMX-tile flag).
   A CPU that advertises AMX but faults on it kills a child that runs AMX code with SIGILL
   (`vllm_worker.probe_amx`): the same answer on a machine whatever its load, since only how the child
@@ -38,7 +50,9 @@ from eval.runtimes import environments
 from eval.runtimes.vllm_worker import AMX_OVERRIDES, amx_decision, probe_amx
 
 # The CPU flags that decide what vLLM's CPU build runs (its kernels, torch's FP8 dispatch, AMX).
-DECIDING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+DECIDING_FLAGS = (
+    "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16"
+)  # fmt: skip
 AMX_ENV = "KILN_VLLM_AMX"
 PROBE_TIMEOUT_S = 600.0  # a child that imports torch and runs one matmul; far past it, something hangs
 
@@ -62,6 +76,15 @@ class Fp8MatmulVerdict(BaseModel):
     reason: str
 
 
+class Int8MatmulVerdict(BaseModel):
+    """Whether vLLM's int8 W8A8 GEMM here computes its integer products exactly (int32 sums), and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exact: bool
+    reason: str
+
+
 class VllmCapabilities(BaseModel):
     """What vLLM's CPU build can run on this machine: the facts it was decided from and the verdicts."""
 
@@ -73,6 +96,7 @@ class VllmCapabilities(BaseModel):
     cpu_flags: tuple[str, ...]  # those of DECIDING_FLAGS the CPU advertises
     amx: AmxVerdict
     fp8_matmul: Fp8MatmulVerdict
+    int8_matmul: Int8MatmulVerdict
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -108,6 +132,19 @@ def fp8_matmul_verdict(flags: frozenset[str], torch_version: str | None, amx_use
     )
 
 
+def int8_matmul_verdict(flags: frozenset[str], amx_used: bool) -> Int8MatmulVerdict:
+    """Whether vLLM's int8 W8A8 GEMM is exact on a CPU with `flags` (see the module's sources)."""
+    if amx_used:
+        return Int8MatmulVerdict(exact=True, reason="vLLM's AMX int8 GEMM accumulates in int32")
+    if "avx512_vnni" in flags:
+        return Int8MatmulVerdict(exact=True, reason="oneDNN's int8 GEMM accumulates in int32 with AVX512-VNNI")
+    return Int8MatmulVerdict(
+        exact=False,
+        reason="oneDNN's int8 GEMM adds u8 x s8 product pairs in saturating 16-bit integers on a CPU without "
+        "VNNI (avx512_vnni not advertised)",
+    )
+
+
 def decide(
     flags: frozenset[str],
     installed: environments.Installed | None,
@@ -133,6 +170,7 @@ def decide(
         cpu_flags=tuple(f for f in DECIDING_FLAGS if f in flags),
         amx=amx,
         fp8_matmul=fp8_matmul_verdict(flags, torch, amx.used),
+        int8_matmul=int8_matmul_verdict(flags, amx.used),
     )
 
 

@@ -14,7 +14,8 @@ remaining probability spread evenly over the rest (an approximation the report's
 
 Activations are float32, as transformers evaluates every bundle, so the two runtimes' figures differ by
 their kernels, not by their arithmetic; W4A16 is bf16, the only float type vLLM's CPU kernel for it takes
-(`COMPUTE_DTYPES`). The dtype is part of the report's runtime version.
+(`COMPUTE_DTYPES`). The dtype is part of the report's runtime version, and so is, for an int8 W8A8 bundle
+on a CPU whose int8 GEMM clips its sums (`capabilities.Int8MatmulVerdict`), that arithmetic.
 
 What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against this machine's verdict
 (`eval.runtimes.capabilities`: decided from the CPU's flags and the installed libraries, planned into the
@@ -122,6 +123,11 @@ CPU_LIMITS: tuple[Limitation, ...] = (
 )
 
 
+def int8_w8a8(scheme: WeightScheme) -> bool:
+    """Int8 weights and int8 activations: what vLLM's CPU build runs through its int8 GEMM."""
+    return scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activations
+
+
 # The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
 # runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
 # float32: its 4-bit weight-only GEMM (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`), with
@@ -131,7 +137,7 @@ CPU_LIMITS: tuple[Limitation, ...] = (
 DEFAULT_DTYPE = "float32"
 COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
     ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
-    ("int8 W8A8 with AMX", lambda s: s.weight_type == "int" and s.weight_bits == 8 and s.activations, "bfloat16", True),
+    ("int8 W8A8 with AMX", int8_w8a8, "bfloat16", True),
     ("block FP8", lambda s: s.weight_type == "float" and s.weight_strategy == "block", "bfloat16", False),
 )
 
@@ -392,6 +398,8 @@ class VllmRuntime:
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"
         ) + ("" if exact else f"; top-{TOP_K} log-probabilities, the rest spread evenly")
+        if any(int8_w8a8(s) for s in schemes) and not here.int8_matmul.exact:
+            self.version += f"; {here.int8_matmul.reason}"  # its figures are that kernel's, not the bundle's alone
         self.loaded = True
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

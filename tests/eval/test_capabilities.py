@@ -28,9 +28,7 @@ from tests.model_factory import make_model
 # The flags lines of the machine kinds the builds run on (trimmed to what matters, order as the kernel prints).
 EPYC_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx f16c avx2 fma bmi2\n"
 EPYC_AVX512 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512_bf16 avx512_vnni\n"
-XEON_AMX = (
-    "flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 avx512_vnni\n"
-)
+XEON_AMX = "flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 avx512_vnni\n"
 INSTALLED = Installed(get_environment("vllm"), Path("/opt/vllm-env"), {"version": "0.32.0"})
 FP8 = [WeightScheme("float", 8, "channel", True)]
 BLOCK_FP8 = [WeightScheme("float", 8, "block", True)]
@@ -65,9 +63,15 @@ def test_the_verdict_per_cpu_kind() -> None:
         assert cpu_limitation(FP8, verdict, HELLO) is None
         assert "AMX" in (cpu_limitation(BLOCK_FP8, verdict, HELLO) or "")
     assert decide(cpu_flags(EPYC_AVX2), INSTALLED).cpu_flags == ("avx2",)
+    # Int8 W8A8: oneDNN's int8 GEMM clips 16-bit pair sums without VNNI (the AVX2 EPYC), not with it.
+    epyc_avx2 = decide(cpu_flags(EPYC_AVX2), INSTALLED).int8_matmul
+    assert not epyc_avx2.exact and "saturating 16-bit" in epyc_avx2.reason and "avx512_vnni" in epyc_avx2.reason
+    assert decide(cpu_flags(EPYC_AVX512), INSTALLED).int8_matmul.exact
+    assert "avx512_vnni" in decide(cpu_flags(EPYC_AVX512), INSTALLED).cpu_flags
     # Intel Xeon whose AMX runs: block FP8 runs (AMX), per-channel FP8 does not (oneDNN's reference matmul).
     xeon = decide(cpu_flags(XEON_AMX), INSTALLED, probe=0)
     assert xeon.amx.used and cpu_limitation(BLOCK_FP8, xeon, HELLO) is None
+    assert xeon.int8_matmul.exact and "AMX" in xeon.int8_matmul.reason
     why = cpu_limitation(FP8, xeon, HELLO)
     assert why is not None and "FP8 W8A8" in why and "torch 2.13.0 hands FP8 matmuls to oneDNN" in why
     assert "reference FP8 matmul" in why
@@ -149,9 +153,7 @@ def test_the_verdict_is_in_the_vllm_evals_keys_and_the_same_under_load(tmp_path:
     assert _keys(loaded) == _keys(quiet)
 
 
-def test_another_verdict_is_another_eval_stage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_another_verdict_is_another_eval_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without vLLM's environment its evals are other stages: installing it later evaluates them."""
     recipe = _recipe(tmp_path)
     here = _keys(_evals(recipe, tmp_path / "work"))
