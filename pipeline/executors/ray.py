@@ -9,8 +9,9 @@ Independent stages run in parallel.
 
 A compute stage placed on a GPU (`--device cuda`, or `auto` on a cluster with GPUs: `placement`) asks
 Ray for `num_gpus=1`; Ray sets the worker's `CUDA_VISIBLE_DEVICES` to the GPU it granted, and the stage
-computes on `cuda` (that GPU, the only one it sees). Every other task gets `num_gpus=0`, and Ray hides
-the node's GPUs from it. Which GPU is Ray's choice, so a device index (`cuda:1`) is refused here.
+computes on `cuda` (that GPU, the only one it sees); every other task asks for none. Which GPU is Ray's
+choice, so a device index (`cuda:1`) is refused here. A GPU no CUDA device is behind (a count on a node
+that has none) fails the stage with DEVICE_UNAVAILABLE: it never falls back to computing on the CPU.
 
 Stages exchange data only through the stage store: a task gets its inputs' (node, key) and reads
 them from the store (`--store s3://...`; each Ray node keeps its local copy under
