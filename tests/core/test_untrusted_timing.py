@@ -26,6 +26,7 @@ from core.untrusted import MAX_DEPTH, loads_json
 from formats.gguf.constants import ValueType
 from formats.gguf.reader import read_header as read_gguf_header
 from formats.safetensors import read_header as read_safetensors_header
+from registry.ops.logs import redact_urls
 from tests.file_builders import gguf_string, safetensors_bytes
 
 KIB = 1024
@@ -214,3 +215,23 @@ def test_gguf_headers_parse_in_linear_time(tmp_path: Path, case: str) -> None:
         return lambda: read_gguf_header(path)
 
     _assert_linear(case, parse, _benign_json)
+
+
+# Log lines quote request data (paths, headers, URLs); redacting them must not be a way to stall a worker.
+LOG_WORST_CASES: dict[str, Callable[[int], str]] = {
+    "scheme characters then ://": lambda size: "a." * (size // 2) + " ://",
+    "many schemes": lambda size: "a://" * (size // 4),
+    "user infos": lambda size: "http://" + "u@" * (size // 2),
+    "request lines": lambda size: "GET " * (size // 4) + "/?",
+    "long query": lambda size: "GET /x?" + "q" * size,
+}
+
+
+@pytest.mark.parametrize("case", LOG_WORST_CASES)
+def test_log_redaction_runs_in_linear_time(case: str) -> None:
+    build = LOG_WORST_CASES[case]
+    _assert_linear(
+        case,
+        lambda size: functools.partial(redact_urls, build(size)),
+        lambda size: json.dumps(build(size)).encode(),
+    )
