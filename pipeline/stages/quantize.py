@@ -64,8 +64,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
         if calibrated is not None:
             del calibrated
             shutil.rmtree(offload, ignore_errors=True)
-    calibration = {**ctx.node.params["calibration"], "device": ctx.node.params["device"]} if scheme.calibrated else None
-    return QuantizeRecord(**result, calibration=calibration)
+    return QuantizeRecord(**result, calibration=ctx.node.params["calibration"] if scheme.calibrated else None)
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:

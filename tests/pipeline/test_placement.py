@@ -100,7 +100,10 @@ def test_a_local_build_on_the_cpu_records_the_device_in_each_compute_stage(recip
         assert "device" not in stages[node_id]["provenance"], node_id
     assert stages["reference/source"]["result"]["params"]["device"] == "cpu"
     assert stages["reference/source"]["result"]["dtype"] == "float32"
-    assert stages["quantize/w4a16-gptq"]["result"]["calibration"]["device"] == "cpu"
+    assert (
+        stages["quantize/w4a16-gptq"]["result"]["calibration"]
+        == stages["quantize/w4a16-gptq"]["provenance"]["params"]["calibration"]
+    )
     assert "on cpu" in stages["eval/orbax-bf16"]["result"]["runtime_version"]  # JAX's platform, explicit
     # `auto` on a machine without a GPU is the CPU: the same graph, every stage cached.
     again = kiln("build", str(recipe_path), "--device", "auto", "--json", "--work-dir", str(work))
