@@ -87,9 +87,22 @@ def _put_stage_json(s3: S3Server, url: str, node_stage: str, key: str, body: byt
         lambda m: json.dumps({**m, "provenance": "deep"}).encode().replace(b'"deep"', b"[" * 5000 + b"]" * 5000),
     ],
     ids=[
-        "not-json", "other-node", "other-key", "bad-record", "traversal", "absolute", "twice", "no-files",
-        "truncated", "empty", "garbage", "list", "files-not-a-list", "no-provenance", "nested",
-    ],  # fmt: skip
+        "not-json",
+        "other-node",
+        "other-key",
+        "bad-record",
+        "traversal",
+        "absolute",
+        "twice",
+        "no-files",
+        "truncated",
+        "empty",
+        "garbage",
+        "list",
+        "files-not-a-list",
+        "no-provenance",
+        "nested",
+    ],
 )
 def test_a_stage_json_from_the_bucket_is_checked_before_use(
     mangle: object, s3_server: S3Server, tmp_path: Path
