@@ -123,6 +123,10 @@ CPU_LIMITS: tuple[Limitation, ...] = (
 )
 
 
+# What an int8 W8A8 eval's runtime version says where the int8 GEMM is not exact (capabilities.Int8MatmulVerdict).
+INT8_CLIPS_NOTE = "int8 GEMM without VNNI: saturating 16-bit pair sums"
+
+
 def int8_w8a8(scheme: WeightScheme) -> bool:
     """Int8 weights and int8 activations: what vLLM's CPU build runs through its int8 GEMM."""
     return scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activations
@@ -399,7 +403,9 @@ class VllmRuntime:
             f"{self.dtype} activations, {threads} threads"
         ) + ("" if exact else f"; top-{TOP_K} log-probabilities, the rest spread evenly")
         if any(int8_w8a8(s) for s in schemes) and not here.int8_matmul.exact:
-            self.version += f"; {here.int8_matmul.reason}"  # its figures are that kernel's, not the bundle's alone
+            # Its figures are that kernel's, not the bundle's alone (the whole reason is in the stage's params;
+            # the version stays within the registry's RUNTIME_VERSION_MAX_LENGTH).
+            self.version += f"; {INT8_CLIPS_NOTE}"
         self.loaded = True
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
