@@ -20,8 +20,9 @@ is recorded and the rest still run, inside one overall budget (`--budget`, 270 s
    both (KL, ppl change, top-1) and of the two references against each other.
 3. `kernels`: the fp8, fp8-block and int8-w8a8 bundles of the CUDA build through the real tensor-core
    matmuls (`torch._scaled_mm` row-wise and block-wise, `torch._int_mm`; `eval.native_kernels`),
-   against kiln's CPU emulation of the same bundles. With `--device cpu` the same code runs with the
-   float32 stand-in kernels.
+   and through their float32 emulation, the rest of the model in float32 in both: each one's KL against
+   the build's reference, their relative difference, and the KL between the two. With `--device cpu`
+   the same code runs with the float32 stand-in kernels.
 4. `gptq-layer`: GPTQ calibration (`quant.calibrated.calibrate`, llm-compressor's sequential pipeline)
    of one 8B-shaped decoder layer (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, random
    weights, 512 calibration tokens) on the device, timed. `--quick` uses a small layer.
@@ -253,20 +254,31 @@ def step_build(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    from eval.native_kernels import KernelUnavailable, check_kernels
+    from eval.native_kernels import Kernels, KernelUnavailable, check_kernels
+    from pipeline.records import ReferenceRecord
+    from pipeline.stage import STAGE_FILE, StageOutput
+    from pipeline.stages.reference import stored_reference
 
     bundles = json.loads(args.bundles)
+    # The reference the build's evals scored against: the source model's float32 logits, as stored.
+    ref_dir = Path(args.reference_dir)
+    stage = json.loads((ref_dir.parent / STAGE_FILE).read_text())
+    record = ReferenceRecord.model_validate(stage["result"])
+    reference = stored_reference(StageOutput(stage["node"], stage["key"], ref_dir.parent, record, [], {}))
     # The token windows the build's reference scored (pipeline.stages.reference.IDS_FILE).
     text = json.loads((Path(args.reference_dir) / "eval_text.json").read_text())
     windows = text["windows"][: 2 if args.quick else 8]
-    kernels = "native" if args.device.startswith("cuda") else "emulated"
+    kernels: Kernels = "native" if args.device.startswith("cuda") else "emulated"
     out: dict[str, Any] = {}
     for scheme in KERNEL_SCHEMES:
         if scheme not in bundles:
             out[scheme] = {"status": "skipped", "reason": "not built"}
             continue
         try:
-            out[scheme] = {"status": "ok", **check_kernels(bundles[scheme], windows, args.device, kernels).as_dict()}
+            out[scheme] = {
+                "status": "ok",
+                **check_kernels(bundles[scheme], windows, args.device, reference, kernels).as_dict(),
+            }
         except KernelUnavailable as e:
             out[scheme] = {"status": "unsupported", "reason": e.message}
         except Exception as e:
@@ -493,7 +505,11 @@ def print_tables(record: dict[str, Any]) -> None:
         print(f"\n== reference on CUDA vs on the CPU: {json.dumps(ref)}")
     kernels = steps.get("kernels", {})
     if kernels:
-        print("\n== W8A8 bundles through tensor-core kernels vs kiln's CPU emulation")
+        print("\n== W8A8 bundles: tensor-core kernels vs their float32 emulation (rest of the model float32 in both)")
+        print(
+            f"  {'scheme':<10} {'kernel':<62} {'out':<8} {'KL nat/ref':>10} {'KL emu/ref':>10} {'rel Δ':>8} "
+            f"{'KL nat/emu':>10} {'top1 n/e':>8} {'max|Δ|':>7}"
+        )
         for scheme in KERNEL_SCHEMES:
             k = kernels.get(scheme)
             if not isinstance(k, dict):
@@ -502,8 +518,9 @@ def print_tables(record: dict[str, Any]) -> None:
                 print(f"  {scheme:<10} {k.get('status')}: {k.get('reason')}")
                 continue
             print(
-                f"  {scheme:<10} {k['kernel']:<58} linears {k['linears']:>3}  KL {k['kl']:.2e}  "
-                f"top1 {k['top1']:.4f}  max|Δ| {k['max_abs_diff']:.3f}"
+                f"  {scheme:<10} {k['kernel']:<62} {k['out_dtype']:<8} {k['kl_native_vs_reference']:>10.3e} "
+                f"{k['kl_emulated_vs_reference']:>10.3e} {k['kl_relative_difference']:>+8.2%} "
+                f"{k['kl_native_vs_emulated']:>10.2e} {k['top1_native_vs_emulated']:>8.4f} {k['max_abs_diff']:>7.3f}"
             )
     gptq = steps.get("gptq-layer", {})
     if gptq:

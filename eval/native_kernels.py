@@ -1,4 +1,4 @@
-"""W8A8 bundles through the matmul kernels a GPU serves them with, compared with kiln's emulation of them.
+"""W8A8 bundles through the matmul kernels a GPU serves them with, against kiln's emulation of them.
 
 kiln evaluates an hf-bundle in transformers, which (with compressed-tensors) dequantizes the FP8 or
 int8 weights and fake-quantizes the activations: an emulation of what vLLM computes on a GPU. This
@@ -7,19 +7,23 @@ module runs the same bundle through the real low-precision matmuls instead, one 
 | scheme | activations (dynamic) | weights | kernel on CUDA |
 |---|---|---|---|
 | `fp8` | e4m3fn per token (absmax / 448) | e4m3fn per output channel | `torch._scaled_mm`, row-wise scales |
-| `fp8-block` | e4m3fn per token and 128 columns | e4m3fn per 128x128 block | `torch._scaled_mm`, block-wise |
+| `fp8-block` | e4m3fn per token and 128 columns | e4m3fn per 128x128 block | `scaled_mm`, BlockWise1x128 x 128x128 |
 | `int8-w8a8` | int8 per token (absmax / 127) | int8 per output channel | `torch._int_mm`, then both scales |
 
-and reports the mean KL divergence, top-1 agreement and largest logit difference of those logits
-against the bundle's logits in kiln's own eval runtime (`TransformersRuntime` of the bundle, on the
-CPU). Every other module (embeddings, norms, attention, the bf16 `lm_head`) is the bundle's own,
-in bf16, on the same device.
+Two models of the bundle run on the same device, built by the same code (`load_native`): one whose
+quantized Linears call the kernels, one whose Linears call their float32 emulation (dequantize both
+operands' products exactly, accumulate in float32, apply the same scales and the same output rounding).
+Every other module (embeddings, norms, attention, `lm_head`) runs in float32 in both, and each kernel's
+output is taken in float32 where the kernel can give it (`_int_mm`'s int32 is rescaled in float32), so
+the only difference between the two models is the quantized matmuls. `check_kernels` reports, per
+scheme, the KL of each against the reference (the source model's logits in float32: the eval's
+reference), their relative difference (the headline: how far the kernels move the bundle's measured
+quality), and the direct KL, top-1 agreement and largest logit difference between the two.
 
-`kernels="emulated"` replaces each kernel by its float32 emulation (dequantize both operands,
-multiply in float32, apply the same rounding to bf16): the stand-in that runs on any device, so the
-whole path (reading the bundle, quantizing activations, the swap of every Linear) is exercised on a
-CPU; `kernels="native"` needs CUDA (sm89+ for FP8). A kernel that this torch or GPU lacks (block-wise
-scaled_mm before cuBLAS supports it) raises `KernelUnavailable`, naming what was tried.
+`kernels="emulated"` builds only the emulated model (it runs on any device: the whole path, reading the
+bundle, quantizing activations, the swap of every Linear, the block-scale layout, is exercised on a
+CPU); `kernels="native"` needs CUDA (sm89+ for FP8; block FP8 where cuBLAS has it, sm90). A kernel this
+torch or GPU lacks raises `KernelUnavailable`, naming every form that was tried.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -51,20 +55,30 @@ class KernelUnavailable(KilnError):
     code = "KERNEL_UNAVAILABLE"
 
 
+class LogitsSource(Protocol):
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class KernelCheck:
-    """One bundle through one set of kernels, against kiln's emulation of it."""
+    """One bundle through one set of kernels and through their emulation, both against the reference."""
 
     scheme: str
     device: str
     kernels: Kernels
     kernel: str  # the matmul that ran, e.g. "torch._scaled_mm (row-wise)"
+    out_dtype: str  # what the kernel's output is taken in (and the emulation rounds to)
     linears: int  # quantized Linears swapped for the kernel
     windows: int
     tokens: int
-    kl: float  # mean KL(emulation || kernels) over every scored position
-    top1: float  # top-1 agreement with the emulation
-    max_abs_diff: float  # largest |logit difference|
+    kl_native_vs_reference: float  # mean KL(reference || kernels)
+    kl_emulated_vs_reference: float  # mean KL(reference || emulation)
+    kl_relative_difference: float  # (native - emulated) / emulated: the headline
+    kl_native_vs_emulated: float  # mean KL(emulation || kernels): the kernels alone
+    top1_native_vs_emulated: float
+    top1_native_vs_reference: float
+    top1_emulated_vs_reference: float
+    max_abs_diff: float  # largest |logit difference| between kernels and emulation
     seconds: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,38 +96,75 @@ def _quantize_rows(x: torch.Tensor, groups: int, qmax: float, dtype: torch.dtype
     return q.flatten(-2), scale.squeeze(-1)
 
 
-def _expand_blocks(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def block_scales(x_scale: torch.Tensor, w_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales of a BlockWise1x128 x BlockWise128x128 FP8 matmul `x [M, K] @ w[N, K]^T` in the layout
+    torch's `scaled_mm` (and cuBLAS) take them: the activations' `x_scale [M, K/128]` outer-dim-major
+    (stride (1, M)); the weights' `w_scale [N/128, K/128]` (as stored) transposed to `[L4, N/128]` with
+    L4 = K/128 rounded up to a multiple of 4 (the padding rows are ones, never read), stride (1, L4)."""
+    import torch
+
+    kb = -(-k // BLOCK)
+    if x_scale.shape[1] != kb or w_scale.shape[1] != kb:
+        raise InvalidInput(f"block scales {tuple(x_scale.shape)}, {tuple(w_scale.shape)} do not cover K={k}")
+    l4 = _round_up(kb, 4)
+    padded = torch.ones(w_scale.shape[0], l4, dtype=torch.float32, device=w_scale.device)
+    padded[:, :kb] = w_scale.float()
+    return x_scale.float().t().contiguous().t(), padded.t()
+
+
+def _blocks_emulated(xq: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """The block-scaled product from the prepared scales (`block_scales`): per 128-column block, the
+    e4m3 products summed in float32 (exact products), then that block's two scales."""
+    import torch
+
+    rows, cols = w.shape
+    w_rows = sb.t().repeat_interleave(BLOCK, 0)[:rows]  # [N, L4]: each output row's block scales
+    out = torch.zeros(xq.shape[0], rows, dtype=torch.float32, device=xq.device)
+    for b in range(-(-cols // BLOCK)):
+        part = slice(b * BLOCK, (b + 1) * BLOCK)
+        out += (xq[:, part].float() @ w[:, part].float().t()) * sa[:, b : b + 1] * w_rows[:, b]
+    return out
+
+
+KernelCall = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 class _Kernel:
-    """One scheme's matmul, native or emulated: `y[N, O] = dequant(quant(x)) @ dequant(w)^T`, in bf16."""
+    """One scheme's matmul, native or emulated: `y[N, O] = quant(x) @ w^T` with both scales, in `out_dtype`."""
 
-    def __init__(self, scheme: str, kernels: Kernels, device: torch.device) -> None:
+    def __init__(
+        self,
+        scheme: str,
+        kernels: Kernels,
+        device: torch.device,
+        out_dtype: torch.dtype | None = None,
+        form: tuple[str, KernelCall] | None = None,  # a native FP8 call form (else found by `_probe`)
+    ) -> None:
+        import torch
+
         self.scheme = scheme
         self.kernels = kernels
-        self.name = "float32 emulation" if kernels == "emulated" else ""
-        self._block_call: Callable[..., torch.Tensor] | None = None
+        self.name = "float32 emulation"
+        self.out_dtype = out_dtype if out_dtype is not None else torch.float32
+        self._native: KernelCall | None = None
         if kernels == "native":
             if device.type != "cuda":
                 raise KernelUnavailable(f"native {scheme} kernels need a CUDA device, not {device}")
-            self.name = {
-                "fp8": "torch._scaled_mm (row-wise)",
-                "int8-w8a8": "torch._int_mm",
-                "fp8-block": "",
-            }[scheme]
-            if scheme == "fp8-block":
-                self._block_call, self.name = _blockwise_scaled_mm(device)
+            if scheme == "int8-w8a8":
+                self.name, self.out_dtype = "torch._int_mm", torch.float32
+            elif form is not None:
+                self.name, self._native = form
+            else:
+                self._native, self.name, self.out_dtype = _probe(scheme, device)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
         import torch
 
         rows, cols = w.shape
-        if self.scheme == "fp8":
-            xq, xs = _quantize_rows(x, 1, E4M3_MAX, torch.float8_e4m3fn)
-            if self.kernels == "native":
-                return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.reshape(1, -1), out_dtype=torch.bfloat16)
-            return ((xq.float() * xs) @ (w.float() * w_scale).t()).to(torch.bfloat16)
         if self.scheme == "int8-w8a8":
             xq, xs = _quantize_rows(x, 1, INT8_MAX, torch.int8)
             if self.kernels == "native":
@@ -123,71 +174,93 @@ class _Kernel:
                     acc = torch._int_mm(xq, w.t().contiguous()).float()
             else:
                 acc = xq.float() @ w.float().t()  # exact: int8 products summed in float32 below 2^24
-            return (acc * xs * w_scale.reshape(1, -1)).to(torch.bfloat16)
+            return acc * xs * w_scale.reshape(1, -1)
+        if self.scheme == "fp8":
+            xq, xs = _quantize_rows(x, 1, E4M3_MAX, torch.float8_e4m3fn)
+            sa, sb = xs.contiguous(), w_scale.float().reshape(1, -1).contiguous()
+            if self._native is not None:
+                return self._native(xq, w, sa, sb).float()
+            return ((xq.float() @ w.float().t()) * sa * sb).to(self.out_dtype).float()
         # fp8-block: activations per token and 128 columns, weights per 128x128 block
-        xq, xs = _quantize_rows(x, cols // BLOCK, E4M3_MAX, torch.float8_e4m3fn)
-        if self._block_call is not None:
-            return self._block_call(xq, xs, w, w_scale)
-        xd = xq.float() * xs.repeat_interleave(BLOCK, 1)
-        wd = w.float() * _expand_blocks(w_scale, rows, cols)
-        return (xd @ wd.t()).to(torch.bfloat16)
+        xq, xs = _quantize_rows(x, -(-cols // BLOCK), E4M3_MAX, torch.float8_e4m3fn)
+        sa, sb = block_scales(xs, w_scale, cols)
+        if self._native is not None:
+            return self._native(xq, w, sa, sb).float()
+        return _blocks_emulated(xq, sa, w, sb).to(self.out_dtype).float()
 
 
-def _blockwise_scaled_mm(device: torch.device) -> tuple[Callable[..., torch.Tensor], str]:
-    """A block-scaled FP8 matmul this torch and GPU run correctly, found by trying the known call forms on
-    a small product and checking each against its float32 emulation; KernelUnavailable if none does."""
+def _native_forms(scheme: str) -> list[tuple[str, KernelCall, torch.dtype]]:
+    """The call forms of `scheme`'s FP8 kernel, float32 output first (bf16 where a kernel has only that)."""
+    import torch
+
+    forms: list[tuple[str, KernelCall, torch.dtype]] = []
+    for out in (torch.float32, torch.bfloat16):
+        suffix = f", {str(out).removeprefix('torch.')} out"
+        if scheme == "fp8":
+
+            def rowwise(xq: Any, w: Any, sa: Any, sb: Any, out: torch.dtype = out) -> Any:
+                return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=out)
+
+            forms.append(("torch._scaled_mm (row-wise" + suffix + ")", rowwise, out))
+            continue
+
+        def functional(xq: Any, w: Any, sa: Any, sb: Any, out: torch.dtype = out) -> Any:
+            from torch.nn.functional import ScalingType, SwizzleType  # type: ignore[attr-defined]
+
+            return torch.nn.functional.scaled_mm(  # type: ignore[attr-defined]
+                xq,
+                w.t(),
+                sa,
+                ScalingType.BlockWise1x128,
+                sb,
+                ScalingType.BlockWise128x128,
+                swizzle_a=SwizzleType.NO_SWIZZLE,
+                swizzle_b=SwizzleType.NO_SWIZZLE,
+                output_dtype=out,
+            )
+
+        def private(xq: Any, w: Any, sa: Any, sb: Any, out: torch.dtype = out) -> Any:
+            return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=out)
+
+        forms.append(
+            ("torch.nn.functional.scaled_mm (BlockWise1x128 x BlockWise128x128" + suffix + ")", functional, out)
+        )
+        forms.append(("torch._scaled_mm (block-wise 1x128 x 128x128" + suffix + ")", private, out))
+    return forms
+
+
+def _probe(scheme: str, device: torch.device) -> tuple[KernelCall, str, torch.dtype]:
+    """The first FP8 call form this torch and GPU run correctly, checked on a small product (three
+    K blocks: a padded block-scale layout) against the emulation in the same output dtype;
+    KernelUnavailable naming every form tried when none does."""
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    n, k, o = 32, 2 * BLOCK, 2 * BLOCK
+    n, k, o = 32, 3 * BLOCK, 2 * BLOCK
     x = torch.randn(n, k, generator=g).to(device)
     w = (torch.randn(o, k, generator=g) / 16).to(device)
-    xq, xs = _quantize_rows(x, k // BLOCK, E4M3_MAX, torch.float8_e4m3fn)
-    ws = (w.abs().unflatten(1, (-1, BLOCK)).unflatten(0, (-1, BLOCK)).amax(dim=(1, 3)) / E4M3_MAX).float()
-    wq = (w / _expand_blocks(ws, o, k)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    want = (xq.float() * xs.repeat_interleave(BLOCK, 1)) @ (wq.float() * _expand_blocks(ws, o, k)).t()
-
-    def functional(xq: Any, xs: Any, wq: Any, ws: Any) -> Any:
-        from torch.nn.functional import ScalingType, SwizzleType  # type: ignore[attr-defined]
-
-        return torch.nn.functional.scaled_mm(  # type: ignore[attr-defined]
-            xq,
-            wq.t(),
-            xs.t().contiguous().t(),
-            ScalingType.BlockWise1x128,
-            ws,
-            ScalingType.BlockWise128x128,
-            swizzle_a=SwizzleType.NO_SWIZZLE,
-            swizzle_b=SwizzleType.NO_SWIZZLE,
-            output_dtype=torch.bfloat16,
-        )
-
-    def private(xq: Any, xs: Any, wq: Any, ws: Any) -> Any:
-        # cuBLAS's block scaling: the 1x128 activation scales M-major (outer-dim-major), the weights' as given.
-        return torch._scaled_mm(
-            xq, wq.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16
-        )
-
-    def private_plain(xq: Any, xs: Any, wq: Any, ws: Any) -> Any:
-        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-
     tried = []
-    for name, call in (
-        ("torch.nn.functional.scaled_mm (BlockWise1x128 x BlockWise128x128)", functional),
-        ("torch._scaled_mm (block-wise 1x128 x 128x128 scales)", private),
-        ("torch._scaled_mm (block-wise scales, as stored)", private_plain),
-    ):
+    for name, call, out in _native_forms(scheme):
+        if scheme == "fp8":
+            ws = (w.abs().amax(dim=1) / E4M3_MAX).float()
+            wq = (w / ws[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        else:
+            ws = (w.abs().unflatten(1, (-1, BLOCK)).unflatten(0, (-1, BLOCK)).amax(dim=(1, 3)) / E4M3_MAX).float()
+            full = ws.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            wq = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        emulated = _Kernel(scheme, "emulated", device, out)
+        want = emulated(x, wq, ws)
         try:
-            got = call(xq, xs, wq, ws).float()
+            got = _Kernel(scheme, "native", device, out, form=(name, call))(x, wq, ws)
         except Exception as e:  # an unsupported form: the next one is tried
             tried.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             continue
         err = float((got - want).abs().max() / want.abs().max())
         if err < 2e-2:
-            return call, name
+            return call, name, out
         tried.append(f"{name}: ran but differs from the emulation by {err:.2e} of the largest value")
     raise KernelUnavailable(
-        "no block-scaled FP8 matmul in this torch runs correctly on this device: " + "; ".join(tried),
+        f"no {scheme} FP8 matmul in this torch runs correctly on this device: " + "; ".join(tried),
         details={"tried": tried, "torch": torch.__version__},
     )
 
@@ -204,6 +277,7 @@ class _NativeLinear:
                 super().__init__()
                 self.register_buffer("weight_q", weight)
                 self.register_buffer("weight_scale", scale.float())
+                self.kernel = kernel
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 shape = x.shape
@@ -246,9 +320,16 @@ def _bundle_scheme(bundle: Path) -> str:
     )
 
 
-def load_native(bundle: str | Path, device: str, kernels: Kernels = "native") -> tuple[Any, str, str, int]:
-    """The bundle as a bf16 transformers model on `device` with every quantized Linear running `kernels`:
-    (model, scheme, kernel name, Linears swapped)."""
+def _kernel_of(model: Any) -> _Kernel:
+    return next(m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), _Kernel))
+
+
+def load_native(
+    bundle: str | Path, device: str, kernels: Kernels = "native", *, out_dtype: torch.dtype | None = None
+) -> tuple[Any, str, str, int]:
+    """The bundle as a float32 transformers model on `device` with every quantized Linear running
+    `kernels` (the emulation rounding its output to `out_dtype`, float32 by default; a native kernel
+    takes the most precise output it has): (model, scheme, kernel name, Linears swapped)."""
     import torch
     import transformers
     from safetensors import safe_open
@@ -256,11 +337,11 @@ def load_native(bundle: str | Path, device: str, kernels: Kernels = "native") ->
     bundle = Path(bundle)
     scheme = _bundle_scheme(bundle)
     dev = torch.device(device)
-    kernel = _Kernel(scheme, kernels, dev)
+    kernel = _Kernel(scheme, kernels, dev, out_dtype)
     config = transformers.AutoConfig.from_pretrained(str(bundle))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # every weight loaded below
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # every weight loaded below
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(bundle.glob("*.safetensors")):
         with safe_open(str(f), framework="pt", device="cpu") as handle:
@@ -273,7 +354,7 @@ def load_native(bundle: str | Path, device: str, kernels: Kernels = "native") ->
         native = _NativeLinear.make(tensors.pop(f"{module}.weight").to(dev), tensors.pop(name).to(dev), kernel)
         setattr(model.get_submodule(parent), child, native)
         swapped += 1
-    loaded = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in tensors.items()}, strict=False)
+    loaded = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     missing = [k for k in loaded.missing_keys if not k.endswith(("weight_q", "weight_scale"))]
     if getattr(config, "tie_word_embeddings", False):
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -290,44 +371,61 @@ def load_native(bundle: str | Path, device: str, kernels: Kernels = "native") ->
 
 
 def check_kernels(
-    bundle: str | Path, windows: Sequence[Sequence[int]], device: str, kernels: Kernels = "native"
+    bundle: str | Path,
+    windows: Sequence[Sequence[int]],
+    device: str,
+    reference: LogitsSource,
+    kernels: Kernels = "native",
 ) -> KernelCheck:
-    """Logits of `bundle` through `kernels` on `device` against kiln's eval of it (transformers on the CPU)."""
+    """`bundle` through `kernels` and through their float32 emulation on `device`, every other module in
+    float32 in both, each against `reference` (the source model's float32 logits) and against each other."""
     import torch
 
     from eval.metrics import MetricAccumulator
-    from eval.runtimes.transformers_runtime import TransformersRuntime
 
     started = time.time()
-    # As the eval stage opens an hf-bundle: transformers (compressed-tensors) on the CPU, in float32.
-    emulation = TransformersRuntime(bundle, device="cpu")
     model, scheme, kernel_name, swapped = load_native(bundle, device, kernels)
-    acc = MetricAccumulator(emulation.vocab_size)
+    out_dtype = _kernel_of(model).out_dtype
+    # kernels="emulated": the candidate is the emulation itself (its direct KL is 0 by construction).
+    emulated = model if kernels == "emulated" else load_native(bundle, device, "emulated", out_dtype=out_dtype)[0]
+    vocab = int(model.config.vocab_size)
+    native_ref, emulated_ref, direct = MetricAccumulator(vocab), MetricAccumulator(vocab), MetricAccumulator(vocab)
     worst = 0.0
     tokens = 0
-    try:
-        for window in windows:
-            ids = [int(t) for t in window]
-            want = emulation.logits(ids)
-            with torch.inference_mode():
-                out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
-            got = np.ascontiguousarray(out.logits[0].float().cpu().numpy(), dtype=np.float32)
-            worst = max(worst, float(np.abs(got - want).max()))
-            acc.add(want[:-1], got[:-1], ids[1:])
-            tokens += len(ids) - 1
-    finally:
-        emulation.close()
-    metrics = acc.result()
+
+    def logits(m: Any, ids: list[int]) -> np.ndarray:
+        with torch.inference_mode():
+            out = m(input_ids=torch.tensor([ids], device=m.device), use_cache=False)
+        return np.ascontiguousarray(out.logits[0].float().cpu().numpy(), dtype=np.float32)
+
+    for window in windows:
+        ids = [int(t) for t in window]
+        ref = np.asarray(reference.logits(ids), dtype=np.float32)
+        got = logits(model, ids)
+        want = got if emulated is model else logits(emulated, ids)
+        worst = max(worst, float(np.abs(got - want).max()))
+        # Row t predicts token t + 1; the last row predicts past the window and is not scored.
+        native_ref.add(ref[:-1], got[:-1], ids[1:])
+        emulated_ref.add(ref[:-1], want[:-1], ids[1:])
+        direct.add(want[:-1], got[:-1], ids[1:])
+        tokens += len(ids) - 1
+    n, e, d = native_ref.result(), emulated_ref.result(), direct.result()
     return KernelCheck(
         scheme=scheme,
         device=str(device),
         kernels=kernels,
         kernel=kernel_name,
+        out_dtype=str(out_dtype).removeprefix("torch."),
         linears=swapped,
         windows=len(windows),
         tokens=tokens,
-        kl=float(metrics.kl),
-        top1=float(metrics.top1),
+        kl_native_vs_reference=float(n.kl),
+        kl_emulated_vs_reference=float(e.kl),
+        kl_relative_difference=float((n.kl - e.kl) / e.kl) if e.kl > 0 else float("nan"),
+        kl_native_vs_emulated=float(d.kl),
+        top1_native_vs_emulated=float(d.top1),
+        top1_native_vs_reference=float(n.top1),
+        top1_emulated_vs_reference=float(e.top1),
         max_abs_diff=worst,
         seconds=round(time.time() - started, 2),
     )
