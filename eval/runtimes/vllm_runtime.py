@@ -401,11 +401,11 @@ class VllmRuntime:
         self.version = (
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"
-        ) + ("" if exact else f"; top-{TOP_K} log-probabilities, the rest spread evenly")
+        ) + ("" if exact else f", top-{TOP_K} log-probabilities, the rest spread evenly")
         if any(int8_w8a8(s) for s in schemes) and not here.int8_matmul.exact:
             # Its figures are that kernel's, not the bundle's alone (the whole reason is in the stage's params;
             # the version stays within the registry's RUNTIME_VERSION_MAX_LENGTH).
-            self.version += f"; {INT8_CLIPS_NOTE}"
+            self.version += f", {INT8_CLIPS_NOTE}"
         self.loaded = True
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,7 @@ from eval.text import EvalText, tokenize_text
 from formats.hf_model import open_source
 from quant.schemes import get_scheme
 from quant.store import open_quantized, write_quantized
-from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH
+from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 from targets.base import ExportRequest
 from targets.hf_bundle.export import export
 from tests.eval.test_capabilities import busy_cpus
@@ -268,7 +269,9 @@ def test_quantized_bundles_in_vllm_and_transformers_agree(
         # The eval says when its int8 figures are a clipping kernel's: decided from the CPU's flags.
         saturating = scheme == "int8-w8a8" and not int8_gemm.exact
         assert (INT8_CLIPS_NOTE in (in_vllm.runtime_version or "")) == saturating, case
+        # What the registry will take: its length and characters.
         assert len(in_vllm.runtime_version or "") <= RUNTIME_VERSION_MAX_LENGTH, case
+        assert re.fullmatch(RUNTIME_VERSION_PATTERN, in_vllm.runtime_version or ""), case
         if saturating and case == "int8-w8a8":
             # Without VNNI, oneDNN clips a pair of products whose sum passes 32,767: two activations near
             # their token's largest against two weights near their channel's largest, of one sign. That
