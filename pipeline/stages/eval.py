@@ -61,4 +61,4 @@ def needs(node: Node, size: ModelSize) -> Requirements:
     return requirements("eval", size, runtime=runtime if RUNTIME_NEEDS[runtime].vendor is None else None)
 
 
-STAGE = Stage("eval", "4", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)
+STAGE = Stage("eval", "5", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)
