@@ -14,8 +14,10 @@ remaining probability spread evenly over the rest (an approximation the report's
 
 Activations are float32, as transformers evaluates every bundle, so the two runtimes' figures differ by
 their kernels, not by their arithmetic; W4A16 is bf16, the only float type vLLM's CPU kernel for it takes
-(`COMPUTE_DTYPES`). The dtype is part of the report's runtime version, and so is, for an int8 W8A8 bundle
-on a CPU whose int8 GEMM clips its sums (`capabilities.Int8MatmulVerdict`), that arithmetic.
+(`COMPUTE_DTYPES`). The dtype is part of the report's runtime version. An int8 W8A8 bundle on a CPU whose
+int8 GEMM clips its sums (`capabilities.Int8MatmulVerdict`: no VNNI) is not evaluated here: its figures
+would be that kernel's, and they change with how oneDNN blocks the work (a build under Ray and a local
+build published different results).
 
 What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against this machine's verdict
 (`eval.runtimes.capabilities`: decided from the CPU's flags and the installed libraries, planned into the
@@ -80,10 +82,16 @@ class WeightScheme:
         )
 
 
+def int8_w8a8(scheme: WeightScheme) -> bool:
+    """Int8 weights and int8 activations: what vLLM's CPU build runs through its int8 GEMM."""
+    return scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activations
+
+
 @dataclass(frozen=True)
 class Limitation:
     """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, `amx` usable
-    here, or `fp8_matmul`: torch's FP8 matmul usable here), or never (`never`); `reason` is what the eval
+    here, `fp8_matmul`: torch's FP8 matmul usable here, `int8_exact`: an int8 GEMM that sums in int32
+    here), or never (`never`); `reason` is what the eval
     records when it is missing."""
 
     scheme: str
@@ -115,21 +123,19 @@ CPU_LIMITS: tuple[Limitation, ...] = (
         "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm, which has no usable FP8 matmul here",
     ),
     Limitation(
+        "int8 W8A8",
+        int8_w8a8,
+        "int8_exact",
+        "vLLM runs int8 W8A8 on this CPU through oneDNN's int8 GEMM, which adds u8 x s8 product pairs in "
+        "saturating 16-bit integers without VNNI: its figures would be the kernel's clipping, not the bundle's",
+    ),
+    Limitation(
         "block FP8",
         lambda s: s.weight_type == "float" and s.weight_strategy == "block",
         "amx",
         "vLLM runs block-scaled FP8 on CPU with AMX kernels only (CPUFp8BlockScaledMMKernel)",
     ),
 )
-
-
-# What an int8 W8A8 eval's runtime version says where the int8 GEMM is not exact (capabilities.Int8MatmulVerdict).
-INT8_CLIPS_NOTE = "int8 GEMM without VNNI: saturating 16-bit pair sums"
-
-
-def int8_w8a8(scheme: WeightScheme) -> bool:
-    """Int8 weights and int8 activations: what vLLM's CPU build runs through its int8 GEMM."""
-    return scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activations
 
 
 # The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
@@ -206,6 +212,8 @@ def cpu_limitation(
             return f"{limit.scheme}: {limit.reason}; AMX here: {capabilities.amx.reason}"
         if limit.needs == "fp8_matmul" and not capabilities.fp8_matmul.usable:
             return f"{limit.scheme}: {limit.reason} ({capabilities.fp8_matmul.reason})"
+        if limit.needs == "int8_exact" and not capabilities.int8_matmul.exact:
+            return f"{limit.scheme}: {limit.reason}"
         kernel = limit.needs.removeprefix("kernel:")
         if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
             return f"{limit.scheme}: {limit.reason}"
@@ -402,10 +410,6 @@ class VllmRuntime:
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"
         ) + ("" if exact else f", top-{TOP_K} log-probabilities, the rest spread evenly")
-        if any(int8_w8a8(s) for s in schemes) and not here.int8_matmul.exact:
-            # Its figures are that kernel's, not the bundle's alone (the whole reason is in the stage's params;
-            # the version stays within the registry's RUNTIME_VERSION_MAX_LENGTH).
-            self.version += f", {INT8_CLIPS_NOTE}"
         self.loaded = True
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
