@@ -29,59 +29,23 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from record import add_record_argument, run_record, save_record  # noqa: E402 (bench/record.py, beside this script)
+
+from core.usage import MemorySampler, reset_peak, status_kb  # noqa: E402
+
 MB = 1e6
 
 
 def _vm_kb(field: str) -> int:
-    """VmHWM / VmRSS of this process; VmHWM starts afresh at exec, unlike ru_maxrss across fork+exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _reset_peak() -> bool:
-    """Restart VmHWM from the current RSS (Linux >= 4.0), so each phase's peak can be read on its own."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-class AnonPeak:
-    """The peak of this process's anonymous memory (RssAnon), sampled every 10 ms on a thread.
-
-    VmHWM also counts file pages mapped into the process (the source's SafeTensors, the offload
-    folder), which the kernel reclaims under pressure; RssAnon is the memory the work itself holds.
-    """
-
-    def __init__(self) -> None:
-        self.peak_kb = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.peak_kb = max(self.peak_kb, _vm_kb("RssAnon"))
-            time.sleep(0.01)
-
-    def __enter__(self) -> AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_kb = max(self.peak_kb, _vm_kb("RssAnon"))
+    """VmHWM / VmRSS / RssAnon of this process; VmHWM starts afresh at exec, unlike ru_maxrss across fork+exec."""
+    return status_kb(field) or 0
 
 
 def _cpu_s() -> float:
@@ -98,7 +62,6 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
     """A random Llama-shaped bf16 release with a real tokenizer (written once, reused across runs)."""
     if (out / "config.json").is_file():
         return out
-    sys.path.insert(0, str(ROOT))
     from tests.model_factory import make_model
 
     tmp = out.with_name(out.name + ".tmp")
@@ -118,7 +81,6 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
 
 def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str) -> None:
     """Run the quantize stage's calibrated path in this process; print timings and memory as JSON."""
-    sys.path.insert(0, str(ROOT))
     from quant.calibrated import _quiet_llmcompressor_logs
 
     _quiet_llmcompressor_logs()
@@ -141,11 +103,11 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str
     layer_bytes = sum(t.nbytes for n, t in src.tensors.items() if n.startswith("model.layers.0."))
     ids = calibration_samples(src.root, _calibration_text(), samples=samples, seq_len=seq_len)
     c0, t0 = _cpu_s(), time.perf_counter()
-    with AnonPeak() as anon:
+    with MemorySampler() as anon:
         calibrated = calibrate(src, scheme, ids, compute_dtype=dtype)
         t1 = time.perf_counter()
         calibrate_peak_kb = _vm_kb("VmHWM")
-        phases = _reset_peak()
+        phases = reset_peak()
         with tempfile.TemporaryDirectory(prefix="kiln-bench-calib-") as out:
             write_quantized(src, scheme, Path(out), calibrated=calibrated)
     t2 = time.perf_counter()
@@ -160,7 +122,7 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str
                 "compute_dtype": dtype,
                 "import_rss_mb": baseline_kb * 1024 / MB,
                 "import_anon_mb": baseline_anon_kb * 1024 / MB,
-                "peak_anon_mb": anon.peak_kb * 1024 / MB,
+                "peak_anon_mb": anon.peak_anon_kb * 1024 / MB,
                 "peak_rss_mb": max(calibrate_peak_kb, write_peak_kb or 0) * 1024 / MB,
                 "calibrate_peak_rss_mb": calibrate_peak_kb * 1024 / MB,
                 "write_peak_rss_mb": write_peak_kb * 1024 / MB if write_peak_kb else None,
@@ -231,7 +193,6 @@ def main() -> None:
         return
 
     if args.compute_dtype is None:
-        sys.path.insert(0, str(ROOT))
         from quant.calibrated import calibration_dtype
 
         args.compute_dtype = calibration_dtype()

@@ -2,11 +2,12 @@
 
 `run_node` looks the node's output up in the store (a hit is `cached`), else runs the stage into a
 temporary directory of the store with what its libraries print captured into `stage.log`, and
-commits the output with its provenance. A stage that needs what this machine lacks raises
-`Deferred` (`deferred`); a failure leaves no output, keeps the log under `<work>/logs/`, and raises
-a `KilnError` naming the stage and quoting the log's end. The local executor calls it in its
-process; the Ray executor calls it in a Ray task on the node that has the stage's resources;
-`kiln run-stage` calls it for one node.
+commits the output with its provenance, which records what the run used (`resources`, from
+`core.usage`: wall and CPU time, its own peak RSS and anonymous memory, its child processes' peak, bytes
+read and written). A stage that needs what this machine lacks raises `Deferred` (`deferred`); a failure
+leaves no output, keeps the log under `<work>/logs/`, and raises a `KilnError` naming the stage and
+quoting the log's end. The local executor calls it in its process; the Ray executor calls it in a Ray
+task on the node that has the stage's resources; `kiln run-stage` calls it for one node.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal, Protocol
 
 from core.device import describe
 from core.errors import Deferred, KilnError, StageFailed
+from core.usage import measure_usage
 from pipeline.placement import computes_on_device, stage_device
 from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, captured_output, log_tail, provenance
 from pipeline.store import StageStore
@@ -98,7 +100,7 @@ def run_node(
         node=node, out_dir=tmp / "files", inputs=inputs, progress=reporter.progress, fetch_external=store.external
     )
     try:
-        with captured_output(tmp / LOG_FILE):
+        with measure_usage() as meter, captured_output(tmp / LOG_FILE):
             result = node.stage.run(ctx)
         if (tmp / LOG_FILE).stat().st_size == 0:
             (tmp / LOG_FILE).unlink()  # nothing printed: no log
@@ -122,6 +124,8 @@ def run_node(
             details.update(log=str(log), log_tail=log_tail(log))
         raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
     prov = provenance(node, key, inputs, started)
+    if meter.usage is not None:
+        prov["resources"] = meter.usage.to_json()
     if device is not None:
         prov["device"] = device
     if where is not None:

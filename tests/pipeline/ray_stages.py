@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 from core.errors import InvalidInput
@@ -22,7 +23,8 @@ class ToyRecord(Record):
 
 def _run(ctx: StageContext) -> ToyRecord:
     """Write `out.txt` (this node's value and its inputs' contents); with params `kill_once` (a marker
-    path), SIGKILL the worker on the first attempt; with `fail`, raise a kiln error."""
+    path), SIGKILL the worker on the first attempt; with `fail`, raise a kiln error; with `hold_mib`,
+    hold that much memory for 0.2 s."""
     upstream = [(ctx.input(role).files_dir / "out.txt").read_text() for role in sorted(ctx.inputs)]
     attempts = ctx.node.params.get("attempts")
     if attempts:
@@ -34,6 +36,10 @@ def _run(ctx: StageContext) -> ToyRecord:
         os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-stage, as a lost node would
     if ctx.node.params.get("fail"):
         raise InvalidInput(f"{ctx.node.id} refuses its input", code="TOY_REFUSED")
+    if mib := ctx.node.params.get("hold_mib"):
+        block = bytearray(int(mib) << 20)  # every page written: resident for the 0.2 s it is held
+        time.sleep(0.2)
+        del block
     text = json.dumps({"node": ctx.node.id, "value": ctx.node.params["value"], "upstream": upstream})
     (ctx.out_dir / "out.txt").write_text(text)
     return ToyRecord(value=ctx.node.params["value"], upstream=upstream)

@@ -68,6 +68,19 @@ def test_stages_run_where_their_accelerator_is_and_read_each_other_through_the_s
     assert {o.status for o in again.values()} == {"cached"}
 
 
+def test_a_stage_run_by_a_ray_worker_records_what_it_used(
+    ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The worker's own peak, measured where the stage ran (`core.usage`), is in the provenance the driver reads."""
+    store = _store(s3_server, tmp_path)
+    outcomes = _executor(ray_cluster, store).run([toy("holds", hold_mib=128)])
+    out = outcomes["toy/holds"].output
+    assert out is not None and out.provenance["executor"]["ray_node_id"]
+    used = out.provenance["resources"]
+    assert used["peak_rss_bytes"] >= 128 << 20 and used["peak_anon_bytes"] - used["anon_start_bytes"] >= 120 << 20
+    assert used["wall_s"] >= 0.2 and used["io"] is not None
+
+
 def test_a_worker_killed_mid_stage_is_retried(ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path) -> None:
     store = _store(s3_server, tmp_path)
     attempts = tmp_path / "attempts"
