@@ -7,7 +7,10 @@ core: numpy's float64 `exp` runs on one, and was half of a small model's eval):
 - perplexity: `exp(mean_t -log p(targets[t]))`, for the reference (`ppl_ref`) and the candidate
   (`ppl`); `ppl_change = (ppl - ppl_ref) / ppl_ref` (negative when the candidate does better).
 - KL: `mean_t sum_v p_ref(v) * (log p_ref(v) - log p_cand(v))`, nats per position; `kl_max` is
-  the largest single-position value.
+  the largest single-position value. The reference arrives as stored rows (`eval.reference_rows`: its
+  most likely tokens and the rest as one mass), so `kl` is the KL those rows give, a lower bound, and
+  `kl_error` the most the true value can exceed it by (0 when every token was kept, as `add` does with
+  full reference logits).
 - top-1 agreement: fraction of positions where `argmax ref == argmax cand` (first index on ties).
 - greedy continuation match, per prompt, between the reference's greedy tokens `r` and the
   candidate's `c` (both exactly `n` tokens; generation does not stop at EOS):
@@ -25,7 +28,8 @@ itself may exceed the tokenizer's token count); the padded columns' probability 
 and each side renormalised. A runtime returning fewer columns than `vocab_size` is an error.
 
 `MetricAccumulator` is fed one window at a time and keeps only running sums, so memory does not
-grow with the length of the text; feeding windows one by one gives the same numbers as one call on
+grow with the length of the text (nor with the vocabulary: float64 work goes a block of rows at a
+time); feeding windows one by one gives the same numbers as one call on
 their concatenation (up to float64 summation order).
 """
 
@@ -40,11 +44,12 @@ import numpy.typing as npt
 
 from core.errors import InvalidInput
 from eval.gates import EvalMetrics
+from eval.reference_rows import CHUNK_BYTES, ReferenceRows, common_vocab, log_softmax_t, reference_rows
 
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """Row-wise log-softmax in float64 (max-subtracted, so large logits do not overflow)."""
-    return _log_softmax(logits).numpy()  # type: ignore[no-any-return]
+    return log_softmax_t(logits).numpy()  # type: ignore[no-any-return]
 
 
 def kl_divergence(ref_logp: npt.NDArray[np.float64], cand_logp: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -52,17 +57,6 @@ def kl_divergence(ref_logp: npt.NDArray[np.float64], cand_logp: npt.NDArray[np.f
     import torch
 
     return _kl(torch.from_numpy(np.asarray(ref_logp, dtype=np.float64)), torch.from_numpy(cand_logp)).numpy()  # type: ignore[no-any-return]
-
-
-def _log_softmax(logits: npt.ArrayLike) -> Any:
-    import torch
-
-    x = torch.from_numpy(np.asarray(logits, dtype=np.float64))
-    out = torch.log_softmax(x, dim=-1)
-    dead = torch.isneginf(x).all(dim=-1)
-    if bool(dead.any()):  # an all -inf row stays -inf instead of becoming NaN
-        out[dead] = -math.inf
-    return out
 
 
 def _kl(ref_logp: Any, cand_logp: Any) -> Any:
@@ -77,18 +71,54 @@ def _kl(ref_logp: Any, cand_logp: Any) -> Any:
     return torch.clamp(terms.sum(dim=-1), min=0.0)
 
 
-def common_vocab(logits: np.ndarray, vocab_size: int | None, who: str) -> np.ndarray:
-    """The first `vocab_size` columns of `logits` (all of them when `vocab_size` is None)."""
-    if logits.ndim != 2:
-        raise InvalidInput(f"{who} logits must be 2-D [positions, vocab], got shape {logits.shape}")
-    if vocab_size is None:
-        return logits
-    if logits.shape[1] < vocab_size:
-        raise InvalidInput(
-            f"{who} logits have {logits.shape[1]} columns, fewer than the model vocab_size {vocab_size}",
-            details={"columns": int(logits.shape[1]), "vocab_size": vocab_size},
-        )
-    return logits[:, :vocab_size]
+def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
+    """(KL_K, G) per row for reference rows lo..lo+n against `cand_logp`, the candidate's log-softmax
+    (torch float64 [n, vocab]); both torch float64 [n]. KL_K <= KL(p || q) <= KL_K + G: the bounds of
+    `eval.reference_rows` (exact, G = 0, for rows that kept every token)."""
+    import torch
+
+    n, vocab = cand_logp.shape
+    starts, ends = ref.offsets[lo : lo + n], ref.offsets[lo + 1 : lo + n + 1]
+    seg = torch.from_numpy(np.repeat(np.arange(n), ends - starts))
+    ids = torch.from_numpy(ref.ids[starts[0] : ends[-1]].astype(np.int64))
+    lp = torch.from_numpy(ref.logp[starts[0] : ends[-1]])
+    p = torch.exp(lp)
+    terms = p * (lp - cand_logp[seg, ids])
+    terms[p == 0.0] = 0.0  # zero-probability reference terms add 0 (not 0 * inf)
+    kl = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, terms)
+    gap = torch.zeros(n, dtype=torch.float64)
+    tail = torch.from_numpy(ref.tail_logp[lo : lo + n])
+    rows_t = torch.nonzero(torch.isfinite(tail)).flatten()
+    if rows_t.numel():
+        # The candidate's log-probs on each tail, least likely first; kept tokens are pushed past the end.
+        local = torch.full((n,), -1, dtype=torch.long)
+        local[rows_t] = torch.arange(rows_t.numel())
+        in_tail = local[seg] >= 0
+        s = cand_logp[rows_t].clone()
+        s[local[seg[in_tail]], ids[in_tail]] = math.inf
+        s, _ = torch.sort(s, dim=-1)
+        kept = torch.from_numpy(np.diff(ref.offsets)[lo : lo + n]).to(torch.long)[rows_t]
+        tail_count = vocab - kept
+        lq_tail = torch.logsumexp(torch.where(s == math.inf, -math.inf, s), dim=-1)
+        lp_tail = tail[rows_t]
+        p_tail = torch.exp(lp_tail)
+        merged = p_tail * (lp_tail - lq_tail)
+        kl[rows_t] += merged
+        # c: each row's smallest kept probability (rows keep their tokens most likely first).
+        log_c = torch.from_numpy(ref.logp[ends[rows_t.numpy()] - 1])
+        c = torch.exp(log_c)
+        m = torch.minimum(torch.floor(p_tail / c).to(torch.long), tail_count)
+        r = torch.where(m < tail_count, torch.clamp(p_tail - m.to(torch.float64) * c, min=0.0), 0.0)
+        prefix = torch.cumsum(torch.where(s == math.inf, 0.0, s), dim=-1)
+        last = s.shape[1] - 1
+        before = torch.where(m > 0, prefix.gather(1, torch.clamp(m - 1, 0, last)[:, None])[:, 0], 0.0)
+        nxt = s.gather(1, torch.clamp(m, 0, last)[:, None])[:, 0]
+        vertex = c * m.to(torch.float64) * log_c - c * before
+        rest = torch.where(r > 0, r * (torch.log(torch.where(r > 0, r, 1.0)) - nxt), 0.0)
+        bound = vertex + rest - merged
+        # An infinite merged term makes KL_K itself infinite: nothing is left to bound.
+        gap[rows_t] = torch.where(torch.isfinite(merged), torch.clamp(bound, min=0.0), 0.0)
+    return torch.clamp(kl, min=0.0), gap
 
 
 def greedy_agreement(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int, int]:
@@ -112,45 +142,61 @@ class MetricAccumulator:
         self._nll = 0.0
         self._kl = 0.0
         self._kl_max = 0.0
+        self._kl_error = 0.0
         self._top1 = 0
         self.greedy_tokens = 0
         self._greedy_prefix = 0
         self._greedy_total = 0
 
     def add(self, ref_logits: npt.ArrayLike, cand_logits: npt.ArrayLike, targets: Sequence[int] | np.ndarray) -> None:
-        """Add one window: `ref_logits[t]` and `cand_logits[t]` predict `targets[t]`."""
+        """Add one window from full reference logits: `ref_logits[t]` and `cand_logits[t]` predict `targets[t]`
+        (the reference kept whole, so KL is exact: `add_rows` with every token kept)."""
         ref = common_vocab(np.asarray(ref_logits), self.vocab_size, "reference")
         cand = common_vocab(np.asarray(cand_logits), self.vocab_size, "candidate")
-        tgt = np.asarray(targets, dtype=np.int64)
         if ref.shape != cand.shape:
             raise InvalidInput(
                 f"reference logits {ref.shape} and candidate logits {cand.shape} differ in shape; "
                 "pass vocab_size to compare on the common model vocab"
             )
-        if tgt.shape != (ref.shape[0],):
-            raise InvalidInput(f"{tgt.shape[0] if tgt.ndim else 0} targets for {ref.shape[0]} logit rows")
-        if self._columns is None:
-            self._columns = int(ref.shape[1])
-        elif ref.shape[1] != self._columns:
-            raise InvalidInput(f"window has {ref.shape[1]} vocab columns, earlier windows had {self._columns}")
-        if tgt.size and (tgt.min() < 0 or tgt.max() >= ref.shape[1]):
-            raise InvalidInput(f"target ids must lie in [0, {ref.shape[1]}), got {int(tgt.min())}..{int(tgt.max())}")
-        self.windows += 1
-        if not tgt.size:
-            return
+        rows = reference_rows(ref, targets, tail_mass=0.0, max_entries=max(1, ref.shape[1]))
+        self.add_rows(rows, cand, targets)
+
+    def add_rows(self, ref: ReferenceRows, cand_logits: npt.ArrayLike, targets: Sequence[int] | np.ndarray) -> None:
+        """Add one window: the stored reference rows `ref` (`eval.reference_rows`) and the candidate's full
+        logits, row t predicting `targets[t]`. Float64 work runs `CHUNK_BYTES` of rows at a time, so memory
+        is one window's candidate logits plus a bounded block, whatever the vocabulary."""
         import torch
 
-        lr, lc = _log_softmax(ref), _log_softmax(cand)
-        rows, index = torch.arange(tgt.size), torch.from_numpy(tgt)
-        kl = _kl(lr, lc)
-        self.tokens += int(tgt.size)
-        self._nll_ref -= float(lr[rows, index].sum())
-        self._nll -= float(lc[rows, index].sum())
-        self._kl += float(kl.sum())
-        self._kl_max = max(self._kl_max, float(kl.max()))
-        if bool(kl.isnan().any()):
-            self._kl_max = math.nan
-        self._top1 += int(np.sum(np.argmax(ref, axis=-1) == np.argmax(cand, axis=-1)))
+        cand = common_vocab(np.asarray(cand_logits), self.vocab_size, "candidate")
+        tgt = np.asarray(targets, dtype=np.int64)
+        if cand.shape != (ref.rows, ref.vocab_size):
+            raise InvalidInput(
+                f"reference rows [{ref.rows}, {ref.vocab_size}] and candidate logits {cand.shape} differ in shape; "
+                "pass vocab_size to compare on the common model vocab"
+            )
+        if tgt.shape != (ref.rows,):
+            raise InvalidInput(f"{tgt.shape[0] if tgt.ndim else 0} targets for {ref.rows} logit rows")
+        if self._columns is None:
+            self._columns = ref.vocab_size
+        elif ref.vocab_size != self._columns:
+            raise InvalidInput(f"window has {ref.vocab_size} vocab columns, earlier windows had {self._columns}")
+        if tgt.size and (tgt.min() < 0 or tgt.max() >= ref.vocab_size):
+            raise InvalidInput(f"target ids must lie in [0, {ref.vocab_size}), got {int(tgt.min())}..{int(tgt.max())}")
+        self.windows += 1
+        step = max(1, CHUNK_BYTES // (8 * ref.vocab_size))
+        for lo in range(0, ref.rows, step):
+            hi = min(ref.rows, lo + step)
+            lc = log_softmax_t(cand[lo:hi])
+            kl, gap = kl_bounds(ref, lo, lc)
+            self._nll -= float(lc[torch.arange(hi - lo), torch.from_numpy(tgt[lo:hi])].sum())
+            self._nll_ref -= float(torch.from_numpy(ref.target_logp[lo:hi]).sum())  # summed as the candidate's
+            self._kl += float(kl.sum())
+            self._kl_error += float(gap.sum())
+            self._kl_max = max(self._kl_max, float(kl.max()))
+            if bool(kl.isnan().any()):
+                self._kl_max = math.nan
+            self._top1 += int(np.sum(ref.argmax[lo:hi] == np.argmax(cand[lo:hi], axis=-1)))
+        self.tokens += ref.rows
 
     def add_greedy(self, reference: Sequence[int], candidate: Sequence[int]) -> None:
         """Add one prompt's greedy continuations (equal length, reference first)."""
@@ -174,6 +220,7 @@ class MetricAccumulator:
             ppl=ppl,
             ppl_change=(ppl - ppl_ref) / ppl_ref,
             kl=self._kl / self.tokens,
+            kl_error=self._kl_error / self.tokens,
             kl_max=self._kl_max,
             top1=self._top1 / self.tokens,
             greedy_tokens=g,

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -41,6 +41,8 @@ from core.errors import InvalidInput, KilnError
 
 if TYPE_CHECKING:
     import torch
+
+    from eval.run import Reference
 
 Kernels = Literal["native", "emulated"]
 E4M3_MAX = 448.0
@@ -53,10 +55,6 @@ class KernelUnavailable(KilnError):
     """This torch or device has no kernel for the scheme's matmul."""
 
     code = "KERNEL_UNAVAILABLE"
-
-
-class LogitsSource(Protocol):
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -374,14 +372,16 @@ def check_kernels(
     bundle: str | Path,
     windows: Sequence[Sequence[int]],
     device: str,
-    reference: LogitsSource,
+    reference: Reference,
     kernels: Kernels = "native",
 ) -> KernelCheck:
     """`bundle` through `kernels` and through their float32 emulation on `device`, every other module in
-    float32 in both, each against `reference` (the source model's float32 logits) and against each other."""
+    float32 in both, each against `reference` (the reference stage's stored rows, or a runtime's float32
+    logits) and against each other."""
     import torch
 
     from eval.metrics import MetricAccumulator
+    from eval.run import reference_window
 
     started = time.time()
     model, scheme, kernel_name, swapped = load_native(bundle, device, kernels)
@@ -400,13 +400,13 @@ def check_kernels(
 
     for window in windows:
         ids = [int(t) for t in window]
-        ref = np.asarray(reference.logits(ids), dtype=np.float32)
+        ref = reference_window(reference, ids, vocab)
         got = logits(model, ids)
         want = got if emulated is model else logits(emulated, ids)
         worst = max(worst, float(np.abs(got - want).max()))
         # Row t predicts token t + 1; the last row predicts past the window and is not scored.
-        native_ref.add(ref[:-1], got[:-1], ids[1:])
-        emulated_ref.add(ref[:-1], want[:-1], ids[1:])
+        native_ref.add_rows(ref, got[:-1], ids[1:])
+        emulated_ref.add_rows(ref, want[:-1], ids[1:])
         direct.add(want[:-1], got[:-1], ids[1:])
         tokens += len(ids) - 1
     n, e, d = native_ref.result(), emulated_ref.result(), direct.result()

@@ -1,42 +1,57 @@
 """Run an eval: feed the same windows to the reference and a candidate, score, and judge the gate.
 
     text = load_text(source_dir, heldout_path)
-    reference = CachedRuntime(TransformersRuntime(source_dir))       # computed once, reused
+    reference = stored_reference(reference_stage_output)   # the reference stage's rows (a build)
+    reference = CachedRuntime(TransformersRuntime(source_dir))  # or a runtime, kept whole (tests, benchmarks)
     for artifact in artifacts:
         report = evaluate_artifact(reference, "llama.cpp", artifact.path, text, gate_for(artifact.quant))
 
-Windows are processed one at a time (reference logits, candidate logits, accumulate), so memory is
-bounded by one window's logits plus whatever the reference cache holds (see `CachedRuntime`).
+The reference is either the rows the reference stage stored (`eval.reference_rows.ReferenceStore`) or
+a runtime whose full logits are taken as rows that keep every token (exact KL). Windows are processed
+one at a time (reference rows, candidate logits, accumulate), so memory is one window's candidate
+logits plus the metrics' bounded work block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from core.errors import Deferred
 from eval.gates import EvalMetrics, Gate
 from eval.metrics import MetricAccumulator
+from eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
 from eval.report import EvalReport
 from eval.runtimes import Runtime, open_runtime
 from eval.text import EvalText
 
+Reference = Runtime | ReferenceStore
 
-def measure(reference: Runtime, candidate: Runtime, text: EvalText) -> EvalMetrics:
+
+def reference_window(reference: Reference, window: Sequence[int], vocab_size: int | None) -> ReferenceRows:
+    """The reference's rows for `window`: stored, or from a runtime's full logits with every token kept.
+    Row t predicts token t + 1; the last position predicts past the window and is not scored."""
+    if isinstance(reference, ReferenceStore):
+        return reference.rows(window)
+    logits = reference.logits(window)
+    return reference_rows(logits[:-1], window[1:], vocab_size=vocab_size, tail_mass=0.0, max_entries=logits.shape[1])
+
+
+def measure(reference: Reference, candidate: Runtime, text: EvalText) -> EvalMetrics:
     """The metrics of `candidate` against `reference` on `text` (see `eval.metrics`)."""
     acc = MetricAccumulator(text.vocab_size)
     for window in text.windows:
-        ref = reference.logits(window)
+        ref = reference_window(reference, window, text.vocab_size)
         cand = candidate.logits(window)
-        # Row t predicts token t + 1; the last row predicts past the window and is not scored.
-        acc.add(ref[:-1], cand[:-1], window[1:])
+        acc.add_rows(ref, cand[:-1], window[1:])
     expected = reference.greedy(text.prompts, text.greedy_tokens)
     for want, got in zip(expected, candidate.greedy(text.prompts, text.greedy_tokens), strict=True):
         acc.add_greedy(want, got)
     return acc.result()
 
 
-def evaluate(reference: Runtime, candidate: Runtime, text: EvalText, gate: Gate) -> EvalReport:
+def evaluate(reference: Reference, candidate: Runtime, text: EvalText, gate: Gate) -> EvalReport:
     """Compare `candidate` with `reference` on `text` and judge the result against `gate`."""
     metrics = measure(reference, candidate, text)
     return EvalReport.judged(
@@ -51,7 +66,7 @@ def evaluate(reference: Runtime, candidate: Runtime, text: EvalText, gate: Gate)
 
 
 def evaluate_artifact(
-    reference: Runtime,
+    reference: Reference,
     runtime: str,
     artifact: str | Path,
     text: EvalText,

@@ -103,6 +103,8 @@ def _build_graph(
                 "max_tokens": ev.max_tokens,
                 "greedy_prompts": ev.greedy_prompts,
                 "greedy_tokens": ev.greedy_tokens,
+                "tail_mass": ev.tail_mass,
+                "max_entries": ev.max_entries,
             },
             inputs={"ingest": ingest.id},
             external={"text": text_digest},

@@ -40,6 +40,7 @@ from core.digest import sha256_json
 from core.errors import KilnError, RecipeInvalid
 from core.manifest import ARTIFACT_NAME
 from core.untrusted import short_repr
+from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
 
 MAX_RECIPE_BYTES = 1024 * 1024
 # Values in a parsed recipe (YAML aliases counted each time they are used) and nesting depth: a
@@ -91,6 +92,10 @@ class EvalSettings(_Strict):
     window: int = Field(default=256, ge=16, le=32768)
     greedy_prompts: int = Field(default=4, ge=0, le=64)
     greedy_tokens: int = Field(default=32, ge=1, le=1024)
+    # How the reference's distributions are stored (eval.reference_rows): the most likely tokens of each
+    # position until the rest holds at most `tail_mass`, at most `max_entries` of them.
+    tail_mass: float = Field(default=TAIL_MASS, ge=0.0, le=0.5)
+    max_entries: int = Field(default=MAX_ENTRIES, ge=1, le=1 << 20)
     gates: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 

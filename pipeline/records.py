@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.manifest import FileEntry
+from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
 
 
 class Record(BaseModel):
@@ -43,6 +44,8 @@ class ReferenceParams(Record):
     max_tokens: int
     greedy_prompts: int
     greedy_tokens: int
+    tail_mass: float = TAIL_MASS  # the stored rows' cut (eval.reference_rows)
+    max_entries: int = MAX_ENTRIES
     device: Literal["cpu", "cuda"] = "cpu"  # the kind of device it was computed on (`pipeline.placement`)
 
 

@@ -144,6 +144,11 @@ def _writer(data: bytes) -> Callable[[BinaryIO], object]:
     return lambda f: f.write(data)
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` into `path` through a temporary file and a rename: readers see all of it or none."""
+    _atomic_write(path, _writer(data))
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:

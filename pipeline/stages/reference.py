@@ -4,21 +4,21 @@ The stage tokenises the held-out text once and stores the ids it was cut into (`
 the logits; every eval stage replays both from the stage's output instead of loading the tokenizer and
 the reference model again.
 
-It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`): the
-model is loaded there and scored one window at a time, each window's logits written to the output as
-it comes back to the host.
+It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`). The
+model is never whole in memory: `LayerStream` runs it one decoder layer at a time over every window,
+then the output head one window at a time. Each window's logits are reduced on the host to the stored
+rows of `eval.reference_rows` (most likely tokens, the rest as one mass, with a bound on the KL they
+can give) before the next window's are made: at a 128,256-token vocabulary and 4,096 tokens the full
+float32 logits would be 2.1 GB per release, the rows at most `max_entries` x 12 bytes per position.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from core.errors import KilnError
-from eval.runtimes import CachedRuntime, TransformersRuntime
+from eval.reference_rows import ReferenceStore, reference_rows
+from eval.runtimes.layer_stream import LayerStream
 from eval.runtimes.transformers_runtime import TorchDtype
 from eval.text import EvalText, load_text
 from pipeline.placement import stage_device
@@ -58,18 +58,27 @@ def run(ctx: StageContext) -> ReferenceRecord:
     text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
     (ctx.out_dir / IDS_FILE).write_text(text.to_json())
     device = stage_device(ctx.node)
-    runtime = TransformersRuntime(ingest.files_dir, dtype=REFERENCE_DTYPE, device=device.torch)
-    reference = CachedRuntime(runtime, ctx.out_dir, identity=source_digest)
+    runtime = LayerStream(ingest.files_dir, dtype=REFERENCE_DTYPE, device=device.torch)
+    store = ReferenceStore(ctx.out_dir, identity=source_digest)
     try:
-        for window in text.windows:
-            reference.logits(window)
+        for window, logits in zip(text.windows, runtime.logits_many(text.windows), strict=True):
+            # Row t predicts token t + 1; the last row predicts past the window and is not scored.
+            rows = reference_rows(
+                logits[:-1],
+                window[1:],
+                vocab_size=text.vocab_size,
+                tail_mass=params.tail_mass,
+                max_entries=params.max_entries,
+            )
+            store.put_rows(window, rows)
             ctx.progress(len(window), text.tokens + len(text.windows))
-        reference.greedy(text.prompts, text.greedy_tokens)
+        for prompt, tokens in zip(text.prompts, runtime.greedy(text.prompts, text.greedy_tokens), strict=True):
+            store.put_greedy(prompt, text.greedy_tokens, tokens)
     finally:
-        reference.close()
+        runtime.close()
     return ReferenceRecord(
-        runtime=reference.name,
-        version=reference.version,
+        runtime=runtime.name,
+        version=runtime.version,
         source_digest=source_digest,
         text_digest=text.digest,
         params=params,
@@ -79,39 +88,16 @@ def run(ctx: StageContext) -> ReferenceRecord:
     )
 
 
-class StoredReference:
-    """The reference as recorded by the reference stage; asking for anything it did not record is a bug."""
-
-    def __init__(self, output: StageOutput):
-        self.output = output
-
-    @property
-    def name(self) -> str:
-        return self.output.record(ReferenceRecord).runtime
-
-    @property
-    def version(self) -> str:
-        return self.output.record(ReferenceRecord).version
-
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        raise KilnError("reference logits for these token ids were not recorded", code="REFERENCE_MISSING")
-
-    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-        raise KilnError("reference continuation for this prompt was not recorded", code="REFERENCE_MISSING")
-
-    def close(self) -> None:
-        pass
-
-
-def stored_reference(output: StageOutput) -> CachedRuntime:
-    identity = output.record(ReferenceRecord).source_digest
-    return CachedRuntime(StoredReference(output), output.files_dir, identity=identity)
+def stored_reference(output: StageOutput) -> ReferenceStore:
+    """The reference as the stage stored it; asking for anything it did not store is an error."""
+    record = output.record(ReferenceRecord)
+    return ReferenceStore(output.files_dir, identity=record.source_digest, name=record.runtime, version=record.version)
 
 
 STAGE = Stage(
     "reference",
-    "3",
+    "4",
     run,
     ReferenceRecord,
-    "reference logits of the source model (transformers, float32, on the stage's device)",
+    "reference distributions of the source model (transformers one layer at a time, float32, on the stage's device)",
 )

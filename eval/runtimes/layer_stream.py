@@ -1,0 +1,281 @@
+"""The reference forward one decoder layer at a time: memory is one layer, whatever the model's size.
+
+A float32 Llama-3-70B is 282 GB and an 8B one 32 GB; neither fits a 24 GiB host or one 80 GB GPU
+whole. `LayerStream` runs transformers' own modules (the architecture's decoder layer, norm and
+rotary embedding, built on the meta device from config.json) but holds the weights of only one of
+them at a time, read from the SafeTensors shards and cast to `dtype` on `device` just before use:
+
+- windows go through the model layer-major: every window's hidden states ([tokens, hidden] float32,
+  64 MiB for 4,096 tokens at hidden 4,096) pass layer i before layer i + 1 is loaded, so each layer
+  is read once per call, not once per window;
+- the embedding is gathered row by row from the mapped file and the output head is applied in blocks
+  of `HEAD_BLOCK` vocabulary rows, so neither [vocab, hidden] matrix is ever whole in float32
+  (each is the model's largest tensor: 2.1 GB in float32 at 128,256 x 4,096);
+- greedy continuation decodes on transformers' KV cache with the same layer-major order, one full
+  pass over the layers per generated token (a prefill, then `n - 1` single-token steps).
+
+The arithmetic is the whole model's: the same modules, the same causal mask (transformers'
+`create_causal_mask`, or its sliding-window twin where the architecture uses one) and the same
+rotary embedding, in `dtype` (float32 for the reference, so the checkpoint's bf16 weights are used
+exactly). Peak memory: one layer in `dtype` plus its checkpoint-dtype read, the hidden states of the
+call's windows, and one window's [tokens, vocab] float32 logits; `pipeline.requirements` plans with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import Deferred, StageFailed
+from eval.runtimes.base import check_ids
+
+HEAD_BLOCK = 16384  # vocabulary rows of the output head cast and applied at a time (256 MiB at hidden 4,096)
+# Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
+STREAMED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+class LayerStream:
+    """A causal LM from a SafeTensors directory, computed one layer at a time on `device` in `dtype`."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
+        try:
+            import torch
+            import transformers
+        except ImportError as e:
+            raise Deferred(
+                f"transformers/torch are not installed here ({e}); install kiln[build]",
+                details={"runtime_needed": "transformers"},
+            ) from None
+        self._torch = torch
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        config = transformers.AutoConfig.from_pretrained(str(self.model_dir))
+        if config.model_type not in STREAMED_MODEL_TYPES:
+            raise StageFailed(
+                f"the layer-streamed forward covers {sorted(STREAMED_MODEL_TYPES)}, not {config.model_type!r}",
+                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                details={"model_type": config.model_type},
+            )
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation="sdpa")
+        self.config = config
+        self._model: Any = model.eval()
+        self._base: Any = model.get_decoder()
+        self._prefix = f"{model.base_model_prefix}."
+        self.vocab_size = int(config.vocab_size)
+        self.num_layers = int(config.num_hidden_layers)
+        # The rotary embedding's frequencies are computed, not stored: build it for real on the device.
+        self._rotary = type(self._base.rotary_emb)(config=config).to(self.device)
+        self._weights = _WeightIndex(self.model_dir)
+        self._head_name = "lm_head.weight"
+        if self._head_name not in self._weights:
+            if not getattr(config, "tie_word_embeddings", False):
+                raise StageFailed(
+                    f"{self.model_dir}: no lm_head.weight and the config does not tie it to the embedding",
+                    code="SOURCE_INVALID",
+                )
+            self._head_name = f"{self._prefix}embed_tokens.weight"
+        if getattr(self._model.lm_head, "bias", None) is not None:
+            raise StageFailed("an output head with a bias is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED")
+        self._layer_types = list(
+            getattr(config, "layer_types", None)
+            or [("sliding_attention" if getattr(config, "sliding_window", None) else "full_attention")]
+            * self.num_layers
+        )
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}, one layer at a time"
+
+    # -- the Runtime protocol -------------------------------------------------------------------------------
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        return next(self.logits_many([token_ids]))
+
+    def logits_many(self, windows: Sequence[Sequence[int]]) -> Iterator[np.ndarray]:
+        """Each window's logits, float32 [len(window), vocab], in order: every layer runs over all windows
+        (read once), then the head yields one window at a time."""
+        checked = [check_ids(w, self.vocab_size, self.name) for w in windows]
+        torch = self._torch
+        with torch.inference_mode():
+            hidden = [self._embed(ids)[None] for ids in checked]
+            positions = [torch.arange(len(ids), device=self.device)[None] for ids in checked]
+            masks = [self._masks(h, p, None) for h, p in zip(hidden, positions, strict=True)]
+            rotary = [self._rotary(h, p) for h, p in zip(hidden, positions, strict=True)]
+            for i in range(self.num_layers):
+                layer = self._load(self._base.layers[i], f"{self._prefix}layers.{i}.")
+                for w in range(len(hidden)):
+                    hidden[w] = layer(
+                        hidden[w],
+                        attention_mask=masks[w][self._layer_types[i]],
+                        position_ids=positions[w],
+                        position_embeddings=rotary[w],
+                    )
+                self._unload(layer)
+            norm = self._load(self._base.norm, f"{self._prefix}norm.")
+            hidden = [norm(h)[0] for h in hidden]
+            self._unload(norm)
+            for w in range(len(hidden)):
+                h, hidden[w] = hidden[w], None  # type: ignore[call-overload]  # drop each window's states once used
+                yield self._head(h).cpu().numpy()
+
+    def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
+        out: list[list[int]] = [[] for _ in checked]
+        by_length: dict[int, list[int]] = {}
+        for i, ids in enumerate(checked):
+            by_length.setdefault(len(ids), []).append(i)
+        for indices in by_length.values():  # equal lengths decode as one batch, with no padding
+            for i, tokens in zip(indices, self._greedy_batch([checked[i] for i in indices], n), strict=True):
+                out[i] = tokens
+        return out
+
+    def close(self) -> None:
+        self._weights.close()
+        self._model = self._base = None
+
+    # -- one pass ---------------------------------------------------------------------------------------------
+
+    def _greedy_batch(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """One prompt pass, then one token at a time on the KV cache, each pass over every layer in turn."""
+        torch = self._torch
+        from transformers import DynamicCache
+
+        generated: list[list[int]] = [[] for _ in prompts]
+        if n <= 0:
+            return generated
+        cache = DynamicCache(config=self.config)
+        with torch.inference_mode():
+            step = [list(p) for p in prompts]
+            start = 0
+            for _ in range(n):
+                length = len(step[0])
+                h = torch.stack([self._embed(ids) for ids in step])
+                pos = torch.arange(start, start + length, device=self.device)[None].expand(len(step), -1)
+                masks, rotary = self._masks(h, pos, cache), self._rotary(h, pos)
+                for i in range(self.num_layers):
+                    layer = self._load(self._base.layers[i], f"{self._prefix}layers.{i}.")
+                    h = layer(
+                        h,
+                        attention_mask=masks[self._layer_types[i]],
+                        position_ids=pos,
+                        past_key_values=cache,
+                        use_cache=True,
+                        position_embeddings=rotary,
+                    )
+                    self._unload(layer)
+                norm = self._load(self._base.norm, f"{self._prefix}norm.")
+                last = norm(h[:, -1])
+                self._unload(norm)
+                toks = torch.argmax(self._head(last)[:, : self.vocab_size], dim=-1).tolist()
+                for row, tok in zip(generated, toks, strict=True):
+                    row.append(int(tok))
+                start += length
+                step = [[int(t)] for t in toks]
+        return generated
+
+    def _masks(self, h: Any, positions: Any, cache: Any) -> dict[str, Any]:
+        """The attention mask per layer type, as the architecture's own model forward builds it."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": h,
+            "attention_mask": None,
+            "past_key_values": cache,
+            "position_ids": positions,
+        }
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: makers[kind](**kwargs) for kind in set(self._layer_types)}
+
+    def _embed(self, ids: list[int]) -> Any:
+        """[len(ids), hidden] in `dtype`: the embedding's rows gathered from the mapped file, cast after."""
+        rows = self._weights.rows(f"{self._prefix}embed_tokens.weight", ids)
+        return rows.to(device=self.device, dtype=self.dtype)
+
+    def _head(self, h: Any) -> Any:
+        """[tokens, vocab] float32 logits of final hidden states `h`, HEAD_BLOCK vocabulary rows at a time."""
+        torch = self._torch
+        vocab = self._weights.shape(self._head_name)[0]
+        out = torch.empty((h.shape[0], vocab), dtype=torch.float32, device=self.device)
+        for lo in range(0, vocab, HEAD_BLOCK):
+            hi = min(vocab, lo + HEAD_BLOCK)
+            block = self._weights.block(self._head_name, lo, hi).to(device=self.device, dtype=self.dtype)
+            out[:, lo:hi] = torch.nn.functional.linear(h, block).float()
+        return out
+
+    def _load(self, module: Any, prefix: str) -> Any:
+        """`module` with its weights from the checkpoint, cast to `dtype` on the device (assigned, not copied)."""
+        names = list(module.state_dict().keys())
+        missing = [prefix + k for k in names if prefix + k not in self._weights]
+        if missing:
+            raise StageFailed(
+                f"{self.model_dir}: the checkpoint lacks {missing[0]} ({len(missing)} tensors missing)",
+                code="SOURCE_INVALID",
+                details={"missing": missing[:8]},
+            )
+        unsaved = {n for n, _ in module.named_buffers()} - set(names)
+        if unsaved:  # a computed buffer would be left uninitialised by loading weights alone
+            raise StageFailed(
+                f"a layer holds buffers the checkpoint does not: {sorted(unsaved)[:4]}",
+                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            )
+        state = {k: self._weights.tensor(prefix + k).to(device=self.device, dtype=self.dtype) for k in names}
+        module.load_state_dict(state, strict=True, assign=True)
+        return module
+
+    def _unload(self, module: Any) -> None:
+        module.to("meta")  # frees the weights; the module keeps its shapes for the next call
+
+
+class _WeightIndex:
+    """Where each tensor of a SafeTensors directory lives, read through safetensors' mapped handles."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self._where: dict[str, Path] = {}
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            self._where = {str(k): model_dir / str(v) for k, v in weight_map.items()}
+        else:
+            for f in sorted(model_dir.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                        self._where[name] = f
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def _handle(self, name: str) -> Any:
+        path = self._where[name]
+        if path not in self._handles:
+            self._handles[path] = self._open(str(path), framework="pt")
+        return self._handles[path]
+
+    def tensor(self, name: str) -> Any:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def block(self, name: str, lo: int, hi: int) -> Any:
+        """Rows lo..hi of a 2-D tensor, read alone."""
+        return self._handle(name).get_slice(name)[lo:hi]
+
+    def rows(self, name: str, ids: Sequence[int]) -> Any:
+        """The rows `ids` of a 2-D tensor, each read alone (an embedding lookup without the table)."""
+        import torch
+
+        table = self._handle(name).get_slice(name)
+        return torch.cat([table[i : i + 1] for i in ids])
+
+    def close(self) -> None:
+        self._handles.clear()
