@@ -96,7 +96,6 @@ def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
         in_tail = local[seg] >= 0
         s = cand_logp[rows_t].clone()
         s[local[seg[in_tail]], ids[in_tail]] = math.inf
-        s, _ = torch.sort(s, dim=-1)
         kept = torch.from_numpy(np.diff(ref.offsets)[lo : lo + n]).to(torch.long)[rows_t]
         tail_count = vocab - kept
         lq_tail = torch.logsumexp(torch.where(s == math.inf, -math.inf, s), dim=-1)
@@ -108,6 +107,9 @@ def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
         log_c = torch.from_numpy(ref.logp[ends[rows_t.numpy()] - 1])
         c = torch.exp(log_c)
         m = torch.minimum(torch.floor(p_tail / c).to(torch.long), tail_count)
+        # Only the m + 1 least likely tail tokens matter: a partial selection when that is few, else a sort.
+        need = min(vocab, int(m.max()) + 1)
+        s = torch.topk(s, need, dim=-1, largest=False, sorted=True)[0] if 8 * need < vocab else torch.sort(s)[0]
         r = torch.where(m < tail_count, torch.clamp(p_tail - m.to(torch.float64) * c, min=0.0), 0.0)
         prefix = torch.cumsum(torch.where(s == math.inf, 0.0, s), dim=-1)
         last = s.shape[1] - 1

@@ -149,24 +149,20 @@ def reference_rows(
         hi = min(rows, lo + step)
         lp = log_softmax_t(arr[lo:hi])
         target_logp[lo:hi] = lp[torch.arange(hi - lo), torch.from_numpy(tgt[lo:hi])].numpy()
-        top, idx = torch.topk(lp, keep_cap, dim=-1, largest=True, sorted=True)
+        vals, idx = torch.topk(lp, keep_cap, dim=-1, largest=True, sorted=True)
         # Mass left after keeping j + 1 tokens; keep the fewest that leave <= tail_mass, at most keep_cap.
-        left = 1.0 - torch.cumsum(torch.exp(top), dim=-1)
+        left = 1.0 - torch.cumsum(torch.exp(vals), dim=-1)
         enough = left <= tail_mass
         k = torch.where(enough.any(dim=-1), enough.to(torch.int8).argmax(dim=-1) + 1, keep_cap)
         if tail_mass == 0.0:  # keep every token up to the cap (1 - cumsum can reach 0 early by rounding)
             k = torch.full_like(k, keep_cap)
-        for r in range(hi - lo):
-            kr = int(k[r])
-            counts[lo + r] = kr
-            ids_parts.append(idx[r, :kr].numpy().astype(np.int32))
-            logp_parts.append(top[r, :kr].numpy().copy())
-            if kr == vocab:
-                tail_logp[lo + r] = -math.inf
-            else:  # the tail's mass summed from its own terms (1 - cumsum would lose it to rounding)
-                rest = lp[r].clone()
-                rest[idx[r, :kr]] = -math.inf
-                tail_logp[lo + r] = float(torch.logsumexp(rest, dim=-1))
+        kept = torch.arange(keep_cap)[None, :] < k[:, None]
+        counts[lo:hi] = k.numpy()
+        ids_parts.append(idx[kept].numpy().astype(np.int32))  # row-major: each row's tokens, most likely first
+        logp_parts.append(vals[kept].numpy())
+        # The tail's mass summed from its own terms (1 - cumsum would lose it to rounding); -inf when empty.
+        rest = lp.scatter(1, idx, torch.where(kept, -math.inf, vals))
+        tail_logp[lo:hi] = torch.logsumexp(rest, dim=-1).numpy()
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     return ReferenceRows(
