@@ -442,6 +442,19 @@ def open_source(
     )
 
 
+def open_shape(root: str | Path, allowed_roots: Iterable[str | Path] = ()) -> tuple[dict[str, Any], ModelShape]:
+    """A shape-only source: config.json alone, checked as `open_source` checks it (a regular file in `root`
+    or a link into `allowed_roots`, within the size limit, every key kiln reads valid); reads nothing else."""
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceInvalid(f"source {str(root)!r} is not a directory", details={"field": "source"})
+    path = root / "config.json"
+    if path.is_symlink() or path.exists():  # else _read_json says the source has none
+        _check_file(root, "config.json", (root.resolve(), *(Path(r).resolve() for r in allowed_roots)))
+    config = _read_json(root, "config.json", MAX_CONFIG_BYTES)
+    return config, ModelShape.from_config(config)
+
+
 _FILE_KINDS = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),

@@ -15,17 +15,17 @@ from typing import Any, Literal
 
 from core.device import CPU, Device, resolve_device
 from core.digest import HashCache, sha256_json
-from core.errors import StageFailed, UnknownName
+from core.errors import InvalidInput, StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
-from formats.hf_model import open_source
+from formats.hf_model import open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
 from pipeline.placement import placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import RUNTIME_NEEDS, ModelSize, runner_labels
+from pipeline.requirements import RUNTIME_NEEDS, Sizing, plan_device, runner_labels
 from pipeline.stage import Node, Stage, StageInputMissing
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
@@ -48,6 +48,23 @@ SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
 DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE, "gpu-eval": gpu_eval_stage.STAGE}
 
 
+class SourceShapeOnly(InvalidInput):
+    """A build (or one stage of it) of a recipe whose source is shape-only: config.json, no weights."""
+
+    code = "SOURCE_SHAPE_ONLY"
+
+
+def refuse_shape_only(recipe: Recipe) -> None:
+    """SOURCE_SHAPE_ONLY for a recipe whose source is config.json alone: it is planned, never built."""
+    if recipe.shape_only:
+        raise SourceShapeOnly(
+            f"{recipe.model}@{recipe.version}: the source {str(recipe.source_dir)!r} is shape-only (config.json "
+            "alone, `shape_only: true`): `kiln plan` sizes its stages, but building needs the weights and "
+            "tokenizer (a source directory of SafeTensors)",
+            details={"source": str(recipe.source_dir)},
+        )
+
+
 @dataclass(frozen=True)
 class PlannedArtifact:
     """An artifact of the build: the node that makes it and the nodes that evaluate it, published with it:
@@ -66,34 +83,53 @@ def eval_column(node: Node) -> str:
     return f"{runtime}@{node.params['sku']}" if "sku" in node.params else runtime
 
 
-def plan(recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU) -> list[Node]:
+def plan(
+    recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU, gpu: str | None = None
+) -> list[Node]:
     """The stage graph in run order, each node with its requirements. With `registry`, publish nodes and
     the seal node come last. The compute stages (the reference, calibration, the evals of runtimes that
     run on the stage's device) are placed on `device` (`pipeline.placement`): its kind is in their keys,
-    and one on a GPU asks for it in its requirements."""
-    nodes, artifacts, size = _build_graph(recipe, store.local.root, device)
+    and one on a GPU asks for it in its requirements, sized for the catalog's `gpu` when named, else for
+    this machine's GPU (`pipeline.requirements.plan_device`)."""
+    nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
-    return [replace(n, requires=placed(n, n.stage.requirements(n, size))) for n in nodes]
+    sizing = replace(sizing, device=plan_device(device, gpu))
+    return [replace(n, requires=placed(n, n.stage.requirements(n, sizing))) for n in nodes]
 
 
 def _build_graph(
     recipe: Recipe, work_dir: Path, device: Device = CPU
-) -> tuple[list[Node], list[PlannedArtifact], ModelSize]:
+) -> tuple[list[Node], list[PlannedArtifact], Sizing]:
     hashes = HashCache(work_dir / HASH_CACHE)
-    if recipe.source_url is not None:  # a bucket: planned from its header mirror (pipeline.remote_source)
+    ev = recipe.eval
+    budget = {"max_tokens": ev.max_tokens, "window": ev.window, "greedy_tokens": ev.greedy_tokens}
+    if recipe.shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
+        config, shape = open_shape(recipe.source_dir, allowed_roots=recipe.allowed_roots)
+        sizing = Sizing.of_config(config, shape, **budget)
+        ingest = Node(
+            "ingest/source",
+            ingest_stage.STAGE,
+            params={},
+            external={"source": sha256_json(config)},
+            args={"source_dir": str(recipe.source_dir), "shape_only": True},
+        )
+    elif recipe.source_url is not None:  # a bucket: planned from its header mirror (pipeline.remote_source)
         remote = S3Source(recipe.source_url)
         listing = remote.listing()
         mirror = remote.mirror(work_dir / SOURCES_DIR / sha256_json(sorted(o.identity for o in listing.values())))
         source = open_source(mirror, hasher=lambda p: listing[p.name].identity)
         ingest = ingest_stage.remote_node(source, recipe.source_url)
+        sizing = Sizing.of_source(source, **budget)
     else:
         source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
         ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
-    text_digest = hashes.sha256(recipe.eval_text)
-    calibration_digest = hashes.sha256(recipe.calibration_text)
+        sizing = Sizing.of_source(source, **budget)
+    # A shape-only recipe may name no held-out text: its nodes are keyed without it (they never run).
+    texts = recipe.eval.text is not None or recipe.calibration.text is not None
+    text_digest = hashes.sha256(recipe.eval_text) if recipe.eval.text is not None else None
+    calibration_digest = hashes.sha256(recipe.calibration_text) if texts else None
     hashes.save()
-    ev = recipe.eval
     reference = with_device(
         Node(
             "reference/source",
@@ -107,7 +143,7 @@ def _build_graph(
                 "max_entries": ev.max_entries,
             },
             inputs={"ingest": ingest.id},
-            external={"text": text_digest},
+            external={"text": text_digest} if text_digest is not None else {},
         ),
         device,
     )
@@ -185,7 +221,7 @@ def _build_graph(
             else:
                 evaluators.append(node)
         artifacts += [PlannedArtifact(name, quant, export, tuple(evaluators)), *made]
-    return nodes, artifacts, ModelSize.of(source)
+    return nodes, artifacts, sizing
 
 
 def _on_runtime_device(node: Node, device: Device) -> Node:
@@ -193,7 +229,9 @@ def _on_runtime_device(node: Node, device: Device) -> Node:
     return with_device(node, device) if RUNTIME_NEEDS[node.params["runtime"]].on_stage_device else node
 
 
-def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest: str, device: Device = CPU) -> Node:
+def _quantize_node(
+    recipe: Recipe, quant: str, ingest: Node, calibration_digest: str | None, device: Device = CPU
+) -> Node:
     scheme = get_scheme(quant)
     params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
     external = {}
@@ -207,7 +245,7 @@ def _quantize_node(recipe: Recipe, quant: str, ingest: Node, calibration_digest:
             # changes the result, so it is part of the key (and recorded with the quantize stage).
             "compute_dtype": calibration_dtype(device=device.kind),
         }
-        external = {"calibration_text": calibration_digest}
+        external = {"calibration_text": calibration_digest} if calibration_digest is not None else {}
     node = Node(
         f"quantize/{quant}",
         quantize_stage.STAGE,
@@ -437,6 +475,7 @@ def run(
     against this machine for the local executor (DEVICE_UNAVAILABLE when it lacks it), against the
     cluster for Ray (whose `auto` is a GPU when some node offers one, and whose GPU stages wait, deferred,
     when none does)."""
+    refuse_shape_only(recipe)
     executor = executor or ExecutorChoice()
     if executor.name == "ray":
         from pipeline.executors.ray import RayExecutor
@@ -480,6 +519,7 @@ def run_one(
     """Run one stage of the recipe's graph from the store (the unit a CI job runs): every input must be
     there already, made by any machine; a missing one is an error naming it and its key. Its inputs are
     the outputs of the graph placed on `device` too (a GPU job reads the GPU reference)."""
+    refuse_shape_only(recipe)
     nodes = plan(recipe, store, registry=registry, device=resolve_device(device))
     by_id = {n.id: n for n in nodes}
     if stage_id not in by_id:
@@ -514,9 +554,10 @@ def _where_ci() -> dict[str, Any]:
     return {"executor": "run-stage", "host": socket.gethostname(), **ci}
 
 
-def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
-    """What `kiln plan` shows: each node, what it needs, its cache key, and whether its output is stored."""
-    nodes = plan(recipe, store)
+def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> list[dict[str, Any]]:
+    """What `kiln plan` shows: each node, what it needs on `device` (sized for the catalog's `gpu`, or this
+    machine's), its cache key, and whether its output is stored (`shape only`: a source that has none)."""
+    nodes = plan(recipe, store, device=device, gpu=gpu)
     done = stored(nodes, store)
     deferred: set[str] = set()
     rows = []
@@ -532,6 +573,8 @@ def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
             state, extra = "deferred", {"reason": f"waits on {', '.join(blocked)}"}
         if state == "deferred":
             deferred.add(node.id)
+        if recipe.shape_only:
+            state = "shape only"
         rows.append(
             {
                 "node": node.id,
@@ -546,14 +589,15 @@ def status(recipe: Recipe, store: StageStore) -> list[dict[str, Any]]:
     return rows
 
 
-def matrix(recipe: Recipe, store: StageStore) -> dict[str, Any]:
+def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> dict[str, Any]:
     """The graph for a CI workflow: its stages by level (a stage's inputs are all in earlier levels), each
     with the runner labels its requirements need (the recipe's `runners:` first, then
     `pipeline.requirements.RUNNER_LABELS`), and the same stages grouped by runner labels.
 
     Each level is a GitHub Actions matrix (`{"include": [...]}`): its jobs may run in parallel, each
-    `kiln run-stage RECIPE STAGE` on a runner with those labels. Publishing is its own job after them."""
-    nodes = plan(recipe, store)
+    `kiln run-stage RECIPE STAGE` on a runner with those labels. Publishing is its own job after them.
+    The compute stages are placed on `device` (a plan sized for the catalog's `gpu` asks for its runners)."""
+    nodes = plan(recipe, store, device=device, gpu=gpu)
     depth: dict[str, int] = {}
     levels: list[list[dict[str, Any]]] = []
     by_runner: dict[str, list[str]] = {}

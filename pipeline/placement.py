@@ -38,8 +38,9 @@ def device_args(device: Device) -> dict[str, Any]:
 
 
 def placed(node: Node, requires: Requirements) -> Requirements:
-    """`requires` with the GPU a node placed on one needs (Ray's `num_gpus`)."""
-    if node.params.get(DEVICE_PARAM) == "cuda":
+    """`requires` with at least the one GPU a node placed on one needs (Ray's `num_gpus`); the stages'
+    own requirements already count theirs (`pipeline.requirements`), and may ask for more."""
+    if node.params.get(DEVICE_PARAM) == "cuda" and requires.gpus == 0:
         return requires.model_copy(update={"gpus": 1})
     return requires
 

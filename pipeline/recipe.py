@@ -17,6 +17,8 @@
         quants: [f16, q8_0, q4_k_m]
       - target: hf-bundle
         quants: [bf16]
+    shape_only: false              # true: `source` holds config.json alone; planned and sized, never built
+                                   # (eval.text may then be left out)
 
 Every (target, quant) pair becomes one artifact named "<target>-<quant>".
 
@@ -87,7 +89,9 @@ class TargetEntry(_Strict):
 
 
 class EvalSettings(_Strict):
-    text: str = Field(description="held-out text file, relative to the recipe")
+    text: str | None = Field(
+        default=None, description="held-out text file, relative to the recipe; required unless `shape_only`"
+    )
     max_tokens: int = Field(default=4096, ge=64, le=1_000_000)
     window: int = Field(default=256, ge=16, le=32768)
     greedy_prompts: int = Field(default=4, ge=0, le=64)
@@ -122,6 +126,9 @@ class Recipe(_Strict):
     # CI runner labels per accelerator ("cpu", "nvidia:h100", ...), for `kiln plan --matrix`; the defaults
     # are pipeline.requirements.RUNNER_LABELS.
     runners: dict[str, list[str]] = Field(default_factory=dict)
+    # The source directory holds config.json alone (no weights, no tokenizer): `kiln plan` sizes the release
+    # from the model's shape; nothing can be built from it (SOURCE_SHAPE_ONLY).
+    shape_only: bool = False
     # Set by parse_recipe from its arguments, never from the recipe's data.
     base_dir: Path = Field(default=Path("."), exclude=True)
     allowed_roots: tuple[Path, ...] = Field(default=(), exclude=True)
@@ -182,16 +189,21 @@ class Recipe(_Strict):
 
     @property
     def eval_text(self) -> Path:
+        if self.eval.text is None:  # a shape-only recipe, which is planned but never built
+            raise RecipeInvalid("the recipe names no eval.text", details={"field": "eval.text"})
         return (self.base_dir / self.eval.text).resolve()
 
     @property
     def calibration_text(self) -> Path:
-        return (self.base_dir / (self.calibration.text or self.eval.text)).resolve()
+        if self.calibration.text is None:
+            return self.eval_text
+        return (self.base_dir / self.calibration.text).resolve()
 
     @property
     def calibration_skip_tokens(self) -> int:
         """Tokens at the start of the calibration text that the eval scores (skipped by calibration)."""
-        return self.eval.max_tokens if self.calibration_text == self.eval_text else 0
+        same = self.calibration.text is None or (self.eval.text is not None and self.calibration_text == self.eval_text)
+        return self.eval.max_tokens if same else 0
 
     def artifacts(self) -> list[tuple[str, TargetEntry, str]]:
         """(artifact name, target entry, quant) for every artifact the recipe builds, in order."""
@@ -257,7 +269,11 @@ def parse_recipe(
             f"{origin}: " + "; ".join(f"{loc}: {msg}" for loc, msg in errors),
             details={"errors": [{"field": loc, "message": msg} for loc, msg in errors]},
         ) from None
-    fields = [("eval.text", recipe.eval.text, "file")]
+    if recipe.eval.text is None and not recipe.shape_only:
+        raise _fail(origin, "eval.text", "required: the held-out text the artifacts are evaluated on")
+    if recipe.shape_only and recipe.source_url is not None:
+        raise _fail(origin, "shape_only", "a shape-only source is a directory holding config.json, not a bucket")
+    fields = [("eval.text", recipe.eval.text, "file")] if recipe.eval.text is not None else []
     if recipe.source_url is None:
         fields.insert(0, ("source", recipe.source, "directory"))
     else:

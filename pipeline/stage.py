@@ -41,7 +41,7 @@ from core.digest import HashCache, is_sha256, sha256_file, sha256_json
 from core.errors import KilnError, StageFailed
 from core.manifest import FileEntry
 from core.untrusted import InvalidJSON, loads_json
-from pipeline.requirements import ModelSize, Requirements, requirements
+from pipeline.requirements import Requirements, Sizing, requirements
 
 STAGE_FILE = "stage.json"
 EXTERNAL_DIR = "external"
@@ -127,12 +127,12 @@ class Stage:
     # For a stage that needs hardware or software this machine may lack: what a node still needs here
     # ({"runner", "command", "missing", ...}), or None when it can run. `kiln plan` asks without running.
     deferral: Callable[[Node], dict[str, Any] | None] | None = None
-    # What a node of this stage needs of the machine that runs it, for a model of the given size;
-    # None: `pipeline.requirements.requirements(name, size)`, the stage's row of the table.
-    needs: Callable[[Node, ModelSize], Requirements] | None = None
+    # What a node of this stage needs of the machine that runs it, for the model and device of `Sizing`;
+    # None: `pipeline.requirements.requirements(name, sizing, node)`, the stage's row of the table.
+    needs: Callable[[Node, Sizing], Requirements] | None = None
 
-    def requirements(self, node: Node, size: ModelSize) -> Requirements:
-        return self.needs(node, size) if self.needs is not None else requirements(self.name, size)
+    def requirements(self, node: Node, sizing: Sizing) -> Requirements:
+        return self.needs(node, sizing) if self.needs is not None else requirements(self.name, sizing, node)
 
 
 @dataclass(frozen=True)

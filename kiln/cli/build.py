@@ -287,15 +287,37 @@ def plan(
     ] = None,
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            envvar="KILN_DEVICE",
+            help="Where the compute stages are planned to run: cpu, cuda or cuda:N (sized for this machine's GPU, "
+            "or for --gpu), or auto (a GPU when one is named or visible, else the CPU).",
+        ),
+    ] = "cpu",
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu",
+            metavar="SKU",
+            help="With --device cuda: size the GPU stages for this GPU of the hardware catalog (h100, h200, ...), "
+            "not for this machine's.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Show the stage graph of RECIPE: each stage, what it needs, its cache key and whether it is built."""
+    """Show the stage graph of RECIPE: each stage, its device (kind, count, memory per device), host memory,
+    cores, its cache key and whether it is built."""
     from pipeline import build
     from pipeline.recipe import load_recipe
+    from pipeline.requirements import planning_device
     from pipeline.store import open_store
 
+    placed = planning_device(device, gpu)
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
     if as_matrix:
-        graph = build.matrix(loaded, open_store(store, work_dir))
+        graph = build.matrix(loaded, open_store(store, work_dir), device=placed, gpu=gpu)
         if levels is not None and len(graph["levels"]) > levels:
             raise InvalidInput(
                 f"the graph has {len(graph['levels'])} levels and the workflow runs {levels}: add level jobs",
@@ -308,25 +330,37 @@ def plan(
                 out.write(f"model={graph['model']}\nversion={graph['version']}\n")
         emit(graph)
         return
-    rows = build.status(loaded, open_store(store, work_dir))
+    rows = build.status(loaded, open_store(store, work_dir), device=placed, gpu=gpu)
     if as_json:
         emit(rows)
         return
-    table = Table(title=safe_text(recipe))
-    for col in ("stage", "inputs", "needs", "key", "state"):
-        table.add_column(col)
+    title = str(recipe) + (" (shape-only source: config.json alone; sized, not buildable)" if loaded.shape_only else "")
+    table = Table(title=safe_text(title))
+    for col in ("stage", "device", "host", "needs", "key", "state"):
+        table.add_column(col, no_wrap=col == "stage")
     for r in rows:
-        state = f"deferred to {r['runner']}" if "runner" in r else r["state"]
-        cells = (r["node"], ", ".join(r["inputs"]), _needs(r["requires"]), (r["key"] or "-")[:12], state)
-        table.add_row(*(safe_text(c) for c in cells))
+        req = r["requires"]
+        cells = (r["node"], _device_cell(req), fmt_size(req["memory_bytes"]), _needs(req), (r["key"] or "-")[:12])
+        table.add_row(*(safe_text(c) for c in (*cells, r["state"])))
     err.print(table)
+    # Deferred stages on lines of their own, the runner each waits for whole (a cell would wrap it).
+    for r in rows:
+        if r["state"] == "deferred" and "runner" in r:
+            err.print(safe_text(f"{r['node']}: deferred to {r['runner']}"), soft_wrap=True)
+
+
+def _device_cell(req: dict[str, Any]) -> str:
+    """`cpu`, or `cuda x 2: 66.0 GiB each` (`does not fit` where the share exceeds the GPU's memory)."""
+    if not req["gpus"]:
+        return "cpu"
+    count = f" x {req['gpus']}" if req["gpus"] > 1 else ""
+    fits = "" if req["fits"] else ", does not fit"
+    return f"cuda{count}: {fmt_size(req['device_memory_bytes'])}{' each' if count else ''}{fits}"
 
 
 def _needs(req: dict[str, Any]) -> str:
-    """`2 cpu, 1.2 GiB, nvidia:h100, tensorrt_llm==0.21.0`: a node's requirements, in a table cell."""
-    parts = [f"{req['cpus']} cpu", fmt_size(req["memory_bytes"])]
-    parts += [v for v in (req["accelerator"], req["runtime_env"]) if v]
-    return ", ".join(parts)
+    """`2 cpu, nvidia:h100, tensorrt_llm==0.21.0`: a node's cores, accelerator and runtime, in a table cell."""
+    return ", ".join([f"{req['cpus']} cpu", *(v for v in (req["accelerator"], req["runtime_env"]) if v)])
 
 
 @app.command()

@@ -7,9 +7,11 @@ thread count a stage computes with is fixed by its requirements, not by the node
 resource `accelerator:<sku>` when it needs one (start a node with `--resources='{"accelerator:h100": 1}'`).
 Independent stages run in parallel.
 
-A compute stage placed on a GPU (`--device cuda`, or `auto` on a cluster with GPUs: `placement`) asks
-Ray for `num_gpus=1`; Ray sets the worker's `CUDA_VISIBLE_DEVICES` to the GPU it granted, and the stage
-computes on `cuda` (that GPU, the only one it sees); every other task asks for none. Which GPU is Ray's
+A stage on GPUs asks Ray for the count its requirements computed from the model's shape
+(`pipeline.requirements`: one for a compute stage placed on a GPU by `--device cuda`, or `auto` on a
+cluster with GPUs, `placement`; the tensor-parallel degree for a serving runtime's eval), and `memory` is
+the host memory it needs besides; Ray sets the worker's `CUDA_VISIBLE_DEVICES` to the GPUs it granted,
+and the stage computes on `cuda` (the first of them); every other task asks for none. Which GPU is Ray's
 choice, so a device index (`cuda:1`) is refused here. A GPU no CUDA device is behind (a count on a node
 that has none) fails the stage with DEVICE_UNAVAILABLE: it never falls back to computing on the CPU.
 

@@ -24,7 +24,7 @@ from typing import Any
 from core.errors import Deferred, StageFailed
 from core.hardware import PROFILES
 from pipeline.records import ArtifactRecord, IngestRecord
-from pipeline.requirements import requirements
+from pipeline.requirements import runner_requirements
 from pipeline.stage import Node, Stage, StageContext
 from targets.trtllm.engines import CHECKPOINT, CONVERTERS, ENGINE, EXAMPLES, SOURCE, runner, runner_needs
 from targets.trtllm.formats import FORMATS
@@ -136,7 +136,7 @@ STAGE = Stage(
     ArtifactRecord,
     "build a TensorRT engine per GPU SKU from the bf16 source, with a pinned release that has trtllm-build",
     deferral=deferral,
-    needs=lambda node, size: requirements(
-        "engine", size, runtime="tensorrt_llm", sku=node.params["sku"], version=node.params["tensorrt_llm"]
+    needs=lambda node, sizing: runner_requirements(
+        "engine", sizing, node.params["quant"], node.params["sku"], node.params["tensorrt_llm"]
     ),
 )

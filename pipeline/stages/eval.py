@@ -13,7 +13,7 @@ from eval.run import evaluate_artifact
 from eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
 from pipeline.placement import computes_on_device, stage_device
 from pipeline.records import ArtifactRecord
-from pipeline.requirements import RUNTIME_NEEDS, ModelSize, Requirements, requirements
+from pipeline.requirements import Requirements, Sizing, eval_requirements, placed_kind
 from pipeline.stage import Node, Stage, StageContext
 from pipeline.stages.reference import stored_reference, stored_text
 
@@ -55,10 +55,10 @@ def _planned_capabilities(node: Node) -> dict[str, VllmCapabilities]:
     return {} if planned is None else {"capabilities": VllmCapabilities.model_validate(planned)}
 
 
-def needs(node: Node, size: ModelSize) -> Requirements:
-    """The runtime the artifact's target evaluates it with (`params["runtime"]`), on this kind of machine."""
-    runtime = node.params["runtime"]
-    return requirements("eval", size, runtime=runtime if RUNTIME_NEEDS[runtime].vendor is None else None)
+def needs(node: Node, sizing: Sizing) -> Requirements:
+    """The artifact's quant in the runtime its target evaluates it with (`params["runtime"]`), on the device
+    it was placed on (a serving runtime: on the plan's device, `pipeline.requirements.eval_requirements`)."""
+    return eval_requirements(sizing, node.params["runtime"], node.params["quant"], device=placed_kind(node))
 
 
 STAGE = Stage("eval", "5", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)

@@ -16,7 +16,7 @@ from core.errors import Deferred
 from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
-from pipeline.requirements import ModelSize, Requirements, requirements
+from pipeline.requirements import Requirements, Sizing, runner_requirements
 from pipeline.stage import Node, Stage, StageContext
 from pipeline.stages.reference import stored_reference, stored_text
 from targets.trtllm.engines import runner_needs
@@ -45,10 +45,11 @@ def run(ctx: StageContext) -> EvalReport:
     )
 
 
-def needs(node: Node, size: ModelSize) -> Requirements:
-    return requirements(
-        "gpu-eval", size, runtime="tensorrt_llm", sku=node.params["sku"], version=node.params["tensorrt_llm"]
-    )
+def needs(node: Node, sizing: Sizing) -> Requirements:
+    """A replica of the checkpoint on GPUs of the node's SKU (as many as its weights need), with the pinned
+    tensorrt_llm."""
+    p = node.params
+    return runner_requirements("gpu-eval", sizing, p["quant"], p["sku"], p["tensorrt_llm"])
 
 
 STAGE = Stage(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.placement import stage_device
 from pipeline.records import QuantizeRecord
-from pipeline.requirements import ModelSize, Requirements, requirements
+from pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
 from pipeline.stage import Node, Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
 from quant.schemes import Scheme, get_scheme
@@ -73,11 +73,13 @@ def open_output(output: StageOutput) -> QuantizedWeights:
     return open_quantized(output.files_dir, output.record(QuantizeRecord).scheme_name)
 
 
-def needs(node: Node, size: ModelSize) -> Requirements:
-    """Round-to-nearest holds a tensor at a time; calibration one layer and its activations, on every core
-    (and on its GPU, when placed on one: `pipeline.placement.placed`)."""
-    calibrated = Scheme.model_validate(node.params["scheme"]).calibrated
-    return requirements("quantize-calibrated" if calibrated else "quantize", size)
+def needs(node: Node, sizing: Sizing) -> Requirements:
+    """Round-to-nearest holds a tensor at a time; calibration one layer, its Hessians and activations, on
+    every core and on the device it was placed on (`pipeline.requirements.calibrated`)."""
+    scheme = Scheme.model_validate(node.params["scheme"])
+    if not scheme.calibrated:
+        return requirements("quantize", sizing, node)
+    return calibrated_requirements(sizing, node.params["calibration"], scheme.method, placed_kind(node))
 
 
 STAGE = Stage(
