@@ -4,10 +4,11 @@
 temporary directory of the store with what its libraries print captured into `stage.log`, and
 commits the output with its provenance, which records what the run used (`resources`, from
 `core.usage`: wall and CPU time, its own peak RSS and anonymous memory, its child processes' peak, bytes
-read and written). A stage that needs what this machine lacks raises `Deferred` (`deferred`); a failure
-leaves no output, keeps the log under `<work>/logs/`, and raises a `KilnError` naming the stage and
-quoting the log's end. The local executor calls it in its process; the Ray executor calls it in a Ray
-task on the node that has the stage's resources; `kiln run-stage` calls it for one node.
+read and written); what a stage left behind in the process is released before the next one. A stage
+that needs what this machine lacks raises `Deferred` (`deferred`); a failure leaves no output, keeps
+the log under `<work>/logs/`, and raises a `KilnError` naming the stage and quoting the log's end. The
+local executor calls it in its process; the Ray executor calls it in a Ray task on the node that has
+the stage's resources; `kiln run-stage` calls it for one node.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal, Protocol
 
 from core.device import describe
 from core.errors import Deferred, KilnError, StageFailed
-from core.usage import measure_usage
+from core.usage import UsageMeter, left_behind, measure_usage, release_memory
 from pipeline.placement import computes_on_device, stage_device
 from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, captured_output, log_tail, provenance
 from pipeline.store import StageStore
@@ -99,6 +100,7 @@ def run_node(
     ctx = StageContext(
         node=node, out_dir=tmp / "files", inputs=inputs, progress=reporter.progress, fetch_external=store.external
     )
+    meter: UsageMeter | None = None
     try:
         with measure_usage() as meter, captured_output(tmp / LOG_FILE):
             result = node.stage.run(ctx)
@@ -123,6 +125,10 @@ def run_node(
         if log is not None:
             details.update(log=str(log), log_tail=log_tail(log))
         raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
+    finally:
+        # What the stage dropped goes back before the next one runs in this process (`core.usage`).
+        if meter is not None and meter.usage is not None and left_behind(meter.usage):
+            release_memory()
     prov = provenance(node, key, inputs, started)
     if meter.usage is not None:
         prov["resources"] = meter.usage.to_json()
