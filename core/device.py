@@ -141,6 +141,26 @@ def _ram_bytes() -> int | None:
         return None
 
 
+def host_memory_bytes() -> int | None:
+    """The memory this process's stages may use: the machine's RAM, or its cgroup's limit where lower (a
+    container), or `KILN_HOST_MEMORY` (bytes) where set lower still (a machine shared with other work)."""
+    limits = [_ram_bytes()]
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        limits.append(int(text) if text.isdigit() else None)
+    except OSError:
+        pass
+    configured = os.environ.get("KILN_HOST_MEMORY")
+    if configured:
+        if not configured.isdigit():
+            raise InvalidInput(
+                f"KILN_HOST_MEMORY must be a number of bytes, got {configured[:40]!r}", code="INVALID_HOST_MEMORY"
+            )
+        limits.append(int(configured))
+    known = [m for m in limits if m]
+    return min(known) if known else None
+
+
 def describe(device: Device) -> dict[str, Any]:
     """What a stage's provenance records of its device: the device, its name and memory (and, for CUDA, the
     compute capability, the CUDA runtime torch was built with, and the visible-device mask Ray or the user set)."""

@@ -19,11 +19,13 @@ C = 16·W·V.
 
 - Streaming stages (ingest, round-to-nearest quantize, every export): one tensor at a time, so
   `factor` × the largest tensor (s × its elements), on the CPU.
-- The reference and the transformers evals stream one decoder layer at a time in float32 (on the stage's
-  device): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding / lm_head) + 8·T·h (the
-  hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one window's logits); on
-  the host besides: s·P_L (the layer as read from the SafeTensors) and the logits brought back (4·W·V for
-  the reference, C for an eval).
+- The reference streams one decoder layer at a time in float32 (on the stage's device,
+  `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding /
+  lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
+  window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
+- A transformers eval loads the artifact whole, as transformers serves it: compressed-tensors decompresses
+  every quantized weight to the source's dtype as it loads, so it holds s·N (N the model's parameters),
+  whatever the scheme, + A(W) + 4·W·V, and C on the host.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
   device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + the Hessians
   (GPTQ: 4·in_features² per Linear of the layer; AWQ has none) + A(seq_len) (one sample through the
@@ -353,8 +355,8 @@ def nothing(sizing: Sizing, node: Any) -> Footprint:
     return Footprint(0)
 
 
-def layer_streamed(sizing: Sizing, *, eval_: bool) -> Footprint:
-    """The reference and the transformers evals: one decoder layer at a time in float32."""
+def layer_streamed(sizing: Sizing) -> Footprint:
+    """The reference: one decoder layer at a time in float32."""
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     working = (
@@ -364,8 +366,7 @@ def layer_streamed(sizing: Sizing, *, eval_: bool) -> Footprint:
         + sizing.activations(w)
         + 4 * w * v
     )
-    host = sizing.weight_bytes * sizing.layer_params + (sizing.compare_bytes if eval_ else 4 * w * v)
-    return Footprint(working, host)
+    return Footprint(working, sizing.weight_bytes * sizing.layer_params + 4 * w * v)
 
 
 def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
@@ -379,6 +380,14 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
     if method == "awq":
         host += 4 * samples * seq_len * (2 * sh.hidden_size + sh.num_heads * sh.head_dim + sh.intermediate_size)
     return Footprint(working, host)
+
+
+def transformers_forward(sizing: Sizing) -> Footprint:
+    """A transformers eval: the artifact loaded whole, its quantized weights decompressed to the source's dtype."""
+    sh = sizing.shape
+    w = sizing.window
+    weights = sizing.weight_bytes * sum(math.prod(s) for s in sh.expected_tensors().values())
+    return Footprint(weights + sizing.activations(w) + 4 * w * sh.vocab_size, sizing.compare_bytes)
 
 
 def jax_forward(sizing: Sizing, quant: str) -> Footprint:
@@ -442,12 +451,12 @@ class StageNeeds:
 
 STAGE_NEEDS: dict[str, StageNeeds] = {
     "ingest": StageNeeds(1, 200, streamed(2)),
-    "reference": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing, eval_=False)),
+    "reference": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing)),
     "quantize": StageNeeds(1, 450, streamed(4)),
     "quantize-calibrated": StageNeeds(2, 650, nothing),  # its footprint: `calibrated`, from the node's params
     "prepare": StageNeeds(1, 400, nothing),
     "export": StageNeeds(1, 500, streamed(4)),
-    "eval": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing, eval_=True)),
+    "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing)),
     "engine": StageNeeds(4, 2000, nothing),  # a serving runtime's replica: `tensor_parallel`
     "gpu-eval": StageNeeds(4, 2000, nothing),
     "publish": StageNeeds(1, 150, nothing),
@@ -462,7 +471,7 @@ class RuntimeNeeds:
 
     vendor: str | None
     runtime_env: str | None
-    kind: str  # "layer-streamed" | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
+    kind: str  # "decompressed" (transformers) | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
     base_mib: int | None = None
     # The environment it needs on a GPU, where that differs (vLLM's CUDA build, which a GPU runner installs).
     gpu_runtime_env: str | None = None
@@ -472,7 +481,7 @@ class RuntimeNeeds:
 
 
 RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
-    "transformers": RuntimeNeeds(None, None, "layer-streamed", on_stage_device=True),
+    "transformers": RuntimeNeeds(None, None, "decompressed", on_stage_device=True),
     "llama.cpp": RuntimeNeeds(None, None, "mapped", 450),
     "jax": RuntimeNeeds(None, None, "whole", on_stage_device=True),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),
@@ -573,7 +582,7 @@ def eval_requirements(
     elif rt.kind == "whole":
         req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
     else:
-        req = on_device(stage.cpus, base, layer_streamed(sizing, eval_=True), device, sizing)
+        req = on_device(stage.cpus, base, transformers_forward(sizing), device, sizing)
     return req.model_copy(update={"runtime_env": env})
 
 

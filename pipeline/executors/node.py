@@ -13,12 +13,13 @@ the stage's resources; `kiln run-stage` calls it for one node.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from core.device import describe
+from core.device import describe, host_memory_bytes
 from core.errors import Deferred, KilnError, StageFailed
 from core.usage import UsageMeter, left_behind, measure_usage, release_memory
 from pipeline.placement import computes_on_device, stage_device
@@ -76,6 +77,25 @@ def _computing_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def _host_memory_short(node: Node) -> tuple[str, dict[str, Any]] | None:
+    """Why `node` cannot start here, if its planned host memory (`pipeline.requirements`, from the model's
+    shape) exceeds what this machine has (`core.device.host_memory_bytes`): it is deferred to a runner or a
+    Ray node that has it, never started to be killed halfway by the kernel's OOM killer."""
+    need, have = node.requires.memory_bytes, host_memory_bytes()
+    if have is None or need <= have:
+        return None
+    gib = 1024**3
+    reason = (
+        f"needs {need / gib:.1f} GiB of host memory (planned from the model's shape); "
+        f"this machine has {have / gib:.1f} GiB"
+    )
+    return reason, {
+        "runner": f"a machine with {math.ceil(need / gib)} GiB of memory",
+        "memory_bytes": need,
+        "host_memory_bytes": have,
+    }
+
+
 def run_node(
     store: StageStore,
     node: Node,
@@ -90,6 +110,9 @@ def run_node(
     cached = store.lookup(node, key)
     if cached is not None:
         return NodeOutcome(node, "cached", key, cached)
+    short = _host_memory_short(node)
+    if short is not None:
+        return NodeOutcome(node, "deferred", key, reason=short[0], details=short[1])
     # A compute stage's device, checked before anything runs (DEVICE_UNAVAILABLE: this machine, or the Ray
     # worker, lacks the GPU it was placed on), and described in its provenance.
     device = describe(stage_device(node)) if computes_on_device(node) else None
