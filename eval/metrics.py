@@ -79,26 +79,26 @@ def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
 
     n, vocab = cand_logp.shape
     starts, ends = ref.offsets[lo : lo + n], ref.offsets[lo + 1 : lo + n + 1]
-    seg = torch.from_numpy(np.repeat(np.arange(n), ends - starts))
-    ids = torch.from_numpy(ref.ids[starts[0] : ends[-1]].astype(np.int64))
-    lp = torch.from_numpy(ref.logp[starts[0] : ends[-1]])
-    p = torch.exp(lp)
-    terms = p * (lp - cand_logp[seg, ids])
-    terms[p == 0.0] = 0.0  # zero-probability reference terms add 0 (not 0 * inf)
-    kl = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, terms)
+    # The kept tokens laid out dense ([n, vocab], -inf elsewhere): one scatter, then contiguous arithmetic.
+    flat = torch.from_numpy(np.repeat(np.arange(n) * vocab, ends - starts) + ref.ids[starts[0] : ends[-1]])
+    ref_logp = torch.full((n * vocab,), -math.inf, dtype=torch.float64)
+    ref_logp[flat] = torch.from_numpy(ref.logp[starts[0] : ends[-1]])
+    ref_logp = ref_logp.view(n, vocab)
+    held = torch.zeros(n * vocab, dtype=torch.bool)
+    held[flat] = True
+    held = held.view(n, vocab)
+    p = torch.exp(ref_logp)
+    # Zero-probability reference terms add 0 (not 0 * inf).
+    kl = torch.where(p > 0.0, p * (ref_logp - cand_logp), 0.0).sum(dim=-1)
     gap = torch.zeros(n, dtype=torch.float64)
     tail = torch.from_numpy(ref.tail_logp[lo : lo + n])
     rows_t = torch.nonzero(torch.isfinite(tail)).flatten()
     if rows_t.numel():
-        # The candidate's log-probs on each tail, least likely first; kept tokens are pushed past the end.
-        local = torch.full((n,), -1, dtype=torch.long)
-        local[rows_t] = torch.arange(rows_t.numel())
-        in_tail = local[seg] >= 0
-        s = cand_logp[rows_t].clone()
-        s[local[seg[in_tail]], ids[in_tail]] = math.inf
+        # The candidate's log-probs on each tail; kept tokens are pushed past the end of an ascending sort.
+        s = cand_logp[rows_t].masked_fill(held[rows_t], math.inf)
         kept = torch.from_numpy(np.diff(ref.offsets)[lo : lo + n]).to(torch.long)[rows_t]
         tail_count = vocab - kept
-        lq_tail = torch.logsumexp(torch.where(s == math.inf, -math.inf, s), dim=-1)
+        lq_tail = torch.logsumexp(cand_logp[rows_t].masked_fill(held[rows_t], -math.inf), dim=-1)
         lp_tail = tail[rows_t]
         p_tail = torch.exp(lp_tail)
         merged = p_tail * (lp_tail - lq_tail)
@@ -108,7 +108,7 @@ def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
         c = torch.exp(log_c)
         m = torch.minimum(torch.floor(p_tail / c).to(torch.long), tail_count)
         # Only the m + 1 least likely tail tokens matter: a partial selection when that is few, else a sort.
-        need = min(vocab, int(m.max()) + 1)
+        need = max(1, min(int(m.max()) + 1, int(tail_count.max())))
         s = torch.topk(s, need, dim=-1, largest=False, sorted=True)[0] if 8 * need < vocab else torch.sort(s)[0]
         r = torch.where(m < tail_count, torch.clamp(p_tail - m.to(torch.float64) * c, min=0.0), 0.0)
         prefix = torch.cumsum(torch.where(s == math.inf, 0.0, s), dim=-1)
