@@ -4,24 +4,25 @@
         [--hidden 512 --intermediate 1408 --heads 8 --kv-heads 4 --vocab 512] [--samples 4 --seq-len 64]
         [--repeat 1] [--threads N]
 
-Writes random Llama-shaped bf16 models of the same layer width and increasing depth (the test
-factory's `make_model`) once under --work, then runs the quantize stage's calibrated path
-(`calibration_samples` -> `calibrate` -> `write_quantized`, as `pipeline/stages/quantize.py` does)
-for each (depth, scheme) in a fresh process, and prints a table: model and one-layer sizes, peak
-RSS (VmHWM), peak minus the process's RSS after importing torch / transformers / datasets /
-llm-compressor (the import baseline), the same for anonymous memory alone (RssAnon, sampled every
-10 ms: VmHWM also counts mapped file pages, the source's and the offload folder's, which the kernel
-reclaims under pressure), wall and CPU time. If memory is bounded by about one layer,
-the growth column stays flat as depth grows; if the whole model is held, it grows by at least one
-layer's bytes per layer. On a shared machine use --threads 1: with torch's default threads the
-times swing several-fold with the load. The run's record (command, host, load, commit, results
-with each phase's peak) is printed as JSON and appended to --record.
+Writes random Llama-shaped bf16 models of the same layer width and increasing depth once under
+--work, one tensor at a time (so Llama-3-8B's width and 128,256-token vocabulary fit), then runs the
+quantize stage's calibrated path (`calibration_samples` -> `calibrate` -> `write_quantized`, as
+`pipeline/stages/quantize.py` does) for each (depth, scheme) in a fresh process, and prints a table:
+model and one-layer sizes, peak RSS (VmHWM), peak minus the process's RSS after importing torch /
+transformers / datasets / llm-compressor (the import baseline), the same for anonymous memory alone
+(RssAnon, sampled every 10 ms: VmHWM also counts mapped file pages, the source's and the offload
+folder's, which the kernel reclaims under pressure), wall and CPU time. If memory is bounded by
+about one layer, the growth column stays flat as depth grows; if the whole model is held, it grows
+by at least one layer's bytes per layer. On a shared machine use --threads 1: with torch's default
+threads the times swing several-fold with the load. The run's record (command, host, load, commit,
+results with each phase's peak) is printed as JSON and appended to --record.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -41,6 +42,7 @@ from record import add_record_argument, run_record, save_record  # noqa: E402 (b
 from core.usage import MemorySampler, reset_peak, status_kb  # noqa: E402
 
 MB = 1e6
+SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
 
 
 def _vm_kb(field: str) -> int:
@@ -59,22 +61,76 @@ def _calibration_text() -> str:
 
 
 def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
-    """A random Llama-shaped bf16 release with a real tokenizer (written once, reused across runs)."""
-    if (out / "config.json").is_file():
+    """A random Llama-shaped bf16 release with a real tokenizer (written once, reused across runs).
+
+    Tokenizer and config come from the test factory (`make_model` at a tiny width, the tokenizer trained
+    for --vocab); the weights, N(0, 0.02) with norms 1, are generated and written one tensor at a time
+    into SafeTensors shards of at most SHARD_BYTES with `model.safetensors.index.json`, so writing an
+    8B-wide model holds one tensor (the embedding, 1 GB at Llama-3-8B's shape), not the model in float32.
+    """
+    if (out / "model.safetensors.index.json").is_file():
         return out
+    import torch
+
+    from formats.hf_model import ModelShape
+    from formats.safetensors import SafeTensorsWriter
     from tests.model_factory import make_model
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     make_model(
-        tmp,
+        tmp, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, vocab_size=args.vocab
+    )
+    for f in tmp.glob("model*.safetensors*"):
+        f.unlink()
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg.update(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
-        num_layers=layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
+        num_hidden_layers=layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
         vocab_size=args.vocab,
     )
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def order(name: str) -> tuple[int, int]:  # checkpoint order: embeddings, layers in turn, norm, lm_head
+        if name.startswith("model.layers."):
+            return 1, int(name.split(".")[2])
+        return (0, 0) if name == "model.embed_tokens.weight" else (2, name != "model.norm.weight")
+
+    tensors = sorted(ModelShape.from_config(cfg).expected_tensors().items(), key=lambda kv: order(kv[0]))
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    filled = 0
+    for name, shape in tensors:
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and filled + nbytes > SHARD_BYTES:
+            shards.append([])
+            filled = 0
+        shards[-1].append((name, shape))
+        filled += nbytes
+    generator = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = SafeTensorsWriter(tmp / fname, metadata={"format": "pt"})
+        for name, shape in shard:
+            writer.add(name, "BF16", shape)
+        writer.begin()
+        for name, shape in shard:
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
+            writer.write(name, t.view(torch.uint8).numpy().data)
+            weight_map[name] = fname
+            del t
+        writer.close()
+    total = sum(2 * math.prod(shape) for _, shape in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    shutil.rmtree(out, ignore_errors=True)  # one written by an earlier version of this script (a single file)
     tmp.rename(out)
     return out
 

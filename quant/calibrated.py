@@ -50,6 +50,14 @@ compressed-tensors 0.19's, and seen in its logs):
   other weight on disk and the boundary activations in host memory (so a 70B model calibrates on one
   80 GB GPU: one layer is ~1.7 GB of bf16 plus its Hessians), and `cpu` stays on the CPU even on a
   machine with a GPU. What calibration writes back is read to the CPU (`_read`).
+- "One layer" is the layer's working set, not its weights: GPTQ accumulates an in_features² float32
+  Hessian for every Linear of the layer during its forward (Llama-3-8B's width: 6 x 67 MB + 822 MB for
+  down_proj, beside 436 MB of bf16 weights), then quantizes the Linears one at a time. Upstream's
+  `prepare_batch` and activation ordering each held three copies of the Linear's Hessian at once,
+  so down_proj's set the peak: 3.5 GB of anonymous memory over the import baseline, the same at 2 and
+  4 layers (bench/calibration_memory.py). `gptq_single_hessian` keeps one copy (bit-identical); what
+  remains is the forward's (weights + all Hessians) and down_proj's factorisation (torch's LAPACK calls
+  copy the Hessian into column-major order: one more copy, inside llm-compressor's `factorize_hessian`).
 - AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid search, for
   faster host-to-device copies; torch refuses to pin memory without an accelerator, so AWQ fails
   on CPU. `cpu_pin_memory_workaround` is the one place that works around it.
@@ -90,7 +98,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from core.errors import InvalidInput, StageFailed
 from quant.rtn import quantizes
@@ -179,6 +187,115 @@ def cpu_pin_memory_workaround() -> Iterator[None]:
         yield
     finally:
         IntermediatesCache.pin_memory = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def gptq_single_hessian() -> Iterator[None]:
+    """Quantize each Linear with GPTQ holding one copy of its Hessian, not three (same numbers).
+
+    llm-compressor 0.14 quantizes a layer's Linears one at a time off CUDA (`assign_batches`: batches of
+    one). For each, `prepare_batch` divides the Hessian it pops by the sample count into a new tensor and
+    stacks that into a third, and `apply_activation_ordering` (actorder "static") permutes both axes
+    through two `torch.gather` outputs before copying back: three in_features² float32 matrices at once,
+    twice per Linear. At Llama-3-8B's width down_proj's Hessian (in 14,336) is 822 MB, so quantizing it
+    added 1.6 GB to a layer's working set (weights 436 MB, all seven Hessians 1.2 GB) and set the peak.
+
+    Here a batch of one divides in place and is a view of its Hessian; on the CPU the permutation is
+    done in place, the columns by blocks of rows and the rows by following the permutation's cycles with
+    one row's buffer (a Python loop over rows: cheap on a CPU, a kernel launch per row on a GPU, where
+    upstream's version stays). Division and data movement as upstream's: bit-identical results (tested
+    against upstream's functions). Batches of several (CUDA) go to upstream's `prepare_batch`.
+    """
+    from llmcompressor.modifiers.gptq import base, gptq_quantize
+
+    upstream_prepare, upstream_order = base.prepare_batch, gptq_quantize.apply_activation_ordering
+
+    def prepare_batch(
+        batch: list[torch.nn.Module],
+        batch_qparams: list[dict[str, torch.Tensor]],
+        hessians_by_module: dict[torch.nn.Module, torch.Tensor],
+        num_samples_by_module: dict[torch.nn.Module, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if len(batch) != 1:
+            return upstream_prepare(batch, batch_qparams, hessians_by_module, num_samples_by_module)
+        return _prepare_one(batch[0], batch_qparams[0], hessians_by_module, num_samples_by_module)
+
+    def apply_activation_ordering(
+        weights: torch.Tensor, hessians: torch.Tensor, actorder: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if hessians.device.type != "cpu":
+            return upstream_order(weights, hessians, actorder)  # type: ignore[no-any-return]
+        return _order_in_place(weights, hessians, actorder, upstream_order)
+
+    base.prepare_batch = prepare_batch
+    gptq_quantize.apply_activation_ordering = apply_activation_ordering
+    try:
+        yield
+    finally:
+        base.prepare_batch = upstream_prepare
+        gptq_quantize.apply_activation_ordering = upstream_order
+
+
+def _prepare_one(
+    module: torch.nn.Module,
+    qparams: dict[str, torch.Tensor],
+    hessians_by_module: dict[torch.nn.Module, torch.Tensor],
+    num_samples_by_module: dict[torch.nn.Module, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """llm-compressor 0.14's `prepare_batch` for a batch of one module, without copying its Hessian."""
+    import torch
+    from llmcompressor.modifiers.gptq.helpers import GPTQ_PRECISION
+
+    hessian = hessians_by_module.pop(module)
+    num_samples = num_samples_by_module.pop(module).to(device=hessian.device)
+    hessians = hessian.div_(num_samples).unsqueeze(0)  # the popped Hessian is GPTQ's to overwrite
+    del hessian
+    weight = cast("torch.Tensor", module.weight)
+    weights = torch.empty((1, *weight.shape), device=weight.device, dtype=GPTQ_PRECISION)
+    torch.stack([weight], out=weights)  # a disposable working copy
+    scales = torch.stack([qparams["scale"]])
+    zero_points = torch.stack([qparams["zero_point"]])
+    global_scale = qparams["global_scale"]
+    global_scales = torch.stack([global_scale.reshape(-1)[0]]) if global_scale is not None else None
+    return weights, hessians, scales, zero_points, global_scales
+
+
+def _order_in_place(
+    weights: torch.Tensor, hessians: torch.Tensor, actorder: Any, upstream: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """llm-compressor 0.14's `apply_activation_ordering` with the Hessians permuted in place.
+
+    `upstream` (its own function) handles no ordering and rejects unknown kinds; the permutation is the
+    same argsort of the Hessians' diagonals, so the result is the same."""
+    import torch
+    from compressed_tensors.quantization.quant_args import ActivationOrdering
+
+    if actorder not in (ActivationOrdering.WEIGHT, ActivationOrdering.STATIC):
+        return upstream(weights, hessians, actorder)  # type: ignore[no-any-return]
+    num_rows, num_columns = weights.shape[-2:]
+    perm = torch.argsort(torch.diagonal(hessians, dim1=-2, dim2=-1), dim=-1, descending=True)
+    block = max(1, (16 << 20) // (4 * num_columns))  # rows per column-permuting step: ~16 MB of buffer
+    row = torch.empty(num_columns, dtype=hessians.dtype, device=hessians.device)
+    for b in range(hessians.shape[0]):
+        h, p = hessians[b], perm[b].to(device=hessians.device)
+        for i in range(0, num_columns, block):  # new[r, c] = old[r, p[c]]
+            h[i : i + block] = h[i : i + block].index_select(1, p)
+        order = p.tolist()  # then new[r, :] = old[p[r], :], cycle by cycle
+        done = bytearray(num_columns)
+        for start in range(num_columns):
+            if done[start] or order[start] == start:
+                continue
+            row.copy_(h[start])
+            j = start
+            while order[j] != start:
+                done[j] = 1
+                h[j].copy_(h[order[j]])
+                j = order[j]
+            done[j] = 1
+            h[j].copy_(row)
+    weight_perm = perm.to(device=weights.device)
+    weights.copy_(torch.gather(weights, -1, weight_perm.unsqueeze(-2).expand(-1, num_rows, -1)))
+    return weights, hessians, weight_perm
 
 
 def _quiet_llmcompressor_logs() -> None:
@@ -366,7 +483,7 @@ def calibrate(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
     data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
-    with cpu_pin_memory_workaround(), onload_device(device):
+    with cpu_pin_memory_workaround(), gptq_single_hessian(), onload_device(device):
         oneshot(
             model=model,
             dataset=data,

@@ -274,3 +274,42 @@ def test_calibration_computes_in_bf16_only_where_the_cpu_has_it(
     monkeypatch.setenv("KILN_CALIBRATION_DTYPE", "float16")
     with pytest.raises(InvalidInput, match="KILN_CALIBRATION_DTYPE"):
         calibration_dtype(cpuinfo)
+
+
+def test_gptq_single_hessian_matches_upstream_functions() -> None:
+    """`gptq_single_hessian`'s `prepare_batch` (a batch of one) and activation ordering work in the Hessian's
+    own memory and give exactly what llm-compressor's functions give; end to end, `calibrate` (patched)
+    equals plain `oneshot` (test_disk_offloaded_calibration_equals_oneshot_on_the_model_in_memory)."""
+    import torch
+    from compressed_tensors.quantization.quant_args import ActivationOrdering
+    from llmcompressor.modifiers.gptq import base, gptq_quantize, helpers
+
+    from quant.calibrated import gptq_single_hessian
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 48, 320  # several cycles in the permutation
+    module = torch.nn.Linear(cols, rows, bias=False).to(torch.bfloat16)
+    x = torch.randn(cols, 3 * cols, generator=g)
+    hessian = x @ x.T * 2.0
+    hessian[5, 7] += 1.0  # not symmetric: permuting rows for columns would show
+    qparams = {"scale": torch.rand(rows, cols // 32, generator=g), "zero_point": torch.zeros(rows, cols // 32)}
+
+    def run(prepare, order, h: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        with torch.no_grad():  # as GPTQModifier.compress_module_list calls them
+            batch = prepare([module], [{**qparams, "global_scale": None}], {module: h}, {module: torch.tensor(6.0)})
+            weights, hessians, scales, zero_points, global_scales = batch
+            assert global_scales is None
+            return (scales, zero_points, *order(weights, hessians, ActivationOrdering.STATIC))
+
+    upstream = run(helpers.prepare_batch, helpers.apply_activation_ordering, hessian.clone())
+    mine = hessian.clone()
+    with gptq_single_hessian():
+        assert base.prepare_batch is not helpers.prepare_batch
+        lean = run(base.prepare_batch, gptq_quantize.apply_activation_ordering, mine)
+        assert gptq_quantize.apply_activation_ordering(lean[2], lean[3], None)[2] is None  # no ordering: untouched
+    assert base.prepare_batch is helpers.prepare_batch  # restored
+    assert gptq_quantize.apply_activation_ordering is helpers.apply_activation_ordering
+    assert lean[3].data_ptr() == mine.data_ptr()  # no copy of the Hessian was made
+    assert len(lean) == len(upstream)
+    for a, b in zip(lean, upstream, strict=True):
+        assert torch.equal(a, b)
