@@ -78,6 +78,11 @@ def kl_bounds(ref: ReferenceRows, lo: int, cand_logp: Any) -> tuple[Any, Any]:
     import torch
 
     n, vocab = cand_logp.shape
+    if ref.dense is not None:  # the window's logits, whole: exact
+        ref_logp = log_softmax_t(ref.dense[lo : lo + n])
+        p = torch.exp(ref_logp)
+        kl = torch.where(p > 0.0, p * (ref_logp - cand_logp), 0.0).sum(dim=-1)
+        return torch.clamp(kl, min=0.0), torch.zeros(n, dtype=torch.float64)
     starts, ends = ref.offsets[lo : lo + n], ref.offsets[lo + 1 : lo + n + 1]
     # The kept tokens laid out dense ([n, vocab], -inf elsewhere): one scatter, then contiguous arithmetic.
     flat = torch.from_numpy(np.repeat(np.arange(n) * vocab, ends - starts) + ref.ids[starts[0] : ends[-1]])

@@ -22,6 +22,9 @@ which puts mass c on the tail tokens the candidate finds least likely (q_(0) <= 
 
     G  <=  sum_{j<m} c log(c / q_(j)) + r log(r / q_(m)) - p_T log(p_T / q_T),   m = floor(p_T / c), r = p_T - m c.
 
+A window whose kept tokens would take more bytes than its logits (12 per token against 4 per column: a
+vocabulary less than three times the tokens kept) stores its float32 logits instead, exactly.
+
 So each eval reports `kl` = mean KL_K and `kl_error` = the mean of that bound: the true mean KL lies in
 [kl, kl + kl_error] (tests/eval/test_reference_rows.py checks it against full logits). Where K is the
 whole vocabulary (a small vocabulary, or a row whose tail is empty) both are exact and the bound is 0.
@@ -66,23 +69,28 @@ class ReferenceRows:
     ids: npt.NDArray[np.int32]  # kept token ids, most likely first within a row
     logp: npt.NDArray[np.float64]  # their log-probabilities
     tail_logp: npt.NDArray[np.float64]  # [rows] log of the mass not kept; -inf when nothing is left
+    # The window's logits whole [rows, vocab] (float32, as the runtime gave them), instead of the kept tokens,
+    # where that is smaller: a vocabulary not much wider than the tokens a row keeps. Exact; nothing in a tail.
+    dense: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
         return int(self.target_logp.shape[0])
 
     def to_bytes(self) -> bytes:
+        arrays: dict[str, np.ndarray] = {
+            "vocab_size": np.asarray(self.vocab_size, dtype=np.int64),
+            "target_logp": self.target_logp,
+            "argmax": self.argmax,
+            "offsets": self.offsets,
+            "ids": self.ids,
+            "logp": self.logp,
+            "tail_logp": self.tail_logp,
+        }
+        if self.dense is not None:
+            arrays["dense"] = self.dense
         buf = io.BytesIO()
-        np.savez(
-            buf,
-            vocab_size=np.int64(self.vocab_size),
-            target_logp=self.target_logp,
-            argmax=self.argmax,
-            offsets=self.offsets,
-            ids=self.ids,
-            logp=self.logp,
-            tail_logp=self.tail_logp,
-        )
+        np.savez(buf, allow_pickle=False, **arrays)
         return buf.getvalue()
 
     @classmethod
@@ -96,6 +104,7 @@ class ReferenceRows:
                 ids=np.asarray(z["ids"], dtype=np.int32),
                 logp=np.asarray(z["logp"], dtype=np.float64),
                 tail_logp=np.asarray(z["tail_logp"], dtype=np.float64),
+                dense=np.asarray(z["dense"]) if "dense" in z.files else None,
             )
         rows.check()
         return rows
@@ -103,15 +112,23 @@ class ReferenceRows:
     def check(self) -> None:
         """The arrays agree with each other (a stored file is read back through this)."""
         n = self.rows
-        ok = (
-            self.argmax.shape == (n,)
-            and self.tail_logp.shape == (n,)
-            and self.offsets.shape == (n + 1,)
-            and self.ids.shape == self.logp.shape
-            and (n == 0 or (self.offsets[0] == 0 and self.offsets[-1] == self.ids.shape[0]))
-            and bool(np.all(np.diff(self.offsets) >= 1) if n else True)
-            and (self.ids.size == 0 or (int(self.ids.min()) >= 0 and int(self.ids.max()) < self.vocab_size))
-        )
+        shapes = self.argmax.shape == (n,) and self.tail_logp.shape == (n,) and self.offsets.shape == (n + 1,)
+        if self.dense is not None:
+            ok = (
+                shapes
+                and self.dense.shape == (n, self.vocab_size)
+                and self.dense.dtype in (np.float32, np.float64)
+                and self.ids.size == 0
+                and not bool(np.isfinite(self.tail_logp).any())
+            )
+        else:
+            ok = (
+                shapes
+                and self.ids.shape == self.logp.shape
+                and (n == 0 or (self.offsets[0] == 0 and self.offsets[-1] == self.ids.shape[0]))
+                and bool(np.all(np.diff(self.offsets) >= 1) if n else True)
+                and (self.ids.size == 0 or (int(self.ids.min()) >= 0 and int(self.ids.max()) < self.vocab_size))
+            )
         if not ok:
             raise InvalidInput("stored reference rows are inconsistent", code="REFERENCE_ROWS_CORRUPT")
 
@@ -164,6 +181,18 @@ def reference_rows(
         rest = lp.scatter(1, idx, torch.where(kept, -math.inf, vals))
         tail_logp[lo:hi] = torch.logsumexp(rest, dim=-1).numpy()
     offsets = np.zeros(rows + 1, dtype=np.int64)
+    if int(counts.sum()) * 12 >= arr.size * arr.itemsize and arr.dtype in (np.float32, np.float64):
+        # Keeping the tokens would take more than the logits themselves: keep the logits (exact).
+        return ReferenceRows(
+            vocab_size=vocab,
+            target_logp=target_logp,
+            argmax=argmax,
+            offsets=offsets,
+            ids=np.zeros(0, dtype=np.int32),
+            logp=np.zeros(0, dtype=np.float64),
+            tail_logp=np.full(rows, -math.inf),
+            dense=np.ascontiguousarray(arr),
+        )
     np.cumsum(counts, out=offsets[1:])
     return ReferenceRows(
         vocab_size=vocab,

@@ -148,3 +148,20 @@ def test_inconsistent_rows_are_refused() -> None:
     with pytest.raises(InvalidInput) as e:
         bad.check()
     assert e.value.code == "REFERENCE_ROWS_CORRUPT"
+
+
+def test_a_window_whose_kept_tokens_outweigh_its_logits_keeps_the_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A small vocabulary (the example's 4,096) keeps nearly every token: 12 bytes each would be three times
+    the float32 logits, so the window stores those, and its KL is exact."""
+    ref, cand, targets = _case(6, 30, 64, 0.5, 0.2)
+    rows = reference_rows(ref, targets, tail_mass=1e-9, max_entries=4096)
+    assert rows.dense is not None and rows.dense.dtype == np.float32 and rows.ids.size == 0
+    store = ReferenceStore(tmp_path, identity="s")
+    store.put_rows(list(range(31)), rows)
+    back = store.rows(list(range(31)))
+    assert back.dense is not None and np.array_equal(back.dense, ref)
+    assert len(rows.to_bytes()) < ref.nbytes + 4096
+    exact, stored = MetricAccumulator(), MetricAccumulator()
+    exact.add(ref, cand, targets)
+    stored.add_rows(back, cand, targets)
+    assert stored.result().kl == exact.result().kl and stored.result().kl_error == 0.0
