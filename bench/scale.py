@@ -1,0 +1,583 @@
+"""Benchmark: kiln's stages at real model scale, per stage: time, peak memory, bytes read and written.
+
+    python bench/scale.py [--sizes 1b,8b] [--work DIR] [--targets gguf-f16,hf-bundle-fp8,...] [--split]
+        [--keep] [--record FILE]
+
+Writes Llama-shaped random-weight models once under --work (reused by later runs): `1b` has
+Llama-3.2-1B's shape (hidden 2048, 16 layers, intermediate 8192, 32 heads, 8 KV heads of 64, tied
+embeddings), `8b` Llama-3-8B's (hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV heads),
+both with Llama-3's 128,256-token vocabulary: a byte-level BPE tokenizer of the example's kind
+(GPT-2 pre-tokenizer, trained on the Python standard library) with 128,000 tokens and 256 special
+tokens after them, as Llama-3 lays its out. Weights are bf16, N(0, 0.02) (norms 1), generated and
+written one tensor at a time into ~5 GB SafeTensors shards with `model.safetensors.index.json`.
+
+For each size it builds one recipe with `kiln build --json` (the local executor, in a fresh process,
+into an empty work dir): GGUF F16 / Q8_0 / Q4_K_M, hf-bundle FP8 / INT8-W8A8 / INT4-RTN, orbax bf16 and
+trtllm FP8, each evaluated by its runtimes on a small token budget (256 scored tokens, 128-token
+windows, 2 greedy prompts of 8 tokens). Each stage's provenance records what its run used
+(`core.usage`), and the table shows it per stage: wall time; the process's peak RSS and peak anonymous
+memory (RssAnon; RSS also counts memory-mapped file pages, which the kernel can reclaim); the peak of
+its child processes (vLLM's worker); bytes read and written at the storage layer (`disk`) and through
+read/write calls (`calls`; memory-mapped reads are in neither when the file is cached); and throughput,
+the model's bf16 bytes over the stage's wall time.
+
+Targets (issue 24), checked in the table: at 8B, every stage without calibration peaks at <= 2 GiB + 2x
+the largest tensor (the embedding), checked on the stage's anonymous peak plus its children's (and
+shown for RSS); the same bound is shown at 1B. With `--sizes 1b,8b`, each stage's throughput at 8B is
+at least 0.67x its throughput at 1B (cost linear in size).
+
+Disk: the models, each build's ingested copy and every artifact (an 8B build of the whole recipe needs
+~140 GB). The run prints what it needs against what is free, and refuses when it will not fit: pick
+artifacts with --targets, or --split, which builds one artifact (with its quantize stage) at a time and
+deletes it after reading its provenance, so the disk holds the source, its ingested copy and the
+largest artifact. The work dir is deleted after the run (not the models) unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from record import add_record_argument, run_record, save_record  # noqa: E402 (bench/record.py, beside this script)
+
+GIB = 1 << 30
+MB = 1e6
+SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
+VOCAB = 128_256  # Llama-3's
+SPECIAL_TOKENS = 256  # Llama-3's: <|begin_of_text|>, <|end_of_text|>, reserved ... after the BPE tokens
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+EXIT_GATE_FAILED = 3  # kiln build: every stage ran, some artifact failed its eval gate
+HEADROOM = 2 * GIB  # free disk kept beyond the estimate
+MEMORY_BASE = 2 * GIB  # the memory target: this + 2x the largest tensor
+THROUGHPUT_RATIO = 0.67
+EVAL = {"max_tokens": 256, "window": 128, "greedy_prompts": 2, "greedy_tokens": 8}
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    max_positions: int
+    rope_theta: float
+
+    def config(self) -> dict[str, Any]:
+        """config.json, with the keys transformers 5 writes for a Llama (as examples/tiny-llama's)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": VOCAB - SPECIAL_TOKENS,
+            "dtype": "bfloat16",
+            "eos_token_id": VOCAB - SPECIAL_TOKENS + 1,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate,
+            "max_position_embeddings": self.max_positions,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": self.heads,
+            "num_hidden_layers": self.layers,
+            "num_key_value_heads": self.kv_heads,
+            "pad_token_id": VOCAB - SPECIAL_TOKENS + 1,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "tie_word_embeddings": self.tied,
+            "use_cache": True,
+            "vocab_size": VOCAB,
+        }
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor in checkpoint order (embeddings, layers in order, final norm, lm_head)."""
+        from formats.hf_model import ModelShape
+
+        expected = ModelShape.from_config(self.config()).expected_tensors()
+
+        def order(name: str) -> tuple[int, int]:
+            if name.startswith("model.layers."):
+                return 1, int(name.split(".")[2])
+            return (0, 0) if name == "model.embed_tokens.weight" else (2, name != "model.norm.weight")
+
+        return sorted(expected.items(), key=lambda kv: order(kv[0]))
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(2 * math.prod(shape) for _, shape in self.tensors())
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(2 * math.prod(shape) for _, shape in self.tensors())
+
+    @property
+    def memory_target(self) -> int:
+        return MEMORY_BASE + 2 * self.largest_tensor_bytes
+
+
+SIZES = {
+    "1b": Size("1b", 2048, 16, 8192, 32, 8, 64, tied=True, max_positions=131072, rope_theta=500000.0),
+    "8b": Size("8b", 4096, 32, 14336, 32, 8, 128, tied=False, max_positions=8192, rope_theta=500000.0),
+}
+# (target, quant) in recipe order: the artifacts of the realistic recipe.
+ARTIFACTS = [
+    ("gguf", "f16"),
+    ("gguf", "q8_0"),
+    ("gguf", "q4_k_m"),
+    ("hf-bundle", "fp8"),
+    ("hf-bundle", "int8-w8a8"),
+    ("hf-bundle", "int4-rtn"),
+    ("orbax", "bf16"),
+    ("trtllm", "fp8"),
+]
+KEPT_STAGES = ("ingest", "reference", "prepare")  # what --split keeps between artifacts
+
+
+# -- the tokenizer and the model ---------------------------------------------------------------------------
+
+
+def make_tokenizer(out: Path) -> Path:
+    """A byte-level BPE tokenizer of VOCAB tokens (tokenizer.json + tokenizer_config.json), written once."""
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    texts += [t.upper() for t in texts]  # the library alone has ~123k merges; its upper case has the rest
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    print(f"training a {VOCAB - SPECIAL_TOKENS}-token BPE on {len(files)} stdlib files ...", file=sys.stderr)
+    tok.train_from_iterator(texts, trainer, length=len(texts))
+    if tok.get_vocab_size() != VOCAB - SPECIAL_TOKENS:
+        sys.exit(f"the standard library gave {tok.get_vocab_size()} BPE tokens, not {VOCAB - SPECIAL_TOKENS}")
+    names = [BOS, EOS] + [f"<|reserved_special_token_{i}|>" for i in range(SPECIAL_TOKENS - 2)]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    if tok.get_vocab_size() != VOCAB or tok.token_to_id(BOS) != VOCAB - SPECIAL_TOKENS:
+        sys.exit(f"tokenizer has {tok.get_vocab_size()} tokens, BOS at {tok.token_to_id(BOS)}")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS)
+    fast.model_max_length = 8192
+    fast.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def make_model(out: Path, size: Size, tokenizer: Path, seed: int = 0) -> Path:
+    """The random-weight release of `size` in `out`, written once: one tensor in memory at a time."""
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    import torch
+
+    from formats.safetensors import SafeTensorsWriter
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in tokenizer.iterdir():
+        shutil.copyfile(f, tmp / f.name)
+    (tmp / "config.json").write_text(json.dumps(size.config(), indent=2, sort_keys=True) + "\n")
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    filled = 0
+    for name, shape in size.tensors():
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and filled + nbytes > SHARD_BYTES:
+            shards.append([])
+            filled = 0
+        shards[-1].append((name, shape))
+        filled += nbytes
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    started = time.perf_counter()
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = SafeTensorsWriter(tmp / fname, metadata={"format": "pt"})
+        for name, shape in shard:
+            writer.add(name, "BF16", shape)
+        writer.begin()
+        for name, shape in shard:
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
+            writer.write(name, t.view(torch.uint8).numpy().data)
+            weight_map[name] = fname
+            del t
+        writer.close()
+        print(f"  {size.name}: wrote {fname} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    index = {"metadata": {"total_size": size.model_bytes}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return out
+
+
+# -- disk ------------------------------------------------------------------------------------------------
+
+
+def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
+    """(quantize stage output, export output, transient during the export) in bytes, from the shape alone."""
+    from formats.safetensors import DTYPES
+    from quant.footprint import checkpoint_bytes
+    from quant.rtn import planned_tensors, quantizes
+    from quant.schemes import get_scheme
+
+    tensors = size.tensors()
+    matrices = sum(math.prod(s) for _, s in tensors if len(s) == 2)
+    vectors = sum(math.prod(s) for _, s in tensors if len(s) == 1)
+    if target == "gguf":
+        # 2-D weights at the type's bytes per value (Q4_K_M: Q4_K at 4.5 bits, some Q6_K at 6.56: ~5 bits
+        # on average); norms F32. Q4_K_M goes through a lossless (bf16) GGUF first, deleted after.
+        per_value = {"f16": 2.0, "q8_0": 34 / 32, "q4_k_m": 5 / 8}[quant]
+        transient = 2 * matrices if quant == "q4_k_m" else 0
+        return 0, int(per_value * matrices) + 4 * vectors, transient
+    if target == "orbax":
+        return 0, size.model_bytes, 0
+    scheme = get_scheme(quant)
+    quantized = 0  # the quantize stage stores only the tensors the scheme replaces
+    for name, shape in tensors:
+        if quantizes(scheme, name):
+            quantized += sum(DTYPES[d].itemsize * math.prod(s) for _, d, s in planned_tensors(scheme, name, shape))
+    return quantized, checkpoint_bytes(size.config(), quant), 0
+
+
+def disk_needed(size: Size, artifacts: list[tuple[str, str]], split: bool, have_model: bool) -> dict[str, int]:
+    """Bytes the run needs on the work dir's disk: the model (unless generated already), the ingested copy,
+    the reference's rows, and the artifacts (all of them, or with `split` the largest group)."""
+    groups = _groups(artifacts) if split else [artifacts]
+    per_group = []
+    for group in groups:
+        parts = [artifact_bytes(size, t, q) for t, q in group]
+        quantize = {q: p[0] for (_, q), p in zip(group, parts, strict=True)}  # shared per scheme
+        per_group.append(sum(quantize.values()) + sum(p[1] for p in parts) + max((p[2] for p in parts), default=0))
+    reference = EVAL["max_tokens"] * 1024 * 12 + (1 << 20)
+    return {
+        "model": 0 if have_model else size.model_bytes,
+        "ingest": size.model_bytes,
+        "reference": reference,
+        "artifacts": max(per_group) if split else sum(per_group),
+    }
+
+
+def _groups(artifacts: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """The artifacts that share a quantize stage, together (hf-bundle and trtllm FP8): --split's units."""
+    from targets.base import get_target
+
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for target, quant in artifacts:
+        shared = quant in get_target(target).quantized_input
+        groups.setdefault(f"quantize/{quant}" if shared else f"{target}-{quant}", []).append((target, quant))
+    return list(groups.values())
+
+
+# -- the build ---------------------------------------------------------------------------------------------
+
+
+def write_recipe(recipe_dir: Path, size: Size, artifacts: list[tuple[str, str]]) -> Path:
+    targets: dict[str, list[str]] = {}
+    for target, quant in artifacts:
+        targets.setdefault(target, []).append(quant)
+    shutil.copyfile(ROOT / "examples/tiny-llama/heldout.txt", recipe_dir / "heldout.txt")
+    lines = [
+        f"model: scale-{size.name}",
+        "version: 1.0.0",
+        f"description: random-weight Llama of the {size.name} shape (bench/scale.py)",
+        "source: model",
+        "eval:",
+        "  text: heldout.txt",
+        *(f"  {k}: {v}" for k, v in EVAL.items()),
+        "targets:",
+        *(f"  - target: {t}\n    quants: [{', '.join(qs)}]" for t, qs in targets.items()),
+    ]
+    path = recipe_dir / "kiln.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def kiln_build(recipe: Path, work: Path, log: Path) -> dict[str, Any]:
+    """`kiln build RECIPE --json` in a fresh process; its summary. A failed gate is a result, not a failure."""
+    cmd = [sys.executable, "-m", "kiln", "build", str(recipe), "--work-dir", str(work), "--json"]
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
+    started = time.perf_counter()
+    with open(log, "a") as err:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    if proc.returncode not in (0, EXIT_GATE_FAILED):
+        tail = log.read_text(errors="replace").splitlines()[-40:]
+        sys.exit(f"kiln build {recipe} failed ({proc.returncode}); {log} ends:\n" + "\n".join(tail))
+    summary: dict[str, Any] = json.loads(proc.stdout)
+    summary["process_s"] = round(time.perf_counter() - started, 1)
+    return summary
+
+
+def plan_order(recipe: Path, work: Path) -> list[str]:
+    """The recipe's nodes in the order `kiln build` runs them (`kiln plan --json`)."""
+    cmd = [sys.executable, "-m", "kiln", "plan", str(recipe), "--work-dir", str(work), "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"kiln plan {recipe} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [row["node"] for row in json.loads(proc.stdout)]
+
+
+def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
+    """What the provenance of each stage in `ran` (node ids, in the order they ran) says it used."""
+    found = {}
+    for meta in work.glob("*/*/stage.json"):
+        data = json.loads(meta.read_text())
+        found[data["node"]] = data
+    rows = []
+    for node in ran:
+        if node not in found:
+            continue  # a stage with effects outside the store: none in this recipe
+        data = found[node]
+        used = data["provenance"].get("resources")
+        if used is None:
+            sys.exit(f"{meta} has no resources in its provenance: this checkout's kiln does not record them")
+        rows.append(
+            {
+                "node": data["node"],
+                "size": size.name,
+                "wall_s": used["wall_s"],
+                "cpu_s": used["cpu_s"],
+                "rss_start_bytes": used["rss_start_bytes"],
+                "peak_rss_bytes": used["peak_rss_bytes"],
+                "peak_rss_exact": used["peak_rss_exact"],
+                "anon_start_bytes": used["anon_start_bytes"],
+                "peak_anon_bytes": used["peak_anon_bytes"],
+                "anon_end_bytes": used["anon_end_bytes"],
+                "children_peak_rss_bytes": used["children_peak_rss_bytes"],
+                "io": used["io"],
+                "children_io": used["children_io"],
+                "output_bytes": sum(f["size"] for f in data["files"]),
+                "throughput_bps": size.model_bytes / used["wall_s"] if used["wall_s"] > 0 else None,
+            }
+        )
+    return rows
+
+
+def prune(work: Path) -> None:
+    """Delete every stage output but the ones --split keeps (the source's ingested copy, the reference)."""
+    for stage_dir in work.iterdir():
+        if stage_dir.is_dir() and stage_dir.name not in KEPT_STAGES and any(stage_dir.glob("*/stage.json")):
+            shutil.rmtree(stage_dir)
+
+
+def run_size(size: Size, args: argparse.Namespace, artifacts: list[tuple[str, str]]) -> dict[str, Any]:
+    recipe_dir = args.work / size.name
+    recipe_dir.mkdir(parents=True, exist_ok=True)
+    model = make_model(recipe_dir / "model", size, make_tokenizer(args.work / "tokenizer-128256"))
+    work = recipe_dir / "work"
+    shutil.rmtree(work, ignore_errors=True)  # every stage built in this run: its provenance is this run's
+    (recipe_dir / "reports").mkdir(exist_ok=True)
+    log = recipe_dir / "build.log"
+    log.write_text("")
+    rows: list[dict[str, Any]] = []
+    summaries = []
+    for group in _groups(artifacts) if args.split else [artifacts]:
+        recipe = write_recipe(recipe_dir, size, group)
+        print(f"  {size.name}: kiln build {', '.join(f'{t}-{q}' for t, q in group)} ...", file=sys.stderr)
+        summary = kiln_build(recipe, work, log)
+        summaries.append(
+            {k: summary.get(k) for k in ("stages", "seconds", "process_s", "peak_rss_mib", "failed_gates")}
+        )
+        built = set(summary["stage_seconds"])  # the stages this build ran (not those a previous group built)
+        rows += stage_rows(work, size, [n for n in plan_order(recipe, work) if n in built])
+        if args.split:
+            prune(work)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "size": size.name,
+        "model_bytes": size.model_bytes,
+        "largest_tensor_bytes": size.largest_tensor_bytes,
+        "memory_target_bytes": size.memory_target,
+        "shards": len(list(model.glob("*.safetensors"))),
+        "builds": summaries,
+        "stages": rows,
+    }
+
+
+# -- the table ---------------------------------------------------------------------------------------------
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):,.0f}"
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / MB:,.0f}"
+
+
+def check_memory(row: dict[str, Any], target: int) -> dict[str, Any]:
+    """The stage's held memory (its anonymous peak plus its children's) and its RSS against `target`."""
+    held = (row["peak_anon_bytes"] or 0) + row["children_peak_rss_bytes"]
+    rss = (row["peak_rss_bytes"] or 0) + row["children_peak_rss_bytes"]
+    return {"held_bytes": held, "held_ok": held <= target, "rss_ok": rss <= target, "over_bytes": held - target}
+
+
+HEAD: tuple[str, ...] = ("stage", "wall s", "RSS MiB", "anon MiB", "growth", "child MiB", "disk r/w MB")
+HEAD += "calls r/w MB", "MB/s", "held", "RSS"
+FMT = "{:30} {:>6} {:>8} {:>8} {:>7} {:>9} {:>13} {:>15} {:>6} {:>5} {:>5}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    target = result["memory_target_bytes"]
+    print(
+        f"\n{result['size']}: model {result['model_bytes'] / 1e9:.2f} GB bf16, largest tensor "
+        f"{result['largest_tensor_bytes'] / (1 << 20):.0f} MiB; memory target {target / (1 << 20):,.0f} MiB "
+        "(2 GiB + 2x the largest tensor; 'held' = anonymous peak + children's peak)"
+    )
+    print(FMT.format(*HEAD))
+    for row in result["stages"]:
+        io = row["io"] or {}
+        mem = row["memory"]
+        print(
+            FMT.format(
+                row["node"],
+                f"{row['wall_s']:.1f}",
+                _mib(row["peak_rss_bytes"]) + ("" if row["peak_rss_exact"] else "~"),
+                _mib(row["peak_anon_bytes"]),
+                _mib(row["peak_anon_bytes"] - row["anon_start_bytes"]) if row["anon_start_bytes"] is not None else "-",
+                _mib(row["children_peak_rss_bytes"]) if row["children_peak_rss_bytes"] else "-",
+                f"{_mb(io.get('read_bytes'))}/{_mb(io.get('write_bytes'))}",
+                f"{_mb(io.get('rchar'))}/{_mb(io.get('wchar'))}",
+                f"{row['throughput_bps'] / MB:,.0f}" if row["throughput_bps"] else "-",
+                "PASS" if mem["held_ok"] else "FAIL",
+                "PASS" if mem["rss_ok"] else "FAIL",
+            )
+        )
+    print(
+        "growth: anonymous peak over the stage's start (what it allocated itself); ~: RSS sampled every 10 ms "
+        "(the process had peaked higher in an earlier stage)"
+    )
+
+
+def throughput_checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage built at both sizes: its throughput at 8B over its throughput at 1B, against 0.67."""
+    by_size = {r["size"]: {s["node"]: s for s in r["stages"]} for r in results}
+    if not {"1b", "8b"} <= set(by_size):
+        return []
+    checks = []
+    for node, big in by_size["8b"].items():
+        small = by_size["1b"].get(node)
+        if small is None or not small["throughput_bps"] or not big["throughput_bps"]:
+            continue
+        ratio = big["throughput_bps"] / small["throughput_bps"]
+        checks.append({"node": node, "ratio": round(ratio, 3), "ok": ratio >= THROUGHPUT_RATIO})
+    return checks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1b", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kiln-bench-scale")
+    ap.add_argument("--targets", default=None, help="artifacts to build (default: all): e.g. gguf-f16,orbax-bf16")
+    ap.add_argument("--split", action="store_true", help="one artifact (and its quantize stage) at a time")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (stage outputs) after the run")
+    add_record_argument(ap, "scale")
+    args = ap.parse_args()
+    args.work = args.work.resolve()
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if unknown := [s for s in sizes if s not in SIZES]:
+        sys.exit(f"--sizes: unknown {', '.join(unknown)}; known: {', '.join(SIZES)}")
+    names = {f"{t}-{q}": (t, q) for t, q in ARTIFACTS}
+    wanted = list(names) if args.targets is None else [a.strip() for a in args.targets.split(",") if a.strip()]
+    if unknown := [a for a in wanted if a not in names]:
+        sys.exit(f"--targets: unknown {', '.join(unknown)}; known: {', '.join(names)}")
+    artifacts = [names[a] for a in wanted]
+
+    # Disk: what every size needs at once (the models stay; each size's work dir is deleted unless --keep).
+    args.work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.work).free
+    needed = {
+        s: disk_needed(
+            SIZES[s], artifacts, args.split, (args.work / s / "model/model.safetensors.index.json").is_file()
+        )
+        for s in sizes
+    }
+    total = sum(n["model"] for n in needed.values())
+    total += (
+        sum(n["ingest"] + n["reference"] + n["artifacts"] for n in needed.values())
+        if args.keep
+        else max(n["ingest"] + n["reference"] + n["artifacts"] for n in needed.values())
+    )
+    for s, n in needed.items():
+        parts = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in n.items() if v)
+        print(f"disk for {s}: {parts}", file=sys.stderr)
+    print(
+        f"disk needed {total / 1e9:.1f} GB (+{HEADROOM / GIB:.0f} GiB headroom), free {free / 1e9:.1f} GB",
+        file=sys.stderr,
+    )
+    if total + HEADROOM > free:
+        hint = "" if args.split else "; --split builds one artifact at a time"
+        sys.exit(
+            f"not enough disk under {args.work}: {total / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free. "
+            f"Choose fewer artifacts with --targets (of {', '.join(names)}){hint}, or another --work."
+        )
+
+    results = []
+    for s in sizes:
+        result = run_size(SIZES[s], args, artifacts)
+        for row in result["stages"]:
+            row["memory"] = check_memory(row, result["memory_target_bytes"])
+        print_table(result)
+        results.append(result)
+    ratios = throughput_checks(results)
+    if ratios:
+        print(f"\nthroughput at 8B / at 1B (target >= {THROUGHPUT_RATIO}):")
+        for c in ratios:
+            print(f"  {c['node']:34} {c['ratio']:6.2f}  {'PASS' if c['ok'] else 'FAIL'}")
+    over = [(r["size"], row) for r in results for row in r["stages"] if row["memory"]["over_bytes"] > 0]
+    if over:
+        print(
+            "\nover the memory target (held = the process's anonymous memory at the start + the stage's growth"
+            " + children):"
+        )
+        for size, row in over:
+            start = row["anon_start_bytes"] or 0
+            print(
+                f"  {size} {row['node']}: by {row['memory']['over_bytes'] / (1 << 20):,.0f} MiB "
+                f"(start {_mib(start)}, growth {_mib((row['peak_anon_bytes'] or 0) - start)}, "
+                f"children {_mib(row['children_peak_rss_bytes'])} MiB)"
+            )
+    record = run_record(
+        sizes=sizes,
+        artifacts=wanted,
+        split=args.split,
+        eval=EVAL,
+        disk_free_bytes=free,
+        disk_needed_bytes=total,
+        results=results,
+        throughput_ratios=ratios,
+    )
+    save_record(record, args.record)
+
+
+if __name__ == "__main__":
+    main()
