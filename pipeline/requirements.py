@@ -23,9 +23,9 @@ C = 16·W·V.
   `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding /
   lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
   window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
-- A transformers eval loads the artifact whole, as transformers serves it: compressed-tensors decompresses
-  every quantized weight to the source's dtype as it loads, so it holds s·N (N the model's parameters),
-  whatever the scheme, + A(W) + 4·W·V, and C on the host.
+- A transformers eval loads the artifact whole in float32 (`TransformersRuntime`'s default, the reference's
+  arithmetic; compressed-tensors decompresses every quantized weight as it loads), so it holds 4·N (N the
+  model's parameters), whatever the scheme, + A(W) + 4·W·V, and C on the host.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
   device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + the Hessians
   (GPTQ: 4·in_features² per Linear of the layer; AWQ has none) + A(seq_len) (one sample through the
@@ -383,10 +383,10 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
 
 
 def transformers_forward(sizing: Sizing) -> Footprint:
-    """A transformers eval: the artifact loaded whole, its quantized weights decompressed to the source's dtype."""
+    """A transformers eval: the artifact loaded whole in float32, its quantized weights decompressed."""
     sh = sizing.shape
     w = sizing.window
-    weights = sizing.weight_bytes * sum(math.prod(s) for s in sh.expected_tensors().values())
+    weights = 4 * sum(math.prod(s) for s in sh.expected_tensors().values())
     return Footprint(weights + sizing.activations(w) + 4 * w * sh.vocab_size, sizing.compare_bytes)
 
 
