@@ -88,28 +88,27 @@ def check_text(value: str, where: str = "a string") -> str:
 
 def _check_tree(value: Any, limit: int) -> None:
     """Refuse nesting deeper than `limit` and strings that cannot be stored, in one walk of the parsed
-    value (no recursion: a stack of (container, depth))."""
+    value (no recursion: parallel stacks of containers and their depths, so the walk allocates no
+    tracked objects for the collector to chase)."""
     if isinstance(value, str):
         check_text(value)
         return
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
+    items: list[Any] = [value]
+    depths: list[int] = [1]
+    while items:
+        item, depth = items.pop(), depths.pop()
         if depth > limit:
             raise InvalidJSON(f"nests deeper than {limit} levels", details={"max_depth": limit})
+        subs = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict):
-            for key, sub in item.items():
+            for key in item:
                 check_text(key, "an object key")
-                if isinstance(sub, str):
-                    check_text(sub)
-                elif isinstance(sub, (dict, list)):
-                    stack.append((sub, depth + 1))
-        elif isinstance(item, list):
-            for sub in item:
-                if isinstance(sub, str):
-                    check_text(sub)
-                elif isinstance(sub, (dict, list)):
-                    stack.append((sub, depth + 1))
+        for sub in subs:
+            if isinstance(sub, str):
+                check_text(sub)
+            elif isinstance(sub, (dict, list)):
+                items.append(sub)
+                depths.append(depth + 1)
 
 
 def loads_json(
