@@ -27,11 +27,17 @@ C = 16·W·V.
   arithmetic; compressed-tensors decompresses every quantized weight as it loads), so it holds 4·N (N the
   model's parameters), whatever the scheme, + A(W) + 4·W·V, and C on the host.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
-  device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + the Hessians
-  (GPTQ: 4·in_features² per Linear of the layer; AWQ has none) + A(seq_len) (one sample through the
-  layer); on the host, where the pipeline keeps them, the boundary activations of every sample,
-  8·samples·seq_len·h (in and out of the layer, float32), and for AWQ its cached inputs of the smoothed
-  Linears, 4·samples·seq_len·(2h + q + f).
+  device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + A(seq_len) (one
+  sample through the layer) + the method's working set. GPTQ: the Hessians of every Linear of the layer,
+  4·in_features² each, held together through the forward, and while the widest is factorised one more
+  copy of it (LAPACK's column-major copy) and that Linear's weight in float32, 4·in_max² + 4·P_lin. AWQ:
+  the balanced Linears of its largest mapping (P_bal, Llama's gate and up: 2·f·h), their original weights
+  kept in the compute dtype, c·P_bal, and three float32 temporaries of them per grid point (scaled,
+  quantized, unscaled), 12·P_bal. On the host, where the pipeline keeps them, the boundary activations
+  of every sample, 8·samples·seq_len·h (in and out of the layer, float32), and for AWQ its cached inputs
+  of the smoothed Linears, 4·samples·seq_len·(2h + q + f). Measured at Llama-3-8B's layer width
+  (bench/calibration_memory.py, bf16, 4 samples of 64 tokens): GPTQ 2.56-2.61 GB of anonymous memory
+  over the import baseline (formula 2.72 GB), AWQ 2.18-2.22 GB (formula 2.09 GB + the pipeline's own).
 - Serving runtimes on a GPU (vLLM, TensorRT-LLM): the artifact's weights (`quant.footprint`) ÷ TP + the
   KV cache of one sequence of W + G tokens, 2·L·kv_heads·head_dim·(W + G)·2 bytes (bf16), split over TP
   (replicated when TP > kv_heads); TP, the device count, is the smallest power of two (dividing the heads,
@@ -80,6 +86,8 @@ MiB = 1024 * 1024
 # Rows of the embedding / lm_head the layer-streaming forward holds in float32 at a time.
 HEAD_ROWS = 16384
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
+# The Linears each of AWQ's smoothings balances in a Llama-family layer (llm-compressor's default mappings).
+AWQ_MAPPINGS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 # The GGUF tensor type most of a llama.cpp-quantized file's 2-D weights get, by its file type (the output
 # tensor gets Q6_K; llama.cpp's mix also puts Q6_K on some attn_v / ffn_down, a few percent more).
 LLAMA_FTYPE_TYPES: dict[FileType, TensorType] = {
@@ -268,9 +276,11 @@ class Sizing:
         return sum(math.prod(s) for s in self._layer.values())
 
     @property
-    def linear_inputs(self) -> list[int]:
-        """The input width of each Linear of a decoder layer (q, k, v, o, gate, up, down)."""
-        return [s[1] for n, s in self._layer.items() if n.endswith("_proj.weight")]
+    def layer_linears(self) -> dict[str, tuple[int, int]]:
+        """Each Linear of a decoder layer by its short name (q_proj, ..., down_proj): [out, in]."""
+        return {
+            n.split(".")[-2]: (s[0], s[1]) for n, s in self._layer.items() if n.endswith("_proj.weight") and len(s) == 2
+        }
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -370,12 +380,19 @@ def layer_streamed(sizing: Sizing) -> Footprint:
 
 
 def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
-    """GPTQ / AWQ in llm-compressor's sequential pipeline: one layer, its Hessians, one sample on the device."""
+    """GPTQ / AWQ in llm-compressor's sequential pipeline: one layer, one sample and the method's working
+    set (GPTQ's Hessians and the widest one's factorisation; AWQ's grid search over its largest mapping)."""
     sh = sizing.shape
     samples, seq_len = int(calibration["samples"]), int(calibration["seq_len"])
     element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
-    hessians = sum(4 * n * n for n in sizing.linear_inputs) if method == "gptq" else 0
-    working = element * sizing.layer_params + hessians + sizing.activations(seq_len)
+    linears = sizing.layer_linears
+    if method == "gptq":
+        widest = max(linears.values(), key=lambda s: (s[1], s[0]))
+        method_bytes = sum(4 * s[1] * s[1] for s in linears.values()) + 4 * widest[1] ** 2 + 4 * math.prod(widest)
+    else:
+        balanced = max(sum(math.prod(linears[n]) for n in group if n in linears) for group in AWQ_MAPPINGS)
+        method_bytes = (element + 12) * balanced
+    working = element * sizing.layer_params + method_bytes + sizing.activations(seq_len)
     host = 8 * samples * seq_len * sh.hidden_size
     if method == "awq":
         host += 4 * samples * seq_len * (2 * sh.hidden_size + sh.num_heads * sh.head_dim + sh.intermediate_size)

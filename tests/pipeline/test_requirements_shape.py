@@ -41,10 +41,16 @@ REFERENCE_ON_DEVICE = 4 * P_L + 4 * 16384 * h + 8 * T * h + ACT + 4 * W * V
 REFERENCE_HOST = 600 * MiB + 2 * P_L + 4 * W * V
 assert REFERENCE_ON_DEVICE == 7_056_982_016  # 6.6 GiB: one 80 GB GPU holds it
 
-# GPTQ: one bf16 layer, the Hessians of q/k/v/gate/up (in = h), o (in = q) and down (in = f), one sample.
-GPTQ_ON_DEVICE = 2 * P_L + 4 * (5 * h * h + q * q + f * f) + 4 * SEQ * (4 * h + 3 * f)
+# GPTQ: one bf16 layer, the Hessians of q/k/v/gate/up (in = h), o (in = q) and down (in = f), one sample,
+# and while down (the widest) is factorised a second copy of its Hessian and its weight in float32.
+GPTQ_ON_DEVICE = 2 * P_L + 4 * (5 * h * h + q * q + f * f) + 4 * SEQ * (4 * h + 3 * f) + 4 * f * f + 4 * f * h
 GPTQ_HOST = 650 * MiB + 8 * SAMPLES * SEQ * h  # every sample's hidden states in and out of the layer
-assert GPTQ_ON_DEVICE == 7_583_334_400
+assert GPTQ_ON_DEVICE == 11_811_192_832  # 11 GiB: one 80 GB GPU holds it
+# AWQ: one bf16 layer, one sample, and its largest mapping's balanced Linears (gate and up, 2·f·h): their
+# originals in bf16 and three float32 temporaries per grid point; on the host besides, each sample's cached
+# inputs of the smoothed Linears.
+AWQ_ON_DEVICE = 2 * P_L + (2 + 12) * 2 * f * h + 4 * SEQ * (4 * h + 3 * f)
+AWQ_HOST = GPTQ_HOST + 4 * SAMPLES * SEQ * (2 * h + q + f)
 
 RTN_EXPORT_HOST = 500 * MiB + 4 * LARGEST
 RTN_QUANTIZE_HOST = 450 * MiB + 4 * LARGEST
@@ -114,6 +120,15 @@ def test_a_gpu_plan_for_70b_equals_the_hand_calculation(tmp_path: Path, gpu: str
         "devices": 1,
         "device_memory_bytes": GPTQ_ON_DEVICE,
         "memory_bytes": GPTQ_HOST,
+        "runtime_env": None,
+    }
+    assert req["quantize/w4a16-awq"] == {
+        **on_gpu,
+        "cpus": 2,
+        "gpus": 1,
+        "devices": 1,
+        "device_memory_bytes": AWQ_ON_DEVICE,
+        "memory_bytes": AWQ_HOST,
         "runtime_env": None,
     }
     # Round-to-nearest and the exports stream a tensor at a time on the CPU, whatever the device.
