@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import shutil
@@ -37,12 +36,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from random_model import write_weights  # noqa: E402 (beside this script)
 from record import add_record_argument, run_record, save_record  # noqa: E402 (bench/record.py, beside this script)
 
 from core.usage import MemorySampler, reset_peak, status_kb  # noqa: E402
 
 MB = 1e6
-SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
 
 
 def _vm_kb(field: str) -> int:
@@ -64,16 +63,10 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
     """A random Llama-shaped bf16 release with a real tokenizer (written once, reused across runs).
 
     Tokenizer and config come from the test factory (`make_model` at a tiny width, the tokenizer trained
-    for --vocab); the weights, N(0, 0.02) with norms 1, are generated and written one tensor at a time
-    into SafeTensors shards of at most SHARD_BYTES with `model.safetensors.index.json`, so writing an
-    8B-wide model holds one tensor (the embedding, 1 GB at Llama-3-8B's shape), not the model in float32.
+    for --vocab); the weights are `random_model.write_weights`' (one tensor in memory at a time).
     """
     if (out / "model.safetensors.index.json").is_file():
         return out
-    import torch
-
-    from formats.hf_model import ModelShape
-    from formats.safetensors import SafeTensorsWriter
     from tests.model_factory import make_model
 
     tmp = out.with_name(out.name + ".tmp")
@@ -95,41 +88,7 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
     )
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
 
-    def order(name: str) -> tuple[int, int]:  # checkpoint order: embeddings, layers in turn, norm, lm_head
-        if name.startswith("model.layers."):
-            return 1, int(name.split(".")[2])
-        return (0, 0) if name == "model.embed_tokens.weight" else (2, name != "model.norm.weight")
-
-    tensors = sorted(ModelShape.from_config(cfg).expected_tensors().items(), key=lambda kv: order(kv[0]))
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    filled = 0
-    for name, shape in tensors:
-        nbytes = 2 * math.prod(shape)
-        if shards[-1] and filled + nbytes > SHARD_BYTES:
-            shards.append([])
-            filled = 0
-        shards[-1].append((name, shape))
-        filled += nbytes
-    generator = torch.Generator().manual_seed(0)
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = SafeTensorsWriter(tmp / fname, metadata={"format": "pt"})
-        for name, shape in shard:
-            writer.add(name, "BF16", shape)
-        writer.begin()
-        for name, shape in shard:
-            if len(shape) == 1:
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                t = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
-            writer.write(name, t.view(torch.uint8).numpy().data)
-            weight_map[name] = fname
-            del t
-        writer.close()
-    total = sum(2 * math.prod(shape) for _, shape in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_weights(tmp, cfg)
     shutil.rmtree(out, ignore_errors=True)  # one written by an earlier version of this script (a single file)
     tmp.rename(out)
     return out

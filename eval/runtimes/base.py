@@ -12,12 +12,13 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
 from core.digest import sha256_json
-from core.errors import InvalidInput
+from core.errors import Deferred, InvalidInput
 
 
 @runtime_checkable
@@ -60,6 +61,39 @@ def check_ids(token_ids: Sequence[int], vocab: int, who: str) -> list[int]:
     if bad:
         raise InvalidInput(f"{who}: token id {bad[0]} is outside the vocab [0, {vocab})", details={"id": bad[0]})
     return ids
+
+
+def greedy_by_length(
+    prompts: Sequence[Sequence[int]],
+    vocab: int,
+    who: str,
+    decode: Callable[[list[list[int]], int], list[list[int]]],
+    n: int,
+) -> list[list[int]]:
+    """Each prompt's `n` greedy tokens, prompts of equal length decoded together by `decode(batch, n)` (one
+    batch without padding, so no prompt's result depends on another's length)."""
+    checked = [check_ids(p, vocab, who) for p in prompts]
+    out: list[list[int]] = [[] for _ in checked]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(checked):
+        by_length.setdefault(len(ids), []).append(i)
+    for indices in by_length.values():
+        for i, tokens in zip(indices, decode([checked[i] for i in indices], n), strict=True):
+            out[i] = tokens
+    return out
+
+
+def import_torch_transformers() -> tuple[ModuleType, ModuleType]:
+    """torch and transformers, or Deferred naming what to install."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise Deferred(
+            f"transformers/torch are not installed here ({e}); install kiln[build]",
+            details={"runtime_needed": "transformers"},
+        ) from None
+    return torch, transformers
 
 
 class CachedRuntime:

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import Deferred, StageFailed
-from eval.runtimes.base import check_ids
+from core.errors import StageFailed
+from eval.runtimes.base import check_ids, greedy_by_length, import_torch_transformers
 
 HEAD_BLOCK = 16384  # vocabulary rows of the output head cast and applied at a time (256 MiB at hidden 4,096)
 # Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
@@ -44,14 +44,7 @@ class LayerStream:
     name = "transformers"
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
-        try:
-            import torch
-            import transformers
-        except ImportError as e:
-            raise Deferred(
-                f"transformers/torch are not installed here ({e}); install kiln[build]",
-                details={"runtime_needed": "transformers"},
-            ) from None
+        torch, transformers = import_torch_transformers()
         self._torch = torch
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
@@ -124,15 +117,7 @@ class LayerStream:
                 yield self._head(h).cpu().numpy()
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
-        out: list[list[int]] = [[] for _ in checked]
-        by_length: dict[int, list[int]] = {}
-        for i, ids in enumerate(checked):
-            by_length.setdefault(len(ids), []).append(i)
-        for indices in by_length.values():  # equal lengths decode as one batch, with no padding
-            for i, tokens in zip(indices, self._greedy_batch([checked[i] for i in indices], n), strict=True):
-                out[i] = tokens
-        return out
+        return greedy_by_length(prompts, self.vocab_size, self.name, self._greedy_batch, n)
 
     def close(self) -> None:
         self._weights.close()

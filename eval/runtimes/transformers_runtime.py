@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, StageFailed
-from eval.runtimes.base import check_ids
+from eval.runtimes.base import check_ids, greedy_by_length, import_torch_transformers
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -32,14 +32,7 @@ class TransformersRuntime:
     name = "transformers"
 
     def __init__(self, model_dir: str | Path, dtype: TorchDtype = "float32", device: str = "cpu") -> None:
-        try:
-            import torch
-            import transformers
-        except ImportError as e:
-            raise Deferred(
-                f"transformers/torch are not installed here ({e}); install kiln[build]",
-                details={"runtime_needed": "transformers"},
-            ) from None
+        torch, transformers = import_torch_transformers()
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise InvalidInput(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
         self._torch = torch
@@ -77,15 +70,7 @@ class TransformersRuntime:
         return np.ascontiguousarray(out.logits[0].float().cpu().numpy(), dtype=np.float32)
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
-        out: list[list[int]] = [[] for _ in checked]
-        by_length: dict[int, list[int]] = {}
-        for i, ids in enumerate(checked):
-            by_length.setdefault(len(ids), []).append(i)
-        for indices in by_length.values():  # equal lengths decode as one batch, with no padding
-            for i, tokens in zip(indices, self._greedy_batch([checked[i] for i in indices], n), strict=True):
-                out[i] = tokens
-        return out
+        return greedy_by_length(prompts, self.vocab_size, self.name, self._greedy_batch, n)
 
     def _greedy_batch(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         torch = self._torch
