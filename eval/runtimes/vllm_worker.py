@@ -177,22 +177,36 @@ class Worker:
 
         started = time.perf_counter()
         self.unload({})
+        options: dict[str, Any] = {}
+        if "kv_cache_bytes" in req:  # on the CPU: the KV cache's bytes; on a GPU vLLM sizes it from its share
+            options["kv_cache_memory_bytes"] = int(req["kv_cache_bytes"])
+        if int(req.get("tensor_parallel_size", 1)) > 1:
+            options["tensor_parallel_size"] = int(req["tensor_parallel_size"])
         self.llm = LLM(
             model=req["model"],
             skip_tokenizer_init=True,  # kiln gives token ids; no text goes in or out
             max_logprobs=-1,
             max_model_len=int(req["max_model_len"]),
-            kv_cache_memory_bytes=int(req["kv_cache_bytes"]),
             enforce_eager=True,
             seed=0,
             dtype=req.get("dtype", "auto"),
+            **options,
         )
         config = self.llm.llm_engine.model_config
         self.vocab = int(config.get_vocab_size())
         self.full_vocab_limit = int(req["full_vocab_limit"])
         self.top_k = int(req["top_k"])
         quant = getattr(config, "quantization", None)
-        return {"ok": True, "vocab": self.vocab, "quantization": quant, "load_s": time.perf_counter() - started}
+        gpus = []
+        if self.torch.cuda.is_available():
+            gpus = [self.torch.cuda.get_device_name(i) for i in range(self.torch.cuda.device_count())]
+        return {
+            "ok": True,
+            "vocab": self.vocab,
+            "quantization": quant,
+            "load_s": time.perf_counter() - started,
+            "gpus": gpus,
+        }
 
     def unload(self, _: dict[str, Any]) -> dict[str, Any]:
         """Release the model: vLLM's distributed state goes with it, before another is loaded."""

@@ -13,12 +13,16 @@ from kiln.console import err, safe_text, stdout
 @runtime_app.command("install")
 def runtime_install(
     name: Annotated[str, typer.Argument(help="The runtime, e.g. vllm.")],
+    variant: Annotated[
+        str, typer.Option(help="auto (CUDA where a GPU is visible, else the CPU build), cpu or cuda.")
+    ] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Install a runtime's pinned environment (once; later calls find it), under KILN_RUNTIMES."""
     from eval.runtimes import environments
 
-    installed = environments.install(name, say=lambda line: err.print(safe_text(line)))
+    env = environments.for_install(name, variant)
+    installed = environments.install(env.name, say=lambda line: err.print(safe_text(line)))
     answer(
         {"name": name, "path": str(installed.path), **installed.record},
         as_json,
@@ -38,6 +42,8 @@ def runtime_list(as_json: JsonOpt = False) -> None:
             {
                 "name": name,
                 "label": env.label,
+                "runtime": env.serves,
+                "accelerator": env.accelerator,
                 "installed": found is not None,
                 "path": str(found.path if found else environments.environment_dir(env)),
                 "bytes": found.record.get("bytes") if found else None,
@@ -48,4 +54,4 @@ def runtime_list(as_json: JsonOpt = False) -> None:
         return
     for r in rows:
         state = f"installed, {r['bytes'] / 2**30:.1f} GiB" if r["installed"] else "not installed"
-        stdout.print(safe_text(f"{r['name']:<8} {r['label']}: {state} ({r['path']})"))
+        stdout.print(safe_text(f"{r['name']:<10} {r['label']}: {state} ({r['path']})"))

@@ -1,8 +1,9 @@
 """Eval stage: load one artifact in the runtime that serves it and compare it with the stored reference.
 
-A runtime that kiln runs on the stage's device (transformers, the JAX forward) is a compute stage,
+A runtime that kiln runs on the stage's device (transformers, the JAX forward, vLLM) is a compute stage,
 placed on the build's device (`params["device"]`, `pipeline.placement`); the others run where they
-always do (llama.cpp's CPU build, vLLM's own environment)."""
+always do (llama.cpp's CPU build). vLLM is placed too: on the CPU in its CPU build, on a GPU in its CUDA
+build, over the GPUs the stage was granted (`eval.runtimes.vllm_runtime`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from eval.gates import Gate
 from eval.report import EvalReport
 from eval.run import evaluate_artifact
 from eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
+from eval.runtimes.environments import variant_for
 from pipeline.placement import computes_on_device, stage_device
 from pipeline.records import ArtifactRecord
 from pipeline.requirements import Requirements, Sizing, eval_requirements, placed_kind
@@ -28,7 +30,8 @@ def run(ctx: StageContext) -> EvalReport:
     # A runtime that loads one file (llama.cpp) gets that file; one that loads a directory gets the directory.
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
-    options = {"device": stage_device(ctx.node).torch} if computes_on_device(ctx.node) else {}
+    # `cuda` (every GPU the stage was granted: vLLM's tensor parallelism) or `cuda:N`, as placed.
+    options = {"device": str(stage_device(ctx.node))} if computes_on_device(ctx.node) else {}
     report = evaluate_artifact(
         stored_reference(ctx.input("reference")),
         runtime,
@@ -41,9 +44,12 @@ def run(ctx: StageContext) -> EvalReport:
     return report
 
 
-def runtime_params(runtime: str) -> dict[str, object]:
-    """What an eval node's params say of the machine for `runtime`, decided when the graph is planned: for
-    vLLM, what it can run on this CPU (`eval.runtimes.capabilities`), so another verdict is another key."""
+def runtime_params(runtime: str, device: str = "cpu") -> dict[str, object]:
+    """What an eval node's params say of the machine for `runtime` on the build's device kind, decided when
+    the graph is planned: for vLLM on the CPU, what it can run on this CPU (`eval.runtimes.capabilities`),
+    so another verdict is another key; on a GPU, the environment it runs in (its lock's digest)."""
+    if runtime == "vllm" and device == "cuda":
+        return {"environment": variant_for("vllm", "cuda").digest()}
     if runtime == "vllm":
         return {"capabilities": vllm_capabilities().model_dump(mode="json")}
     return {}

@@ -16,6 +16,7 @@ from core.device import (
     describe,
     parse_device,
     resolve_device,
+    visible_gpus,
 )
 from core.errors import InvalidInput
 
@@ -81,3 +82,31 @@ def test_torch_device_strings() -> None:
     assert CPU.torch == "cpu" and Device("cuda").torch == "cuda:0" and Device("cuda", 2).torch == "cuda:2"
     with pytest.raises(InvalidDevice):
         Device("cpu", 1)
+
+
+@pytest.mark.parametrize(
+    ("listed", "device", "gpus"),
+    [
+        (None, Device("cuda"), ["0", "1", "2", "3"]),
+        (None, Device("cuda", 2), ["2"]),
+        ("5,7", Device("cuda"), ["5", "7"]),  # Ray granted two GPUs: both, by their ids
+        ("5,7", Device("cuda", 1), ["7"]),
+        ("GPU-1a2b, GPU-3c4d", Device("cuda"), ["GPU-1a2b", "GPU-3c4d"]),
+        ("5,7", CPU, []),
+    ],
+)
+def test_a_child_computing_on_a_device_sees_the_gpus_it_was_granted(
+    monkeypatch: pytest.MonkeyPatch, listed: str | None, device: Device, gpus: list[str]
+) -> None:
+    if listed is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    visible = 4 if listed is None else len(listed.split(","))
+    assert visible_gpus(device, visible=visible) == gpus
+
+
+def test_a_gpu_index_past_those_granted_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    with pytest.raises(DeviceUnavailable):
+        visible_gpus(Device("cuda", 2), visible=2)

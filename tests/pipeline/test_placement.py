@@ -1,6 +1,6 @@
 """Compute stages run on the device they are given: `--device` for local builds and `kiln run-stage`.
 
-The reference, calibrated quantization and the transformers / JAX evals are placed on the build's
+The reference, calibrated quantization and the transformers / JAX / vLLM evals are placed on the build's
 device (its kind in their keys and params, a GPU in their requirements); the device, its name and
 memory are recorded in each one's provenance. Here there is no GPU: `--device cuda` must be refused
 before anything runs, and `--device cpu` is what every other test builds with.
@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from core.device import CPU, Device, cpu_model
+from eval.runtimes.environments import get_environment
 from pipeline import build
 from pipeline.recipe import load_recipe
 from pipeline.stage import WorkDir
@@ -57,6 +58,9 @@ def test_a_graph_placed_on_a_gpu_puts_only_its_compute_stages_there(recipe_path:
     store = WorkDir(tmp_path / "work")
     on_cpu = {n.id: n for n in build.plan(recipe, store)}
     on_gpu = {n.id: n for n in build.plan(recipe, store, device=Device("cuda", 1))}
+    # vLLM's evals are placed too, sized as a serving runtime for the plan's device: a GPU of unknown memory
+    # here (none is visible), so one each (pipeline.requirements.tensor_parallel).
+    served = {"eval/hf-bundle-bf16@vllm", "eval/hf-bundle-int8-w8a8@vllm", "eval/hf-bundle-w4a16-gptq@vllm"}
     compute = {
         "reference/source",
         "quantize/w4a16-gptq",
@@ -64,13 +68,17 @@ def test_a_graph_placed_on_a_gpu_puts_only_its_compute_stages_there(recipe_path:
         "eval/hf-bundle-int8-w8a8",
         "eval/hf-bundle-w4a16-gptq",
         "eval/orbax-bf16",
+        *served,
     }
-    # vLLM's evals are not placed (their keys do not change), but a serving runtime is sized for the plan's
-    # device: a GPU of unknown memory here (none is visible), so one each (pipeline.requirements.tensor_parallel).
-    served = {"eval/hf-bundle-bf16@vllm", "eval/hf-bundle-int8-w8a8@vllm", "eval/hf-bundle-w4a16-gptq@vllm"}
-    assert {i for i, n in on_gpu.items() if n.requires.gpus == 1} == compute | served
-    assert all(on_gpu[i].params == on_cpu[i].params for i in served)
+    assert {i for i, n in on_gpu.items() if n.requires.gpus == 1} == compute
     assert all(n.requires.gpus == 0 and n.requires.device == "cpu" for n in on_cpu.values())
+    # On the CPU vLLM's eval is keyed by this CPU's verdict; on a GPU by the CUDA build's environment, in
+    # which it runs there (eval.runtimes.environments), and not by the CPU's flags.
+    cuda_env = get_environment("vllm-cuda")
+    for node_id in served:
+        assert "capabilities" in on_cpu[node_id].params and "capabilities" not in on_gpu[node_id].params
+        assert on_gpu[node_id].params["environment"] == cuda_env.digest()
+        assert on_gpu[node_id].requires.runtime_env == "vllm==0.32.0"
     for node_id in compute:
         assert on_cpu[node_id].params["device"] == "cpu" and on_gpu[node_id].params["device"] == "cuda"
         assert on_gpu[node_id].args["device"] == "cuda:1"  # the index is where to run, not what is made

@@ -144,7 +144,7 @@ def test_a_gpu_plan_for_70b_equals_the_hand_calculation(tmp_path: Path, gpu: str
         "devices": 2,
         "device_memory_bytes": BF16_WEIGHTS // 2 + kv_per_device(2),
         "memory_bytes": VLLM_HOST,
-        "runtime_env": "vllm-cuda",
+        "runtime_env": "vllm==0.32.0",  # the vLLM project's CUDA wheel (eval.runtimes.environments)
     }
     # W4A16: 39.5 GB fit one GPU.
     assert W4A16_WEIGHTS + kv_per_device(1) <= usable
