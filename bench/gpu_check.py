@@ -27,6 +27,13 @@ is recorded and the rest still run, inside one overall budget (`--budget`, 270 s
    of one 8B-shaped decoder layer (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, random
    weights, 512 calibration tokens) on the device, timed. `--quick` uses a small layer.
 
+`--scale 8b` runs instead (after `info`) `bench/scale.py` at that size on the device, in its own budget:
+a random-weight model of Llama-3-8B's shape generated there, and one artifact (hf-bundle FP8, or INT4
+round-to-nearest where the disk has too little room for FP8's two copies: `SCALE_TARGETS`) built with
+`--device cuda`: ingest, the layer-streamed reference and the transformers eval on the GPU, FP8
+quantization and the export streamed on the CPU; each stage's time, host and GPU memory (its table and
+record go into this record).
+
 One JSON record (bench/record.py's fields, then each step's) is written to `<out>/gpu_check.jsonl`,
 rewritten after every step, so a run cut short still leaves what it measured; `--record` also appends
 it to bench/results/gpu_check.jsonl.
@@ -63,7 +70,10 @@ ORBAX = ["bf16", "int8-w8a16"]
 GGUF = ["f16", "q8_0", "q4_k_m"]
 KERNEL_SCHEMES = ("fp8", "fp8-block", "int8-w8a8")
 # Seconds each step may take at most (the overall budget cuts them shorter).
-STEP_LIMITS = {"info": 60, "build": 200, "kernels": 90, "gptq-layer": 120}
+STEP_LIMITS = {"info": 60, "build": 200, "kernels": 90, "gptq-layer": 120, "scale": 560}
+# One artifact at 8B: the model, its ingested copy and the FP8 bundle (with its quantize stage's output) take
+# ~50 GB; where the disk has less free, INT4 round-to-nearest (~41 GB).
+SCALE_TARGETS = (("hf-bundle-fp8", 56e9), ("hf-bundle-int4-rtn", 0.0))
 
 
 # --- setup: the wheels this machine lacks -------------------------------------------------------------------
@@ -347,7 +357,58 @@ def step_gptq_layer(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-STEPS = {"info": step_info, "build": step_build, "kernels": step_kernels, "gptq-layer": step_gptq_layer}
+def step_scale(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/scale.py at `--scale` on the device, in a child process given `--budget` seconds; its table and
+    record, or, cut short, what each stage it finished recorded in its provenance."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    record = work / "scale.jsonl"
+    free = shutil.disk_usage(work).free
+    targets = next(t for t, needs in SCALE_TARGETS if free >= needs or args.scale != "8b")
+    cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", args.scale, "--targets", targets]
+    cmd += ["--device", args.device, "--work", str(work / "scale"), "--record", str(record), "--keep"]
+    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "disk_free_bytes": free}
+    with open(work / "scale.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=args.budget)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            stdout, _ = proc.communicate()
+            out["status"] = "failed"
+            out["reason"] = f"cut short after {args.budget:.0f} s"
+    out["returncode"] = proc.returncode
+    out["table"] = stdout[-8000:]
+    out["log_tail"] = (work / "scale.log").read_text(errors="replace")[-3000:]
+    if proc.returncode != 0 and "status" not in out:
+        out["status"] = "failed"
+    if record.is_file():
+        out["record"] = json.loads(record.read_text().splitlines()[-1])
+    else:  # each finished stage's own record of what it used
+        stages = []
+        for meta in sorted((work / "scale").glob("*/work/*/*/stage.json"), key=lambda p: p.stat().st_mtime):
+            data = json.loads(meta.read_text())
+            used = data["provenance"].get("resources") or {}
+            stages.append(
+                {
+                    "node": data["node"],
+                    "device": (data["provenance"].get("device") or {}).get("name"),
+                    **{k: used.get(k) for k in ("wall_s", "peak_rss_bytes", "peak_anon_bytes", "device_peak_bytes")},
+                }
+            )
+        out["finished_stages"] = stages
+    shutil.rmtree(work / "scale", ignore_errors=True)
+    return out
+
+
+STEPS = {
+    "info": step_info,
+    "build": step_build,
+    "kernels": step_kernels,
+    "gptq-layer": step_gptq_layer,
+    "scale": step_scale,
+}
 
 
 # --- the orchestrator ----------------------------------------------------------------------------------------
@@ -369,7 +430,7 @@ class Runner:
     ) -> tuple[subprocess.Popen[str], Path, float, str]:
         out = self.tmp / f"{name}.json"
         log = self.tmp / f"{name}.log"
-        most = max(STEP_LIMITS[kind], 0.8 * self.args.budget) if kind == "build" else STEP_LIMITS[kind]
+        most = max(STEP_LIMITS[kind], 0.8 * self.args.budget) if kind in ("build", "scale") else STEP_LIMITS[kind]
         limit = max(5.0, min(most, self.deadline - time.time() - 5))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--step", kind, "--step-out", str(out)]
         cmd += ["--device", device or self.args.device, *(["--quick"] if self.args.quick else []), *extra]
@@ -430,26 +491,48 @@ def _run_step(args: argparse.Namespace) -> None:
 
 
 def compare_references(cpu_dir: str, cuda_dir: str) -> dict[str, Any]:
-    """The CUDA reference's logits against the CPU's, window by window (same ids, same cache file names)."""
+    """The CUDA reference against the CPU's, as each stored it (`eval.reference_rows`: one entry per window
+    and per greedy prompt, named by the source and the token ids, so the two stores name them alike):
+    KL between the windows' distributions where both stored whole logits, else top-1 agreement and the
+    largest difference in log p(target); and how many greedy continuations are the same."""
     import numpy as np
 
     from eval.metrics import MetricAccumulator
+    from eval.reference_rows import ReferenceRows
 
     acc = MetricAccumulator()
-    worst = 0.0
-    windows = 0
-    for f in sorted(Path(cpu_dir).glob("*.npy")):
+    worst, windows, rows, top1, dense = 0.0, 0, 0, 0, True
+    for f in sorted(Path(cpu_dir).glob("*.npz")):
         other = Path(cuda_dir) / f.name
         if not other.is_file():
             continue
-        a, b = np.load(f), np.load(other)
-        worst = max(worst, float(np.abs(a - b).max()))
-        acc.add(a, b, np.argmax(a, axis=-1))
+        a, b = ReferenceRows.from_bytes(f.read_bytes()), ReferenceRows.from_bytes(other.read_bytes())
+        worst = max(worst, float(np.abs(a.target_logp - b.target_logp).max()))
+        rows += a.rows
+        top1 += int((a.argmax == b.argmax).sum())
+        if a.dense is not None and b.dense is not None:
+            acc.add(a.dense, b.dense, a.argmax)
+        else:
+            dense = False
         windows += 1
+    greedy = same = 0
+    for f in sorted(Path(cpu_dir).glob("*.json")):
+        other = Path(cuda_dir) / f.name
+        if other.is_file():
+            greedy += 1
+            same += int(json.loads(f.read_text()) == json.loads(other.read_text()))
     if windows == 0:
         return {"status": "failed", "reason": "no common reference windows"}
-    m = acc.result()
-    return {"status": "ok", "windows": windows, "kl": m.kl, "top1": m.top1, "max_abs_diff": worst}
+    out: dict[str, Any] = {
+        "status": "ok",
+        "windows": windows,
+        "top1": top1 / rows,
+        "max_abs_target_logp_diff": worst,
+        "greedy_same": f"{same}/{greedy}",
+    }
+    if dense:
+        out["kl"] = acc.result().kl
+    return out
 
 
 def _metrics(build: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -522,6 +605,14 @@ def print_tables(record: dict[str, Any]) -> None:
                 f"{k['kl_emulated_vs_reference']:>10.3e} {k['kl_relative_difference']:>+8.2%} "
                 f"{k['kl_native_vs_emulated']:>10.2e} {k['top1_native_vs_emulated']:>8.4f} {k['max_abs_diff']:>7.3f}"
             )
+    scale = steps.get("scale", {})
+    if scale:
+        print(f"\n== bench/scale.py on the device: {scale.get('command')} (exit {scale.get('returncode')})")
+        print(scale.get("table") or scale.get("reason") or "")
+        for row in scale.get("finished_stages", []):
+            print(f"  {json.dumps(row)}")
+        if scale.get("status") == "failed":
+            print(scale.get("log_tail", ""))
     gptq = steps.get("gptq-layer", {})
     if gptq:
         print(f"\n== GPTQ of one layer: {json.dumps({k: v for k, v in gptq.items() if k != 'traceback'})}")
@@ -535,6 +626,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer artifacts and windows, a small GPTQ layer")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for everything after the setup")
     parser.add_argument("--record", action="store_true", help="also append the record to bench/results/")
+    parser.add_argument("--scale", help="instead of the check: bench/scale.py at this size (1b, 8b) on the device")
     parser.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
     parser.add_argument("--step-out", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -552,6 +644,17 @@ def main() -> None:
     runner.finish(runner.start("info", "info"))
     gpu = bool(runner.record["steps"]["info"].get("cuda_available"))
     on_gpu = cuda and gpu
+    if args.scale:
+        runner.record["benchmark"] = "gpu_check --scale"
+        runner.record["scale"] = args.scale
+        if cuda and not gpu:
+            runner.skip("scale", "no CUDA device visible")
+        else:
+            left = runner.deadline - time.time() - 30  # the step's own cut-off, before the runner's
+            extra = ("--work", str(tmp / "scale"), "--scale", args.scale, "--budget", f"{left:.0f}")
+            runner.finish(runner.start("scale", "scale", *extra))
+        finish(runner, args, tmp)
+        return
     # The two builds at once: the CUDA one on the GPU, the CPU one on the cores. The kernels and the GPTQ
     # layer run on the device after the device's build, while the CPU build finishes.
     if cuda and not gpu:
@@ -594,6 +697,11 @@ def main() -> None:
             steps["reference-cuda-vs-cpu"] = compare_references(cp["reference_dir"], cu["reference_dir"])
         except Exception as e:
             steps["reference-cuda-vs-cpu"] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+    finish(runner, args, tmp)
+
+
+def finish(runner: Runner, args: argparse.Namespace, tmp: Path) -> None:
+    """The record saved (and appended to bench/results/ with --record), the tables printed, tmp removed."""
     runner.record["seconds"] = round(time.time() - runner.deadline + args.budget, 1)
     runner.save()
     print_tables(runner.record)

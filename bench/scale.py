@@ -51,11 +51,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from random_model import checkpoint_tensors, write_weights  # noqa: E402 (beside this script)
 from record import add_record_argument, run_record, save_record  # noqa: E402 (bench/record.py, beside this script)
 
 GIB = 1 << 30
 MB = 1e6
-SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
 VOCAB = 128_256  # Llama-3's
 SPECIAL_TOKENS = 256  # Llama-3's: <|begin_of_text|>, <|end_of_text|>, reserved ... after the BPE tokens
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -110,16 +110,7 @@ class Size:
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor in checkpoint order (embeddings, layers in order, final norm, lm_head)."""
-        from formats.hf_model import ModelShape
-
-        expected = ModelShape.from_config(self.config()).expected_tensors()
-
-        def order(name: str) -> tuple[int, int]:
-            if name.startswith("model.layers."):
-                return 1, int(name.split(".")[2])
-            return (0, 0) if name == "model.embed_tokens.weight" else (2, name != "model.norm.weight")
-
-        return sorted(expected.items(), key=lambda kv: order(kv[0]))
+        return checkpoint_tensors(self.config())
 
     @property
     def model_bytes(self) -> int:
@@ -194,46 +185,13 @@ def make_model(out: Path, size: Size, tokenizer: Path, seed: int = 0) -> Path:
     """The random-weight release of `size` in `out`, written once: one tensor in memory at a time."""
     if (out / "model.safetensors.index.json").is_file():
         return out
-    import torch
-
-    from formats.safetensors import SafeTensorsWriter
-
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in tokenizer.iterdir():
         shutil.copyfile(f, tmp / f.name)
     (tmp / "config.json").write_text(json.dumps(size.config(), indent=2, sort_keys=True) + "\n")
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    filled = 0
-    for name, shape in size.tensors():
-        nbytes = 2 * math.prod(shape)
-        if shards[-1] and filled + nbytes > SHARD_BYTES:
-            shards.append([])
-            filled = 0
-        shards[-1].append((name, shape))
-        filled += nbytes
-    generator = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    started = time.perf_counter()
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = SafeTensorsWriter(tmp / fname, metadata={"format": "pt"})
-        for name, shape in shard:
-            writer.add(name, "BF16", shape)
-        writer.begin()
-        for name, shape in shard:
-            if len(shape) == 1:
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                t = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
-            writer.write(name, t.view(torch.uint8).numpy().data)
-            weight_map[name] = fname
-            del t
-        writer.close()
-        print(f"  {size.name}: wrote {fname} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    index = {"metadata": {"total_size": size.model_bytes}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_weights(tmp, size.config(), seed=seed, label=size.name)
     tmp.rename(out)
     return out
 
@@ -320,9 +278,10 @@ def write_recipe(recipe_dir: Path, size: Size, artifacts: list[tuple[str, str]])
     return path
 
 
-def kiln_build(recipe: Path, work: Path, log: Path) -> dict[str, Any]:
+def kiln_build(recipe: Path, work: Path, log: Path, device: str = "cpu") -> dict[str, Any]:
     """`kiln build RECIPE --json` in a fresh process; its summary. A failed gate is a result, not a failure."""
     cmd = [sys.executable, "-m", "kiln", "build", str(recipe), "--work-dir", str(work), "--json"]
+    cmd += ["--device", device]
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
     started = time.perf_counter()
     with open(log, "a") as err:
@@ -335,9 +294,9 @@ def kiln_build(recipe: Path, work: Path, log: Path) -> dict[str, Any]:
     return summary
 
 
-def plan_order(recipe: Path, work: Path) -> list[str]:
+def plan_order(recipe: Path, work: Path, device: str = "cpu") -> list[str]:
     """The recipe's nodes in the order `kiln build` runs them (`kiln plan --json`)."""
-    cmd = [sys.executable, "-m", "kiln", "plan", str(recipe), "--work-dir", str(work), "--json"]
+    cmd = [sys.executable, "-m", "kiln", "plan", str(recipe), "--work-dir", str(work), "--json", "--device", device]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"kiln plan {recipe} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -373,6 +332,8 @@ def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
                 "children_peak_rss_bytes": used["children_peak_rss_bytes"],
                 "io": used["io"],
                 "children_io": used["children_io"],
+                "device": (data["provenance"].get("device") or {}).get("name"),
+                "device_peak_bytes": used.get("device_peak_bytes"),
                 "output_bytes": sum(f["size"] for f in data["files"]),
                 "throughput_bps": size.model_bytes / used["wall_s"] if used["wall_s"] > 0 else None,
             }
@@ -401,12 +362,12 @@ def run_size(size: Size, args: argparse.Namespace, artifacts: list[tuple[str, st
     for group in _groups(artifacts) if args.split else [artifacts]:
         recipe = write_recipe(recipe_dir, size, group)
         print(f"  {size.name}: kiln build {', '.join(f'{t}-{q}' for t, q in group)} ...", file=sys.stderr)
-        summary = kiln_build(recipe, work, log)
+        summary = kiln_build(recipe, work, log, args.device)
         summaries.append(
             {k: summary.get(k) for k in ("stages", "seconds", "process_s", "peak_rss_mib", "failed_gates")}
         )
         built = set(summary["stage_seconds"])  # the stages this build ran (not those a previous group built)
-        rows += stage_rows(work, size, [n for n in plan_order(recipe, work) if n in built])
+        rows += stage_rows(work, size, [n for n in plan_order(recipe, work, args.device) if n in built])
         if args.split:
             prune(work)
     if not args.keep:
@@ -441,8 +402,8 @@ def check_memory(row: dict[str, Any], target: int) -> dict[str, Any]:
 
 
 HEAD: tuple[str, ...] = ("stage", "wall s", "RSS MiB", "anon MiB", "growth", "child MiB", "disk r/w MB")
-HEAD += "calls r/w MB", "MB/s", "held", "RSS"
-FMT = "{:30} {:>6} {:>8} {:>8} {:>7} {:>9} {:>13} {:>15} {:>6} {:>5} {:>5}"
+HEAD += "calls r/w MB", "MB/s", "held", "RSS", "GPU MiB"
+FMT = "{:30} {:>6} {:>8} {:>8} {:>7} {:>9} {:>13} {:>15} {:>6} {:>5} {:>5} {:>8}"
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -469,6 +430,7 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{row['throughput_bps'] / MB:,.0f}" if row["throughput_bps"] else "-",
                 "PASS" if mem["held_ok"] else "FAIL",
                 "PASS" if mem["rss_ok"] else "FAIL",
+                _mib(row.get("device_peak_bytes")),
             )
         )
     print(
@@ -499,6 +461,7 @@ def main() -> None:
     ap.add_argument("--targets", default=None, help="artifacts to build (default: all): e.g. gguf-f16,orbax-bf16")
     ap.add_argument("--split", action="store_true", help="one artifact (and its quantize stage) at a time")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (stage outputs) after the run")
+    ap.add_argument("--device", default="cpu", help="kiln build --device: cpu (default), cuda, cuda:N or auto")
     add_record_argument(ap, "scale")
     args = ap.parse_args()
     args.work = args.work.resolve()
@@ -570,6 +533,7 @@ def main() -> None:
         sizes=sizes,
         artifacts=wanted,
         split=args.split,
+        device=args.device,
         eval=EVAL,
         disk_free_bytes=free,
         disk_needed_bytes=total,

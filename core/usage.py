@@ -31,6 +31,9 @@ for reuse. At 1B, three evals in transformers left 15 GB behind. `release_memory
 then glibc's malloc_trim) returns it; `pipeline.executors.node` calls it after a stage whose anonymous
 memory grew by more than RELEASE_THRESHOLD_BYTES (a collection takes ~0.4 s with transformers loaded).
 
+GPU memory: `device_peak_bytes`, torch's peak allocation on the process's CUDA devices during the work
+(its peak counters are reset when the work starts), where torch had CUDA in use by the end.
+
 Bytes read and written (/proc/<pid>/io): `read_bytes`/`write_bytes` are what reached the storage layer
 (a file read from the page cache, or memory-mapped and already resident, reads 0; a write counts when it
 is dirtied); `rchar`/`wchar` are what passed through read/write system calls (not memory-mapped access).
@@ -288,6 +291,9 @@ class ResourceUsage:
     children_peak_rss_bytes: int  # 0: no child process ran, or none was seen
     io: IOCounters | None  # this process and the children it waited for during the work
     children_io: IOCounters | None  # descendants still running at the end
+    # The most this process's torch held allocated on its CUDA devices during the work (the largest device's
+    # peak); None where CUDA was not in use by the end of it (a CPU stage, or a child's GPU: vLLM's worker).
+    device_peak_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -295,6 +301,29 @@ class ResourceUsage:
 
 def _kb(value: int | None) -> int | None:
     return None if value is None else value * KIB
+
+
+def _cuda() -> Any:
+    """torch.cuda where this process already imported torch and initialised CUDA; else None (never imports)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return cuda if cuda is not None and cuda.is_initialized() else None
+
+
+def _reset_device_peaks() -> None:
+    cuda = _cuda()
+    if cuda is not None:
+        for i in range(cuda.device_count()):
+            cuda.reset_peak_memory_stats(i)
+
+
+def _device_peak() -> int | None:
+    cuda = _cuda()
+    if cuda is None:
+        return None
+    return max((int(cuda.max_memory_allocated(i)) for i in range(cuda.device_count())), default=0)
 
 
 class UsageMeter:
@@ -313,6 +342,7 @@ def measure_usage() -> Iterator[UsageMeter]:
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     sampler = MemorySampler(children=True)
+    _reset_device_peaks()
     try:
         with sampler:
             yield meter
@@ -337,4 +367,5 @@ def measure_usage() -> Iterator[UsageMeter]:
             children_peak_rss_bytes=max(sampler.children_rss_kb, sampler.children_hwm_kb) * KIB,
             io=io1 - io0 if io0 is not None and io1 is not None else None,
             children_io=sampler.children_io(),
+            device_peak_bytes=_device_peak(),
         )
