@@ -74,6 +74,9 @@ STEP_LIMITS = {"info": 60, "build": 200, "kernels": 90, "gptq-layer": 120, "scal
 # One artifact at 8B: the model, its ingested copy and the FP8 bundle (with its quantize stage's output) take
 # ~50 GB; where the disk has less free, INT4 round-to-nearest (~41 GB).
 SCALE_TARGETS = (("hf-bundle-fp8", 56e9), ("hf-bundle-int4-rtn", 0.0))
+# bench/scale.py's 128,256-token tokenizer, trained on this checkout's Python library and carried in the
+# wheelhouse (`bench/gpu_wheels.sh` copies it there): the GPU image's library gives too few merges.
+TOKENIZER = "tokenizer-128256"
 
 
 # --- setup: the wheels this machine lacks -------------------------------------------------------------------
@@ -367,6 +370,8 @@ def step_scale(args: argparse.Namespace) -> dict[str, Any]:
     targets = next(t for t, needs in SCALE_TARGETS if free >= needs or args.scale != "8b")
     cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", args.scale, "--targets", targets]
     cmd += ["--device", args.device, "--work", str(work / "scale"), "--record", str(record), "--keep"]
+    if (WHEELHOUSE / TOKENIZER).is_dir():  # trained here: the GPU machine's standard library is too small
+        cmd += ["--tokenizer", str(WHEELHOUSE / TOKENIZER)]
     out: dict[str, Any] = {"command": " ".join(cmd[1:]), "disk_free_bytes": free}
     with open(work / "scale.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)

@@ -14,7 +14,7 @@
 # python3; 3.11, this checkout's, so the set can be tried here; 3.13 while the set stays under $MAX_MIB),
 # manylinux x86_64. llama-cpp-python is left out: .wheelhouse's wheel is built for this machine's Python,
 # so the GPU check builds no GGUF unless llama.cpp imports there. gpu_check.py installs only those the
-# machine lacks (.wheelhouse/gpu/requirements.txt lists them all).
+# machine lacks (.wheelhouse/gpu/requirements.txt lists them all). Beside them, bench/scale.py's tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -116,4 +116,7 @@ for i, py in enumerate(pythons):
         break
 print(f"{len(carried)} distributions ({len(pures)} pure, {len(binaries)} binary: {', '.join(binaries)})")
 EOF
+# bench/scale.py's 128,256-token tokenizer for `gpu_check.py --scale` (9 MB): the GPU image's standard library
+# is too small to train it there.
+"$PY" -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from scale import make_tokenizer; make_tokenizer(Path(sys.argv[1]) / 'tokenizer-128256')" "$DEST"
 echo "wheel set: $(du -sh "$DEST" | cut -f1) in $(ls "$DEST"/*.whl | wc -l) wheels ($(du -sb "$DEST" | cut -f1) bytes)"

@@ -351,7 +351,8 @@ def prune(work: Path) -> None:
 def run_size(size: Size, args: argparse.Namespace, artifacts: list[tuple[str, str]]) -> dict[str, Any]:
     recipe_dir = args.work / size.name
     recipe_dir.mkdir(parents=True, exist_ok=True)
-    model = make_model(recipe_dir / "model", size, make_tokenizer(args.work / "tokenizer-128256"))
+    tokenizer = args.tokenizer or make_tokenizer(args.work / "tokenizer-128256")
+    model = make_model(recipe_dir / "model", size, tokenizer)
     work = recipe_dir / "work"
     shutil.rmtree(work, ignore_errors=True)  # every stage built in this run: its provenance is this run's
     (recipe_dir / "reports").mkdir(exist_ok=True)
@@ -461,6 +462,11 @@ def main() -> None:
     ap.add_argument("--targets", default=None, help="artifacts to build (default: all): e.g. gguf-f16,orbax-bf16")
     ap.add_argument("--split", action="store_true", help="one artifact (and its quantize stage) at a time")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (stage outputs) after the run")
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a tokenizer directory written by an earlier run (another Python's library is smaller)",
+    )
     ap.add_argument("--device", default="cpu", help="kiln build --device: cpu (default), cuda, cuda:N or auto")
     add_record_argument(ap, "scale")
     args = ap.parse_args()

@@ -32,7 +32,10 @@ then glibc's malloc_trim) returns it; `pipeline.executors.node` calls it after a
 memory grew by more than RELEASE_THRESHOLD_BYTES (a collection takes ~0.4 s with transformers loaded).
 
 GPU memory: `device_peak_bytes`, torch's peak allocation on the process's CUDA devices during the work
-(its peak counters are reset when the work starts), where torch had CUDA in use by the end.
+(its peak counters are reset when the work starts), where torch had CUDA in use by the end, and
+`device_end_bytes`, what was still allocated when it ended. On an H200 a transformers eval left its
+model's 4.7 GB allocated (held by reference cycles until a full collection), which the next stage then
+counted as its own peak; memory left on a device is released after the stage like host memory.
 
 Bytes read and written (/proc/<pid>/io): `read_bytes`/`write_bytes` are what reached the storage layer
 (a file read from the page cache, or memory-mapped and already resident, reads 0; a write counts when it
@@ -87,11 +90,15 @@ def _status_fields(pid: int | str, *fields: str) -> dict[str, int]:
 
 def release_memory() -> None:
     """Free what unreachable objects hold (a full garbage collection) and return freed heap to the system
-    (glibc's malloc_trim; nothing where the C library has none)."""
+    (glibc's malloc_trim; nothing where the C library has none) and freed GPU memory to the driver
+    (torch's caching allocator, where this process uses CUDA)."""
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+    cuda = _cuda()
+    if cuda is not None:
+        cuda.empty_cache()
 
 
 @functools.cache
@@ -103,7 +110,10 @@ def _malloc_trim() -> Any:
 
 
 def left_behind(usage: ResourceUsage) -> bool:
-    """Whether work that ended with `usage` left enough anonymous memory behind to release it."""
+    """Whether work that ended with `usage` left enough anonymous memory behind to release it, or any GPU
+    memory still allocated (no stage keeps anything on a device for the next)."""
+    if (usage.device_end_bytes or 0) > RELEASE_THRESHOLD_BYTES:
+        return True
     if usage.anon_end_bytes is None or usage.anon_start_bytes is None:
         return False
     return usage.anon_end_bytes - usage.anon_start_bytes > RELEASE_THRESHOLD_BYTES
@@ -294,6 +304,7 @@ class ResourceUsage:
     # The most this process's torch held allocated on its CUDA devices during the work (the largest device's
     # peak); None where CUDA was not in use by the end of it (a CPU stage, or a child's GPU: vLLM's worker).
     device_peak_bytes: int | None = None
+    device_end_bytes: int | None = None  # still allocated there when it ended (the largest device's)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -319,11 +330,12 @@ def _reset_device_peaks() -> None:
             cuda.reset_peak_memory_stats(i)
 
 
-def _device_peak() -> int | None:
+def _device_bytes(counter: str) -> int | None:
+    """torch.cuda's `counter` (memory_allocated, max_memory_allocated) of the device where it is largest."""
     cuda = _cuda()
     if cuda is None:
         return None
-    return max((int(cuda.max_memory_allocated(i)) for i in range(cuda.device_count())), default=0)
+    return max((int(getattr(cuda, counter)(i)) for i in range(cuda.device_count())), default=0)
 
 
 class UsageMeter:
@@ -367,5 +379,6 @@ def measure_usage() -> Iterator[UsageMeter]:
             children_peak_rss_bytes=max(sampler.children_rss_kb, sampler.children_hwm_kb) * KIB,
             io=io1 - io0 if io0 is not None and io1 is not None else None,
             children_io=sampler.children_io(),
-            device_peak_bytes=_device_peak(),
+            device_peak_bytes=_device_bytes("max_memory_allocated"),
+            device_end_bytes=_device_bytes("memory_allocated"),
         )

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from core.usage import IOCounters, MemorySampler, descendants, measure_usage, read_io, status_kb
+from core.usage import (
+    IOCounters,
+    MemorySampler,
+    ResourceUsage,
+    descendants,
+    left_behind,
+    measure_usage,
+    read_io,
+    status_kb,
+)
 
 MIB = 1 << 20
 
@@ -125,3 +134,37 @@ def test_the_sampler_alone_reports_the_anonymous_peak() -> None:
     with MemorySampler() as sampler:
         _hold(32)
     assert sampler.peak_anon_kb - start >= 32 * 1024 * 0.95
+
+
+@pytest.mark.parametrize(
+    ("anon_growth_mib", "device_end_mib", "release"),
+    [(0, None, False), (512, None, True), (0, 0, False), (0, 64, False), (0, 4800, True), (512, 0, True)],
+)
+def test_memory_left_on_the_host_or_a_gpu_is_released_after_the_stage(
+    anon_growth_mib: int, device_end_mib: int | None, release: bool
+) -> None:
+    """A stage that ends holding host memory it allocated, or any GPU memory (an H200 showed a transformers
+    eval leaving its model allocated there), is followed by a collection (`release_memory`)."""
+    mib = 1 << 20
+    usage = ResourceUsage(
+        wall_s=1.0,
+        cpu_s=1.0,
+        rss_start_bytes=None,
+        peak_rss_bytes=None,
+        peak_rss_exact=False,
+        anon_start_bytes=100 * mib,
+        peak_anon_bytes=None,
+        anon_end_bytes=(100 + anon_growth_mib) * mib,
+        children_peak_rss_bytes=0,
+        io=None,
+        children_io=None,
+        device_end_bytes=None if device_end_mib is None else device_end_mib * mib,
+    )
+    assert left_behind(usage) is release
+
+
+def test_without_cuda_in_use_no_gpu_figure_is_recorded() -> None:
+    with measure_usage() as meter:
+        sum(range(1000))
+    assert meter.usage is not None
+    assert meter.usage.device_peak_bytes is None and meter.usage.device_end_bytes is None
