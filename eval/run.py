@@ -41,9 +41,11 @@ def reference_window(reference: Reference, window: Sequence[int], vocab_size: in
 def measure(reference: Reference, candidate: Runtime, text: EvalText) -> EvalMetrics:
     """The metrics of `candidate` against `reference` on `text` (see `eval.metrics`)."""
     acc = MetricAccumulator(text.vocab_size)
-    for window in text.windows:
+    # A runtime that streams its layers reads them once for every window (`logits_many`), not once per window.
+    many = getattr(candidate, "logits_many", None)
+    candidates = many(text.windows) if many is not None else (candidate.logits(w) for w in text.windows)
+    for window, cand in zip(text.windows, candidates, strict=True):
         ref = reference_window(reference, window, text.vocab_size)
-        cand = candidate.logits(window)
         acc.add_rows(ref, cand[:-1], window[1:])
     expected = reference.greedy(text.prompts, text.greedy_tokens)
     for want, got in zip(expected, candidate.greedy(text.prompts, text.greedy_tokens), strict=True):

@@ -23,9 +23,10 @@ C = 16·W·V.
   `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding /
   lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
   window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
-- A transformers eval loads the artifact whole in float32 (`TransformersRuntime`'s default, the reference's
-  arithmetic; compressed-tensors decompresses every quantized weight as it loads), so it holds 4·N (N the
-  model's parameters), whatever the scheme, + A(W) + 4·W·V, and C on the host.
+- A transformers eval streams the artifact as the reference streams the source (`eval.runtimes.layer_stream`:
+  one decoder layer at a time, a bundle's decompressed by compressed-tensors as it is loaded), so it holds
+  what the reference holds, and C on the host besides; an architecture that does not stream loads whole
+  in float32, 4·N (N the model's parameters) + A(W) + 4·W·V.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
   device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + A(seq_len) (one
   sample through the layer) + the method's working set. GPTQ: the Hessians of every Linear of the layer,
@@ -366,7 +367,7 @@ def nothing(sizing: Sizing, node: Any) -> Footprint:
 
 
 def layer_streamed(sizing: Sizing) -> Footprint:
-    """The reference: one decoder layer at a time in float32."""
+    """The reference (and a transformers eval): one decoder layer at a time in float32."""
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     working = (
@@ -400,7 +401,13 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
 
 
 def transformers_forward(sizing: Sizing) -> Footprint:
-    """A transformers eval: the artifact loaded whole in float32, its quantized weights decompressed."""
+    """A transformers eval: one layer at a time where the architecture streams (the reference's footprint),
+    else the artifact loaded whole in float32; the window-by-window comparison on the host."""
+    from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
+
+    if sizing.config.get("model_type") in STREAMED_MODEL_TYPES:
+        streamed = layer_streamed(sizing)
+        return Footprint(streamed.working, streamed.host + sizing.compare_bytes)
     sh = sizing.shape
     w = sizing.window
     weights = 4 * sum(math.prod(s) for s in sh.expected_tensors().values())
@@ -488,7 +495,7 @@ class RuntimeNeeds:
 
     vendor: str | None
     runtime_env: str | None
-    kind: str  # "decompressed" (transformers) | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
+    kind: str  # "streamed" (transformers) | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
     base_mib: int | None = None
     # The environment it needs on a GPU, where that differs (vLLM's CUDA build, which a GPU runner installs).
     gpu_runtime_env: str | None = None
@@ -498,7 +505,7 @@ class RuntimeNeeds:
 
 
 RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
-    "transformers": RuntimeNeeds(None, None, "decompressed", on_stage_device=True),
+    "transformers": RuntimeNeeds(None, None, "streamed", on_stage_device=True),
     "llama.cpp": RuntimeNeeds(None, None, "mapped", 450),
     "jax": RuntimeNeeds(None, None, "whole", on_stage_device=True),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),

@@ -13,6 +13,7 @@ from typing import Any
 from core.errors import Deferred
 from eval.runtimes.base import CachedRuntime, Runtime, check_ids
 from eval.runtimes.jax_runtime import JaxRuntime
+from eval.runtimes.layer_stream import open_transformers
 from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
 from eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
 from eval.runtimes.transformers_runtime import TransformersRuntime
@@ -33,7 +34,8 @@ __all__ = [
 
 # Runtime name (as targets declare it) -> the class that opens an artifact path with it.
 RUNTIMES: dict[str, Any] = {
-    TransformersRuntime.name: TransformersRuntime,
+    # One layer at a time where the architecture streams (eval.runtimes.layer_stream), else the whole model.
+    TransformersRuntime.name: open_transformers,
     LlamaCppRuntime.name: LlamaCppRuntime,
     JaxRuntime.name: JaxRuntime,
     # In its own environment (`kiln runtime install vllm`); without it, Deferred (not evaluated here).

@@ -1,4 +1,4 @@
-"""The reference forward one decoder layer at a time: memory is one layer, whatever the model's size.
+"""A causal LM forward one decoder layer at a time: memory is one layer, whatever the model's size.
 
 A float32 Llama-3-70B is 282 GB and an 8B one 32 GB; neither fits a 24 GiB host or one 80 GB GPU
 whole. `LayerStream` runs transformers' own modules (the architecture's decoder layer, norm and
@@ -19,10 +19,21 @@ The arithmetic is the whole model's: the same modules, the same causal mask (tra
 rotary embedding, in `dtype` (float32 for the reference, so the checkpoint's bf16 weights are used
 exactly). Peak memory: one layer in `dtype` plus its checkpoint-dtype read, the hidden states of the
 call's windows, and one window's [tokens, vocab] float32 logits; `pipeline.requirements` plans with it.
+
+It computes the reference (the source release) and evaluates hf-bundle and rocm-bundle artifacts in
+transformers (`open_transformers`). A compressed-tensors bundle is built on the meta device the way
+transformers' own loader prepares it (its `CompressedTensorsHfQuantizer`: each quantized Linear with its
+scheme and compressed layout), and each layer, as it is needed, gets a fresh copy of that layout, its
+stored tensors, and compressed-tensors' own decompression; its forward then fake-quantizes activations
+as the whole-model load does. The logits equal `TransformersRuntime`'s bit for bit (tests/eval/
+test_layer_stream.py checks every scheme), with one layer decompressed at a time instead of the model:
+an FP8 Llama-3-70B bundle evaluates on one GPU. ROCm's float8_e4m3fnuz weights are read as e4m3fn with
+the scale halved (exact; `transformers_runtime._load_e4m3fnuz_exactly` does the same for the whole model).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import StageFailed
-from eval.runtimes.base import check_ids, greedy_by_length, import_torch_transformers
+from eval.runtimes.base import Runtime, check_ids, greedy_by_length, import_torch_transformers
 
 HEAD_BLOCK = 16384  # vocabulary rows of the output head cast and applied at a time (256 MiB at hidden 4,096)
 # Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
@@ -56,8 +67,12 @@ class LayerStream:
                 code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
                 details={"model_type": config.model_type},
             )
+        quantizer = _compressed_tensors(config, self.model_dir)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation="sdpa")
+        if quantizer is not None:  # each quantized Linear in its compressed layout, as transformers loads it
+            quantizer._process_model_before_weight_loading(model)
+        self._quantizer = quantizer
         self.config = config
         self._model: Any = model.eval()
         self._base: Any = model.get_decoder()
@@ -77,12 +92,22 @@ class LayerStream:
             self._head_name = f"{self._prefix}embed_tokens.weight"
         if getattr(self._model.lm_head, "bias", None) is not None:
             raise StageFailed("an output head with a bias is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED")
+        if quantizer is not None and any(
+            hasattr(m, "quantization_scheme") for m in (model.lm_head, self._base.embed_tokens)
+        ):
+            raise StageFailed(
+                "a quantized embedding or output head is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED"
+            )
         self._layer_types = list(
             getattr(config, "layer_types", None)
             or [("sliding_attention" if getattr(config, "sliding_window", None) else "full_attention")]
             * self.num_layers
         )
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}, one layer at a time"
+        if quantizer is not None:
+            import compressed_tensors
+
+            self.version += f", compressed-tensors {compressed_tensors.__version__} decompressing each layer"
 
     # -- the Runtime protocol -------------------------------------------------------------------------------
 
@@ -194,8 +219,13 @@ class LayerStream:
         return out
 
     def _load(self, module: Any, prefix: str) -> Any:
-        """`module` with its weights from the checkpoint, cast to `dtype` on the device (assigned, not copied)."""
-        names = list(module.state_dict().keys())
+        """`module` with its weights from the checkpoint on the device, each cast to its meta tensor's dtype
+        (`dtype`, or a compressed tensor's own), assigned, not copied. A bundle's module is a fresh copy of
+        the compressed layout, decompressed once loaded (the layout is kept for the next load)."""
+        if self._quantizer is not None:
+            module = copy.deepcopy(module)
+        meta = module.state_dict()
+        names = list(meta.keys())
         missing = [prefix + k for k in names if prefix + k not in self._weights]
         if missing:
             raise StageFailed(
@@ -209,12 +239,69 @@ class LayerStream:
                 f"a layer holds buffers the checkpoint does not: {sorted(unsaved)[:4]}",
                 code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             )
-        state = {k: self._weights.tensor(prefix + k).to(device=self.device, dtype=self.dtype) for k in names}
+        stored = {k: self._weights.tensor(prefix + k) for k in names}
+        _read_fnuz_as_fn(stored)
+        state = {k: t.to(device=self.device, dtype=meta[k].dtype) for k, t in stored.items()}
         module.load_state_dict(state, strict=True, assign=True)
+        if self._quantizer is not None:
+            from compressed_tensors.compressors.base import decompress_module
+            from compressed_tensors.quantization.utils.helpers import is_module_quantized
+
+            for sub in module.modules():
+                if is_module_quantized(sub):
+                    decompress_module(sub, self._quantizer.compressor.force_compression_format)
         return module
 
     def _unload(self, module: Any) -> None:
         module.to("meta")  # frees the weights; the module keeps its shapes for the next call
+
+
+def _compressed_tensors(config: Any, model_dir: Path) -> Any:
+    """transformers' quantizer for a compressed-tensors bundle's config (None for a plain checkpoint); a
+    quantization another library wrote is not streamed."""
+    if getattr(config, "quantization_config", None) is None:
+        return None
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    if not isinstance(quantizer, CompressedTensorsHfQuantizer):
+        raise StageFailed(
+            f"{model_dir}: {type(quantizer).__name__} quantization is not streamed (compressed-tensors is)",
+            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+        )
+    quantizer.validate_environment()
+    quantizer.use_fp8_kernel = False  # the emulation every CPU and GPU computes alike
+    return quantizer
+
+
+def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
+    """float8_e4m3fnuz weights (a rocm-bundle's) as e4m3fn with their scales halved, in place: every
+    weight x scale product unchanged, and nothing rounded on the way into e4m3fn parameters."""
+    import torch
+
+    for name in [k for k, t in stored.items() if t.dtype == torch.float8_e4m3fnuz]:
+        scale = name + "_scale"
+        if scale not in stored:
+            raise StageFailed(f"an e4m3fnuz tensor without its scale: {name}", code="SOURCE_INVALID")
+        from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
+
+        stored[name], stored[scale] = e4m3fnuz_to_e4m3fn(stored[name], stored[scale])
+
+
+def open_transformers(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Runtime:
+    """The transformers runtime for a model directory: one layer at a time where the architecture streams
+    (`STREAMED_MODEL_TYPES`; a plain checkpoint or a compressed-tensors bundle), else the whole model."""
+    from eval.runtimes.transformers_runtime import TransformersRuntime
+
+    config = Path(model_dir) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # the whole-model loader says what is wrong with it
+    if model_type in STREAMED_MODEL_TYPES and dtype != "auto":
+        return LayerStream(model_dir, dtype, device)
+    return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
 
 
 class _WeightIndex:

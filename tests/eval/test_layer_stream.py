@@ -11,8 +11,9 @@ import pytest
 
 from core.errors import StageFailed
 from eval.runtimes import TransformersRuntime
-from eval.runtimes.layer_stream import LayerStream
+from eval.runtimes.layer_stream import LayerStream, open_transformers
 from eval.text import EvalText
+from tests.model_factory import make_model
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +94,82 @@ def test_an_architecture_it_does_not_stream_is_named(llama_dir: Path, tmp_path: 
     with pytest.raises(StageFailed) as e:
         LayerStream(other)
     assert e.value.code == "REFERENCE_ARCHITECTURE_UNSUPPORTED"
+
+
+# --- bundles: compressed-tensors decompressed one layer at a time -----------------------------------------
+
+RTN_SCHEMES = ("bf16", "fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn")
+
+
+def _bundle(source_dir: Path, out: Path, target: str, scheme: str, params: dict[str, str] | None = None) -> Path:
+    from formats.hf_model import open_source
+    from quant.schemes import get_scheme
+    from quant.store import open_quantized, write_quantized
+    from targets.base import ExportRequest
+    from targets.hf_bundle.export import export as hf_export
+    from targets.rocm_bundle.export import export as rocm_export
+
+    source = open_source(source_dir)
+    quantized = None
+    if get_scheme(scheme).quantized:
+        (out / "q").mkdir(parents=True)
+        write_quantized(source, get_scheme(scheme), out / "q")
+        quantized = open_quantized(out / "q", scheme)
+    bundle = out / "bundle"
+    bundle.mkdir(parents=True)
+    export = hf_export if target == "hf-bundle" else rocm_export
+    export(source, ExportRequest(quant=scheme, out_dir=bundle, params=params or {}, quantized=quantized))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every round-to-nearest scheme's bundle of a model wide enough for 128x128 blocks (same tokenizer)."""
+    root = tmp_path_factory.mktemp("streamed-bundles")
+    model = make_model(root / "model", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    made = {s: _bundle(model, root / s, "hf-bundle", s) for s in RTN_SCHEMES}
+    gfx942 = {"gfx_arch": "gfx942", "vllm": "0.11.2", "rocm": "7.0.2"}  # FP8 stored as float8_e4m3fnuz
+    made["rocm-fp8-gfx942"] = _bundle(model, root / "rocm", "rocm-bundle", "fp8", gfx942)
+    return made
+
+
+@pytest.mark.parametrize("name", [*RTN_SCHEMES, "rocm-fp8-gfx942"])
+def test_a_bundle_streamed_one_layer_at_a_time_equals_the_whole_load_bit_for_bit(
+    bundles: dict[str, Path], eval_text: EvalText, name: str
+) -> None:
+    """Each layer decompressed by compressed-tensors as transformers' loader would, activations fake-quantized
+    by the same forward: the same logits and continuations as the whole bundle in transformers."""
+    whole = TransformersRuntime(bundles[name])
+    stream = open_transformers(bundles[name])
+    try:
+        assert isinstance(stream, LayerStream)
+        windows = eval_text.windows[:2]
+        for window, logits in zip(windows, stream.logits_many(windows), strict=True):
+            assert np.array_equal(logits, whole.logits(window)), name
+        assert stream.greedy(eval_text.prompts[:2], 4) == whole.greedy(eval_text.prompts[:2], 4)
+    finally:
+        stream.close()
+        whole.close()
+    if name != "bf16":
+        assert "compressed-tensors" in stream.version
+
+
+def test_a_bundle_keeps_one_layer_decompressed_not_the_model(bundles: dict[str, Path], eval_text: EvalText) -> None:
+    """What the stream holds between layers is the compressed layout on the meta device (and each packed
+    weight's shape, two integers): no weight of any layer stays materialised once the next one is loaded."""
+    stream = LayerStream(bundles["int4-rtn"])
+    try:
+        next(stream.logits_many(eval_text.windows[:1]))
+        held = [p for p in stream._base.layers.parameters() if p.device.type != "meta"]
+        assert all(p.numel() == 2 and not p.is_floating_point() for p in held)  # packed weights' [out, in]
+    finally:
+        stream.close()
+
+
+def test_other_architectures_open_the_whole_model(llama_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2-like"}))
+    assert not isinstance(open_transformers(llama_dir, dtype="auto"), LayerStream)
+    assert isinstance(open_transformers(llama_dir), LayerStream)
