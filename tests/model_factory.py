@@ -105,3 +105,27 @@ def _shard_size(model: object, shards: int) -> str:
         return "10GB"
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # type: ignore[attr-defined]
     return f"{max(1, total // shards // 1000)}KB"
+
+
+def make_bundle(
+    source_dir: Path, out: Path, scheme: str, target: str = "hf-bundle", params: dict[str, str] | None = None
+) -> Path:
+    """`scheme`'s round-to-nearest hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`."""
+    from formats.hf_model import open_source
+    from quant.schemes import get_scheme
+    from quant.store import open_quantized, write_quantized
+    from targets.base import ExportRequest
+    from targets.hf_bundle.export import export as hf_export
+    from targets.rocm_bundle.export import export as rocm_export
+
+    source = open_source(source_dir)
+    quantized = None
+    if get_scheme(scheme).quantized:
+        (out / "q").mkdir(parents=True)
+        write_quantized(source, get_scheme(scheme), out / "q")
+        quantized = open_quantized(out / "q", scheme)
+    bundle = out / "bundle"
+    bundle.mkdir(parents=True)
+    export = hf_export if target == "hf-bundle" else rocm_export
+    export(source, ExportRequest(quant=scheme, out_dir=bundle, params=params or {}, quantized=quantized))
+    return bundle

@@ -83,16 +83,23 @@ def greedy_by_length(
     return out
 
 
+def import_runtime(modules: Sequence[str], runtime: str, where: str = "install kiln[build]") -> list[ModuleType]:
+    """`modules` imported, or Deferred naming the runtime that is not here (`runtime_needed`) and `where` it is."""
+    import importlib
+
+    try:
+        return [importlib.import_module(name) for name in modules]
+    except ImportError as e:
+        names = "/".join(dict.fromkeys(name.partition(".")[0] for name in modules))
+        raise Deferred(
+            f"{names} {'is' if '/' not in names else 'are'} not installed here ({e}); {where}",
+            details={"runtime_needed": runtime},
+        ) from None
+
+
 def import_torch_transformers() -> tuple[ModuleType, ModuleType]:
     """torch and transformers, or Deferred naming what to install."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        raise Deferred(
-            f"transformers/torch are not installed here ({e}); install kiln[build]",
-            details={"runtime_needed": "transformers"},
-        ) from None
+    torch, transformers = import_runtime(("torch", "transformers"), "transformers")
     return torch, transformers
 
 

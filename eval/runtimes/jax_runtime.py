@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
-from eval.runtimes.base import check_ids
+from eval.runtimes.base import check_ids, import_runtime
 
 ComputeDtype = Literal["float32", "bfloat16"]
 MIN_BUCKET = 16
@@ -61,14 +61,7 @@ class JaxRuntime:
         # JAX takes 75% of a GPU's memory when its CUDA backend starts, by default; the torch stages that run
         # in the same process (the local executor) need theirs, so it allocates what it uses instead.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        try:
-            import jax
-            import orbax.checkpoint
-        except ImportError as e:
-            raise Deferred(
-                f"jax/orbax-checkpoint are not installed here ({e}); install kiln[build]",
-                details={"runtime_needed": "jax"},
-            ) from None
+        jax, orbax_checkpoint = import_runtime(("jax", "orbax.checkpoint"), "jax")
         from targets.orbax.layout import FORMAT, FORMAT_VERSION, forward_config
 
         if compute_dtype not in ("float32", "bfloat16"):
@@ -111,7 +104,7 @@ class JaxRuntime:
         self.vocab_size = self.config.vocab_size
         self.compute_dtype = compute_dtype
         self._buckets: set[int] = set()  # padded lengths whose prefill program this runtime has run
-        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax.checkpoint.__version__}, on {self.platform}"
+        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax_checkpoint.__version__}, on {self.platform}"
 
     def _read_json(self, name: str) -> dict[str, Any]:
         try:

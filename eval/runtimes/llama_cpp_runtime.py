@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import Deferred, InvalidInput, StageFailed
-from eval.runtimes.base import check_ids
+from core.errors import InvalidInput, StageFailed
+from eval.runtimes.base import check_ids, import_runtime
 
 
 class LlamaCppRuntime:
@@ -37,13 +37,7 @@ class LlamaCppRuntime:
         n_batch: int = 512,
         vocab_size: int | None = None,
     ) -> None:
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise Deferred(
-                f"llama-cpp-python is not installed here ({e}); install kiln[build]",
-                details={"runtime_needed": "llama.cpp"},
-            ) from None
+        (llama_cpp,) = import_runtime(("llama_cpp",), "llama.cpp")
         self._lib: Any = llama_cpp
         if n_ctx < 2:
             raise InvalidInput(f"n_ctx must be at least 2, got {n_ctx}")

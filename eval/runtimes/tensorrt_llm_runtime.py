@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import Deferred, StageFailed
-from eval.runtimes.base import check_ids
+from core.errors import StageFailed
+from eval.runtimes.base import check_ids, import_runtime
 
 RUNNER = "a GPU runner: an NVIDIA GPU (sm80+) with tensorrt_llm installed"
 
@@ -33,15 +33,10 @@ class TensorRTLLMRuntime:
     name = "tensorrt_llm"
 
     def __init__(self, model_dir: str | Path, vocab_size: int | None = None) -> None:
-        try:
-            import tensorrt_llm
-            from tensorrt_llm import LLM
-            from tensorrt_llm.llmapi import KvCacheConfig
-        except ImportError as e:
-            raise Deferred(
-                f"tensorrt_llm is not installed here ({e}); it runs on {RUNNER}",
-                details={"runtime_needed": "tensorrt_llm"},
-            ) from None
+        tensorrt_llm, llmapi = import_runtime(
+            ("tensorrt_llm", "tensorrt_llm.llmapi"), "tensorrt_llm", f"it runs on {RUNNER}"
+        )
+        LLM, KvCacheConfig = tensorrt_llm.LLM, llmapi.KvCacheConfig  # noqa: N806 (the library's class names)
         self.model_dir = Path(model_dir)
         try:
             self._llm: Any = LLM(model=str(self.model_dir), kv_cache_config=KvCacheConfig(enable_block_reuse=False))

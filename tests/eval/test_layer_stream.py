@@ -13,7 +13,7 @@ from core.errors import StageFailed
 from eval.runtimes import TransformersRuntime
 from eval.runtimes.layer_stream import LayerStream, open_transformers
 from eval.text import EvalText
-from tests.model_factory import make_model
+from tests.model_factory import make_bundle, make_model
 
 
 @pytest.fixture(scope="module")
@@ -101,35 +101,14 @@ def test_an_architecture_it_does_not_stream_is_named(llama_dir: Path, tmp_path: 
 RTN_SCHEMES = ("bf16", "fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn")
 
 
-def _bundle(source_dir: Path, out: Path, target: str, scheme: str, params: dict[str, str] | None = None) -> Path:
-    from formats.hf_model import open_source
-    from quant.schemes import get_scheme
-    from quant.store import open_quantized, write_quantized
-    from targets.base import ExportRequest
-    from targets.hf_bundle.export import export as hf_export
-    from targets.rocm_bundle.export import export as rocm_export
-
-    source = open_source(source_dir)
-    quantized = None
-    if get_scheme(scheme).quantized:
-        (out / "q").mkdir(parents=True)
-        write_quantized(source, get_scheme(scheme), out / "q")
-        quantized = open_quantized(out / "q", scheme)
-    bundle = out / "bundle"
-    bundle.mkdir(parents=True)
-    export = hf_export if target == "hf-bundle" else rocm_export
-    export(source, ExportRequest(quant=scheme, out_dir=bundle, params=params or {}, quantized=quantized))
-    return bundle
-
-
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every round-to-nearest scheme's bundle of a model wide enough for 128x128 blocks (same tokenizer)."""
     root = tmp_path_factory.mktemp("streamed-bundles")
     model = make_model(root / "model", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
-    made = {s: _bundle(model, root / s, "hf-bundle", s) for s in RTN_SCHEMES}
+    made = {s: make_bundle(model, root / s, s) for s in RTN_SCHEMES}
     gfx942 = {"gfx_arch": "gfx942", "vllm": "0.11.2", "rocm": "7.0.2"}  # FP8 stored as float8_e4m3fnuz
-    made["rocm-fp8-gfx942"] = _bundle(model, root / "rocm", "rocm-bundle", "fp8", gfx942)
+    made["rocm-fp8-gfx942"] = make_bundle(model, root / "rocm", "fp8", "rocm-bundle", gfx942)
     return made
 
 

@@ -38,14 +38,9 @@ from eval.runtimes.vllm_runtime import (
 )
 from eval.runtimes.vllm_worker import amx_decision, probe_amx
 from eval.text import EvalText, tokenize_text
-from formats.hf_model import open_source
-from quant.schemes import get_scheme
-from quant.store import open_quantized, write_quantized
 from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
-from targets.base import ExportRequest
-from targets.hf_bundle.export import export
 from tests.eval.test_capabilities import busy_cpus
-from tests.model_factory import make_model
+from tests.model_factory import make_bundle, make_model
 
 HELLO = {"vllm": "0.32.0", "kernels": {"cpu_gemm_wna16": True}}
 # What an AMD EPYC with AVX2 decides (no AMX; FP8 matmuls in float32).
@@ -81,23 +76,10 @@ def reference(model_dir: Path):
     rt.close()
 
 
-def _bundle(model_dir: Path, out: Path, scheme: str) -> Path:
-    source = open_source(model_dir)
-    quantized = None
-    if get_scheme(scheme).quantized:
-        (out / "q").mkdir(parents=True)
-        write_quantized(source, get_scheme(scheme), out / "q")
-        quantized = open_quantized(out / "q", scheme)
-    bundle = out / "bundle"
-    bundle.mkdir(parents=True)
-    export(source, ExportRequest(quant=scheme, out_dir=bundle, quantized=quantized))
-    return bundle
-
-
 @pytest.fixture(scope="module")
 def bundles(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bundles")
-    return {s: _bundle(model_dir, root / s, s) for s in ("bf16", "fp8", "int8-w8a8", "int8-w8a16", "fp8-block")}
+    return {s: make_bundle(model_dir, root / s, s) for s in ("bf16", "fp8", "int8-w8a8", "int8-w8a16", "fp8-block")}
 
 
 # --- what vLLM cannot run on this CPU is data, checked against what the worker reports -----------------
