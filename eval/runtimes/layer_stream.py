@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import StageFailed
+from core.errors import Deferred, StageFailed
 from eval.runtimes.base import Runtime, check_ids, greedy_by_length, import_torch_transformers
 
 HEAD_BLOCK = 16384  # vocabulary rows of the output head cast and applied at a time (256 MiB at hidden 4,096)
@@ -60,7 +60,14 @@ class LayerStream:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
-        config = transformers.AutoConfig.from_pretrained(str(self.model_dir))
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(self.model_dir))
+        except (OSError, ValueError, KeyError) as e:
+            raise StageFailed(
+                f"transformers could not read {str(self.model_dir)!r}'s config: {e}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "path": str(self.model_dir)},
+            ) from None
         if config.model_type not in STREAMED_MODEL_TYPES:
             raise StageFailed(
                 f"the layer-streamed forward covers {sorted(STREAMED_MODEL_TYPES)}, not {config.model_type!r}",
@@ -264,13 +271,26 @@ def _compressed_tensors(config: Any, model_dir: Path) -> Any:
     from transformers.quantizers.auto import AutoHfQuantizer
     from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    try:
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    except (ValueError, KeyError, TypeError) as e:  # an unknown method, or a config its library refuses
+        raise StageFailed(
+            f"{model_dir}: config.json's quantization_config is not one transformers loads: {e}",
+            code="EVAL_RUNTIME_LOAD_FAILED",
+            details={"path": str(model_dir), "field": "quantization_config"},
+        ) from None
     if not isinstance(quantizer, CompressedTensorsHfQuantizer):
         raise StageFailed(
             f"{model_dir}: {type(quantizer).__name__} quantization is not streamed (compressed-tensors is)",
             code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
         )
-    quantizer.validate_environment()
+    try:
+        quantizer.validate_environment()
+    except ImportError as e:  # its quantization library is not installed here
+        raise Deferred(
+            f"transformers cannot load {str(model_dir)!r} on this machine: {e}",
+            details={"runtime_needed": "transformers with compressed-tensors"},
+        ) from None
     quantizer.use_fp8_kernel = False  # the emulation every CPU and GPU computes alike
     return quantizer
 

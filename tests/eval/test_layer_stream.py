@@ -152,3 +152,31 @@ def test_other_architectures_open_the_whole_model(llama_dir: Path, tmp_path: Pat
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2-like"}))
     assert not isinstance(open_transformers(llama_dir, dtype="auto"), LayerStream)
     assert isinstance(open_transformers(llama_dir), LayerStream)
+
+
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        {"quant_method": "no-such-method"},
+        {"quant_method": "compressed-tensors", "config_groups": "not a mapping"},
+        {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": "eight"}}}},
+    ],
+)
+def test_a_bundle_whose_quantization_config_transformers_refuses_fails_with_its_code(
+    bundles: dict[str, Path], tmp_path: Path, quantization_config: dict[str, object]
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(bundles["fp8"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(StageFailed) as e:
+        LayerStream(broken)
+    assert e.value.code == "EVAL_RUNTIME_LOAD_FAILED"
+    assert (bundles["fp8"] / "config.json").read_text() != (broken / "config.json").read_text()  # the original kept
+
+
+def test_a_model_directory_without_a_readable_config_fails_with_its_code(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(StageFailed) as e:
+        LayerStream(tmp_path)
+    assert e.value.code == "EVAL_RUNTIME_LOAD_FAILED"
