@@ -20,7 +20,7 @@ C = 16·W·V.
 - Streaming stages (ingest, round-to-nearest quantize, every export): one tensor at a time, so
   `factor` × the largest tensor (s × its elements), on the CPU.
 - The reference streams one decoder layer at a time in float32 (on the stage's device,
-  `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_ROWS)·h (a row block of the embedding /
+  `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_BLOCK)·h (a row block of the embedding /
   lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
   window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
 - A transformers eval streams the artifact as the reference streams the source (`eval.runtimes.layer_stream`:
@@ -45,9 +45,13 @@ C = 16·W·V.
   up to the GPUs of one node) whose per-device share fits `MEMORY_UTILIZATION` of the device's memory
   (vLLM's default); on the host, the largest tensor as the checkpoint loads, and C. vLLM on the CPU holds
   the weights and that KV cache in host memory too.
-- llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C. The JAX forward restores the whole
-  checkpoint onto its device (it does not stream): its bytes + 4·V·h (lm_head cast to float32) + the KV
-  cache in float32 + A(W) + 4·W·V, and C on the host.
+- llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C.
+- The JAX forward (`eval.runtimes.jax_runtime`) restores the orbax checkpoint one decoder layer at a time
+  onto its device: s·(P_L + V·h) (a layer and the embedding or the head, as stored) + 4·P_L (the layer's
+  weights cast to float32 as used) + 4·min(V, HEAD_BLOCK)·h (a block of the head in float32) + 16·T·h (the
+  hidden states of every window, padded to its power-of-two bucket, in and out of the layer) + the KV cache
+  in float32 + A(W) + 4·W·V, and C on the host; a checkpoint of at most 256 MiB (`RESIDENT_BYTES`) is
+  restored whole, its bytes in place of the first term.
 
 A stage on a GPU needs that many GPUs (`gpus`, Ray's `num_gpus`) with `device_memory_bytes` each, and
 `memory_bytes` of host memory (its base, plus what it keeps on the host); a stage on the CPU needs no GPU
@@ -84,8 +88,6 @@ from quant.schemes import SCHEMES
 from registry.resolve.fit import MEMORY_UTILIZATION
 
 MiB = 1024 * 1024
-# Rows of the embedding / lm_head the layer-streaming forward holds in float32 at a time.
-HEAD_ROWS = 16384
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
 # The Linears each of AWQ's smoothings balances in a Llama-family layer (llm-compressor's default mappings).
 AWQ_MAPPINGS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
@@ -368,11 +370,13 @@ def nothing(sizing: Sizing, node: Any) -> Footprint:
 
 def layer_streamed(sizing: Sizing) -> Footprint:
     """The reference (and a transformers eval): one decoder layer at a time in float32."""
+    from eval.runtimes.base import HEAD_BLOCK
+
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     working = (
         4 * sizing.layer_params
-        + 4 * min(v, HEAD_ROWS) * h
+        + 4 * min(v, HEAD_BLOCK) * h
         + 8 * sizing.max_tokens * h
         + sizing.activations(w)
         + 4 * w * v
@@ -415,15 +419,23 @@ def transformers_forward(sizing: Sizing) -> Footprint:
 
 
 def jax_forward(sizing: Sizing, quant: str) -> Footprint:
-    """The JAX forward: the whole checkpoint restored onto its device, each weight cast to float32 as used."""
+    """The JAX forward (`eval.runtimes.jax_runtime`): the checkpoint restored one decoder layer at a time (a
+    checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used."""
+    from eval.runtimes.base import HEAD_BLOCK
+    from eval.runtimes.jax_runtime import RESIDENT_BYTES
+
     sh = sizing.shape
-    w = sizing.window
+    w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
+    checkpoint = sizing.weights_bytes(quant, "jax")
+    restored = checkpoint if checkpoint <= RESIDENT_BYTES else sizing.weight_bytes * (sizing.layer_params + v * h)
     working = (
-        sizing.weights_bytes(quant, "jax")
-        + 4 * sh.vocab_size * sh.hidden_size
+        restored
+        + 4 * sizing.layer_params
+        + 4 * min(v, HEAD_BLOCK) * h
+        + 16 * sizing.max_tokens * h
         + sizing.kv_cache_bytes(sizing.context, element=4)
         + sizing.activations(w)
-        + 4 * w * sh.vocab_size
+        + 4 * w * v
     )
     return Footprint(working, sizing.compare_bytes)
 
@@ -495,7 +507,7 @@ class RuntimeNeeds:
 
     vendor: str | None
     runtime_env: str | None
-    kind: str  # "streamed" (transformers) | "whole" (JAX) | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
+    kind: str  # "streamed" (transformers) | "jax" | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
     base_mib: int | None = None
     # The environment it needs on a GPU, where that differs (vLLM's CUDA build, which a GPU runner installs).
     gpu_runtime_env: str | None = None
@@ -507,7 +519,7 @@ class RuntimeNeeds:
 RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
     "transformers": RuntimeNeeds(None, None, "streamed", on_stage_device=True),
     "llama.cpp": RuntimeNeeds(None, None, "mapped", 450),
-    "jax": RuntimeNeeds(None, None, "whole", on_stage_device=True),
+    "jax": RuntimeNeeds(None, None, "jax", on_stage_device=True),
     "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),
     # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB. On a GPU: vLLM's CUDA
     # build (`vllm-cuda`), over the GPUs the stage is granted.
@@ -605,7 +617,7 @@ def eval_requirements(
         weights = sizing.weights_bytes(quant, runtime)
         footprint = Footprint(weights + sizing.kv_cache_bytes(sizing.context) + sizing.compare_bytes)
         req = on_device(stage.cpus, base, footprint, "cpu", sizing)
-    elif rt.kind == "whole":
+    elif rt.kind == "jax":
         req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
     else:
         req = on_device(stage.cpus, base, transformers_forward(sizing), device, sizing)

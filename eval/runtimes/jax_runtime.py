@@ -1,9 +1,17 @@
 """JAX: the runtime of the orbax target, a Llama-family forward pass written in JAX and run under `jax.jit`.
 
-The artifact's orbax checkpoint is restored with orbax (`targets.orbax.layout` describes it): on one
-device by default, or, with `mesh=True`, onto the artifact's mesh with every array placed by its
-`sharding.json` partition spec (`NamedSharding`), the way a TPU slice loads it; XLA then partitions
-the same jitted program over the mesh.
+The artifact's orbax checkpoint (`targets.orbax.layout` describes it) is restored one piece at a time with
+orbax's partial load (every other tensor a placeholder it does not read): the embedding table, to gather
+the calls' rows; then each decoder layer in turn, which runs over every window of the call (layer-major, as
+`eval.runtimes.layer_stream` runs transformers) and is dropped before the next is restored; then the final
+norm and the output head, applied `HEAD_BLOCK` vocabulary rows at a time (a checkpoint of at most
+`RESIDENT_BYTES` is restored once instead, and the same programs run on it). So memory is one layer, the
+largest of the embedding and the head in the checkpoint's dtype, the hidden states of the call's windows
+and one window's [tokens, vocab] float32 logits, whatever the model's size, where restoring the whole
+checkpoint held ~3x the bf16 model (`pipeline.requirements` plans with it). Arrays go
+on one device by default, or, with `mesh=True`, onto the artifact's mesh with every array placed by its
+`sharding.json` partition spec (`NamedSharding`), the way a TPU slice loads it; XLA then partitions the
+same jitted programs over the mesh.
 
 The device is explicit, never JAX's default backend: `device` is the stage's (`cpu`, `cuda:N`;
 `pipeline.placement`), the platform whose devices the arrays are restored onto (the first N+1 for
@@ -21,28 +29,32 @@ little rounding in the arithmetic as the reference has (float32 matmuls at HIGHE
 TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
 
 Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
-mask keeps it from influencing), so one compiled program serves every window of a bucket. `greedy`
-decodes on a KV cache: one prefill (a window program: the prompt padded to the cache's length, so the
-program already compiled for the eval's windows serves it), then one jitted step per token at a traced
-position. The programs are jitted once per process (static: the config and the compute dtype), so
-artifacts of the same shapes share their compilations; each compile costs about a second on a CPU.
+mask keeps it from influencing), so one compiled program serves every window of a bucket, and every
+layer: the programs are one decoder layer each. `greedy` decodes every prompt together on per-prompt KV
+caches: one prefill pass (a window program: the prompts padded to the cache's length, so the program
+already compiled for the eval's windows serves it), then one pass over the layers per token, a jitted step
+at a traced position. The programs are jitted once per process (static: the config and the compute
+dtype), so artifacts of the same shapes share their compilations.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
-from eval.runtimes.base import check_ids, import_runtime
+from eval.runtimes.base import HEAD_BLOCK, check_ids, import_runtime
 
 ComputeDtype = Literal["float32", "bfloat16"]
 MIN_BUCKET = 16
+# A checkpoint up to this size is restored once and kept (each partial restore costs orbax ~30 ms, so a small
+# model would spend more on restoring than computing); a larger one is restored piece by piece for every pass.
+RESIDENT_BYTES = 256 * 1024 * 1024
 
 
 def bucket(n: int) -> int:
@@ -51,12 +63,18 @@ def bucket(n: int) -> int:
 
 
 class JaxRuntime:
-    """An orbax artifact directory restored into JAX arrays and served by a jitted forward pass."""
+    """An orbax artifact directory served by a jitted forward pass, its checkpoint restored one layer at a time."""
 
     name = "jax"
 
     def __init__(
-        self, artifact: str | Path, *, mesh: bool = False, compute_dtype: ComputeDtype = "float32", device: str = "cpu"
+        self,
+        artifact: str | Path,
+        *,
+        mesh: bool = False,
+        compute_dtype: ComputeDtype = "float32",
+        device: str = "cpu",
+        resident_bytes: int = RESIDENT_BYTES,
     ) -> None:
         # JAX takes 75% of a GPU's memory when its CUDA backend starts, by default; the torch stages that run
         # in the same process (the local executor) need theirs, so it allocates what it uses instead.
@@ -75,96 +93,203 @@ class JaxRuntime:
         try:
             self.config = forward_config(config)
         except KilnError as e:
-            raise StageFailed(
-                f"the JAX forward cannot serve {str(self.path)!r}: {e.message}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
-                details={"runtime": self.name, "path": str(self.path)},
-            ) from None
+            raise self._load_failed(f"the JAX forward cannot serve {str(self.path)!r}: {e.message}") from None
         if weights.get("format") != FORMAT or weights.get("format_version") != FORMAT_VERSION:
-            raise StageFailed(
+            raise self._load_failed(
                 f"{str(self.path)!r} is not a {FORMAT} artifact of version {FORMAT_VERSION} "
-                f"(weights.json says {weights.get('format')!r} version {weights.get('format_version')!r})",
-                code="EVAL_RUNTIME_LOAD_FAILED",
-                details={"runtime": self.name, "path": str(self.path)},
+                f"(weights.json says {weights.get('format')!r} version {weights.get('format_version')!r})"
             )
         self.quant = str(weights.get("quant"))
         self.devices = platform_devices(device)
         self.platform = self.devices[0].platform
         try:
             self.mesh = _device_mesh(sharding["mesh"], self.devices) if mesh else None
-            self.params = _restore(
-                self.path / weights["checkpoint"], weights["tensors"], sharding, self.mesh, self.devices[0]
-            )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise StageFailed(
-                f"orbax artifact {str(self.path)!r}: weights.json or sharding.json is malformed ({e!r})",
-                code="EVAL_RUNTIME_LOAD_FAILED",
-                details={"runtime": self.name, "path": str(self.path)},
+            self._checkpoint = self.path / weights["checkpoint"]
+            self._abstract = _abstract(weights["tensors"], sharding["partition_specs"], self.mesh, self.devices[0])
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise self._load_failed(
+                f"orbax artifact {str(self.path)!r}: weights.json or sharding.json is malformed ({e!r})"
             ) from None
-        self.vocab_size = self.config.vocab_size
+        cfg = self.config
+        self._head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        missing = sorted(_forward_tensors(cfg, self._head_name) - set(self._abstract))
+        if missing:
+            raise self._load_failed(
+                f"orbax artifact {str(self.path)!r} lacks {missing[0]} ({len(missing)} tensors the forward reads)",
+                details={"missing": missing[:8]},
+            )
+        _check_stored(self._checkpoint, self._abstract)
+        self._layers = [
+            sorted(n for n in self._abstract if n.startswith(f"model.layers.{i}.")) for i in range(cfg.num_layers)
+        ]
+        self.checkpoint_bytes = sum(a.size * a.dtype.itemsize for a in self._abstract.values())
+        self._resident = self.restore(list(self._abstract)) if self.checkpoint_bytes <= resident_bytes else None
+        self.vocab_size = cfg.vocab_size
         self.compute_dtype = compute_dtype
         self._buckets: set[int] = set()  # padded lengths whose prefill program this runtime has run
-        self.version = f"jax {jax.__version__}, orbax-checkpoint {orbax_checkpoint.__version__}, on {self.platform}"
+        self.version = (
+            f"jax {jax.__version__}, orbax-checkpoint {orbax_checkpoint.__version__}, on {self.platform}, "
+            + ("restored whole" if self._resident is not None else "restored one layer at a time")
+        )
+
+    def _load_failed(self, message: str, details: dict[str, Any] | None = None) -> StageFailed:
+        return StageFailed(
+            message,
+            code="EVAL_RUNTIME_LOAD_FAILED",
+            details={"runtime": self.name, "path": str(self.path), **(details or {})},
+        )
 
     def _read_json(self, name: str) -> dict[str, Any]:
         try:
             value = json.loads((self.path / name).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise StageFailed(
-                f"orbax artifact {str(self.path)!r}: cannot read {name}: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
-                details={"runtime": self.name, "path": str(self.path), "file": name},
+            raise self._load_failed(
+                f"orbax artifact {str(self.path)!r}: cannot read {name}: {e}", details={"file": name}
             ) from None
         if not isinstance(value, dict):
-            raise StageFailed(f"orbax artifact: {name} is not a JSON object", code="EVAL_RUNTIME_LOAD_FAILED")
+            raise self._load_failed(f"orbax artifact: {name} is not a JSON object", details={"file": name})
         return value
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = check_ids(token_ids, self.vocab_size, self.name)
-        padded = np.zeros(bucket(len(ids)), dtype=np.int32)
-        padded[: len(ids)] = ids
-        out, _ = self._run_prefill(padded)
-        return np.array(out[: len(ids)], dtype=np.float32)  # a writable copy, as every runtime returns
+    # -- the Runtime protocol -------------------------------------------------------------------------------
 
-    def _run_prefill(self, padded: np.ndarray) -> tuple[Any, Any]:
-        """The window program: logits of `padded` from position 0, and a KV cache of as many positions."""
-        self._buckets.add(len(padded))
-        return _PREFILL(self.params, padded, cfg=self.config, compute_dtype=self.compute_dtype)
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        return next(self.logits_many([token_ids]))
+
+    def logits_many(self, windows: Sequence[Sequence[int]]) -> Iterator[np.ndarray]:
+        """Each window's logits, float32 [len(window), vocab], in order: every layer is restored once and runs
+        over all windows (each padded to its bucket), then the head yields one window at a time."""
+        checked = [check_ids(w, self.vocab_size, self.name) for w in windows]
+        hidden = self._embed([_padded(ids, bucket(len(ids))) for ids in checked])
+        self._buckets.update(int(x.shape[0]) for x in hidden)
+        static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
+        for names in self._layers:
+            layer = self._restore_layer(names)
+            hidden = [_PREFILL(layer, x, **static)[0] for x in hidden]
+            del layer
+        norm, head = self._restore_output()
+        for ids, x in zip(checked, hidden, strict=True):
+            yield self._head(_NORM(x[: len(ids)], norm, **static), head)
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-        return [self._greedy_one(p, n) for p in prompts]
-
-    def _greedy_one(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        ids = check_ids(prompt_ids, self.vocab_size, self.name)
-        if n <= 0:
-            return []
-        # The prompt is padded to the cache's length, so the prefill is a window program; one this runtime
-        # has already compiled (for the eval's windows) when one is long enough: an XLA compile costs ~1 s.
-        needed = bucket(len(ids) + n)
+        """Argmax continuations of every prompt, decoded together on per-prompt KV caches: one prefill pass over
+        the layers, then one pass per generated token (each layer restored once per pass, for every prompt)."""
+        checked = [check_ids(p, self.vocab_size, self.name) for p in prompts]
+        if n <= 0 or not checked:
+            return [[] for _ in checked]
+        static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
+        # Prompts are padded to the cache's length, so the prefill is a window program; one this runtime has
+        # already compiled (for the eval's windows) when one is long enough: an XLA compile costs ~1 s.
+        needed = bucket(max(len(ids) for ids in checked) + n)
         cache_len = min((b for b in self._buckets if b >= needed), default=needed)
-        padded = np.zeros(cache_len, dtype=np.int32)
-        padded[: len(ids)] = ids
-        logits, cache = self._run_prefill(padded)
-        tok = int(np.argmax(np.asarray(logits[len(ids) - 1])))
-        generated = [tok]
+        self._buckets.add(cache_len)
+        hidden = self._embed([_padded(ids, cache_len) for ids in checked])
+        caches: list[list[Any]] = []
+        for names in self._layers:
+            layer = self._restore_layer(names)
+            outs = [_PREFILL(layer, x, **static) for x in hidden]
+            del layer
+            hidden = [x for x, _ in outs]
+            caches.append([kv for _, kv in outs])
+        last = [x[len(ids) - 1 : len(ids)] for ids, x in zip(checked, hidden, strict=True)]
+        tokens = self._next_tokens(last)
+        generated = [[t] for t in tokens]
         for i in range(1, n):
-            # The token generated last goes in at the next position; its logits give the next token.
-            # Its cache row overwrites the padding's (which no query at or before it could see).
-            position = np.int32(len(ids) + i - 1)
-            step_logits, cache = _DECODE(
-                self.params,
-                np.array([tok], dtype=np.int32),
-                position,
-                cache,
-                cfg=self.config,
-                compute_dtype=self.compute_dtype,
-            )
-            tok = int(np.argmax(np.asarray(step_logits[0])))
-            generated.append(tok)
+            # The token generated last goes in at the next position; its logits give the next token. Its cache
+            # row overwrites the padding's (which no query at or before it could see).
+            positions = [np.int32(len(ids) + i - 1) for ids in checked]
+            hidden = self._embed([np.array([t], dtype=np.int32) for t in tokens])
+            for li, names in enumerate(self._layers):
+                layer = self._restore_layer(names)
+                for j, (x, pos) in enumerate(zip(hidden, positions, strict=True)):
+                    hidden[j], caches[li][j] = _DECODE(layer, x, pos, caches[li][j], **static)
+                del layer
+            tokens = self._next_tokens(hidden)
+            for row, t in zip(generated, tokens, strict=True):
+                row.append(t)
         return generated
 
     def close(self) -> None:
-        self.params = {}
+        self._buckets.clear()
+        self._resident = None
+
+    # -- restoring --------------------------------------------------------------------------------------------
+
+    def restore(self, names: Sequence[str]) -> dict[str, Any]:
+        """`{name: jax.Array}` of `names` only, placed by the artifact's sharding plan (or on the device): orbax's
+        partial load, every other tensor of the checkpoint a placeholder it does not read."""
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        from targets.orbax.layout import flatten, nest
+        from targets.orbax.writer import quiet_orbax
+
+        wanted = set(names)
+        tree = nest({n: (a if n in wanted else ocp.PLACEHOLDER) for n, a in self._abstract.items()})
+        try:
+            with quiet_orbax():
+                restored = ocp.load(self._checkpoint, tree)
+        except (OSError, ValueError) as e:
+            raise self._load_failed(f"orbax could not restore {str(self._checkpoint)!r}: {e}") from None
+        return {n: a for n, a in flatten(restored) if n in wanted}
+
+    def _arrays(self, names: Sequence[str]) -> dict[str, Any]:
+        """`names`' arrays: the resident ones of a small checkpoint, else restored for this use."""
+        if self._resident is not None:
+            return {n: self._resident[n] for n in names}
+        return self.restore(names)
+
+    def _restore_layer(self, names: list[str]) -> dict[str, Any]:
+        """One decoder layer's arrays, keyed by their names within the layer (`self_attn.q_proj.weight`)."""
+        return {n.split(".", 3)[3]: a for n, a in self._arrays(names).items()}
+
+    def _restore_output(self) -> tuple[Any, Any]:
+        arrays = self._arrays(["model.norm.weight", self._head_name])
+        return arrays["model.norm.weight"], arrays[self._head_name]
+
+    def _embed(self, ids: Sequence[np.ndarray]) -> list[Any]:
+        """Each id array's embedding rows in the compute dtype; the table is restored for the call and dropped."""
+        import jax.numpy as jnp
+
+        [table] = self._arrays(["model.embed_tokens.weight"]).values()
+        dtype = jnp.dtype(self.compute_dtype)
+        return [jnp.take(table, jnp.asarray(i, dtype=jnp.int32), axis=0).astype(dtype) for i in ids]
+
+    def _head(self, h: Any, head: Any) -> np.ndarray:
+        """[tokens, vocab] float32 logits of final hidden states `h`, `HEAD_BLOCK` vocabulary rows at a time, so
+        the [vocab, hidden] matrix is never cast whole to the compute dtype."""
+        vocab = int(head.shape[0])
+        out = np.empty((int(h.shape[0]), vocab), dtype=np.float32)
+        for lo in range(0, vocab, HEAD_BLOCK):
+            size = min(HEAD_BLOCK, vocab - lo)
+            out[:, lo : lo + size] = np.asarray(
+                _HEAD(h, head, np.int32(lo), size=size, compute_dtype=self.compute_dtype)
+            )
+        return out
+
+    def _next_tokens(self, last: list[Any]) -> list[int]:
+        """The argmax token after each prompt's last hidden state [1, hidden]."""
+        static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
+        norm, head = self._restore_output()
+        return [int(np.argmax(self._head(_NORM(x, norm, **static), head)[0])) for x in last]
+
+
+def _padded(ids: list[int], length: int) -> np.ndarray:
+    """`ids` followed by zeros up to `length` (the causal mask keeps the padding from every real token)."""
+    out = np.zeros(length, dtype=np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+def _forward_tensors(cfg: Any, head_name: str) -> set[str]:
+    """The tensors the forward reads: the embedding, each layer's norms and Linears, the final norm, the head."""
+    per_layer = (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    )
+    names = {"model.embed_tokens.weight", "model.norm.weight", head_name}
+    names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer)
+    return names
 
 
 def platform_devices(device: str) -> list[Any]:
@@ -214,18 +339,12 @@ def _device_mesh(axes: dict[str, int], devices: list[Any]) -> Any:
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _restore(
-    checkpoint: Path, tensors: dict[str, Any], sharding: dict[str, Any], mesh: Any, device: Any
-) -> dict[str, Any]:
-    """`{name: jax.Array}` restored by orbax, each placed by its partition spec on `mesh` (or on `device`)."""
+def _abstract(tensors: dict[str, Any], specs: dict[str, Any], mesh: Any, device: Any) -> dict[str, Any]:
+    """`{name: jax.ShapeDtypeStruct}` of every tensor weights.json lists, each placed by its partition spec on
+    `mesh` (or on `device`)."""
     import jax
-    import orbax.checkpoint.experimental.v1 as ocp
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    from targets.orbax.layout import flatten, nest
-    from targets.orbax.writer import quiet_orbax
-
-    specs = sharding["partition_specs"]
     if set(specs) != set(tensors):
         raise StageFailed("orbax artifact: sharding.json and weights.json list different tensors")
 
@@ -234,34 +353,41 @@ def _restore(
             return SingleDeviceSharding(device)
         return NamedSharding(mesh, PartitionSpec(*specs[name]))
 
-    abstract = {
+    return {
         name: jax.ShapeDtypeStruct(tuple(t["shape"]), jax.numpy.dtype(t["dtype"]), sharding=place(name))
         for name, t in tensors.items()
     }
+
+
+def _check_stored(checkpoint: Path, abstract: dict[str, Any]) -> None:
+    """Every tensor is in the checkpoint with the dtype and shape weights.json says (orbax would cast silently)."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    from targets.orbax.layout import flatten
+    from targets.orbax.writer import quiet_orbax
+
     try:
         with quiet_orbax():
             stored = dict(flatten(ocp.metadata(checkpoint).metadata))
-            for name, want in abstract.items():
-                have = stored.get(name)
-                if have is None or tuple(have.shape) != want.shape or np.dtype(have.dtype) != want.dtype:
-                    raise StageFailed(
-                        f"orbax checkpoint {str(checkpoint)!r}: tensor {name!r} is "
-                        f"{'missing' if have is None else f'{have.dtype} {list(have.shape)}'}, weights.json says "
-                        f"{want.dtype} {list(want.shape)}",
-                        code="EVAL_RUNTIME_LOAD_FAILED",
-                        details={"tensor": name},
-                    )
-            restored = ocp.load(checkpoint, nest(abstract))
     except (OSError, ValueError) as e:
         raise StageFailed(
-            f"orbax could not restore {str(checkpoint)!r}: {e}",
+            f"orbax could not read {str(checkpoint)!r}: {e}",
             code="EVAL_RUNTIME_LOAD_FAILED",
             details={"runtime": "jax", "path": str(checkpoint)},
         ) from None
-    return dict(flatten(restored))
+    for name, want in abstract.items():
+        have = stored.get(name)
+        if have is None or tuple(have.shape) != want.shape or np.dtype(have.dtype) != want.dtype:
+            raise StageFailed(
+                f"orbax checkpoint {str(checkpoint)!r}: tensor {name!r} is "
+                f"{'missing' if have is None else f'{have.dtype} {list(have.shape)}'}, weights.json says "
+                f"{want.dtype} {list(want.shape)}",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"tensor": name},
+            )
 
 
-# --- the forward pass (pure functions of the parameters; traced once per padded shape) -----------------
+# --- the forward pass, one decoder layer per call (pure functions; traced once per padded shape) -----------
 
 
 def _linear(params: dict[str, Any], module: str, x: Any, dtype: Any, precision: Any) -> Any:
@@ -301,19 +427,18 @@ def _rope(x: Any, positions: Any, theta: float) -> Any:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _forward(
-    params: dict[str, Any], tokens: Any, start: Any, cache: Any, *, cfg: Any, dtype: Any, precision: Any
-) -> tuple[Any, Any]:
-    """Logits [T, V] (float32) of `tokens` [T] at positions start..start+T-1, and the KV cache with them written.
-
-    `cache` holds one (keys, values) pair of [S, kv_heads, head_dim] per layer; a query attends to the
-    cached keys at positions up to its own (within the sliding window, if any).
-    """
+def _layer(
+    params: dict[str, Any], x: Any, start: Any, cache: tuple[Any, Any], *, cfg: Any, dtype: Any, precision: Any
+) -> tuple[Any, tuple[Any, Any]]:
+    """One decoder layer over hidden states `x` [T, hidden] at positions start..start+T-1, and its KV cache
+    (keys, values) of [S, kv_heads, head_dim] with them written; a query attends to the cached keys at
+    positions up to its own (within the sliding window, if any). `params` are the layer's, by their names
+    within it (`self_attn.q_proj.weight`)."""
     import jax
     import jax.numpy as jnp
 
-    t = tokens.shape[0]
-    s = cache[0][0].shape[0]
+    t = x.shape[0]
+    s = cache[0].shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     positions = start + jnp.arange(t, dtype=jnp.int32)
     keys_at = jnp.arange(s, dtype=jnp.int32)
@@ -321,33 +446,25 @@ def _forward(
     if cfg.sliding_window is not None:
         visible &= positions[:, None] - keys_at[None, :] < cfg.sliding_window
 
-    x = params["model.embed_tokens.weight"][tokens].astype(dtype)
-    new_cache = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        h = _rms_norm(x, params[p + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
-        q = _linear(params, p + "self_attn.q_proj", h, dtype, precision).reshape(t, nh, hd)
-        k = _linear(params, p + "self_attn.k_proj", h, dtype, precision).reshape(t, nkv, hd)
-        v = _linear(params, p + "self_attn.v_proj", h, dtype, precision).reshape(t, nkv, hd)
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
-        ck = jax.lax.dynamic_update_slice(cache[i][0], k.astype(cache[i][0].dtype), (start, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cache[i][1], v.astype(cache[i][1].dtype), (start, 0, 0))
-        new_cache.append((ck, cv))
-        # Grouped-query attention: query head j reads kv head j // (nh / nkv).
-        qg = q.reshape(t, nkv, nh // nkv, hd)
-        scores = jnp.einsum("tkgd,skd->kgts", qg, ck, precision=precision).astype(jnp.float32) * hd**-0.5
-        scores = jnp.where(visible[None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        attn = jnp.einsum("kgts,skd->tkgd", probs, cv, precision=precision).reshape(t, nh * hd)
-        x = x + _linear(params, p + "self_attn.o_proj", attn, dtype, precision)
-        h = _rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
-        gate = _linear(params, p + "mlp.gate_proj", h, dtype, precision)
-        up = _linear(params, p + "mlp.up_proj", h, dtype, precision)
-        x = x + _linear(params, p + "mlp.down_proj", jax.nn.silu(gate) * up, dtype, precision)
-    h = _rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps, dtype)
-    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    logits = jnp.einsum("th,vh->tv", h, head.astype(dtype), precision=precision)
-    return logits.astype(jnp.float32), tuple(new_cache)
+    h = _rms_norm(x, params["input_layernorm.weight"], cfg.rms_norm_eps, dtype)
+    q = _linear(params, "self_attn.q_proj", h, dtype, precision).reshape(t, nh, hd)
+    k = _linear(params, "self_attn.k_proj", h, dtype, precision).reshape(t, nkv, hd)
+    v = _linear(params, "self_attn.v_proj", h, dtype, precision).reshape(t, nkv, hd)
+    q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+    ck = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (start, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (start, 0, 0))
+    # Grouped-query attention: query head j reads kv head j // (nh / nkv).
+    qg = q.reshape(t, nkv, nh // nkv, hd)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, ck, precision=precision).astype(jnp.float32) * hd**-0.5
+    scores = jnp.where(visible[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    attn = jnp.einsum("kgts,skd->tkgd", probs, cv, precision=precision).reshape(t, nh * hd)
+    x = x + _linear(params, "self_attn.o_proj", attn, dtype, precision)
+    h = _rms_norm(x, params["post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
+    gate = _linear(params, "mlp.gate_proj", h, dtype, precision)
+    up = _linear(params, "mlp.up_proj", h, dtype, precision)
+    x = x + _linear(params, "mlp.down_proj", jax.nn.silu(gate) * up, dtype, precision)
+    return x, (ck, cv)
 
 
 def _arithmetic(compute_dtype: ComputeDtype) -> tuple[Any, Any]:
@@ -358,39 +475,59 @@ def _arithmetic(compute_dtype: ComputeDtype) -> tuple[Any, Any]:
     return jax.numpy.dtype(compute_dtype), precision
 
 
-def _prefill(params: dict[str, Any], tokens: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> tuple[Any, Any]:
-    """The forward over `tokens` from position 0 on an empty cache of as many positions."""
+def _prefill(params: dict[str, Any], x: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> tuple[Any, tuple[Any, Any]]:
+    """One layer over `x` from position 0, on an empty cache of as many positions."""
     import jax.numpy as jnp
 
     dtype, precision = _arithmetic(compute_dtype)
-    shape = (tokens.shape[0], cfg.num_kv_heads, cfg.head_dim)
-    cache = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
-    return _forward(params, tokens, 0, cache, cfg=cfg, dtype=dtype, precision=precision)
+    shape = (x.shape[0], cfg.num_kv_heads, cfg.head_dim)
+    cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return _layer(params, x, 0, cache, cfg=cfg, dtype=dtype, precision=precision)
 
 
 def _decode(
-    params: dict[str, Any], tokens: Any, start: Any, cache: Any, *, cfg: Any, compute_dtype: ComputeDtype
-) -> tuple[Any, Any]:
-    """The forward over `tokens` at positions from `start` (traced: one program serves every step)."""
+    params: dict[str, Any], x: Any, start: Any, cache: tuple[Any, Any], *, cfg: Any, compute_dtype: ComputeDtype
+) -> tuple[Any, tuple[Any, Any]]:
+    """One layer over `x` at positions from `start` (traced: one program serves every step)."""
     dtype, precision = _arithmetic(compute_dtype)
-    return _forward(params, tokens, start, cache, cfg=cfg, dtype=dtype, precision=precision)
+    return _layer(params, x, start, cache, cfg=cfg, dtype=dtype, precision=precision)
+
+
+def _norm(x: Any, weight: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> Any:
+    """The final RMSNorm."""
+    dtype, _ = _arithmetic(compute_dtype)
+    return _rms_norm(x, weight, cfg.rms_norm_eps, dtype)
+
+
+def _head_block(h: Any, head: Any, lo: Any, *, size: int, compute_dtype: ComputeDtype) -> Any:
+    """Logits [T, size] (float32) of vocabulary rows lo..lo+size-1 of the output head."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype, precision = _arithmetic(compute_dtype)
+    block = jax.lax.dynamic_slice_in_dim(head, lo, size, axis=0).astype(dtype)
+    return jnp.einsum("th,vh->tv", h, block, precision=precision).astype(jnp.float32)
 
 
 class _Jitted:
     """`jax.jit(fn)` made on first use (importing jax is not free); shared by every runtime in the process, so
-    artifacts of the same config, dtypes and shapes reuse one another's compiled programs."""
+    artifacts of the same config, dtypes and shapes reuse one another's compiled programs (every layer of a
+    model shares one)."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, static: tuple[str, ...] = ("cfg", "compute_dtype")) -> None:
         self._fn = fn
+        self._static = static
         self._jitted: Any = None
 
     def __call__(self, *args: Any, **static: Any) -> Any:
         if self._jitted is None:
             import jax
 
-            self._jitted = jax.jit(self._fn, static_argnames=("cfg", "compute_dtype"))
+            self._jitted = jax.jit(self._fn, static_argnames=self._static)
         return self._jitted(*args, **static)
 
 
 _PREFILL = _Jitted(_prefill)
 _DECODE = _Jitted(_decode)
+_NORM = _Jitted(_norm)
+_HEAD = _Jitted(_head_block, ("size", "compute_dtype"))

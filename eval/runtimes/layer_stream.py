@@ -42,9 +42,8 @@ from typing import Any
 import numpy as np
 
 from core.errors import Deferred, StageFailed
-from eval.runtimes.base import Runtime, check_ids, greedy_by_length, import_torch_transformers
+from eval.runtimes.base import HEAD_BLOCK, Runtime, check_ids, greedy_by_length, import_torch_transformers
 
-HEAD_BLOCK = 16384  # vocabulary rows of the output head cast and applied at a time (256 MiB at hidden 4,096)
 # Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
 STREAMED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 

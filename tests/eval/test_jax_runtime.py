@@ -85,6 +85,41 @@ def test_greedy_on_the_kv_cache_is_argmax_decoding(
     assert jax_rt.greedy([prompt], 0) == [[]]
 
 
+def test_a_streamed_checkpoint_computes_what_a_resident_one_does(
+    jax_rt: JaxRuntime, orbax_dir: Path, eval_text: EvalText, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint above `resident_bytes` is restored piece by piece for every pass, never more than one
+    decoder layer (or the embedding, or the final norm and the head) at a time, and computes the same logits
+    and greedy tokens bit for bit: the same programs run on the same arrays."""
+    streamed = JaxRuntime(orbax_dir, resident_bytes=0)
+    calls: list[list[str]] = []
+    restore = streamed.restore
+    monkeypatch.setattr(streamed, "restore", lambda names: calls.append(list(names)) or restore(names))
+    try:
+        assert "restored one layer at a time" in streamed.version and "restored whole" in jax_rt.version
+        windows = [eval_text.windows[0], eval_text.windows[1][:40], eval_text.windows[2]]
+        for got, want in zip(streamed.logits_many(windows), jax_rt.logits_many(windows), strict=True):
+            assert np.array_equal(got, want)
+        n_layers = streamed.config.num_layers
+        assert len(calls) == n_layers + 2  # the embedding, each layer once for every window, the norm and head
+        prompts = [list(eval_text.prompts[0]), list(eval_text.prompts[2][:7])]
+        assert streamed.greedy(prompts, 6) == jax_rt.greedy(prompts, 6)
+        for names in calls:
+            layers = {n.split(".")[2] if n.startswith("model.layers.") else None for n in names}
+            assert (
+                len(layers) == 1
+                and None not in layers
+                or sorted(names)
+                in (
+                    ["model.embed_tokens.weight"],
+                    ["lm_head.weight", "model.norm.weight"],
+                )
+            ), names
+        assert len(calls) == (n_layers + 2) * 7  # the windows' pass, then 6 tokens' passes (prefill included)
+    finally:
+        streamed.close()
+
+
 def test_jax_runtime_adds_no_bos(jax_rt: JaxRuntime, reference: CachedRuntime, eval_text: EvalText) -> None:
     ids = list(eval_text.windows[2][1:40])
     assert ids[0] != eval_text.bos_token_id
@@ -112,6 +147,17 @@ def test_jax_runtime_rejects_what_it_cannot_run(jax_rt: JaxRuntime, orbax_dir: P
     (newer / "weights.json").write_text(json.dumps({**weights, "format_version": 99}))
     with pytest.raises(StageFailed, match="version 99"):
         JaxRuntime(newer)
+
+    partial = tmp_path / "partial"  # weights.json and sharding.json agree, but a layer's tensor is gone
+    shutil.copytree(orbax_dir, partial)
+    for name in ("weights.json", "sharding.json"):
+        doc = json.loads((partial / name).read_text())
+        table = doc["tensors"] if name == "weights.json" else doc["partition_specs"]
+        del table["model.layers.1.mlp.up_proj.weight"]
+        (partial / name).write_text(json.dumps(doc))
+    with pytest.raises(StageFailed) as e:
+        JaxRuntime(partial)
+    assert e.value.code == "EVAL_RUNTIME_LOAD_FAILED" and "lacks model.layers.1.mlp.up_proj.weight" in e.value.message
 
     tampered = tmp_path / "tampered"
     shutil.copytree(orbax_dir, tampered)

@@ -40,6 +40,12 @@ REFERENCE_ON_DEVICE = 4 * P_L + 4 * 16384 * h + 8 * T * h + ACT + 4 * W * V
 REFERENCE_HOST = 600 * MiB + 2 * P_L + 4 * W * V
 assert REFERENCE_ON_DEVICE == 7_056_982_016  # 6.6 GiB: one 80 GB GPU holds it
 
+# The JAX eval of orbax-bf16: one bf16 layer as restored and in float32 as used, the head (or embedding) as
+# restored, a float32 block of it, every window's hidden states padded to its bucket (in and out), every
+# layer's float32 KV cache of W + G tokens, one window through the layer and its logits.
+JAX_ON_DEVICE = 2 * (P_L + V * h) + 4 * P_L + 4 * 16384 * h + 16 * T * h + 2 * L * kv * (W + G) * 4 + ACT + 4 * W * V
+assert JAX_ON_DEVICE == 13_306_527_744  # 12.4 GiB, where the whole checkpoint restored was 141 GB + its casts
+
 # GPTQ: one bf16 layer, the Hessians of q/k/v/gate/up (in = h), o (in = q) and down (in = f), one sample,
 # and while down (the widest) is factorised a second copy of its Hessian and its weight in float32.
 GPTQ_ON_DEVICE = 2 * P_L + 4 * (5 * h * h + q * q + f * f) + 4 * SEQ * (4 * h + 3 * f) + 4 * f * f + 4 * f * h
@@ -155,6 +161,16 @@ def test_a_gpu_plan_for_70b_equals_the_hand_calculation(tmp_path: Path, gpu: str
         assert req[node]["device_memory_bytes"] == REFERENCE_ON_DEVICE, node
         assert req[node]["memory_bytes"] == REFERENCE_HOST + COMPARE, node
         assert req[node]["fits"] and req[node]["gpus"] == 1, node
+    # The JAX eval restores the orbax checkpoint one layer at a time onto one GPU.
+    assert req["eval/orbax-bf16"] == {
+        **on_gpu,
+        "cpus": 2,
+        "gpus": 1,
+        "devices": 1,
+        "device_memory_bytes": JAX_ON_DEVICE,
+        "memory_bytes": 600 * MiB + COMPARE,
+        "runtime_env": None,
+    }
 
 
 def test_a_cpu_plan_for_70b_holds_everything_in_host_memory(tmp_path: Path) -> None:
