@@ -107,7 +107,7 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str
 
     from formats.hf_model import open_source
     from quant.calibrated import calibrate, calibration_samples
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
     from quant.store import write_quantized
 
     baseline_kb = _vm_kb("VmHWM")

@@ -53,8 +53,8 @@ def main() -> None:
 
     from eval.metrics import kl_divergence, log_softmax
     from eval.text import load_text
+    from quant.catalog import SCHEMES
     from quant.rtn import weight_scale
-    from quant.schemes import SCHEMES
 
     torch.set_num_threads(args.threads)
     text = load_text(args.model, args.text)

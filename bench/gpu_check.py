@@ -307,7 +307,7 @@ def step_gptq_layer(args: argparse.Namespace) -> dict[str, Any]:
 
     from formats.hf_model import open_source
     from quant.calibrated import calibrate
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
 
     shape = (
         {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4}

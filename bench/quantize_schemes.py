@@ -42,7 +42,7 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     import torch  # noqa: F401
 
     from formats.hf_model import open_source
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
     from quant.store import write_quantized
 
     scheme = get_scheme(scheme_name)
@@ -96,7 +96,7 @@ def main() -> None:
         _child(*args.child)
         return
     sys.path.insert(0, str(ROOT))
-    from quant.schemes import SCHEMES
+    from quant.catalog import SCHEMES
 
     names = args.schemes.split(",") if args.schemes else [n for n, s in SCHEMES.items() if s.quantized]
     rows = []

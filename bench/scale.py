@@ -202,9 +202,9 @@ def make_model(out: Path, size: Size, tokenizer: Path, seed: int = 0) -> Path:
 def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
     """(quantize stage output, export output, transient during the export) in bytes, from the shape alone."""
     from formats.safetensors import DTYPES
+    from quant.catalog import get_scheme
     from quant.footprint import checkpoint_bytes
     from quant.rtn import planned_tensors, quantizes
-    from quant.schemes import get_scheme
 
     tensors = size.tensors()
     matrices = sum(math.prod(s) for _, s in tensors if len(s) == 2)

@@ -4,8 +4,8 @@ A `Gate` is frozen data; a threshold left at `None` is not checked (the metric i
 `gate_for(quant, overrides)` returns the documented default for a scheme with the recipe's
 overrides applied; `check(metrics, gate)` says whether the metrics pass and, if not, why.
 
-Default gates (`DEFAULT_GATES`)
--------------------------------
+Default gates (`DEFAULT_GATES`; a method's own row is its `gate` in `quant.methods`)
+------------------------------------------------------------------------------
 
 Metrics are measured against the reference (transformers on CPU, bf16 weights in float32 math);
 `kl` is the mean KL(reference || candidate) in nats per token, `top1` the fraction of positions
@@ -61,6 +61,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import RecipeInvalid, UnknownName
+from quant.catalog import METHODS
+from quant.methods import dense, int4, int8
+from quant.methods.base import GateDefaults
 
 
 class EvalMetrics(BaseModel):
@@ -116,27 +119,20 @@ class GateResult(BaseModel):
     failures: list[str]
 
 
-_LOSSLESS = Gate(max_kl=1e-3, min_top1=0.99, max_ppl_increase=0.005)
-_8BIT = Gate(max_kl=0.015, min_top1=0.93, max_ppl_increase=0.02)
-_4BIT_CALIBRATED = Gate(max_kl=0.06, min_top1=0.85, max_ppl_increase=0.08)
-_4BIT_ROUNDED = Gate(max_kl=0.15, min_top1=0.80, max_ppl_increase=0.15)
+def _gate(defaults: GateDefaults) -> Gate:
+    return Gate(max_kl=defaults.max_kl, min_top1=defaults.min_top1, max_ppl_increase=defaults.max_ppl_increase)
 
-# The table in the module docstring, as data. Keys are the scheme names the targets declare.
+
+# The table in the module docstring, as data: every method of the catalog (`quant.catalog`) with its own
+# defaults, and the GGUF types beside the method of similar fidelity.
 DEFAULT_GATES: Mapping[str, Gate] = {
     "f32": Gate(max_kl=1e-4, min_top1=0.995, max_ppl_increase=0.001),
-    "f16": _LOSSLESS,
-    "bf16": _LOSSLESS,
+    "f16": _gate(dense.LOSSLESS),
     "q8_0": Gate(max_kl=5e-3, min_top1=0.95, max_ppl_increase=0.01),
-    "q6_k": _8BIT,
-    "int8-w8a16": _8BIT,
-    "int8-w8a8": _8BIT,
-    "fp8": Gate(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03),
-    "fp8-block": Gate(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03),
-    "q4_k_m": _4BIT_CALIBRATED,
-    "w4a16-gptq": _4BIT_CALIBRATED,
-    "w4a16-awq": _4BIT_CALIBRATED,
-    "q4_0": _4BIT_ROUNDED,
-    "int4-rtn": _4BIT_ROUNDED,
+    "q6_k": _gate(int8.GATE),
+    "q4_k_m": _gate(int4.CALIBRATED),
+    "q4_0": _gate(int4.ROUNDED),
+    **{name: _gate(method.gate) for name, method in METHODS.items()},
 }
 
 GATE_KEYS: tuple[str, ...] = tuple(Gate.model_fields)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from core.errors import InvalidInput, KilnError
+from quant.catalog import METHODS
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,8 @@ Kernels = Literal["native", "emulated"]
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
 BLOCK = 128
-NATIVE_SCHEMES = ("fp8", "fp8-block", "int8-w8a8")
+# The catalog's methods whose matmuls take 8-bit inputs (W8A8): fp8, fp8-block, int8-w8a8.
+NATIVE_SCHEMES = tuple(name for name, m in METHODS.items() if m.matmul_dtype != "bf16")
 
 
 class KernelUnavailable(KilnError):
@@ -299,20 +301,12 @@ def _bundle_scheme(bundle: Path) -> str:
         raise InvalidInput(f"{bundle}: not a one-scheme compressed-tensors bundle")
     (group,) = groups.values()
     w, a = group.get("weights") or {}, group.get("input_activations") or {}
-    if w.get("type") == "float" and w.get("strategy") == "channel" and a.get("type") == "float":
-        return "fp8"
-    if (
-        w.get("type") == "float"
-        and w.get("strategy") == "block"
-        and list(w.get("block_structure") or [])
-        == [
-            BLOCK,
-            BLOCK,
-        ]
-    ):
-        return "fp8-block"
-    if w.get("type") == "int" and w.get("num_bits") == 8 and w.get("strategy") == "channel" and a.get("type") == "int":
-        return "int8-w8a8"
+    stored = (w.get("type"), w.get("num_bits"), w.get("strategy"), list(w.get("block_structure") or []))
+    for name in NATIVE_SCHEMES:
+        sw, sa = METHODS[name].scheme.weights, METHODS[name].scheme.input_activations
+        assert sw is not None and sa is not None
+        if stored == (sw.type, sw.num_bits, sw.strategy, list(sw.block_structure or [])) and a.get("type") == sa.type:
+            return name
     raise InvalidInput(
         f"{bundle}: its quantization is none of {', '.join(NATIVE_SCHEMES)}", details={"known": list(NATIVE_SCHEMES)}
     )

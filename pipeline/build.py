@@ -39,7 +39,7 @@ from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
 from pipeline.store import StageStore, require_input
 from quant.calibrated import calibration_dtype
-from quant.schemes import get_scheme
+from quant.catalog import get_scheme
 from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"

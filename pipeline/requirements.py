@@ -83,8 +83,8 @@ from formats.gguf.constants import QUANTS as GGUF_QUANTS
 from formats.gguf.constants import FileType, TensorType, tensor_nbytes
 from formats.hf_model import ModelShape, SourceModel
 from formats.safetensors import DTYPES
+from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes
-from quant.schemes import SCHEMES
 from registry.resolve.fit import MEMORY_UTILIZATION
 
 MiB = 1024 * 1024

@@ -17,8 +17,8 @@ from typing import Any
 
 from formats.hf_model import ModelShape
 from formats.safetensors import DTYPES
+from quant.catalog import get_scheme
 from quant.rtn import check_shapes, planned_tensors, quantizes
-from quant.schemes import get_scheme
 
 
 def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:

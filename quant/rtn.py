@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput
+from quant.methods.base import FLOAT_FORMATS, weight_storage
 from quant.schemes import Scheme, WeightQuant
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 # The Linear layers of the llama / mistral / qwen2 decoder blocks, by weight name.
 LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-FP8_E4M3_MAX = 448.0
 
 
 class QuantShapeError(InvalidInput):
@@ -92,7 +92,8 @@ def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[t
     else:
         scale = (rows, 1)
     if scheme.format == "float-quantized":
-        return [(f"{module}.weight", "F8_E4M3", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
+        stored = FLOAT_FORMATS[weight_storage(w)].safetensors
+        return [(f"{module}.weight", stored, (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
     if scheme.format == "int-quantized":
         return [(f"{module}.weight", "I8", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
     return [
@@ -117,7 +118,8 @@ def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
         absmax = x.abs().unflatten(-1, (-1, w.group_size)).amax(dim=-1)
     else:
         absmax = x.abs().amax(dim=-1, keepdim=True)
-    qmax = FP8_E4M3_MAX if w.type == "float" else (2**w.num_bits - 1) / 2
+    fmt = FLOAT_FORMATS.get(weight_storage(w))
+    qmax = fmt.max if fmt is not None else (2**w.num_bits - 1) / 2
     exact = absmax / qmax
     scale = exact.to(torch.bfloat16)
     # Round up, never down: then |w| / scale <= qmax for every element and nothing clips beyond the grid.

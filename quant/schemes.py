@@ -1,4 +1,4 @@
-"""Quantization schemes as frozen, validated data with named presets, and where each one runs.
+"""Quantization schemes as frozen, validated data: how a method stores and computes a model's Linear layers.
 
 A `Scheme` says how the Linear layers of a model are stored (weights) and computed (activations);
 embeddings, norms and `lm_head` stay bf16. Its field names follow compressed-tensors'
@@ -13,26 +13,8 @@ exactly as compressed-tensors 0.19 `infer_module_format` would choose it:
 - int weights with int activations           -> `int-quantized`   (int8 W8A8: one int8 per weight)
 - no quantization                            -> `dense`
 
-This module is plain data (no torch): the registry imports `targets`.
-
-Hardware compatibility (`compatibility(scheme)`), with the facts it rests on:
-
-- NVIDIA FP8 tensor cores start at Ada/Hopper (sm89+), so fp8 does not run natively on an A100
-  (sm80); vLLM's compressed-tensors W8A8-FP8 path needs capability 89. Block-scaled fp8 (128x128
-  weight blocks, activations per token in groups of 128) runs through CUTLASS/DeepGEMM on sm90+ and
-  vLLM's Triton block kernel on sm89.
-- int8 W8A8 (dynamic per-token int8 activations) runs through vLLM's CUTLASS int8 scaled-mm on
-  NVIDIA sm75+ and its Triton int8 scaled-mm on ROCm.
-- AMD MI300X/MI325X (gfx942) compute in float8_e4m3fnuz, MI350/MI355X (gfx950) in OCP e4m3fn.
-  vLLM converts an e4m3fn checkpoint on gfx942 at load (the -128 bit pattern becomes 0, scales
-  double), so fp8 bundles list mi300x/mi325x with that note.
-- Weight-only int4/int8 (W4A16/W8A16, compressed-tensors `pack-quantized`) run through vLLM's
-  WNA16 kernels (Marlin, Machete) on NVIDIA sm80+ and through its Triton/ExLlama kernels on ROCm.
-- GPTQ and AWQ (`method`) only choose the int4 values and scales, from calibration data; the
-  checkpoint is the same `pack-quantized` W4A16 layout as round-to-nearest, so it runs wherever
-  int4-rtn runs. On ROCm vLLM runs AWQ through Triton kernels (no Marlin there).
-- On an x86_64 CPU every scheme runs through transformers + compressed-tensors, which decompresses the
-  weights to bf16/fp32 (no speed-up, same numbers as the GPU kernels up to arithmetic order).
+This module is plain data (no torch): the registry imports `targets`. The methods built from these types
+(their presets, dtypes, gates and hardware verdicts) are in `quant.methods`, gathered by `quant.catalog`.
 """
 
 from __future__ import annotations
@@ -40,9 +22,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from core.errors import UnknownName
-from core.hardware import PROFILES, HardwareProfile
 
 QuantType = Literal["int", "float"]
 CompressionFormat = Literal["dense", "pack-quantized", "float-quantized", "int-quantized"]
@@ -154,153 +133,8 @@ def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> Compre
     return "int-quantized"
 
 
-_DEFAULT_GROUP = 128
-
-# The int4 weight layout shared by round-to-nearest, GPTQ and AWQ: only how scales are chosen differs.
-_W4_GROUPED = WeightQuant(num_bits=4, type="int", strategy="group", group_size=_DEFAULT_GROUP)
-
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
-    for s in [
-        Scheme(name="bf16", description="the checkpoint's bf16 weights, unquantized", format="dense", method="none"),
-        Scheme(
-            name="fp8",
-            description="FP8 E4M3 weights per output channel (scale = absmax / 448), dynamic per-token FP8 activations",
-            weights=WeightQuant(num_bits=8, type="float", strategy="channel"),
-            input_activations=ActivationQuant(num_bits=8, type="float"),
-            format="float-quantized",
-            method="rtn",
-        ),
-        Scheme(
-            name="fp8-block",
-            description="FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token "
-            "and 128 columns",
-            weights=WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
-            input_activations=ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
-            format="float-quantized",
-            method="rtn",
-        ),
-        Scheme(
-            name="int8-w8a8",
-            description="W8A8: symmetric int8 weights per output channel, dynamic per-token int8 activations",
-            weights=WeightQuant(num_bits=8, type="int", strategy="channel"),
-            input_activations=ActivationQuant(num_bits=8, type="int"),
-            format="int-quantized",
-            method="rtn",
-        ),
-        Scheme(
-            name="int8-w8a16",
-            description="W8A16: symmetric int8 weights per output channel, bf16 activations",
-            weights=WeightQuant(num_bits=8, type="int", strategy="channel"),
-            format="pack-quantized",
-            method="rtn",
-        ),
-        Scheme(
-            name="int4-rtn",
-            description="W4A16: symmetric int4 weights, round-to-nearest, one scale per 128 input columns",
-            weights=_W4_GROUPED,
-            format="pack-quantized",
-            method="rtn",
-        ),
-        Scheme(
-            name="w4a16-gptq",
-            description="W4A16: symmetric int4 weights, one scale per 128 input columns, chosen by GPTQ on sample text",
-            weights=_W4_GROUPED,
-            format="pack-quantized",
-            method="gptq",
-        ),
-        Scheme(
-            name="w4a16-awq",
-            description="W4A16: symmetric int4 weights, one scale per 128 input columns, AWQ-smoothed on sample text",
-            weights=_W4_GROUPED,
-            format="pack-quantized",
-            method="awq",
-        ),
-    ]
-}
-
-
-def get_scheme(name: str) -> Scheme:
-    """The preset called `name`; an unknown name is an error listing the known ones."""
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise UnknownName(
-            f"unknown quantization scheme {name!r}; known: {', '.join(SCHEMES)}",
-            details={"scheme": name, "known": list(SCHEMES)},
-        ) from None
-
-
 class Verdict(_Frozen):
     """Whether a scheme runs on one hardware profile, and why."""
 
     compatible: bool
     reason: str
-
-
-def _fnuz_fp8(arch: str) -> str:
-    return (
-        f"{arch} computes in float8_e4m3fnuz; vLLM converts this e4m3fn checkpoint at load "
-        "(the -128 bit pattern becomes 0, scales double)"
-    )
-
-
-def _verdict(scheme: Scheme, hw: HardwareProfile) -> Verdict:
-    if hw.family == "cpu":
-        if hw.arch != "x86_64":
-            return Verdict(
-                compatible=False,
-                reason=f"{hw.name} ({hw.arch}) is served GGUF by llama.cpp; bundles are tested on x86_64",
-            )
-        if scheme.quantized:
-            return Verdict(compatible=True, reason="transformers + compressed-tensors decompress the weights on CPU")
-        return Verdict(compatible=True, reason="transformers on CPU")
-    if hw.family not in ("cuda", "rocm"):
-        return Verdict(compatible=False, reason=f"{hw.family} does not run vLLM or transformers bundles")
-    w = scheme.weights
-    if hw.family == "cuda":
-        cc = hw.compute_capability or 0
-        if cc < 80:
-            return Verdict(compatible=False, reason=f"vLLM needs sm80+; {hw.name} is {hw.arch}")
-        if w is None:
-            return Verdict(compatible=True, reason=f"bf16 on {hw.arch}")
-        if w.type == "float":
-            if cc < 89:
-                return Verdict(
-                    compatible=False, reason=f"FP8 tensor cores need sm89+ (Ada/Hopper); {hw.name} is {hw.arch}"
-                )
-            if w.strategy == "block":
-                kernel = "CUTLASS/DeepGEMM block-scaled" if cc >= 90 else "Triton block-scaled"
-                return Verdict(compatible=True, reason=f"FP8 (e4m3fn) 128x128-block matmuls via {kernel} on {hw.arch}")
-            return Verdict(compatible=True, reason=f"native FP8 (e4m3fn) matmuls on {hw.arch}")
-        if scheme.input_activations is not None:
-            return Verdict(compatible=True, reason=f"int8 W8A8 through vLLM's CUTLASS int8 scaled-mm on {hw.arch}")
-        return Verdict(compatible=True, reason=f"W{w.num_bits}A16 through vLLM's Marlin/Machete kernels on sm80+")
-    # ROCm
-    if w is None:
-        return Verdict(compatible=True, reason=f"bf16 on {hw.arch}")
-    if w.type == "float":
-        if hw.fp8 == "e4m3fnuz":
-            return Verdict(compatible=True, reason=_fnuz_fp8(hw.arch))
-        if hw.fp8 == "e4m3fn":
-            return Verdict(
-                compatible=True, reason=f"{hw.arch} computes in OCP float8_e4m3fn, the checkpoint's own type"
-            )
-        return Verdict(compatible=False, reason=f"{hw.name} ({hw.arch}) has no FP8 units")
-    if scheme.input_activations is not None:
-        return Verdict(compatible=True, reason=f"int8 W8A8 through vLLM's Triton int8 scaled-mm on ROCm ({hw.arch})")
-    if scheme.method == "awq":
-        return Verdict(
-            compatible=True, reason=f"AWQ W{w.num_bits}A16 through vLLM's Triton AWQ kernels on ROCm ({hw.arch})"
-        )
-    return Verdict(compatible=True, reason=f"W{w.num_bits}A16 through vLLM's Triton kernels on ROCm ({hw.arch})")
-
-
-def compatibility(scheme: Scheme, profiles: dict[str, HardwareProfile] | None = None) -> dict[str, Verdict]:
-    """For every hardware profile: whether a bundle of `scheme` runs on it, and why (or why not)."""
-    return {name: _verdict(scheme, hw) for name, hw in (profiles or PROFILES).items()}
-
-
-def compatible_hardware(scheme: Scheme) -> dict[str, str]:
-    """Hardware a bundle of `scheme` runs on, with the reason for each."""
-    return {name: v.reason for name, v in compatibility(scheme).items() if v.compatible}

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
+from quant.catalog import get_scheme
 from quant.rtn import check_shapes, planned_tensors, quantize_weight, quantizes
-from quant.schemes import Scheme, get_scheme
+from quant.schemes import Scheme
 
 if TYPE_CHECKING:
     import torch

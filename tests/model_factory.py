@@ -112,7 +112,7 @@ def make_bundle(
 ) -> Path:
     """`scheme`'s round-to-nearest hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`."""
     from formats.hf_model import open_source
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
     from quant.store import open_quantized, write_quantized
     from targets.base import ExportRequest
     from targets.hf_bundle.export import export as hf_export

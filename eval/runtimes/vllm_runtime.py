@@ -69,7 +69,7 @@ KV_CACHE_BYTES = 256 * 1024 * 1024  # vLLM on CPU reserves this for the KV cache
 class WeightScheme:
     """What a compressed-tensors config group says of the weights and activations of its layers."""
 
-    weight_type: str  # "int" or "float"
+    weight_type: str  # "int" or "float" (FP8 only at 8 bits: an FP4 group is float at 4)
     weight_bits: int
     weight_strategy: str  # "tensor", "channel", "group", "block"
     activations: bool  # activations quantized too (W8A8) or not (weight-only)
@@ -127,7 +127,7 @@ CPU_LIMITS: tuple[Limitation, ...] = (
     ),
     Limitation(
         "FP8 W8A8",
-        lambda s: s.weight_type == "float" and s.weight_strategy != "block" and s.activations,
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy != "block" and s.activations,
         "fp8_matmul",
         "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm, which has no usable FP8 matmul here",
     ),
@@ -140,7 +140,7 @@ CPU_LIMITS: tuple[Limitation, ...] = (
     ),
     Limitation(
         "block FP8",
-        lambda s: s.weight_type == "float" and s.weight_strategy == "block",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
         "amx",
         "vLLM runs block-scaled FP8 on CPU with AMX kernels only (CPUFp8BlockScaledMMKernel)",
     ),
@@ -157,7 +157,12 @@ DEFAULT_DTYPE = "float32"
 COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
     ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
     ("int8 W8A8 with AMX", int8_w8a8, "bfloat16", True),
-    ("block FP8", lambda s: s.weight_type == "float" and s.weight_strategy == "block", "bfloat16", False),
+    (
+        "block FP8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
+        "bfloat16",
+        False,
+    ),
 )
 
 

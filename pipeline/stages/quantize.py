@@ -21,7 +21,8 @@ from pipeline.records import QuantizeRecord
 from pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
 from pipeline.stage import Node, Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
-from quant.schemes import Scheme, get_scheme
+from quant.catalog import get_scheme
+from quant.schemes import Scheme
 
 if TYPE_CHECKING:
     from quant.store import QuantizedWeights

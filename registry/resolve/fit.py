@@ -33,7 +33,7 @@ from core.hardware import (
     HardwareProfile,
     MatmulDtype,
 )
-from quant.schemes import SCHEMES
+from quant.catalog import METHODS
 
 GIB = 1024**3
 
@@ -59,10 +59,6 @@ _HIDDEN = ("hidden_size", "n_embd", "hidden")
 _INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
 _VOCAB = ("vocab_size", "n_vocab")
 _TIED = "tie_word_embeddings"
-
-# Quants whose matmuls take 8-bit inputs, beside the schemes (`quant.schemes`) that say so themselves.
-# Everything else (bf16, weight-only int8/int4, GGUF types) computes in bf16 after dequantizing.
-_MATMUL_DTYPES: dict[str, MatmulDtype] = {"fp8": "fp8", "fp8-block": "fp8", "int8-w8a8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -146,10 +142,8 @@ def matmul_dtype(quant: str) -> MatmulDtype:
 
     Weight-only schemes (W8A16, W4A16, GGUF types) dequantize to bf16 before each matmul. On hardware
     without fp8/int8 units `HardwareProfile.matmul_tflops` falls back to bf16."""
-    scheme = SCHEMES.get(quant)
-    if scheme is not None and scheme.input_activations is not None:
-        return "fp8" if scheme.input_activations.type == "float" else "int8"
-    return _MATMUL_DTYPES.get(quant, "bf16")
+    method = METHODS.get(quant)
+    return method.matmul_dtype if method is not None else "bf16"
 
 
 def _kv_bytes(kv_dtype: str) -> int:

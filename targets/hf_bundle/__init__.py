@@ -1,6 +1,6 @@
 """Target `hf-bundle`: an HF-format directory (config, tokenizer, SafeTensors shards) for vLLM and transformers.
 
-bf16 copies the checkpoint's weights; every other scheme (`quant.schemes`) is written in the
+bf16 copies the checkpoint's weights; every other method of the catalog (`quant.catalog`) is written in the
 compressed-tensors format vLLM loads, from the shared quantize stage's output.
 """
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidInput
 from formats.safetensors import SafeTensorsWriter
-from quant.schemes import SCHEMES, Scheme, Verdict, compatibility, compatible_hardware, get_scheme
+from quant.catalog import SCHEMES, compatibility, compatible_hardware, get_scheme
+from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 CODE_VERSION = "2"
 QUANTS = tuple(SCHEMES)
 QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
-# Every hardware profile some scheme runs on; each artifact records its own list (see quant.schemes).
+# Every hardware profile some scheme runs on; each artifact records its own list (see quant.catalog).
 HARDWARE = tuple(dict.fromkeys(hw for s in SCHEMES.values() for hw in compatible_hardware(s)))
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"

@@ -24,7 +24,8 @@ from typing import Any, Final
 
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
-from quant.schemes import SCHEMES, Verdict
+from quant.catalog import SCHEMES
+from quant.schemes import Verdict
 from targets.orbax.sharding import mesh_from_params
 
 FORMAT: Final = "orbax-checkpoint"

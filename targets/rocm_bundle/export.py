@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import InvalidInput
 from core.hardware import PROFILES
-from quant.schemes import SCHEMES, Scheme, Verdict, compatibility, get_scheme
+from quant.catalog import SCHEMES, compatibility, get_method, get_scheme
+from quant.schemes import Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import (
     DEFAULT_SHARD_BYTES,
@@ -138,10 +139,6 @@ def rocm_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]
     }
 
 
-def _is_fp8(scheme: Scheme) -> bool:
-    return scheme.weights is not None and scheme.weights.type == "float"
-
-
 def to_fnuz(planned: list[Planned]) -> list[Planned]:
     """The plan with every FP8 weight stored as e4m3fnuz and its scale doubled (read lazily, one at a time)."""
     fp8_modules = {p.name.removesuffix(".weight") for p in planned if p.dtype == "F8_E4M3"}
@@ -165,7 +162,7 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
     scheme, quantized = checked_inputs("rocm-bundle", req)
     arch = ROCM_ARCHES[params.gfx_arch]
     planned = plan_tensors(source, quantized, req.on_progress)
-    fp8 = _is_fp8(scheme)
+    fp8 = get_method(scheme.name).weight_dtype == "float8_e4m3fn"
     if fp8 and params.fp8_dtype == "e4m3fnuz":
         planned = to_fnuz(planned)
     files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, params.max_shard_bytes)

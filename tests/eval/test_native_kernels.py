@@ -25,7 +25,7 @@ from eval.native_kernels import (
 )
 from eval.runtimes.transformers_runtime import TransformersRuntime
 from formats.hf_model import open_source
-from quant.schemes import get_scheme
+from quant.catalog import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest
 from targets.hf_bundle.export import export

@@ -47,7 +47,7 @@ def test_gptq_calibrates_on_the_gpu_one_layer_at_a_time(model_dir: Path, tmp_pat
 
     from formats.hf_model import open_source
     from quant.calibrated import calibrate
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
 
     source = open_source(model_dir)
     samples = [list(range(1 + i, 65 + i)) for i in range(4)]

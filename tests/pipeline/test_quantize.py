@@ -11,6 +11,7 @@ from formats.safetensors import DTYPES
 from pipeline.build import plan
 from pipeline.recipe import parse_recipe
 from pipeline.stage import WorkDir
+from quant.catalog import get_scheme
 from quant.rtn import (
     QuantShapeError,
     check_shapes,
@@ -20,7 +21,6 @@ from quant.rtn import (
     quantizes,
     weight_scale,
 )
-from quant.schemes import get_scheme
 from tests.model_factory import make_model
 
 LAYER = "model.layers.3.mlp.down_proj.weight"

@@ -12,7 +12,7 @@ from core.errors import InvalidInput
 from formats.hf_model import open_source
 from pipeline.records import QuantizeRecord
 from quant.calibrated import CalibrationTooShort, calibrate, calibration_dtype, calibration_samples
-from quant.schemes import get_scheme
+from quant.catalog import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest
 from targets.hf_bundle.export import export

@@ -333,7 +333,7 @@ def _rtn_calibration(source: Any, scheme: Any) -> Any:
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The example model's hf-bundle for every scheme (round-to-nearest quantization: cheap)."""
     from formats.hf_model import open_source
-    from quant.schemes import get_scheme
+    from quant.catalog import get_scheme
     from quant.store import open_quantized, write_quantized
     from targets.base import ExportRequest
     from targets.hf_bundle.export import export

@@ -14,7 +14,7 @@ from pipeline.stage import Node, WorkDir
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import quantize as quantize_stage
-from quant.schemes import SCHEMES, get_scheme
+from quant.catalog import SCHEMES, get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target
 from targets.hf_bundle.export import export

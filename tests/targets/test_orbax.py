@@ -23,7 +23,7 @@ from core.manifest import ArtifactManifest, FileEntry
 from eval.metrics import compare
 from eval.runtimes import JaxRuntime
 from formats.hf_model import SourceModel, open_source
-from quant.schemes import get_scheme
+from quant.catalog import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
 from targets.orbax.layout import INT8

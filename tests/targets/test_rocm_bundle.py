@@ -9,7 +9,7 @@ import pytest
 from core.errors import InvalidInput, RecipeInvalid
 from formats.hf_model import open_source
 from pipeline.recipe import parse_recipe
-from quant.schemes import get_scheme
+from quant.catalog import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target
 from targets.rocm_bundle.export import export

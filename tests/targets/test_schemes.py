@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from core.errors import UnknownName
 from core.hardware import PROFILES
-from quant.schemes import SCHEMES, Scheme, WeightQuant, compatibility, compatible_hardware, get_scheme
+from quant.catalog import SCHEMES, compatibility, compatible_hardware, get_scheme
+from quant.schemes import Scheme, WeightQuant
 
 
 def test_presets_are_the_issue_schemes() -> None:

@@ -1,0 +1,72 @@
+"""The catalog of quantization methods: one table (`METHODS`), gathered from one module per family.
+
+Every quant-keyed table elsewhere is derived from it (`SCHEMES`, the gates of `eval.gates`, the matmul
+dtype resolve sizes with, the FP8 handling of the ROCm bundle and of round-to-nearest) or checked against it
+by a test that fails when a method is missing from a target's table (tests/quant/test_catalog.py). Adding a
+method is its family module (or a new one listed in `FAMILIES`), and its rows in the targets that build it.
+
+`compatibility(scheme)` answers, for every hardware profile of `core.hardware`, whether a bundle of the
+method runs there and why: the same for every method on a CPU (transformers + compressed-tensors decompress
+the weights on x86_64; other CPUs are served GGUF), on TPUs and on NVIDIA GPUs older than sm80 (vLLM's
+floor); otherwise the method's own `on_cuda` / `on_rocm`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from core.errors import UnknownName
+from core.hardware import PROFILES, HardwareProfile
+from quant.methods import dense, fp8, int4, int8
+from quant.methods.base import Method
+from quant.schemes import Scheme, Verdict
+
+FAMILIES: Final = (dense, fp8, int8, int4)
+METHODS: Final[dict[str, Method]] = {m.name: m for family in FAMILIES for m in family.METHODS}
+SCHEMES: Final[dict[str, Scheme]] = {name: m.scheme for name, m in METHODS.items()}
+
+
+def get_method(name: str) -> Method:
+    """The method called `name`; an unknown name is an error listing the known ones."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise UnknownName(
+            f"unknown quantization scheme {name!r}; known: {', '.join(METHODS)}",
+            details={"scheme": name, "known": list(METHODS)},
+        ) from None
+
+
+def get_scheme(name: str) -> Scheme:
+    """The scheme of the method called `name`; an unknown name is an error listing the known ones."""
+    return get_method(name).scheme
+
+
+def _verdict(method: Method, hw: HardwareProfile) -> Verdict:
+    if hw.family == "cpu":
+        if hw.arch != "x86_64":
+            return Verdict(
+                compatible=False,
+                reason=f"{hw.name} ({hw.arch}) is served GGUF by llama.cpp; bundles are tested on x86_64",
+            )
+        if method.scheme.quantized:
+            return Verdict(compatible=True, reason="transformers + compressed-tensors decompress the weights on CPU")
+        return Verdict(compatible=True, reason="transformers on CPU")
+    if hw.family == "cuda":
+        if (hw.compute_capability or 0) < 80:
+            return Verdict(compatible=False, reason=f"vLLM needs sm80+; {hw.name} is {hw.arch}")
+        return method.on_cuda(method, hw)
+    if hw.family == "rocm":
+        return method.on_rocm(method, hw)
+    return Verdict(compatible=False, reason=f"{hw.family} does not run vLLM or transformers bundles")
+
+
+def compatibility(scheme: Scheme, profiles: dict[str, HardwareProfile] | None = None) -> dict[str, Verdict]:
+    """For every hardware profile: whether a bundle of `scheme` runs on it, and why (or why not)."""
+    method = get_method(scheme.name)
+    return {name: _verdict(method, hw) for name, hw in (profiles or PROFILES).items()}
+
+
+def compatible_hardware(scheme: Scheme) -> dict[str, str]:
+    """Hardware a bundle of `scheme` runs on, with the reason for each."""
+    return {name: v.reason for name, v in compatibility(scheme).items() if v.compatible}

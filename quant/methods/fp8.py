@@ -1,0 +1,79 @@
+"""FP8 E4M3 W8A8: weights per output channel or in 128x128 blocks, activations quantized per token at run time.
+
+- NVIDIA FP8 tensor cores start at Ada/Hopper (sm89+), so fp8 does not run natively on an A100 (sm80);
+  vLLM's compressed-tensors W8A8-FP8 path needs capability 89. Block-scaled fp8 (128x128 weight blocks,
+  activations per token in groups of 128) runs through CUTLASS/DeepGEMM on sm90+ and vLLM's Triton block
+  kernel on sm89.
+- AMD MI300X/MI325X (gfx942) compute in float8_e4m3fnuz, MI350/MI355X (gfx950) in OCP e4m3fn. vLLM
+  converts an e4m3fn checkpoint on gfx942 at load (the -128 bit pattern becomes 0, scales double), so fp8
+  bundles list mi300x/mi325x with that note.
+"""
+
+from __future__ import annotations
+
+from core.hardware import HardwareProfile
+from quant.methods.base import GateDefaults, Method
+from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
+
+GATE = GateDefaults(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03)
+
+
+def _on_cuda(method: Method, hw: HardwareProfile) -> Verdict:
+    cc = hw.compute_capability or 0
+    if cc < 89:
+        return Verdict(compatible=False, reason=f"FP8 tensor cores need sm89+ (Ada/Hopper); {hw.name} is {hw.arch}")
+    w = method.scheme.weights
+    if w is not None and w.strategy == "block":
+        kernel = "CUTLASS/DeepGEMM block-scaled" if cc >= 90 else "Triton block-scaled"
+        return Verdict(compatible=True, reason=f"FP8 (e4m3fn) 128x128-block matmuls via {kernel} on {hw.arch}")
+    return Verdict(compatible=True, reason=f"native FP8 (e4m3fn) matmuls on {hw.arch}")
+
+
+def fnuz_note(arch: str) -> str:
+    return (
+        f"{arch} computes in float8_e4m3fnuz; vLLM converts this e4m3fn checkpoint at load "
+        "(the -128 bit pattern becomes 0, scales double)"
+    )
+
+
+def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
+    if hw.fp8 == "e4m3fnuz":
+        return Verdict(compatible=True, reason=fnuz_note(hw.arch))
+    if hw.fp8 == "e4m3fn":
+        return Verdict(compatible=True, reason=f"{hw.arch} computes in OCP float8_e4m3fn, the checkpoint's own type")
+    return Verdict(compatible=False, reason=f"{hw.name} ({hw.arch}) has no FP8 units")
+
+
+FP8 = Method(
+    Scheme(
+        name="fp8",
+        description="FP8 E4M3 weights per output channel (scale = absmax / 448), dynamic per-token FP8 activations",
+        weights=WeightQuant(num_bits=8, type="float", strategy="channel"),
+        input_activations=ActivationQuant(num_bits=8, type="float"),
+        format="float-quantized",
+        method="rtn",
+    ),
+    weight_dtype="float8_e4m3fn",
+    activation_dtype="float8_e4m3fn",
+    gate=GATE,
+    on_cuda=_on_cuda,
+    on_rocm=_on_rocm,
+)
+FP8_BLOCK = Method(
+    Scheme(
+        name="fp8-block",
+        description="FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token "
+        "and 128 columns",
+        weights=WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
+        input_activations=ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
+        format="float-quantized",
+        method="rtn",
+    ),
+    weight_dtype="float8_e4m3fn",
+    activation_dtype="float8_e4m3fn",
+    gate=GATE,
+    on_cuda=_on_cuda,
+    on_rocm=_on_rocm,
+)
+
+METHODS = (FP8, FP8_BLOCK)
