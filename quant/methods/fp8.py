@@ -19,12 +19,11 @@ GATE = GateDefaults(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03)
 
 
 def _on_cuda(method: Method, hw: HardwareProfile) -> Verdict:
-    cc = hw.compute_capability or 0
-    if cc < 89:
+    if hw.fp8 != "e4m3fn":  # the catalog's fact: FP8 tensor cores, Ada (sm89) on
         return Verdict(compatible=False, reason=f"FP8 tensor cores need sm89+ (Ada/Hopper); {hw.name} is {hw.arch}")
     w = method.scheme.weights
     if w is not None and w.strategy == "block":
-        kernel = "CUTLASS/DeepGEMM block-scaled" if cc >= 90 else "Triton block-scaled"
+        kernel = "CUTLASS/DeepGEMM block-scaled" if (hw.compute_capability or 0) >= 90 else "Triton block-scaled"
         return Verdict(compatible=True, reason=f"FP8 (e4m3fn) 128x128-block matmuls via {kernel} on {hw.arch}")
     return Verdict(compatible=True, reason=f"native FP8 (e4m3fn) matmuls on {hw.arch}")
 
