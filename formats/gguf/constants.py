@@ -68,6 +68,7 @@ class TensorType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    MXFP4 = 39
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ TYPE_TRAITS: Final[dict[TensorType, TypeTraits]] = {
     TensorType.Q4_K: TypeTraits(QK_K, 2 + 2 + QK_K // 2 + 12),
     TensorType.Q5_K: TypeTraits(QK_K, 2 + 2 + QK_K // 2 + QK_K // 8 + 12),
     TensorType.Q6_K: TypeTraits(QK_K, 2 + QK_K // 2 + QK_K // 4 + QK_K // 16),
+    TensorType.MXFP4: TypeTraits(32, 1 + 16),  # E8M0 shared exponent + 32 E2M1 nibbles (OCP MX)
 }
 
 
@@ -112,6 +114,7 @@ class FileType(IntEnum):
     MOSTLY_Q4_K_M = 15
     MOSTLY_Q6_K = 18
     MOSTLY_BF16 = 32
+    MOSTLY_MXFP4_MOE = 38  # llama.cpp's only MXFP4 file type (named for gpt-oss's experts)
 
 
 class TokenType(IntEnum):
@@ -235,6 +238,9 @@ QUANTS: Final[dict[str, QuantSpec]] = {
         # llama-quantize gives Q4_0's output tensor Q6_K; kiln writes Q4_0 itself and keeps output at
         # Q8_0, the best type it writes bit-exactly, because output is the most sensitive tensor.
         QuantSpec("q4_0", FileType.MOSTLY_Q4_0, TensorType.Q4_0, output_type=TensorType.Q8_0),
+        # OCP MXFP4: blocks of 32 E2M1 values sharing a power-of-two (E8M0) scale, as MI355X and Blackwell
+        # compute; the output tensor stays Q8_0 as for Q4_0.
+        QuantSpec("mxfp4", FileType.MOSTLY_MXFP4_MOE, TensorType.MXFP4, output_type=TensorType.Q8_0),
         QuantSpec("q4_k_m", FileType.MOSTLY_Q4_K_M, None, llama_ftype=FileType.MOSTLY_Q4_K_M),
         QuantSpec("q6_k", FileType.MOSTLY_Q6_K, None, llama_ftype=FileType.MOSTLY_Q6_K),
     )

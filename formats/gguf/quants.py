@@ -1,7 +1,7 @@
-"""Encoders from float tensors to GGUF tensor bytes: F32, F16, BF16, Q8_0, Q4_0.
+"""Encoders from float tensors to GGUF tensor bytes: F32, F16, BF16, Q8_0, Q4_0, MXFP4.
 
-Q8_0 and Q4_0 are bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref /
-quantize_row_q4_0_ref, as ported to numpy in gguf-py's `gguf.quants`). They are vectorised over
+Q8_0, Q4_0 and MXFP4 are bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref /
+quantize_row_q4_0_ref / quantize_row_mxfp4_ref, as ported to numpy in gguf-py's `gguf.quants`). They are vectorised over
 many blocks at once with torch ops on row chunks: every step is an elementwise IEEE float32
 operation (no fused multiply-add, exact division), so the bytes match the reference, while torch's
 reductions over the 32-wide blocks are several times faster than numpy's along a short last axis.
@@ -78,9 +78,38 @@ def quantize_q4_0(x: torch.Tensor) -> np.ndarray:
     return out.numpy().reshape(rows, -1)
 
 
+# OCP MX E2M1 values, doubled (ggml's kvalues_mxfp4): index i of a nibble is the value kvalues[i] * d / 2.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> np.ndarray:
+    """MXFP4 of float rows (last dim a multiple of 32): an E8M0 exponent and 32 packed E2M1 nibbles.
+
+    ggml's quantize_row_mxfp4_ref: e = floor(log2(max |x|)) - 2 + 127 (0 for an all-zero block), the
+    half-scale d = 2^(e - 128) (`ggml_e8m0_to_fp32_half`), and each value the nibble whose doubled E2M1 value
+    times d is nearest (the first on a tie); value j and j + 16 share byte j."""
+    import torch
+
+    rows = x.shape[0] if x.dim() > 1 else 1
+    blocks = x.to(torch.float32).reshape(-1, 32)
+    amax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).add_(0.0)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0.0).to(torch.int32)
+    # 2^(e - 128) as float32 bits: subnormal for e < 2 (0x00200000 << e), else the exponent field e - 1
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    err = (d[:, None, None] * values - blocks[:, :, None]).abs_()
+    q = err.argmin(dim=2).to(torch.uint8)  # the first minimum, as the reference's strict `<`
+    out = torch.empty((blocks.shape[0], 17), dtype=torch.uint8)
+    out[:, 0] = e.to(torch.uint8)
+    torch.bitwise_or(q[:, :16], q[:, 16:] << 4, out=out[:, 1:])
+    return out.numpy().reshape(rows, -1)
+
+
 QUANTIZERS: dict[TensorType, Callable[[torch.Tensor], np.ndarray]] = {
     TensorType.Q8_0: quantize_q8_0,
     TensorType.Q4_0: quantize_q4_0,
+    TensorType.MXFP4: quantize_mxfp4,
 }
 
 

@@ -1,6 +1,6 @@
 """The `gguf` target: a SafeTensors Llama-family release -> one GGUF v3 file llama.cpp loads.
 
-F16, BF16, Q8_0 and Q4_0 are written by kiln in one streaming pass. Q4_K_M and Q6_K are produced
+F16, BF16, Q8_0, Q4_0 and MXFP4 are written by kiln in one streaming pass. Q4_K_M and Q6_K are produced
 by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python) from a lossless
 intermediate GGUF that kiln writes first and removes afterwards, so their per-tensor type mix is
 exactly llama-quantize's.

@@ -9,9 +9,8 @@ from pydantic import ValidationError
 
 from core.errors import RecipeInvalid, UnknownName
 from eval.gates import DEFAULT_GATES, GATE_KEYS, EvalMetrics, Gate, check, gate_for
-
-GGUF_QUANTS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q6_k")
-HF_BUNDLE_QUANTS = ("bf16",)
+from formats.gguf.constants import QUANTS as GGUF_QUANTS
+from quant.catalog import METHODS
 
 
 def metrics(**changes: float | None) -> EvalMetrics:
@@ -22,7 +21,7 @@ def metrics(**changes: float | None) -> EvalMetrics:
     return EvalMetrics.model_validate({**base, **changes})
 
 
-@pytest.mark.parametrize("quant", sorted({*GGUF_QUANTS, *HF_BUNDLE_QUANTS}))
+@pytest.mark.parametrize("quant", sorted({*GGUF_QUANTS, *METHODS}))
 def test_every_offered_quant_has_a_default(quant: str) -> None:
     gate = gate_for(quant)
     assert gate == DEFAULT_GATES[quant]

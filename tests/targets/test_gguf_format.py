@@ -12,7 +12,7 @@ import torch
 
 from core.errors import InvalidInput, StageFailed
 from formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, Keys, TensorType, ValueType
-from formats.gguf.quants import F16Overflow, encode, quantize_q4_0, quantize_q8_0
+from formats.gguf.quants import F16Overflow, encode, quantize_mxfp4, quantize_q4_0, quantize_q8_0
 from formats.gguf.writer import GGUFWriter, WriterMisuse, WriterState
 from tests.file_builders import gguf_bytes, gguf_string
 
@@ -138,7 +138,7 @@ def _edge_rows() -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("ours", "qtype"),
-    [(quantize_q8_0, "Q8_0"), (quantize_q4_0, "Q4_0")],
+    [(quantize_q8_0, "Q8_0"), (quantize_q4_0, "Q4_0"), (quantize_mxfp4, "MXFP4")],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantizers_are_bit_exact_with_gguf_py(ours, qtype: str, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
