@@ -164,7 +164,7 @@ class JaxRuntime:
         static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
         for names in self._layers:
             layer = self._restore_layer(names)
-            hidden = [_PREFILL(layer, x, **static)[0] for x in hidden]
+            hidden = _done([_PREFILL(layer, x, **static)[0] for x in hidden])
             del layer
         norm, head = self._restore_output()
         for ids, x in zip(checked, hidden, strict=True):
@@ -186,7 +186,7 @@ class JaxRuntime:
         caches: list[list[Any]] = []
         for names in self._layers:
             layer = self._restore_layer(names)
-            outs = [_PREFILL(layer, x, **static) for x in hidden]
+            outs = _done([_PREFILL(layer, x, **static) for x in hidden])
             del layer
             hidden = [x for x, _ in outs]
             caches.append([kv for _, kv in outs])
@@ -202,6 +202,7 @@ class JaxRuntime:
                 layer = self._restore_layer(names)
                 for j, (x, pos) in enumerate(zip(hidden, positions, strict=True)):
                     hidden[j], caches[li][j] = _DECODE(layer, x, pos, caches[li][j], **static)
+                _done(hidden)
                 del layer
             tokens = self._next_tokens(hidden)
             for row, t in zip(generated, tokens, strict=True):
@@ -270,6 +271,14 @@ class JaxRuntime:
         static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
         norm, head = self._restore_output()
         return [int(np.argmax(self._head(_NORM(x, norm, **static), head)[0])) for x in last]
+
+
+def _done(outputs: Any) -> Any:
+    """`outputs` once computed. JAX dispatches asynchronously: without waiting, the next layer would be restored
+    while this one still computes, and on a slow device every layer of the model could be held at once."""
+    import jax
+
+    return jax.block_until_ready(outputs)
 
 
 def _padded(ids: list[int], length: int) -> np.ndarray:
