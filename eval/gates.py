@@ -21,7 +21,8 @@ where both pick the same next token, `ppl +` the relative perplexity increase
 | fp8, fp8-block           | 0.02   | 0.92     | 0.03             | -                |
 | q4_k_m                   | 0.06   | 0.85     | 0.08             | -                |
 | w4a16-gptq, w4a16-awq    | 0.06   | 0.85     | 0.08             | -                |
-| q4_0, mxfp4, int4-rtn    | 0.15   | 0.80     | 0.15             | -                |
+| q4_0, mxfp4, nvfp4,      | 0.15   | 0.80     | 0.15             | -                |
+| int4-rtn                 |        |          |                  |                  |
 
 Why these values:
 
@@ -40,9 +41,9 @@ Why these values:
   quantization of a hard model passes, while a broken file (the missing permutation above)
   misses by more than an order of magnitude. The example model sits far inside (q8_0 KL 8e-5,
   q4_k_m 3e-3, q4_0 4e-3; top-1 0.992 / 0.947 / 0.938).
-- MXFP4 (OCP MX: 32 E2M1 values sharing a power-of-two scale) takes Q4_0's gate: both are 4-bit values
-  with one scale per 32, MXFP4's rounded to a power of two (the example model: KL 7.6e-3 against Q4_0's
-  4.1e-3, top-1 0.921 against 0.938).
+- MXFP4 (OCP MX: 32 E2M1 values sharing a power-of-two scale) and llama.cpp's NVFP4 (16 E2M1 values
+  under an E4M3 scale) take Q4_0's gate: 4-bit values with one scale per 32 or 16 (the example model:
+  KL 7.6e-3 and 4.9e-3 against Q4_0's 4.1e-3; top-1 0.921 and 0.931 against 0.938).
 - hf-bundle schemes sit next to the GGUF type of similar fidelity: int8 (which may also quantize
   activations) with q6_k, GPTQ/AWQ 4-bit with q4_k_m, round-to-nearest int4 with q4_0; fp8 e4m3
   has 3 mantissa bits and dynamic activation scales, between q6_k and q4_k_m.
@@ -136,6 +137,7 @@ DEFAULT_GATES: Mapping[str, Gate] = {
     "q4_k_m": _gate(int4.CALIBRATED),
     "q4_0": _gate(int4.ROUNDED),
     "mxfp4": _gate(int4.ROUNDED),
+    "nvfp4": _gate(int4.ROUNDED),
     **{name: _gate(method.gate) for name, method in METHODS.items()},
 }
 

@@ -69,6 +69,7 @@ class TensorType(IntEnum):
     Q6_K = 14
     BF16 = 30
     MXFP4 = 39
+    NVFP4 = 40
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ TYPE_TRAITS: Final[dict[TensorType, TypeTraits]] = {
     TensorType.Q5_K: TypeTraits(QK_K, 2 + 2 + QK_K // 2 + QK_K // 8 + 12),
     TensorType.Q6_K: TypeTraits(QK_K, 2 + QK_K // 2 + QK_K // 4 + QK_K // 16),
     TensorType.MXFP4: TypeTraits(32, 1 + 16),  # E8M0 shared exponent + 32 E2M1 nibbles (OCP MX)
+    TensorType.NVFP4: TypeTraits(64, 4 + 32),  # four UE4M3 scales, one per 16, + 64 E2M1 nibbles
 }
 
 
@@ -115,6 +117,7 @@ class FileType(IntEnum):
     MOSTLY_Q6_K = 18
     MOSTLY_BF16 = 32
     MOSTLY_MXFP4_MOE = 38  # llama.cpp's only MXFP4 file type (named for gpt-oss's experts)
+    MOSTLY_NVFP4 = 39
 
 
 class TokenType(IntEnum):
@@ -241,6 +244,10 @@ QUANTS: Final[dict[str, QuantSpec]] = {
         # OCP MXFP4: blocks of 32 E2M1 values sharing a power-of-two (E8M0) scale, as MI355X and Blackwell
         # compute; the output tensor stays Q8_0 as for Q4_0.
         QuantSpec("mxfp4", FileType.MOSTLY_MXFP4_MOE, TensorType.MXFP4, output_type=TensorType.Q8_0),
+        # NVIDIA's NVFP4 as llama.cpp stores it: E2M1 values in blocks of 16, each with an unsigned E4M3 scale
+        # (no per-tensor scale), encoded by ggml's own quantizer (the pinned llama.cpp's llama_model_quantize
+        # refuses its file type); the output tensor stays Q8_0.
+        QuantSpec("nvfp4", FileType.MOSTLY_NVFP4, TensorType.NVFP4, output_type=TensorType.Q8_0),
         QuantSpec("q4_k_m", FileType.MOSTLY_Q4_K_M, None, llama_ftype=FileType.MOSTLY_Q4_K_M),
         QuantSpec("q6_k", FileType.MOSTLY_Q6_K, None, llama_ftype=FileType.MOSTLY_Q6_K),
     )

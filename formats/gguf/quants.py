@@ -1,7 +1,8 @@
-"""Encoders from float tensors to GGUF tensor bytes: F32, F16, BF16, Q8_0, Q4_0, MXFP4.
+"""Encoders from float tensors to GGUF tensor bytes: F32, F16, BF16, Q8_0, Q4_0, MXFP4, NVFP4.
 
 Q8_0, Q4_0 and MXFP4 are bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref /
-quantize_row_q4_0_ref / quantize_row_mxfp4_ref, as ported to numpy in gguf-py's `gguf.quants`). They are vectorised over
+quantize_row_q4_0_ref / quantize_row_mxfp4_ref, as ported to numpy in gguf-py's `gguf.quants`); NVFP4 is
+ggml's own quantizer, called in the pinned llama.cpp's library. They are vectorised over
 many blocks at once with torch ops on row chunks: every step is an elementwise IEEE float32
 operation (no fused multiply-add, exact division), so the bytes match the reference, while torch's
 reductions over the 32-wide blocks are several times faster than numpy's along a short last axis.
@@ -17,9 +18,11 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from core.errors import Deferred
 
 from .constants import TYPE_TRAITS, TensorType
 
@@ -106,10 +109,50 @@ def quantize_mxfp4(x: torch.Tensor) -> np.ndarray:
     return out.numpy().reshape(rows, -1)
 
 
+def quantize_nvfp4(x: torch.Tensor) -> np.ndarray:
+    """NVFP4 of float rows (last dim a multiple of 64), as llama.cpp stores it: per 16 values an unsigned E4M3
+    scale and 16 E2M1 nibbles, four such groups to a 36-byte block. Encoded by ggml's own reference quantizer
+    (`ggml_quantize_chunk` in the pinned llama.cpp's libggml, which its CPU kernels are written against)."""
+    import torch
+
+    quantize = _ggml_quantize_chunk()
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous().numpy()
+    traits = TYPE_TRAITS[TensorType.NVFP4]
+    out = np.empty((rows.shape[0], rows.shape[1] // traits.block_size * traits.type_size), dtype=np.uint8)
+    written = quantize(int(TensorType.NVFP4), rows.ctypes.data, out.ctypes.data, 0, rows.shape[0], rows.shape[1], None)
+    if written != out.nbytes:
+        raise ValueError(f"ggml wrote {written} bytes of NVFP4 for {out.nbytes}")
+    return out
+
+
+def _ggml_quantize_chunk() -> Any:
+    """ggml's `size_t ggml_quantize_chunk(type, const float *src, void *dst, start, nrows, n_per_row, imatrix)`
+    from llama-cpp-python's libggml; Deferred where llama-cpp-python is not installed."""
+    global _QUANTIZE_CHUNK
+    if _QUANTIZE_CHUNK is None:
+        import ctypes
+
+        try:
+            from llama_cpp import _ggml
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise Deferred(
+                f"GGUF NVFP4 is encoded by llama.cpp's quantizer (llama-cpp-python), not installed here: {e}",
+                details={"needs": "llama-cpp-python>=0.3"},
+            ) from None
+        fn = _ggml.libggml.ggml_quantize_chunk
+        fn.restype = ctypes.c_size_t
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+        _QUANTIZE_CHUNK = fn
+    return _QUANTIZE_CHUNK
+
+
+_QUANTIZE_CHUNK: Any = None
+
 QUANTIZERS: dict[TensorType, Callable[[torch.Tensor], np.ndarray]] = {
     TensorType.Q8_0: quantize_q8_0,
     TensorType.Q4_0: quantize_q4_0,
     TensorType.MXFP4: quantize_mxfp4,
+    TensorType.NVFP4: quantize_nvfp4,
 }
 
 

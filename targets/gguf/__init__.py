@@ -45,7 +45,7 @@ SPEC = register(
         code_version=CODE_VERSION,
         export=_export,
         prepare=_prepare,
-        description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0/MXFP4 written by kiln, Q4_K_M/Q6_K by llama.cpp's "
+        description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0/MXFP4/NVFP4 written by kiln, Q4_K_M/Q6_K by llama.cpp's "
         "quantizer",
     )
 )

@@ -1,9 +1,9 @@
 """The `gguf` target: a SafeTensors Llama-family release -> one GGUF v3 file llama.cpp loads.
 
-F16, BF16, Q8_0, Q4_0 and MXFP4 are written by kiln in one streaming pass. Q4_K_M and Q6_K are produced
-by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python) from a lossless
-intermediate GGUF that kiln writes first and removes afterwards, so their per-tensor type mix is
-exactly llama-quantize's.
+F16, BF16, Q8_0, Q4_0, MXFP4 and NVFP4 are written by kiln in one streaming pass (NVFP4 encoded by
+ggml's quantizer). Q4_K_M and Q6_K are produced by llama.cpp's own quantizer (`llama_model_quantize`
+through llama-cpp-python) from a lossless intermediate GGUF that kiln writes first and removes
+afterwards, so their per-tensor type mix is exactly llama-quantize's.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from targets.gguf.export import export
 from tests.model_factory import make_model
 
 EXAMPLE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "model"
-QUANTS = ("f16", "bf16", "q8_0", "q4_0", "mxfp4", "q4_k_m", "q6_k")
+QUANTS = ("f16", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "q4_k_m", "q6_k")
 # Row lengths (hidden 256, intermediate 512) are whole K-quant super-blocks, so every type applies.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(family="llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2),
@@ -227,6 +227,7 @@ LIMITS = {
     "q6_k": dict(top1=0.7, max_abs=0.6, kl=2e-3),
     "q4_0": dict(top1=0.3, max_abs=1.5, kl=1.5e-2),
     "mxfp4": dict(top1=0.3, max_abs=1.5, kl=2.5e-2),
+    "nvfp4": dict(top1=0.3, max_abs=1.5, kl=2.5e-2),
     "q4_k_m": dict(top1=0.3, max_abs=1.5, kl=1.5e-2),
 }
 
@@ -282,7 +283,7 @@ def dequantized_state(path: Path, family: str, n_layers: int = 2) -> dict[str, t
     return state
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "mxfp4", "q4_k_m", "q6_k"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "mxfp4", "nvfp4", "q4_k_m", "q6_k"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_quantized_file_computes_what_its_weights_say(
     family: str,
@@ -306,6 +307,7 @@ def test_k_quant_files_use_llama_cpp_type_mix(exported: Callable[..., tuple[Path
         ("q6_k", FileType.MOSTLY_Q6_K, {"Q6_K"}),
         ("q4_0", FileType.MOSTLY_Q4_0, {"Q4_0", "Q8_0"}),
         ("mxfp4", FileType.MOSTLY_MXFP4_MOE, {"MXFP4", "Q8_0"}),
+        ("nvfp4", FileType.MOSTLY_NVFP4, {"NVFP4", "Q8_0"}),
         ("q8_0", FileType.MOSTLY_Q8_0, {"Q8_0"}),
     ):
         path, res = exported("llama", quant)

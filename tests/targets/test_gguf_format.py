@@ -12,7 +12,7 @@ import torch
 
 from core.errors import InvalidInput, StageFailed
 from formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, Keys, TensorType, ValueType
-from formats.gguf.quants import F16Overflow, encode, quantize_mxfp4, quantize_q4_0, quantize_q8_0
+from formats.gguf.quants import F16Overflow, encode, quantize_mxfp4, quantize_nvfp4, quantize_q4_0, quantize_q8_0
 from formats.gguf.writer import GGUFWriter, WriterMisuse, WriterState
 from tests.file_builders import gguf_bytes, gguf_string
 
@@ -149,6 +149,31 @@ def test_quantizers_are_bit_exact_with_gguf_py(ours, qtype: str, dtype: torch.dt
         np.testing.assert_array_equal(ours(x), ref)
         streamed = np.concatenate([c.reshape(-1) for c in encode(x, TensorType[qtype])])
         np.testing.assert_array_equal(streamed, ref.reshape(-1))
+
+
+def test_fp4_types_are_llama_cpps_own_bytes() -> None:
+    """MXFP4 (kiln's port) equals ggml's own quantizer in the pinned llama.cpp byte for byte; NVFP4 is that
+    quantizer, and gguf-py reads it back as blocks of 16 E2M1 values under one E4M3 scale."""
+    import ctypes
+
+    from llama_cpp import _ggml
+
+    chunk = _ggml.libggml.ggml_quantize_chunk
+    chunk.restype = ctypes.c_size_t
+    chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    for x in (torch.from_numpy(_edge_rows()), torch.randn(300, 128) * 0.02, torch.randn(8, 4096) * 3):
+        rows = x.to(torch.float32).contiguous().numpy()
+        ggml = np.empty((rows.shape[0], rows.shape[1] // 32 * 17), dtype=np.uint8)
+        chunk(int(TensorType.MXFP4), rows.ctypes.data, ggml.ctypes.data, 0, rows.shape[0], rows.shape[1], None)
+        np.testing.assert_array_equal(quantize_mxfp4(x), ggml)
+    x = torch.randn(64, 512) * 0.02
+    nv = quantize_nvfp4(x)
+    assert nv.shape == (64, 512 // 64 * 36)
+    back = gguf.quants.dequantize(nv, gguf.GGMLQuantizationType.NVFP4)
+    err = np.sqrt(((back - x.numpy()) ** 2).mean() / (x.numpy() ** 2).mean())
+    assert 0.02 < err < 0.15, err  # 4-bit values: about 10 % RMS error, never exact, never garbage
+    streamed = np.concatenate([c.reshape(-1) for c in encode(x, TensorType.NVFP4)])
+    np.testing.assert_array_equal(streamed, nv.reshape(-1))
 
 
 def test_encode_f16_and_bf16_bytes() -> None:
