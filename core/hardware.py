@@ -25,7 +25,10 @@ CATALOG_FILE = Path(__file__).with_name("hardware.yaml")
 
 Family = Literal["cuda", "rocm", "tpu", "cpu", "metal"]
 Fp8Flavour = Literal["e4m3fn", "e4m3fnuz"]
-MatmulDtype = Literal["bf16", "fp8", "int8"]
+# The 4-bit float block formats a device's matmuls take natively: NVIDIA's NVFP4 (16 E2M1 values under an E4M3
+# scale, and a float32 tensor scale) and the OCP MX format's MXFP4 (32 E2M1 values under an E8M0 scale).
+Fp4Format = Literal["nvfp4", "mxfp4"]
+MatmulDtype = Literal["bf16", "fp8", "int8", "fp4"]
 HARDWARE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,31}$"
 _WORD = r"^[A-Za-z0-9][A-Za-z0-9._ -]{0,63}$"
 
@@ -67,6 +70,7 @@ class Tflops(_Frozen):
     bf16: float = _number(TFLOPS)
     fp8: float | None = _number(TFLOPS, default=None)
     int8: float | None = _number(TFLOPS, default=None)
+    fp4: float | None = _number(TFLOPS, default=None)
 
 
 class Interconnect(_Frozen):
@@ -92,6 +96,9 @@ class HardwareProfile(_Frozen):
         description="NVIDIA only, e.g. 90",
     )
     fp8: Fp8Flavour | None = Field(default=None, description="the FP8 type its matmuls take; None: no FP8 units")
+    fp4: tuple[Fp4Format, ...] = Field(
+        default=(), max_length=2, description="the FP4 block formats its matmuls take; empty: no FP4 units"
+    )
     memory_gib: float = _number(MEMORY_GIB)
     bandwidth_gbs: float = _number(BANDWIDTH_GBS)
     tflops: Tflops
@@ -108,6 +115,10 @@ class HardwareProfile(_Frozen):
             raise ValueError("a node of several devices needs its interconnect (for tensor parallelism)")
         if self.fp8 is not None and self.tflops.fp8 is None:
             raise ValueError("a device with FP8 units needs tflops.fp8")
+        if bool(self.fp4) != (self.tflops.fp4 is not None):
+            raise ValueError("tflops.fp4 is given exactly for a device with FP4 units (fp4: its formats)")
+        if len(set(self.fp4)) != len(self.fp4):
+            raise ValueError("fp4 lists each format once")
         if any(not (0 < len(p) <= 64) or not p.isprintable() for p in self.products):
             raise ValueError("products are printable names of 1 to 64 characters")
         return self
@@ -122,7 +133,7 @@ class HardwareProfile(_Frozen):
     @property
     def architecture(self) -> tuple[object, ...]:
         """What decides which artifacts a device runs: targets read these fields, never the SKU's name."""
-        return (self.vendor, self.family, self.arch, self.compute_capability, self.fp8)
+        return (self.vendor, self.family, self.arch, self.compute_capability, self.fp8, self.fp4)
 
     @property
     def device_name(self) -> str:

@@ -261,9 +261,8 @@ class JaxRuntime:
         out = np.empty((int(h.shape[0]), vocab), dtype=np.float32)
         for lo in range(0, vocab, HEAD_BLOCK):
             size = min(HEAD_BLOCK, vocab - lo)
-            out[:, lo : lo + size] = np.asarray(
-                _HEAD(h, head, np.int32(lo), size=size, compute_dtype=self.compute_dtype)
-            )
+            # Sliced outside the program: inside it, XLA's first run held a second copy of the whole head.
+            out[:, lo : lo + size] = np.asarray(_HEAD(h, head[lo : lo + size], compute_dtype=self.compute_dtype))
         return out
 
     def _next_tokens(self, last: list[Any]) -> list[int]:
@@ -508,14 +507,12 @@ def _norm(x: Any, weight: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> Any:
     return _rms_norm(x, weight, cfg.rms_norm_eps, dtype)
 
 
-def _head_block(h: Any, head: Any, lo: Any, *, size: int, compute_dtype: ComputeDtype) -> Any:
-    """Logits [T, size] (float32) of vocabulary rows lo..lo+size-1 of the output head."""
-    import jax
+def _head_block(h: Any, block: Any, *, compute_dtype: ComputeDtype) -> Any:
+    """Logits [T, rows] (float32) of a block of the output head's vocabulary rows."""
     import jax.numpy as jnp
 
     dtype, precision = _arithmetic(compute_dtype)
-    block = jax.lax.dynamic_slice_in_dim(head, lo, size, axis=0).astype(dtype)
-    return jnp.einsum("th,vh->tv", h, block, precision=precision).astype(jnp.float32)
+    return jnp.einsum("th,vh->tv", h, block.astype(dtype), precision=precision).astype(jnp.float32)
 
 
 class _Jitted:
@@ -539,4 +536,4 @@ class _Jitted:
 _PREFILL = _Jitted(_prefill)
 _DECODE = _Jitted(_decode)
 _NORM = _Jitted(_norm)
-_HEAD = _Jitted(_head_block, ("size", "compute_dtype"))
+_HEAD = _Jitted(_head_block, ("compute_dtype",))

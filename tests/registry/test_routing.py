@@ -402,7 +402,10 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [  # (change to h100's entry, th
     ({"bandwidth_gbs": 1e8}, "bandwidth_gbs: Input should be less than or equal to 100000"),
     ({"devices_per_node": 2.5}, "devices_per_node: Input should be a valid integer"),
     ({"tflops": "fast"}, "tflops: Input should be a valid dictionary"),
-    ({"tflops": {"bf16": 989, "fp4": 4000}}, "tflops.fp4: Extra inputs are not permitted"),
+    ({"tflops": {"bf16": 989, "fp6": 4000}}, "tflops.fp6: Extra inputs are not permitted"),
+    ({"tflops": {"bf16": 989, "fp8": 1979, "fp4": 4000}}, "tflops.fp4 is given exactly for a device with FP4 units"),
+    ({"fp4": ["nvfp4"]}, "tflops.fp4 is given exactly for a device with FP4 units"),  # formats without a rate
+    ({"fp4": ["nvfp6"]}, "fp4.0: Input should be 'nvfp4' or 'mxfp4'"),
     ({"interconnect": {"name": "NVLink 4", "bandwidth_gbs": 900, "tp_efficiency": 1.5}}, "interconnect.tp_efficiency:"),
     ({"interconnect": None}, "a node of several devices needs its interconnect"),  # eight devices need one for TP
     ({"fp8": "e5m2"}, "fp8: Input should be 'e4m3fn' or 'e4m3fnuz'"),

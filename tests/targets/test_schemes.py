@@ -126,7 +126,7 @@ def test_hardware_with_reasons() -> None:
     assert all(compatible_hardware(s)["cpu"] for s in SCHEMES.values())
 
 
-def test_bf16_runs_where_hf_bundles_always_did() -> None:
+def test_bf16_runs_on_every_gpu_vllm_serves_and_this_cpu_kind() -> None:
     assert list(compatible_hardware(get_scheme("bf16"))) == [
         "cpu",
         "a100",
@@ -134,6 +134,9 @@ def test_bf16_runs_where_hf_bundles_always_did() -> None:
         "h100",
         "h200",
         "b200",
+        "b300",
+        "gb200",
+        "rtx-pro-6000",
         "mi300x",
         "mi325x",
         "mi355x",
