@@ -217,9 +217,9 @@ def test_checkpoints_are_offered_only_where_tensorrt_llm_documents_their_algo(
 ) -> None:
     source = open_source(model_dir)
     expect = {
-        "bf16": {"a100", "l40s", "h100", "h200", "b200"},
+        "bf16": {"a100", "l40s", "h100", "h200", "b200", "gb200"},
         "fp8": {"h100", "h200"},
-        "fp8-block": {"h100", "h200", "b200"},
+        "fp8-block": {"h100", "h200", "b200", "gb200"},
         "w4a16-awq": {"a100", "l40s", "h100", "h200"},
     }
     spec = get_target("trtllm")
@@ -257,7 +257,7 @@ GPUS = {"skus": ["h100", "h200"]}
         ({"target": "trtllm", "quants": ["int8-w8a8"]}, ["refuses quant 'int8-w8a8'", "FP8_PER_CHANNEL_PER_TOKEN"]),
         (
             {"target": "trtllm", "quants": ["bf16"], "params": {"gpus": {"skus": ["h100", "h800"]}}},
-            ["unknown engine SKU 'h800'", "known: a100, l40s, h100, h200, b200"],
+            ["unknown engine SKU 'h800'", "known: a100, l40s, h100, h200, b200, b300, gb200, rtx-pro-6000"],
         ),
         (
             {"target": "trtllm", "quants": ["bf16", "fp8"], "params": {"gpus": {"skus": ["a100"]}}},
