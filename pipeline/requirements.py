@@ -25,8 +25,9 @@ C = 16·W·V.
   window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
 - A transformers eval streams the artifact as the reference streams the source (`eval.runtimes.layer_stream`:
   one decoder layer at a time, a bundle's decompressed by compressed-tensors as it is loaded), so it holds
-  what the reference holds, and C on the host besides; an architecture that does not stream loads whole
-  in float32, 4·N (N the model's parameters) + A(W) + 4·W·V.
+  what the reference holds, and C on the host besides; an architecture that does not stream, or a checkpoint
+  of at most 256 MiB (`RESIDENT_BYTES`: streaming it costs more than it saves), loads whole in float32,
+  4·N (N the model's parameters) + A(W) + 4·W·V.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
   device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + A(seq_len) (one
   sample through the layer) + the method's working set. GPTQ: the Hessians of every Linear of the layer,
@@ -404,12 +405,15 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
     return Footprint(working, host)
 
 
-def transformers_forward(sizing: Sizing) -> Footprint:
+def transformers_forward(sizing: Sizing, quant: str) -> Footprint:
     """A transformers eval: one layer at a time where the architecture streams (the reference's footprint),
-    else the artifact loaded whole in float32; the window-by-window comparison on the host."""
+    else (or for a checkpoint of at most `RESIDENT_BYTES`) the artifact loaded whole in float32; the
+    window-by-window comparison on the host."""
+    from eval.runtimes.base import RESIDENT_BYTES
     from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
 
-    if sizing.config.get("model_type") in STREAMED_MODEL_TYPES:
+    streams = sizing.weights_bytes(quant, "transformers") > RESIDENT_BYTES
+    if sizing.config.get("model_type") in STREAMED_MODEL_TYPES and streams:
         streamed = layer_streamed(sizing)
         return Footprint(streamed.working, streamed.host + sizing.compare_bytes)
     sh = sizing.shape
@@ -421,8 +425,7 @@ def transformers_forward(sizing: Sizing) -> Footprint:
 def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     """The JAX forward (`eval.runtimes.jax_runtime`): the checkpoint restored one decoder layer at a time (a
     checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used."""
-    from eval.runtimes.base import HEAD_BLOCK
-    from eval.runtimes.jax_runtime import RESIDENT_BYTES
+    from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES
 
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
@@ -492,7 +495,7 @@ STAGE_NEEDS: dict[str, StageNeeds] = {
     "quantize-calibrated": StageNeeds(2, 650, nothing),  # its footprint: `calibrated`, from the node's params
     "prepare": StageNeeds(1, 400, nothing),
     "export": StageNeeds(1, 500, streamed(4)),
-    "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing)),
+    "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing, str(node.params.get("quant", "")))),
     "engine": StageNeeds(4, 2000, nothing),  # a serving runtime's replica: `tensor_parallel`
     "gpu-eval": StageNeeds(4, 2000, nothing),
     "publish": StageNeeds(1, 150, nothing),
@@ -620,7 +623,7 @@ def eval_requirements(
     elif rt.kind == "jax":
         req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
     else:
-        req = on_device(stage.cpus, base, transformers_forward(sizing), device, sizing)
+        req = on_device(stage.cpus, base, transformers_forward(sizing, quant), device, sizing)
     return req.model_copy(update={"runtime_env": env})
 
 

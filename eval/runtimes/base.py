@@ -23,6 +23,9 @@ from core.errors import Deferred, InvalidInput
 # Vocabulary rows of an output head the streamed forwards cast and apply at a time (256 MiB in float32 at hidden
 # 4,096), so no [vocab, hidden] matrix is ever whole in float32 (2.1 GB at 128,256 x 4,096); the plan counts it.
 HEAD_BLOCK = 16384
+# A checkpoint up to this size is opened whole by the streamed runtimes (transformers, JAX): streaming costs a
+# pass over the files per call, more than computing takes on a small model; a larger one streams by layer.
+RESIDENT_BYTES = 256 * 1024 * 1024
 
 
 @runtime_checkable

@@ -48,13 +48,10 @@ from typing import Any, Literal
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
-from eval.runtimes.base import HEAD_BLOCK, check_ids, import_runtime
+from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES, check_ids, import_runtime
 
 ComputeDtype = Literal["float32", "bfloat16"]
 MIN_BUCKET = 16
-# A checkpoint up to this size is restored once and kept (each partial restore costs orbax ~30 ms, so a small
-# model would spend more on restoring than computing); a larger one is restored piece by piece for every pass.
-RESIDENT_BYTES = 256 * 1024 * 1024
 
 
 def bucket(n: int) -> int:

@@ -42,7 +42,14 @@ from typing import Any
 import numpy as np
 
 from core.errors import Deferred, StageFailed
-from eval.runtimes.base import HEAD_BLOCK, Runtime, check_ids, greedy_by_length, import_torch_transformers
+from eval.runtimes.base import (
+    HEAD_BLOCK,
+    RESIDENT_BYTES,
+    Runtime,
+    check_ids,
+    greedy_by_length,
+    import_torch_transformers,
+)
 
 # Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
 STREAMED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -308,9 +315,12 @@ def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
         stored[name], stored[scale] = e4m3fnuz_to_e4m3fn(stored[name], stored[scale])
 
 
-def open_transformers(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Runtime:
+def open_transformers(
+    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, resident_bytes: int = RESIDENT_BYTES
+) -> Runtime:
     """The transformers runtime for a model directory: one layer at a time where the architecture streams
-    (`STREAMED_MODEL_TYPES`; a plain checkpoint or a compressed-tensors bundle), else the whole model."""
+    (`STREAMED_MODEL_TYPES`; a plain checkpoint or a compressed-tensors bundle) and the weights exceed
+    `resident_bytes`, else the whole model (the same logits, bit for bit: tests/eval/test_layer_stream.py)."""
     from eval.runtimes.transformers_runtime import TransformersRuntime
 
     config = Path(model_dir) / "config.json"
@@ -318,7 +328,8 @@ def open_transformers(model_dir: str | Path, dtype: str = "float32", device: str
         model_type = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         model_type = None  # the whole-model loader says what is wrong with it
-    if model_type in STREAMED_MODEL_TYPES and dtype != "auto":
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    if model_type in STREAMED_MODEL_TYPES and dtype != "auto" and weights > resident_bytes:
         return LayerStream(model_dir, dtype, device)
     return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
 
