@@ -134,6 +134,7 @@ ARTIFACTS = [
     ("gguf", "f16"),
     ("gguf", "q8_0"),
     ("gguf", "q4_k_m"),
+    ("gguf", "mxfp4"),
     ("hf-bundle", "fp8"),
     ("hf-bundle", "int8-w8a8"),
     ("hf-bundle", "int4-rtn"),
@@ -208,13 +209,15 @@ def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
 
     tensors = size.tensors()
     matrices = sum(math.prod(s) for _, s in tensors if len(s) == 2)
-    vectors = sum(math.prod(s) for _, s in tensors if len(s) == 1)
     if target == "gguf":
-        # 2-D weights at the type's bytes per value (Q4_K_M: Q4_K at 4.5 bits, some Q6_K at 6.56: ~5 bits
-        # on average); norms F32. Q4_K_M goes through a lossless (bf16) GGUF first, deleted after.
-        per_value = {"f16": 2.0, "q8_0": 34 / 32, "q4_k_m": 5 / 8}[quant]
-        transient = 2 * matrices if quant == "q4_k_m" else 0
-        return 0, int(per_value * matrices) + 4 * vectors, transient
+        # The plan's own count of the file (`pipeline.requirements.gguf_bytes`); a type llama.cpp's quantizer
+        # makes (Q4_K_M) goes through a lossless (bf16) GGUF first, deleted after.
+        from formats.gguf.constants import QUANTS as GGUF_QUANTS
+        from formats.hf_model import ModelShape
+        from pipeline.requirements import gguf_bytes
+
+        transient = 2 * matrices if GGUF_QUANTS[quant].llama_ftype is not None else 0
+        return 0, gguf_bytes(ModelShape.from_config(size.config()), quant), transient
     if target == "orbax":
         return 0, size.model_bytes, 0
     scheme = get_scheme(quant)

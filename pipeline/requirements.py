@@ -314,7 +314,7 @@ class Sizing:
         """The artifact's weights: a GGUF file's tensors for llama.cpp, else the scheme's checkpoint
         (`quant.footprint`); the source's bytes where the quant is neither or the shape does not fit it."""
         if runtime == "llama.cpp" and quant in GGUF_QUANTS:
-            return _gguf_bytes(self.shape, quant)
+            return gguf_bytes(self.shape, quant)
         if quant in SCHEMES:
             try:
                 return checkpoint_bytes(self.config, quant)
@@ -324,7 +324,7 @@ class Sizing:
         return self.weight_bytes * sum(math.prod(s) for s in self.shape.expected_tensors().values())
 
 
-def _gguf_bytes(shape: ModelShape, quant: str) -> int:
+def gguf_bytes(shape: ModelShape, quant: str) -> int:
     """A GGUF file's tensor bytes for `quant`: 1-D tensors F32; 2-D weights the quant's type (the output
     tensor its output type; llama.cpp's file types as `LLAMA_FTYPE_TYPES`), F16 where a row does not fill
     whole blocks."""
