@@ -43,36 +43,36 @@ def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
     return Verdict(compatible=False, reason=f"{hw.name} ({hw.arch}) has no FP8 units")
 
 
-FP8 = Method(
-    Scheme(
-        name="fp8",
-        description="FP8 E4M3 weights per output channel (scale = absmax / 448), dynamic per-token FP8 activations",
-        weights=WeightQuant(num_bits=8, type="float", strategy="channel"),
-        input_activations=ActivationQuant(num_bits=8, type="float"),
-        format="float-quantized",
-        method="rtn",
-    ),
-    weight_dtype="float8_e4m3fn",
-    activation_dtype="float8_e4m3fn",
-    gate=GATE,
-    on_cuda=_on_cuda,
-    on_rocm=_on_rocm,
+def _w8a8(name: str, description: str, weights: WeightQuant, activations: ActivationQuant) -> Method:
+    """An FP8 W8A8 method: E4M3 weights and dynamic E4M3 activations, how they are scaled is the scheme's."""
+    return Method(
+        Scheme(
+            name=name,
+            description=description,
+            weights=weights,
+            input_activations=activations,
+            format="float-quantized",
+            method="rtn",
+        ),
+        weight_dtype="float8_e4m3fn",
+        activation_dtype="float8_e4m3fn",
+        gate=GATE,
+        on_cuda=_on_cuda,
+        on_rocm=_on_rocm,
+    )
+
+
+FP8 = _w8a8(
+    "fp8",
+    "FP8 E4M3 weights per output channel (scale = absmax / 448), dynamic per-token FP8 activations",
+    WeightQuant(num_bits=8, type="float", strategy="channel"),
+    ActivationQuant(num_bits=8, type="float"),
 )
-FP8_BLOCK = Method(
-    Scheme(
-        name="fp8-block",
-        description="FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token "
-        "and 128 columns",
-        weights=WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
-        input_activations=ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
-        format="float-quantized",
-        method="rtn",
-    ),
-    weight_dtype="float8_e4m3fn",
-    activation_dtype="float8_e4m3fn",
-    gate=GATE,
-    on_cuda=_on_cuda,
-    on_rocm=_on_rocm,
+FP8_BLOCK = _w8a8(
+    "fp8-block",
+    "FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token and 128 columns",
+    WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
+    ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
 )
 
 METHODS = (FP8, FP8_BLOCK)
