@@ -241,11 +241,15 @@ def _quantize_node(
             "samples": cal.samples,
             "seq_len": cal.seq_len,
             "skip_tokens": recipe.calibration_skip_tokens,
-            # What the device computes fast (a GPU: bf16; a CPU: quant.calibrated.calibration_dtype); it
-            # changes the result, so it is part of the key (and recorded with the quantize stage).
-            "compute_dtype": calibration_dtype(device=device.kind),
         }
         external = {"calibration_text": calibration_digest} if calibration_digest is not None else {}
+    if scheme.by_llmcompressor:
+        # What the device computes fast (a GPU: bf16; a CPU: quant.calibrated.calibration_dtype); it
+        # changes the result, so it is part of the key (and recorded with the quantize stage).
+        params["calibration"] = {
+            **params.get("calibration", {}),
+            "compute_dtype": calibration_dtype(device=device.kind),
+        }
     node = Node(
         f"quantize/{quant}",
         quantize_stage.STAGE,
@@ -253,7 +257,7 @@ def _quantize_node(
         inputs={"ingest": ingest.id},
         external=external,
     )
-    return with_device(node, device) if scheme.calibrated else node
+    return with_device(node, device) if scheme.by_llmcompressor else node
 
 
 @dataclass(frozen=True)

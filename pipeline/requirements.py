@@ -386,12 +386,18 @@ def layer_streamed(sizing: Sizing) -> Footprint:
 
 
 def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
-    """GPTQ / AWQ in llm-compressor's sequential pipeline: one layer, one sample and the method's working
-    set (GPTQ's Hessians and the widest one's factorisation; AWQ's grid search over its largest mapping)."""
+    """llm-compressor's pipelines: one layer, one sample and the method's working set (GPTQ's Hessians and
+    the widest one's factorisation; AWQ's grid search over its largest mapping; FP4's min-max observers:
+    one Linear's float32 copy). Data-free (weight-only FP4) has no samples."""
     sh = sizing.shape
-    samples, seq_len = int(calibration["samples"]), int(calibration["seq_len"])
+    samples, seq_len = int(calibration.get("samples", 0)), int(calibration.get("seq_len", 0))
     element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
     linears = sizing.layer_linears
+    if method == "minmax":
+        working = element * sizing.layer_params + 4 * max(math.prod(s) for s in linears.values())
+        if samples:
+            working += sizing.activations(seq_len)
+        return Footprint(working, 8 * samples * seq_len * sh.hidden_size)
     if method == "gptq":
         widest = max(linears.values(), key=lambda s: (s[1], s[0]))
         method_bytes = sum(4 * s[1] * s[1] for s in linears.values()) + 4 * widest[1] ** 2 + 4 * math.prod(widest)
@@ -596,7 +602,7 @@ def requirements(stage: str, sizing: Sizing, node: Any = None) -> Requirements:
 def calibrated_requirements(
     sizing: Sizing, calibration: Mapping[str, Any], method: str, device: DeviceKind
 ) -> Requirements:
-    """A calibrated quantize node (`method` gptq or awq) on `device`."""
+    """A quantize node llm-compressor computes (`method` gptq, awq or minmax) on `device`."""
     needs = _stage("quantize-calibrated")
     return on_device(needs.cpus, needs.base_mib, calibrated(sizing, calibration, method), device, sizing)
 

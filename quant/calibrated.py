@@ -90,6 +90,7 @@ little text is an error (`CALIBRATION_TOO_SHORT`), never fewer samples.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -126,6 +127,9 @@ class CalibratedWeights:
     weights: Mapping[str, torch.Tensor]  # quantized Linear weight -> its (smoothed / fake-quantized) values
     scales: Mapping[str, torch.Tensor]  # quantized Linear weight -> its compressed-tensors weight_scale
     changed: Mapping[str, torch.Tensor]  # source tensors kept in bf16 that calibration changed (AWQ's norms)
+    # quantized Linear weight -> its other parameters by local name (NVFP4: weight_global_scale,
+    # input_global_scale; a float32 number each, so held in memory)
+    qparams: Mapping[str, Mapping[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 def calibration_samples(
@@ -327,7 +331,9 @@ def _recipe(scheme: Scheme) -> list[Any]:
         return [GPTQModifier(config_groups=groups, ignore=list(scheme.ignore))]
     if scheme.method == "awq":
         return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=list(scheme.ignore))]
-    raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
+    if scheme.method == "minmax":
+        return [QuantizationModifier(config_groups=groups, ignore=list(scheme.ignore))]
+    raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not quantized by llm-compressor")
 
 
 def _read(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -411,6 +417,9 @@ class _OffloadedTensors(Mapping[str, "torch.Tensor"]):
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
+# A quantized module's parameters besides its weight and scale that llm-compressor computes (NVFP4's tensor
+# scales) and the checkpoint stores.
+GLOBAL_SCALES = ("weight_global_scale", "input_global_scale")
 # CPU flags of native bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: the BF16 extension).
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
@@ -467,8 +476,10 @@ def calibrate(
     """
     if compute_dtype not in COMPUTE_DTYPES:
         raise InvalidInput(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
-    if not scheme.calibrated:
-        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not calibrated")
+    if not scheme.by_llmcompressor:
+        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not quantized by llm-compressor")
+    if scheme.calibrated != bool(samples):
+        raise ValueError(f"scheme {scheme.name!r}: calibration samples are given exactly when it calibrates")
     _quiet_llmcompressor_logs()  # first: importing llmcompressor logs to stdout
     import torch
     from compressed_tensors.offload import load_offloaded_model
@@ -482,17 +493,21 @@ def calibrate(
         model = AutoModelForCausalLM.from_pretrained(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
-    data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    # Data-free (weight-only FP4): llm-compressor's data-free pipeline observes each weight in turn.
+    data = (
+        {
+            "dataset": Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
+            "num_calibration_samples": len(samples),
+            "max_seq_length": max(len(s) for s in samples),
+            "shuffle_calibration_samples": False,
+        }
+        if samples
+        else {}
+    )
     with cpu_pin_memory_workaround(), gptq_single_hessian(), onload_device(device):
-        oneshot(
-            model=model,
-            dataset=data,
-            recipe=_recipe(scheme),
-            num_calibration_samples=len(samples),
-            max_seq_length=max(len(s) for s in samples),
-            shuffle_calibration_samples=False,
-        )
+        oneshot(model=model, recipe=_recipe(scheme), **data)
     scales: dict[str, str] = {}
+    qparams: dict[str, dict[str, torch.Tensor]] = {}
     changed: dict[str, torch.Tensor] = {}
     for n in source.tensors:
         if not _has_tensor(model, n):
@@ -501,12 +516,17 @@ def calibrate(
             module = n.removesuffix(".weight")
             zero = f"{module}.weight_zero_point"
             if not _has_tensor(model, f"{module}.weight_scale") or (
-                _has_tensor(model, zero) and bool(_read(model, zero).any())
+                _has_tensor(model, zero) and bool(_read(model, zero).float().any())
             ):
                 raise StageFailed(
                     f"{scheme.name}: llm-compressor left {module} without symmetric scales", code="CALIBRATION_FAILED"
                 )
             scales[n] = f"{module}.weight_scale"
+            qparams[n] = {
+                local: _read(model, f"{module}.{local}")
+                for local in GLOBAL_SCALES
+                if _has_tensor(model, f"{module}.{local}")
+            }
             continue
         # One tensor in memory at a time; only those calibration changed (AWQ's norms, small) are kept.
         t = _read(model, n)
@@ -516,4 +536,5 @@ def calibrate(
         weights=_OffloadedTensors(model, {n: n for n in scales}, folder),
         scales=_OffloadedTensors(model, scales, folder),
         changed=changed,
+        qparams=qparams,
     )

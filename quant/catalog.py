@@ -17,11 +17,11 @@ from typing import Final
 
 from core.errors import UnknownName
 from core.hardware import PROFILES, HardwareProfile
-from quant.methods import dense, fp8, int4, int8
+from quant.methods import dense, fp4, fp8, int4, int8
 from quant.methods.base import Method
 from quant.schemes import Scheme, Verdict
 
-FAMILIES: Final = (dense, fp8, int8, int4)
+FAMILIES: Final = (dense, fp8, int8, int4, fp4)
 METHODS: Final[dict[str, Method]] = {m.name: m for family in FAMILIES for m in family.METHODS}
 SCHEMES: Final[dict[str, Scheme]] = {name: m.scheme for name, m in METHODS.items()}
 

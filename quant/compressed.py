@@ -17,17 +17,29 @@ if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationScheme
 
 
+FP4_SCALE_DTYPES = {"nvfp4-pack-quantized": "float8_e4m3fn", "mxfp4-pack-quantized": "uint8"}
+
+
 def ct_scheme(scheme: Scheme) -> QuantizationScheme:
     """compressed-tensors' `QuantizationScheme` for `scheme` (which must quantize something)."""
+    import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     if scheme.weights is None:
         raise ValueError(f"scheme {scheme.name!r} does not quantize; it has no compressed-tensors scheme")
     acts = scheme.input_activations
+    # FP4 scales are stored narrow: E4M3 (NVFP4) or E8M0 exponents in a uint8 (MXFP4), as in compressed-tensors'
+    # own NVFP4 / MXFP4 presets; every other scheme's are the checkpoint's float type.
+    narrow = FP4_SCALE_DTYPES.get(scheme.format)
+    scales = {} if narrow is None else {"scale_dtype": getattr(torch, narrow), "zp_dtype": getattr(torch, narrow)}
+    # A locally dynamic activation (NVFP4) has a static tensor scale, observed on calibration text.
+    observer = "static_minmax" if acts is not None and acts.dynamic == "local" else None
     return QuantizationScheme(
         targets=list(scheme.targets),
-        weights=QuantizationArgs(**scheme.weights.model_dump(), dynamic=False),
-        input_activations=QuantizationArgs(**acts.model_dump(), observer=None) if acts is not None else None,
+        weights=QuantizationArgs(**scheme.weights.model_dump(), dynamic=False, **scales),
+        input_activations=QuantizationArgs(**acts.model_dump(), observer=observer, **scales)
+        if acts is not None
+        else None,
         format=scheme.format,
     )
 
@@ -52,17 +64,28 @@ def _compressor(scheme: Scheme) -> Any:
     return BaseCompressor.get_value_from_registry(scheme.format)
 
 
-def compress(scheme: Scheme, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One Linear weight and its scales -> the module's stored tensors (local names)."""
+def compress(
+    scheme: Scheme, weight: torch.Tensor, scale: torch.Tensor, qparams: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """One Linear weight and its scales -> the module's stored tensors (local names).
+
+    `qparams`: the module's other quantization parameters, stored as given (NVFP4's `weight_global_scale`
+    and `input_global_scale`)."""
     import torch
 
-    sd = {"weight": weight, "weight_scale": scale, "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8)}
+    sd = {
+        "weight": weight,
+        "weight_scale": scale,
+        "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8),
+        **(qparams or {}),
+    }
     out: dict[str, torch.Tensor] = dict(_compressor(scheme).compress(sd, ct_scheme(scheme)))
     return out
 
 
 def decompress(scheme: Scheme, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """One module's stored tensors (local names) -> its float32 weight, as compressed-tensors computes it."""
-    sd = {k: v.float() if k == "weight_scale" else v for k, v in stored.items()}
+    narrow = scheme.format in FP4_SCALE_DTYPES  # FP4 scales are decoded from their own type by the compressor
+    sd = {k: v.float() if k == "weight_scale" and not narrow else v for k, v in stored.items()}
     weight: torch.Tensor = _compressor(scheme).decompress(sd, ct_scheme(scheme))["weight"]
     return weight.float()

@@ -96,6 +96,16 @@ def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[t
         return [(f"{module}.weight", stored, (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
     if scheme.format == "int-quantized":
         return [(f"{module}.weight", "I8", (rows, cols)), (f"{module}.weight_scale", "BF16", scale)]
+    if scheme.format == "mxfp4-pack-quantized":  # E8M0 scales: one exponent byte each
+        return [(f"{module}.weight_packed", "U8", (rows, cols // 2)), (f"{module}.weight_scale", "U8", scale)]
+    if scheme.format == "nvfp4-pack-quantized":  # E4M3 block scales under float32 tensor scales
+        static_input = scheme.input_activations is not None and scheme.input_activations.dynamic == "local"
+        return [
+            *([(f"{module}.input_global_scale", "F32", (1,))] if static_input else []),
+            (f"{module}.weight_global_scale", "F32", (1,)),
+            (f"{module}.weight_packed", "U8", (rows, cols // 2)),
+            (f"{module}.weight_scale", "F8_E4M3", scale),
+        ]
     return [
         (f"{module}.weight_packed", "I32", (rows, cols * w.num_bits // 32)),
         (f"{module}.weight_scale", "BF16", scale),
@@ -130,11 +140,16 @@ def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
 
 
 def quantize_weight(
-    name: str, weight: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None
+    name: str,
+    weight: torch.Tensor,
+    scheme: Scheme,
+    scale: torch.Tensor | None = None,
+    qparams: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The compressed-tensors tensors for one Linear weight `<module>.weight`, under `<module>.*` names.
 
-    `scale` is the round-to-nearest scale by default; a calibrated quantizer (GPTQ, AWQ) passes its own.
+    `scale` is the round-to-nearest scale by default; llm-compressor's methods (GPTQ, AWQ, FP4) pass their own,
+    and FP4 its other parameters (`qparams`, local names: NVFP4's float32 tensor scales).
     """
     import torch
 
@@ -142,11 +157,16 @@ def quantize_weight(
 
     module = name.removesuffix(".weight")
     assert scheme.weights is not None
-    scale = weight_scale(weight, scheme.weights) if scale is None else scale.float()
-    stored = compress(scheme, weight.float(), scale)
+    if scale is None and scheme.by_llmcompressor:
+        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is quantized by llm-compressor; pass its scales")
+    fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
+    # FP4 quantizes against its scales as stored (E4M3 / E8M0), which compressed-tensors rounds to itself.
+    scale = weight_scale(weight, scheme.weights) if scale is None else scale if fp4 else scale.float()
+    extra = {k: v.float() for k, v in (qparams or {}).items()}
+    stored = compress(scheme, weight.float() if not fp4 else weight, scale, extra)
     for key in sorted(stored):
         t = stored[key]
-        if key == "weight_scale":
+        if key == "weight_scale" and not fp4:
             t = t.to(torch.bfloat16)
         yield f"{module}.{key}", t.contiguous()
 

@@ -11,6 +11,10 @@ exactly as compressed-tensors 0.19 `infer_module_format` would choose it:
 - int weights, no activation quantization    -> `pack-quantized`  (W4A16 and W8A16 alike: 32 / bits
   values per int32)
 - int weights with int activations           -> `int-quantized`   (int8 W8A8: one int8 per weight)
+- 4-bit float (E2M1) weights in groups of 16 with E4M3 scales and a float32 tensor scale
+                                             -> `nvfp4-pack-quantized` (NVFP4: two values per uint8)
+- 4-bit float weights in groups of 32 with E8M0 (power-of-two) scales
+                                             -> `mxfp4-pack-quantized` (OCP MXFP4)
 - no quantization                            -> `dense`
 
 This module is plain data (no torch): the registry imports `targets`. The methods built from these types
@@ -24,12 +28,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 QuantType = Literal["int", "float"]
-CompressionFormat = Literal["dense", "pack-quantized", "float-quantized", "int-quantized"]
-# How the quantized values are chosen: `none` (unquantized), round-to-nearest from the weights alone,
-# or calibrated on sample text by llm-compressor (GPTQ: Hessian-based error feedback; AWQ:
-# activation-aware per-channel smoothing, then round-to-nearest).
-QuantMethod = Literal["none", "rtn", "gptq", "awq"]
+CompressionFormat = Literal[
+    "dense", "pack-quantized", "float-quantized", "int-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized"
+]
+# How the quantized values are chosen: `none` (unquantized), round-to-nearest from the weights alone
+# (`rtn`: kiln's `quant.rtn`), or by llm-compressor (`quant.calibrated`): calibrated on sample text (GPTQ:
+# Hessian-based error feedback; AWQ: activation-aware per-channel smoothing, then round-to-nearest), or
+# `minmax`, its `QuantizationModifier`'s min-max observers (round-to-nearest for the weights, with the
+# tensor scales NVFP4 shares across fused q/k/v and gate/up; static activation scales observed on sample text).
+QuantMethod = Literal["none", "rtn", "gptq", "awq", "minmax"]
 CALIBRATED_METHODS: tuple[QuantMethod, ...] = ("gptq", "awq")
+LLMCOMPRESSOR_METHODS: tuple[QuantMethod, ...] = ("gptq", "awq", "minmax")
+# A 4-bit float group size -> its format: NVFP4 (E4M3 block scales times a tensor scale), or MXFP4 (E8M0).
+FP4_FORMATS: dict[int, CompressionFormat] = {16: "nvfp4-pack-quantized", 32: "mxfp4-pack-quantized"}
 
 
 class _Frozen(BaseModel):
@@ -41,8 +52,11 @@ class WeightQuant(_Frozen):
 
     num_bits: Literal[4, 8]
     type: QuantType
-    strategy: Literal["channel", "group", "block"]
-    group_size: int | None = Field(default=None, gt=0, description="input columns per scale (group strategy only)")
+    # tensor_group: per group of `group_size` columns, times one float32 scale per tensor (NVFP4)
+    strategy: Literal["channel", "group", "block", "tensor_group"]
+    group_size: int | None = Field(
+        default=None, gt=0, description="input columns per scale (group and tensor_group strategies only)"
+    )
     block_structure: tuple[int, int] | None = Field(
         default=None, description="(rows, columns) of weight per scale (block strategy only)"
     )
@@ -50,34 +64,50 @@ class WeightQuant(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> WeightQuant:
-        if (self.strategy == "group") != (self.group_size is not None):
-            raise ValueError(f"group_size is set exactly when strategy is 'group'; got {self.strategy!r}")
+        if (self.strategy in ("group", "tensor_group")) != (self.group_size is not None):
+            raise ValueError(
+                f"group_size is set exactly when strategy is 'group' or 'tensor_group'; got {self.strategy!r}"
+            )
         if (self.strategy == "block") != (self.block_structure is not None):
             raise ValueError(f"block_structure is set exactly when strategy is 'block'; got {self.strategy!r}")
         if self.block_structure is not None and min(self.block_structure) <= 0:
             raise ValueError(f"block_structure must be positive; got {list(self.block_structure)}")
-        if self.type == "float" and self.num_bits != 8:
-            raise ValueError("float weights are 8-bit (FP8 E4M3)")
+        if self.type == "float" and self.num_bits == 4:
+            want = {16: "tensor_group", 32: "group"}.get(self.group_size or 0)
+            if self.strategy != want:
+                raise ValueError(
+                    "4-bit float weights are NVFP4 (tensor_group of 16) or MXFP4 (group of 32); "
+                    f"got {self.strategy!r} with group_size {self.group_size}"
+                )
+        elif self.strategy == "tensor_group":
+            raise ValueError("the tensor_group strategy is NVFP4's (4-bit float weights in groups of 16)")
         if not self.symmetric:
             raise ValueError("only symmetric weight quantization is supported (no zero points)")
         return self
 
 
 class ActivationQuant(_Frozen):
-    """Dynamic activation quantization, computed at run time (no calibration): one scale per token, or
-    per token and group of `group_size` input columns."""
+    """Dynamic activation quantization, computed at run time: one scale per token, or per token and group of
+    `group_size` input columns; `local` (NVFP4): per group at run time, times a static per-tensor scale
+    observed on calibration text."""
 
-    num_bits: Literal[8]
+    num_bits: Literal[4, 8]
     type: QuantType
-    strategy: Literal["token", "group"] = "token"
+    strategy: Literal["token", "group", "tensor_group"] = "token"
     group_size: int | None = Field(default=None, gt=0)
-    dynamic: Literal[True] = True
+    dynamic: Literal[True, "local"] = True
     symmetric: Literal[True] = True
 
     @model_validator(mode="after")
     def _consistent(self) -> ActivationQuant:
-        if (self.strategy == "group") != (self.group_size is not None):
-            raise ValueError(f"group_size is set exactly when strategy is 'group'; got {self.strategy!r}")
+        if (self.strategy in ("group", "tensor_group")) != (self.group_size is not None):
+            raise ValueError(
+                f"group_size is set exactly when strategy is 'group' or 'tensor_group'; got {self.strategy!r}"
+            )
+        if (self.strategy == "tensor_group") != (self.dynamic == "local"):
+            raise ValueError("activations in tensor groups (NVFP4) are exactly the locally dynamic ones")
+        if self.num_bits == 4 and self.type != "float":
+            raise ValueError("4-bit activations are FP4 (NVFP4, MXFP4)")
         return self
 
 
@@ -104,6 +134,8 @@ class Scheme(_Frozen):
             self.weights is None or self.weights.type != "int" or self.input_activations is not None
         ):
             raise ValueError(f"scheme {self.name!r}: {self.method} calibrates int weights only (weight-only WnA16)")
+        if (self.method == "minmax") != (self.format in FP4_FORMATS.values()):
+            raise ValueError(f"scheme {self.name!r}: llm-compressor's min-max quantization is exactly for FP4 here")
         return self
 
     @property
@@ -112,8 +144,14 @@ class Scheme(_Frozen):
 
     @property
     def calibrated(self) -> bool:
-        """Whether quantizing needs calibration text (GPTQ, AWQ)."""
-        return self.method in CALIBRATED_METHODS
+        """Whether quantizing needs calibration text (GPTQ, AWQ, static activation scales)."""
+        a = self.input_activations
+        return self.method in CALIBRATED_METHODS or (a is not None and a.dynamic == "local")
+
+    @property
+    def by_llmcompressor(self) -> bool:
+        """Whether llm-compressor quantizes it (`quant.calibrated`), not kiln's round-to-nearest."""
+        return self.method in LLMCOMPRESSOR_METHODS
 
 
 def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> CompressionFormat:
@@ -122,6 +160,10 @@ def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> Compre
         if a is not None:
             raise ValueError("activation quantization without weight quantization is not supported")
         return "dense"
+    if w.type == "float" and w.num_bits == 4:
+        if a is not None and (a.type, a.num_bits, a.group_size) != ("float", 4, w.group_size):
+            raise ValueError("FP4 weights take FP4 activations in the same groups, or none (weight-only)")
+        return FP4_FORMATS[w.group_size or 0]
     if w.type == "float":
         if a is None or a.type != "float":
             raise ValueError("fp8 weights need fp8 activations here (W8A8-FP8); weight-only fp8 is not a preset")

@@ -43,9 +43,9 @@ def write_quantized(
 ) -> dict[str, Any]:
     """Quantize `source` under `scheme` into `out_dir`, one tensor in memory at a time; returns a summary.
 
-    Round-to-nearest schemes read each weight from `source`. A calibrated scheme (GPTQ, AWQ) passes
-    what calibration chose (`quant.calibrated`): per Linear weight its values and scales,
-    plus the non-Linear tensors calibration changed; those are stored in bf16 under their own names.
+    Round-to-nearest schemes read each weight from `source`. llm-compressor's (GPTQ, AWQ, FP4) pass what it
+    chose (`quant.calibrated`): per Linear weight its values, scales and other parameters (NVFP4's tensor
+    scales), plus the non-Linear tensors calibration changed; those are stored in bf16 under their own names.
     """
     import torch
 
@@ -53,8 +53,10 @@ def write_quantized(
 
     if not scheme.quantized:
         raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
-    if scheme.calibrated != (calibrated is not None):
-        raise ValueError(f"scheme {scheme.name!r} ({scheme.method}): calibrated weights given exactly for gptq/awq")
+    if scheme.by_llmcompressor != (calibrated is not None):
+        raise ValueError(
+            f"scheme {scheme.name!r} ({scheme.method}): llm-compressor's weights are given exactly for its methods"
+        )
     check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})
     replaced = [n for n in source.tensors if quantizes(scheme, n)]
     changed = dict(calibrated.changed) if calibrated is not None else {}
@@ -79,7 +81,11 @@ def write_quantized(
             if calibrated is None:
                 produced = list(quantize_weight(n, source.tensor(n), scheme))
             else:
-                produced = list(quantize_weight(n, calibrated.weights[n], scheme, scale=calibrated.scales[n]))
+                produced = list(
+                    quantize_weight(
+                        n, calibrated.weights[n], scheme, scale=calibrated.scales[n], qparams=calibrated.qparams.get(n)
+                    )
+                )
             for (out_name, t), (want_name, dtype, shape) in zip(produced, plan[n], strict=True):
                 if out_name != want_name or tuple(t.shape) != shape or str(t.dtype) != f"torch.{DTYPES[dtype].torch}":
                     raise StageFailed(
@@ -131,12 +137,16 @@ class QuantizedWeights:
     def module_tensors(self, source_name: str) -> list[str]:
         """The stored names that replace source tensor `source_name`, in file order.
 
-        For a quantized `<module>.weight` these are its compressed tensors (`<module>.weight_packed`, ...);
-        for a tensor calibration changed, the tensor itself.
+        For a quantized `<module>.weight` these are its compressed tensors (`<module>.weight_packed`, ...,
+        and NVFP4's `<module>.input_global_scale`); for a tensor calibration changed, the tensor itself.
         """
         if quantizes(self.scheme, source_name):
             prefix = source_name.removesuffix(".weight") + "."
-            names = [n for n in self.tensors if n.startswith(prefix) and n.removeprefix(prefix).startswith("weight")]
+            names = [
+                n
+                for n in self.tensors
+                if n.startswith(prefix) and n.removeprefix(prefix).startswith(("weight", "input_global_scale"))
+            ]
         else:
             names = [source_name] if source_name in self.tensors else []
         if not names:

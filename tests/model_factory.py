@@ -110,8 +110,13 @@ def _shard_size(model: object, shards: int) -> str:
 def make_bundle(
     source_dir: Path, out: Path, scheme: str, target: str = "hf-bundle", params: dict[str, str] | None = None
 ) -> Path:
-    """`scheme`'s round-to-nearest hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`."""
+    """`scheme`'s hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`: round-to-nearest, or
+    llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on 4 windows of the stdlib's
+    `argparse.py`)."""
+    import sysconfig
+
     from formats.hf_model import open_source
+    from quant.calibrated import calibrate, calibration_dtype, calibration_samples
     from quant.catalog import get_scheme
     from quant.store import open_quantized, write_quantized
     from targets.base import ExportRequest
@@ -120,9 +125,15 @@ def make_bundle(
 
     source = open_source(source_dir)
     quantized = None
-    if get_scheme(scheme).quantized:
+    method = get_scheme(scheme)
+    if method.quantized:
         (out / "q").mkdir(parents=True)
-        write_quantized(source, get_scheme(scheme), out / "q")
+        calibrated = None
+        if method.by_llmcompressor:
+            text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+            samples = calibration_samples(source_dir, text, samples=4, seq_len=64) if method.calibrated else []
+            calibrated = calibrate(source, method, samples, offload_dir=out, compute_dtype=calibration_dtype())
+        write_quantized(source, method, out / "q", calibrated=calibrated)
         quantized = open_quantized(out / "q", scheme)
     bundle = out / "bundle"
     bundle.mkdir(parents=True)

@@ -260,9 +260,16 @@ class LayerStream:
             from compressed_tensors.compressors.base import decompress_module
             from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
+            from eval.runtimes.transformers_runtime import upcast_linear_weights
+            from quant.compressed import FP4_SCALE_DTYPES
+
+            fmt = self._quantizer.compressor.force_compression_format
             for sub in module.modules():
                 if is_module_quantized(sub):
-                    decompress_module(sub, self._quantizer.compressor.force_compression_format)
+                    decompress_module(sub, fmt)
+            # FP4 decompresses into bfloat16: upcast, as the whole-model load does
+            if getattr(self._quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES:
+                upcast_linear_weights(module, self.dtype)
         return module
 
     def _unload(self, module: Any) -> None:

@@ -56,6 +56,8 @@ class TransformersRuntime:
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         _load_e4m3fnuz_exactly(model, self.model_dir)
+        if dtype != "auto":
+            decompress_fp4(model, getattr(torch, dtype))
         if self.device.type != "cpu":
             model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a dtype cast; it moves in place
         self._model: Any = model.eval()
@@ -90,6 +92,38 @@ class TransformersRuntime:
 
     def close(self) -> None:
         self._model = None
+
+
+def decompress_fp4(model: Any, dtype: Any) -> None:
+    """Decompress an FP4 bundle (NVFP4, MXFP4) now, into `dtype`.
+
+    transformers leaves compressed-tensors bundles compressed and decompresses them on the first forward,
+    FP4 into bfloat16 whatever the model's dtype, which a float32 forward then refuses. Here they are
+    decompressed at load and each weight upcast (exact: every bf16 is a float32); the forward then
+    fake-quantizes the weight against its own scales, in `dtype`, as compressed-tensors does for any
+    decompressed layer. Other bundles are left as transformers loads them."""
+    from quant.compressed import FP4_SCALE_DTYPES
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    config = getattr(getattr(quantizer, "quantization_config", None), "quantization_config", None)
+    if quantizer is None or config is None or getattr(config, "format", None) not in FP4_SCALE_DTYPES:
+        return
+    quantizer.compressor.decompress_model(model=model)
+    upcast_linear_weights(model, dtype)
+
+
+def upcast_linear_weights(model: Any, dtype: Any) -> None:
+    """Give every Linear weight of `model` the forward's `dtype` (decompressed FP4 comes out bfloat16)."""
+    import torch
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype != dtype:
+            # Removed, then a new Parameter: compressed-tensors' offload cache copies a same-shaped value into
+            # the tensor it holds (keeping its dtype), and hands out copies, so `.data` is no way in either.
+            upcast = torch.nn.Parameter(weight.data.to(dtype), requires_grad=False)
+            delattr(module, "weight")
+            module.weight = upcast
 
 
 def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:

@@ -114,6 +114,13 @@ class Limitation:
 # each reason was seen as vLLM's own load error on this machine kind (AMD EPYC, AVX2).
 CPU_LIMITS: tuple[Limitation, ...] = (
     Limitation(
+        "FP4",
+        lambda s: s.weight_type == "float" and s.weight_bits == 4,
+        "never",
+        "vLLM has no CPU kernel for NVFP4 or MXFP4 (they run on NVIDIA sm80+ through Marlin FP4 or natively on "
+        "Blackwell, and natively on AMD gfx950); deferred to such a runner",
+    ),
+    Limitation(
         "W4A16",
         lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations,
         "kernel:cpu_gemm_wna16",

@@ -5,10 +5,11 @@ compressed-tensors' layout and the `quantization_config`), described by a `Quant
 export of that scheme (the targets listing it in `quantized_input`: hf-bundle, rocm-bundle, trtllm,
 orbax's int8) takes it as its `quantized` input instead of quantizing again.
 
-Calibrated schemes (GPTQ, AWQ) also take the calibration text (the external input
-`calibration_text`, from the store by its digest, which is in the key) and `params["calibration"]` =
-{samples, seq_len, skip_tokens, compute_dtype}; they are compute stages, placed on the build's device
-(`params["device"]`, `pipeline.placement`): llm-compressor onloads one decoder layer at a time there.
+Schemes llm-compressor quantizes (GPTQ, AWQ, FP4) take `params["calibration"]` = {compute_dtype}, and those
+that calibrate on text (GPTQ, AWQ, NVFP4's activation scales) also {samples, seq_len, skip_tokens} and the
+calibration text (the external input `calibration_text`, from the store by its digest, which is in the key);
+they are compute stages, placed on the build's device (`params["device"]`, `pipeline.placement`):
+llm-compressor onloads one decoder layer at a time there.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ def run(ctx: StageContext) -> QuantizeRecord:
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
     calibrated = None
-    if scheme.calibrated:
+    if scheme.by_llmcompressor:
         from quant.calibrated import calibrate, calibration_samples
 
         cal = ctx.node.params["calibration"]
-        text = ctx.external("calibration_text").read_text(encoding="utf-8")
-        samples = calibration_samples(
-            source.root, text, samples=cal["samples"], seq_len=cal["seq_len"], skip_tokens=cal["skip_tokens"]
-        )
+        samples = []
+        if scheme.calibrated:
+            text = ctx.external("calibration_text").read_text(encoding="utf-8")
+            samples = calibration_samples(
+                source.root, text, samples=cal["samples"], seq_len=cal["seq_len"], skip_tokens=cal["skip_tokens"]
+            )
         # Calibration's offloaded weights live beside the stage's output, in its temporary directory: a
         # killed run leaves them inside the work dir's `.tmp-*` (never mistaken for done), not in /tmp.
         offload = ctx.out_dir.parent / "calibration-offload"
@@ -65,7 +68,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
         if calibrated is not None:
             del calibrated
             shutil.rmtree(offload, ignore_errors=True)
-    return QuantizeRecord(**result, calibration=ctx.node.params["calibration"] if scheme.calibrated else None)
+    return QuantizeRecord(**result, calibration=ctx.node.params.get("calibration"))
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:
@@ -78,7 +81,7 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
     """Round-to-nearest holds a tensor at a time; calibration one layer, its Hessians and activations, on
     every core and on the device it was placed on (`pipeline.requirements.calibrated`)."""
     scheme = Scheme.model_validate(node.params["scheme"])
-    if not scheme.calibrated:
+    if not scheme.by_llmcompressor:
         return requirements("quantize", sizing, node)
     return calibrated_requirements(sizing, node.params["calibration"], scheme.method, placed_kind(node))
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from core.hardware import HardwareProfile, MatmulDtype
+from core.hardware import Fp4Format, HardwareProfile, MatmulDtype
 from quant.schemes import Scheme, Verdict, WeightQuant
 
-StorageDtype = Literal["bfloat16", "float8_e4m3fn", "int8", "int4"]
-ActivationDtype = Literal["bfloat16", "float8_e4m3fn", "int8"]
+StorageDtype = Literal["bfloat16", "float8_e4m3fn", "float4_e2m1", "int8", "int4"]
+ActivationDtype = Literal["bfloat16", "float8_e4m3fn", "float4_e2m1", "int8"]
 KvCacheDtype = Literal["bf16", "fp8"]
 
 
@@ -40,15 +40,28 @@ class FloatFormat:
 FLOAT_FORMATS: Final[dict[str, FloatFormat]] = {
     # OCP FP8 E4M3 (the "fn" variant: no infinities): 1.75 x 2^8.
     "float8_e4m3fn": FloatFormat("F8_E4M3", 448.0),
+    # OCP FP4 E2M1 (NVFP4 and MXFP4 values): 1.5 x 2^2; SafeTensors has no 4-bit type, two are packed per U8.
+    "float4_e2m1": FloatFormat("U8", 6.0),
 }
 # (scheme weight type, bits) -> the storage dtype it means; (activation type, bits) -> the matmul input.
 _STORAGE: Final[dict[tuple[str, int], StorageDtype | None]] = {
     ("float", 8): "float8_e4m3fn",
+    ("float", 4): "float4_e2m1",
     ("int", 8): "int8",
     ("int", 4): "int4",
 }
-_ACTIVATIONS: Final[dict[tuple[str, int], ActivationDtype]] = {("float", 8): "float8_e4m3fn", ("int", 8): "int8"}
-_MATMUL: Final[dict[ActivationDtype, MatmulDtype]] = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "int8": "int8"}
+_ACTIVATIONS: Final[dict[tuple[str, int], ActivationDtype]] = {
+    ("float", 8): "float8_e4m3fn",
+    ("float", 4): "float4_e2m1",
+    ("int", 8): "int8",
+}
+_FP4_FORMATS: Final[dict[str, Fp4Format]] = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+_MATMUL: Final[dict[ActivationDtype, MatmulDtype]] = {
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8",
+    "float4_e2m1": "fp4",
+    "int8": "int8",
+}
 
 
 def weight_storage(w: WeightQuant | None) -> StorageDtype:
@@ -101,10 +114,23 @@ class Method:
 
     @property
     def matmul_dtype(self) -> MatmulDtype:
-        """The input type of its matmuls, the hardware rate it runs at: fp8, int8, or bf16 (weight-only)."""
+        """The input type of its matmuls, the hardware rate it runs at: fp4, fp8, int8, or bf16 (weight-only)."""
         return _MATMUL[self.activation_dtype]
 
     @property
+    def fp4_format(self) -> Fp4Format | None:
+        """The FP4 block format it stores (NVFP4: groups of 16, MXFP4: of 32), or None."""
+        return _FP4_FORMATS.get(self.scheme.format)
+
+    def matmul_dtype_on(self, hw: HardwareProfile) -> MatmulDtype:
+        """What its matmuls run in on `hw`: its own `matmul_dtype` where `hw` has the units (an FP4 method
+        only on a device taking its block format), else bf16 (weight-only, dequantized before the matmul)."""
+        dtype = self.matmul_dtype
+        if dtype == "fp4" and self.fp4_format not in hw.fp4:
+            return "bf16"
+        return hw.matmul_tflops(dtype)[1]
+
+    @property
     def float_format(self) -> FloatFormat | None:
-        """The float format its weights are stored in (FP8), or None for int and unquantized weights."""
+        """The float format its weights are stored in (FP8, FP4), or None for int and unquantized weights."""
         return FLOAT_FORMATS.get(self.weight_dtype)

@@ -138,12 +138,17 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape | str:
 
 
 def matmul_dtype(quant: str) -> MatmulDtype:
-    """The input type of an artifact's matmuls: fp8 for FP8 W8A8, int8 for int8 W8A8, else bf16.
-
-    Weight-only schemes (W8A16, W4A16, GGUF types) dequantize to bf16 before each matmul. On hardware
-    without fp8/int8 units `HardwareProfile.matmul_tflops` falls back to bf16."""
+    """The input type of an artifact's matmuls: fp4 for FP4 W4A4, fp8 for FP8 W8A8, int8 for int8 W8A8, else
+    bf16. Weight-only schemes (W8A16, W4A16, GGUF types) dequantize to bf16 before each matmul."""
     method = METHODS.get(quant)
     return method.matmul_dtype if method is not None else "bf16"
+
+
+def matmul_dtype_on(quant: str, profile: HardwareProfile) -> MatmulDtype:
+    """What an artifact's matmuls run in on `profile`: bf16 where it lacks the units (fp8, int8, or the
+    method's own FP4 block format)."""
+    method = METHODS.get(quant)
+    return method.matmul_dtype_on(profile) if method is not None else "bf16"
 
 
 def _kv_bytes(kv_dtype: str) -> int:
@@ -290,7 +295,7 @@ def plan_replica(
     # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
     step_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
     decode = concurrency / step_s
-    tflops, used = profile.matmul_tflops(matmul_dtype(quant))
+    tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
     tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
     params = shape.parameters() if isinstance(shape, ModelShape) else None
     ttft: float | None = None

@@ -57,6 +57,11 @@ REFUSED: dict[str, str] = {
     "recipe is SmoothQuant with static scales, which kiln does not produce",
     "int8-w8a16": "TensorRT-LLM's compressed-tensors reader has no weight-only int branch, and its "
     f"documented quantization matrix ({DOCS}) lists no INT8 weight-only recipe for the PyTorch backend",
+    "nvfp4-w4a4": "TensorRT-LLM loads NVFP4 in ModelOpt's layout (hf_quant_config.json, quant_algo NVFP4), "
+    "which kiln does not write yet; the hf-bundle's compressed-tensors NVFP4 serves vLLM on Blackwell",
+    "nvfp4-w4a16": f"its documented quantization matrix ({DOCS}) has no weight-only NVFP4 recipe",
+    "mxfp4-w4a4": f"its documented quantization matrix ({DOCS}) has MXFP4 for MoE experts only (W4A8_MXFP4_FP8, "
+    "W4A16_MXFP4), not for dense Linears",
 }
 
 # QuantAlgo -> the NVIDIA architectures TensorRT-LLM documents it on (None: bf16, sm80+).

@@ -25,7 +25,7 @@ from targets.trtllm.formats import FORMATS, REFUSED
 
 
 def test_one_table_gathered_from_one_module_per_family() -> None:
-    assert [f.__name__.rsplit(".", 1)[1] for f in FAMILIES] == ["dense", "fp8", "int8", "int4"]
+    assert [f.__name__.rsplit(".", 1)[1] for f in FAMILIES] == ["dense", "fp8", "int8", "int4", "fp4"]
     names = [m.name for f in FAMILIES for m in f.METHODS]
     assert len(names) == len(set(names)) == len(METHODS)
     assert {n: m.scheme for n, m in METHODS.items()} == SCHEMES
@@ -40,12 +40,12 @@ def test_every_quant_keyed_table_covers_every_method(name: str) -> None:
     assert (name in FORMATS) != (name in REFUSED), "trtllm: written or refused, never both or neither"
     if name in FORMATS:
         assert (name in LEGACY_QFORMATS) != (name in LEGACY_REFUSED), "trtllm engines: built or refused"
-    # Eval: a default gate (the method's own), a native kernel exactly for 8-bit matmuls.
+    # Eval: a default gate (the method's own), a native kernel check exactly for 8-bit matmuls.
     gate = method.gate
     assert DEFAULT_GATES[name] == Gate(
         max_kl=gate.max_kl, min_top1=gate.min_top1, max_ppl_increase=gate.max_ppl_increase
     )
-    assert (name in NATIVE_SCHEMES) == (method.matmul_dtype != "bf16")
+    assert (name in NATIVE_SCHEMES) == (method.matmul_dtype in ("fp8", "int8"))
     # Routing sizes its matmuls at the method's own rate.
     assert matmul_dtype(name) == method.matmul_dtype
     # A verdict for every hardware profile of the catalog.
@@ -68,7 +68,8 @@ def test_stored_dtypes_come_from_the_method() -> None:
     for name, method in METHODS.items():
         if not method.scheme.quantized:
             continue
-        weight = planned_tensors(method.scheme, "model.layers.0.mlp.up_proj.weight", (256, 256))[0]
+        planned = planned_tensors(method.scheme, "model.layers.0.mlp.up_proj.weight", (256, 256))
+        [weight] = [p for p in planned if p[0].endswith((".weight", ".weight_packed"))]
         fmt = method.float_format
         assert (weight[1] == fmt.safetensors) if fmt is not None else weight[1] in ("I8", "I32"), name
     assert FP8.float_format == FLOAT_FORMATS["float8_e4m3fn"] and FP8.float_format.max == 448.0
@@ -86,3 +87,47 @@ def test_a_method_cannot_state_dtypes_its_scheme_does_not_store() -> None:
     bf16 = Scheme(name="x", description="x", format="dense", method="none")
     with pytest.raises(ValueError, match="stores bfloat16"):
         Method(bf16, "int4", "bfloat16", FP8.gate, FP8.on_cuda, FP8.on_rocm)
+
+
+def test_no_method_shares_a_name_with_a_gguf_type() -> None:
+    """GGUF's `nvfp4` / `mxfp4` are llama.cpp types; the compressed-tensors methods are named apart (only the
+    unquantized `bf16` is the same thing in both)."""
+    from formats.gguf.constants import QUANTS as GGUF_QUANTS
+
+    assert set(METHODS) & set(GGUF_QUANTS) == {"bf16"}
+
+
+# FP4 verdicts (issue): NVFP4 W4A4 natively on sm100+, weight-only on Hopper; MXFP4 natively on gfx950 and
+# sm100+; nothing FP4 on MI300X.
+@pytest.mark.parametrize(
+    ("name", "hardware", "compatible", "says"),
+    [
+        ("nvfp4-w4a4", "b200", True, "native NVFP4 W4A4"),
+        ("nvfp4-w4a4", "gb200", True, "native NVFP4 W4A4"),
+        ("nvfp4-w4a4", "b300", True, "native NVFP4 W4A4"),
+        ("nvfp4-w4a4", "rtx-pro-6000", True, "native NVFP4 W4A4"),
+        ("nvfp4-w4a4", "h100", True, "no FP4 tensor cores: NVFP4 weights through vLLM's Marlin"),
+        ("nvfp4-w4a4", "a100", True, "Marlin"),
+        ("nvfp4-w4a4", "mi355x", False, "no NVFP4 kernels on ROCm"),
+        ("nvfp4-w4a4", "mi300x", False, "no NVFP4 kernels on ROCm"),
+        ("nvfp4-w4a16", "b200", True, "weight-only"),
+        ("nvfp4-w4a16", "h100", True, "weight-only"),
+        ("mxfp4-w4a4", "mi355x", True, "native MXFP4 W4A4 matmuls on gfx950"),
+        ("mxfp4-w4a4", "b200", True, "native MXFP4 W4A4"),
+        ("mxfp4-w4a4", "h100", True, "Marlin"),
+        ("mxfp4-w4a4", "mi300x", False, "only emulates"),
+        ("mxfp4-w4a4", "mi325x", False, "only emulates"),
+        ("mxfp4-w4a4", "tpu-v5e", False, "does not run"),
+    ],
+)
+def test_fp4_verdicts_follow_the_hardware_facts(name: str, hardware: str, compatible: bool, says: str) -> None:
+    verdict = compatibility(METHODS[name].scheme)[hardware]
+    assert verdict.compatible is compatible and says in verdict.reason, verdict
+
+
+def test_fp4_matmul_rates() -> None:
+    assert METHODS["nvfp4-w4a4"].matmul_dtype == METHODS["mxfp4-w4a4"].matmul_dtype == "fp4"
+    assert METHODS["nvfp4-w4a16"].matmul_dtype == "bf16"
+    b200, h100 = PROFILES["b200"], PROFILES["h100"]
+    assert b200.matmul_tflops("fp4") == (b200.tflops.fp4, "fp4")
+    assert h100.matmul_tflops("fp4")[1] == "bf16"  # no FP4 units: weight-only, at the bf16 rate

@@ -21,6 +21,9 @@ def test_presets_are_the_issue_schemes() -> None:
         "int4-rtn",
         "w4a16-gptq",
         "w4a16-awq",
+        "nvfp4-w4a4",
+        "nvfp4-w4a16",
+        "mxfp4-w4a4",
     ]
     fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8-w8a16"), get_scheme("int4-rtn")
     assert fp8.weights is not None and fp8.weights.type == "float" and fp8.weights.strategy == "channel"

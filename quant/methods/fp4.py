@@ -1,0 +1,106 @@
+"""FP4 (E2M1) weights: NVFP4 for NVIDIA Blackwell, MXFP4 (the OCP MX format) for Blackwell and AMD gfx950.
+
+- NVFP4: 16 values under one E4M3 scale, times one float32 scale per tensor (compressed-tensors
+  `nvfp4-pack-quantized`: `weight_packed` uint8, `weight_scale` float8_e4m3fn, `weight_global_scale`).
+  W4A4 (`nvfp4-w4a4`) also quantizes activations to NVFP4 at run time, with a static per-tensor scale observed
+  on calibration text (`input_global_scale`); FP4 tensor cores take both operands from Blackwell (sm100+, vLLM's
+  CUTLASS kernel). On older NVIDIA GPUs vLLM runs the same checkpoint weight-only, through its Marlin FP4
+  kernel (bf16 activations), as it runs `nvfp4-w4a16` everywhere. ROCm has no NVFP4 kernel (emulation only).
+- MXFP4: 32 values under one E8M0 (power-of-two) scale (`mxfp4-pack-quantized`: `weight_packed`,
+  `weight_scale` uint8), activations quantized the same way at run time. Native on NVIDIA sm100+ (FlashInfer)
+  and AMD gfx950 (MI350X/MI355X, vLLM's AITER kernels); Marlin FP4 weight-only on older NVIDIA GPUs; gfx942
+  (MI300X/MI325X) only emulates it.
+
+Source: vLLM's compressed-tensors schemes (`CompressedTensorsW4A4Fp4`, `CompressedTensorsW4A4Mxfp4`) and their
+kernel choices (vLLM 0.33). GGUF's own `nvfp4` and `mxfp4` are llama.cpp types (`targets.gguf`).
+
+All three are quantized by llm-compressor's `QuantizationModifier` (`minmax`: the weights' min-max scales,
+NVFP4's tensor scales shared across the fused q/k/v and gate/up projections, as vLLM fuses them), in
+`quant.calibrated`; which device takes which format natively is the hardware catalog's `fp4` fact.
+"""
+
+from __future__ import annotations
+
+from core.hardware import Fp4Format, HardwareProfile
+from quant.methods.base import GateDefaults, Method
+from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
+
+# W4A4 rounds activations too, so it gets the widest gate; weight-only FP4 sits with round-to-nearest int4.
+W4A4 = GateDefaults(max_kl=0.25, min_top1=0.75, max_ppl_increase=0.25)
+W4A16 = GateDefaults(max_kl=0.15, min_top1=0.80, max_ppl_increase=0.15)
+
+_NVFP4_WEIGHTS = WeightQuant(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+_NVFP4_ACTIVATIONS = ActivationQuant(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local")
+_MXFP4_WEIGHTS = WeightQuant(num_bits=4, type="float", strategy="group", group_size=32)
+_MXFP4_ACTIVATIONS = ActivationQuant(num_bits=4, type="float", strategy="group", group_size=32)
+
+
+def _format(method: Method) -> Fp4Format:
+    return "nvfp4" if method.scheme.format == "nvfp4-pack-quantized" else "mxfp4"
+
+
+def _on_cuda(method: Method, hw: HardwareProfile) -> Verdict:
+    fmt = _format(method).upper()
+    if method.scheme.input_activations is not None and _format(method) in hw.fp4:
+        kernel = "CUTLASS" if fmt == "NVFP4" else "FlashInfer"
+        return Verdict(compatible=True, reason=f"native {fmt} W4A4 matmuls on {hw.arch} ({kernel})")
+    # vLLM's Marlin FP4 kernel dequantizes the weights before a bf16 matmul, from sm80 on.
+    why = "weight-only" if method.scheme.input_activations is None else f"{hw.arch} has no FP4 tensor cores"
+    return Verdict(compatible=True, reason=f"{why}: {fmt} weights through vLLM's Marlin FP4 kernel, bf16 activations")
+
+
+def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
+    fmt = _format(method)
+    if fmt == "nvfp4":
+        return Verdict(compatible=False, reason=f"vLLM has no NVFP4 kernels on ROCm ({hw.arch}), only emulation")
+    if fmt in hw.fp4:
+        return Verdict(compatible=True, reason=f"native MXFP4 W4A4 matmuls on {hw.arch} (vLLM's AITER kernels)")
+    return Verdict(compatible=False, reason=f"MXFP4 needs FP4 units (gfx950); {hw.name} ({hw.arch}) only emulates it")
+
+
+def _fp4(
+    name: str, description: str, weights: WeightQuant, activations: ActivationQuant | None, gate: GateDefaults
+) -> Method:
+    scheme = Scheme(
+        name=name,
+        description=description,
+        weights=weights,
+        input_activations=activations,
+        format="nvfp4-pack-quantized" if weights.group_size == 16 else "mxfp4-pack-quantized",
+        method="minmax",
+    )
+    return Method(
+        scheme,
+        weight_dtype="float4_e2m1",
+        activation_dtype="bfloat16" if activations is None else "float4_e2m1",
+        gate=gate,
+        on_cuda=_on_cuda,
+        on_rocm=_on_rocm,
+    )
+
+
+METHODS = (
+    _fp4(
+        "nvfp4-w4a4",
+        "NVFP4 W4A4: E2M1 weights in groups of 16 under E4M3 scales and a tensor scale; activations the same at "
+        "run time, their tensor scale observed on sample text",
+        _NVFP4_WEIGHTS,
+        _NVFP4_ACTIVATIONS,
+        W4A4,
+    ),
+    _fp4(
+        "nvfp4-w4a16",
+        "NVFP4 weight-only (NVFP4A16): E2M1 weights in groups of 16 under E4M3 scales and a tensor scale, "
+        "bf16 activations",
+        _NVFP4_WEIGHTS,
+        None,
+        W4A16,
+    ),
+    _fp4(
+        "mxfp4-w4a4",
+        "MXFP4 W4A4 (OCP MX): E2M1 weights in groups of 32 under E8M0 scales; activations the same at run time",
+        _MXFP4_WEIGHTS,
+        _MXFP4_ACTIVATIONS,
+        W4A4,
+    ),
+)
