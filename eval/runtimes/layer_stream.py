@@ -86,6 +86,7 @@ class LayerStream:
         if quantizer is not None:  # each quantized Linear in its compressed layout, as transformers loads it
             quantizer._process_model_before_weight_loading(model)
         self._quantizer = quantizer
+        self._fp4 = False
         self.config = config
         self._model: Any = model.eval()
         self._base: Any = model.get_decoder()
@@ -120,7 +121,12 @@ class LayerStream:
         if quantizer is not None:
             import compressed_tensors
 
+            from eval.runtimes.transformers_runtime import FP4_EMULATED
+            from quant.compressed import FP4_SCALE_DTYPES
+
             self.version += f", compressed-tensors {compressed_tensors.__version__} decompressing each layer"
+            self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
+            self.version += FP4_EMULATED if self._fp4 else ""
 
     # -- the Runtime protocol -------------------------------------------------------------------------------
 
@@ -261,14 +267,12 @@ class LayerStream:
             from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
             from eval.runtimes.transformers_runtime import upcast_linear_weights
-            from quant.compressed import FP4_SCALE_DTYPES
 
             fmt = self._quantizer.compressor.force_compression_format
             for sub in module.modules():
                 if is_module_quantized(sub):
                     decompress_module(sub, fmt)
-            # FP4 decompresses into bfloat16: upcast, as the whole-model load does
-            if getattr(self._quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES:
+            if self._fp4:  # FP4 decompresses into bfloat16: upcast, as the whole-model load does
                 upcast_linear_weights(module, self.dtype)
         return module
 

@@ -56,13 +56,14 @@ class TransformersRuntime:
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         _load_e4m3fnuz_exactly(model, self.model_dir)
-        if dtype != "auto":
-            decompress_fp4(model, getattr(torch, dtype))
+        emulated = dtype != "auto" and decompress_fp4(model, getattr(torch, dtype))
         if self.device.type != "cpu":
             model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a dtype cast; it moves in place
         self._model: Any = model.eval()
         self.vocab_size = int(model.config.vocab_size)
-        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}" + (
+            FP4_EMULATED if emulated else ""
+        )
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = check_ids(token_ids, self.vocab_size, self.name)
@@ -94,22 +95,27 @@ class TransformersRuntime:
         self._model = None
 
 
-def decompress_fp4(model: Any, dtype: Any) -> None:
+# What an FP4 bundle's eval here is: not the serving kernel (Blackwell / gfx950 FP4 matmuls, Marlin FP4).
+FP4_EMULATED = ", FP4 emulated (weights decompressed by compressed-tensors, activations fake-quantized)"
+
+
+def decompress_fp4(model: Any, dtype: Any) -> bool:
     """Decompress an FP4 bundle (NVFP4, MXFP4) now, into `dtype`.
 
     transformers leaves compressed-tensors bundles compressed and decompresses them on the first forward,
     FP4 into bfloat16 whatever the model's dtype, which a float32 forward then refuses. Here they are
     decompressed at load and each weight upcast (exact: every bf16 is a float32); the forward then
     fake-quantizes the weight against its own scales, in `dtype`, as compressed-tensors does for any
-    decompressed layer. Other bundles are left as transformers loads them."""
+    decompressed layer. Other bundles are left as transformers loads them. Returns whether it was FP4."""
     from quant.compressed import FP4_SCALE_DTYPES
 
     quantizer = getattr(model, "hf_quantizer", None)
     config = getattr(getattr(quantizer, "quantization_config", None), "quantization_config", None)
     if quantizer is None or config is None or getattr(config, "format", None) not in FP4_SCALE_DTYPES:
-        return
+        return False
     quantizer.compressor.decompress_model(model=model)
     upcast_linear_weights(model, dtype)
+    return True
 
 
 def upcast_linear_weights(model: Any, dtype: Any) -> None:

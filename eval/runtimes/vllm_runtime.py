@@ -109,7 +109,8 @@ class Limitation:
     reason: str
 
 
-# Sources: vllm 0.32.0 model_executor/kernels/linear/mixed_precision/cpu.py (CPUWNA16: uint4/uint4b8 only,
+# Sources: vllm 0.32.0 model_executor/kernels/linear/__init__.py (init_nvfp4_linear_kernel, init_mxfp4_linear_kernel:
+# no CPU entry), model_executor/kernels/linear/mixed_precision/cpu.py (CPUWNA16: uint4/uint4b8 only,
 # through torch.ops._C.cpu_gemm_wna16) and kernels/linear/scaled_mm/cpu.py (block FP8: AMX kernels only);
 # each reason was seen as vLLM's own load error on this machine kind (AMD EPYC, AVX2).
 CPU_LIMITS: tuple[Limitation, ...] = (
@@ -117,8 +118,9 @@ CPU_LIMITS: tuple[Limitation, ...] = (
         "FP4",
         lambda s: s.weight_type == "float" and s.weight_bits == 4,
         "never",
-        "vLLM has no CPU kernel for NVFP4 or MXFP4 (they run on NVIDIA sm80+ through Marlin FP4 or natively on "
-        "Blackwell, and natively on AMD gfx950); deferred to such a runner",
+        "vLLM has no CPU kernel for NVFP4 or MXFP4 (its load fails: 'Failed to find a kernel that can implement "
+        "the NVFP4 linear layer', 'Marlin FP4 not available'); they run on NVIDIA sm80+ (Marlin FP4, natively on "
+        "Blackwell) and AMD gfx950: deferred to such a runner",
     ),
     Limitation(
         "W4A16",

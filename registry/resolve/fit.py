@@ -5,9 +5,12 @@ weight bytes and quant, and a `core.hardware.HardwareProfile`; no I/O. `plan_rep
 smallest tensor-parallel degree whose share of the weights and KV cache fits in each device's usable
 memory, and bounds what that replica can do:
 
-- decode is bandwidth-bound: each step reads, on every device, its share of the weights and of the
-  KV cache at full context, so step time = those bytes ÷ (bandwidth × efficiency); the replica makes
-  `concurrency` tokens a step, each sequence one.
+- decode is a roofline: each step reads, on every device, its share of the weights and of the KV cache
+  at full context (those bytes ÷ (bandwidth × efficiency)), and computes 2 × parameters × `concurrency`
+  FLOPs of matmuls at the artifact's matmul type on all TP devices × efficiency; the step takes the longer
+  of the two. Few sequences are bandwidth-bound (the smallest weights win); many are FLOP-bound, where
+  what the hardware computes natively (FP4 on Blackwell and gfx950, FP8 on Hopper) wins. The replica
+  makes `concurrency` tokens a step, each sequence one.
 - prefill is FLOP-bound: one prompt of `context` tokens costs 2 × parameters × context for the
   matmuls plus 2 × layers × heads × head_dim × context² for attention, at the matmul type the
   artifact computes in (`matmul_dtype`) on all TP devices × efficiency.
@@ -293,11 +296,13 @@ def plan_replica(
         efficiency = _check_rate(profile, "interconnect.tp_efficiency", efficiency, TP_EFFICIENCY, above=True)
     # Every divisor below is a product of bounded, positive facts, and every dividend is bounded by
     # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
-    step_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
-    decode = concurrency / step_s
     tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
     tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
     params = shape.parameters() if isinstance(shape, ModelShape) else None
+    memory_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
+    compute_s = 2 * params * concurrency / (tp * tflops * 1e12 * efficiency) if params is not None else 0.0
+    step_s = max(memory_s, compute_s)
+    decode = concurrency / step_s
     ttft: float | None = None
     if isinstance(shape, ModelShape) and params is not None and shape.heads is not None:
         flops = 2 * params * context + 2 * shape.layers * shape.heads * shape.head_dim * context**2
@@ -321,6 +326,8 @@ def plan_replica(
         parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.kv_heads} KV heads)")
     if isinstance(shape, ModelShape) and tp > shape.kv_heads:
         parts.append(f"KV heads replicated: {shape.kv_heads} over TP {tp}, one per device")
+    if compute_s > memory_s:
+        parts.append(f"decode FLOP-bound at {concurrency} sequences ({used} matmuls, {tflops:g} TFLOP/s per device)")
     if isinstance(shape, str):
         parts.append(shape)
     return ReplicaPlan(

@@ -215,10 +215,40 @@ def test_unknown_kv_dtype_and_bad_inputs_are_refused() -> None:
         ("q4_k_m", "bf16"),
         ("q8_0", "bf16"),
         ("f16", "bf16"),
+        ("nvfp4-w4a4", "fp4"),
+        ("mxfp4-w4a4", "fp4"),
+        ("nvfp4-w4a16", "bf16"),
+        ("nvfp4", "bf16"),  # GGUF's: llama.cpp dequantizes
     ],
 )
 def test_matmul_dtype(quant: str, dtype: str) -> None:
     assert matmul_dtype(quant) == dtype
+
+
+def test_fp4_runs_natively_only_where_the_device_takes_its_block_format() -> None:
+    shape = model_shape(LLAMA_70B)
+    nvfp4, mxfp4 = (checkpoint_bytes(LLAMA_70B, q) for q in ("nvfp4-w4a4", "mxfp4-w4a4"))
+    b200 = plan_replica(PROFILES["b200"], shape, nvfp4, "nvfp4-w4a4", 4096, 1)
+    assert (b200.matmul_dtype, b200.matmul_tflops) == ("fp4", PROFILES["b200"].tflops.fp4)
+    # Hopper serves NVFP4 weight-only (Marlin FP4), MI355X takes MXFP4 only: bf16 matmuls.
+    assert plan_replica(PROFILES["h100"], shape, nvfp4, "nvfp4-w4a4", 4096, 1).matmul_dtype == "bf16"
+    assert plan_replica(PROFILES["mi355x"], shape, nvfp4, "nvfp4-w4a4", 4096, 1).matmul_dtype == "bf16"
+    assert plan_replica(PROFILES["mi355x"], shape, mxfp4, "mxfp4-w4a4", 4096, 1).matmul_dtype == "fp4"
+
+
+def test_decode_is_the_slower_of_reading_and_computing() -> None:
+    """A roofline: one sequence is bandwidth-bound; many short ones are FLOP-bound, at the matmul rate."""
+    shape = model_shape(LLAMA_70B)
+    params = shape.parameters()
+    assert params is not None
+    one = plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", 4096, 1)
+    assert one.decode_tokens_per_s == pytest.approx(
+        1 / ((FP8_70B + 2 * 80 * 8 * 128 * 4096 * 2) / (PROFILES["h100"].bandwidth_gbs * 1e9))
+    )
+    many = plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", 64, 1024, max_devices=8)
+    flops_s = 2 * params * 1024 / (many.tp * 1979e12 * PROFILES["h100"].interconnect.tp_efficiency)
+    assert many.decode_tokens_per_s == pytest.approx(1024 / flops_s)
+    assert "decode FLOP-bound at 1024 sequences (fp8 matmuls" in many.explanation
 
 
 def test_a100_runs_fp8_matmuls_in_bf16() -> None:
@@ -311,7 +341,19 @@ def test_any_config_gives_a_plan(config: dict[str, Any], hardware: str) -> None:
 
 # --- the footprint against the bundles kiln writes -------------------------------------------------
 
-SCHEMES_BUILT = ["bf16", "fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn", "w4a16-gptq", "w4a16-awq"]
+SCHEMES_BUILT = [
+    "bf16",
+    "fp8",
+    "fp8-block",
+    "int8-w8a8",
+    "int8-w8a16",
+    "int4-rtn",
+    "w4a16-gptq",
+    "w4a16-awq",
+    "nvfp4-w4a4",
+    "nvfp4-w4a16",
+    "mxfp4-w4a4",
+]
 
 
 def _rtn_calibration(source: Any, scheme: Any) -> Any:
@@ -346,7 +388,15 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         quantized = None
         if scheme.quantized:
             (root / "q").mkdir()
-            calibrated = _rtn_calibration(source, scheme) if scheme.calibrated else None
+            calibrated = None
+            if scheme.method == "minmax":  # FP4: llm-compressor's own, seconds on this model
+                from quant.calibrated import calibrate, calibration_samples
+
+                text = (EXAMPLE_MODEL.parent / "heldout.txt").read_text(encoding="utf-8")
+                samples = calibration_samples(EXAMPLE_MODEL, text, samples=2, seq_len=64) if scheme.calibrated else []
+                calibrated = calibrate(source, scheme, samples, offload_dir=root, compute_dtype="float32")
+            elif scheme.calibrated:
+                calibrated = _rtn_calibration(source, scheme)
             write_quantized(source, scheme, root / "q", calibrated=calibrated)
             quantized = open_quantized(root / "q", name)
         (root / "bundle").mkdir()
