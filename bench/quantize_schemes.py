@@ -46,9 +46,10 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     from quant.store import write_quantized
 
     scheme = get_scheme(scheme_name)
-    if scheme.calibrated:
+    if scheme.by_llmcompressor:
         import llmcompressor  # noqa: F401
         import llmcompressor.modifiers.gptq  # noqa: F401
+        import llmcompressor.modifiers.quantization  # noqa: F401
         import llmcompressor.modifiers.transform.awq  # noqa: F401
 
         from quant.calibrated import calibrate, calibration_samples
@@ -56,9 +57,11 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     imported = _peak_rss_mb()
     t0 = time.perf_counter()
     calibrated = None
-    if scheme.calibrated:
+    if scheme.by_llmcompressor:  # GPTQ, AWQ and NVFP4's activation scales calibrate; the rest is data-free
         text = Path(text_file).read_text(encoding="utf-8")
-        samples = calibration_samples(src.root, text, samples=32, seq_len=256, skip_tokens=4096)
+        samples = (
+            calibration_samples(src.root, text, samples=32, seq_len=256, skip_tokens=4096) if scheme.calibrated else []
+        )
         calibrated = calibrate(
             src, scheme, samples, compute_dtype=os.environ.get("KILN_BENCH_COMPUTE_DTYPE", "float32")
         )
