@@ -90,14 +90,14 @@ def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
     assert first["failed_gates"] == []
     # Everything evaluated here passed; the rest waits for a GPU runner (never counted as passed).
     waiting = {a["artifact"]: a["eval"] for a in first["artifacts"] if a["eval"] != "passed"}
-    assert waiting == {"trtllm-w4a16-awq": "not_evaluated"}
+    assert waiting == {"trtllm-w4a16-awq": "not_evaluated", "trtllm-nvfp4-w4a4": "not_evaluated"}
     gpu_evals = {f"gpu-eval/trtllm-{q}@{sku}" for q in ("bf16", "fp8", "w4a16-awq") for sku in ("h100", "h200")}
-    assert {d["node"] for d in first["deferred"]} == gpu_evals
+    assert {d["node"] for d in first["deferred"]} == {*gpu_evals, "gpu-eval/trtllm-nvfp4-w4a4@b200"}
     f16 = next(a for a in first["artifacts"] if a["artifact"] == "gguf-f16")
     assert f16["metrics"]["top1"] >= 0.99 and f16["metrics"]["kl"] <= 1e-3
 
     second = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
-    assert second["stages"] == {"cached": sum(first["stages"].values()) - 6, "deferred": 6}
+    assert second["stages"] == {"cached": sum(first["stages"].values()) - 7, "deferred": 7}
 
 
 def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, str], tmp_path: Path) -> None:

@@ -123,7 +123,7 @@ def write_bundle(
         try:
             for n in members:
                 t = by_name[n].read().contiguous()
-                writer.write(n, t.view(torch.uint8).numpy().tobytes())
+                writer.write(n, t.reshape(-1).view(torch.uint8).numpy().tobytes())  # a scalar too
                 by_name[n].progress(by_name[n].source_bytes)
                 weight_map[n] = fname
             writer.close()

@@ -8,6 +8,8 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
 - int4 (W4A16_AWQ): each Linear's compressed-tensors int32 words become TensorRT-LLM's int4 byte
   layout (`pack_int4_rows`), its scales are kept, a unit `pre_quant_scale` is added, and
   hf_quant_config.json says so; config.json carries no quantization_config (the file is authoritative).
+- NVFP4: compressed-tensors' tensors under ModelOpt's names, the tensor scales inverted (`to_modelopt_nvfp4`),
+  and hf_quant_config.json the same way.
 
 The written directory is checked against `schema.check_checkpoint` before export returns.
 """
@@ -19,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from core import __version__
-from core.errors import InvalidInput
+from core.errors import InvalidInput, StageFailed
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
@@ -102,18 +104,70 @@ def to_modelopt_int4(planned: list[Planned]) -> list[Planned]:
     return out
 
 
+# compressed-tensors NVFP4 -> ModelOpt NVFP4, per Linear: (their name, ours, inverted). The tensor scales are
+# reciprocals of each other; the packed values and the E4M3 block scales are the same bytes.
+_NVFP4_NAMES = {
+    "weight_packed": ("weight", False),
+    "weight_scale": ("weight_scale", False),
+    "weight_global_scale": ("weight_scale_2", True),
+    "input_global_scale": ("input_scale", True),
+}
+# Linears TensorRT-LLM fuses (one GEMM), which must share weight_scale_2 and input_scale exactly.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _reciprocal(read: Any) -> Any:
+    def inverted() -> torch.Tensor:
+        import torch
+
+        return (1.0 / read().to(torch.float32)).reshape(())
+
+    return inverted
+
+
+def to_modelopt_nvfp4(planned: list[Planned]) -> list[Planned]:
+    """The plan with every compressed-tensors NVFP4 module as ModelOpt's (`_NVFP4_NAMES`), after checking that the
+    Linears TensorRT-LLM fuses share their tensor scales (each is read now: four bytes)."""
+    out = []
+    shared: dict[tuple[str, str], tuple[str, float]] = {}  # (fused group, scale) -> (first module, its value)
+    for p in planned:
+        module, _, local = p.name.rpartition(".")
+        if local not in _NVFP4_NAMES or not module.startswith("model.layers."):
+            out.append(p)
+            continue
+        name, inverted = _NVFP4_NAMES[local]
+        if inverted:
+            parent, _, linear = module.rpartition(".")
+            group = next((g for g in _FUSED if linear in g), None)
+            if group is not None:
+                value = float(p.read().reshape(-1)[0])
+                first = shared.setdefault((f"{parent}.{group[0]}", local), (module, value))
+                if first[1] != value:
+                    raise StageFailed(
+                        f"trtllm NVFP4: {module}.{local} is {value!r} but {first[0]}.{local} is {first[1]!r}; "
+                        f"TensorRT-LLM fuses {'/'.join(group)} and needs them equal",
+                        code="TRTLLM_FUSED_SCALES",
+                    )
+            out.append(replace(p, name=f"{module}.{name}", shape=(), nbytes=4, read=_reciprocal(p.read)))
+        else:
+            out.append(replace(p, name=f"{module}.{name}"))
+    return out
+
+
 def hf_quant_config(scheme: Scheme) -> HfQuantConfig:
-    """hf_quant_config.json for an int4 scheme, in ModelOpt's legacy shape (the one read whatever the producer)."""
+    """hf_quant_config.json for an int4 or NVFP4 scheme, in ModelOpt's legacy shape (the one read whatever the
+    producer); int4's W4A16_AWQ layout carries a (unit) pre_quant_scale."""
     assert scheme.weights is not None
+    algo = FORMATS[scheme.name].quant_algo
     return HfQuantConfig.model_validate(
         {
             "producer": {"name": "kiln", "version": __version__},
             "quantization": {
-                "quant_algo": FORMATS[scheme.name].quant_algo,
+                "quant_algo": algo,
                 "kv_cache_quant_algo": None,
                 "group_size": scheme.weights.group_size,
                 "has_zero_point": False,
-                "pre_quant_scale": True,
+                "pre_quant_scale": algo == "W4A16_AWQ",
                 "exclude_modules": list(scheme.ignore),
             },
         }
@@ -129,8 +183,10 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     scheme, quantized = checked_inputs("trtllm", req)
     planned = plan_tensors(source, quantized, req.on_progress)
     inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
-    if fmt.layout == "modelopt":
+    if fmt.quant_algo == "W4A16_AWQ":
         planned = to_modelopt_int4(planned)
+    elif fmt.quant_algo == "NVFP4":
+        planned = to_modelopt_nvfp4(planned)
     files = write_bundle(source, req.out_dir, planned, inline, params.max_shard_bytes)
     if fmt.layout == "modelopt":
         # quantized_layers belongs to MIXED_PRECISION only; the other keys are written even when null, as ModelOpt does.

@@ -6,6 +6,7 @@
 | fp8                       | FP8_PER_CHANNEL_PER_TOKEN | compressed-tensors in config.json | transformers, vLLM (CPU) |
 | fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers, vLLM (CPU) |
 | int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)           |
+| nvfp4-w4a4                | NVFP4                     | hf_quant_config.json, ModelOpt    | deferred (GPU, sm100)    |
 
 Why W4A16_AWQ for all three int4 schemes: TensorRT-LLM's compressed-tensors reader has no weight-only
 int branch (`quant_config_utils.py`), and its PyTorch backend builds per-group int4 Linears only
@@ -13,6 +14,14 @@ through `W4A16_AWQ_LinearMethod` (`get_quant_method` in `_torch/modules/linear.p
 (x * pre_quant_scale) @ (int4 * scale) with no zero point. kiln's int4 schemes are symmetric (no zero
 point) with AWQ's smoothing already folded into the weights, so each is that layout with
 pre_quant_scale = 1; the scheme's own method (rtn, gptq, awq) is recorded in the manifest.
+
+NVFP4 is compressed-tensors' NVFP4 renamed and its tensor scales inverted (ModelOpt's `weight_scale_2` and
+`input_scale` are compressed-tensors' `1 / weight_global_scale` and `1 / input_global_scale`; the packed E2M1
+bytes and the E4M3 block scales are the same, low nibble first): the mapping compressed-tensors' own
+ModelOpt converter (`ModelOptNvfp4Converter`) undoes, which a test runs on kiln's checkpoint.
+TensorRT-LLM's `NVFP4LinearMethod` asserts that q/k/v and gate/up share their `weight_scale_2` and
+`input_scale` exactly; llm-compressor shares the weight scales across those groups and observes one input
+for each, and the export refuses a checkpoint where they differ.
 
 Hardware: the "Hardware Support Matrix" of TensorRT-LLM's docs/source/features/quantization.md
 (FP8 rowwise on Hopper; FP8 block scaling on Hopper and Blackwell sm100; W4A16 AWQ on Ampere, Ada,
@@ -48,6 +57,7 @@ FORMATS: dict[str, TrtllmFormat] = {
     "int4-rtn": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
+    "nvfp4-w4a4": TrtllmFormat("NVFP4", "modelopt", ("tensorrt_llm",)),
 }
 
 # Schemes TensorRT-LLM cannot load as kiln writes them, and why.
@@ -57,8 +67,6 @@ REFUSED: dict[str, str] = {
     "recipe is SmoothQuant with static scales, which kiln does not produce",
     "int8-w8a16": "TensorRT-LLM's compressed-tensors reader has no weight-only int branch, and its "
     f"documented quantization matrix ({DOCS}) lists no INT8 weight-only recipe for the PyTorch backend",
-    "nvfp4-w4a4": "TensorRT-LLM loads NVFP4 in ModelOpt's layout (hf_quant_config.json, quant_algo NVFP4), "
-    "which kiln does not write yet; the hf-bundle's compressed-tensors NVFP4 serves vLLM on Blackwell",
     "nvfp4-w4a16": f"its documented quantization matrix ({DOCS}) has no weight-only NVFP4 recipe",
     "mxfp4-w4a4": f"its documented quantization matrix ({DOCS}) has MXFP4 for MoE experts only (W4A8_MXFP4_FP8, "
     "W4A16_MXFP4), not for dense Linears",

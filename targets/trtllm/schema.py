@@ -172,6 +172,15 @@ LINEAR_TENSORS: dict[str | None, tuple[TensorSpec, ...]] = {
         TensorSpec("weight_scale", ("BF16", "F16"), lambda o, i, g: (o, i // g)),
         TensorSpec("pre_quant_scale", ("BF16", "F16"), lambda o, i, g: (i,)),
     ),
+    # NVFP4LinearMethod: E2M1 pairs along the input dimension (low nibble first) [out, in/2], E4M3 block scales
+    # [out, in/16] row-major (it pads and swizzles them at load), float32 scalars weight_scale_2 and
+    # input_scale (ModelOpt writes shape []; [1] broadcasts the same), alpha = input_scale * weight_scale_2.
+    "NVFP4": (
+        TensorSpec("weight", ("U8",), lambda o, i, g: (o, i // 2)),
+        TensorSpec("weight_scale", ("F8_E4M3",), lambda o, i, g: (o, i // 16)),
+        TensorSpec("weight_scale_2", ("F32",), lambda o, i, g: ()),
+        TensorSpec("input_scale", ("F32",), lambda o, i, g: ()),
+    ),
 }
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidInput, RecipeInvalid
+from core.errors import InvalidInput, RecipeInvalid, StageFailed
 from core.hardware import PROFILES
 from formats.hf_model import SourceModel, open_source
 from pipeline.recipe import Recipe, parse_recipe
@@ -103,7 +104,8 @@ def test_every_checkpoint_validates_and_carries_the_tensors_its_algo_loads(
     if fmt.layout == "modelopt":
         assert checked.source == HF_QUANT_CONFIG and "quantization_config" not in config
         assert parse_hf_quant_config(json.loads((ckpt / HF_QUANT_CONFIG).read_text())).producer.name == "kiln"
-        assert checked.group_size == 128 and checked.exclude_modules == ("lm_head",)
+        assert checked.group_size == (16 if fmt.quant_algo == "NVFP4" else 128)
+        assert checked.exclude_modules == ("lm_head",)
     elif fmt.layout == "compressed-tensors":
         assert checked.source == "config.json" and not (ckpt / HF_QUANT_CONFIG).exists()
         assert compressed_tensors_algo(config["quantization_config"]) == fmt.quant_algo
@@ -127,6 +129,14 @@ def test_every_checkpoint_validates_and_carries_the_tensors_its_algo_loads(
         assert {k.removeprefix(module + ".") for k in stored} == specs
         if q is None:
             assert torch.equal(stored[name], source.tensor(name).to(torch.bfloat16))
+        elif fmt.quant_algo == "NVFP4":  # compressed-tensors' bytes; the tensor scales inverted, as scalars
+            assert torch.equal(stored[name], q.tensor(f"{module}.weight_packed"))
+            assert torch.equal(
+                stored[f"{module}.weight_scale"].view(torch.uint8), q.tensor(f"{module}.weight_scale").view(torch.uint8)
+            )
+            for theirs, ours in (("weight_scale_2", "weight_global_scale"), ("input_scale", "input_global_scale")):
+                assert stored[f"{module}.{theirs}"].shape == ()
+                assert torch.equal(stored[f"{module}.{theirs}"], (1.0 / q.tensor(f"{module}.{ours}")).reshape(()))
         elif fmt.layout == "modelopt":
             want = dequantize(q.scheme, module, {k: q.tensor(k) for k in q.module_tensors(name)})
             values = unpack_int4_rows(stored[name])
@@ -175,8 +185,53 @@ def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() ->
     with pytest.raises(InvalidInput, match="weight-only"):
         compressed_tensors_algo(quantization_config(get_scheme("int8-w8a16")))
     spec = get_target("trtllm")
-    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16"}
+    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16", "nvfp4-w4a16", "mxfp4-w4a4"}
     assert not set(spec.quants) & set(spec.unsupported_quants)
+
+
+def test_nvfp4_checkpoint_is_what_compressed_tensors_modelopt_converter_reads_back(
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    """Cross-check with compressed-tensors' own ModelOpt NVFP4 converter: converting kiln's TensorRT-LLM
+    checkpoint gives back the hf-bundle's compressed-tensors tensors (the tensor scales to within the one
+    rounding 1 / (1 / x) can add)."""
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from safetensors import safe_open
+
+    q = quantized["nvfp4-w4a4"]
+    _export(open_source(model_dir), "nvfp4-w4a4", tmp_path / "ckpt", q)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted((tmp_path / "ckpt").glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    converted = ModelOptNvfp4Converter(ignore=["lm_head"], targets=["Linear"]).validate(tensors)
+    ours = {k: q.tensor(k) for k in q.tensors}
+    assert set(ours) <= set(converted)
+    for k, t in ours.items():
+        back = converted[k]
+        if k.endswith("_global_scale"):
+            assert back.numel() == 1 and torch.allclose(back.reshape(1), t.reshape(1), rtol=2**-23, atol=0), k
+        else:
+            assert torch.equal(back.view(torch.uint8), t.view(torch.uint8)), k
+
+
+def test_fused_linears_with_different_tensor_scales_are_refused(
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+) -> None:
+    """TensorRT-LLM asserts q/k/v (and gate/up) share weight_scale_2 and input_scale: such a checkpoint is refused."""
+    import torch
+
+    from targets.hf_bundle.export import plan_tensors
+    from targets.trtllm.export import to_modelopt_nvfp4
+
+    planned = plan_tensors(open_source(model_dir), quantized["nvfp4-w4a4"], lambda n: None)
+    assert len(to_modelopt_nvfp4(planned)) == len(planned)
+    k = next(i for i, p in enumerate(planned) if p.name == "model.layers.0.self_attn.k_proj.input_global_scale")
+    planned[k] = replace(planned[k], read=lambda: torch.tensor([1234.5]))
+    with pytest.raises(StageFailed) as e:
+        to_modelopt_nvfp4(planned)
+    assert e.value.code == "TRTLLM_FUSED_SCALES" and "q_proj/k_proj/v_proj" in e.value.message
 
 
 def test_fp8_checkpoint_evaluates_on_cpu_and_int4_is_deferred_to_a_gpu_runner(
