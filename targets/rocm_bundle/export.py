@@ -177,6 +177,11 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
             if params.fp8_dtype == "e4m3fnuz"
             else arch.conversion,
         }
+    fp4 = get_method(scheme.name).fp4_format
+    if fp4 is not None:
+        # vLLM's compressed-tensors MXFP4 scheme on ROCm: AITER's kernels where `aiter` is installed on a gfx950,
+        # else an emulation (which needs the amd-quark package): serving needs the former.
+        runtime["fp4"] = {"format": fp4, "kernels": "vLLM's AITER MXFP4 kernels (the aiter package, gfx950)"}
     verdicts = rocm_compatibility(scheme.name, req.params)
     return ExportResult(
         files=files,
