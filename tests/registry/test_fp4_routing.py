@@ -1,0 +1,83 @@
+"""One 70B release with bf16, FP8, GPTQ and the FP4 bundles: which one each SKU's pool resolves to.
+
+The artifacts are what kiln's hf-bundle writes for `examples/llama-3-70b` (sizes from `quant.footprint`,
+hardware from the catalog's verdicts), with the example model's measured KL. Decode is a roofline
+(`registry.resolve.fit`): many short sequences make it FLOP-bound, where the format the device computes
+natively wins (NVFP4 on B200, MXFP4 on MI355X, FP8 on H100); one long sequence is bandwidth-bound, where the
+smallest weights win.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.hardware import builtin_catalog
+from quant.catalog import compatibility, get_scheme
+from quant.footprint import checkpoint_bytes
+from registry.resolve.service import ArtifactView, FileView, Pool, ReleaseView, ResolveQuery, rank_candidates
+
+CONFIG = json.loads((Path(__file__).resolve().parents[2] / "examples/llama-3-70b/config.json").read_text())
+# The example model's KL against its reference, per scheme (README, "Eval").
+KL = {
+    "bf16": 0.0,
+    "fp8": 9.2e-4,
+    "w4a16-gptq": 8.7e-4,
+    "nvfp4-w4a4": 1.2e-2,
+    "nvfp4-w4a16": 3.0e-3,
+    "mxfp4-w4a4": 2.1e-2,
+}
+
+
+def _artifact(quant: str) -> ArtifactView:
+    verdicts = compatibility(get_scheme(quant))
+    size = checkpoint_bytes(CONFIG, quant)
+    return ArtifactView(
+        name=f"hf-bundle-{quant}",
+        target="hf-bundle",
+        format="safetensors",
+        quant=quant,
+        manifest_digest="0" * 64,
+        hardware=tuple(h for h, v in verdicts.items() if v.compatible),
+        unsupported={h: v.reason for h, v in verdicts.items() if not v.compatible},
+        total_size=size,
+        eval_status="passed",
+        kl=KL[quant],
+        failed_reasons=(),
+        files=(FileView("model.safetensors", "0" * 64, size),),
+    )
+
+
+RELEASE = ReleaseView("llama-3-70b", "1.0", CONFIG, tuple(_artifact(q) for q in KL))
+
+
+@pytest.mark.parametrize("policy", ["latency", "cost"])
+@pytest.mark.parametrize(
+    ("hardware", "pick"), [("b200", "nvfp4-w4a4"), ("mi355x", "mxfp4-w4a4"), ("h100", "fp8"), ("h200", "fp8")]
+)
+def test_a_throughput_workload_resolves_to_the_format_the_device_computes(
+    hardware: str, pick: str, policy: str
+) -> None:
+    query = ResolveQuery((Pool(hardware),), policy=policy, context=256, concurrency=2048)  # type: ignore[arg-type]
+    best, *fallbacks = rank_candidates(RELEASE, builtin_catalog(), query, "prod")
+    assert best.artifact.quant == pick and best.fits, best.explanation
+    assert "decode FLOP-bound at 2048 sequences" in best.plan.explanation
+    assert fallbacks and all(c.artifact.quant != pick for c in fallbacks)
+
+
+def test_what_a_device_cannot_run_is_never_offered() -> None:
+    query = ResolveQuery((Pool("mi300x"),), context=256, concurrency=2048)
+    offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
+    assert offered == {"bf16", "fp8", "w4a16-gptq"}  # no FP4 on gfx942
+    query = ResolveQuery((Pool("mi355x"),), context=256, concurrency=2048)
+    offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
+    assert "nvfp4-w4a4" not in offered and "nvfp4-w4a16" not in offered and "mxfp4-w4a4" in offered
+
+
+@pytest.mark.parametrize("hardware", ["b200", "mi355x", "h100"])
+def test_one_long_sequence_is_bandwidth_bound_and_takes_the_smallest_weights(hardware: str) -> None:
+    query = ResolveQuery((Pool(hardware),), context=4096, concurrency=1)
+    best = rank_candidates(RELEASE, builtin_catalog(), query, "prod")[0]
+    assert best.artifact.quant == "w4a16-gptq" and "FLOP-bound" not in best.plan.explanation
