@@ -102,7 +102,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from core.errors import InvalidInput, StageFailed
-from quant.rtn import quantizes
+from quant.rtn import kv_scale_names, quantizes
 from quant.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -130,6 +130,8 @@ class CalibratedWeights:
     # quantized Linear weight -> its other parameters by local name (NVFP4: weight_global_scale,
     # input_global_scale; a float32 number each, so held in memory)
     qparams: Mapping[str, Mapping[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    # an FP8 KV cache's scales, `<layer>.self_attn.k_scale` / `v_scale` -> float32 [1] (new tensors, not the source's)
+    kv_scales: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def calibration_samples(
@@ -326,6 +328,13 @@ def _recipe(scheme: Scheme) -> list[Any]:
 
     from quant.compressed import ct_scheme
 
+    if scheme.kv_cache is not None:
+        if scheme.method != "rtn":
+            raise ValueError(f"scheme {scheme.name!r}: an FP8 KV cache is calibrated beside round-to-nearest weights")
+        from compressed_tensors.quantization import QuantizationArgs
+
+        # The KV cache's scales only: the weights stay kiln's round-to-nearest (`quant.rtn`).
+        return [QuantizationModifier(kv_cache_scheme=QuantizationArgs(**scheme.kv_cache.model_dump()))]
     groups = {"group_0": ct_scheme(scheme).model_copy(update={"format": None})}
     if scheme.method == "gptq":
         return [GPTQModifier(config_groups=groups, ignore=list(scheme.ignore))]
@@ -509,9 +518,18 @@ def calibrate(
     scales: dict[str, str] = {}
     qparams: dict[str, dict[str, torch.Tensor]] = {}
     changed: dict[str, torch.Tensor] = {}
+    kv_scales: dict[str, torch.Tensor] = {}
+    if scheme.kv_cache is not None:
+        for name in kv_scale_names(source.tensors):
+            if not _has_tensor(model, name):
+                raise StageFailed(f"{scheme.name}: llm-compressor left no {name}", code="CALIBRATION_FAILED")
+            kv_scales[name] = _read(model, name).float().reshape(1)
+    rtn_weights = scheme.method == "rtn"  # only the KV cache was calibrated
     for n in source.tensors:
         if not _has_tensor(model, n):
             raise StageFailed(f"{scheme.name}: the calibrated model has no tensor {n!r}", code="CALIBRATION_FAILED")
+        if quantizes(scheme, n) and rtn_weights:
+            continue
         if quantizes(scheme, n):
             module = n.removesuffix(".weight")
             zero = f"{module}.weight_zero_point"
@@ -537,4 +555,5 @@ def calibrate(
         scales=_OffloadedTensors(model, scales, folder),
         changed=changed,
         qparams=qparams,
+        kv_scales=kv_scales,
     )

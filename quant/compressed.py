@@ -46,13 +46,15 @@ def ct_scheme(scheme: Scheme) -> QuantizationScheme:
 
 def quantization_config(scheme: Scheme) -> dict[str, Any]:
     """The `quantization_config` block of config.json, serialised by compressed-tensors itself."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationStatus
 
+    kv = scheme.kv_cache
     config = QuantizationConfig(
         config_groups={"group_0": ct_scheme(scheme)},
         format=scheme.format,
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=list(scheme.ignore),
+        kv_cache_scheme=QuantizationArgs(**kv.model_dump()) if kv is not None else None,
     )
     dumped: dict[str, Any] = config.model_dump(mode="json")
     return dumped

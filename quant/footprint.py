@@ -18,7 +18,7 @@ from typing import Any
 from formats.hf_model import ModelShape
 from formats.safetensors import DTYPES
 from quant.catalog import get_scheme
-from quant.rtn import check_shapes, planned_tensors, quantizes
+from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes
 
 
 def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
@@ -34,6 +34,9 @@ def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[
             yield from planned_tensors(scheme, name, shape)
         else:
             yield name, "BF16", shape
+    if scheme.kv_cache is not None:  # an FP8 KV cache's per-layer K and V scales, after everything else
+        for name in kv_scale_names(expected):
+            yield name, "F32", (1,)
 
 
 def checkpoint_bytes(config: Mapping[str, Any], quant: str) -> int:

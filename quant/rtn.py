@@ -16,18 +16,29 @@ Which tensors are quantized: the weights of the Linear layers inside the decoder
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput
 from quant.methods.base import FLOAT_FORMATS, weight_storage
-from quant.schemes import Scheme, WeightQuant
+from quant.schemes import LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
 if TYPE_CHECKING:
     import torch
 
 # The Linear layers of the llama / mistral / qwen2 decoder blocks, by weight name.
 LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+# A decoder layer's attention tensors, by name (its KV-cache scales sit beside them).
+_ATTENTION = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
+
+
+def kv_scale_names(tensors: Iterable[str]) -> list[str]:
+    """The KV-cache scale tensors of a model with these tensor names: `k_scale` and `v_scale` of every decoder
+    layer's attention (where vLLM and compressed-tensors read them), in layer order."""
+    layers = sorted({int(m.group(1)) for t in tensors if (m := _ATTENTION.match(t))})
+    return [f"model.layers.{i}.self_attn.{kv}" for i in layers for kv in ("k_scale", "v_scale")]
 
 
 class QuantShapeError(InvalidInput):
@@ -157,7 +168,7 @@ def quantize_weight(
 
     module = name.removesuffix(".weight")
     assert scheme.weights is not None
-    if scale is None and scheme.by_llmcompressor:
+    if scale is None and scheme.method in LLMCOMPRESSOR_METHODS:
         raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is quantized by llm-compressor; pass its scales")
     fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
     # FP4 quantizes against its scales as stored (E4M3 / E8M0), which compressed-tensors rounds to itself.

@@ -23,9 +23,9 @@ This module is plain data (no torch): the registry imports `targets`. The method
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 QuantType = Literal["int", "float"]
 CompressionFormat = Literal[
@@ -111,8 +111,19 @@ class ActivationQuant(_Frozen):
         return self
 
 
+class KvCacheQuant(_Frozen):
+    """The KV cache in FP8 E4M3 with one static scale per layer for the keys and one for the values, calibrated
+    on sample text (compressed-tensors `kv_cache_scheme`; the tensors `<layer>.self_attn.k_scale` / `v_scale`)."""
+
+    num_bits: Literal[8] = 8
+    type: Literal["float"] = "float"
+    strategy: Literal["tensor"] = "tensor"
+    dynamic: Literal[False] = False
+    symmetric: Literal[True] = True
+
+
 class Scheme(_Frozen):
-    """A named quantization scheme for the Linear layers of a model."""
+    """A named quantization scheme for the Linear layers of a model (and, with `kv_cache`, its KV cache)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,31}$")
     description: str
@@ -122,6 +133,16 @@ class Scheme(_Frozen):
     method: QuantMethod
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
+    kv_cache: KvCacheQuant | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Without `kv_cache` when there is none: a scheme's dump (in stage keys and records) stays what it was
+        before the field existed."""
+        data = handler(self)
+        if self.kv_cache is None and isinstance(data, dict):
+            data.pop("kv_cache", None)
+        return data
 
     @model_validator(mode="after")
     def _format_matches(self) -> Scheme:
@@ -144,14 +165,17 @@ class Scheme(_Frozen):
 
     @property
     def calibrated(self) -> bool:
-        """Whether quantizing needs calibration text (GPTQ, AWQ, static activation scales)."""
+        """Whether quantizing needs calibration text (GPTQ, AWQ, static activation or KV-cache scales)."""
         a = self.input_activations
-        return self.method in CALIBRATED_METHODS or (a is not None and a.dynamic == "local")
+        return (
+            self.method in CALIBRATED_METHODS or (a is not None and a.dynamic == "local") or self.kv_cache is not None
+        )
 
     @property
     def by_llmcompressor(self) -> bool:
-        """Whether llm-compressor quantizes it (`quant.calibrated`), not kiln's round-to-nearest."""
-        return self.method in LLMCOMPRESSOR_METHODS
+        """Whether llm-compressor runs for it (`quant.calibrated`): it quantizes the weights (GPTQ, AWQ, FP4), or
+        calibrates the KV-cache scales (the weights then stay kiln's round-to-nearest)."""
+        return self.method in LLMCOMPRESSOR_METHODS or self.kv_cache is not None
 
 
 def _expected_format(w: WeightQuant | None, a: ActivationQuant | None) -> CompressionFormat:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
 from quant.catalog import get_scheme
-from quant.rtn import check_shapes, planned_tensors, quantize_weight, quantizes
+from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes
 from quant.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -74,11 +74,18 @@ def write_quantized(
     kept = [n for n in source.tensors if n in changed]
     for n in kept:
         writer.add(n, "BF16", source.tensors[n].shape)
+    kv = dict(calibrated.kv_scales) if calibrated is not None else {}
+    if set(kv) != set(kv_scale_names(source.tensors) if scheme.kv_cache is not None else []):
+        raise StageFailed(
+            f"{scheme.name}: calibration gave KV-cache scales {sorted(kv)[:4]}, not one K and V per layer"
+        )
+    for n in kv:
+        writer.add(n, "F32", (1,))
     writer.begin()
     stored = 0
     try:
         for n in replaced:
-            if calibrated is None:
+            if calibrated is None or n not in calibrated.scales:  # round-to-nearest (beside a calibrated KV cache)
                 produced = list(quantize_weight(n, source.tensor(n), scheme))
             else:
                 produced = list(
@@ -100,6 +107,9 @@ def write_quantized(
             t = changed[n].to(torch.bfloat16)
             writer.write(n, _raw_bytes(t))
             stored += t.numel() * t.element_size()
+        for n, t in kv.items():
+            writer.write(n, _raw_bytes(t.to(torch.float32).reshape(1)))
+            stored += 4
         writer.close()
     except BaseException:
         writer.abort()
@@ -152,6 +162,12 @@ class QuantizedWeights:
         if not names:
             raise StageFailed(f"quantized output for {self.scheme.name} has no tensors for {source_name}")
         return names
+
+    def kv_scales(self) -> list[str]:
+        """An FP8 KV cache's scale tensors (`<layer>.self_attn.k_scale` / `v_scale`), in file order; [] for none."""
+        if self.scheme.kv_cache is None:
+            return []
+        return [n for n in self.tensors if n.endswith((".self_attn.k_scale", ".self_attn.v_scale"))]
 
     def tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -242,7 +242,7 @@ class LayerStream:
         (`dtype`, or a compressed tensor's own), assigned, not copied. A bundle's module is a fresh copy of
         the compressed layout, decompressed once loaded (the layout is kept for the next load)."""
         if self._quantizer is not None:
-            module = copy.deepcopy(module)
+            module = _copy_layer(module)
         meta = module.state_dict()
         names = list(meta.keys())
         missing = [prefix + k for k in names if prefix + k not in self._weights]
@@ -278,6 +278,22 @@ class LayerStream:
 
     def _unload(self, module: Any) -> None:
         module.to("meta")  # frees the weights; the module keeps its shapes for the next call
+
+
+def _copy_layer(module: Any) -> Any:
+    """A deep copy of a layer's compressed layout. compressed-tensors' quantized KV cache (an FP8 KV cache's
+    `kv_cache` submodule of each attention) holds a weak reference to its attention module, which a deep copy
+    keeps pointing at the original (on the meta device): it is pointed at the copy's own."""
+    import weakref
+
+    from compressed_tensors.modeling.kvcache import KV_CACHE_ATTR
+
+    copied = copy.deepcopy(module)
+    for sub in copied.modules():
+        cache = getattr(sub, KV_CACHE_ATTR, None)
+        if cache is not None and hasattr(cache, "attn_module"):
+            cache.attn_module = weakref.ref(sub)
+    return copied
 
 
 def _compressed_tensors(config: Any, model_dir: Path) -> Any:

@@ -219,13 +219,20 @@ def head_size(config: dict[str, Any]) -> int | None:
 
 
 def cpu_limitation(
-    schemes: Sequence[WeightScheme], capabilities: VllmCapabilities, hello: dict[str, Any], head: int | None = None
+    schemes: Sequence[WeightScheme],
+    capabilities: VllmCapabilities,
+    hello: dict[str, Any],
+    head: int | None = None,
+    fp8_kv_cache: bool = False,
 ) -> str | None:
-    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` here (given this machine's
-    `capabilities` and the worker's `hello`), or None if it can."""
+    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` (and an FP8 KV cache) here (given
+    this machine's `capabilities` and the worker's `hello`), or None if it can."""
     sizes = hello.get("head_sizes")
     if head is not None and sizes and head not in sizes:
         return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
+    if fp8_kv_cache and "avx512f" not in capabilities.cpu_flags:
+        # vllm 0.32.0 v1/attention/backends/cpu_attn.py: an fp8 cache only on x86 with AVX-512 (or AMX).
+        return "FP8 KV cache: vLLM's CPU attention keeps an FP8 cache only with AVX-512; this CPU has none"
     for limit in CPU_LIMITS:
         if not any(limit.matches(s) for s in schemes):
             continue
@@ -424,7 +431,10 @@ class VllmRuntime:
         hello = self._worker.hello
         if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
             raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
-        why = cpu_limitation(schemes, here, hello, head_size(config))
+        kv = isinstance(config.get("quantization_config"), dict) and bool(
+            config["quantization_config"].get("kv_cache_scheme")
+        )
+        why = cpu_limitation(schemes, here, hello, head_size(config), fp8_kv_cache=kv)
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",

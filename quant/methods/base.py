@@ -107,6 +107,8 @@ class Method:
                 f"method {self.scheme.name!r} says {self.weight_dtype} weights and {self.activation_dtype} "
                 f"activations; its scheme stores {stored} and computes in {computed}"
             )
+        if (self.kv_cache_dtype == "fp8") != (self.scheme.kv_cache is not None):
+            raise ValueError(f"method {self.scheme.name!r}: an FP8 KV cache is exactly a scheme with kv_cache")
 
     @property
     def name(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from core.hardware import HardwareProfile
 from quant.methods.base import GateDefaults, Method
-from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
+from quant.schemes import ActivationQuant, KvCacheQuant, Scheme, Verdict, WeightQuant
 
 GATE = GateDefaults(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03)
 
@@ -43,8 +43,11 @@ def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
     return Verdict(compatible=False, reason=f"{hw.name} ({hw.arch}) has no FP8 units")
 
 
-def _w8a8(name: str, description: str, weights: WeightQuant, activations: ActivationQuant) -> Method:
-    """An FP8 W8A8 method: E4M3 weights and dynamic E4M3 activations, how they are scaled is the scheme's."""
+def _w8a8(
+    name: str, description: str, weights: WeightQuant, activations: ActivationQuant, kv_cache: bool = False
+) -> Method:
+    """An FP8 W8A8 method: E4M3 weights and dynamic E4M3 activations, how they are scaled is the scheme's;
+    `kv_cache`: and an FP8 KV cache with calibrated per-layer K and V scales."""
     return Method(
         Scheme(
             name=name,
@@ -53,12 +56,14 @@ def _w8a8(name: str, description: str, weights: WeightQuant, activations: Activa
             input_activations=activations,
             format="float-quantized",
             method="rtn",
+            kv_cache=KvCacheQuant() if kv_cache else None,
         ),
         weight_dtype="float8_e4m3fn",
         activation_dtype="float8_e4m3fn",
         gate=GATE,
         on_cuda=_on_cuda,
         on_rocm=_on_rocm,
+        kv_cache_dtype="fp8" if kv_cache else "bf16",
     )
 
 
@@ -75,4 +80,15 @@ FP8_BLOCK = _w8a8(
     ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
 )
 
-METHODS = (FP8, FP8_BLOCK)
+# FP8 with an FP8 KV cache: the same weights as `fp8` (round-to-nearest), and one static scale per layer for K
+# and for V, calibrated on sample text by llm-compressor; vLLM then keeps the cache in FP8 (half the bytes).
+FP8_KV8 = _w8a8(
+    "fp8-kv8",
+    "FP8 E4M3 weights per output channel, dynamic per-token FP8 activations, and an FP8 KV cache with "
+    "calibrated per-layer K and V scales",
+    WeightQuant(num_bits=8, type="float", strategy="channel"),
+    ActivationQuant(num_bits=8, type="float"),
+    kv_cache=True,
+)
+
+METHODS = (FP8, FP8_BLOCK, FP8_KV8)

@@ -147,6 +147,13 @@ def matmul_dtype(quant: str) -> MatmulDtype:
     return method.matmul_dtype if method is not None else "bf16"
 
 
+def kv_dtype_of(quant: str, asked: str) -> str:
+    """The KV cache a replica of the artifact keeps: FP8 where its checkpoint carries calibrated FP8 KV scales
+    (vLLM then keeps the cache in FP8 whatever the caller assumed), else what the caller asked for."""
+    method = METHODS.get(quant)
+    return "fp8" if method is not None and method.kv_cache_dtype == "fp8" else asked
+
+
 def matmul_dtype_on(quant: str, profile: HardwareProfile) -> MatmulDtype:
     """What an artifact's matmuls run in on `profile`: bf16 where it lacks the units (fp8, int8, or the
     method's own FP4 block format)."""

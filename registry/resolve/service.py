@@ -43,7 +43,7 @@ from registry.models.models import Model
 from registry.models.service import get_model
 from registry.performance.models import PerformanceRecord
 from registry.releases.models import Release
-from registry.resolve.fit import ModelShape, ReplicaPlan, model_shape, plan_replica
+from registry.resolve.fit import ModelShape, ReplicaPlan, kv_dtype_of, model_shape, plan_replica
 from registry.resolve.models import RoutingState
 
 K = TypeVar("K")
@@ -603,7 +603,7 @@ def _candidate(
         artifact.quant,
         query.context,
         query.concurrency,
-        query.kv_dtype,
+        kv_dtype_of(artifact.quant, query.kv_dtype),
         max_devices=pool.free_devices or None,
     )
     speed = _speed(artifact, plan, profile)

@@ -78,6 +78,9 @@ def plan_tensors(source: SourceModel, quantized: Any, on_progress: Callable[[int
             planned.append(
                 Planned(n, "BF16", info.shape, info.numel * 2, partial(_bf16, source, n), info.nbytes, on_progress)
             )
+    for q in quantized.kv_scales() if quantized is not None else []:  # an FP8 KV cache's scales, last
+        t = quantized.tensors[q]
+        planned.append(Planned(q, t.dtype, t.shape, t.nbytes, partial(quantized.tensor, q), 0, on_progress))
     return planned
 
 

@@ -99,22 +99,23 @@ def test_an_architecture_it_does_not_stream_is_named(llama_dir: Path, tmp_path: 
 # --- bundles: compressed-tensors decompressed one layer at a time -----------------------------------------
 
 RTN_SCHEMES = ("bf16", "fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn")
-FP4_SCHEMES = ("nvfp4-w4a4", "nvfp4-w4a16", "mxfp4-w4a4")  # llm-compressor's; decompressed into bf16, upcast
+# llm-compressor's: FP4 (decompressed into bf16, upcast) and an FP8 KV cache (fake-quantized K and V)
+LLMCOMPRESSOR_SCHEMES = ("nvfp4-w4a4", "nvfp4-w4a16", "mxfp4-w4a4", "fp8-kv8")
 
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every round-to-nearest scheme's bundle of a model wide enough for 128x128 blocks (same tokenizer), and
-    the FP4 ones."""
+    llm-compressor's."""
     root = tmp_path_factory.mktemp("streamed-bundles")
     model = make_model(root / "model", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
-    made = {s: make_bundle(model, root / s, s) for s in (*RTN_SCHEMES, *FP4_SCHEMES)}
+    made = {s: make_bundle(model, root / s, s) for s in (*RTN_SCHEMES, *LLMCOMPRESSOR_SCHEMES)}
     gfx942 = {"gfx_arch": "gfx942", "vllm": "0.11.2", "rocm": "7.0.2"}  # FP8 stored as float8_e4m3fnuz
     made["rocm-fp8-gfx942"] = make_bundle(model, root / "rocm", "fp8", "rocm-bundle", gfx942)
     return made
 
 
-@pytest.mark.parametrize("name", [*RTN_SCHEMES, *FP4_SCHEMES, "rocm-fp8-gfx942"])
+@pytest.mark.parametrize("name", [*RTN_SCHEMES, *LLMCOMPRESSOR_SCHEMES, "rocm-fp8-gfx942"])
 def test_a_bundle_streamed_one_layer_at_a_time_equals_the_whole_load_bit_for_bit(
     bundles: dict[str, Path], eval_text: EvalText, name: str
 ) -> None:

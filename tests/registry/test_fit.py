@@ -251,6 +251,14 @@ def test_decode_is_the_slower_of_reading_and_computing() -> None:
     assert "decode FLOP-bound at 1024 sequences (fp8 matmuls" in many.explanation
 
 
+def test_an_fp8_kv_cache_artifact_is_sized_with_its_own_kv_type() -> None:
+    """A checkpoint with calibrated FP8 KV scales is served with an FP8 cache, whatever the caller assumed."""
+    from registry.resolve.fit import kv_dtype_of
+
+    assert kv_dtype_of("fp8-kv8", "bf16") == "fp8" and kv_dtype_of("fp8", "bf16") == "bf16"
+    assert kv_dtype_of("fp8", "fp8") == "fp8" and kv_dtype_of("q4_k_m", "bf16") == "bf16"
+
+
 def test_a100_runs_fp8_matmuls_in_bf16() -> None:
     plan = plan_replica(PROFILES["a100"], model_shape(LLAMA_70B), FP8_70B, "int8-w8a8", 1024, 1)
     assert (plan.matmul_dtype, plan.matmul_tflops) == ("int8", 624)
@@ -345,6 +353,7 @@ SCHEMES_BUILT = [
     "bf16",
     "fp8",
     "fp8-block",
+    "fp8-kv8",
     "int8-w8a8",
     "int8-w8a16",
     "int4-rtn",
@@ -389,7 +398,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         if scheme.quantized:
             (root / "q").mkdir()
             calibrated = None
-            if scheme.method == "minmax":  # FP4: llm-compressor's own, seconds on this model
+            if scheme.method == "minmax" or scheme.kv_cache is not None:  # llm-compressor's own, seconds here
                 from quant.calibrated import calibrate, calibration_samples
 
                 text = (EXAMPLE_MODEL.parent / "heldout.txt").read_text(encoding="utf-8")

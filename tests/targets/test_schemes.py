@@ -16,6 +16,7 @@ def test_presets_are_the_issue_schemes() -> None:
         "bf16",
         "fp8",
         "fp8-block",
+        "fp8-kv8",
         "int8-w8a8",
         "int8-w8a16",
         "int4-rtn",
@@ -42,7 +43,10 @@ def test_presets_are_the_issue_schemes() -> None:
 def test_unknown_scheme_lists_known() -> None:
     with pytest.raises(UnknownName) as e:
         get_scheme("int3")
-    assert "int3" in e.value.message and "bf16, fp8, fp8-block, int8-w8a8, int8-w8a16, int4-rtn" in e.value.message
+    assert (
+        "int3" in e.value.message
+        and "bf16, fp8, fp8-block, fp8-kv8, int8-w8a8, int8-w8a16, int4-rtn" in e.value.message
+    )
 
 
 def test_schemes_are_frozen() -> None:

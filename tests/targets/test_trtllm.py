@@ -185,7 +185,7 @@ def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() ->
     with pytest.raises(InvalidInput, match="weight-only"):
         compressed_tensors_algo(quantization_config(get_scheme("int8-w8a16")))
     spec = get_target("trtllm")
-    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16", "nvfp4-w4a16", "mxfp4-w4a4"}
+    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16", "nvfp4-w4a16", "mxfp4-w4a4", "fp8-kv8"}
     assert not set(spec.quants) & set(spec.unsupported_quants)
 
 
