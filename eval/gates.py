@@ -18,7 +18,7 @@ where both pick the same next token, `ppl +` the relative perplexity increase
 | f16, bf16                | 1e-3   | 0.99     | 0.005            | -                |
 | q8_0                     | 5e-3   | 0.95     | 0.01             | -                |
 | q6_k, int8-w8a8/-w8a16   | 0.015  | 0.93     | 0.02             | -                |
-| fp8, fp8-block           | 0.02   | 0.92     | 0.03             | -                |
+| fp8, fp8-block, fp8-kv8  | 0.02   | 0.92     | 0.03             | -                |
 | q4_k_m                   | 0.06   | 0.85     | 0.08             | -                |
 | w4a16-gptq, w4a16-awq    | 0.06   | 0.85     | 0.08             | -                |
 | q4_0, mxfp4, nvfp4,      | 0.15   | 0.80     | 0.15             | -                |
