@@ -50,8 +50,11 @@ E4M3_MAX = 448.0
 INT8_MAX = 127.0
 BLOCK = 128
 # The catalog's methods whose matmuls take 8-bit inputs (W8A8): fp8, fp8-block, int8-w8a8. (FP4 W4A4 needs
-# Blackwell's block-scaled FP4 matmuls, which no GPU this module has run on has: not here.)
-NATIVE_SCHEMES = tuple(name for name, m in METHODS.items() if m.matmul_dtype in ("fp8", "int8"))
+# Blackwell's block-scaled FP4 matmuls, which no GPU this module has run on has: not here; fp8-kv8's FP8 cache
+# is attention's, not a matmul's: its Linears are fp8's.)
+NATIVE_SCHEMES = tuple(
+    name for name, m in METHODS.items() if m.matmul_dtype in ("fp8", "int8") and m.kv_cache_dtype == "bf16"
+)
 
 
 class KernelUnavailable(KilnError):

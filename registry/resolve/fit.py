@@ -147,11 +147,13 @@ def matmul_dtype(quant: str) -> MatmulDtype:
     return method.matmul_dtype if method is not None else "bf16"
 
 
-def kv_dtype_of(quant: str, asked: str) -> str:
-    """The KV cache a replica of the artifact keeps: FP8 where its checkpoint carries calibrated FP8 KV scales
-    (vLLM then keeps the cache in FP8 whatever the caller assumed), else what the caller asked for."""
+def kv_dtype_of(quant: str, asked: str, profile: HardwareProfile) -> str:
+    """The KV cache a replica of the artifact keeps on `profile`: FP8 where its checkpoint carries calibrated FP8
+    KV scales and the device has FP8 (vLLM then keeps the cache in FP8 whatever the caller assumed), else what
+    the caller asked for."""
     method = METHODS.get(quant)
-    return "fp8" if method is not None and method.kv_cache_dtype == "fp8" else asked
+    fp8_kv = method is not None and method.kv_cache_dtype == "fp8" and profile.fp8 is not None
+    return "fp8" if fp8_kv else asked
 
 
 def matmul_dtype_on(quant: str, profile: HardwareProfile) -> MatmulDtype:

@@ -603,7 +603,7 @@ def _candidate(
         artifact.quant,
         query.context,
         query.concurrency,
-        kv_dtype_of(artifact.quant, query.kv_dtype),
+        kv_dtype_of(artifact.quant, query.kv_dtype, profile),
         max_devices=pool.free_devices or None,
     )
     speed = _speed(artifact, plan, profile)

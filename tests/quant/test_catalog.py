@@ -45,7 +45,7 @@ def test_every_quant_keyed_table_covers_every_method(name: str) -> None:
     assert DEFAULT_GATES[name] == Gate(
         max_kl=gate.max_kl, min_top1=gate.min_top1, max_ppl_increase=gate.max_ppl_increase
     )
-    assert (name in NATIVE_SCHEMES) == (method.matmul_dtype in ("fp8", "int8"))
+    assert (name in NATIVE_SCHEMES) == (method.matmul_dtype in ("fp8", "int8") and method.kv_cache_dtype == "bf16")
     # Routing sizes its matmuls at the method's own rate.
     assert matmul_dtype(name) == method.matmul_dtype
     # A verdict for every hardware profile of the catalog.

@@ -255,8 +255,10 @@ def test_an_fp8_kv_cache_artifact_is_sized_with_its_own_kv_type() -> None:
     """A checkpoint with calibrated FP8 KV scales is served with an FP8 cache, whatever the caller assumed."""
     from registry.resolve.fit import kv_dtype_of
 
-    assert kv_dtype_of("fp8-kv8", "bf16") == "fp8" and kv_dtype_of("fp8", "bf16") == "bf16"
-    assert kv_dtype_of("fp8", "fp8") == "fp8" and kv_dtype_of("q4_k_m", "bf16") == "bf16"
+    h100, cpu = PROFILES["h100"], PROFILES["cpu"]
+    assert kv_dtype_of("fp8-kv8", "bf16", h100) == "fp8" and kv_dtype_of("fp8", "bf16", h100) == "bf16"
+    assert kv_dtype_of("fp8", "fp8", h100) == "fp8" and kv_dtype_of("q4_k_m", "bf16", h100) == "bf16"
+    assert kv_dtype_of("fp8-kv8", "bf16", cpu) == "bf16"  # no FP8 there: the cache stays what was asked
 
 
 def test_a100_runs_fp8_matmuls_in_bf16() -> None:
