@@ -463,6 +463,21 @@ def calibration_dtype(cpuinfo: str | None = None, *, device: str = "cpu") -> str
     return "bfloat16" if flags & _BF16_FLAGS else "float32"
 
 
+def oneshot_data(samples: list[list[int]]) -> dict[str, Any]:
+    """`oneshot`'s calibration arguments for these token windows, in order; none for [] (data-free: llm-compressor's
+    data-free pipeline observes each weight in turn)."""
+    if not samples:
+        return {}
+    from datasets import Dataset
+
+    return {
+        "dataset": Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
+        "num_calibration_samples": len(samples),
+        "max_seq_length": max(len(s) for s in samples),
+        "shuffle_calibration_samples": False,
+    }
+
+
 def calibrate(
     source: SourceModel,
     scheme: Scheme,
@@ -492,7 +507,6 @@ def calibrate(
     _quiet_llmcompressor_logs()  # first: importing llmcompressor logs to stdout
     import torch
     from compressed_tensors.offload import load_offloaded_model
-    from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
@@ -502,19 +516,8 @@ def calibrate(
         model = AutoModelForCausalLM.from_pretrained(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
-    # Data-free (weight-only FP4): llm-compressor's data-free pipeline observes each weight in turn.
-    data = (
-        {
-            "dataset": Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
-            "num_calibration_samples": len(samples),
-            "max_seq_length": max(len(s) for s in samples),
-            "shuffle_calibration_samples": False,
-        }
-        if samples
-        else {}
-    )
     with cpu_pin_memory_workaround(), gptq_single_hessian(), onload_device(device):
-        oneshot(model=model, recipe=_recipe(scheme), **data)
+        oneshot(model=model, recipe=_recipe(scheme), **oneshot_data(samples))
     scales: dict[str, str] = {}
     qparams: dict[str, dict[str, torch.Tensor]] = {}
     changed: dict[str, torch.Tensor] = {}

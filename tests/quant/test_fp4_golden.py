@@ -44,13 +44,12 @@ def test_the_catalog_scheme_is_the_compressed_tensors_preset(name: str) -> None:
 @pytest.mark.parametrize("name", PRESETS)
 def test_kiln_fp4_tensors_equal_what_llmcompressor_oneshot_writes(name: str, tmp_path: Path) -> None:
     import torch
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from quant.calibrated import cpu_pin_memory_workaround
+    from quant.calibrated import cpu_pin_memory_workaround, oneshot_data
 
     scheme = get_scheme(name)
     dtype = calibration_dtype()
@@ -62,19 +61,9 @@ def test_kiln_fp4_tensors_equal_what_llmcompressor_oneshot_writes(name: str, tmp
     del calibrated
 
     model = AutoModelForCausalLM.from_pretrained(str(EXAMPLE / "model"), dtype=getattr(torch, dtype))
-    data = (
-        {
-            "dataset": Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
-            "num_calibration_samples": len(samples),
-            "max_seq_length": max(len(s) for s in samples),
-            "shuffle_calibration_samples": False,
-        }
-        if samples
-        else {}
-    )
     recipe = QuantizationModifier(targets="Linear", scheme=PRESETS[name], ignore=["lm_head"])
     with cpu_pin_memory_workaround():
-        oneshot(model=model, recipe=recipe, **data)
+        oneshot(model=model, recipe=recipe, **oneshot_data(samples))
     # oneshot's sequential pipeline leaves the model dispatched with CPU offloading, which save_pretrained
     # warns of (it needs the memory to gather it: a 5M model).
     with warnings.catch_warnings():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, builtin_catalog, parse_profile
+from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes, checkpoint_tensors
 from registry.resolve.fit import (
     KV_DTYPES,
@@ -351,20 +352,7 @@ def test_any_config_gives_a_plan(config: dict[str, Any], hardware: str) -> None:
 
 # --- the footprint against the bundles kiln writes -------------------------------------------------
 
-SCHEMES_BUILT = [
-    "bf16",
-    "fp8",
-    "fp8-block",
-    "fp8-kv8",
-    "int8-w8a8",
-    "int8-w8a16",
-    "int4-rtn",
-    "w4a16-gptq",
-    "w4a16-awq",
-    "nvfp4-w4a4",
-    "nvfp4-w4a16",
-    "mxfp4-w4a4",
-]
+SCHEMES_BUILT = list(SCHEMES)  # every method of the catalog
 
 
 def _rtn_calibration(source: Any, scheme: Any) -> Any:
