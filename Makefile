@@ -49,7 +49,7 @@ demo: runtimes
 	$(BIN)/kiln resolve tiny-llama --hardware tpu-v5e --channel prod --registry $(REGISTRY_DIR)
 
 test: runtimes
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: runtimes
 	$(BIN)/pytest -q -m "not slow"

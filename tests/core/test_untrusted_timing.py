@@ -5,7 +5,7 @@ trust: strict JSON (`core.untrusted.loads_json`, which reads request bodies, Saf
 config.json), a SafeTensors file's header and a GGUF file's header. The yardstick is a plain
 `json.loads` of the same bytes, or of a benign document of the same size where `json.loads` refuses
 them (or where they are not JSON): kiln's time over the yardstick's must not grow with the size (at
-most twice the 16 KiB ratio at 256 KiB), and 256 KiB must parse in well under half a second. Times are
+most `RATIO_GROWTH` times the 16 KiB ratio at 256 KiB), and 256 KiB must parse in well under half a second. Times are
 the best of several runs with the cyclic collector held off, so a busy machine or a large test process
 slows both sides alike instead of failing the test.
 """
@@ -34,6 +34,10 @@ from tests.file_builders import gguf_string, safetensors_bytes
 KIB = 1024
 SIZES = (16 * KIB, 64 * KIB, 256 * KIB)
 SLOWEST_AT_256_KIB = 0.5  # seconds
+# Sixteen times the bytes: a quadratic parser's ratio grows 16x. A linear one written in Python against the C
+# yardstick grows up to ~2x (caches: 16 KiB of entries stays in L2, 256 KiB does not; CI measured 2.04x on a
+# valid 4,282-tensor SafeTensors header), so the bound sits between the two.
+RATIO_GROWTH = 4.0
 # Two parses over this each are quadratic behaviour showing; stop before waiting minutes for the larger sizes.
 ONE_PARSE_BUDGET = 2.0
 
@@ -130,7 +134,9 @@ def _assert_linear(name: str, parse: Callable[[int], Callable[[], object]], yard
         ratios[size] = seconds[size] / _best(functools.partial(json.loads, plain), repeat)
     shown = ", ".join(f"{s // KIB} KiB: {seconds[s] * 1000:.2f} ms ({ratios[s]:.1f}x)" for s in SIZES)
     assert seconds[SIZES[-1]] < SLOWEST_AT_256_KIB, f"{name}: {shown}"
-    assert ratios[SIZES[-1]] <= 2 * max(ratios[SIZES[0]], 1.0), f"{name}: grows faster than its size: {shown}"
+    assert ratios[SIZES[-1]] <= RATIO_GROWTH * max(ratios[SIZES[0]], 1.0), (
+        f"{name}: grows faster than its size: {shown}"
+    )
 
 
 @pytest.mark.parametrize("case", JSON_WORST_CASES)
