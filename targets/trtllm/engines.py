@@ -79,6 +79,8 @@ LEGACY_REFUSED: dict[str, str] = {
     "int4-rtn": "the pinned release's own int4 quantization is AWQ (int4_awq), not round-to-nearest: an engine "
     "would not be this scheme",
     "w4a16-gptq": "the pinned release's quantize.py has no GPTQ format: an engine would not be this scheme",
+    "fp8-kv8": "the pinned release's quantize.py calibrates its own FP8 weight and KV-cache scales: its engine "
+    "(--qformat fp8 --kv_cache_dtype fp8) is the fp8 scheme's legacy engine, not this checkpoint",
     "nvfp4-w4a4": "the pinned release's quantize.py calibrates its own NVFP4 scales (--qformat nvfp4): an engine "
     "would not be this checkpoint; the PyTorch backend loads the checkpoint itself on Blackwell",
     **{q: f"{ENGINE_REFUSED[f.quant_algo]}" for q, f in FORMATS.items() if f.quant_algo in ENGINE_REFUSED},

@@ -8,6 +8,9 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
 - int4 (W4A16_AWQ): each Linear's compressed-tensors int32 words become TensorRT-LLM's int4 byte
   layout (`pack_int4_rows`), its scales are kept, a unit `pre_quant_scale` is added, and
   hf_quant_config.json says so; config.json carries no quantization_config (the file is authoritative).
+- fp8-kv8: the fp8 bundle with its `kv_cache_scheme`, which TensorRT-LLM reads as `kv_cache_quant_algo` FP8. Its
+  PyTorch backend runs an FP8 cache with a unit scale (the calibrated scales serve vLLM), so the export records
+  the largest calibrated scale: above 1, K or V exceed E4M3's 448 somewhere and would clip there.
 - NVFP4: compressed-tensors' tensors under ModelOpt's names, the tensor scales inverted (`to_modelopt_nvfp4`),
   and hf_quant_config.json the same way.
 
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from formats.hf_model import SourceModel
+    from quant.store import QuantizedWeights
 
 CODE_VERSION = "2"
 QUANTS = tuple(FORMATS)
@@ -154,6 +158,18 @@ def to_modelopt_nvfp4(planned: list[Planned]) -> list[Planned]:
     return out
 
 
+def unit_scale_kv(quantized: QuantizedWeights) -> dict[str, Any]:
+    """What TensorRT-LLM's unit-scale FP8 KV cache means for these calibrated scales (amax / 448 per layer)."""
+    scales = {name: float(quantized.tensor(name).float().max()) for name in quantized.kv_scales()}
+    worst = max(scales, key=scales.__getitem__)
+    return {
+        "quant_algo": "FP8",
+        "tensorrt_llm_scale": 1.0,
+        "calibrated_max_scale": {"tensor": worst, "value": scales[worst]},
+        "clips_at_unit_scale": sorted(name for name, value in scales.items() if value > 1.0),
+    }
+
+
 def hf_quant_config(scheme: Scheme) -> HfQuantConfig:
     """hf_quant_config.json for an int4 or NVFP4 scheme, in ModelOpt's legacy shape (the one read whatever the
     producer); int4's W4A16_AWQ layout carries a (unit) pre_quant_scale."""
@@ -196,6 +212,9 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     checked = check_checkpoint(req.out_dir)
     if checked.quant_algo != fmt.quant_algo:
         raise InvalidInput(f"trtllm-{scheme.name}: wrote {checked.quant_algo}, planned {fmt.quant_algo}")
+    kv_algo = "FP8" if scheme.kv_cache is not None else None
+    if checked.kv_cache_quant_algo != kv_algo:
+        raise InvalidInput(f"trtllm-{scheme.name}: wrote KV cache {checked.kv_cache_quant_algo}, planned {kv_algo}")
 
     runtime = bundle_runtime(source, scheme)
     # Checked against TensorRT-LLM's source, not loaded by any release here; a floor where one is known.
@@ -210,6 +229,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             "scheme": scheme.name,
             "method": scheme.method,
         }
+        if kv_algo is not None:
+            runtime["quantization"]["kv_cache_quant_algo"] = kv_algo
     verdicts = scheme_verdicts(scheme.name)
     details: dict[str, Any] = {
         "shards": sum(f.endswith(".safetensors") for f in files),
@@ -221,6 +242,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             "not_run_here": "TensorRT-LLM on an NVIDIA GPU",
         },
     }
+    if kv_algo is not None and quantized is not None:
+        details["kv_cache"] = unit_scale_kv(quantized)
     if params.gpus is not None:
         details["gpu_evals"] = {sku: runner(sku, params.gpus.tensorrt_llm) for sku in params.gpus.skus}
     if params.legacy_engines is not None:

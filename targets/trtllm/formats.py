@@ -54,6 +54,8 @@ FORMATS: dict[str, TrtllmFormat] = {
     "bf16": TrtllmFormat(None, "dense", ("transformers", "vllm")),
     "fp8": TrtllmFormat("FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors", ("transformers", "vllm")),
     "fp8-block": TrtllmFormat("FP8_BLOCK_SCALES", "compressed-tensors", ("transformers", "vllm")),
+    # kv_cache_scheme in config.json becomes kv_cache_quant_algo FP8 (update_quant_config_from_compressed_tensors).
+    "fp8-kv8": TrtllmFormat("FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors", ("transformers", "vllm")),
     "int4-rtn": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
@@ -68,8 +70,6 @@ REFUSED: dict[str, str] = {
     "int8-w8a16": "TensorRT-LLM's compressed-tensors reader has no weight-only int branch, and its "
     f"documented quantization matrix ({DOCS}) lists no INT8 weight-only recipe for the PyTorch backend",
     "nvfp4-w4a16": f"its documented quantization matrix ({DOCS}) has no weight-only NVFP4 recipe",
-    "fp8-kv8": "TensorRT-LLM reads an FP8 KV cache from hf_quant_config.json (kv_cache_quant_algo FP8, with its "
-    "own k/v scale names), which kiln does not write yet; the hf-bundle's kv_cache_scheme serves vLLM",
     "mxfp4-w4a4": f"its documented quantization matrix ({DOCS}) has MXFP4 for MoE experts only (W4A8_MXFP4_FP8, "
     "W4A16_MXFP4), not for dense Linears",
 }

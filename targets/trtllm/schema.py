@@ -8,6 +8,10 @@ Sources (NVIDIA/TensorRT-LLM, main branch as of 2026):
   takes `quant_algo`, `kv_cache_quant_algo`, `group_size`, `exclude_modules`, `has_zero_point`,
   `pre_quant_scale` (and `quantized_layers` for MIXED_PRECISION). Without it, config.json's
   `quantization_config` is read (`load_hf_quant_config`), compressed-tensors included.
+- `tensorrt_llm/models/quant_config_utils.py` (`update_quant_config_from_compressed_tensors`): an 8-bit float
+  `kv_cache_scheme` is `kv_cache_quant_algo` FP8, any other is refused (mirrored by `compressed_tensors_kv_algo`).
+- `tensorrt_llm/_torch/modules/attention.py` and `attention_backend/trtllm.py`: the calibrated `k_scale` /
+  `v_scale` reach the attention kernel only for an FP4 KV cache; an FP8 cache runs with a unit scale.
 - `tensorrt_llm/quantization/modelopt_config.py`: the legacy (nested `quantization`) shape is read
   whenever that key is present, whoever the producer is; the flat shape needs a modelopt marker.
 - `tensorrt_llm/models/quant_config_utils.py` (`_quant_config_from_config_group`): how one
@@ -141,6 +145,16 @@ def compressed_tensors_algo(quantization_config: dict[str, Any]) -> str:
     raise InvalidInput(f"no TensorRT-LLM QuantAlgo for compressed-tensors group {group}", code="TRTLLM_QUANT_CONFIG")
 
 
+def compressed_tensors_kv_algo(quantization_config: dict[str, Any]) -> str | None:
+    """The `kv_cache_quant_algo` TensorRT-LLM derives from a compressed-tensors `kv_cache_scheme` (None: none)."""
+    kv = quantization_config.get("kv_cache_scheme")
+    if kv is None:
+        return None
+    if isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float":
+        return "FP8"
+    raise InvalidInput(f"TensorRT-LLM reads no kv_cache_scheme {kv}", code="TRTLLM_QUANT_CONFIG")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor a quantized Linear loads: name suffix, allowed SafeTensors dtypes, shape from (out, in, group)."""
@@ -210,6 +224,7 @@ class CheckedCheckpoint:
     group_size: int | None
     exclude_modules: tuple[str, ...]
     tensors: dict[str, TensorInfo]
+    kv_cache_quant_algo: str | None = None
 
 
 def _headers(root: Path) -> dict[str, TensorInfo]:
@@ -236,14 +251,17 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
     source: Literal["none", "hf_quant_config.json", "config.json"]
     group: int | None = None
     exclude: tuple[str, ...] = ()
+    kv_algo: str | None = None
     if (root / HF_QUANT_CONFIG).is_file():
         q = parse_hf_quant_config(json.loads((root / HF_QUANT_CONFIG).read_text())).quantization
         algo, group, exclude, source = q.quant_algo, q.group_size, tuple(q.exclude_modules), "hf_quant_config.json"
+        kv_algo = q.kv_cache_quant_algo
         if q.has_zero_point:
             raise InvalidInput("kiln writes symmetric int4 only (has_zero_point false)", code="TRTLLM_CHECKPOINT")
     elif "quantization_config" in config:
         qc = config["quantization_config"]
         algo, source, exclude = compressed_tensors_algo(qc), "config.json", tuple(qc.get("ignore") or ())
+        kv_algo = compressed_tensors_kv_algo(qc)
     else:
         algo, source = None, "none"
     if algo not in LINEAR_TENSORS:
@@ -270,4 +288,4 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
         raise InvalidInput(
             f"{algo or 'bf16'}: tensors TensorRT-LLM would not load: {extra[:5]}", code="TRTLLM_CHECKPOINT"
         )
-    return CheckedCheckpoint(algo, source, group, exclude, tensors)
+    return CheckedCheckpoint(algo, source, group, exclude, tensors, kv_algo)

@@ -25,6 +25,7 @@ from targets.trtllm.schema import (
     LINEAR_TENSORS,
     check_checkpoint,
     compressed_tensors_algo,
+    compressed_tensors_kv_algo,
     parse_hf_quant_config,
 )
 from tests.model_factory import make_model
@@ -112,6 +113,21 @@ def test_every_checkpoint_validates_and_carries_the_tensors_its_algo_loads(
     else:
         assert checked.source == "none" and "quantization_config" not in config
     assert result.runtime.get("quantization", {}).get("quant_algo") == fmt.quant_algo
+    kv_algo = "FP8" if q is not None and q.scheme.kv_cache is not None else None
+    assert checked.kv_cache_quant_algo == kv_algo
+    assert result.runtime.get("quantization", {}).get("kv_cache_quant_algo") == kv_algo
+    if kv_algo is not None:  # the calibrated scales travel (vLLM reads them); TensorRT-LLM's unit scale is recorded
+        assert compressed_tensors_kv_algo(config["quantization_config"]) == "FP8"
+        scales = {}
+        for name in q.kv_scales():
+            with safe_open(str(ckpt / checked.tensors[name].file), "pt") as f:
+                scales[name] = f.get_tensor(name)
+            assert torch.equal(scales[name], q.tensor(name)), name
+        assert len(scales) == 2 * 2
+        kv = result.details["kv_cache"]
+        worst = max(scales, key=lambda n: float(scales[n].max()))
+        assert kv["calibrated_max_scale"] == {"tensor": worst, "value": float(scales[worst].max())}
+        assert kv["clips_at_unit_scale"] == sorted(n for n, t in scales.items() if float(t.max()) > 1.0)
     assert len(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]) == len(checked.tensors)
 
     # The values: what TensorRT-LLM's Linear computes with is exactly what the quantize stage chose.
@@ -184,8 +200,13 @@ def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() ->
     assert compressed_tensors_algo(quantization_config(get_scheme("int8-w8a8"))) == "FP8_PER_CHANNEL_PER_TOKEN"
     with pytest.raises(InvalidInput, match="weight-only"):
         compressed_tensors_algo(quantization_config(get_scheme("int8-w8a16")))
+    # An 8-bit float KV cache is kv_cache_quant_algo FP8; TensorRT-LLM refuses any other kv_cache_scheme.
+    assert compressed_tensors_kv_algo(quantization_config(get_scheme("fp8-kv8"))) == "FP8"
+    assert compressed_tensors_kv_algo(quantization_config(get_scheme("fp8"))) is None
+    with pytest.raises(InvalidInput, match="kv_cache_scheme"):
+        compressed_tensors_kv_algo({"kv_cache_scheme": {"num_bits": 8, "type": "int"}})
     spec = get_target("trtllm")
-    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16", "nvfp4-w4a16", "mxfp4-w4a4", "fp8-kv8"}
+    assert set(spec.unsupported_quants) == {"int8-w8a8", "int8-w8a16", "nvfp4-w4a16", "mxfp4-w4a4"}
     assert not set(spec.quants) & set(spec.unsupported_quants)
 
 
