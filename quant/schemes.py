@@ -17,7 +17,7 @@ exactly as compressed-tensors 0.19 `infer_module_format` would choose it:
                                              -> `mxfp4-pack-quantized` (OCP MXFP4)
 - no quantization                            -> `dense`
 
-This module is plain data (no torch): the registry imports `targets`. The methods built from these types
+This module is plain data (no torch): the registry imports `quant.catalog`. The methods built from these types
 (their presets, dtypes, gates and hardware verdicts) are in `quant.methods`, gathered by `quant.catalog`.
 """
 

@@ -4,7 +4,7 @@ Sources: ggml-org/llama.cpp `gguf-py/gguf/constants.py` (GGUF_MAGIC, GGMLQuantiz
 GGML_QUANT_SIZES, Keys, TokenType, LlamaFileType), `src/llama-vocab.cpp` (pre-tokenizer names and
 the regexes llama.cpp runs for them) and `convert_hf_to_gguf.py` / `conversion/llama.py`,
 `conversion/qwen.py` (tensor names, which families permute q/k rows). Nothing here imports numpy or
-torch: the registry server imports `targets` too.
+torch: recipe checks and `kiln plan` import `targets`, which imports this.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import typer
 
 from core.errors import KilnError
 from kiln.cli import build, hardware, releases, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
-from kiln.cli.common import EXIT_CODES, app, emit
+from kiln.cli.common import EXIT_CODES, app, emit, json_requested
 from kiln.console import err, safe_text
 
 __all__ = ["app", "main"]
@@ -30,7 +30,7 @@ def main() -> None:
             err.print(f"[dim]last lines of {safe_text(e.details['log'])}:[/dim]")
             for line in e.details.get("log_tail", []):
                 err.print(f"[dim]  {safe_text(line)}[/dim]")
-        if "--json" in sys.argv:
+        if json_requested():
             emit({"error": e.to_dict()})
         sys.exit(next(code for cls, code in EXIT_CODES if isinstance(e, cls)))
     except typer.Exit as e:

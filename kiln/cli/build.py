@@ -88,9 +88,11 @@ def _artifact_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _quiet_libraries() -> None:
-    """Our progress bars, not each library's: transformers draws one per model load, compressed-tensors
-    one per decompression (both through tqdm, which honours TQDM_DISABLE)."""
+def _prepare_stages() -> None:
+    """Before a stage runs here: cap oneDNN below the AMX some CPUs advertise but fault on, and show our progress
+    bars, not each library's (transformers draws one per model load, compressed-tensors one per decompression,
+    both through tqdm, which honours TQDM_DISABLE)."""
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         from transformers.utils import logging as hf_logging
@@ -115,8 +117,7 @@ def _run_build(
     from pipeline.store import open_store
 
     started = time.time()
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # some CPUs advertise AMX that faults
-    _quiet_libraries()
+    _prepare_stages()
     recipe = load_recipe(recipe_path, allowed_roots=allowed_roots(allow_outside))
     store = open_store(store_url, work_dir)
     result = build.run(
@@ -236,8 +237,7 @@ def run_stage(
     from pipeline.recipe import load_recipe
     from pipeline.store import open_store
 
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    _quiet_libraries()
+    _prepare_stages()
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
     outcome = build.run_one(
         loaded,

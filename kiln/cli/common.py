@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,7 +56,22 @@ app.add_typer(runtime_app, name="runtime")
 hardware_app = typer.Typer(help="The registry's hardware catalog (changes need the admin scope).", no_args_is_help=True)
 app.add_typer(hardware_app, name="hardware")
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).")]
+# Whether the running command was given --json, as parsed (an error is then a JSON document too).
+_JSON_REQUESTED: ContextVar[bool] = ContextVar("kiln_json_requested", default=False)
+
+
+def _record_json(value: bool) -> bool:
+    _JSON_REQUESTED.set(bool(value))
+    return value
+
+
+def json_requested() -> bool:
+    return _JSON_REQUESTED.get()
+
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout (for CI).", callback=_record_json)
+]
 WorkDirOpt = Annotated[
     Path, typer.Option("--work-dir", envvar="KILN_WORK_DIR", help="Content-addressed stage outputs.")
 ]

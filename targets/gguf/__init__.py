@@ -2,8 +2,8 @@
 
 Layout: the format itself (constants, reader, writer, quant encoders) is `formats.gguf`; here are
 `convert` (HF -> GGUF names, q/k permutation, per-tensor types), `tokenizer` (vocab, merges,
-pre-tokenizer) and `export` (the stage function). Only the constants are imported here: the registry
-server imports `targets` and has no numpy or torch.
+pre-tokenizer) and `export` (the stage function). Only the constants are imported here: recipe checks
+and `kiln plan` import `targets` and load neither numpy nor torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Layout: `layout` (the artifact's files, quants and the model features served, as
 (the tensor-parallel plan on a mesh), `writer` (streaming orbax checkpoint writer, a state machine),
 `export` (the stage function). Served by kiln's JAX forward (`eval.runtimes.jax_runtime`), which
 restores the checkpoint with orbax, on CPU in tests and on TPU v5e/v5p in production.
-Only plain-data modules are imported here: the registry server imports `targets` and has no jax.
+Only plain-data modules are imported here: recipe checks and `kiln plan` import `targets` and load no jax.
 """
 
 from __future__ import annotations

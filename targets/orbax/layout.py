@@ -13,7 +13,7 @@ stores each Linear weight as int8 `weight` plus a float32 `weight_scale` per out
 weight is `weight * weight_scale[:, None]`; everything else (embeddings, norms, biases, lm_head)
 is bfloat16, as for bf16.
 
-Nothing here imports jax, numpy or torch: the registry imports `targets`.
+Nothing here imports jax, numpy or torch: recipe checks and `kiln plan` import `targets`.
 """
 
 from __future__ import annotations
