@@ -13,12 +13,14 @@ never migrated implicitly: if it is not at head, `create_app` raises `Unavailabl
 from __future__ import annotations
 
 import fcntl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from core.errors import Unavailable
 from registry import migrate
@@ -33,6 +35,7 @@ from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
 from registry.auth.routes import router as auth_router
 from registry.blobs.routes import router as blobs_router
+from registry.blobs.store import BlobStore
 from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
@@ -95,22 +98,45 @@ READ = require("read")
 COMMON_ERRORS = error_responses(401, 403, 413, 422, 503)
 
 
-def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Resolver | None = None) -> FastAPI:
-    """Build the registry app: engine, session factory and blob store from `settings` (env if None).
+@dataclass(frozen=True)
+class Storage:
+    """What the registry stores into: its database (migrated where embedded, schema checked) and its blob store."""
 
-    `webhook_resolver` resolves webhook host names (default: the system's resolver)."""
-    settings = settings or RegistrySettings()
+    engine: Engine
+    blob_store: BlobStore
+
+    def sessions(self, *, write: bool = False) -> Callable[[], Session]:
+        return create_session_factory(self.engine, write=write)
+
+
+def open_storage(settings: RegistrySettings) -> Storage:
+    """The database and blob store of `settings`, as the server opens them (the CLI's `gc` too): an embedded
+    directory is created and migrated under a lock (several processes may open a new one at once); a server
+    database must already be at this code's schema."""
     database_url = settings.effective_database_url()
     if settings.is_embedded:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        # Several processes (server workers, a CLI) may open a new directory at once.
         with open(settings.data_dir / ".migrate.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             migrate.upgrade(database_url)
     engine = create_db_engine(database_url)
     try:
         _check_schema(engine, settings)
-        blob_store = open_blob_store(settings.effective_blob_url(), settings)
+        return Storage(engine, open_blob_store(settings.effective_blob_url(), settings))
+    except BaseException:
+        engine.dispose()
+        raise
+
+
+def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Resolver | None = None) -> FastAPI:
+    """Build the registry app: engine, session factory and blob store from `settings` (env if None).
+
+    `webhook_resolver` resolves webhook host names (default: the system's resolver)."""
+    settings = settings or RegistrySettings()
+    database_url = settings.effective_database_url()
+    storage = open_storage(settings)
+    engine = storage.engine
+    try:
         modelcar_base = (
             load_base_image(settings.modelcar_base, settings.modelcar_platform) if settings.modelcar_base else None
         )
@@ -139,9 +165,9 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     )
     app.state.settings = settings
     app.state.engine = engine
-    app.state.session_factory = create_session_factory(engine)
-    app.state.write_session_factory = create_session_factory(engine, write=True)
-    app.state.blob_store = blob_store
+    app.state.session_factory = storage.sessions()
+    app.state.write_session_factory = storage.sessions(write=True)
+    app.state.blob_store = storage.blob_store
     app.state.modelcar = modelcar_base
     app.state.webhook_destinations = DestinationPolicy.from_settings(settings, webhook_resolver)
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))

@@ -101,7 +101,7 @@ def gc(
     """
     from datetime import timedelta
 
-    from registry.app import create_app
+    from registry.app import open_storage
     from registry.blobs.gc import collect_garbage
     from registry.settings import RegistrySettings
 
@@ -118,13 +118,11 @@ def gc(
         settings = RegistrySettings(data_dir=Path(registry))
     hours = settings.blob_gc_grace_hours if grace_hours is None else grace_hours
     grace = timedelta(hours=hours)
-    registry_app = create_app(settings)  # the same schema check and blob store as the server
+    storage = open_storage(settings)  # the same schema check and blob store as the server
     try:
-        report = collect_garbage(
-            registry_app.state.session_factory, registry_app.state.blob_store, grace, dry_run=dry_run
-        )
+        report = collect_garbage(storage.sessions(), storage.blob_store, grace, dry_run=dry_run)
     finally:
-        registry_app.state.engine.dispose()
+        storage.engine.dispose()
     if as_json:
         emit(report.to_dict())
         return
