@@ -12,6 +12,9 @@ from core.digest import sha256_json
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")
 ARTIFACT_NAME = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,63}$")
+# A model's name and a release's version, wherever one is written (recipes) or read (the registry's API).
+MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
 # Names a manifest declares: what they are stored in (64 characters) and can be looked up by.
 _KIND = r"^[A-Za-z0-9][A-Za-z0-9._+\-]{0,63}$"
 HARDWARE_NAME = r"^[a-z0-9][a-z0-9._\-]{0,63}$"

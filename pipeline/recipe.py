@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.digest import sha256_json
 from core.errors import KilnError, RecipeInvalid
-from core.manifest import ARTIFACT_NAME
+from core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
 from core.untrusted import short_repr
 from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
 
@@ -49,8 +49,6 @@ MAX_RECIPE_BYTES = 1024 * 1024
 # real recipe has a few hundred values, 6 levels deep.
 MAX_RECIPE_VALUES = 100_000
 MAX_RECIPE_DEPTH = 32
-_MODEL_NAME = r"^[a-z0-9][a-z0-9._-]{0,63}$"
-_VERSION = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
 _RUNNER_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -116,8 +114,8 @@ class CalibrationSettings(_Strict):
 
 
 class Recipe(_Strict):
-    model: str = Field(pattern=_MODEL_NAME)
-    version: str = Field(pattern=_VERSION)
+    model: str = Field(pattern=MODEL_NAME_PATTERN)
+    version: str = Field(pattern=VERSION_PATTERN)
     source: str
     description: str = ""
     eval: EvalSettings

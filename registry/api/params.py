@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import Path
 
 from core.manifest import ARTIFACT_NAME
+from core.manifest import MODEL_NAME_PATTERN as MODEL_NAME_PATTERN  # recipes use the same
+from core.manifest import VERSION_PATTERN as VERSION_PATTERN
 
-MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
-VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
 CHANNEL_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
 ARTIFACT_NAME_PATTERN = ARTIFACT_NAME.pattern
 SHA256_PATTERN = r"^[0-9a-f]{64}$"

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# The characters of a model name (registry.api.params.MODEL_NAME_PATTERN).
+# The characters of a model name (core.manifest.MODEL_NAME_PATTERN).
 MODEL_NAME_ALPHABET = string.ascii_lowercase + string.digits + "._-"
 MAX_STATES = 20_000
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -34,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
 from core.errors import InvalidInput, NotFound, Unavailable
-from core.hardware import HardwareCatalog, HardwareProfile
+from core.hardware import HARDWARE_NAME_PATTERN, HardwareCatalog, HardwareProfile
 from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
 from registry.artifacts.models import Artifact, EvalStatus, eval_status
 from registry.channels.buckets import BASIS_POINTS, bucket_of, merged, owner, reassign
@@ -161,7 +162,7 @@ def parse_pools(text: str) -> tuple[Pool, ...]:
     pools: list[Pool] = []
     for item in text.split(","):
         name, sep, free = item.strip().partition(":")
-        if not _valid_name(name):
+        if not _HARDWARE_NAME.fullmatch(name):
             raise InvalidInput(
                 f"hardware {item.strip()[:40]!r}: expected an SKU name, optionally with its free devices "
                 "(h100 or h100:4), comma-separated",
@@ -183,12 +184,7 @@ def parse_pools(text: str) -> tuple[Pool, ...]:
     return tuple(pools)
 
 
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
-
-
-def _valid_name(name: str) -> bool:
-    # HARDWARE_NAME_PATTERN, without a regex on the hot path
-    return 0 < len(name) <= 32 and name[0] not in "._-" and set(name) <= _NAME_CHARS
+_HARDWARE_NAME = re.compile(HARDWARE_NAME_PATTERN)
 
 
 def _human(n: int | float) -> str:
