@@ -40,7 +40,7 @@ def main() -> None:
         sha = random_file(blob, args.size_mib)
         nbytes = blob.stat().st_size
         sys.path.insert(0, str(ROOT))
-        from registry.client import RegistryClient  # creates and migrates the embedded registry
+        from client import RegistryClient  # creates and migrates the embedded registry
         from registry.settings import RegistrySettings
 
         data = work / "registry"

@@ -45,8 +45,8 @@ def main() -> None:
     import httpx
     from sqlalchemy import delete, func, select
 
+    from client import RegistryClient
     from registry.app import create_app
-    from registry.client import RegistryClient
     from registry.oci.base_image import write_busybox_base
     from registry.oci.models import TarLayer
     from registry.settings import RegistrySettings

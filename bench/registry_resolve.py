@@ -80,8 +80,8 @@ async def resolve() -> Response:
 
 def seed(data_dir: Path) -> str:
     """Two sealed releases, prod split 95/5 over them; returns a read token limited to the model."""
+    from client import RegistryClient
     from core.manifest import ArtifactManifest, FileEntry
-    from registry.client import RegistryClient
 
     with RegistryClient.connect(data_dir) as client:
         client.ensure_model(MODEL, "resolve benchmark")

@@ -105,8 +105,8 @@ def artifact_bytes(quant: str) -> int:
 def seed(data_dir: Path) -> tuple[str, str, dict[str, float]]:
     """Two sealed releases, prod split 95/5; returns a read token and a promote token for the model,
     and each artifact's size in GiB."""
+    from client import RegistryClient
     from core.manifest import ArtifactManifest, FileEntry
-    from registry.client import RegistryClient
 
     shards = []
     for size in SHARD_SIZES:  # zeros, sparse on disk; the registry stores each blob once
@@ -286,7 +286,7 @@ def quantile(sorted_values: list[float], q: float) -> float:
 def main() -> None:
     import uvloop
 
-    from registry.client import RegistryClient
+    from client import RegistryClient
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=100_000)

@@ -311,7 +311,7 @@ def _check_path(origin: str, field: str, value: str, kind: str, base_dir: Path, 
 
 
 def _check_bucket(origin: str, url: str) -> None:
-    from registry.blobs.s3 import parse_s3_url
+    from storage.s3 import parse_s3_url
 
     try:
         _, prefix = parse_s3_url(url)

@@ -53,7 +53,7 @@ class S3Source:
 
     def __init__(self, url: str, *, client: Any = None, endpoint_url: str | None = None) -> None:
         from pipeline.store import _endpoint_from_env
-        from registry.blobs.s3 import make_s3_client, parse_s3_url
+        from storage.s3 import make_s3_client, parse_s3_url
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_s3_url(url)
@@ -141,7 +141,7 @@ class S3Source:
         return data
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
-        from registry.blobs.s3 import error_code, is_boto_error
+        from storage.s3 import error_code, is_boto_error
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -159,7 +159,7 @@ class S3Source:
             raise Unavailable(f"source {self.url}: S3 failed: {code}", code="SOURCE_UNAVAILABLE") from None
 
     def _each(self, pages: Any) -> Any:
-        from registry.blobs.s3 import error_code, is_boto_error
+        from storage.s3 import error_code, is_boto_error
 
         try:
             yield from pages

@@ -97,7 +97,7 @@ class RemoteStageStore:
     """A stage store in an S3 bucket, materialised on this machine into the `WorkDir` `local`."""
 
     def __init__(self, url: str, local: WorkDir, *, client: Any = None, endpoint_url: str | None = None) -> None:
-        from registry.blobs.s3 import S3BlobStore, make_s3_client, parse_s3_url
+        from storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_s3_url(url)
@@ -190,7 +190,7 @@ class RemoteStageStore:
         return out
 
     def _download(self, f: FileEntry, target: Path) -> None:
-        from registry.blobs.store import BlobNotFound
+        from storage.store import BlobNotFound
 
         h = hashlib.sha256()
         size = 0
@@ -236,7 +236,7 @@ class RemoteStageStore:
         path = self._local.external_path(digest)
         if path.is_file():
             return path
-        from registry.blobs.store import BlobNotFound
+        from storage.store import BlobNotFound
 
         tmp = path.with_name(f".tmp-{digest[:16]}-{os.getpid()}-dl")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +256,7 @@ class RemoteStageStore:
     def _request(self, operation: str, absent: tuple[str, ...], **kwargs: Any) -> Any:
         """S3 `operation` on this bucket; None when S3 answers with a code of `absent`, and any other
         failure as STAGE_STORE_UNAVAILABLE (nothing above this class knows about boto)."""
-        from registry.blobs.s3 import error_code, is_boto_error
+        from storage.s3 import error_code, is_boto_error
 
         try:
             return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
@@ -296,7 +296,7 @@ class RemoteStageStore:
         return written is not None
 
     def _unavailable(self, exc: BaseException) -> KilnError:
-        from registry.blobs.s3 import error_code
+        from storage.s3 import error_code
 
         code = error_code(exc) or type(exc).__name__
         return Unavailable(

@@ -35,7 +35,6 @@ from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
 from registry.auth.routes import router as auth_router
 from registry.blobs.routes import router as blobs_router
-from registry.blobs.store import BlobStore
 from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
@@ -57,6 +56,7 @@ from registry.web.routes import router as web_router
 from registry.webhooks.delivery import DeliveryWorker
 from registry.webhooks.destinations import DestinationPolicy, Resolver
 from registry.webhooks.routes import router as webhooks_router
+from storage.store import BlobStore
 
 OPENAPI_TAGS = [
     {"name": "models", "description": "Named models."},

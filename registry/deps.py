@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 
 from core.errors import Unauthorized
 from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
-from registry.blobs.store import BlobStore
 from registry.resolve.service import ResolveCache
 from registry.settings import RegistrySettings
+from storage.store import BlobStore
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:

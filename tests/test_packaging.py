@@ -11,7 +11,7 @@ HEAVY = ("torch", "numpy", "transformers", "llama_cpp", "safetensors", "gguf")
 def test_registry_server_and_cli_import_without_build_dependencies() -> None:
     code = (
         "import sys\n"
-        "import kiln.cli, registry.app, registry.server, registry.client, eval.report\n"
+        "import kiln.cli, registry.app, registry.server, client, eval.report\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

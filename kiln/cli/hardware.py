@@ -8,10 +8,10 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from client import RegistryClient
 from core.errors import InvalidInput
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
 from kiln.console import safe_text, stdout
-from registry.client import RegistryClient
 
 
 def _read_mapping(path: Path, what: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from client import RegistryClient
 from core.errors import InvalidInput
 from core.signing import (
     PROVENANCE_FILE,
@@ -23,7 +24,6 @@ from core.signing import (
 )
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
 from kiln.console import err, safe_text, stdout
-from registry.client import RegistryClient
 
 keys_app = typer.Typer(
     help="Publisher keys: make a key pair; trust, list and revoke keys (admin).", no_args_is_help=True

@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
+from client import RegistryClient
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, token_app
 from kiln.console import err, safe_text, stdout
-from registry.client import RegistryClient
 
 
 @token_app.command("create")

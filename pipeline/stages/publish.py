@@ -16,13 +16,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from client import RegistryClient
 from core import __version__
 from core.manifest import ArtifactManifest
 from eval.report import EvalReport
 from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
 from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from pipeline.stage import Stage, StageContext, StageOutput
-from registry.client import RegistryClient
 
 
 def manifest_for(artifact: StageOutput) -> ArtifactManifest:

@@ -35,9 +35,9 @@ from registry.attestations.policy import keys_for
 from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
 from registry.audit import service as audit
 from registry.blobs.service import get_blob
-from registry.blobs.store import BlobNotFound, BlobStore
 from registry.db import insert_once, utcnow
 from registry.releases.service import check_open, check_served, get_release, lock_release
+from storage.store import BlobNotFound, BlobStore
 
 # -- trusted keys -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from core.errors import InvalidInput
-from registry.blobs.store import BlobStore
+from storage.store import BlobStore
 
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 # A position with more digits than this is past any blob (and int() of thousands of digits is slow).

@@ -36,9 +36,9 @@ from sqlalchemy.orm import Session
 from registry.artifacts.models import ArtifactFile
 from registry.attestations.models import Attestation
 from registry.blobs.models import Blob
-from registry.blobs.store import BlobStore
 from registry.db import utcnow
 from registry.oci.models import TarLayer, TarLayerBlob
+from storage.store import BlobStore
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from registry.auth.principal import Principal
 from registry.blobs import service
 from registry.blobs.download import blob_response
 from registry.blobs.schemas import BlobOut
-from registry.blobs.store import DEFAULT_CHUNK, BlobNotFound
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
+from storage.store import DEFAULT_CHUNK, BlobNotFound
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["blobs"])

@@ -19,10 +19,10 @@ from registry.artifacts.models import Artifact, ArtifactFile
 from registry.attestations.models import Attestation
 from registry.auth.principal import Principal
 from registry.blobs.models import Blob, BlobUpload
-from registry.blobs.store import BlobNotFound, BlobStore
 from registry.db import insert_once, utcnow
 from registry.models.models import Model
 from registry.releases.models import Release
+from storage.store import BlobNotFound, BlobStore
 
 
 def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:

@@ -37,12 +37,12 @@ from sqlalchemy.orm import Session, defer
 from core.digest import canonical_json, sha256_json
 from core.errors import KilnError
 from registry.artifacts.models import Artifact, ArtifactFile
-from registry.blobs.store import BlobStore
 from registry.db import insert_once, utcnow
 from registry.oci import media_types as mt
 from registry.oci.base_image import BaseImage
 from registry.oci.documents import Document, Served, kiln_annotations
 from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
+from storage.store import BlobStore
 
 log = logging.getLogger(__name__)
 

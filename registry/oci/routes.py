@@ -25,13 +25,13 @@ from core.errors import KilnError, Unauthorized, Unavailable
 from registry.api.urls import base_url
 from registry.blobs import service as blobs
 from registry.blobs.download import blob_response, ranged_response
-from registry.blobs.local import read_file
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep
 from registry.oci import media_types as mt
 from registry.oci import modelcar, service
 from registry.oci.documents import Document, Served
 from registry.oci.models import TarLayer
 from registry.settings import RegistrySettings
+from storage.local import read_file
 
 API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
 SERVICE = "kiln"

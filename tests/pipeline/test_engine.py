@@ -184,7 +184,7 @@ def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe:
     assert out.returncode == 0, out.stderr
     published = {r["artifact"]: r["published"] for r in json.loads(out.stdout)["artifacts"]}
     assert published["trtllm-int4-rtn"] == "ran" and published["trtllm-bf16-a100"] == "deferred"
-    from registry.client import RegistryClient
+    from client import RegistryClient
 
     with RegistryClient.connect(registry) as client:
         release = client.get_release("m", "1")

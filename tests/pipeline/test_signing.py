@@ -153,7 +153,7 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     and `kiln verify MODEL@VERSION/ARTIFACT` passes on the download."""
     import yaml
 
-    from registry.client import RegistryClient
+    from client import RegistryClient
     from tests.model_factory import make_model
 
     root = tmp_path / "recipe"

@@ -14,8 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.blobs.s3 import make_s3_client, parse_s3_url
 from registry.settings import RegistrySettings
+from storage.s3 import make_s3_client, parse_s3_url
 from tests.registry.s3_server import free_port
 
 LLAMA_CONFIG = {  # Llama-3-8B-like: 128 KiB of KV cache per token
@@ -55,8 +55,8 @@ STAND_IN_EXECUTABLE = b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little"
 
 def overwrite_stored_blob(store: Any, sha256: str, data: bytes) -> None:
     """Replace a stored blob's bytes behind the registry's back (a disk or bucket going bad), in either store."""
-    from registry.blobs.local import LocalBlobStore
-    from registry.blobs.s3 import S3BlobStore
+    from storage.local import LocalBlobStore
+    from storage.s3 import S3BlobStore
 
     if isinstance(store, LocalBlobStore):
         store.path(sha256).write_bytes(data)

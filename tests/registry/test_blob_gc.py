@@ -31,9 +31,9 @@ from registry.artifacts.models import Artifact
 from registry.blobs import service as blobs
 from registry.blobs.gc import GcReport, collect_garbage
 from registry.blobs.models import Blob
-from registry.blobs.store import BlobStore
 from registry.db import utcnow
 from registry.settings import RegistrySettings
+from storage.store import BlobStore
 from tests.registry.helpers import make_release, manifest, publish, sha, upload
 
 KEPT = b"referenced by an artifact"
@@ -296,7 +296,7 @@ def test_kiln_gc_refuses_what_it_cannot_collect(tmp_path: Path) -> None:
 
 
 def test_client_uploads_again_when_a_blob_it_skipped_was_collected(tmp_path: Path) -> None:
-    from registry.client import RegistryClient
+    from client import RegistryClient
 
     files = tmp_path / "artifact"
     files.mkdir()

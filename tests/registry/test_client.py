@@ -16,10 +16,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from client import RegistryClient
 from core import errors
 from core.manifest import ArtifactManifest, FileEntry
 from registry.app import create_app
-from registry.client import RegistryClient
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST

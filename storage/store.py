@@ -2,8 +2,8 @@
 
 Every backend streams (nothing is read whole into memory), verifies content against its sha256
 before it becomes visible, and reports a missing blob as `BlobNotFound`, whatever its own error
-(and a backend it cannot reach as `Unavailable`). Backends: `registry.blobs.local` (disk) and
-`registry.blobs.s3`; `registry.blobs.stores.open_blob_store` picks one by URL scheme.
+(and a backend it cannot reach as `Unavailable`). Backends: `storage.local` (disk) and
+`storage.s3`; `registry.blobs.stores.open_blob_store` picks one by URL scheme.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.errors import DigestMismatch, InvalidInput
-from registry.blobs.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
+from storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
 
 class LocalBlobStore:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from core.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
-from registry.blobs.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
+from storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
 DownloadMode = Literal["stream", "redirect"]
 
