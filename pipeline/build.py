@@ -26,7 +26,7 @@ from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
 from pipeline.requirements import RUNTIME_NEEDS, Sizing, plan_device, runner_labels
-from pipeline.stage import Node, Stage, StageInputMissing
+from pipeline.stage import Node, Stage
 from pipeline.stages import engine as engine_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
@@ -37,7 +37,7 @@ from pipeline.stages import publish as publish_stage
 from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
-from pipeline.store import StageStore, require_input
+from pipeline.store import StageInputMissing, StageStore, require_input
 from quant.calibrated import calibration_dtype
 from quant.catalog import get_scheme
 from targets.base import get_target

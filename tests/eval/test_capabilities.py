@@ -22,7 +22,8 @@ from eval.runtimes.environments import Installed, get_environment
 from eval.runtimes.vllm_runtime import VllmRuntime, WeightScheme, cpu_limitation
 from pipeline.build import plan
 from pipeline.recipe import load_recipe
-from pipeline.stage import Node, WorkDir
+from pipeline.stage import Node
+from pipeline.store import WorkDir
 from tests.model_factory import make_model
 
 # The flags lines of the machine kinds the builds run on (trimmed to what matters, order as the kernel prints).

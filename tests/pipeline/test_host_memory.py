@@ -11,7 +11,8 @@ from core.errors import InvalidInput
 from pipeline.executors.local import LocalExecutor
 from pipeline.records import Record
 from pipeline.requirements import Requirements
-from pipeline.stage import Node, Stage, StageContext, WorkDir
+from pipeline.stage import Node, Stage, StageContext
+from pipeline.store import WorkDir
 
 GiB = 1 << 30
 RAN: list[str] = []

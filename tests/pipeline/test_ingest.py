@@ -421,8 +421,8 @@ def test_pickles_beside_safetensors_are_ignored_and_say_so(tmp_path: Path, model
 def test_the_ingest_stage_records_what_it_ignored_and_checks_links_again(tmp_path: Path, model_dir: Path) -> None:
     from pipeline.executors.local import LocalExecutor
     from pipeline.records import IngestRecord
-    from pipeline.stage import WorkDir
     from pipeline.stages import ingest as ingest_stage
+    from pipeline.store import WorkDir
 
     src = _copy(model_dir, tmp_path / "m")
     (src / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")

@@ -20,7 +20,7 @@ from core.device import CPU, Device, cpu_model
 from eval.runtimes.environments import get_environment
 from pipeline import build
 from pipeline.recipe import load_recipe
-from pipeline.stage import WorkDir
+from pipeline.store import WorkDir
 from tests.model_factory import make_model
 
 QUANTS = ("bf16", "int8-w8a8", "w4a16-gptq", "f16")

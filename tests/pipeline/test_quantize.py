@@ -10,7 +10,7 @@ from formats.hf_model import open_source
 from formats.safetensors import DTYPES
 from pipeline.build import plan
 from pipeline.recipe import parse_recipe
-from pipeline.stage import WorkDir
+from pipeline.store import WorkDir
 from quant.catalog import get_scheme
 from quant.rtn import (
     QuantShapeError,

@@ -165,7 +165,7 @@ def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_
     from core.errors import RecipeInvalid
     from pipeline.build import plan
     from pipeline.recipe import parse_recipe
-    from pipeline.stage import WorkDir
+    from pipeline.store import WorkDir
 
     (tmp_path / "text.txt").write_text(_stdlib_text("heapq.py"))
     base = {
@@ -223,9 +223,10 @@ def test_upstream_awq_still_pins_memory_on_cpu() -> None:
 def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir: Path, tmp_path: Path) -> None:
     """The stage gives calibration a folder in its own temporary directory and leaves nothing behind."""
     from pipeline.executors.local import LocalExecutor
-    from pipeline.stage import Node, WorkDir
+    from pipeline.stage import Node
     from pipeline.stages import ingest as ingest_stage
     from pipeline.stages import quantize as quantize_stage
+    from pipeline.store import WorkDir
 
     text = tmp_path / "calibration.txt"
     text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")

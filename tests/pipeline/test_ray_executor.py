@@ -22,8 +22,7 @@ from core.digest import sha256_json
 from core.errors import InvalidInput
 from pipeline.executors.ray import RayExecutor
 from pipeline.placement import placed, with_device
-from pipeline.stage import WorkDir
-from pipeline.store import RemoteStageStore
+from pipeline.store import RemoteStageStore, WorkDir
 from tests.pipeline.ray_cluster import ROOT, RayCluster
 from tests.pipeline.ray_stages import toy
 from tests.registry.s3_server import S3Server

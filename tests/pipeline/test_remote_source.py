@@ -10,8 +10,7 @@ import pytest
 from core.errors import KilnError, RecipeInvalid, SourceInvalid, UnsafeCheckpoint
 from pipeline import build
 from pipeline.recipe import parse_recipe
-from pipeline.stage import WorkDir
-from pipeline.store import open_store
+from pipeline.store import WorkDir, open_store
 from tests.registry.s3_server import BUCKET, S3Server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict
 
 from core.errors import Deferred, KilnError, StageFailed
 from pipeline.executors.local import LocalExecutor
-from pipeline.stage import Node, Stage, StageContext, WorkDir
+from pipeline.stage import Node, Stage, StageContext
+from pipeline.store import WorkDir
 
 calls: list[str] = []
 
@@ -190,7 +191,8 @@ KILLED_STAGE = textwrap.dedent(
     from pathlib import Path
     from pydantic import BaseModel
     from pipeline.executors.local import LocalExecutor
-    from pipeline.stage import Node, Stage, WorkDir
+    from pipeline.stage import Node, Stage
+    from pipeline.store import WorkDir
 
     class Done(BaseModel):
         pass

@@ -11,7 +11,8 @@ from pathlib import Path
 from core.usage import release_memory
 from pipeline.executors.local import LocalExecutor
 from pipeline.records import Record
-from pipeline.stage import Node, Stage, StageContext, WorkDir
+from pipeline.stage import Node, Stage, StageContext
+from pipeline.store import WorkDir
 
 MIB = 1 << 20
 

@@ -10,10 +10,11 @@ import pytest
 from formats.hf_model import open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.records import ArtifactRecord
-from pipeline.stage import Node, WorkDir
+from pipeline.stage import Node
 from pipeline.stages import export as export_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import quantize as quantize_stage
+from pipeline.store import WorkDir
 from quant.catalog import SCHEMES, get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target

@@ -434,7 +434,7 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
     from pipeline.build import run
     from pipeline.recipe import load_recipe
     from pipeline.records import ArtifactRecord
-    from pipeline.stage import WorkDir
+    from pipeline.store import WorkDir
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     (tmp_path / "heldout.txt").write_text(text, encoding="utf-8")
