@@ -48,8 +48,8 @@ from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware
 from registry.performance.routes import router as performance_router
 from registry.releases.routes import router as releases_router
+from registry.resolve.cache import ChannelFingerprints, ResolveCache
 from registry.resolve.routes import router as resolve_router
-from registry.resolve.service import ChannelFingerprints, ResolveCache
 from registry.settings import RegistrySettings
 from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router

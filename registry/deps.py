@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import Unauthorized
 from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
-from registry.resolve.service import ResolveCache
+from registry.resolve.cache import ResolveCache
 from registry.settings import RegistrySettings
 from storage.store import BlobStore
 

@@ -22,7 +22,12 @@ from registry.api.params import (
 )
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.schemas import FileOut
+from registry.channels.buckets import BASIS_POINTS
 from registry.deps import require
+from registry.resolve.cache import ChannelSnapshot, ResolveCache
+from registry.resolve.explain import explain_choice
+from registry.resolve.query import Policy, ResolveQuery, parse_pools
+from registry.resolve.ranking import Candidate, rank_candidates
 from registry.resolve.schemas import (
     MeasurementOut,
     ResolveCandidate,
@@ -31,20 +36,7 @@ from registry.resolve.schemas import (
     ResolveReason,
     SplitMember,
 )
-from registry.resolve.service import (
-    BASIS_POINTS,
-    Candidate,
-    ChannelSnapshot,
-    Policy,
-    ResolveCache,
-    ResolveQuery,
-    channel_snapshot,
-    explain_choice,
-    load_catalog,
-    load_release_view,
-    parse_pools,
-    rank_candidates,
-)
+from registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view
 from registry.settings import RegistrySettings
 
 # Lean: the hot path, answered by the app's LeanLane in front of FastAPI's per-request machinery

@@ -20,7 +20,7 @@ class ResolvedArtifact(BaseModel):
 
 
 class MeasurementOut(BaseModel):
-    """A performance record as resolve used it (`registry.resolve.service.Measurement`)."""
+    """A performance record as resolve used it (`registry.resolve.views.Measurement`)."""
 
     id: int
     hardware: str

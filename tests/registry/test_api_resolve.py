@@ -10,7 +10,9 @@ from starlette.testclient import TestClient
 from core.errors import NotFound
 from core.hardware import builtin_catalog
 from registry.app import create_app
-from registry.resolve.service import ArtifactView, FileView, Pool, ReleaseView, ResolveQuery, rank_candidates
+from registry.resolve.query import Pool, ResolveQuery
+from registry.resolve.ranking import rank_candidates
+from registry.resolve.views import ArtifactView, FileView, ReleaseView
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish, seal

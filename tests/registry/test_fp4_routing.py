@@ -17,7 +17,9 @@ import pytest
 from core.hardware import builtin_catalog
 from quant.catalog import compatibility, get_scheme
 from quant.footprint import checkpoint_bytes
-from registry.resolve.service import ArtifactView, FileView, Pool, ReleaseView, ResolveQuery, rank_candidates
+from registry.resolve.query import Pool, ResolveQuery
+from registry.resolve.ranking import rank_candidates
+from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 CONFIG = json.loads((Path(__file__).resolve().parents[2] / "examples/llama-3-70b/config.json").read_text())
 # The example model's KL against its reference, per scheme (README, "Eval").

@@ -1,0 +1,195 @@
+"""Resolve's per-process caches and its one query per request (`_FINGERPRINT`, on a connection of its own).
+
+Each request asks the database one indexed question: which release(s) the channel points at, the newest eval
+result it was promoted with, and the routing revision, which grows with every catalog or performance change;
+so a promotion, a weight change or a new record is seen at once, by every worker, and everything built from
+an unchanged answer is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Engine, bindparam, func, literal_column, select
+from sqlalchemy.exc import DBAPIError
+
+from core.errors import Unavailable
+from core.hardware import HardwareCatalog
+from registry.channels.buckets import bucket_of, owner
+from registry.channels.models import Channel
+from registry.models.models import Model
+from registry.releases.models import Release
+from registry.resolve.models import RoutingState
+from registry.resolve.views import ReleaseView
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+# Built once with bound parameters, so SQLAlchemy's compiled-statement cache hit is cheap. The
+# routing revision rides along (an outer join to its one row, 0 where it is missing).
+_FINGERPRINT = (
+    select(
+        Release.id,
+        Release.version,
+        Channel.evals_through,
+        Release.yanked_at,
+        Channel.split,
+        func.coalesce(RoutingState.revision, literal_column("0")),
+    )
+    .join(Channel, Channel.release_id == Release.id)
+    .join(Model, Model.id == Channel.model_id)
+    .outerjoin(RoutingState, RoutingState.id == literal_column("1"))
+    .where(Model.name == bindparam("model"), Channel.name == bindparam("channel"))
+)
+
+
+@dataclass(frozen=True)
+class SnapshotKey:
+    """One release as a channel judges it: by the eval results up to `evals_through`.
+
+    A channel points only at sealed releases, whose artifacts never change, and judges them by
+    the eval results up to `evals_through` (which never change either); performance records are
+    added, which the routing revision in `ChannelSnapshot` tracks."""
+
+    release_id: int
+    version: str
+    evals_through: int
+
+
+@dataclass(frozen=True)
+class ChannelSnapshot:
+    """What `_FINGERPRINT` reads: it changes whenever the answer for a channel could."""
+
+    members: tuple[tuple[SnapshotKey, int], ...]  # (release, weight in basis points)
+    primary: SnapshotKey  # the largest member (all of the traffic without a split)
+    revision: int
+    # (release, the key buckets it serves), registry.channels.buckets; empty without a split
+    buckets: tuple[tuple[SnapshotKey, tuple[tuple[int, int], ...]], ...] = ()
+    # The fingerprint row it was built from, as plain values: what answers are cached by (cheap to hash).
+    fingerprint: tuple[object, ...] = field(default=(), compare=False)
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.members) > 1
+
+    def choose(self, model: str, channel: str, key: str | None) -> SnapshotKey:
+        """The member a caller key lands on (it keeps it while its share is unchanged); the primary without a key."""
+        if key is None or not self.is_split:
+            return self.primary
+        member = owner(self.buckets, bucket_of(model, channel, key))
+        assert isinstance(member, SnapshotKey)
+        return member
+
+
+class LRUCache(Generic[K, V]):
+    """A small thread-safe least-recently-used map."""
+
+    def __init__(self, max_entries: int):
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._max = max_entries
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+
+
+MAX_FINGERPRINTS = 4096
+FingerprintRow = tuple[int, str, int, Any, Any, int]
+
+
+class ChannelFingerprints:
+    """`_FINGERPRINT` on a connection of its own, outside the ORM: resolve's one query per request.
+
+    A Session, a pooled checkout and SQLAlchemy's execution machinery cost several times what the
+    indexed query does; this keeps one DBAPI connection (autocommit: every read sees the latest
+    promotion) and the statement compiled once for the dialect. Used from the event loop only (the
+    resolve route is `async`), so one connection per process serves it. A database error drops the
+    connection (the next request opens another) and is reported as Unavailable.
+
+    On SQLite the rows are kept, and `PRAGMA data_version` (which changes whenever another
+    connection, in any process, commits; this one never writes) says when to drop them: a cheaper
+    statement than the query, and exact.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        compiled = _FINGERPRINT.compile(dialect=engine.dialect)
+        self._sql = str(compiled)
+        self._positional = compiled.positiontup  # None for named parameter styles
+        self._connection: Any = None
+        self._cursor: Any = None  # one per connection, reused
+        self._versioned = engine.dialect.name == "sqlite"
+        self._data_version: int | None = None
+        self._rows: dict[tuple[str, str], Any] = {}
+        self.snapshots: dict[tuple[object, ...], ChannelSnapshot] = {}  # built once per fingerprint row
+
+    def lookup(self, model: str, channel: str) -> FingerprintRow | None:
+        """(release id, version, evals_through, yanked_at, split, routing revision) of `model`'s `channel`, or None."""
+        try:
+            if self._connection is None:
+                self._connection = self._engine.raw_connection()
+                if not self._versioned:  # SQLite's connections are set up in autocommit
+                    self._connection.driver_connection.autocommit = True
+                self._cursor = self._connection.cursor()
+            if not self._versioned:
+                return self._query(model, channel)
+            version = self._fetchone("PRAGMA data_version", ())[0]
+            if version != self._data_version or len(self._rows) >= MAX_FINGERPRINTS:
+                self._rows.clear()
+                self._data_version = version
+            key = (model, channel)
+            if key not in self._rows:
+                self._rows[key] = self._query(model, channel)
+            row: FingerprintRow | None = self._rows[key]
+            return row
+        except DBAPIError as exc:
+            self.close()
+            raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
+        except self._engine.dialect.loaded_dbapi.Error as exc:
+            self.close()
+            raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
+
+    def _query(self, model: str, channel: str) -> FingerprintRow | None:
+        params = {"model": model, "channel": channel}
+        args: Any = [params[name] for name in self._positional] if self._positional is not None else params
+        row = self._fetchone(self._sql, args)
+        return None if row is None else (row[0], row[1], row[2], row[3], row[4], row[5])
+
+    def _fetchone(self, sql: str, args: Any) -> Any:
+        # fetchall: the statement runs to its end, so no read transaction stays open between requests.
+        self._cursor.execute(sql, args)
+        rows = self._cursor.fetchall()
+        return rows[0] if rows else None
+
+    def close(self) -> None:
+        self._cursor = None
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            with contextlib.suppress(Exception):
+                connection.invalidate()
+
+
+class ResolveCache:
+    """Per-process caches for resolve: release views, catalogs, and answers keyed by all they depend on."""
+
+    def __init__(self, fingerprints: ChannelFingerprints, max_views: int = 1024, max_answers: int = 8192):
+        self.fingerprints = fingerprints
+        self.views: LRUCache[tuple[SnapshotKey, int], ReleaseView] = LRUCache(max_views)
+        self.catalogs: LRUCache[int, HardwareCatalog] = LRUCache(4)
+        self.answers: LRUCache[tuple[object, ...], tuple[bytes, str]] = LRUCache(max_answers)

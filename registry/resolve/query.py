@@ -1,0 +1,65 @@
+"""What a caller asks resolve: hardware pools in its order of preference, a policy, a workload and an SLO."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from core.errors import InvalidInput
+from core.hardware import HARDWARE_NAME_PATTERN
+
+Policy = Literal["latency", "cost", "quality"]
+POLICIES: tuple[Policy, ...] = ("latency", "cost", "quality")
+MAX_POOLS = 16
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool of one SKU a router can place a replica in; `free_devices` None: not limited."""
+
+    hardware: str
+    free_devices: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolveQuery:
+    """What the caller asks: pools (in its order of preference), policy, workload and SLO."""
+
+    pools: tuple[Pool, ...]
+    policy: Policy = "latency"
+    context: int = 4096
+    concurrency: int = 1
+    kv_dtype: str = "bf16"
+    min_tokens_per_s: float | None = None  # per sequence
+    max_ttft_ms: float | None = None
+
+
+def parse_pools(text: str) -> tuple[Pool, ...]:
+    """`h100,mi300x:16,tpu-v5e`: pools by SKU name, each optionally with its free devices."""
+    pools: list[Pool] = []
+    for item in text.split(","):
+        name, sep, free = item.strip().partition(":")
+        if not _HARDWARE_NAME.fullmatch(name):
+            raise InvalidInput(
+                f"hardware {item.strip()[:40]!r}: expected an SKU name, optionally with its free devices "
+                "(h100 or h100:4), comma-separated",
+                code="RESOLVE_POOLS_INVALID",
+            )
+        free_devices: int | None = None
+        if sep:
+            if not (free.isascii() and free.isdigit() and len(free) <= 7):
+                raise InvalidInput(
+                    f"hardware {item.strip()[:40]!r}: free devices must be a whole number (0 to 9999999)",
+                    code="RESOLVE_POOLS_INVALID",
+                )
+            free_devices = int(free)
+        if any(p.hardware == name for p in pools):
+            raise InvalidInput(f"hardware {name!r} is listed twice", code="RESOLVE_POOLS_INVALID")
+        pools.append(Pool(name, free_devices))
+    if len(pools) > MAX_POOLS:
+        raise InvalidInput(f"at most {MAX_POOLS} hardware pools per query", code="RESOLVE_POOLS_INVALID")
+    return tuple(pools)
+
+
+_HARDWARE_NAME = re.compile(HARDWARE_NAME_PATTERN)

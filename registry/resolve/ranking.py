@@ -1,0 +1,279 @@
+"""Ranking, a pure function of a release view, the hardware catalog and the query.
+
+For each pool and each artifact built for its hardware, `registry.resolve.fit.plan_replica` sizes a
+replica (tensor-parallel degree, memory per device) and bounds its decode speed, time to first
+token and cost per million tokens; a measured performance record of that artifact on that SKU at
+the same TP, concurrency and at least the context replaces the estimate. The policy then ranks:
+`latency` the fastest per sequence, `cost` the cheapest per token, `quality` the lowest KL, each
+among candidates that fit, have room in their pool and meet the caller's SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from core.errors import NotFound
+from core.hardware import HardwareCatalog, HardwareProfile
+from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
+from registry.resolve.fit import ModelShape, ReplicaPlan, kv_dtype_of, model_shape, plan_replica
+from registry.resolve.query import Policy, Pool, ResolveQuery
+from registry.resolve.views import ArtifactView, Measurement, ReleaseView
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The speed a candidate is ranked by: measured where a record applies, else the plan's bounds."""
+
+    source: Literal["measured", "estimate"]
+    tokens_per_s: float  # whole replica
+    tokens_per_s_per_sequence: float
+    ttft_ms: float | None
+    cost_per_mtok: float | None
+    measurement: Measurement | None
+    note: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    artifact: ArtifactView
+    pool: Pool
+    pool_index: int
+    plan: ReplicaPlan
+    speed: Speed
+    fits: bool  # the replica fits in memory and in the pool's free devices
+    meets_slo: bool
+    slo_misses: tuple[str, ...]
+    explanation: str
+
+    @property
+    def hardware(self) -> str:
+        return self.pool.hardware
+
+
+def _human(n: int | float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def runs_on(artifact: ArtifactView, profile: HardwareProfile, catalog: HardwareCatalog) -> tuple[bool, str]:
+    """Whether the artifact runs on `profile`, and why not. An SKU the artifact was built before (not in
+    its hardware, nor its unsupported list) runs it when a listed SKU has the same architecture."""
+    if profile.name in artifact.hardware:
+        return True, ""
+    if profile.name in artifact.unsupported:
+        return False, artifact.unsupported[profile.name]
+    twin = catalog.twin(profile, artifact.hardware)
+    if twin is not None:
+        return True, f"as {twin} (same architecture, {profile.arch})"
+    return False, "not built for it"
+
+
+def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> Measurement | None:
+    """The record that speaks for this replica: same SKU, TP and concurrency, at the requested context or
+    longer (the nearest, then the newest)."""
+    matching = [
+        m
+        for m in artifact.measurements
+        if m.hardware == plan.hardware
+        and m.tp == plan.tp
+        and m.concurrency == plan.concurrency
+        and m.context >= plan.context
+        and _in_bounds(m)
+    ]
+    return min(matching, key=lambda m: (m.context, -m.id)) if matching else None
+
+
+def _in_bounds(m: Measurement) -> bool:
+    """A record inside the ranges PerformanceCreate accepts: resolve divides by its speeds. (Records stored
+    by an older kiln, which took any positive number, are not used.)"""
+    return (
+        TOKENS_PER_S[0] <= m.tokens_per_s <= TOKENS_PER_S[1]
+        and TTFT_MS[0] <= m.ttft_ms <= TTFT_MS[1]
+        and ITL_MS[0] <= m.itl_p50_ms <= ITL_MS[1]
+    )
+
+
+def _speed(artifact: ArtifactView, plan: ReplicaPlan, profile: HardwareProfile) -> Speed:
+    m = _measurement(artifact, plan)
+    if m is None:
+        others = [x for x in artifact.measurements if x.hardware == plan.hardware]
+        note = "estimated (bounds from the catalog)"
+        if others:
+            at = ", ".join(f"TP {x.tp}, {x.context} × {x.concurrency}" for x in others[:3])
+            note += f"; measured on {plan.hardware} only at {at}"
+        return Speed(
+            "estimate",
+            plan.decode_tokens_per_s,
+            plan.decode_tokens_per_s_per_sequence,
+            plan.ttft_s * 1000 if plan.ttft_s is not None else None,
+            plan.cost_per_mtok,
+            None,
+            note,
+        )
+    price = profile.price_per_device_hour
+    cost = price * plan.tp / (m.tokens_per_s * 3600) * 1e6 if price is not None else None
+    note = (
+        f"measured by {m.runtime_version} on {m.hardware} (TP {m.tp}, context {m.context} × {m.concurrency}): "
+        f"{m.tokens_per_s:g} tokens/s, TTFT {m.ttft_ms:g} ms, ITL p50 {m.itl_p50_ms:g} ms / p99 {m.itl_p99_ms:g} ms"
+    )
+    return Speed("measured", m.tokens_per_s, 1000 / m.itl_p50_ms, m.ttft_ms, cost, m, note)
+
+
+def _slo_misses(speed: Speed, query: ResolveQuery) -> tuple[str, ...]:
+    misses = []
+    if query.min_tokens_per_s is not None and speed.tokens_per_s_per_sequence < query.min_tokens_per_s:
+        misses.append(f"{speed.tokens_per_s_per_sequence:.1f} < {query.min_tokens_per_s:g} tokens/s per sequence")
+    if query.max_ttft_ms is not None:
+        if speed.ttft_ms is None:
+            misses.append("TTFT unknown (the model_config lacks its parameter count)")
+        elif speed.ttft_ms > query.max_ttft_ms:
+            misses.append(f"TTFT {speed.ttft_ms:.0f} > {query.max_ttft_ms:g} ms")
+    return tuple(misses)
+
+
+def _candidate(
+    artifact: ArtifactView,
+    pool: Pool,
+    index: int,
+    profile: HardwareProfile,
+    shape: ModelShape | str,
+    query: ResolveQuery,
+    how: str,
+) -> Candidate:
+    plan = plan_replica(
+        profile,
+        shape,
+        artifact.total_size,
+        artifact.quant,
+        query.context,
+        query.concurrency,
+        kv_dtype_of(artifact.quant, query.kv_dtype, profile),
+        max_devices=pool.free_devices or None,
+    )
+    speed = _speed(artifact, plan, profile)
+    room = pool.free_devices is None or plan.tp <= pool.free_devices
+    fits = plan.fits and room
+    misses = _slo_misses(speed, query)
+    cost = f"${speed.cost_per_mtok:.3g}/Mtok" if speed.cost_per_mtok is not None else "no price"
+    ttft = f"TTFT {speed.ttft_ms:.0f} ms" if speed.ttft_ms is not None else "TTFT unknown"
+    parts = [
+        f"{artifact.name} on {pool.hardware}{f' {how}' if how else ''}: {plan.explanation}",
+        f"{speed.tokens_per_s:.1f} tokens/s per replica, {speed.tokens_per_s_per_sequence:.1f} per sequence, "
+        f"{ttft}, {cost} ({speed.note})",
+        f"eval {artifact.eval_status}" + (f", kl {artifact.kl:g}" if artifact.kl is not None else ""),
+    ]
+    if not room:
+        parts.append(f"the pool has {pool.free_devices} free devices, the replica needs {plan.tp}")
+    if misses:
+        parts.append("misses the SLO: " + "; ".join(misses))
+    return Candidate(artifact, pool, index, plan, speed, fits, not misses, misses, "; ".join(parts))
+
+
+def _policy_key(c: Candidate, policy: Policy) -> tuple[float, ...]:
+    speed = -c.speed.tokens_per_s_per_sequence
+    kl = c.artifact.kl if c.artifact.kl is not None else math.inf
+    cost = c.speed.cost_per_mtok if c.speed.cost_per_mtok is not None else math.inf
+    if policy == "cost":
+        return (cost, speed, kl)
+    if policy == "quality":
+        return (kl, speed, cost)
+    return (speed, kl, cost)
+
+
+def _rank_key(c: Candidate, policy: Policy) -> tuple[object, ...]:
+    return (
+        not c.fits,
+        not c.meets_slo,
+        0 if c.artifact.eval_status == "passed" else 1,
+        *_policy_key(c, policy),
+        c.pool_index,
+        c.artifact.name,
+    )
+
+
+def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuery, channel: str) -> list[Candidate]:
+    """Every (artifact, pool) candidate, best first by the query's policy; the first fits and meets the SLO.
+
+    NO_COMPATIBLE_ARTIFACT says why nothing runs or fits; SLO_UNMET what the best achieves."""
+    where = f"{view.model}@{view.version} (channel {channel})"
+    profiles = [catalog.get(p.hardware) for p in query.pools]
+    names = [p.name for p in profiles]
+    details: dict[str, Any] = {"model": view.model, "version": view.version, "hardware": names}
+    shape = model_shape(view.model_config)
+    candidates: list[Candidate] = []
+    why: dict[str, list[str]] = {}  # reason -> "artifact (hardware)"
+    failed: list[str] = []
+    for index, (pool, profile) in enumerate(zip(query.pools, profiles, strict=True)):
+        for a in view.artifacts:
+            runs, how = runs_on(a, profile, catalog)
+            if not runs:
+                why.setdefault(how, []).append(f"{a.name} ({profile.name})" if len(profiles) > 1 else a.name)
+            elif a.eval_status == "failed":
+                failed.append(f"{a.name} on {profile.name} ({', '.join(a.failed_reasons)})")
+            else:
+                candidates.append(_candidate(a, pool, index, profile, shape, query, how))
+    if not candidates:
+        if failed:
+            raise NotFound(
+                f"every artifact of {where} for {', '.join(names)} failed its eval: {'; '.join(failed)}",
+                code="NO_COMPATIBLE_ARTIFACT",
+                details={**details, "failed": failed},
+            )
+        supported = sorted({h for a in view.artifacts for h in a.hardware})
+        reasons = "; ".join(f"{reason} ({', '.join(items)})" for reason, items in why.items())
+        what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
+        raise NotFound(
+            f"release {where} has no artifact for hardware {', '.join(map(repr, names))}: {what}",
+            code="NO_COMPATIBLE_ARTIFACT",
+            details={**details, "supported_hardware": supported, "reasons": why},
+        )
+    ranked = sorted(candidates, key=lambda c: _rank_key(c, query.policy))
+    best = ranked[0]
+    if not best.fits:
+        needs = "; ".join(
+            f"{c.artifact.name} on {c.hardware} needs TP {c.plan.tp} × {_human(c.plan.required_per_device_bytes)} "
+            f"(weights {_human(c.plan.weights_per_device_bytes)} + KV cache {_human(c.plan.kv_per_device_bytes)}"
+            f" per device) of {_human(c.plan.usable_per_device_bytes)} usable"
+            + (f", {c.pool.free_devices} free" if c.pool.free_devices is not None else "")
+            for c in ranked
+        )
+        raise NotFound(
+            f"no artifact of {where} fits on {', '.join(names)} with context {query.context} × concurrency "
+            f"{query.concurrency}: {needs}",
+            code="NO_COMPATIBLE_ARTIFACT",
+            details={
+                **details,
+                "memory_bytes": best.plan.memory_per_device_bytes,
+                "candidates": [
+                    {
+                        "artifact": c.artifact.name,
+                        "hardware": c.hardware,
+                        "tp": c.plan.tp,
+                        "required_bytes": c.plan.required_per_device_bytes,
+                    }
+                    for c in ranked
+                ],
+            },
+        )
+    if not best.meets_slo:
+        raise NotFound(
+            f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.name} on "
+            f"{best.hardware}: {'; '.join(best.slo_misses)}",
+            code="SLO_UNMET",
+            details={
+                **details,
+                "best": {
+                    "artifact": best.artifact.name,
+                    "hardware": best.hardware,
+                    "tokens_per_s_per_sequence": best.speed.tokens_per_s_per_sequence,
+                    "ttft_ms": best.speed.ttft_ms,
+                },
+            },
+        )
+    return ranked

@@ -1,0 +1,170 @@
+"""The database reads of resolve: a channel's snapshot (the release or weighted split it points at, the routing
+revision), the hardware catalog at a revision, and a release's view with its artifacts, evals and measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from core.errors import NotFound
+from core.hardware import HardwareCatalog
+from registry.artifacts.models import Artifact, eval_status
+from registry.channels.buckets import BASIS_POINTS, merged, reassign
+from registry.channels.models import Channel
+from registry.models.service import get_model
+from registry.performance.models import PerformanceRecord
+from registry.releases.models import Release
+from registry.resolve.cache import MAX_FINGERPRINTS, ChannelFingerprints, ChannelSnapshot, ResolveCache, SnapshotKey
+from registry.resolve.views import ArtifactView, FileView, Measurement, ReleaseView
+
+
+def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
+    model_row = get_model(session, model)  # raises "model not found" first
+    query = select(Channel.name).where(Channel.model_id == model_row.id).order_by(Channel.name)
+    names = list(session.scalars(query))
+    known = f"its channels: {', '.join(names)}" if names else "it has no channels yet"
+    return NotFound(
+        f"model {model!r} has no channel {channel!r}; {known}",
+        details={"model": model, "channel": channel, "channels": names},
+    )
+
+
+def channel_snapshot(
+    fingerprints: ChannelFingerprints, session_factory: Callable[[], Session], model: str, channel: str
+) -> ChannelSnapshot:
+    """One indexed query: the release(s) `model`'s `channel` points at, with weights, and the routing revision.
+
+    Only a miss opens a session, to say precisely what is missing (the model, or its channel)."""
+    row = fingerprints.lookup(model, channel)
+    if row is None:
+        with session_factory() as session:
+            raise _channel_not_found(session, model, channel)
+    release_id, version, evals_through, yanked_at, split, revision = row
+    if yanked_at is not None:
+        raise NotFound(
+            f"channel {channel!r} of {model!r} points at release {version}, which is yanked; "
+            "resolve never returns a yanked release: promote another one",
+            code="CHANNEL_RELEASE_YANKED",
+            details={"model": model, "channel": channel, "version": version},
+        )
+    # SQLite hands JSON back as text, PostgreSQL parsed: the text (or its dump) keys the built snapshot.
+    split_text = split if isinstance(split, str) or split is None else json.dumps(split, sort_keys=True)
+    fingerprint = (release_id, version, evals_through, split_text, revision)
+    snapshot = fingerprints.snapshots.get(fingerprint)
+    if snapshot is None:
+        snapshot = _build_snapshot(fingerprint)
+        if len(fingerprints.snapshots) >= MAX_FINGERPRINTS:
+            fingerprints.snapshots.clear()
+        fingerprints.snapshots[fingerprint] = snapshot
+    return snapshot
+
+
+def _build_snapshot(fingerprint: tuple[int, str, int, str | None, int]) -> ChannelSnapshot:
+    release_id, version, evals_through, split_text, revision = fingerprint
+    primary = SnapshotKey(release_id, version, evals_through)
+    split = json.loads(split_text) if split_text else None
+    if not split:
+        return ChannelSnapshot(((primary, BASIS_POINTS),), primary, revision, fingerprint=fingerprint)
+    keys = [SnapshotKey(m["release_id"], m["version"], m["evals_through"]) for m in split]
+    members = tuple((k, m["weight"]) for k, m in zip(keys, split, strict=True))
+    if all("buckets" in m for m in split):
+        assigned = {k: merged(m["buckets"]) for k, m in zip(keys, split, strict=True)}
+    else:  # laid out in the members' order
+        assigned = {
+            k: r
+            for k, r in zip(keys, reassign({}, {str(i): w for i, (_, w) in enumerate(members)}).values(), strict=True)
+        }
+    return ChannelSnapshot(
+        members, primary, revision, tuple((k, tuple(r)) for k, r in assigned.items()), fingerprint=fingerprint
+    )
+
+
+def load_catalog(session_factory: Callable[[], Session], revision: int, cache: ResolveCache) -> HardwareCatalog:
+    """The registry's hardware catalog at `revision` (built-in entries and the registry's own)."""
+    catalog = cache.catalogs.get(revision)
+    if catalog is None:
+        from registry.hardware.service import effective_catalog
+
+        with session_factory() as session:
+            catalog = effective_catalog(session)
+        cache.catalogs.put(revision, catalog)
+    return catalog
+
+
+def load_release_view(
+    session: Session, model: str, snapshot: SnapshotKey, revision: int = 0, cache: ResolveCache | None = None
+) -> ReleaseView:
+    """The release of `snapshot` with its artifacts, files, evals and measurements (four queries, or none if cached)."""
+    view = cache.views.get((snapshot, revision)) if cache is not None else None
+    if view is not None:
+        return view
+    release = session.get_one(Release, snapshot.release_id)
+    artifacts = list(
+        session.scalars(
+            select(Artifact)
+            .where(Artifact.release_id == snapshot.release_id)
+            .order_by(Artifact.name)
+            .options(selectinload(Artifact.files), selectinload(Artifact.evals))
+        )
+    )
+    measured: dict[int, list[Measurement]] = {}
+    records = session.scalars(
+        select(PerformanceRecord)
+        .where(PerformanceRecord.artifact_id.in_([a.id for a in artifacts]))
+        .order_by(PerformanceRecord.id.desc())
+    )
+    for r in records:
+        measured.setdefault(r.artifact_id, []).append(
+            Measurement(
+                r.id,
+                r.hardware,
+                r.runtime,
+                r.runtime_version,
+                r.tp,
+                r.context,
+                r.concurrency,
+                r.tokens_per_s,
+                r.ttft_ms,
+                r.itl_p50_ms,
+                r.itl_p99_ms,
+                r.recorded_at.isoformat(),
+            )
+        )
+    view = ReleaseView(
+        model,
+        release.version,
+        release.model_config,
+        tuple(_artifact_view(a, snapshot.evals_through, measured.get(a.id, [])) for a in artifacts),
+    )
+    if cache is not None:
+        cache.views.put((snapshot, revision), view)
+    return view
+
+
+def _artifact_view(a: Artifact, evals_through: int, measurements: list[Measurement]) -> ArtifactView:
+    """The artifact as the channel judges it: by the eval results it was promoted with."""
+    evals = [e for e in a.evals if e.id <= evals_through]
+    kls = [
+        float(e.metrics["kl"])
+        for e in evals
+        if isinstance(e.metrics.get("kl"), int | float) and not isinstance(e.metrics.get("kl"), bool)
+    ]
+    return ArtifactView(
+        name=a.name,
+        target=a.target,
+        format=a.format,
+        quant=a.quant,
+        manifest_digest=a.manifest_digest,
+        hardware=tuple(a.hardware),
+        unsupported=dict(a.unsupported),
+        total_size=a.total_size,
+        eval_status=eval_status(evals),
+        kl=min(kls) if kls and all(math.isfinite(k) for k in kls) else None,
+        failed_reasons=tuple(f"{e.runtime}: {e.reason or 'failed'}" for e in evals if e.status == "failed"),
+        files=tuple(FileView(f.path, f.sha256, f.size) for f in a.files),
+        measurements=tuple(measurements),
+    )

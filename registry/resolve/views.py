@@ -1,0 +1,59 @@
+"""What resolve ranks: a release and its artifacts as a channel judges them, read once and cached (plain data)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from registry.artifacts.models import EvalStatus
+
+
+@dataclass(frozen=True)
+class FileView:
+    path: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A performance record as resolve reads it."""
+
+    id: int
+    hardware: str
+    runtime: str
+    runtime_version: str
+    tp: int
+    context: int
+    concurrency: int
+    tokens_per_s: float
+    ttft_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    recorded_at: str
+
+
+@dataclass(frozen=True)
+class ArtifactView:
+    name: str
+    target: str
+    format: str
+    quant: str
+    manifest_digest: str
+    hardware: tuple[str, ...]
+    unsupported: Mapping[str, str]  # hardware it does not run on -> why
+    total_size: int
+    eval_status: EvalStatus
+    kl: float | None  # best (lowest) metrics.kl over its evals
+    failed_reasons: tuple[str, ...]
+    files: tuple[FileView, ...]
+    measurements: tuple[Measurement, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReleaseView:
+    model: str
+    version: str
+    model_config: dict[str, Any]
+    artifacts: tuple[ArtifactView, ...]
