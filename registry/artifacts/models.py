@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -81,7 +81,12 @@ class EvalResult(Base):
     artifact: Mapped[Artifact] = relationship(back_populates="evals", lazy="raise")
 
 
-def eval_status(evals: Iterable[EvalResult]) -> EvalStatus:
+class HasStatus(Protocol):
+    @property
+    def status(self) -> str: ...
+
+
+def eval_status(evals: Iterable[HasStatus]) -> EvalStatus:
     """An artifact's gate status: failed if any runtime failed it, passed if any passed, else not_evaluated."""
     statuses = {e.status for e in evals}
     if "failed" in statuses:

@@ -32,7 +32,7 @@ def _detail(
         FileOut(path=f.path, sha256=f.sha256, size=f.size, url=artifact_file_url(base, model, version, name, f.path))
         for f in row.files
     ]
-    return ArtifactDetail.from_row(row, model=model, version=version, manifest=service.manifest_of(row), files=files)
+    return ArtifactDetail.of(row, model=model, version=version, manifest=service.manifest_of(row), files=files)
 
 
 @router.post(
@@ -65,7 +65,7 @@ def publish_artifact(
 
 @router.get(ARTIFACTS, summary="List a release's artifacts with their eval status", responses=error_responses(404))
 def list_artifacts(model: ModelName, version: Version, session: SessionDep) -> list[ArtifactSummary]:
-    return [ArtifactSummary.from_row(a) for a in service.list_artifacts(session, model, version)]
+    return [ArtifactSummary.of(a) for a in service.list_artifacts(session, model, version)]
 
 
 @router.get(
@@ -131,4 +131,4 @@ def post_eval(
     session.commit()
     if not created:
         response.status_code = 200
-    return EvalOut.from_row(row)
+    return EvalOut.of(row)

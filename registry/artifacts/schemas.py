@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from core.manifest import ArtifactManifest
-from registry.artifacts.models import Artifact, EvalResult, EvalStatus, eval_status
+from registry.api.rows import FromRow
+from registry.artifacts.models import EvalStatus, eval_status
 
 # A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
 # as the publish stage names a GPU runner's eval); the SKU is a hardware profile name (lowercase).
@@ -41,7 +42,7 @@ class EvalCreate(BaseModel):
     reason: str | None = Field(default=None, max_length=10_000, description="why it failed / was not run")
 
 
-class EvalOut(BaseModel):
+class EvalOut(FromRow):
     runtime: str
     runtime_version: str | None
     status: EvalStatus
@@ -50,20 +51,8 @@ class EvalOut(BaseModel):
     reason: str | None
     created_at: datetime
 
-    @classmethod
-    def from_row(cls, row: EvalResult) -> EvalOut:
-        return cls(
-            runtime=row.runtime,
-            runtime_version=row.runtime_version,
-            status=row.status,  # type: ignore[arg-type]  # the CHECK constraint keeps it one of three
-            metrics=row.metrics,
-            gates=row.gates,
-            reason=row.reason,
-            created_at=row.created_at,
-        )
 
-
-class ArtifactSummary(BaseModel):
+class ArtifactSummary(FromRow):
     name: str
     target: str
     format: str
@@ -74,32 +63,11 @@ class ArtifactSummary(BaseModel):
     manifest_digest: str
     total_size: int
     created_at: datetime
-    eval_status: EvalStatus = Field(
-        description="failed if any eval failed, else passed if any passed, else not_evaluated"
-    )
     evals: list[EvalOut]
 
-    @classmethod
-    def from_row(cls, row: Artifact) -> ArtifactSummary:
-        """Needs `evals` loaded."""
-        return cls(**_summary_fields(row))
-
-
-def _summary_fields(row: Artifact) -> dict[str, Any]:
-    return {
-        "name": row.name,
-        "target": row.target,
-        "format": row.format,
-        "quant": row.quant,
-        "hardware": row.hardware,
-        "unsupported": row.unsupported,
-        "runtime": row.runtime,
-        "manifest_digest": row.manifest_digest,
-        "total_size": row.total_size,
-        "created_at": row.created_at,
-        "eval_status": eval_status(row.evals),
-        "evals": [EvalOut.from_row(e) for e in row.evals],
-    }
+    @computed_field(description="failed if any eval failed, else passed if any passed, else not_evaluated")
+    def eval_status(self) -> EvalStatus:
+        return eval_status(self.evals)
 
 
 class FileOut(BaseModel):
@@ -114,9 +82,3 @@ class ArtifactDetail(ArtifactSummary):
     version: str
     manifest: ArtifactManifest
     files: list[FileOut]
-
-    @classmethod
-    def from_row(  # type: ignore[override]
-        cls, row: Artifact, *, model: str, version: str, manifest: ArtifactManifest, files: list[FileOut]
-    ) -> ArtifactDetail:
-        return cls(**_summary_fields(row), model=model, version=version, manifest=manifest, files=files)

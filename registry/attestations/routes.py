@@ -40,7 +40,7 @@ def _out(
     request: Request, settings: SettingsDep, model: str, version: str, name: str, row: Attestation
 ) -> AttestationOut:
     url = f"{base_url(request, settings)}/v1{ATTESTATIONS.format(model=model, version=version, name=name)}/{row.kind}"
-    return AttestationOut.from_row(row, url)
+    return AttestationOut.of(row, url=url)
 
 
 @router.post(
@@ -115,12 +115,12 @@ def add_key(spec: TrustedKeyCreate, session: WriteSessionDep, principal: Admin, 
     session.commit()
     if not created:
         response.status_code = 200
-    return TrustedKeyOut.from_row(row)
+    return TrustedKeyOut.of(row)
 
 
 @router.get("/keys", summary="Trusted publisher keys for models the caller may read, revoked ones included")
 def list_keys(session: SessionDep, principal: PrincipalDep) -> list[TrustedKeyOut]:
-    return [TrustedKeyOut.from_row(k) for k in service.list_keys(session) if principal.sees_pattern(k.model_pattern)]
+    return [TrustedKeyOut.of(k) for k in service.list_keys(session) if principal.sees_pattern(k.model_pattern)]
 
 
 @router.post("/keys/{key_id}/revoke", summary="Revoke a trusted key (admin, audited)", responses=error_responses(404))
@@ -134,7 +134,7 @@ def revoke_key(
         _check_key_pattern(principal, key.model_pattern)
     row = service.revoke_key(session, key_id, principal.name, body.reason if body else None)
     session.commit()
-    return TrustedKeyOut.from_row(row)
+    return TrustedKeyOut.of(row)
 
 
 def _check_key_pattern(principal: Principal, pattern: str) -> None:

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry.api.params import SHA256_PATTERN
-from registry.attestations.models import Attestation, TrustedKey
+from registry.api.rows import FromRow
 
 AttestationKind = Literal["signature", "provenance"]
 
@@ -27,7 +27,7 @@ class AttestationCreate(BaseModel):
     size: int = Field(strict=True, ge=1, le=16 * 1024**2)
 
 
-class AttestationOut(BaseModel):
+class AttestationOut(FromRow):
     kind: AttestationKind
     media_type: str
     sha256: str
@@ -35,18 +35,6 @@ class AttestationOut(BaseModel):
     signer: str = Field(description="id of the trusted key it verified with")
     created_at: datetime
     url: str = Field(description="where to download it")
-
-    @classmethod
-    def from_row(cls, row: Attestation, url: str) -> AttestationOut:
-        return cls(
-            kind=row.kind,  # type: ignore[arg-type]
-            media_type=row.media_type,
-            sha256=row.sha256,
-            size=row.size,
-            signer=row.signer,
-            created_at=row.created_at,
-            url=url,
-        )
 
 
 class TrustedKeyCreate(BaseModel):
@@ -59,24 +47,13 @@ class TrustedKeyCreate(BaseModel):
     public_key_pem: str = Field(max_length=4096, description="PEM public key, EC P-256, P-384 or P-521")
 
 
-class TrustedKeyOut(BaseModel):
+class TrustedKeyOut(FromRow):
     key_id: str = Field(description="sha256 of the public key's DER")
     model_pattern: str
     public_key_pem: str
     created_by: str
     created_at: datetime
     revoked_at: datetime | None
-
-    @classmethod
-    def from_row(cls, row: TrustedKey) -> TrustedKeyOut:
-        return cls(
-            key_id=row.key_id,
-            model_pattern=row.model_pattern,
-            public_key_pem=row.public_key_pem,
-            created_by=row.created_by,
-            created_at=row.created_at,
-            revoked_at=row.revoked_at,
-        )
 
 
 class KeyRevoke(BaseModel):

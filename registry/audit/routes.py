@@ -21,16 +21,4 @@ def list_audit_events(
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[AuditEventOut]:
-    return [
-        AuditEventOut(
-            id=e.id,
-            actor=e.actor,
-            action=e.action,
-            model=e.model,
-            target=e.target,
-            details=e.details,
-            reason=e.reason,
-            at=e.at,
-        )
-        for e in service.list_events(session, principal, model, limit)
-    ]
+    return [AuditEventOut.of(e) for e in service.list_events(session, principal, model, limit)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from registry.api.rows import FromRow
 
 
-class AuditEventOut(BaseModel):
+class AuditEventOut(FromRow):
     id: int
     actor: str
     action: str = Field(examples=["channel.promote", "channel.promote.forced"])

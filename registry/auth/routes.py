@@ -21,12 +21,12 @@ Admin = Annotated[Principal, require("admin")]
 def create_token(spec: TokenCreate, session: WriteSessionDep, principal: Admin) -> TokenCreated:
     token, secret = service.create_token(session, spec.name, list(spec.scopes), spec.models, principal)
     session.commit()
-    return TokenCreated(**TokenOut.from_row(token).model_dump(), token=secret)
+    return TokenCreated.of(token, token=secret)
 
 
 @router.get("/tokens", summary="List API tokens (never their secrets)")
 def list_tokens(session: SessionDep, principal: Admin) -> list[TokenOut]:
-    return [TokenOut.from_row(t) for t in service.list_tokens(session, principal)]
+    return [TokenOut.of(t) for t in service.list_tokens(session, principal)]
 
 
 @router.post("/tokens/{token_id}/revoke", summary="Revoke an API token", responses=error_responses(404))
@@ -40,4 +40,4 @@ def revoke_token(
     token = service.revoke_token(session, token_id, principal, body.reason if body else None)
     session.commit()
     request.app.state.token_cache.clear()
-    return TokenOut.from_row(token)
+    return TokenOut.of(token)

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from registry.auth.models import Token
+from registry.api.rows import FromRow
 from registry.auth.principal import Scope
 
 
@@ -24,7 +24,7 @@ class TokenRevoke(BaseModel):
     reason: str | None = Field(default=None, max_length=10_000)
 
 
-class TokenOut(BaseModel):
+class TokenOut(FromRow):
     id: int
     name: str
     prefix: str
@@ -33,19 +33,6 @@ class TokenOut(BaseModel):
     created_by: str
     created_at: datetime
     revoked_at: datetime | None
-
-    @classmethod
-    def from_row(cls, row: Token) -> TokenOut:
-        return cls(
-            id=row.id,
-            name=row.name,
-            prefix=row.prefix,
-            scopes=row.scopes,
-            models=row.models,
-            created_by=row.created_by,
-            created_at=row.created_at,
-            revoked_at=row.revoked_at,
-        )
 
 
 class TokenCreated(TokenOut):

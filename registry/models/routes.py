@@ -12,16 +12,11 @@ from registry.auth.principal import Principal
 from registry.channels.service import model_channel_versions
 from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from registry.models import service
-from registry.models.models import Model
 from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
 from registry.releases.service import list_releases
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["models"])
-
-
-def _out(row: Model) -> ModelOut:
-    return ModelOut(name=row.name, description=row.description, created_at=row.created_at)
 
 
 @router.post(
@@ -38,19 +33,19 @@ def create_model(
     session.commit()
     if not created:
         response.status_code = 200
-    return _out(row)
+    return ModelOut.of(row)
 
 
 @router.get("/models", summary="List the models the caller may read")
 def list_models(session: SessionDep, principal: PrincipalDep) -> list[ModelOut]:
-    return [_out(m) for m in service.list_models(session, principal)]
+    return [ModelOut.of(m) for m in service.list_models(session, principal)]
 
 
 @router.get("/models/{model}", summary="A model with its releases and channels", responses=error_responses(404))
 def get_model(model: ModelName, session: SessionDep) -> ModelDetail:
     row = service.get_model(session, model)
-    return ModelDetail(
-        **_out(row).model_dump(),
+    return ModelDetail.of(
+        row,
         releases=[r.version for r in list_releases(session, model)],
         channels=model_channel_versions(session, row.id),
     )

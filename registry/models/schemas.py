@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry.api.params import MODEL_NAME_PATTERN
+from registry.api.rows import FromRow
 
 
 class ModelCreate(BaseModel):
@@ -18,7 +19,7 @@ class ModelCreate(BaseModel):
     )
 
 
-class ModelOut(BaseModel):
+class ModelOut(FromRow):
     name: str
     description: str
     created_at: datetime

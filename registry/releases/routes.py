@@ -79,7 +79,7 @@ def get_release(model: ModelName, version: Version, session: SessionDep) -> Rele
     return ReleaseDetail.model_validate(
         {
             **_fields(row, model),
-            "artifacts": [ArtifactSummary.from_row(a) for a in row.artifacts],
+            "artifacts": [ArtifactSummary.of(a) for a in row.artifacts],
             "missing": service.missing_artifacts(row),
             "channels": channels_of_release(session, row.id),
         }

@@ -44,17 +44,17 @@ def create_webhook(
         secret=spec.secret,
     )
     session.commit()
-    return WebhookCreated(**WebhookOut.from_row(webhook).model_dump(), secret=secret)
+    return WebhookCreated.of(webhook, secret=secret)
 
 
 @router.get("/webhooks", summary="List webhooks, active or deleted (never their secrets)")
 def list_webhooks(session: SessionDep, principal: Admin) -> list[WebhookOut]:
-    return [WebhookOut.from_row(w) for w in service.list_webhooks(session, principal)]
+    return [WebhookOut.of(w) for w in service.list_webhooks(session, principal)]
 
 
 @router.get("/webhooks/{webhook_id}", summary="A webhook (never its secret)", responses=error_responses(404))
 def get_webhook(webhook_id: RowId, session: SessionDep, principal: Admin) -> WebhookOut:
-    return WebhookOut.from_row(service.get_webhook(session, principal, webhook_id))
+    return WebhookOut.of(service.get_webhook(session, principal, webhook_id))
 
 
 @router.delete(
@@ -65,7 +65,7 @@ def get_webhook(webhook_id: RowId, session: SessionDep, principal: Admin) -> Web
 def delete_webhook(webhook_id: RowId, session: WriteSessionDep, principal: Admin) -> WebhookOut:
     webhook = service.deactivate_webhook(session, principal, webhook_id)
     session.commit()
-    return WebhookOut.from_row(webhook)
+    return WebhookOut.of(webhook)
 
 
 @router.get(
@@ -80,7 +80,8 @@ def list_deliveries(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[DeliveryOut]:
     return [
-        DeliveryOut.from_row(d, d.attempt_log) for d in service.list_deliveries(session, principal, webhook_id, limit)
+        DeliveryOut.of(d, attempt_log=d.attempt_log)
+        for d in service.list_deliveries(session, principal, webhook_id, limit)
     ]
 
 
@@ -93,4 +94,4 @@ def list_deliveries(
 def redeliver(webhook_id: RowId, delivery_id: RowId, session: WriteSessionDep, principal: Admin) -> DeliveryOut:
     delivery = service.redeliver(session, principal, webhook_id, delivery_id)
     session.commit()
-    return DeliveryOut.from_row(delivery, [])
+    return DeliveryOut.of(delivery, attempt_log=[])

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from registry.api.rows import FromRow
 from registry.webhooks.delivery import ERROR_CLASSES
-from registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
 from registry.webhooks.outbox import EVENTS
 
 
@@ -27,7 +27,7 @@ class WebhookCreate(BaseModel):
     )
 
 
-class WebhookOut(BaseModel):
+class WebhookOut(FromRow):
     id: int
     url: str
     events: list[str]
@@ -36,24 +36,12 @@ class WebhookOut(BaseModel):
     created_by: str
     created_at: datetime
 
-    @classmethod
-    def from_row(cls, row: Webhook) -> WebhookOut:
-        return cls(
-            id=row.id,
-            url=row.url,
-            events=row.events,
-            model_pattern=row.model_pattern,
-            active=row.active,
-            created_by=row.created_by,
-            created_at=row.created_at,
-        )
-
 
 class WebhookCreated(WebhookOut):
     secret: str = Field(description="the signing secret; shown once, store it now")
 
 
-class AttemptOut(BaseModel):
+class AttemptOut(FromRow):
     attempt: int
     at: datetime
     status_code: int | None = Field(description="the receiver's HTTP status; null when none came")
@@ -63,18 +51,8 @@ class AttemptOut(BaseModel):
     )
     duration_ms: int
 
-    @classmethod
-    def from_row(cls, row: WebhookAttempt) -> AttemptOut:
-        return cls(
-            attempt=row.attempt,
-            at=row.at,
-            status_code=row.status_code,
-            error=row.error,
-            duration_ms=row.duration_ms,
-        )
 
-
-class DeliveryOut(BaseModel):
+class DeliveryOut(FromRow):
     id: int = Field(description="sent as X-Kiln-Delivery")
     webhook_id: int
     audit_event_id: int
@@ -88,21 +66,3 @@ class DeliveryOut(BaseModel):
     created_at: datetime
     delivered_at: datetime | None
     attempt_log: list[AttemptOut] = Field(description="every attempt, first to last")
-
-    @classmethod
-    def from_row(cls, row: WebhookDelivery, attempts: list[WebhookAttempt]) -> DeliveryOut:
-        return cls(
-            id=row.id,
-            webhook_id=row.webhook_id,
-            audit_event_id=row.audit_event_id,
-            event=row.event,
-            payload=row.payload,
-            state=row.state,
-            attempts=row.attempts,
-            next_attempt_at=row.next_attempt_at,
-            last_status=row.last_status,
-            last_error=row.last_error,
-            created_at=row.created_at,
-            delivered_at=row.delivered_at,
-            attempt_log=[AttemptOut.from_row(a) for a in attempts],
-        )
