@@ -1,7 +1,8 @@
 """The `kiln` command line, one module per command group, on top of every other layer.
 
-build (build, plan, publish, inspect) · releases (seal, abandon, promote, yank, resolve, audit) ·
-tokens · signing (verify, keys) · runtimes (runtime install, list) · server (serve, db upgrade, gc).
+build (build, plan, run-stage, publish, inspect) · releases (seal, abandon, promote, split, yank, resolve,
+audit) · hardware (hardware list/set/delete, performance) · tokens · signing (verify, keys) · runtimes (runtime
+install, list) · server (serve, modelcar-base, db upgrade, gc).
 `main` maps kiln errors to the exit codes of `common`.
 """
 

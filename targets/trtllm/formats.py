@@ -4,6 +4,7 @@
 |---------------------------|---------------------------|-----------------------------------|--------------------------|
 | bf16                      | (none)                    | plain HF checkpoint               | transformers, vLLM (CPU) |
 | fp8                       | FP8_PER_CHANNEL_PER_TOKEN | compressed-tensors in config.json | transformers, vLLM (CPU) |
+| fp8-kv8                   | FP8_PER_CHANNEL_PER_TOKEN | as fp8, with its kv_cache_scheme  | transformers, vLLM (CPU) |
 | fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers, vLLM (CPU) |
 | int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)           |
 | nvfp4-w4a4                | NVFP4                     | hf_quant_config.json, ModelOpt    | deferred (GPU, sm100)    |

@@ -1,6 +1,6 @@
 """Replica sizing (`registry.resolve.fit`) and the checkpoint footprint it is fed (`quant.footprint`).
 
-The README's 70B figures are recomputed here by hand from the catalog's literal numbers
+The 70B figures of docs/routing.md are recomputed here by hand from the catalog's literal numbers
 (core/hardware.yaml), and the footprint estimate is checked against hf-bundles kiln writes.
 """
 
