@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -24,15 +25,22 @@ class Pool:
 
 @dataclass(frozen=True)
 class ResolveQuery:
-    """What the caller asks: pools (in its order of preference), policy, workload and SLO."""
+    """What the caller asks: pools (in its order of preference), policy, workload and SLO.
 
-    pools: tuple[Pool, ...]
+    `hardware` is the pools as the caller wrote them (`h100,mi300x:16`): the query is then a few strings and
+    numbers, cheap to hash (the key of resolve's cached answers), and its pools are parsed on first use."""
+
+    hardware: str
     policy: Policy = "latency"
     context: int = 4096
     concurrency: int = 1
     kv_dtype: str = "bf16"
     min_tokens_per_s: float | None = None  # per sequence
     max_ttft_ms: float | None = None
+
+    @functools.cached_property
+    def pools(self) -> tuple[Pool, ...]:
+        return parse_pools(self.hardware)
 
 
 def parse_pools(text: str) -> tuple[Pool, ...]:

@@ -26,7 +26,7 @@ from registry.channels.buckets import BASIS_POINTS
 from registry.deps import require
 from registry.resolve.cache import ChannelSnapshot, ResolveCache
 from registry.resolve.explain import explain_choice
-from registry.resolve.query import Policy, ResolveQuery, parse_pools
+from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import Candidate, rank_candidates
 from registry.resolve.schemas import (
     MeasurementOut,
@@ -168,7 +168,7 @@ async def resolve(
     # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
     # The query's own values (strings and numbers, cheap to hash) key the answer with the channel's
     # fingerprint and the release the key lands on; the pools are parsed only on a miss.
-    asked = (hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
+    asked = ResolveQuery(hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     # The raw header list, not `request.headers` (built per request): this is the hot path.
     if_none_match = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"if-none-match"), None)
     body, etag = _answer(request, model, channel, asked, key)
@@ -183,10 +183,7 @@ async def resolve(
     return Response(body, media_type="application/json", headers=headers)
 
 
-Asked = tuple[str, Policy, int, int, str, float | None, float | None]
-
-
-def _answer(request: Request, model: str, channel: str, asked: Asked, key: str | None) -> tuple[bytes, str]:
+def _answer(request: Request, model: str, channel: str, query: ResolveQuery, key: str | None) -> tuple[bytes, str]:
     """The rendered answer and its ETag, from the caches where nothing it depends on changed."""
     state = request.app.state  # not dependencies: each one solved costs more than this route's own work
     settings: RegistrySettings = state.settings
@@ -195,14 +192,11 @@ def _answer(request: Request, model: str, channel: str, asked: Asked, key: str |
     snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
     member = snapshot.choose(model, channel, key)
     base = base_url(request, settings)
-    answer_key = (snapshot.fingerprint, member.release_id, model, channel, asked, base)
+    answer_key = (snapshot.fingerprint, member.release_id, model, channel, query, base)
     hit = cache.answers.get(answer_key)
     if hit is not None:
         return hit
-    hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms = asked
-    query = ResolveQuery(
-        parse_pools(hardware), policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms
-    )
+    query.pools  # noqa: B018 - parsed (and a bad one refused) before anything else is read
     catalog = load_catalog(sessions, snapshot.revision, cache)
     with sessions() as session:
         view = load_release_view(session, model, member, snapshot.revision, cache)

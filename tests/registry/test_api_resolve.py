@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 from core.errors import NotFound
 from core.hardware import builtin_catalog
 from registry.app import create_app
-from registry.resolve.query import Pool, ResolveQuery
+from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import rank_candidates
 from registry.resolve.views import ArtifactView, FileView, ReleaseView
 from registry.settings import RegistrySettings
@@ -246,7 +246,7 @@ def test_ranking_puts_what_fits_first() -> None:
     catalog = builtin_catalog()
     # On one H100 (72 GiB usable of 80, plus 0.5 GiB of KV cache): only int4 (38 GiB) fits, even not
     # evaluated; fp8 (75 GiB, under the 80 GiB the device has) does not.
-    one = rank_candidates(view, catalog, ResolveQuery((Pool("h100", free_devices=1),)), "prod")
+    one = rank_candidates(view, catalog, ResolveQuery("h100:1"), "prod")
     assert [(c.artifact.name, c.fits, c.plan.tp) for c in one] == [
         ("int4", True, 1),
         ("fp8", False, 1),
@@ -255,7 +255,7 @@ def test_ranking_puts_what_fits_first() -> None:
     assert one[1].plan.required_per_device_bytes == 75 * GIB + KV_PER_TOKEN * 4096
     assert one[1].plan.usable_per_device_bytes == round(0.9 * 80 * GIB)
     # A whole node: fp8 and bf16 fit at TP 2, and the evaluated ones rank first, the faster first.
-    node = rank_candidates(view, catalog, ResolveQuery((Pool("h100"),)), "prod")
+    node = rank_candidates(view, catalog, ResolveQuery("h100"), "prod")
     assert [(c.artifact.name, c.fits, c.plan.tp) for c in node] == [
         ("fp8", True, 2),
         ("bf16", True, 2),
@@ -264,7 +264,7 @@ def test_ranking_puts_what_fits_first() -> None:
     assert node[1].plan.required_per_device_bytes == 70 * GIB + KV_PER_TOKEN * 4096 // 2
     # Nothing fits a pool of one device: NO_COMPATIBLE_ARTIFACT with each candidate's TP and bytes.
     with pytest.raises(NotFound) as raised:
-        rank_candidates(_view(_artifact("bf16", 140 * GIB)), catalog, ResolveQuery((Pool("h100", 1),)), "prod")
+        rank_candidates(_view(_artifact("bf16", 140 * GIB)), catalog, ResolveQuery("h100:1"), "prod")
     assert raised.value.code == "NO_COMPATIBLE_ARTIFACT"
     assert raised.value.details["candidates"] == [
         {"artifact": "bf16", "hardware": "h100", "tp": 1, "required_bytes": 140 * GIB + KV_PER_TOKEN * 4096}

@@ -17,7 +17,7 @@ import pytest
 from core.hardware import builtin_catalog
 from quant.catalog import compatibility, get_scheme
 from quant.footprint import checkpoint_bytes
-from registry.resolve.query import Pool, ResolveQuery
+from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import rank_candidates
 from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
@@ -62,7 +62,7 @@ RELEASE = ReleaseView("llama-3-70b", "1.0", CONFIG, tuple(_artifact(q) for q in 
 def test_a_throughput_workload_resolves_to_the_format_the_device_computes(
     hardware: str, pick: str, policy: str
 ) -> None:
-    query = ResolveQuery((Pool(hardware),), policy=policy, context=256, concurrency=2048)  # type: ignore[arg-type]
+    query = ResolveQuery(hardware, policy=policy, context=256, concurrency=2048)  # type: ignore[arg-type]
     best, *fallbacks = rank_candidates(RELEASE, builtin_catalog(), query, "prod")
     assert best.artifact.quant == pick and best.fits, best.explanation
     assert "decode FLOP-bound at 2048 sequences" in best.plan.explanation
@@ -70,16 +70,16 @@ def test_a_throughput_workload_resolves_to_the_format_the_device_computes(
 
 
 def test_what_a_device_cannot_run_is_never_offered() -> None:
-    query = ResolveQuery((Pool("mi300x"),), context=256, concurrency=2048)
+    query = ResolveQuery("mi300x", context=256, concurrency=2048)
     offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
     assert offered == {"bf16", "fp8", "w4a16-gptq"}  # no FP4 on gfx942
-    query = ResolveQuery((Pool("mi355x"),), context=256, concurrency=2048)
+    query = ResolveQuery("mi355x", context=256, concurrency=2048)
     offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
     assert "nvfp4-w4a4" not in offered and "nvfp4-w4a16" not in offered and "mxfp4-w4a4" in offered
 
 
 @pytest.mark.parametrize("hardware", ["b200", "mi355x", "h100"])
 def test_one_long_sequence_is_bandwidth_bound_and_takes_the_smallest_weights(hardware: str) -> None:
-    query = ResolveQuery((Pool(hardware),), context=4096, concurrency=1)
+    query = ResolveQuery(hardware, context=4096, concurrency=1)
     best = rank_candidates(RELEASE, builtin_catalog(), query, "prod")[0]
     assert best.artifact.quant == "w4a16-gptq" and "FLOP-bound" not in best.plan.explanation
