@@ -22,7 +22,7 @@ from registry.resolve.ranking import rank_candidates
 from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 CONFIG = json.loads((Path(__file__).resolve().parents[2] / "examples/llama-3-70b/config.json").read_text())
-# The example model's KL against its reference, per scheme (README, "Eval").
+# The example model's KL against its reference, per scheme (docs/evaluation.md, "The example model's quality").
 KL = {
     "bf16": 0.0,
     "fp8": 9.2e-4,
