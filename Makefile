@@ -48,11 +48,16 @@ demo: runtimes
 	$(BIN)/kiln resolve tiny-llama --hardware cpu --channel prod --registry $(REGISTRY_DIR)
 	$(BIN)/kiln resolve tiny-llama --hardware tpu-v5e --channel prod --registry $(REGISTRY_DIR)
 
+# One worker per core (at most 4: each may hold a vLLM worker and a model), a test file per worker at a time
+# (its module fixtures are built once); the timing tests compare wall times, so they run alone, after.
+TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: runtimes
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not timing" --durations=25
+	$(BIN)/pytest -q -m timing
 
 test-fast: runtimes
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not timing"
 
 lint: install
 	$(BIN)/ruff check .

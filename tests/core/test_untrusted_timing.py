@@ -31,6 +31,7 @@ from formats.safetensors import read_header as read_safetensors_header
 from registry.ops.logs import redact_urls
 from tests.file_builders import gguf_string, safetensors_bytes
 
+pytestmark = pytest.mark.timing
 KIB = 1024
 SIZES = (16 * KIB, 64 * KIB, 256 * KIB)
 SLOWEST_AT_256_KIB = 0.5  # seconds
