@@ -75,6 +75,11 @@ def test_a_child_process_peak_is_measured_and_not_counted_as_this_process() -> N
 
 def test_a_worker_kept_across_measurements_counts_what_it_holds_in_each() -> None:
     """A long-lived child (as vLLM's worker is) started earlier: its resident memory, sampled, counts."""
+    # What this process's other descendants hold already (a test runner's servers, started by fixtures).
+    with measure_usage() as meter:
+        time.sleep(0.05)
+    assert meter.usage is not None
+    others = meter.usage.children_peak_rss_bytes
     worker = subprocess.Popen(_child(80, 30))
     try:
         deadline = time.monotonic() + 20
@@ -89,7 +94,8 @@ def test_a_worker_kept_across_measurements_counts_what_it_holds_in_each() -> Non
         worker.wait()
     with measure_usage() as meter:
         time.sleep(0.05)
-    assert meter.usage is not None and meter.usage.children_peak_rss_bytes == 0  # it is gone
+    assert worker.pid not in descendants()
+    assert meter.usage is not None and meter.usage.children_peak_rss_bytes < others + 40 * MIB  # it is gone
 
 
 def test_bytes_written_and_read_are_counted(tmp_path: Path) -> None:
