@@ -3,6 +3,7 @@ processes' peak, and the bytes it read and wrote. Allocations are held for longe
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -28,10 +29,16 @@ pytestmark = pytest.mark.skipif(read_io() is None or status_kb("RssAnon") is Non
 
 
 def _hold(mib: int, seconds: float = 0.1) -> None:
-    """Allocate `mib` MiB of anonymous memory, touch every page, hold it, free it."""
-    block = bytearray(mib * MIB)  # zero-filled: every page is written
-    time.sleep(seconds)
-    del block
+    """Map `mib` MiB of fresh anonymous memory, touch every page, hold it, unmap it. Fresh from the kernel: a
+    bytearray may reuse pages this process freed but still holds (a test runner's worker after other tests),
+    which the resident size already counts."""
+    block = mmap.mmap(-1, mib * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: RssAnon
+    try:
+        for offset in range(0, mib * MIB, mmap.PAGESIZE):
+            block[offset] = 1
+        time.sleep(seconds)
+    finally:
+        block.close()
 
 
 def _child(mib: int, seconds: float) -> list[str]:
