@@ -210,7 +210,6 @@ def _kiln(cluster: RayCluster, recipe: Path, work: Path, store: str, *extra: str
     ]
 
 
-@pytest.mark.slow
 def test_a_release_builds_on_the_cluster_with_the_digests_of_a_local_build_and_resumes_after_the_driver_dies(
     ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
 ) -> None:
