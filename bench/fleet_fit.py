@@ -49,8 +49,9 @@ def served_by(quant: str, hardware: str) -> tuple[list[str], str]:
 
 def main() -> None:
     from core.hardware import PROFILES
+    from core.shape import ShapeRecord
     from quant.footprint import checkpoint_bytes
-    from registry.resolve.fit import model_shape, plan_replica
+    from registry.resolve.fit import plan_replica
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples/llama-3-70b/config.json")
@@ -63,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     config = json.loads(args.config.read_text())
-    shape = model_shape(config)
+    shape = ShapeRecord.from_untrusted(config)
     weights = {q: checkpoint_bytes(config, q) for q in args.quants}
     rows: list[dict[str, Any]] = []
     lines = [

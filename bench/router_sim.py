@@ -90,12 +90,12 @@ REPLICAS = [
 
 def artifact_bytes(quant: str) -> int:
     """What the artifact's checkpoint weighs for CONFIG, rounded to half a GiB (the smallest shard)."""
+    from core.shape import ShapeRecord
     from quant.footprint import checkpoint_bytes
-    from registry.resolve.fit import ModelShape, model_shape
 
     if quant in GGUF_BITS_PER_WEIGHT:
-        shape = model_shape(CONFIG)
-        assert isinstance(shape, ModelShape)
+        shape = ShapeRecord.from_untrusted(CONFIG)
+        assert isinstance(shape, ShapeRecord)
         size = (shape.parameters() or 0) * GGUF_BITS_PER_WEIGHT[quant] / 8
     else:
         size = checkpoint_bytes(CONFIG, quant)

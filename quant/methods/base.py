@@ -6,7 +6,7 @@ scheme's fields ("a float scheme means FP8"):
 - `weight_dtype`: what a quantized Linear weight is stored as (`bfloat16` when the method leaves it);
 - `activation_dtype`: what the matmuls take as input (`bfloat16` for weight-only methods, which dequantize
   before each matmul), hence `matmul_dtype`, the hardware rate it runs at (`core.hardware.MatmulDtype`);
-- `kv_cache_dtype`: the KV cache its serving replicas assume (`registry.resolve.fit.KV_DTYPES`);
+- `kv_cache_dtype`: the KV cache its serving replicas assume (`core.shape.KV_DTYPES`);
 - `gate`: its default eval thresholds (`eval.gates` builds its `Gate` from them);
 - `on_cuda` / `on_rocm`: its verdict on an NVIDIA GPU of sm80+ and on an AMD GPU (`quant.catalog.compatibility`
   answers the CPU, TPU and pre-sm80 cases the same way for every method first).

@@ -1,6 +1,6 @@
 """Fit and speed of one replica: how many devices of a hardware profile an artifact needs, and its bounds.
 
-Pure functions over a model's shape (`model_shape`, read from an untrusted config), an artifact's
+Pure functions over a model's shape (`core.shape.ShapeRecord`, read from an untrusted config), an artifact's
 weight bytes and quant, and a `core.hardware.HardwareProfile`; no I/O. `plan_replica` picks the
 smallest tensor-parallel degree whose share of the weights and KV cache fits in each device's usable
 memory, and bounds what that replica can do:
@@ -21,11 +21,10 @@ These are upper bounds from data-sheet peaks, for ranking and sizing; a real ser
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import InvalidInput, UnknownName
+from core.errors import InvalidInput
 from core.hardware import (
     BANDWIDTH_GBS,
     DEVICES_PER_NODE,
@@ -36,108 +35,18 @@ from core.hardware import (
     HardwareProfile,
     MatmulDtype,
 )
+from core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
 from quant.catalog import METHODS
 
 GIB = 1024**3
 
-# KV cache bytes per element, by the KV cache's dtype.
-KV_DTYPES: dict[str, int] = {"bf16": 2, "fp8": 1}
 # The share of each device a server gives to weights and KV cache; the other 10 % is kept for
 # activations, CUDA graphs and the allocator (vLLM's default gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.90
 
-# Larger values are not an architecture (the largest models have ~10^2 layers, 10^5 hidden): a
-# release's model_config is publisher input, so anything past this is treated as missing.
-MAX_DIMENSION = 2**24
 # Bounds on what a caller asks (context, concurrency: MAX_DIMENSION), far past any real replica, so the
 # arithmetic stays within floats.
 MAX_WEIGHTS_BYTES = 2**60
-
-# Keys read from a model config, Hugging Face names first.
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "layers")
-_HEADS = ("num_attention_heads", "n_head", "heads")
-_KV_HEADS = ("num_key_value_heads", "kv_heads", "num_kv_heads")
-_HEAD_DIM = ("head_dim",)
-_HIDDEN = ("hidden_size", "n_embd", "hidden")
-_INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
-_VOCAB = ("vocab_size", "n_vocab")
-_TIED = "tie_word_embeddings"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizing needs of a decoder-only (Llama-family) model; None where the config does not say."""
-
-    layers: int
-    heads: int | None
-    kv_heads: int
-    head_dim: int
-    hidden: int | None = None
-    intermediate: int | None = None
-    vocab: int | None = None
-    tied_embeddings: bool = False
-
-    def parameters(self) -> int | None:
-        """Parameters of a Llama-family model: q/k/v/o, gate/up/down, two norms per layer, the final
-        norm, embeddings and lm_head unless tied (biases, where a family has them, are not counted:
-        under 0.01 %). None when hidden, heads, intermediate or vocab are unknown."""
-        if self.hidden is None or self.heads is None or self.intermediate is None or self.vocab is None:
-            return None
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
-        return self.layers * per_layer + h + self.vocab * h * (1 if self.tied_embeddings else 2)
-
-    def kv_cache_bytes(self, context: int, concurrency: int, kv_dtype: str = "bf16") -> int:
-        """The replica's KV cache: keys and values of every layer for `context` × `concurrency` tokens."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * context * concurrency * _kv_bytes(kv_dtype)
-
-
-def _first_int(config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
-            return value
-    return None
-
-
-def model_shape(config: Mapping[str, Any]) -> ModelShape | str:
-    """The shape of the model a config describes, or a sentence saying what is missing.
-
-    The config is untrusted publisher input: a value that is not an int, a bool, ≤ 0 or above
-    MAX_DIMENSION counts as missing. Layers, KV heads and head_dim are needed (the KV cache); the
-    rest only bound prefill (parameters) and tensor parallelism (heads), and are None when absent.
-    """
-    if not isinstance(config, Mapping):
-        return "the release's model_config is not an object, so the KV cache is not counted"
-    layers = _first_int(config, _LAYERS)
-    heads = _first_int(config, _HEADS)
-    kv_heads = _first_int(config, _KV_HEADS) or heads
-    head_dim = _first_int(config, _HEAD_DIM)
-    hidden = _first_int(config, _HIDDEN)
-    if head_dim is None and hidden is not None and heads and hidden % heads == 0:
-        head_dim = hidden // heads
-    if layers is None or kv_heads is None or head_dim is None:
-        missing = [
-            name
-            for name, value in (
-                ("num_hidden_layers", layers),
-                ("num_key_value_heads", kv_heads),
-                ("head_dim", head_dim),
-            )
-            if value is None
-        ]
-        return "the release's model_config lacks " + ", ".join(missing) + ", so the KV cache is not counted"
-    tied = config.get(_TIED)
-    return ModelShape(
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        hidden=hidden,
-        intermediate=_first_int(config, _INTERMEDIATE),
-        vocab=_first_int(config, _VOCAB),
-        tied_embeddings=tied if isinstance(tied, bool) else False,
-    )
 
 
 def matmul_dtype(quant: str) -> MatmulDtype:
@@ -161,16 +70,6 @@ def matmul_dtype_on(quant: str, profile: HardwareProfile) -> MatmulDtype:
     method's own FP4 block format)."""
     method = METHODS.get(quant)
     return method.matmul_dtype_on(profile) if method is not None else "bf16"
-
-
-def _kv_bytes(kv_dtype: str) -> int:
-    try:
-        return KV_DTYPES[kv_dtype]
-    except KeyError:
-        raise UnknownName(
-            f"unknown KV cache dtype {kv_dtype!r}; known: {', '.join(KV_DTYPES)}",
-            details={"kv_dtype": str(kv_dtype)[:64], "known": list(KV_DTYPES)},
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -232,14 +131,15 @@ def _check_rate(
     return float(value)
 
 
-def _tp_degrees(shape: ModelShape | str, limit: int) -> tuple[list[int], list[int]]:
+def _tp_degrees(shape: ShapeRecord | str, limit: int) -> tuple[list[int], list[int]]:
     """(allowed, excluded): the powers of two up to `limit`, split by whether the heads divide over them."""
     allowed: list[int] = []
     excluded: list[int] = []
     tp = 1
     while tp <= limit:
         ok = isinstance(shape, str) or (
-            (shape.heads is None or shape.heads % tp == 0) and (shape.kv_heads % tp == 0 or tp % shape.kv_heads == 0)
+            (shape.num_attention_heads is None or shape.num_attention_heads % tp == 0)
+            and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
         )
         (allowed if ok else excluded).append(tp)
         tp *= 2
@@ -253,7 +153,7 @@ def _gib(n: float) -> str:
 
 def plan_replica(
     profile: HardwareProfile,
-    shape: ModelShape | str,
+    shape: ShapeRecord | str,
     weights_bytes: int,
     quant: str,
     context: int,
@@ -263,7 +163,7 @@ def plan_replica(
 ) -> ReplicaPlan:
     """The smallest tensor-parallel replica of an artifact (`weights_bytes`, `quant`) on `profile` that
     holds the weights and a KV cache of `context` × `concurrency` tokens, with its decode, prefill and
-    cost bounds. `shape` is `model_shape(config)`; a sentence there (the shape is unknown) counts no
+    cost bounds. `shape` is `ShapeRecord.from_untrusted(config)`; a sentence there (the shape is unknown) counts no
     KV cache and leaves TTFT unknown. TP degrees are powers of two up to min(devices_per_node,
     max_devices) that split the attention heads and the KV heads (or replicate the KV heads evenly)."""
     context = _check_count("context", context, 1, MAX_DIMENSION)
@@ -271,7 +171,7 @@ def plan_replica(
     weights_bytes = _check_count("weights_bytes", weights_bytes, 0, MAX_WEIGHTS_BYTES)
     if max_devices is not None:
         _check_count("max_devices", max_devices, 1, MAX_DIMENSION)
-    kv_elem = _kv_bytes(kv_dtype)
+    kv_elem = kv_element_bytes(kv_dtype)
     memory_gib = _check_rate(profile, "memory_gib", profile.memory_gib, MEMORY_GIB)
     bandwidth_gbs = _check_rate(profile, "bandwidth_gbs", profile.bandwidth_gbs, BANDWIDTH_GBS)
     devices_per_node = int(_check_rate(profile, "devices_per_node", profile.devices_per_node, DEVICES_PER_NODE))
@@ -279,14 +179,14 @@ def plan_replica(
     allowed, excluded = _tp_degrees(shape, limit)
     memory = int(memory_gib * GIB)
     usable = round(MEMORY_UTILIZATION * memory)
-    kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ModelShape) else 0
+    kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ShapeRecord) else 0
 
     def per_device(tp: int) -> tuple[int, int]:
         weights = -(-weights_bytes // tp)
-        if not isinstance(shape, ModelShape):
+        if not isinstance(shape, ShapeRecord):
             return weights, 0
-        heads_here = max(shape.kv_heads // tp, 1)  # tp > kv_heads: each device keeps one KV head
-        return weights, 2 * shape.layers * heads_here * shape.head_dim * context * concurrency * kv_elem
+        heads_here = max(shape.num_kv_heads // tp, 1)  # tp > kv_heads: each device keeps one KV head
+        return weights, 2 * shape.num_layers * heads_here * shape.head_dim * context * concurrency * kv_elem
 
     tried: list[tuple[int, int]] = []  # (tp, weights + KV per device) of each TP that did not fit
     tp = allowed[-1]
@@ -307,14 +207,14 @@ def plan_replica(
     # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
     tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
     tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
-    params = shape.parameters() if isinstance(shape, ModelShape) else None
+    params = shape.parameters() if isinstance(shape, ShapeRecord) else None
     memory_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
     compute_s = 2 * params * concurrency / (tp * tflops * 1e12 * efficiency) if params is not None else 0.0
     step_s = max(memory_s, compute_s)
     decode = concurrency / step_s
     ttft: float | None = None
-    if isinstance(shape, ModelShape) and params is not None and shape.heads is not None:
-        flops = 2 * params * context + 2 * shape.layers * shape.heads * shape.head_dim * context**2
+    if isinstance(shape, ShapeRecord) and params is not None and shape.num_attention_heads is not None:
+        flops = 2 * params * context + 2 * shape.num_layers * shape.num_attention_heads * shape.head_dim * context**2
         ttft = flops / (tp * tflops * 1e12 * efficiency)
     price = profile.price_per_device_hour
     if price is not None:
@@ -330,11 +230,11 @@ def plan_replica(
             parts.append(", ".join(f"TP {t} needs {_gib(need)}" for t, need in tried))
     else:
         parts = [f"does not fit in {limit} device{'s' if limit > 1 else ''}: TP {tp}{link} needs {arithmetic} > {room}"]
-    if excluded and isinstance(shape, ModelShape):
-        heads = f"{shape.heads} heads, " if shape.heads is not None else ""
-        parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.kv_heads} KV heads)")
-    if isinstance(shape, ModelShape) and tp > shape.kv_heads:
-        parts.append(f"KV heads replicated: {shape.kv_heads} over TP {tp}, one per device")
+    if excluded and isinstance(shape, ShapeRecord):
+        heads = f"{shape.num_attention_heads} heads, " if shape.num_attention_heads is not None else ""
+        parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.num_kv_heads} KV heads)")
+    if isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
+        parts.append(f"KV heads replicated: {shape.num_kv_heads} over TP {tp}, one per device")
     if compute_s > memory_s:
         parts.append(f"decode FLOP-bound at {concurrency} sequences ({used} matmuls, {tflops:g} TFLOP/s per device)")
     if isinstance(shape, str):

@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 from core.errors import NotFound
 from core.hardware import HardwareCatalog, HardwareProfile
+from core.shape import ShapeRecord
 from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
-from registry.resolve.fit import ModelShape, ReplicaPlan, kv_dtype_of, model_shape, plan_replica
+from registry.resolve.fit import ReplicaPlan, kv_dtype_of, plan_replica
 from registry.resolve.query import Policy, Pool, ResolveQuery
 from registry.resolve.views import ArtifactView, Measurement, ReleaseView
 
@@ -142,7 +143,7 @@ def _candidate(
     pool: Pool,
     index: int,
     profile: HardwareProfile,
-    shape: ModelShape | str,
+    shape: ShapeRecord | str,
     query: ResolveQuery,
     how: str,
 ) -> Candidate:
@@ -205,7 +206,6 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
     profiles = [catalog.get(p.hardware) for p in query.pools]
     names = [p.name for p in profiles]
     details: dict[str, Any] = {"model": view.model, "version": view.version, "hardware": names}
-    shape = model_shape(view.model_config)
     candidates: list[Candidate] = []
     why: dict[str, list[str]] = {}  # reason -> "artifact (hardware)"
     failed: list[str] = []
@@ -217,7 +217,7 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
             elif a.eval_status == "failed":
                 failed.append(f"{a.name} on {profile.name} ({', '.join(a.failed_reasons)})")
             else:
-                candidates.append(_candidate(a, pool, index, profile, shape, query, how))
+                candidates.append(_candidate(a, pool, index, profile, view.shape, query, how))
     if not candidates:
         if failed:
             raise NotFound(

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from core.errors import NotFound
 from core.hardware import HardwareCatalog
+from core.shape import ShapeRecord
 from registry.artifacts.models import Artifact, eval_status
 from registry.channels.buckets import BASIS_POINTS, merged, reassign
 from registry.channels.models import Channel
@@ -137,7 +138,7 @@ def load_release_view(
     view = ReleaseView(
         model,
         release.version,
-        release.model_config,
+        ShapeRecord.from_untrusted(release.model_config),
         tuple(_artifact_view(a, snapshot.evals_through, measured.get(a.id, [])) for a in artifacts),
     )
     if cache is not None:

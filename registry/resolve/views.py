@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from core.shape import ShapeRecord
 from registry.artifacts.models import EvalStatus
 
 
@@ -55,5 +55,5 @@ class ArtifactView:
 class ReleaseView:
     model: str
     version: str
-    model_config: dict[str, Any]
+    shape: ShapeRecord | str  # the release's model_config read once (`ShapeRecord.from_untrusted`)
     artifacts: tuple[ArtifactView, ...]

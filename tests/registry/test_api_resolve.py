@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 
 from core.errors import NotFound
 from core.hardware import builtin_catalog
+from core.shape import ShapeRecord
 from registry.app import create_app
 from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import rank_candidates
@@ -221,7 +222,7 @@ def test_public_url_is_used_for_downloads(settings: RegistrySettings) -> None:
 
 
 def _view(*artifacts: ArtifactView) -> ReleaseView:
-    return ReleaseView("big", "1.0", LLAMA_CONFIG, artifacts)
+    return ReleaseView("big", "1.0", ShapeRecord.from_untrusted(LLAMA_CONFIG), artifacts)
 
 
 def _artifact(name: str, size: int, status: str = "passed", kl: float | None = None) -> ArtifactView:

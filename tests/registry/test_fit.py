@@ -17,17 +17,10 @@ from hypothesis import strategies as st
 
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, builtin_catalog, parse_profile
+from core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes, checkpoint_tensors
-from registry.resolve.fit import (
-    KV_DTYPES,
-    MAX_DIMENSION,
-    MEMORY_UTILIZATION,
-    ModelShape,
-    matmul_dtype,
-    model_shape,
-    plan_replica,
-)
+from registry.resolve.fit import MEMORY_UTILIZATION, matmul_dtype, plan_replica
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = json.loads((ROOT / "examples/llama-3-70b/config.json").read_text())
@@ -65,8 +58,19 @@ PREFILL_FLOPS_32K = 2 * PARAMS_70B * 32768 + 2 * 80 * 64 * 128 * 32768**2
 
 
 def test_the_70b_config_reads_as_llama_3_70b() -> None:
-    shape = model_shape(LLAMA_70B)
-    assert shape == ModelShape(80, 64, 8, 128, 8192, 28672, 128256, False)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
+    assert shape == ShapeRecord(
+        architecture="LlamaForCausalLM",
+        num_layers=80,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    )
     assert PARAMS_70B == 70_553_706_496 == shape.parameters()
     assert FP8_70B == 72_669_806_592 == checkpoint_bytes(LLAMA_70B, "fp8")
     assert KV_32K == 10 * GIB == shape.kv_cache_bytes(CONTEXT, 1)
@@ -74,7 +78,7 @@ def test_the_70b_config_reads_as_llama_3_70b() -> None:
 
 def test_fp8_70b_needs_two_h100s_and_one_h200_or_mi300x() -> None:
     """~70 GB of FP8 weights plus a 10 GiB KV cache: fits on one H200 or MI300X, needs two H100s."""
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
 
     h100 = plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", CONTEXT, 1)
     usable = 0.9 * 80 * GIB  # 72 GiB of 80
@@ -113,7 +117,7 @@ def test_fp8_70b_needs_two_h100s_and_one_h200_or_mi300x() -> None:
 def test_bf16_70b_on_tpu_v5e_does_not_fit_in_eight_chips() -> None:
     bf16 = checkpoint_bytes(LLAMA_70B, "bf16")
     assert bf16 == 2 * PARAMS_70B  # every tensor bf16
-    plan = plan_replica(PROFILES["tpu-v5e"], model_shape(LLAMA_70B), bf16, "bf16", CONTEXT, 1)
+    plan = plan_replica(PROFILES["tpu-v5e"], ShapeRecord.from_untrusted(LLAMA_70B), bf16, "bf16", CONTEXT, 1)
     # TP 8: 141.1 GB / 8 = 16.4 GiB of weights alone, over 0.9 × 16 GiB.
     assert bf16 / 8 > 0.9 * 16 * GIB
     assert (plan.fits, plan.tp) == (False, 8)
@@ -125,7 +129,7 @@ def test_bf16_70b_on_tpu_v5e_does_not_fit_in_eight_chips() -> None:
 
 def test_concurrency_16_grows_the_replica() -> None:
     """16 sequences of 32K on H100 in FP8: 160 GiB of KV; TP 2 needs 113.8 GiB a device, TP 4 57.0."""
-    plan = plan_replica(PROFILES["h100"], model_shape(LLAMA_70B), FP8_70B, "fp8", CONTEXT, 16)
+    plan = plan_replica(PROFILES["h100"], ShapeRecord.from_untrusted(LLAMA_70B), FP8_70B, "fp8", CONTEXT, 16)
     assert plan.kv_cache_bytes == 16 * KV_32K
     assert (plan.tp, plan.kv_per_device_bytes) == (4, 16 * KV_32K // 4)
     step = (FP8_70B / 4 + 16 * KV_32K / 4) / (3350e9 * 0.85)
@@ -133,8 +137,8 @@ def test_concurrency_16_grows_the_replica() -> None:
     assert plan.decode_tokens_per_s_per_sequence == pytest.approx(1 / step)
 
 
-def _shape(heads: int, kv_heads: int, layers: int = 4, head_dim: int = 64) -> ModelShape:
-    return ModelShape(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+def _shape(heads: int, kv_heads: int, layers: int = 4, head_dim: int = 64) -> ShapeRecord:
+    return ShapeRecord(num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
 
 
 def test_tp_divides_the_heads() -> None:
@@ -157,7 +161,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
 
 
 def test_devices_per_node_and_max_devices_limit_tp() -> None:
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
     pair = parse_profile({**PROFILES["h100"].model_dump(), "name": "h100-pair", "devices_per_node": 2})
     bf16 = 2 * PARAMS_70B
     plan = plan_replica(pair, shape, bf16, "bf16", CONTEXT, 16)
@@ -171,7 +175,7 @@ def test_devices_per_node_and_max_devices_limit_tp() -> None:
 
 
 def test_fp8_kv_cache_halves_the_kv_bytes() -> None:
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
     bf16 = plan_replica(PROFILES["h200"], shape, FP8_70B, "fp8", CONTEXT, 8)
     fp8 = plan_replica(PROFILES["h200"], shape, FP8_70B, "fp8", CONTEXT, 8, kv_dtype="fp8")
     assert KV_DTYPES == {"bf16": 2, "fp8": 1}
@@ -181,7 +185,7 @@ def test_fp8_kv_cache_halves_the_kv_bytes() -> None:
 
 
 def test_unknown_kv_dtype_and_bad_inputs_are_refused() -> None:
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
     with pytest.raises(UnknownName, match="known: bf16, fp8"):
         plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", CONTEXT, 1, kv_dtype="int4")
     bad: list[dict[str, Any]] = [
@@ -227,7 +231,7 @@ def test_matmul_dtype(quant: str, dtype: str) -> None:
 
 
 def test_fp4_runs_natively_only_where_the_device_takes_its_block_format() -> None:
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
     nvfp4, mxfp4 = (checkpoint_bytes(LLAMA_70B, q) for q in ("nvfp4-w4a4", "mxfp4-w4a4"))
     b200 = plan_replica(PROFILES["b200"], shape, nvfp4, "nvfp4-w4a4", 4096, 1)
     assert (b200.matmul_dtype, b200.matmul_tflops) == ("fp4", PROFILES["b200"].tflops.fp4)
@@ -239,7 +243,7 @@ def test_fp4_runs_natively_only_where_the_device_takes_its_block_format() -> Non
 
 def test_decode_is_the_slower_of_reading_and_computing() -> None:
     """A roofline: one sequence is bandwidth-bound; many short ones are FLOP-bound, at the matmul rate."""
-    shape = model_shape(LLAMA_70B)
+    shape = ShapeRecord.from_untrusted(LLAMA_70B)
     params = shape.parameters()
     assert params is not None
     one = plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", 4096, 1)
@@ -263,9 +267,9 @@ def test_an_fp8_kv_cache_artifact_is_sized_with_its_own_kv_type() -> None:
 
 
 def test_a100_runs_fp8_matmuls_in_bf16() -> None:
-    plan = plan_replica(PROFILES["a100"], model_shape(LLAMA_70B), FP8_70B, "int8-w8a8", 1024, 1)
+    plan = plan_replica(PROFILES["a100"], ShapeRecord.from_untrusted(LLAMA_70B), FP8_70B, "int8-w8a8", 1024, 1)
     assert (plan.matmul_dtype, plan.matmul_tflops) == ("int8", 624)
-    plan = plan_replica(PROFILES["a100"], model_shape(LLAMA_70B), FP8_70B, "fp8", 1024, 1)
+    plan = plan_replica(PROFILES["a100"], ShapeRecord.from_untrusted(LLAMA_70B), FP8_70B, "fp8", 1024, 1)
     assert (plan.matmul_dtype, plan.matmul_tflops) == ("bf16", 312)
 
 
@@ -282,11 +286,11 @@ def test_a_new_sku_gets_plans_without_code_changes() -> None:
         "devices_per_node": 4,
     }
     catalog = builtin_catalog().extended([parse_profile(entry)])
-    plan = plan_replica(catalog.get("npu-x"), model_shape(LLAMA_70B), FP8_70B, "fp8", CONTEXT, 1)
+    plan = plan_replica(catalog.get("npu-x"), ShapeRecord.from_untrusted(LLAMA_70B), FP8_70B, "fp8", CONTEXT, 1)
     assert FP8_70B + KV_32K <= 0.9 * 96 * GIB  # 77.7 of 86.4 GiB: one device, no price, no FP8 units
     assert (plan.tp, plan.fits, plan.cost_per_mtok, plan.matmul_dtype) == (1, True, None, "bf16")
     assert plan.decode_tokens_per_s == pytest.approx(4000e9 / (FP8_70B + KV_32K))
-    big = plan_replica(catalog.get("npu-x"), model_shape(LLAMA_70B), 2 * PARAMS_70B, "bf16", CONTEXT, 1)
+    big = plan_replica(catalog.get("npu-x"), ShapeRecord.from_untrusted(LLAMA_70B), 2 * PARAMS_70B, "bf16", CONTEXT, 1)
     assert big.tp == 2 and "(AcmeLink)" in big.explanation
     step = (PARAMS_70B + KV_32K / 2) / (4000e9 * 0.5)
     assert big.decode_tokens_per_s == pytest.approx(1 / step)
@@ -310,7 +314,7 @@ MALFORMED: list[Any] = [
 
 @pytest.mark.parametrize("config", MALFORMED)
 def test_malformed_configs_are_missing_values_never_a_crash(config: Any) -> None:
-    shape = model_shape(config)
+    shape = ShapeRecord.from_untrusted(config)
     assert isinstance(shape, str) and "KV cache is not counted" in shape
     plan = plan_replica(PROFILES["h100"], shape, 10 * GIB, "bf16", 4096, 4)
     assert plan.fits and plan.kv_cache_bytes == 0 and plan.ttft_s is None
@@ -318,12 +322,14 @@ def test_malformed_configs_are_missing_values_never_a_crash(config: Any) -> None
 
 
 def test_partial_configs_size_the_kv_cache_but_not_prefill() -> None:
-    shape = model_shape({"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": "big"})
-    assert isinstance(shape, ModelShape) and shape.heads is None and shape.parameters() is None
+    shape = ShapeRecord.from_untrusted(
+        {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": "big"}
+    )
+    assert isinstance(shape, ShapeRecord) and shape.num_attention_heads is None and shape.parameters() is None
     plan = plan_replica(PROFILES["h100"], shape, 10 * GIB, "bf16", 4096, 1)
     assert plan.kv_cache_bytes == 2 * 32 * 8 * 128 * 4096 * 2
     assert plan.ttft_s is None and plan.prefill_tokens_per_s is None
-    missing = model_shape({"num_hidden_layers": 32})
+    missing = ShapeRecord.from_untrusted({"num_hidden_layers": 32})
     assert missing == "the release's model_config lacks num_key_value_heads, head_dim, so the KV cache is not counted"
 
 
@@ -342,11 +348,11 @@ _SIZES = st.integers(min_value=-3, max_value=MAX_DIMENSION + 2) | _JSON
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_KEYS, _SIZES, max_size=10), st.sampled_from(sorted(PROFILES)))
 def test_any_config_gives_a_plan(config: dict[str, Any], hardware: str) -> None:
-    shape = model_shape(config)
+    shape = ShapeRecord.from_untrusted(config)
     plan = plan_replica(PROFILES[hardware], shape, 10**9, "fp8", 2048, 2)
     assert plan.tp >= 1 and plan.decode_tokens_per_s > 0 and math.isfinite(plan.decode_tokens_per_s)
-    if isinstance(shape, ModelShape) and shape.heads is not None:
-        assert shape.heads % plan.tp == 0
+    if isinstance(shape, ShapeRecord) and shape.num_attention_heads is not None:
+        assert shape.num_attention_heads % plan.tp == 0
     assert MEMORY_UTILIZATION * plan.memory_per_device_bytes == pytest.approx(plan.usable_per_device_bytes, abs=1)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from core.hardware import builtin_catalog
+from core.shape import ShapeRecord
 from quant.catalog import compatibility, get_scheme
 from quant.footprint import checkpoint_bytes
 from registry.resolve.query import ResolveQuery
@@ -52,7 +53,7 @@ def _artifact(quant: str) -> ArtifactView:
     )
 
 
-RELEASE = ReleaseView("llama-3-70b", "1.0", CONFIG, tuple(_artifact(q) for q in KL))
+RELEASE = ReleaseView("llama-3-70b", "1.0", ShapeRecord.from_untrusted(CONFIG), tuple(_artifact(q) for q in KL))
 
 
 @pytest.mark.parametrize("policy", ["latency", "cost"])

@@ -24,8 +24,9 @@ from starlette.testclient import TestClient
 
 from core.errors import InvalidInput
 from core.hardware import builtin_catalog, parse_profile
+from core.shape import MAX_DIMENSION, ShapeRecord
 from registry.api.params import MAX_CONCURRENCY, MAX_CONTEXT
-from registry.resolve.fit import MAX_DIMENSION, MAX_WEIGHTS_BYTES, model_shape, plan_replica
+from registry.resolve.fit import MAX_WEIGHTS_BYTES, plan_replica
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish, seal
 
@@ -378,7 +379,7 @@ def test_replica_bounds_stay_finite_at_the_catalogs_extremes() -> None:
         profile = parse_profile(entry)
         for config in ({**LLAMA_CONFIG, "intermediate_size": 14336}, huge):
             for context, concurrency, weights in ((1, 1, 0), (MAX_CONTEXT, MAX_CONCURRENCY, MAX_WEIGHTS_BYTES)):
-                plan = plan_replica(profile, model_shape(config), weights, "fp8", context, concurrency)
+                plan = plan_replica(profile, ShapeRecord.from_untrusted(config), weights, "fp8", context, concurrency)
                 bounds = (
                     plan.decode_tokens_per_s,
                     plan.decode_tokens_per_s_per_sequence,
@@ -392,7 +393,7 @@ def test_replica_bounds_stay_finite_at_the_catalogs_extremes() -> None:
 def test_plan_replica_refuses_a_profile_built_around_validation() -> None:
     """A profile made without validation (model_construct) or stored by an older kiln: a clear error, no division."""
     h100 = builtin_catalog().profiles["h100"]
-    shape = model_shape(LLAMA_CONFIG)
+    shape = ShapeRecord.from_untrusted(LLAMA_CONFIG)
     for change in (
         {"bandwidth_gbs": 5e-324},
         {"bandwidth_gbs": 0.0},
