@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from core.digest import sha256_file, sha256_json
 from core.errors import SourceInvalid, UnsafeCheckpoint
 from core.manifest import FileEntry, check_relative_path
+from core.shape import ShapeRecord
 from core.untrusted import InvalidJSON, loads_json, short_repr
 from formats.safetensors import TensorInfo, read_header
 
@@ -297,21 +298,21 @@ class ModelShape:
             out[p + "mlp.down_proj.weight"] = (h, ff)
         return out
 
-    def summary(self) -> dict[str, Any]:
-        """What the registry keeps about the model: resolve sizes KV caches, tensor-parallel degrees and
-        prefill FLOPs from it (`registry.resolve.fit.model_shape`)."""
-        return {
-            "architecture": self.architecture,
-            "num_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-        }
+    def record(self) -> ShapeRecord:
+        """What the registry keeps about the model (a release's `model_config`): resolve sizes KV caches,
+        tensor-parallel degrees and prefill FLOPs from it (`registry.resolve.fit`)."""
+        return ShapeRecord(
+            architecture=self.architecture,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.manifest import FileEntry
+from core.shape import ShapeRecord
 from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
 
 
@@ -32,7 +33,7 @@ class IngestRecord(Record):
 
     source_digest: str
     source_files: list[FileEntry]
-    shape: dict[str, Any] = Field(description="ModelShape.summary(): what the registry keeps to size KV caches")
+    shape: ShapeRecord = Field(description="what the registry keeps to size KV caches (a release's model_config)")
     architecture: str
     tensors: int
     parameters: int

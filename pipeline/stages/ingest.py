@@ -32,7 +32,7 @@ def run(ctx: StageContext) -> IngestRecord:
     return IngestRecord(
         source_digest=source.digest,
         source_files=source.files,
-        shape=source.shape.summary(),
+        shape=source.shape.record(),
         architecture=source.shape.architecture,
         tensors=len(source.tensors),
         parameters=sum(t.numel for t in source.tensors.values()),

@@ -66,7 +66,7 @@ def run(ctx: StageContext) -> PublishRecord:
             source_digest=ingest.source_digest,
             planned_artifacts=p["planned"],
             lineage={"source_files": [f.model_dump() for f in ingest.source_files], "built_by": f"kiln {__version__}"},
-            model_config=ingest.shape,
+            model_config=ingest.shape.model_dump(mode="json"),
         )
         total = manifest.total_size
         for f in artifact.files:

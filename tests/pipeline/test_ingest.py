@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import SourceInvalid, UnsafeCheckpoint
+from core.shape import ShapeRecord
 from formats.hf_model import open_source
 from formats.safetensors import MAX_HEADER_BYTES, read_header
 from tests.file_builders import buffer_len, safetensors_bytes, valid_safetensors_header
@@ -432,8 +433,11 @@ def test_the_ingest_stage_records_what_it_ignored_and_checks_links_again(tmp_pat
     node = ingest_stage.node(open_source(src, allowed_roots=[tmp_path / "tpl"]), src, tmp_path / "hashes.json")
     out = LocalExecutor(WorkDir(tmp_path / "work")).run([node])["ingest/source"].output
     assert out is not None
-    ignored = out.record(IngestRecord).ignored
-    assert [(f.path, f.reason) for f in ignored] == [("pytorch_model.bin", "pickle checkpoint: never loaded")]
+    record = out.record(IngestRecord)
+    assert [(f.path, f.reason) for f in record.ignored] == [("pytorch_model.bin", "pickle checkpoint: never loaded")]
+    # The shape the stage stored, published as JSON (`pipeline.stages.publish`), is what resolve reads back.
+    assert record.shape == open_source(src, allowed_roots=[tmp_path / "tpl"]).shape.record()
+    assert ShapeRecord.from_untrusted(record.shape.model_dump(mode="json")) == record.shape
     assert (out.files_dir / "chat_template.jinja").read_text() == "{{ messages }}"
     assert not (out.files_dir / "chat_template.jinja").is_symlink()
     # the stage opens the source again with the node's allowed directories, not with none and not with more
