@@ -7,15 +7,32 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from core.shape import ShapeRecord
 from registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
 from registry.artifacts.schemas import ArtifactSummary
 from registry.releases.models import ReleaseStatus
 
 MODEL_CONFIG_DOC = (
-    "the model's architecture; resolve sizes the KV cache from num_hidden_layers, "
-    "num_key_value_heads (or num_attention_heads) and head_dim (or hidden_size / num_attention_heads), "
-    "as in a Hugging Face config.json; short names layers, kv_heads are accepted too"
+    "the model's shape: the record kiln publishes (core.shape.ShapeRecord: "
+    + ", ".join(ShapeRecord.model_fields)
+    + "), or any config such as a Hugging Face config.json; stored as sent. Resolve reads it leniently: it sizes "
+    "the KV cache from num_layers (or num_hidden_layers), num_kv_heads (or num_key_value_heads, else "
+    "num_attention_heads) and head_dim (else hidden_size / num_attention_heads), and prefill from the "
+    "parameters the other sizes give; a value that is not an integer from 1 to 2^24 counts as missing"
 )
+# Documented, not enforced: a release from another tool may send any object (resolve reads it leniently).
+MODEL_CONFIG_EXAMPLE = ShapeRecord(
+    architecture="LlamaForCausalLM",
+    num_layers=32,
+    num_attention_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    hidden_size=4096,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+).model_dump(mode="json")
 MAX_PLANNED_ARTIFACTS = 1000
 
 PlannedName = Annotated[str, StringConstraints(pattern=ARTIFACT_NAME_PATTERN)]
@@ -35,7 +52,9 @@ class ReleaseCreate(BaseModel):
         examples=[["gguf-q4_k_m", "hf-bundle-fp8"]],
     )
     lineage: dict[str, Any] = Field(default_factory=dict, description="where the source came from")
-    architecture: dict[str, Any] = Field(default_factory=dict, alias="model_config", description=MODEL_CONFIG_DOC)
+    architecture: dict[str, Any] = Field(
+        default_factory=dict, alias="model_config", description=MODEL_CONFIG_DOC, examples=[MODEL_CONFIG_EXAMPLE]
+    )
 
     @field_validator("planned_artifacts")
     @classmethod
@@ -58,7 +77,7 @@ class ReleaseOut(BaseModel):
     source_digest: str
     planned_artifacts: list[str]
     lineage: dict[str, Any]
-    architecture: dict[str, Any] = Field(alias="model_config")
+    architecture: dict[str, Any] = Field(alias="model_config", description=MODEL_CONFIG_DOC)
     created_at: datetime
     sealed_at: datetime | None = None
     abandoned_at: datetime | None = None

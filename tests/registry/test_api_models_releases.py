@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from starlette.testclient import TestClient
 
+from core.shape import ShapeRecord
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, assert_error, make_release
 
 RELEASE = {
@@ -124,3 +125,17 @@ def test_healthz_and_openapi(client: TestClient) -> None:
     release_schema = spec["components"]["schemas"]["ReleaseCreate"]
     assert "model_config" in release_schema["properties"]
     assert "ErrorResponse" in spec["components"]["schemas"]
+
+
+def test_the_shape_record_kiln_publishes_is_stored_as_sent_and_reads_back(client: TestClient) -> None:
+    """The pipeline sends the ingest stage's `ShapeRecord` as JSON; the release keeps that JSON, which resolve
+    reads back as the same record, and the OpenAPI names its fields."""
+    record = ShapeRecord.from_untrusted(LLAMA_CONFIG)
+    assert isinstance(record, ShapeRecord)
+    sent = record.model_dump(mode="json")
+    make_release(client, "shaped", model_config=sent)
+    stored = client.get("/v1/models/shaped/releases/1.0").json()["model_config"]
+    assert stored == sent and ShapeRecord.from_untrusted(stored) == record
+    documented = client.get("/openapi.json").json()["components"]["schemas"]["ReleaseCreate"]["properties"]
+    assert all(name in documented["model_config"]["description"] for name in ShapeRecord.model_fields)
+    assert ShapeRecord.model_validate(documented["model_config"]["examples"][0]).num_layers == 32
