@@ -77,6 +77,7 @@ class JaxRuntime:
         # in the same process (the local executor) need theirs, so it allocates what it uses instead.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         jax, orbax_checkpoint = import_runtime(("jax", "orbax.checkpoint"), "jax")
+        from formats.hf_model import ModelShape
         from targets.orbax.layout import FORMAT, FORMAT_VERSION, forward_config
 
         if compute_dtype not in ("float32", "bfloat16"):
@@ -88,7 +89,7 @@ class JaxRuntime:
             )
         weights, sharding, config = (self._read_json(n) for n in ("weights.json", "sharding.json", "config.json"))
         try:
-            self.config = forward_config(config)
+            self.config = forward_config(ModelShape.from_config(config), config)
         except KilnError as e:
             raise self._load_failed(f"the JAX forward cannot serve {str(self.path)!r}: {e.message}") from None
         if weights.get("format") != FORMAT or weights.get("format_version") != FORMAT_VERSION:

@@ -131,7 +131,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         want = f"the quantize stage output for {req.quant}" if layout.quantized else "no quantized input"
         raise InvalidInput(f"orbax-{req.quant}: needs {want}")
     mesh = mesh_from_params(req.params)
-    cfg = forward_config(source.config)
+    cfg = forward_config(source.shape, source.config)
     planned = plan_tensors(source, layout, quantized)
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     specs, notes = plan_sharding({n: shape for n, (_, shape) in planned.items()}, heads, mesh)

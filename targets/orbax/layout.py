@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
+from formats.hf_model import ModelShape
 from quant.catalog import SCHEMES
 from quant.schemes import Verdict
 from targets.orbax.sharding import mesh_from_params
@@ -136,15 +137,13 @@ class ForwardConfig:
     sliding_window: int | None  # Mistral: each query sees at most this many keys (itself included)
 
 
-def forward_config(config: dict[str, Any]) -> ForwardConfig:
-    """The forward's config from a model's config.json; refuses features the JAX forward would compute differently.
+def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfig:
+    """The forward's config from a model's checked shape and its config.json, for the keys the shape does not
+    carry; refuses features the JAX forward would compute differently.
 
     The export calls this before writing anything, so an artifact is only built for models its
     runtime serves exactly (plain RoPE, SiLU MLP, full attention or Mistral's sliding window).
     """
-    from formats.hf_model import ModelShape
-
-    shape = ModelShape.from_config(config)
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise InvalidInput(f"orbax: hidden_act={act!r} is not supported (SiLU only)", code="ORBAX_UNSUPPORTED")
