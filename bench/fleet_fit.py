@@ -116,7 +116,7 @@ def main() -> None:
             config=str(args.config),
             context=args.context,
             kv_dtype=args.kv_dtype,
-            shape=vars(shape) if not isinstance(shape, str) else shape,
+            shape=shape.model_dump(mode="json") if not isinstance(shape, str) else shape,
             rows=rows,
         ),
         args.record,
