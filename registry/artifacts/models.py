@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -13,8 +12,6 @@ from registry.db import Base, utcnow
 
 if TYPE_CHECKING:
     from registry.releases.models import Release
-
-EvalStatus = Literal["passed", "failed", "not_evaluated"]
 
 
 class Artifact(Base):
@@ -79,18 +76,3 @@ class EvalResult(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     artifact: Mapped[Artifact] = relationship(back_populates="evals", lazy="raise")
-
-
-class HasStatus(Protocol):
-    @property
-    def status(self) -> str: ...
-
-
-def eval_status(evals: Iterable[HasStatus]) -> EvalStatus:
-    """An artifact's gate status: failed if any runtime failed it, passed if any passed, else not_evaluated."""
-    statuses = {e.status for e in evals}
-    if "failed" in statuses:
-        return "failed"
-    if "passed" in statuses:
-        return "passed"
-    return "not_evaluated"

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from core.manifest import ArtifactManifest
 from registry.api.rows import FromRow
-from registry.artifacts.models import EvalStatus, eval_status
+from registry.artifacts.evals import EvalStatus, eval_status
 
 # A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
 # as the publish stage names a GPU runner's eval); the SKU is a hardware profile name (lowercase).

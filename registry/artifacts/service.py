@@ -4,21 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinload
 
 from core.errors import Conflict, InvalidInput, NotFound
 from core.manifest import ArtifactManifest, FileEntry, check_relative_path
+
+# The rows this service returns, which other domains read (and name in their annotations).
 from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
 from registry.artifacts.schemas import EvalCreate
-from registry.blobs.models import Blob
+from registry.blobs.service import stored_sizes
 from registry.db import insert_once
-from registry.models.models import Model
-from registry.releases.models import Release
-from registry.releases.service import check_open, check_served, get_release, lock_release
+from registry.releases.service import (
+    check_open,
+    check_served,
+    get_release,
+    lock_release,
+    release_id_of,
+    served_release_ids,
+)
 
-WITH_FILES_AND_EVALS = (selectinload(Artifact.files), selectinload(Artifact.evals))
+# Loader options for the functions below that take them (and `releases.service.with_artifacts`).
+WITH_EVALS = (selectinload(Artifact.evals),)
+WITH_FILES = (selectinload(Artifact.files),)
+WITH_FILES_AND_EVALS = (*WITH_FILES, *WITH_EVALS)
 
 
 def manifest_of(artifact: Artifact) -> ArtifactManifest:
@@ -37,12 +47,7 @@ def manifest_of(artifact: Artifact) -> ArtifactManifest:
 
 
 def _artifact_query(model: str, version: str, name: str) -> Any:
-    return (
-        select(Artifact)
-        .join(Artifact.release)
-        .join(Release.model)
-        .where(Model.name == model, Release.version == version, Artifact.name == name)
-    )
+    return select(Artifact).where(Artifact.release_id == release_id_of(model, version), Artifact.name == name)
 
 
 def find_artifact(session: Session, model: str, version: str, name: str) -> Artifact | None:
@@ -64,19 +69,82 @@ def get_artifact(session: Session, model: str, version: str, name: str) -> Artif
 
 def list_artifacts(session: Session, model: str, version: str) -> list[Artifact]:
     release = get_release(session, model, version)
+    return release_artifacts(session, release.id, *WITH_EVALS)
+
+
+def release_artifacts(session: Session, release_id: int, *options: Any) -> list[Artifact]:
+    """The artifacts of a release, by name (loader `options` applied: `WITH_EVALS`, ...)."""
+    query = select(Artifact).where(Artifact.release_id == release_id).order_by(Artifact.name).options(*options)
+    return list(session.scalars(query))
+
+
+def release_artifact_ids(release_id: int) -> Select[int]:
+    """The ids of the release's artifacts, as a subquery."""
+    return select(Artifact.id).where(Artifact.release_id == release_id)
+
+
+def artifact_files(session: Session, artifact_id: int) -> list[ArtifactFile]:
+    """The files of an artifact, by path."""
+    query = select(ArtifactFile).where(ArtifactFile.artifact_id == artifact_id).order_by(ArtifactFile.path)
+    return list(session.scalars(query))
+
+
+def drop_release_artifacts(session: Session, release_id: int) -> list[str]:
+    """Delete the release's artifacts with their files and evals (attestations go first, by their service);
+    returns the names dropped, sorted. For abandoning a release."""
+    artifact_ids = release_artifact_ids(release_id)
+    dropped = sorted(session.scalars(select(Artifact.name).where(Artifact.release_id == release_id)))
+    for table in (EvalResult, ArtifactFile):
+        session.query(table).filter(table.artifact_id.in_(artifact_ids)).delete(synchronize_session=False)
+    session.query(Artifact).filter(Artifact.release_id == release_id).delete(synchronize_session=False)
+    return dropped
+
+
+def served_artifacts(
+    session: Session, model_id: int, *options: Any, artifact_id: int | None = None, digest_prefix: str | None = None
+) -> list[Artifact]:
+    """The model's artifacts in served (sealed, not yanked) releases, by id, each with its release loaded
+    (and loader `options`); only the one with `artifact_id`, or those whose manifest digest starts with
+    `digest_prefix`, when given."""
     query = (
         select(Artifact)
-        .where(Artifact.release_id == release.id)
-        .order_by(Artifact.name)
-        .options(selectinload(Artifact.evals))
+        .where(Artifact.release_id.in_(served_release_ids(model_id)))
+        .options(joinedload(Artifact.release, innerjoin=True), *options)
+        .order_by(Artifact.id)
+    )
+    if artifact_id is not None:
+        query = query.where(Artifact.id == artifact_id)
+    if digest_prefix is not None:
+        query = query.where(Artifact.manifest_digest.startswith(digest_prefix, autoescape=True))
+    return list(session.scalars(query))
+
+
+def artifact_ids_with_blob(sha256: str, path: str | None = None) -> Select[int]:
+    """The ids of the artifacts with a file whose bytes are the blob (at `path`, when given), as a subquery."""
+    query = select(ArtifactFile.artifact_id).where(ArtifactFile.sha256 == sha256)
+    return query if path is None else query.where(ArtifactFile.path == path)
+
+
+def release_ids_of(artifact_ids: Select[int]) -> Select[int]:
+    """The ids of the releases of the artifacts in the `artifact_ids` subquery, as a subquery."""
+    return select(Artifact.release_id).where(Artifact.id.in_(artifact_ids))
+
+
+def served_among(session: Session, model_id: int, artifact_ids: Select[int]) -> list[int]:
+    """The artifacts in the `artifact_ids` subquery that are artifacts of a served release of the model."""
+    query = select(Artifact.id).where(
+        Artifact.id.in_(artifact_ids), Artifact.release_id.in_(served_release_ids(model_id))
     )
     return list(session.scalars(query))
 
 
+def blob_referenced(sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
+    """A condition: some artifact file holds the blob whose digest is `sha256` (a correlated column)."""
+    return exists().where(ArtifactFile.sha256 == sha256)
+
+
 def _check_blobs(session: Session, manifest: ArtifactManifest) -> None:
-    wanted = {f.sha256 for f in manifest.files}
-    query = select(Blob.sha256, Blob.size).where(Blob.sha256.in_(wanted))
-    stored = {digest: size for digest, size in session.execute(query)}
+    stored = stored_sizes(session, {f.sha256 for f in manifest.files})
     problems: list[dict[str, Any]] = []
     described: list[str] = []
     for f in manifest.files:
@@ -167,9 +235,7 @@ def get_artifact_file(session: Session, model: str, version: str, name: str, pat
     query = (
         select(ArtifactFile)
         .join(ArtifactFile.artifact)
-        .join(Artifact.release)
-        .join(Release.model)
-        .where(Model.name == model, Release.version == version, Artifact.name == name, ArtifactFile.path == path)
+        .where(Artifact.release_id == release_id_of(model, version), Artifact.name == name, ArtifactFile.path == path)
     )
     row = session.scalars(query).one_or_none()
     check_served(get_release(session, model, version), model)

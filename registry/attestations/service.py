@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, Select, exists, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from core.errors import Conflict, InvalidInput, NotFound
 from core.signing import (
@@ -28,8 +28,7 @@ from core.signing import (
     read_bundle,
     verify_envelope,
 )
-from registry.artifacts.models import Artifact
-from registry.artifacts.service import get_artifact
+from registry.artifacts.service import Artifact, get_artifact
 from registry.attestations.models import Attestation, TrustedKey
 from registry.attestations.policy import keys_for
 from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
@@ -252,3 +251,29 @@ def get_attestation(session: Session, model: str, version: str, name: str, kind:
             details={"model": model, "version": version, "artifact": name, "kind": kind},
         )
     return row
+
+
+def attestations_by_artifact(session: Session, artifact_ids: list[int]) -> dict[int, list[Attestation]]:
+    """The attestations of each of the artifacts, by kind."""
+    rows = session.scalars(
+        select(Attestation).where(Attestation.artifact_id.in_(artifact_ids)).order_by(Attestation.kind)
+    ).all()
+    out: dict[int, list[Attestation]] = {}
+    for row in rows:
+        out.setdefault(row.artifact_id, []).append(row)
+    return out
+
+
+def artifact_ids_attested_by(sha256: str) -> Select[int]:
+    """The ids of the artifacts with an attestation whose bytes are the blob, as a subquery."""
+    return select(Attestation.artifact_id).where(Attestation.sha256 == sha256)
+
+
+def blob_referenced(sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
+    """A condition: some attestation holds the blob whose digest is `sha256` (a correlated column)."""
+    return exists().where(Attestation.sha256 == sha256)
+
+
+def drop_attestations(session: Session, artifact_ids: Select[int]) -> None:
+    """Delete the attestations of the artifacts in the `artifact_ids` subquery (an abandoned release's)."""
+    session.query(Attestation).filter(Attestation.artifact_id.in_(artifact_ids)).delete(synchronize_session=False)

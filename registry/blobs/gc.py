@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, exists, select
+from sqlalchemy import delete, select
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from registry.artifacts.models import ArtifactFile
-from registry.attestations.models import Attestation
+from registry.artifacts import service as artifacts
+from registry.attestations import service as attestations
 from registry.blobs.models import Blob
 from registry.db import utcnow
-from registry.oci.models import TarLayer, TarLayerBlob
+from registry.oci.service import drop_layers_holding
 from storage.store import BlobStore
 
 
@@ -80,7 +80,7 @@ class GcReport:
 
 def _unreferenced() -> Any:
     """No artifact file and no attestation (signature, provenance) holds the blob."""
-    return ~exists().where(ArtifactFile.sha256 == Blob.sha256) & ~exists().where(Attestation.sha256 == Blob.sha256)
+    return ~artifacts.blob_referenced(Blob.sha256) & ~attestations.blob_referenced(Blob.sha256)
 
 
 def collectable_blobs(session: Session, cutoff: datetime) -> tuple[list[CollectableBlob], int]:
@@ -108,10 +108,8 @@ def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: dateti
     )
     # The model-car layers that hold the blob go with it (rolled back with the rest if it stays). First:
     # deleting the blob's row takes its link rows with it.
-    held = select(TarLayerBlob.layer_sha256).where(TarLayerBlob.blob_sha256 == sha256)
-    layers = delete(TarLayer).where(TarLayer.sha256.in_(held)).execution_options(synchronize_session=False)
     try:
-        session.execute(layers)
+        drop_layers_holding(session, sha256)
         result = session.execute(statement)
     except IntegrityError:  # a publish committed a reference while we waited for its lock
         session.rollback()

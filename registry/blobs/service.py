@@ -15,13 +15,9 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from registry.artifacts.models import Artifact, ArtifactFile
-from registry.attestations.models import Attestation
 from registry.auth.principal import Principal
 from registry.blobs.models import Blob, BlobUpload
 from registry.db import insert_once, utcnow
-from registry.models.models import Model
-from registry.releases.models import Release
 from storage.store import BlobNotFound, BlobStore
 
 
@@ -31,6 +27,12 @@ def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:
     if row is None or not store.exists(sha256):
         return None
     return row
+
+
+def stored_sizes(session: Session, digests: Iterable[str]) -> dict[str, int]:
+    """The size of each blob of `digests` the database records (its bytes are not checked)."""
+    query = select(Blob.sha256, Blob.size).where(Blob.sha256.in_(set(digests)))
+    return {digest: size for digest, size in session.execute(query)}
 
 
 def get_blob(session: Session, store: BlobStore, sha256: str) -> Blob:
@@ -55,22 +57,22 @@ def check_blob_readable(session: Session, principal: Principal, sha256: str) -> 
         return
     if principal.token_id is not None and session.get(BlobUpload, (sha256, principal.token_id)) is not None:
         return
-    files = select(Artifact.release_id).join(ArtifactFile, ArtifactFile.artifact_id == Artifact.id)
-    attestations = select(Artifact.release_id).join(Attestation, Attestation.artifact_id == Artifact.id)
-    releases = session.execute(
-        select(Model.name, Release.status, Release.yanked_at)
-        .join(Model, Model.id == Release.model_id)
-        .where(
-            Release.id.in_(files.where(ArtifactFile.sha256 == sha256))
-            | Release.id.in_(attestations.where(Attestation.sha256 == sha256))
-        )
-    ).all()
-    for model, status, yanked_at in releases:
-        if not principal.allows_model(model):
+    # Imported here: these services build on this one (artifacts check their blobs are stored).
+    from registry.artifacts.service import artifact_ids_with_blob, release_ids_of
+    from registry.attestations.service import artifact_ids_attested_by
+    from registry.releases.service import releases_with_models
+
+    holders = releases_with_models(
+        session,
+        release_ids_of(artifact_ids_with_blob(sha256)),
+        release_ids_of(artifact_ids_attested_by(sha256)),
+    )
+    for release in holders:
+        if not principal.allows_model(release.model.name):
             continue
-        if status == "sealed" and yanked_at is None and principal.has("read"):
+        if release.status == "sealed" and release.yanked_at is None and principal.has("read"):
             return
-        if status == "open" and principal.has("publish"):
+        if release.status == "open" and principal.has("publish"):
             return
     raise BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
 

@@ -5,23 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.errors import Conflict, GateFailed, NotFound
-from registry.artifacts.models import Artifact, eval_status
+from registry.artifacts.evals import eval_status
+from registry.artifacts.service import WITH_EVALS, release_artifacts
 from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
 from registry.channels import buckets
 from registry.channels.models import Channel, ChannelEvent
 from registry.channels.schemas import PromoteRequest, SplitRequest
-from registry.db import lock_row, utcnow
-from registry.models.models import Model
-from registry.models.service import get_model
-from registry.releases.models import Release
-from registry.releases.service import lock_release
+from registry.db import utcnow
+from registry.models.service import get_model, lock_model
+from registry.releases.service import Release, lock_release, model_id_of_release
 
 
-def _find_channel(session: Session, model_id: int, name: str) -> Channel | None:
+def find_channel(session: Session, model_id: int, name: str) -> Channel | None:
+    """The model's channel `name`, with the release it points at loaded."""
     query = select(Channel).where(Channel.model_id == model_id, Channel.name == name)
     return session.scalars(query.options(selectinload(Channel.release))).one_or_none()
 
@@ -30,18 +30,18 @@ def list_channels(session: Session, model: str) -> list[tuple[Channel, str]]:
     """(channel, version) pairs of a model, by name."""
     model_row = get_model(session, model)
     query = (
-        select(Channel, Release.version)
-        .join(Channel.release)
+        select(Channel)
         .where(Channel.model_id == model_row.id)
         .order_by(Channel.name)
+        .options(joinedload(Channel.release, innerjoin=True))
     )
-    return [(c, v) for c, v in session.execute(query)]
+    return [(c, c.release.version) for c in session.scalars(query)]
 
 
 def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, list[ChannelEvent]]:
     """A channel, the version it points at, and its history (newest first)."""
     model_row = get_model(session, model)
-    channel = _find_channel(session, model_row.id, name)
+    channel = find_channel(session, model_row.id, name)
     if channel is None:
         raise NotFound(f"model {model!r} has no channel {name!r}", details={"model": model, "channel": name})
     history = session.scalars(
@@ -70,9 +70,7 @@ def _gated_release(
             code="RELEASE_NOT_SEALED",
             details={"model": model, "version": version, "status": release.status},
         )
-    artifacts = list(
-        session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
-    )
+    artifacts = release_artifacts(session, release.id, *WITH_EVALS)
     # Not overridable by force: a model with trusted keys is served only from signed artifacts.
     unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts], required=signed_only)
     if unsigned:
@@ -114,9 +112,9 @@ def promote(session: Session, model: str, name: str, request: PromoteRequest, si
     and the failures it overrode. A weighted split the channel had is replaced.
     """
     model_row = get_model(session, model)
-    lock_row(session, Model.id, model_row.id)
+    lock_model(session, model_row.id)
     release, evals_through, failing = _gated_release(session, model, request.version, request.force, signed_only)
-    channel = _find_channel(session, release.model_id, name)
+    channel = find_channel(session, release.model_id, name)
     before = _state(channel)
     if channel is None:
         channel = Channel(model_id=release.model_id, name=name, release_id=release.id, evals_through=evals_through)
@@ -204,9 +202,9 @@ def set_split(session: Session, model: str, name: str, request: SplitRequest, si
     (`channel.split`), like a promotion.
     """
     model_row = get_model(session, model)
-    lock_row(session, Model.id, model_row.id)
+    lock_model(session, model_row.id)
     gated = {w.version: _gated_release(session, model, w.version, request.force, signed_only) for w in request.weights}
-    channel = _find_channel(session, model_row.id, name)
+    channel = find_channel(session, model_row.id, name)
     before = _state(channel)
     previous: dict[str, buckets.Ranges] = {}
     if channel is not None and channel.split:
@@ -292,13 +290,25 @@ def drop_from_splits(session: Session, model: str, release_id: int, version: str
 
 
 def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:
-    query = select(Channel.name, Release.version).join(Channel.release).where(Channel.model_id == model_id)
-    return {name: version for name, version in session.execute(query)}
+    query = select(Channel).where(Channel.model_id == model_id).options(joinedload(Channel.release, innerjoin=True))
+    return {c.name: c.release.version for c in session.scalars(query)}
+
+
+def channel_release_ids(session: Session, model_id: int) -> list[tuple[str, int]]:
+    """(name, release id) of each of the model's channels (a split's largest member)."""
+    return [
+        (n, r) for n, r in session.execute(select(Channel.name, Channel.release_id).where(Channel.model_id == model_id))
+    ]
+
+
+def channel_names(session: Session, model_id: int) -> list[str]:
+    """The model's channels' names, sorted."""
+    return list(session.scalars(select(Channel.name).where(Channel.model_id == model_id).order_by(Channel.name)))
 
 
 def channels_of_release(session: Session, release_id: int) -> list[str]:
     """The channels that serve the release: those pointing at it, and those whose split has it."""
-    query = select(Channel).join(Release, Release.model_id == Channel.model_id).where(Release.id == release_id)
+    query = select(Channel).where(Channel.model_id == model_id_of_release(release_id))
     channels = session.scalars(query.order_by(Channel.name))
     return [
         c.name

@@ -15,7 +15,7 @@ from core.errors import InvalidInput, NotFound
 from core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
 from registry.audit import service as audit
 from registry.hardware.models import HardwareEntry
-from registry.resolve.models import bump_routing_revision
+from registry.resolve.service import bump_routing_revision
 
 
 def registry_entries(session: Session) -> list[HardwareProfile]:

@@ -19,15 +19,14 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from core.errors import InvalidInput, NotFound
 from registry.api.params import MODEL_NAME_PATTERN
-from registry.artifacts.models import Artifact, ArtifactFile
-from registry.channels.models import Channel
-from registry.models.models import Model
-from registry.releases.models import Release
+from registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
+from registry.channels.service import find_channel
+from registry.models.service import find_model
+from registry.releases.service import find_release
 
 NAMESPACE = "kiln"
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -82,29 +81,15 @@ def model_name(repo_id: str) -> str:
 def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
     """The artifact `revision` names in the model `repo_id` names (files loaded)."""
     model = model_name(repo_id)
-    model_row = session.scalars(select(Model).where(Model.name == model)).one_or_none()
+    model_row = find_model(session, model)
     if model_row is None:
         raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", "REPO_NOT_FOUND", {"repo_id": repo_id})
-    with_files = selectinload(Artifact.files)
     if COMMIT.fullmatch(revision):
         # Only a served release's artifacts: a yanked or unsealed one is not served by any name.
-        query = (
-            select(Artifact, Release.version)
-            .join(Artifact.release)
-            .where(
-                Release.model_id == model_row.id,
-                Release.status == "sealed",
-                Release.yanked_at.is_(None),
-                Artifact.manifest_digest.startswith(revision, autoescape=True),
-            )
-            .options(with_files)
-            .order_by(Artifact.id)
-            .limit(1)
-        )
-        found = session.execute(query).first()
-        if found is None:
+        found = served_artifacts(session, model_row.id, *WITH_FILES, digest_prefix=revision)
+        if not found:
             raise _revision_not_found(repo_id, revision, f"no served artifact of {model!r} has commit {revision}")
-        return Resolved(repo_id, model, found[1], found[0])
+        return Resolved(repo_id, model, found[0].release.version, found[0])
     match = _REVISION.fullmatch(revision)
     if match is None:
         raise InvalidRevision(
@@ -113,30 +98,18 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
             details={"revision": revision},
         )
     ref, name = match["ref"], match["artifact"]
-    channel = session.scalars(
-        select(Channel)
-        .where(Channel.model_id == model_row.id, Channel.name == ref)
-        .options(selectinload(Channel.release))
-    ).one_or_none()
-    if channel is not None:
-        version = channel.release.version
-    else:
-        version = ref
-        exists = session.scalars(select(Release.id).where(Release.model_id == model_row.id, Release.version == ref))
-        if exists.first() is None:
-            raise _revision_not_found(repo_id, revision, f"{model!r} has no channel or version {ref!r}")
-    artifact = session.scalars(
-        select(Artifact)
-        .join(Artifact.release)
-        .where(Release.model_id == model_row.id, Release.version == version, Artifact.name == name)
-        .options(with_files, selectinload(Artifact.release))
-    ).one_or_none()
+    channel = find_channel(session, model_row.id, ref)
+    version = channel.release.version if channel is not None else ref
+    release = find_release(session, model, version)
+    if release is None:
+        raise _revision_not_found(repo_id, revision, f"{model!r} has no channel or version {ref!r}")
+    artifact = find_artifact(session, model, version, name)
     if artifact is None:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} has no artifact {name!r}")
-    if artifact.release.yanked_at is not None:
+    if release.yanked_at is not None:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} is yanked")
-    if artifact.release.status != "sealed":
-        raise _revision_not_found(repo_id, revision, f"release {model}@{version} is {artifact.release.status}")
+    if release.status != "sealed":
+        raise _revision_not_found(repo_id, revision, f"release {model}@{version} is {release.status}")
     return Resolved(repo_id, model, version, artifact)
 
 

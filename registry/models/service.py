@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import ScalarSelect, select
 from sqlalchemy.orm import Session
 
 from core.errors import Conflict, NotFound
 from registry.auth.principal import Principal
-from registry.db import insert_once
+from registry.db import insert_once, lock_row
 from registry.models.models import Model
 from registry.models.schemas import ModelCreate
 
 
 def find_model(session: Session, name: str) -> Model | None:
     return session.scalars(select(Model).where(Model.name == name)).one_or_none()
+
+
+def model_id_of(name: str) -> ScalarSelect[int]:
+    """The id of the model `name` as a subquery, for another domain's query to filter by in one round trip."""
+    return select(Model.id).where(Model.name == name).scalar_subquery()
+
+
+def lock_model(session: Session, model_id: int) -> None:
+    """Serialise changes to one model (its channels) until the transaction ends: a lock on its row."""
+    lock_row(session, Model.id, model_id)
 
 
 def get_model(session: Session, name: str) -> Model:

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from registry.artifacts.models import Artifact
+from registry.artifacts.service import Artifact
 from registry.oci import media_types as mt
 
 

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, defer
 
 from core.digest import canonical_json, sha256_json
 from core.errors import KilnError
-from registry.artifacts.models import Artifact, ArtifactFile
+from registry.artifacts.service import ArtifactFile, artifact_files, release_artifacts
 from registry.db import insert_once, utcnow
 from registry.oci import media_types as mt
 from registry.oci.base_image import BaseImage
@@ -282,10 +282,10 @@ def record_release_layers(sessions: Callable[[], Session], store: BlobStore, rel
 
     A failure is logged, not raised: the first pull of a model car hashes whatever is missing."""
     with sessions() as session:
-        artifacts = session.scalars(select(Artifact.id).where(Artifact.release_id == release_id)).all()
+        artifacts = [a.id for a in release_artifacts(session, release_id)]
     for artifact_id in artifacts:
         with sessions() as session:
-            files = session.scalars(select(ArtifactFile).where(ArtifactFile.artifact_id == artifact_id)).all()
+            files = artifact_files(session, artifact_id)
         try:
             record_layers(sessions, store, files)
         except Exception:

@@ -28,22 +28,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from core.digest import canonical_json
 from core.errors import InvalidInput, NotFound
 from registry.api.params import MODEL_NAME_PATTERN
-from registry.artifacts.models import Artifact, ArtifactFile
-from registry.attestations.models import Attestation
-from registry.channels.models import Channel
-from registry.models.models import Model
+from registry.artifacts import service as artifacts
+from registry.attestations.service import Attestation, artifact_ids_attested_by, attestations_by_artifact
+from registry.channels.service import channel_release_ids
+from registry.models.service import Model, find_model
 from registry.oci import media_types as mt
 from registry.oci import modelcar
 from registry.oci.base_image import BaseImage
 from registry.oci.documents import Document, Served, kiln_annotations
-from registry.oci.models import TarLayer
-from registry.releases.models import Release
+from registry.oci.models import TarLayer, TarLayerBlob
 
 NAMESPACE = "kiln"
 MODELCAR_NAMESPACE = "modelcar"
@@ -82,14 +81,10 @@ def find_repository(session: Session, repository: str, car: BaseImage | None) ->
             code="NAME_UNKNOWN",
             details={"repository": repository},
         )
-    row = session.scalars(select(Model).where(Model.name == name)).one_or_none()
+    row = find_model(session, name)
     if row is None:
         raise NotFound(f"repository {repository!r} not found", code="NAME_UNKNOWN", details={"repository": repository})
     return Repository(repository, row, car if wants_car else None)
-
-
-def _served() -> Any:
-    return (Release.status == "sealed") & Release.yanked_at.is_(None)
 
 
 def tag(ref: str, artifact: str) -> str | None:
@@ -100,20 +95,17 @@ def tag(ref: str, artifact: str) -> str | None:
 
 def tag_table(session: Session, model: Model) -> dict[str, int]:
     """Every tag of the model's repository -> the id of the artifact it names."""
-    rows = session.execute(
-        select(Artifact.id, Artifact.name, Release.id, Release.version)
-        .join(Artifact.release)
-        .where(Release.model_id == model.id, _served())
-        .order_by(Release.id, Artifact.id)  # a tag two (version, artifact) pairs spell names the newer release's
-    ).all()
+    # By release, then artifact: a tag two (version, artifact) pairs spell names the newer release's.
+    rows = sorted(artifacts.served_artifacts(session, model.id), key=lambda a: (a.release_id, a.id))
     by_release: dict[int, list[tuple[int, str]]] = {}
     tags: dict[str, int] = {}
-    for artifact_id, name, release_id, version in rows:
-        by_release.setdefault(release_id, []).append((artifact_id, name))
-        if (t := tag(version, name)) is not None:
-            tags[t] = artifact_id
-    channels = session.execute(select(Channel.name, Channel.release_id).where(Channel.model_id == model.id)).all()
-    for channel, release_id in channels:  # after the versions: a channel wins over a version of its name
+    for a in rows:
+        by_release.setdefault(a.release_id, []).append((a.id, a.name))
+        if (t := tag(a.release.version, a.name)) is not None:
+            tags[t] = a.id
+    for channel, release_id in channel_release_ids(
+        session, model.id
+    ):  # after the versions: a channel wins over a version of its name
         for artifact_id, name in by_release.get(release_id, []):
             if (t := tag(channel, name)) is not None:
                 tags[t] = artifact_id
@@ -122,16 +114,8 @@ def tag_table(session: Session, model: Model) -> dict[str, int]:
 
 def served_artifacts(session: Session, model: Model, artifact_id: int | None = None) -> list[Served]:
     """The model's artifacts in served releases (or the one with `artifact_id`, if served), files loaded."""
-    query = (
-        select(Artifact, Release.version)
-        .join(Artifact.release)
-        .where(Release.model_id == model.id, _served())
-        .options(selectinload(Artifact.files))
-        .order_by(Artifact.id)
-    )
-    if artifact_id is not None:
-        query = query.where(Artifact.id == artifact_id)
-    return [Served(model.name, version, artifact) for artifact, version in session.execute(query).all()]
+    served = artifacts.served_artifacts(session, model.id, *artifacts.WITH_FILES, artifact_id=artifact_id)
+    return [Served(model.name, a.release.version, a) for a in served]
 
 
 def model_config(served: Served) -> Document:
@@ -187,16 +171,6 @@ def attestation_manifest(subject: Document, attestation: Attestation) -> Documen
     return Document(mt.IMAGE_MANIFEST, canonical_json(manifest))
 
 
-def _attestations(session: Session, artifact_ids: list[int]) -> dict[int, list[Attestation]]:
-    rows = session.scalars(
-        select(Attestation).where(Attestation.artifact_id.in_(artifact_ids)).order_by(Attestation.kind)
-    ).all()
-    out: dict[int, list[Attestation]] = {}
-    for row in rows:
-        out.setdefault(row.artifact_id, []).append(row)
-    return out
-
-
 @dataclass(frozen=True)
 class Derived:
     """The documents derived from one served artifact: its manifest, its config, its attestations' manifests."""
@@ -226,7 +200,7 @@ def derive(
             keys = [modelcar.members_key(g) for s in served for g in modelcar.groups(s.artifact.files)]
             layers = modelcar.known_layers(session, keys)
         served = [s for s in served if modelcar.artifact_layers(s, layers) is not None]
-    attestations = _attestations(session, [s.artifact.id for s in served])
+    attestations = attestations_by_artifact(session, [s.artifact.id for s in served])
     out = []
     for s in served:
         if repo.car is None:
@@ -353,21 +327,13 @@ def _served_tar_layer(session: Session, model: Model, sha256: str) -> TarLayer |
     if layer is None:
         return None
     first = layer.members[0]
-    candidates = session.scalars(
-        select(ArtifactFile.artifact_id)
-        .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
-        .join(Release, Release.id == Artifact.release_id)
-        .where(ArtifactFile.path == first["path"], ArtifactFile.sha256 == first["sha256"])
-        .where(Release.model_id == model.id, _served())
-    ).all()
+    candidates = artifacts.served_among(
+        session, model.id, artifacts.artifact_ids_with_blob(first["sha256"], first["path"])
+    )
     wanted = {(m["path"], m["sha256"], m["size"]) for m in layer.members}
     for artifact_id in candidates:
-        files = session.execute(
-            select(ArtifactFile.path, ArtifactFile.sha256, ArtifactFile.size).where(
-                ArtifactFile.artifact_id == artifact_id
-            )
-        ).all()
-        if wanted <= {tuple(f) for f in files}:
+        files = artifacts.artifact_files(session, artifact_id)
+        if wanted <= {(f.path, f.sha256, f.size) for f in files}:
             return layer
     return None
 
@@ -379,22 +345,10 @@ def find_blob(
     in the model-car layout also a base image layer or a file's tar layer."""
     model, repository = repo.model, repo.name
     hex_ = check_digest(digest)
-    served_file = session.execute(
-        select(ArtifactFile.sha256)
-        .join(Artifact, Artifact.id == ArtifactFile.artifact_id)
-        .join(Release, Release.id == Artifact.release_id)
-        .where(ArtifactFile.sha256 == hex_, Release.model_id == model.id, _served())
-        .limit(1)
-    ).first()
-    if served_file is None:
-        served_file = session.execute(
-            select(Attestation.sha256)
-            .join(Artifact, Artifact.id == Attestation.artifact_id)
-            .join(Release, Release.id == Artifact.release_id)
-            .where(Attestation.sha256 == hex_, Release.model_id == model.id, _served())
-            .limit(1)
-        ).first()
-    if served_file is not None:
+    # A file of a served artifact, or else an attestation of one.
+    if artifacts.served_among(session, model.id, artifacts.artifact_ids_with_blob(hex_)) or artifacts.served_among(
+        session, model.id, artifact_ids_attested_by(hex_)
+    ):
         return StoredBlob(hex_)
     if hex_ == mt.EMPTY_CONFIG_SHA256:
         return Document(mt.EMPTY_CONFIG, mt.EMPTY_CONFIG_BYTES)
@@ -443,3 +397,10 @@ def tags_page(tags: list[str], n: int | None, last: str | None) -> tuple[list[st
     if n is None:
         return ordered, False
     return ordered[:n], len(ordered) > n
+
+
+def drop_layers_holding(session: Session, sha256: str) -> None:
+    """Delete the recorded model-car layers that hold the blob (garbage collection, before it deletes the
+    blob's row: that takes the link rows with it)."""
+    held = select(TarLayerBlob.layer_sha256).where(TarLayerBlob.blob_sha256 == sha256)
+    session.execute(delete(TarLayer).where(TarLayer.sha256.in_(held)).execution_options(synchronize_session=False))

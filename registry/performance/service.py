@@ -10,7 +10,7 @@ from registry.artifacts.service import get_artifact
 from registry.hardware.service import effective_catalog
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate
-from registry.resolve.models import bump_routing_revision
+from registry.resolve.service import bump_routing_revision
 
 
 def post_record(
@@ -51,4 +51,10 @@ def post_record(
 def list_records(session: Session, model: str, version: str, artifact: str) -> list[PerformanceRecord]:
     row = get_artifact(session, model, version, artifact)
     query = select(PerformanceRecord).where(PerformanceRecord.artifact_id == row.id)
+    return list(session.scalars(query.order_by(PerformanceRecord.id.desc())))
+
+
+def records_of_artifacts(session: Session, artifact_ids: list[int]) -> list[PerformanceRecord]:
+    """The performance records of the artifacts, newest first."""
+    query = select(PerformanceRecord).where(PerformanceRecord.artifact_id.in_(artifact_ids))
     return list(session.scalars(query.order_by(PerformanceRecord.id.desc())))

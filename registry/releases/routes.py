@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Request, Response
-from sqlalchemy.orm import selectinload
 
 from registry.api.errors import error_responses
 from registry.api.params import ModelName, Version
-from registry.artifacts.models import Artifact
 from registry.artifacts.schemas import ArtifactSummary
+from registry.artifacts.service import WITH_EVALS
 from registry.auth.principal import Principal
 from registry.channels.service import channels_of_release, drop_from_splits
 from registry.deps import BlobStoreDep, SessionDep, WriteSessionDep, require
@@ -75,7 +74,7 @@ def list_releases(model: ModelName, session: SessionDep) -> list[ReleaseOut]:
     responses=error_responses(404),
 )
 def get_release(model: ModelName, version: Version, session: SessionDep) -> ReleaseDetail:
-    row = service.get_release(session, model, version, selectinload(Release.artifacts).selectinload(Artifact.evals))
+    row = service.get_release(session, model, version, service.with_artifacts(*WITH_EVALS))
     return ReleaseDetail.model_validate(
         {
             **_fields(row, model),

@@ -11,24 +11,57 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import ScalarSelect, Select, or_, select
+from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.errors import Conflict, NotFound
-from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
-from registry.attestations.models import Attestation
 from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
 from registry.db import insert_once, lock_row, utcnow
-from registry.models.models import Model
-from registry.models.service import get_model
+from registry.models.service import get_model, model_id_of
 from registry.releases.models import Release
 from registry.releases.schemas import ReleaseCreate
 
 
 def find_release(session: Session, model: str, version: str, *options: Any) -> Release | None:
-    query = select(Release).join(Release.model).where(Model.name == model, Release.version == version)
+    query = select(Release).where(Release.model_id == model_id_of(model), Release.version == version)
     return session.scalars(query.options(*options)).one_or_none()
+
+
+def get_release_by_id(session: Session, release_id: int) -> Release:
+    """The release with this id (one a channel or an artifact names, so it exists)."""
+    return session.get_one(Release, release_id)
+
+
+def release_id_of(model: str, version: str) -> ScalarSelect[int]:
+    """The id of `model@version` as a subquery, for another domain's query to filter by in one round trip."""
+    return (
+        select(Release.id).where(Release.model_id == model_id_of(model), Release.version == version).scalar_subquery()
+    )
+
+
+def served_release_ids(model_id: int) -> Select[int]:
+    """The ids of the model's served (sealed, not yanked) releases, as a subquery: all that is served by any name."""
+    return select(Release.id).where(
+        Release.model_id == model_id, Release.status == "sealed", Release.yanked_at.is_(None)
+    )
+
+
+def model_id_of_release(release_id: int) -> ScalarSelect[int]:
+    """The id of the release's model as a subquery."""
+    return select(Release.model_id).where(Release.id == release_id).scalar_subquery()
+
+
+def with_artifacts(*options: Any) -> Any:
+    """A loader option for `get_release`: the release's artifacts, each loaded with `options`
+    (`registry.artifacts.service.WITH_EVALS`, ...)."""
+    return selectinload(Release.artifacts).options(*options)
+
+
+def releases_with_models(session: Session, *release_ids: Select[int]) -> list[Release]:
+    """The releases whose id is in any of the `release_ids` subqueries, each with its model loaded."""
+    query = select(Release).where(or_(*(Release.id.in_(ids) for ids in release_ids)))
+    return list(session.scalars(query.options(joinedload(Release.model, innerjoin=True))))
 
 
 def get_release(session: Session, model: str, version: str, *options: Any) -> Release:
@@ -156,9 +189,10 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
     if release.status == "sealed":
         return release, False
     check_open(release, model, "publish")
-    artifacts = list(
-        session.scalars(select(Artifact).where(Artifact.release_id == release.id).options(selectinload(Artifact.evals)))
-    )
+    # Imported here: the artifact service builds on this one.
+    from registry.artifacts.service import WITH_EVALS, release_artifacts
+
+    artifacts = release_artifacts(session, release.id, *WITH_EVALS)
     present = {a.name for a in artifacts}
     missing = [n for n in release.planned_artifacts if n not in present]
     unevaluated = sorted(a.name for a in artifacts if not a.evals)
@@ -206,11 +240,12 @@ def abandon_release(session: Session, model: str, version: str, reason: str, act
             code="RELEASE_SEALED",
             details={"model": model, "version": version, "status": release.status},
         )
-    artifact_ids = select(Artifact.id).where(Artifact.release_id == release.id)
-    dropped = sorted(session.scalars(select(Artifact.name).where(Artifact.release_id == release.id)))
-    for table in (EvalResult, ArtifactFile, Attestation):
-        session.query(table).filter(table.artifact_id.in_(artifact_ids)).delete(synchronize_session=False)
-    session.query(Artifact).filter(Artifact.release_id == release.id).delete(synchronize_session=False)
+    # Imported here: the artifact and attestation services build on this one.
+    from registry.artifacts.service import drop_release_artifacts, release_artifact_ids
+    from registry.attestations.service import drop_attestations
+
+    drop_attestations(session, release_artifact_ids(release.id))
+    dropped = drop_release_artifacts(session, release.id)
     release.status = "abandoned"
     release.abandoned_at = utcnow()
     release.abandon_reason = reason

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import update
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
 from registry.db import Base
 
@@ -16,12 +15,3 @@ class RoutingState(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     revision: Mapped[int] = mapped_column(default=0)
-
-
-def bump_routing_revision(session: Session) -> None:
-    """Mark resolve's cached answers stale (in the caller's transaction)."""
-    result = session.execute(
-        update(RoutingState).where(RoutingState.id == 1).values(revision=RoutingState.revision + 1)
-    )
-    if getattr(result, "rowcount", 1) == 0:  # a schema made without the migrations' first row
-        session.add(RoutingState(id=1, revision=1))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from registry.artifacts.models import EvalStatus
+from registry.artifacts.evals import EvalStatus
 from registry.artifacts.schemas import FileOut
 
 

@@ -7,26 +7,25 @@ import json
 import math
 from collections.abc import Callable
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from core.errors import NotFound
 from core.hardware import HardwareCatalog
 from core.shape import ShapeRecord
-from registry.artifacts.models import Artifact, eval_status
+from registry.artifacts.evals import eval_status
+from registry.artifacts.service import WITH_FILES_AND_EVALS, Artifact, release_artifacts
 from registry.channels.buckets import BASIS_POINTS, merged, reassign
-from registry.channels.models import Channel
+from registry.channels.service import channel_names
 from registry.models.service import get_model
-from registry.performance.models import PerformanceRecord
-from registry.releases.models import Release
+from registry.performance.service import records_of_artifacts
+from registry.releases.service import get_release_by_id
 from registry.resolve.cache import MAX_FINGERPRINTS, ChannelFingerprints, ChannelSnapshot, ResolveCache, SnapshotKey
 from registry.resolve.views import ArtifactView, FileView, Measurement, ReleaseView
 
 
 def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
     model_row = get_model(session, model)  # raises "model not found" first
-    query = select(Channel.name).where(Channel.model_id == model_row.id).order_by(Channel.name)
-    names = list(session.scalars(query))
+    names = channel_names(session, model_row.id)
     known = f"its channels: {', '.join(names)}" if names else "it has no channels yet"
     return NotFound(
         f"model {model!r} has no channel {channel!r}; {known}",
@@ -103,22 +102,10 @@ def load_release_view(
     view = cache.views.get((snapshot, revision)) if cache is not None else None
     if view is not None:
         return view
-    release = session.get_one(Release, snapshot.release_id)
-    artifacts = list(
-        session.scalars(
-            select(Artifact)
-            .where(Artifact.release_id == snapshot.release_id)
-            .order_by(Artifact.name)
-            .options(selectinload(Artifact.files), selectinload(Artifact.evals))
-        )
-    )
+    release = get_release_by_id(session, snapshot.release_id)
+    artifacts = release_artifacts(session, snapshot.release_id, *WITH_FILES_AND_EVALS)
     measured: dict[int, list[Measurement]] = {}
-    records = session.scalars(
-        select(PerformanceRecord)
-        .where(PerformanceRecord.artifact_id.in_([a.id for a in artifacts]))
-        .order_by(PerformanceRecord.id.desc())
-    )
-    for r in records:
+    for r in records_of_artifacts(session, [a.id for a in artifacts]):
         measured.setdefault(r.artifact_id, []).append(
             Measurement(
                 r.id,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from core.shape import ShapeRecord
-from registry.artifacts.models import EvalStatus
+from registry.artifacts.evals import EvalStatus
 
 
 @dataclass(frozen=True)

@@ -18,19 +18,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from sqlalchemy.orm import selectinload
 
 from core.errors import KilnError, NotFound
 from registry.api.errors import http_status
 from registry.api.params import MODEL_NAME_PATTERN, ChannelName, ModelName, Version
 from registry.api.urls import artifact_file_url, base_url
-from registry.artifacts.models import Artifact
+from registry.artifacts.service import WITH_FILES_AND_EVALS
 from registry.audit import service as audit_service
 from registry.channels import service as channels_service
 from registry.deps import PrincipalDep, SessionDep, SettingsDep
 from registry.models import service as models_service
 from registry.releases import service as releases_service
-from registry.releases.models import Release
 from registry.web.units import human_size
 from registry.web.views import (
     METRIC_COLUMNS,
@@ -177,9 +175,8 @@ def release_page(
 ) -> HTMLResponse:
     """A release: the artifact × runtime matrix with pass/fail per gate, quality against size, each
     artifact's files and provenance, and the release's lineage."""
-    artifacts = selectinload(Release.artifacts)
     release = releases_service.get_release(
-        session, model, version, artifacts.selectinload(Artifact.evals), artifacts.selectinload(Artifact.files)
+        session, model, version, releases_service.with_artifacts(*WITH_FILES_AND_EVALS)
     )
     matrix = release_matrix(release.artifacts, partial(artifact_file_url, base_url(request, settings), model, version))
     return render(

@@ -15,8 +15,9 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Literal
 
-from registry.artifacts.models import Artifact, EvalResult, eval_status
-from registry.audit.models import AuditEvent
+from registry.artifacts.evals import eval_status
+from registry.artifacts.service import Artifact, EvalResult
+from registry.audit.service import AuditEvent
 from registry.web.plot import PlotPoint, QualityPlot, quality_plot
 from registry.web.units import human_size, metric_number
 

@@ -12,14 +12,16 @@ import fnmatch
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from registry.audit.models import AuditEvent
 from registry.settings import RegistrySettings
 from registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
+
+if TYPE_CHECKING:  # the audit service records an event, then queues it here
+    from registry.audit.service import AuditEvent
 
 # The audit actions that are registry events, with what each means. Webhooks subscribe to these names.
 EVENTS: dict[str, str] = {
