@@ -32,9 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
+
+if TYPE_CHECKING:
+    from core.evals import PublishedEval
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,6 +81,18 @@ async def resolve() -> Response:
 """
 
 
+def bench_eval(kl: float) -> PublishedEval:
+    """A passed `core.evals.PublishedEval` under the runtime "bench" with mean KL `kl`, the one metric
+    resolve ranks by; the others are stand-ins."""
+    from core.evals import EvalMetrics, PublishedEval
+
+    metrics = EvalMetrics(
+        tokens=1, windows=1, vocab_size=1, ppl_ref=1.0, ppl=1.0, ppl_change=0.0, kl=kl, kl_max=kl, top1=1.0,
+        greedy_tokens=0,
+    )  # fmt: skip
+    return PublishedEval(runtime="bench", status="passed", metrics=metrics)
+
+
 def seed(data_dir: Path) -> str:
     """Two sealed releases, prod split 95/5 over them; returns a read token limited to the model."""
     from client import RegistryClient
@@ -109,9 +124,7 @@ def seed(data_dir: Path) -> str:
                         files=[FileEntry(path="model.bin", sha256=digest, size=blob.stat().st_size)],
                     ),
                 )
-                client.post_eval(
-                    MODEL, version, f"{target}-{quant}", runtime="bench", status="passed", metrics={"kl": 0.001 * i}
-                )
+                client.post_eval(MODEL, version, f"{target}-{quant}", bench_eval(0.001 * i))
             client.seal_release(MODEL, version)
         client.promote(MODEL, STABLE, "prod")
         client.set_split(MODEL, "prod", {STABLE: 95, CANARY: 5}, reason="canary")

@@ -43,7 +43,12 @@ from typing import Any
 from urllib.parse import urlencode
 
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
-from registry_resolve import LLAMA_3_8B, free_port, serving  # the model and server start of the resolve benchmark
+from registry_resolve import (  # the model, its evals and the server start of the resolve benchmark
+    LLAMA_3_8B,
+    bench_eval,
+    free_port,
+    serving,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -143,8 +148,9 @@ def seed(data_dir: Path) -> tuple[str, str, dict[str, float]]:
                     files=files,
                 )
                 client.publish_artifact(MODEL, version, manifest)
-                metrics = {"kl": kl * (0.9 if version == CANARY else 1.0)}
-                client.post_eval(MODEL, version, f"{target}-{quant}", runtime="bench", status="passed", metrics=metrics)
+                client.post_eval(
+                    MODEL, version, f"{target}-{quant}", bench_eval(kl * (0.9 if version == CANARY else 1.0))
+                )
             client.seal_release(MODEL, version)
         client.promote(MODEL, STABLE, CHANNEL)
         client.set_split(MODEL, CHANNEL, WEIGHTS[0], reason="canary")

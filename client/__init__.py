@@ -11,6 +11,7 @@ come back as the matching `core.errors` class, carrying the server's code, messa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import httpx2
 from core import errors
 from core.digest import CHUNK
 from core.errors import DigestMismatch, KilnError, Unavailable
+from core.evals import PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest, check_relative_path
 from core.signing import ATTESTATION_FILES
 
@@ -290,34 +292,20 @@ class RegistryClient:
                     raise
         raise AssertionError("unreachable")
 
-    def post_eval(
-        self,
-        model: str,
-        version: str,
-        artifact: str,
-        runtime: str,
-        status: str,
-        metrics: dict[str, Any] | None = None,
-        gates: dict[str, Any] | None = None,
-        reason: str | None = None,
-        *,
-        runtime_version: str | None = None,
-    ) -> dict[str, Any]:
-        """Record an eval result (status: passed | failed | not_evaluated); `runtime_version` is the
-        exact runtime that ran it (e.g. "llama-cpp-python 0.3.36"), None where it was not recorded."""
-        body: dict[str, Any] = {
-            "runtime": runtime,
-            "status": status,
-            "metrics": metrics or {},
-            "gates": gates or {},
-            "reason": reason,
-        }
-        # Sent only when there is one: a registry from before runtime_version refuses unknown fields.
-        if runtime_version is not None:
-            body["runtime_version"] = runtime_version
-        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}/evals"
-        result: dict[str, Any] = self._json("POST", path, json=body)
-        return result
+    def post_eval(self, model: str, version: str, artifact: str, result: PublishedEval) -> RecordedEval:
+        """Record one runtime's eval of an artifact (`PublishedEval.of_report` makes one from an
+        `EvalReport`); the registry's record of it comes back. An identical one again is accepted as is."""
+        # What is None is not sent: a registry from before runtime_version refuses unknown fields, and one
+        # from before metrics and gates were typed refuses null for them (it reads their absence as none).
+        # model_dump_json, not model_dump(mode="json"): a NaN metric is sent as "NaN", which JSON can carry.
+        body = {k: v for k, v in json.loads(result.model_dump_json()).items() if v is not None}
+        path = f"{_artifact_path(model, version, artifact)}/evals"
+        return RecordedEval.model_validate(self._json("POST", path, json=body))
+
+    def artifact_evals(self, model: str, version: str, artifact: str) -> list[RecordedEval]:
+        """Every runtime's eval of an artifact, as the registry recorded them (by runtime)."""
+        detail = self.get_artifact(model, version, artifact)
+        return [RecordedEval.model_validate(e) for e in detail["evals"]]
 
     # -- channels and resolve -------------------------------------------------------------------
 

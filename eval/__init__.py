@@ -4,9 +4,10 @@
 - `eval.runtimes`  the `Runtime` protocol and its implementations (transformers, llama.cpp).
 - `eval.metrics`   pure, streaming metrics over logits (perplexity, KL, top-1, greedy match).
 - `eval.gates`     per-scheme pass/fail thresholds (documented defaults, recipe overrides).
-- `eval.report`    `EvalReport`, the JSON record published with an artifact.
+- `eval.report`    `judged(metrics, gate)`: the `EvalReport` published with an artifact.
 - `eval.run`       `evaluate(reference, candidate, text, gate)` ties them together.
 
-`eval.gates` and `eval.report` import neither numpy nor torch, so the registry (whose base
-install has neither) can read and validate published reports.
+The records that cross the wire (`EvalMetrics`, `Gate`, `EvalReport`) are defined in `core.evals`,
+which the registry and the client read too; `eval.gates` and `eval.report` use them from there and
+import neither numpy nor torch.
 """

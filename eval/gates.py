@@ -3,6 +3,8 @@
 A `Gate` is frozen data; a threshold left at `None` is not checked (the metric is still reported).
 `gate_for(quant, overrides)` returns the documented default for a scheme with the recipe's
 overrides applied; `check(metrics, gate)` says whether the metrics pass and, if not, why.
+`Gate` and `EvalMetrics` cross the wire to the registry, so they are defined in `core.evals`
+and used from here.
 
 Default gates (`DEFAULT_GATES`; a method's own row is its `gate` in `quant.methods`)
 ------------------------------------------------------------------------------
@@ -68,56 +70,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.errors import RecipeInvalid, UnknownName
+from core.evals import EvalMetrics, Gate
 from quant.catalog import METHODS
 from quant.methods import dense, int4, int8
 from quant.methods.base import GateDefaults
 
-
-class EvalMetrics(BaseModel):
-    """Candidate vs reference on the same token ids. See `eval.metrics` for the exact definitions."""
-
-    # NaN/inf (a runtime that produced non-finite logits) survive a JSON round trip as strings.
-    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings")
-
-    tokens: int = Field(ge=0, description="scored positions (next-token predictions)")
-    windows: int = Field(ge=0, description="text windows the positions came from")
-    vocab_size: int = Field(ge=1, description="logit columns compared (the model's config vocab_size)")
-    ppl_ref: float
-    ppl: float
-    ppl_change: float = Field(description="(ppl - ppl_ref) / ppl_ref")
-    kl: float = Field(description="mean KL(reference || candidate), nats per position")
-    kl_error: float = Field(
-        default=0.0,
-        description="how far above `kl` the true mean KL can lie, from the stored reference's tail "
-        "(eval.reference_rows); 0 where the reference kept every token",
-    )
-    kl_max: float = Field(description="largest KL at any single position")
-    top1: float = Field(description="fraction of positions where both argmaxes agree")
-    greedy_tokens: int = Field(ge=0, description="tokens generated per runtime, over all prompts")
-    greedy_match: float | None = Field(
-        default=None, description="fraction of generated tokens equal to the reference's before the first divergence"
-    )
-    greedy_match_total: float | None = Field(
-        default=None, description="fraction of generated tokens equal to the reference's at the same position"
-    )
-
-
-class Gate(BaseModel):
-    """Thresholds one artifact must meet; `None` leaves that metric unchecked."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_kl: float | None = Field(default=None, ge=0.0, description="mean KL(ref || candidate), nats per token")
-    min_top1: float | None = Field(default=None, ge=0.0, le=1.0, description="fraction of positions with equal argmax")
-    max_ppl_increase: float | None = Field(
-        default=None, ge=0.0, description="relative perplexity increase, (ppl - ppl_ref) / ppl_ref"
-    )
-    min_greedy_match: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="greedy tokens equal to the reference's before the first divergence"
-    )
+__all__ = ["DEFAULT_GATES", "GATE_KEYS", "EvalMetrics", "Gate", "GateResult", "check", "gate_for"]
 
 
 class GateResult(BaseModel):

@@ -22,7 +22,7 @@ from core.errors import Deferred
 from eval.gates import EvalMetrics, Gate
 from eval.metrics import MetricAccumulator
 from eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
-from eval.report import EvalReport
+from eval.report import EvalReport, judged
 from eval.runtimes import Runtime, open_runtime
 from eval.text import EvalText
 
@@ -56,7 +56,7 @@ def measure(reference: Reference, candidate: Runtime, text: EvalText) -> EvalMet
 def evaluate(reference: Reference, candidate: Runtime, text: EvalText, gate: Gate) -> EvalReport:
     """Compare `candidate` with `reference` on `text` and judge the result against `gate`."""
     metrics = measure(reference, candidate, text)
-    return EvalReport.judged(
+    return judged(
         metrics,
         gate,
         runtime=candidate.name,

@@ -8,16 +8,18 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
-from registry.db import UTCDateTime, create_db_engine, registry_metadata
+from registry.db import RecordJSON, UTCDateTime, create_db_engine, registry_metadata
 
 config = context.config
 target_metadata = registry_metadata()
 
 
 def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
-    """Autogenerate writes our UTC timestamp decorator as the plain column type it stores."""
+    """Autogenerate writes our decorators (UTC timestamps, records as JSON) as the plain column types they store."""
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"
+    if type_ == "type" and isinstance(obj, RecordJSON):
+        return "sa.JSON()"
     return False
 
 

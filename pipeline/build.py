@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic_core import to_jsonable_python
+
 from core.device import CPU, Device, resolve_device
 from core.digest import HashCache, sha256_json
 from core.errors import InvalidInput, StageFailed, UnknownName
@@ -343,7 +345,10 @@ class BuildResult:
     outcomes: dict[str, NodeOutcome]
 
     def artifacts(self) -> list[dict[str, Any]]:
-        """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for)."""
+        """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for).
+
+        Each eval's `metrics` is its `EvalMetrics` (None where none were measured); `summary` has the rows as JSON.
+        """
         evaluators: dict[str, list[Node]] = {}
         for n in self.nodes:
             if n.stage is eval_stage.STAGE:
@@ -403,7 +408,7 @@ class BuildResult:
             "runtime": eval_column(node),
             "runtime_version": report.runtime_version if report else None,
             "status": report.status if report else ev.status,
-            "metrics": report.metrics.model_dump(mode="json") if report and report.metrics else None,
+            "metrics": report.metrics if report else None,
             "failures": report.failures if report else [],
             "reason": report.reason if report else ev.reason or None,
             "seconds": round(ev.seconds, 2),
@@ -436,7 +441,7 @@ class BuildResult:
             "model": self.recipe.model,
             "version": self.recipe.version,
             "stages": counts,
-            "artifacts": self.artifacts(),
+            "artifacts": to_jsonable_python(self.artifacts()),  # the metrics as plain data
             "failed_gates": self.failed_gates,
             "deferred": self.deferred,
             "ignored": self.ignored,

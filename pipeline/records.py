@@ -5,7 +5,8 @@ A stage returns its record; the executor writes `record.model_dump(mode="json")`
 fields (`ingest.result.source_digest`), never a string-keyed dict, and a `stage.json` that does not
 match its schema is an error, not a KeyError three stages later.
 
-The eval stage's record is `eval.report.EvalReport`, which the registry also stores.
+The eval stage's record is `core.evals.EvalReport`; the publish stage sends it to the registry as a
+`core.evals.PublishedEval`.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ Nothing here connects at import time; `create_app` calls `create_db_engine` with
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy import JSON, Connection, DateTime, Engine, MetaData, create_engine, event, select
 from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import IntegrityError
@@ -16,6 +18,7 @@ from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
 
 # Deterministic constraint names, so migrations can name (and later drop) every constraint.
 NAMING_CONVENTION = {
@@ -49,6 +52,29 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             return value.replace(tzinfo=UTC)
         return value
+
+
+class RecordJSON(TypeDecorator[R]):
+    """A frozen record (`core.evals.EvalMetrics`, ...) in a JSON column, validated once as it is read.
+
+    None is stored as `{}`, the column's spelling of "none" from when it held free-form JSON; a record
+    is stored as its JSON form (`model_dump_json`: non-finite floats as strings).
+    """
+
+    impl = JSON()
+    cache_ok = True
+
+    def __init__(self, record: type[R]):
+        super().__init__()
+        self.record = record
+
+    def process_bind_param(self, value: R | None, dialect: Dialect) -> dict[str, Any]:
+        # Its JSON as written (not model_dump(mode="json"), which leaves NaN a float no JSON column takes).
+        stored: dict[str, Any] = {} if value is None else json.loads(value.model_dump_json())
+        return stored
+
+    def process_result_value(self, value: dict[str, Any] | None, dialect: Dialect) -> R | None:
+        return None if not value else self.record.model_validate(value)
 
 
 class Base(DeclarativeBase):

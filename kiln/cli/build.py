@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from core.errors import InvalidInput
+from core.evals import EvalMetrics
 from kiln.cli.common import (
     DEFAULT_REGISTRY,
     DEFAULT_WORK,
@@ -65,25 +66,26 @@ def _peak_rss_mib() -> float:
 
 
 def _artifact_table(rows: list[dict[str, Any]]) -> Table:
-    """One line per artifact and runtime that evaluated it (an artifact's name on its first line only)."""
+    """One line per artifact and runtime that evaluated it (an artifact's name on its first line only);
+    `rows` are `BuildResult.artifacts()`, whose metrics are `EvalMetrics`."""
     table = Table(title="artifacts")
     for col in ("artifact", "size", "runtime", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
         table.add_column(col, justify="left" if col in ("artifact", "runtime", "eval") else "right", no_wrap=True)
     for r in rows:
         evals = r.get("evals") or [{"runtime": r.get("runtime") or "-", "status": r["eval"], "metrics": r["metrics"]}]
         for i, e in enumerate(evals):
-            m = e.get("metrics") or {}
+            m: EvalMetrics | None = e["metrics"]
             colour = {"passed": "green", "failed": "red"}.get(e["status"], "yellow")
             table.add_row(
                 safe_text(r["artifact"]) if i == 0 else "",
                 fmt_size(r.get("size")) if i == 0 else "",
                 safe_text(e["runtime"]),
                 f"[{colour}]{safe_text(e['status'])}[/{colour}]",
-                f"{m['ppl']:.3f}" if "ppl" in m else "-",
-                f"{m['ppl_change']:+.2%}" if "ppl_change" in m else "-",
-                f"{m['kl']:.2e}" if "kl" in m else "-",
-                f"{m['top1']:.4f}" if "top1" in m else "-",
-                f"{m['greedy_match']:.3f}" if "greedy_match" in m else "-",
+                f"{m.ppl:.3f}" if m is not None else "-",
+                f"{m.ppl_change:+.2%}" if m is not None else "-",
+                f"{m.kl:.2e}" if m is not None else "-",
+                f"{m.top1:.4f}" if m is not None else "-",
+                f"{m.greedy_match:.3f}" if m is not None and m.greedy_match is not None else "-",
             )
     return table
 
@@ -130,7 +132,7 @@ def _run_build(
     if as_json:
         emit(summary)
     else:
-        err.print(_artifact_table(summary["artifacts"]))
+        err.print(_artifact_table(result.artifacts()))
         err.print(
             safe_text(
                 f"{recipe.model}@{recipe.version}: {summary['stages']} in {summary['seconds']:.1f}s, "

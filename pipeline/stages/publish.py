@@ -18,6 +18,7 @@ from pathlib import Path
 
 from client import RegistryClient
 from core import __version__
+from core.evals import PublishedEval
 from core.manifest import ArtifactManifest
 from eval.report import EvalReport
 from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
@@ -74,17 +75,7 @@ def run(ctx: StageContext) -> PublishRecord:
             ctx.progress(f.size, total)
         client.publish_artifact(p["model"], p["version"], manifest)
         for runtime, each in sorted(reports.items()):
-            client.post_eval(
-                p["model"],
-                p["version"],
-                manifest.name,
-                runtime=runtime,
-                runtime_version=each.runtime_version,
-                status=each.status,
-                metrics=each.metrics.model_dump(mode="json") if each.metrics is not None else {},
-                gates=each.gate.model_dump(mode="json") if each.gate is not None else {},
-                reason="; ".join(each.failures) or each.reason,
-            )
+            client.post_eval(p["model"], p["version"], manifest.name, PublishedEval.of_report(runtime, each))
         key = SigningKey.from_env()
         if key is not None:
             _attach_signed(ctx, client, manifest, ingest, reports, key)

@@ -12,7 +12,7 @@ One pure-ASGI middleware, in front of the routes:
     - `POST /v1/models/{model}/releases/{version}/artifacts`, an artifact manifest (up to 100,000
       files), and `POST /v1/models/{model}/releases`, whose lineage lists every source file: the
       operator's `max_body_bytes` (4 MiB by default);
-    - `POST .../artifacts/{name}/evals`: 256 KiB (free-form metrics and gates).
+    - `POST .../artifacts/{name}/evals`: 256 KiB (metrics, gate and a reason of up to 10,000 characters).
   Past 64 KiB, such a body is read only from a caller whose token has the route's scope (`publish`),
   checked before the rest is read (401/403), so an anonymous client makes the registry read and parse
   at most 64 KiB a request. `max_body_bytes` also caps every other limit. Signature and provenance
@@ -68,7 +68,7 @@ ROUTE_BODY_LIMITS: Final[dict[tuple[str, str], BodyLimit]] = {
     ("POST", "/v1/models/{model}/releases/{version}/artifacts"): BodyLimit(None, "publish"),
     # a release: its lineage lists every source file
     ("POST", "/v1/models/{model}/releases"): BodyLimit(None, "publish"),
-    # an eval result: free-form metrics and gates
+    # an eval result: metrics, gate and a reason of up to 10,000 characters
     ("POST", "/v1/models/{model}/releases/{version}/artifacts/{name}/evals"): BodyLimit(256 * 1024, "publish"),
 }
 # Smaller bodies parse inline (a millisecond at most); larger ones in a thread of their own, one at a

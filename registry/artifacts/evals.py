@@ -7,9 +7,11 @@ was promoted with), which the resolve, channel and web code apply without touchi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal, Protocol
+from typing import Protocol
 
-EvalStatus = Literal["passed", "failed", "not_evaluated"]
+from core.evals import EvalStatus
+
+__all__ = ["EvalStatus", "HasStatus", "eval_status"]
 
 
 class HasStatus(Protocol):

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from registry.db import Base, utcnow
+from core.evals import EvalMetrics, Gate
+from registry.db import Base, RecordJSON, utcnow
 
 if TYPE_CHECKING:
     from registry.releases.models import Release
@@ -70,8 +71,9 @@ class EvalResult(Base):
     # (a not_evaluated result, or one posted before this column existed).
     runtime_version: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16))
-    metrics: Mapped[dict[str, Any]]
-    gates: Mapped[dict[str, Any]]
+    # Validated into their records as they are read; None where none were measured or applied.
+    metrics: Mapped[EvalMetrics | None] = mapped_column(RecordJSON(EvalMetrics), nullable=False)
+    gates: Mapped[Gate | None] = mapped_column(RecordJSON(Gate), nullable=False)
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
+from core.evals import EvalMetrics, PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest
 from registry.api.rows import FromRow
 from registry.artifacts.evals import EvalStatus, eval_status
@@ -19,9 +20,17 @@ RUNTIME_MAX_LENGTH = 64  # EvalResult.runtime's column
 # printable and conservative, no leading or trailing space, no quotes or angle brackets.
 RUNTIME_VERSION_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9 ._+:()/,=-]*[A-Za-z0-9._+:()/,=-])?$"
 RUNTIME_VERSION_MAX_LENGTH = 200  # EvalResult.runtime_version's column
+# The OpenAPI example of an eval's metrics: illustrative values, of the order a q4_k_m GGUF scores (eval.gates).
+EXAMPLE_METRICS = {
+    "tokens": 4064, "windows": 16, "vocab_size": 512, "ppl_ref": 3.21, "ppl": 3.27, "ppl_change": 0.0187,
+    "kl": 0.0031, "kl_error": 0.0, "kl_max": 0.41, "top1": 0.947, "greedy_tokens": 128, "greedy_match": 0.52,
+    "greedy_match_total": 0.61,
+}  # fmt: skip
 
 
-class EvalCreate(BaseModel):
+class EvalCreate(PublishedEval):
+    """A `core.evals.PublishedEval` as the API accepts it: names and versions checked, nothing unknown."""
+
     model_config = ConfigDict(extra="forbid")
 
     runtime: str = Field(
@@ -36,20 +45,19 @@ class EvalCreate(BaseModel):
         examples=["transformers 5.17.0, torch 2.9.0", "vLLM 0.32.0 (CPU)"],
         description="the exact runtime that ran the eval, as it reports its name and version",
     )
-    status: EvalStatus
-    metrics: dict[str, Any] = Field(default_factory=dict, examples=[{"kl": 0.012, "ppl_delta": 0.3}])
-    gates: dict[str, Any] = Field(default_factory=dict, description="the gate thresholds applied")
+    metrics: EvalMetrics | None = Field(default=None, examples=[EXAMPLE_METRICS])
     reason: str | None = Field(default=None, max_length=10_000, description="why it failed / was not run")
 
+    @field_validator("metrics", "gates", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        # `{}` is how publishers from before these fields were typed say "none measured" (and `{}`
+        # is what the column stores for it), so it is accepted as that, not read as a record.
+        return None if value == {} else value
 
-class EvalOut(FromRow):
-    runtime: str
-    runtime_version: str | None
-    status: EvalStatus
-    metrics: dict[str, Any]
-    gates: dict[str, Any]
-    reason: str | None
-    created_at: datetime
+
+class EvalOut(RecordedEval, FromRow):
+    """A `core.evals.RecordedEval`, read from its row."""
 
 
 class ArtifactSummary(FromRow):

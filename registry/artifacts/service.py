@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinload
@@ -253,6 +254,15 @@ def _find_eval(session: Session, artifact_id: int, runtime: str) -> EvalResult |
     return session.scalars(query).one_or_none()
 
 
+def _evidence(result: EvalResult | EvalCreate) -> tuple[object, ...]:
+    """What makes two results of one runtime the same: compared as JSON, where a NaN equals a NaN."""
+
+    def dumped(record: BaseModel | None) -> str | None:
+        return None if record is None else record.model_dump_json()
+
+    return (result.status, result.runtime_version, dumped(result.metrics), dumped(result.gates), result.reason)
+
+
 def post_eval(session: Session, model: str, version: str, name: str, spec: EvalCreate) -> tuple[EvalResult, bool]:
     """Record one runtime's eval of an artifact. Same result again: no-op; a different one: Conflict.
 
@@ -263,8 +273,7 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
     def same(existing: EvalResult) -> EvalResult:
         # The runtime version is part of the evidence: the same numbers from another version are
         # another result, not this one again.
-        stored = (existing.status, existing.runtime_version, existing.metrics, existing.gates, existing.reason)
-        if stored != (spec.status, spec.runtime_version, spec.metrics, spec.gates, spec.reason):
+        if _evidence(existing) != _evidence(spec):
             raise Conflict(
                 f"artifact {name!r} of {model}@{version} already has a different {spec.runtime!r} eval "
                 f"(status {existing.status}); eval results are immutable",

@@ -136,11 +136,7 @@ def load_release_view(
 def _artifact_view(a: Artifact, evals_through: int, measurements: list[Measurement]) -> ArtifactView:
     """The artifact as the channel judges it: by the eval results it was promoted with."""
     evals = [e for e in a.evals if e.id <= evals_through]
-    kls = [
-        float(e.metrics["kl"])
-        for e in evals
-        if isinstance(e.metrics.get("kl"), int | float) and not isinstance(e.metrics.get("kl"), bool)
-    ]
+    kls = [e.metrics.kl for e in evals if e.metrics is not None]
     return ArtifactView(
         name=a.name,
         target=a.target,

@@ -1,4 +1,4 @@
-"""Sizes and metric values as the pages show them; shared by the views and the plot, which import nothing else here."""
+"""Sizes and stored numbers as the pages show them; shared by the views and the plot, which import nothing else here."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
-def metric_number(value: Any) -> float | None:
-    """A stored metric as a float (NaN and ±inf included), or None when it is not a number.
+def json_number(value: Any) -> float | None:
+    """A number read from free-form stored JSON (a provenance's `duration_s`) as a float, NaN and ±inf
+    included, or None when it is not a number.
 
-    Non-finite metrics are stored as the strings "NaN"/"Infinity" (EvalMetrics' JSON form); a bool
+    kiln writes non-finite numbers as the strings "NaN"/"Infinity" (pydantic's JSON form); a bool
     is not a measurement, whatever Python thinks.
     """
     if isinstance(value, bool) or value is None:

@@ -15,11 +15,12 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Literal
 
+from core.evals import EvalMetrics, Gate
 from registry.artifacts.evals import eval_status
 from registry.artifacts.service import Artifact, EvalResult
 from registry.audit.service import AuditEvent
 from registry.web.plot import PlotPoint, QualityPlot, quality_plot
-from registry.web.units import human_size, metric_number
+from registry.web.units import human_size, json_number
 
 __all__ = ["human_size"]  # re-exported: the templates' `size` filter
 
@@ -43,13 +44,26 @@ def _fraction(value: float) -> str:
 
 @dataclass(frozen=True)
 class MetricColumn:
-    """One metric column: where its value and its threshold live in an EvalResult, and which way it gates."""
+    """One metric column: which field of an eval's metrics it shows, which field of its gate bounds it,
+    and which way it gates."""
 
-    metric: str  # key in EvalResult.metrics
+    metric: str  # an EvalMetrics field
     label: str
-    gate: str  # key in EvalResult.gates (eval.gates.Gate's field)
+    gate: str  # a Gate field
     bound: Literal["max", "min"]
     fmt: Callable[[float], str]
+
+    def __post_init__(self) -> None:
+        if self.metric not in EvalMetrics.model_fields or self.gate not in Gate.model_fields:
+            raise ValueError(f"no such metric or gate field: {self.metric!r}, {self.gate!r}")
+
+    def value(self, metrics: EvalMetrics) -> float | None:
+        value: float | None = getattr(metrics, self.metric)
+        return value
+
+    def limit(self, gate: Gate) -> float | None:
+        limit: float | None = getattr(gate, self.gate)
+        return limit
 
 
 # The gate semantics of eval.gates.check, as columns: a value at its limit passes; NaN never does.
@@ -188,17 +202,16 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(", ", ": "), default=str)
 
 
-def metric_cell(column: MetricColumn, metrics: dict[str, Any], gates: dict[str, Any]) -> MetricCell:
+def metric_cell(column: MetricColumn, metrics: EvalMetrics | None, gate: Gate | None) -> MetricCell:
     """One metric of one eval result, judged against its gate threshold when the gate sets one."""
-    raw = metrics.get(column.metric)
-    value = metric_number(raw)
+    value = column.value(metrics) if metrics is not None else None
     if value is None:
-        shown = "—" if raw is None else str(raw)
+        shown = "—"
     elif math.isfinite(value):
         shown = column.fmt(value)
     else:
         shown = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    limit = metric_number(gates.get(column.gate))
+    limit = column.limit(gate) if gate is not None else None
     if limit is None:
         return MetricCell(column.metric, shown, "no gate", "ungated")
     sign = "≤" if column.bound == "max" else "≥"
@@ -232,7 +245,7 @@ def eval_group(result: EvalResult, column: RuntimeColumn) -> EvalGroup:
     if result.status == "not_evaluated":
         # The runtime of a not_evaluated result is the one it needs (see pipeline/stages/publish.py).
         return EvalGroup(result.runtime, result.status, label, result.reason, None, False, ())
-    cells = tuple(metric_cell(c, result.metrics or {}, result.gates or {}) for c in METRIC_COLUMNS)
+    cells = tuple(metric_cell(c, result.metrics, result.gates) for c in METRIC_COLUMNS)
     return EvalGroup(result.runtime, result.status, label, result.reason, result.runtime_version, show_version, cells)
 
 
@@ -311,7 +324,7 @@ def provenance_summary(provenance: Mapping[str, Any]) -> str:
         parts.append(f"stage {provenance['stage']}")
     if isinstance(provenance.get("host"), str):
         parts.append(f"on {provenance['host']}")
-    duration = metric_number(provenance.get("duration_s"))
+    duration = json_number(provenance.get("duration_s"))
     if duration is not None and math.isfinite(duration):
         parts.append(f"{duration:.1f} s")
     return ", ".join(parts)
@@ -346,10 +359,10 @@ def plot_points(artifacts: Sequence[Artifact]) -> list[PlotPoint]:
     """One point per eval with metrics (passed or failed), by runtime in `runtime_order` (the plot's
     legend follows the order runtimes first appear), then in artifact order."""
     points = [
-        PlotPoint(a.name, e.runtime, a.total_size, metric_number(e.metrics.get("kl")), e.status)
+        PlotPoint(a.name, e.runtime, a.total_size, e.metrics.kl, e.status)
         for a in artifacts
         for e in a.evals
-        if e.status != "not_evaluated" and e.metrics
+        if e.status != "not_evaluated" and e.metrics is not None
     ]
     return sorted(points, key=lambda p: runtime_order(p.runtime))  # stable: artifacts keep their order
 

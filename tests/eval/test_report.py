@@ -9,8 +9,10 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+import core.evals
+import eval.gates
 from eval.gates import gate_for
-from eval.report import EvalMetrics, EvalReport
+from eval.report import EvalMetrics, EvalReport, judged
 
 METRICS = EvalMetrics(
     tokens=255, windows=1, vocab_size=512, ppl_ref=10.0, ppl=10.2, ppl_change=0.02, kl=0.01, kl_max=0.2,
@@ -19,20 +21,45 @@ METRICS = EvalMetrics(
 
 
 def test_judged_report_round_trips_through_json() -> None:
-    report = EvalReport.judged(METRICS, gate_for("q4_k_m"), runtime="llama.cpp", runtime_version="0.3.36")
+    report = judged(METRICS, gate_for("q4_k_m"), runtime="llama.cpp", runtime_version="0.3.36")
     assert report.status == "passed" and report.passed
     again = EvalReport.model_validate_json(report.model_dump_json())
     assert again == report
-    failed = EvalReport.judged(METRICS, gate_for("f16"), runtime="llama.cpp", runtime_version="0.3.36")
+    failed = judged(METRICS, gate_for("f16"), runtime="llama.cpp", runtime_version="0.3.36")
     assert failed.status == "failed" and not failed.passed and failed.failures
 
 
 def test_non_finite_metrics_survive_json() -> None:
     broken = METRICS.model_copy(update={"kl": math.nan, "ppl": math.inf})
-    report = EvalReport.judged(broken, gate_for("q4_0"), runtime="llama.cpp", runtime_version="x")
+    report = judged(broken, gate_for("q4_0"), runtime="llama.cpp", runtime_version="x")
     again = EvalReport.model_validate_json(report.model_dump_json())
     assert again.metrics is not None and math.isnan(again.metrics.kl) and again.metrics.ppl == math.inf
     assert again.status == "failed"
+
+
+# A failed report as kiln wrote it before its record moved to core.evals: it reads back, and is written the same.
+STORED = (
+    '{"status":"failed","passed":false,"runtime":"llama.cpp","runtime_version":"0.3.36","reference":null,'
+    '"reference_version":null,"text_digest":"' + "ab" * 32 + '","metrics":{"tokens":255,"windows":1,'
+    '"vocab_size":512,"ppl_ref":10.0,"ppl":"Infinity","ppl_change":0.02,"kl":"NaN","kl_error":0.0,"kl_max":0.2,'
+    '"top1":0.95,"greedy_tokens":32,"greedy_match":0.5,"greedy_match_total":0.75},"gate":{"max_kl":0.06,'
+    '"min_top1":0.85,"max_ppl_increase":0.08,"min_greedy_match":null},"failures":["kl nan is above max_kl 0.06"],'
+    '"runtime_needed":null,"reason":null}'
+)
+
+
+def test_a_stored_report_reads_and_writes_as_before() -> None:
+    report = EvalReport.model_validate_json(STORED)
+    assert report.model_dump_json() == STORED
+    broken = METRICS.model_copy(update={"kl": math.nan, "ppl": math.inf})
+    again = judged(broken, gate_for("q4_k_m"), runtime="llama.cpp", runtime_version="0.3.36", text_digest="ab" * 32)
+    assert again.model_dump_json() == STORED
+    # One record under both names: eval's, where the pipeline reads it, and core's, where the registry does.
+    assert (EvalReport, EvalMetrics, eval.gates.Gate) == (
+        core.evals.EvalReport,
+        core.evals.EvalMetrics,
+        core.evals.Gate,
+    )
 
 
 def test_not_evaluated_is_never_passed() -> None:

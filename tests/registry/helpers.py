@@ -149,6 +149,19 @@ def publish(
     return result
 
 
+# An eval's metrics (`core.evals.EvalMetrics`) where a test cares only about a few: `eval_metrics(kl=0.3)`.
+METRICS: dict[str, Any] = {
+    "tokens": 255, "windows": 1, "vocab_size": 512, "ppl_ref": 10.0, "ppl": 10.01, "ppl_change": 0.001,
+    "kl": 0.001, "kl_error": 0.0, "kl_max": 0.02, "top1": 0.99, "greedy_tokens": 32, "greedy_match": None,
+    "greedy_match_total": None,
+}  # fmt: skip
+
+
+def eval_metrics(**values: Any) -> dict[str, Any]:
+    """Whole metrics as JSON: `METRICS` with `values` in their place."""
+    return METRICS | values
+
+
 def post_eval(
     client: TestClient,
     artifact: str,
@@ -158,6 +171,10 @@ def post_eval(
     version: str = "1.0",
     **fields: Any,
 ) -> Any:
+    """POST one runtime's eval; `metrics`, when given, names only the metrics the test is about
+    (`eval_metrics` fills in the rest)."""
+    if "metrics" in fields:
+        fields["metrics"] = eval_metrics(**fields["metrics"])
     return client.post(
         f"/v1/models/{model}/releases/{version}/artifacts/{artifact}/evals",
         json={"runtime": runtime, "status": status, **fields},

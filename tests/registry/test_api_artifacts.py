@@ -6,7 +6,17 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import assert_error, make_release, manifest, post_eval, publish, seal, sha, upload
+from tests.registry.helpers import (
+    assert_error,
+    eval_metrics,
+    make_release,
+    manifest,
+    post_eval,
+    publish,
+    seal,
+    sha,
+    upload,
+)
 
 FILES = {"model.gguf": b"G" * 3000, "tokenizer/tokenizer.json": b'{"v": 1}'}
 ARTIFACTS = "/v1/models/tiny/releases/1.0/artifacts"
@@ -147,7 +157,7 @@ def test_manifest_is_validated(client: TestClient) -> None:
 def test_evals_are_idempotent_and_immutable(client: TestClient) -> None:
     make_release(client)
     publish(client, "gguf-q8", FILES, ["cpu"])
-    fields: dict[str, Any] = {"metrics": {"kl": 0.01, "top1": 0.99}, "gates": {"kl": 0.05}}
+    fields: dict[str, Any] = {"metrics": {"kl": 0.01, "top1": 0.99}, "gates": {"max_kl": 0.05}}
     first = post_eval(client, "gguf-q8", "passed", **fields)
     assert first.status_code == 201, first.text
     assert first.json()["status"] == "passed"
@@ -163,6 +173,34 @@ def test_evals_are_idempotent_and_immutable(client: TestClient) -> None:
     assert [(e["runtime"], e["status"]) for e in evals] == [("llama.cpp", "passed"), ("vllm-rocm", "not_evaluated")]
     assert_error(post_eval(client, "gguf-q8", "great"), 422, "INVALID_INPUT")
     assert_error(post_eval(client, "nope", "passed"), 404, "NOT_FOUND")
+
+
+def test_eval_metrics_and_gates_are_typed_records(client: TestClient) -> None:
+    make_release(client)
+    publish(client, "gguf-q8", FILES, ["cpu"])
+    url = f"{ARTIFACTS}/gguf-q8/evals"
+    # A metric missing, or a threshold the gate does not know: refused, naming the field.
+    partial = {"runtime": "llama.cpp", "status": "passed", "metrics": {"kl": 0.01}}
+    error = assert_error(client.post(url, json=partial), 422, "INVALID_INPUT")
+    assert "top1" in str(error["details"])
+    unknown = {"runtime": "llama.cpp", "status": "passed", "metrics": eval_metrics(), "gates": {"kl": 0.05}}
+    assert "kl" in str(assert_error(client.post(url, json=unknown), 422, "INVALID_INPUT")["details"])
+    # A NaN (a runtime's non-finite logits) is sent and stored as "NaN", and the same result again is the same.
+    nan = {"runtime": "llama.cpp", "status": "failed", "metrics": eval_metrics(kl="NaN"), "reason": "kl NaN"}
+    first = client.post(url, json=nan)
+    assert first.status_code == 201, first.text
+    assert first.json()["metrics"] == eval_metrics(kl="NaN") and first.json()["gates"] is None
+    assert client.post(url, json=nan).status_code == 200
+    # `{}`, how a publisher from before the typed fields says "none measured", is none.
+    old = {"runtime": "vllm", "status": "not_evaluated", "metrics": {}, "gates": {}, "reason": "needs a GPU"}
+    assert client.post(url, json=old).status_code == 201
+    assert client.post(url, json={**old, "metrics": None, "gates": None}).status_code == 200
+    evals = client.get(f"{ARTIFACTS}/gguf-q8").json()["evals"]
+    assert [(e["runtime"], e["metrics"] is None) for e in evals] == [("llama.cpp", False), ("vllm", True)]
+    # The API's schema shows the fields, not an object of anything.
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert set(schemas["EvalMetrics"]["properties"]) == set(eval_metrics())
+    assert set(schemas["Gate"]["properties"]) == {"max_kl", "min_top1", "max_ppl_increase", "min_greedy_match"}
 
 
 def test_evals_record_the_runtime_version(client: TestClient) -> None:

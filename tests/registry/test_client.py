@@ -18,11 +18,22 @@ from fastapi import FastAPI
 
 from client import RegistryClient
 from core import errors
+from core.evals import EvalMetrics, PublishedEval
 from core.manifest import ArtifactManifest, FileEntry
+from eval.gates import gate_for
+from eval.report import EvalReport, judged
 from registry.app import create_app
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
-from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST
+from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, eval_metrics
+
+METRICS = EvalMetrics.model_validate(eval_metrics())
+
+
+def report_of(kl: float) -> EvalReport:
+    """A passed llama.cpp report of a q4_0 GGUF with mean KL `kl`."""
+    metrics = METRICS.model_copy(update={"kl": kl})
+    return judged(metrics, gate_for("q4_0"), runtime="llama.cpp", runtime_version="llama-cpp-python 0.3.36")
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +87,14 @@ def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactMani
     published = client.publish_artifact(model, "1.0", manifest, files_root=root)
     assert published["manifest_digest"] == manifest.content_digest()
     assert client.publish_artifact(model, "1.0", manifest)["manifest_digest"] == manifest.content_digest()
-    recorded = client.post_eval(
-        model, "1.0", "gguf-q8", "llama.cpp", "passed", metrics={"kl": 0.01}, runtime_version="llama-cpp-python 0.3.36"
-    )
-    assert recorded["runtime_version"] == "llama-cpp-python 0.3.36"
+    report = judged(METRICS, gate_for("q8_0"), runtime="llama.cpp", runtime_version="llama-cpp-python 0.3.36")
+    posted = PublishedEval.of_report("llama.cpp", report)
+    recorded = client.post_eval(model, "1.0", "gguf-q8", posted)
+    assert client.post_eval(model, "1.0", "gguf-q8", posted) == recorded  # the same result again: as is
+    # What went in comes back, typed: the report's metrics and gate, its verdict and runtime version.
+    assert recorded.model_dump(exclude={"created_at"}) == posted.model_dump()
+    assert (recorded.metrics, recorded.gates, recorded.status) == (report.metrics, report.gate, "passed")
+    assert client.artifact_evals(model, "1.0", "gguf-q8") == [recorded]
     assert client.seal_release(model, "1.0")["status"] == "sealed"
     assert client.seal_release(model, "1.0")["status"] == "sealed"  # idempotent
     channel = client.promote(model, "1.0", "prod", actor="ci")
@@ -130,7 +145,10 @@ def test_client_raises_kiln_errors(
         with pytest.raises(errors.Conflict) as incomplete:
             client.seal_release("errors-model", "1.0")
         assert incomplete.value.code == "RELEASE_INCOMPLETE" and incomplete.value.details["unevaluated"] == ["gguf-q8"]
-        client.post_eval("errors-model", "1.0", "gguf-q8", "llama.cpp", "failed", reason="kl too high")
+        failed = judged(METRICS, gate_for("f32"), runtime="llama.cpp", runtime_version="llama-cpp-python 0.3.36")
+        assert client.post_eval("errors-model", "1.0", "gguf-q8", PublishedEval.of_report("llama.cpp", failed)).reason
+        with pytest.raises(errors.Conflict):  # eval results are immutable
+            client.post_eval("errors-model", "1.0", "gguf-q8", PublishedEval.of_report("llama.cpp", report_of(0.02)))
         client.seal_release("errors-model", "1.0")
         with pytest.raises(errors.GateFailed) as gate:
             client.promote("errors-model", "1.0", "prod")
