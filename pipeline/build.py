@@ -26,11 +26,10 @@ from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
 from pipeline.requirements import RUNTIME_NEEDS, Sizing, plan_device, runner_labels
-from pipeline.stage import Node, Stage
-from pipeline.stages import engine as engine_stage
+from pipeline.stage import Node
+from pipeline.stages import derived as derived_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
-from pipeline.stages import gpu_eval as gpu_eval_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import prepare as prepare_stage
 from pipeline.stages import publish as publish_stage
@@ -44,8 +43,6 @@ from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
-# The stage of each kind of node a target adds per artifact (`targets.base.DerivedNode.kind`).
-DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE, "gpu-eval": gpu_eval_stage.STAGE}
 
 
 class SourceShapeOnly(InvalidInput):
@@ -211,7 +208,7 @@ def _build_graph(
                 params = {**params, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()}
             node = Node(
                 f"{derived.kind}/{derived.name}",
-                DERIVED_STAGES[derived.kind],
+                derived_stage.stage_of(derived.stage),
                 params=params,
                 inputs={role: roles[role] for role in derived.inputs},
             )

@@ -502,8 +502,9 @@ STAGE_NEEDS: dict[str, StageNeeds] = {
     "prepare": StageNeeds(1, 400, nothing),
     "export": StageNeeds(1, 500, streamed(4)),
     "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing, str(node.params.get("quant", "")))),
-    "engine": StageNeeds(4, 2000, nothing),  # a serving runtime's replica: `tensor_parallel`
-    "gpu-eval": StageNeeds(4, 2000, nothing),
+    # A target's derived stage on a GPU runner (a GPU eval, an engine build): a serving runtime's replica,
+    # `runner_requirements`.
+    "runner": StageNeeds(4, 2000, nothing),
     "publish": StageNeeds(1, 150, nothing),
     "seal": StageNeeds(1, 150, nothing),
 }
@@ -655,14 +656,15 @@ def serving(
     )
 
 
-def runner_requirements(stage: str, sizing: Sizing, quant: str, sku: str, version: str) -> Requirements:
-    """A stage a GPU runner of `sku` runs with a pinned tensorrt_llm (an engine build, a GPU eval)."""
-    needs = _stage(stage)
-    host = sizing.compare_bytes if stage == "gpu-eval" else 0
-    req = serving(
-        sizing, quant, "tensorrt_llm", needs.cpus, needs.base_mib, PlanDevice("cuda", catalog_gpu(sku)), host=host
-    )
-    return req.model_copy(update={"accelerator": accelerator(sku), "runtime_env": f"tensorrt_llm=={version}"})
+def runner_requirements(
+    sizing: Sizing, runtime: str, quant: str, sku: str, version: str, *, host: int = 0
+) -> Requirements:
+    """A target's derived stage, run by a GPU runner of `sku` with `runtime` pinned at `version` (a GPU eval,
+    an engine build): a serving replica of the `quant` artifact there, and `host` bytes on the host besides."""
+    needs = _stage("runner")
+    rt = _runtime(runtime)
+    req = serving(sizing, quant, runtime, needs.cpus, needs.base_mib, PlanDevice("cuda", catalog_gpu(sku)), host=host)
+    return req.model_copy(update={"accelerator": accelerator(sku), "runtime_env": f"{rt.runtime_env}=={version}"})
 
 
 def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = None) -> list[str]:
