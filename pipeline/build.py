@@ -18,6 +18,7 @@ from core.digest import HashCache, sha256_json
 from core.errors import InvalidInput, StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
+from eval.runtimes.facts import RUNTIME_FACTS
 from formats.hf_model import open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
@@ -25,7 +26,7 @@ from pipeline.placement import placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import RUNTIME_NEEDS, Sizing, plan_device, runner_labels
+from pipeline.requirements import Sizing, plan_device, runner_labels
 from pipeline.stage import Node
 from pipeline.stages import derived as derived_stage
 from pipeline.stages import eval as eval_stage
@@ -223,7 +224,7 @@ def _build_graph(
 
 def _on_runtime_device(node: Node, device: Device) -> Node:
     """An eval node placed on `device` when its runtime runs on the stage's device (transformers, JAX)."""
-    return with_device(node, device) if RUNTIME_NEEDS[node.params["runtime"]].on_stage_device else node
+    return with_device(node, device) if RUNTIME_FACTS[node.params["runtime"]].on_stage_device else node
 
 
 def _quantize_node(
