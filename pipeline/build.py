@@ -20,6 +20,7 @@ from core.digest import HashCache, sha256_json
 from core.errors import InvalidInput, StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
+from eval.runtimes.facts import RUNTIME_FACTS
 from formats.hf_model import open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
@@ -27,12 +28,11 @@ from pipeline.placement import placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import RUNTIME_NEEDS, Sizing, plan_device, runner_labels
-from pipeline.stage import Node, Stage
-from pipeline.stages import engine as engine_stage
+from pipeline.requirements import Sizing, plan_device, runner_labels
+from pipeline.stage import Node
+from pipeline.stages import derived as derived_stage
 from pipeline.stages import eval as eval_stage
 from pipeline.stages import export as export_stage
-from pipeline.stages import gpu_eval as gpu_eval_stage
 from pipeline.stages import ingest as ingest_stage
 from pipeline.stages import prepare as prepare_stage
 from pipeline.stages import publish as publish_stage
@@ -46,8 +46,6 @@ from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
-# The stage of each kind of node a target adds per artifact (`targets.base.DerivedNode.kind`).
-DERIVED_STAGES: dict[str, Stage] = {"engine": engine_stage.STAGE, "gpu-eval": gpu_eval_stage.STAGE}
 
 
 class SourceShapeOnly(InvalidInput):
@@ -213,7 +211,7 @@ def _build_graph(
                 params = {**params, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()}
             node = Node(
                 f"{derived.kind}/{derived.name}",
-                DERIVED_STAGES[derived.kind],
+                derived_stage.stage_of(derived.stage),
                 params=params,
                 inputs={role: roles[role] for role in derived.inputs},
             )
@@ -228,7 +226,7 @@ def _build_graph(
 
 def _on_runtime_device(node: Node, device: Device) -> Node:
     """An eval node placed on `device` when its runtime runs on the stage's device (transformers, JAX)."""
-    return with_device(node, device) if RUNTIME_NEEDS[node.params["runtime"]].on_stage_device else node
+    return with_device(node, device) if RUNTIME_FACTS[node.params["runtime"]].on_stage_device else node
 
 
 def _quantize_node(

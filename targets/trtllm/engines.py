@@ -45,7 +45,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES
-from targets.base import DerivedNode
 from targets.hf_bundle.export import DEFAULT_SHARD_BYTES
 from targets.trtllm.formats import (
     ENGINE_REFUSED,
@@ -237,54 +236,6 @@ def legacy_commands(quant: str, sku: str, matrix: EngineMatrix) -> list[list[str
     build += ["--max_batch_size", str(matrix.max_batch_size), "--max_input_len", str(matrix.max_input_len)]
     build += ["--max_seq_len", str(matrix.max_seq_len), *build_flags(quant, sku)]
     return [convert, build]
-
-
-def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[DerivedNode]:
-    """`TargetSpec.derived`: a GPU eval of export `name` per SKU of `params.gpus`, and a legacy engine per
-    SKU of `params.legacy_engines` (built from the bf16 source, so its input is the ingest, not the export)."""
-    parsed = parse_params(params)
-    nodes: list[DerivedNode] = []
-    if parsed.gpus is not None:
-        nodes += [
-            DerivedNode(
-                kind="gpu-eval",
-                name=f"{name}@{sku}",
-                params={
-                    "artifact": name,
-                    "quant": quant,
-                    "runtime": "tensorrt_llm",
-                    "sku": sku,
-                    "tensorrt_llm": parsed.gpus.tensorrt_llm,
-                },
-                inputs=("reference", "export"),
-                evaluates=name,
-            )
-            for sku in parsed.gpus.skus
-        ]
-    matrix = parsed.legacy_engines
-    if matrix is not None:
-        limits = {
-            "max_batch_size": matrix.max_batch_size,
-            "max_input_len": matrix.max_input_len,
-            "max_seq_len": matrix.max_seq_len,
-        }
-        nodes += [
-            DerivedNode(
-                kind="engine",
-                name=f"{name}-{sku}",
-                params={
-                    "artifact": f"{name}-{sku}",
-                    "quant": quant,
-                    "sku": sku,
-                    "limits": limits,
-                    "tensorrt_llm": matrix.tensorrt_llm,
-                    "commands": legacy_commands(quant, sku, matrix),
-                },
-                inputs=("ingest",),
-            )
-            for sku in matrix.skus
-        ]
-    return nodes
 
 
 def runner(sku: str, pin: str) -> str:

@@ -17,9 +17,10 @@ import yaml
 from core.hardware import PROFILES
 from core.manifest import FileEntry
 from pipeline.stage import StageOutput
-from pipeline.stages import engine as engine_stage
+from pipeline.stages.derived import artifact_record
 from pipeline.stages.publish import manifest_for
 from targets.trtllm.engines import EngineMatrix, gpus_matching, legacy_commands, missing_for
+from targets.trtllm.stages import engine_artifact, filled
 from tests.model_factory import make_model
 
 MATRIX = EngineMatrix(skus=["h100", "a100"], max_batch_size=8, max_input_len=256, max_seq_len=512)
@@ -94,7 +95,8 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
         "tensorrt_llm": "0.21.0",
         "commands": legacy_commands("fp8", "h100", MATRIX),
     }
-    result = engine_stage.engine_result(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
+    made = engine_artifact(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
+    result = artifact_record(params, made)
     output = StageOutput(
         "engine/trtllm-fp8-h100", "k", Path("."), result, [FileEntry(path="rank0.engine", sha256="0" * 64, size=1)], {}
     )
@@ -110,8 +112,8 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
         "quantize.py (ModelOpt), on the runner" in runtime["quantized_by"]
         and runtime["built_from"] == "the bf16 source"
     )
-    filled = engine_stage.filled(params["commands"], {"{examples}": "/opt/trt/examples", "{source}": "/s"})
-    assert filled[0][1] == "/opt/trt/examples/quantization/quantize.py" and filled[0][3] == "/s"
+    commands = filled(params["commands"], {"{examples}": "/opt/trt/examples", "{source}": "/s"})
+    assert commands[0][1] == "/opt/trt/examples/quantization/quantize.py" and commands[0][3] == "/s"
 
 
 @pytest.fixture(scope="module")
