@@ -31,7 +31,11 @@ tensor parallelism over the GPUs the stage was granted (`cuda`: every GPU it see
 `num_gpus`, `pipeline.requirements` sizing that count from the weights; `cuda:N`: that one), the largest
 power of two of them that divides the attention heads (`tensor_parallel_size`). The CPU's verdicts
 (AMX, FP8 and int8 kernels) do not apply there; the GPU, the degree and the environment are in the
-report's runtime version.
+report's runtime version. What vLLM's CUDA build runs on which GPU generation is data too (`CUDA_KERNELS`,
+checked against the compute capability the worker reads): a bundle it cannot run there (an FP8 KV cache
+below sm89, anything below bf16's sm80) is not evaluated, with the reason; one it runs through a stand-in
+kernel (FP8 W8A8 below sm89 and NVFP4 W4A4 below sm100 run weight-only through Marlin) is evaluated, and
+the runtime version names the stand-in.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class WeightScheme:
     weight_bits: int
     weight_strategy: str  # "tensor", "channel", "group", "block"
     activations: bool  # activations quantized too (W8A8) or not (weight-only)
+    group_size: int | None = None  # elements per scale of a group strategy (NVFP4: 16, MXFP4: 32)
 
     @classmethod
     def from_group(cls, group: Any) -> WeightScheme:
@@ -83,11 +88,13 @@ class WeightScheme:
                 "a compressed-tensors config group needs `weights` with an integer `num_bits`",
                 code="BUNDLE_CONFIG_INVALID",
             )
+        size = weights.get("group_size")
         return cls(
             weight_type=str(weights.get("type")),
             weight_bits=bits,
             weight_strategy=str(weights.get("strategy")),
             activations=bool(group.get("input_activations")),
+            group_size=size if isinstance(size, int) and not isinstance(size, bool) else None,
         )
 
 
@@ -175,6 +182,95 @@ COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...
 )
 
 
+# What vLLM's CUDA build runs on a GPU of compute capability `sm` (major × 10 + minor), read at the source
+# of the pinned vllm 0.32.0 (the same Python in its CPU build): model_executor/layers/quantization/
+# compressed_tensors/compressed_tensors.py `_get_scheme_from_parts` and each scheme's `get_min_capability`,
+# utils/marlin_utils_fp8.py and marlin_utils_fp4.py (Marlin from sm75), utils/nvfp4_utils.py
+# (`cutlass_fp4_supported`: sm100+), kernels/linear/mxfp4/flashinfer.py (sm100+), and
+# v1/attention/backends/triton_attn.py (an FP8 KV cache needs SM89's fp8e4nv).
+# kiln loads every bundle with bfloat16 activations, which need sm80 (Ampere): that is the floor.
+BF16_MIN_SM = 80
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """How vLLM's CUDA build runs a scheme: with its own arithmetic from `native_sm`, and below that, from
+    `loads_sm`, through a `fallback` kernel that computes something else (weight-only: activations stay
+    bfloat16), which the eval then measures and names in its runtime version (`fallback`: a short label in
+    the registry's runtime-version characters); below `loads_sm` it cannot run at all."""
+
+    scheme: str
+    matches: Callable[[WeightScheme], bool]
+    native_sm: int
+    loads_sm: int
+    fallback: str = ""
+
+
+def _fp4(s: WeightScheme) -> bool:
+    return s.weight_type == "float" and s.weight_bits == 4
+
+
+CUDA_KERNELS: tuple[CudaKernels, ...] = (
+    CudaKernels(
+        "NVFP4 W4A4",
+        lambda s: _fp4(s) and s.group_size == 16 and s.activations,
+        native_sm=100,
+        loads_sm=75,
+        fallback="NVFP4 weight-only (Marlin FP4 W4A16, below sm100)",
+    ),
+    CudaKernels("NVFP4 W4A16", lambda s: _fp4(s) and s.group_size == 16 and not s.activations, 75, 75),
+    CudaKernels(
+        "MXFP4",
+        lambda s: _fp4(s) and s.group_size != 16,
+        native_sm=100,
+        loads_sm=80,
+        fallback="MXFP4 weight-only (Marlin FP4 W4A16, below sm100)",
+    ),
+    CudaKernels(
+        "FP8 W8A8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.activations,
+        native_sm=89,
+        loads_sm=75,
+        fallback="FP8 weight-only (Marlin W8A16, below sm89)",
+    ),
+    CudaKernels("FP8 W8A16", lambda s: s.weight_type == "float" and s.weight_bits == 8 and not s.activations, 75, 75),
+    CudaKernels("int8 W8A8", int8_w8a8, 75, 75),
+    CudaKernels("int W4A16/W8A16", lambda s: s.weight_type == "int" and not s.activations, 75, 75),
+)
+FP8_KV_CACHE_MIN_SM = 89
+
+
+@dataclass(frozen=True)
+class CudaVerdict:
+    """A bundle on a GPU: why vLLM cannot run it there (`cannot`), or what it runs instead of the bundle's
+    own arithmetic (`fallbacks`, said in the eval's runtime version)."""
+
+    cannot: str | None
+    fallbacks: tuple[str, ...] = ()
+
+
+def cuda_verdict(schemes: Sequence[WeightScheme], sm: int, fp8_kv_cache: bool = False) -> CudaVerdict:
+    """What vLLM's CUDA build does with a bundle of `schemes` (and an FP8 KV cache) on a GPU of compute
+    capability `sm` (`CUDA_KERNELS`); the smallest capability of the GPUs a tensor-parallel replica spans."""
+    name = f"sm{sm}"
+    if sm < BF16_MIN_SM:
+        return CudaVerdict(f"kiln evaluates with bfloat16 activations, which need sm{BF16_MIN_SM}; this GPU is {name}")
+    if fp8_kv_cache and sm < FP8_KV_CACHE_MIN_SM:
+        return CudaVerdict(
+            f"FP8 KV cache: vLLM's attention keeps an FP8 cache from sm{FP8_KV_CACHE_MIN_SM} (fp8e4nv); "
+            f"this GPU is {name}"
+        )
+    fallbacks: list[str] = []
+    for kernels in CUDA_KERNELS:
+        if not any(kernels.matches(s) for s in schemes):
+            continue
+        if sm < kernels.loads_sm:
+            return CudaVerdict(f"{kernels.scheme}: vLLM runs it from sm{kernels.loads_sm}; this GPU is {name}")
+        if sm < kernels.native_sm and kernels.fallback not in fallbacks:
+            fallbacks.append(kernels.fallback)
+    return CudaVerdict(None, tuple(fallbacks))
+
+
 def compute_dtype(schemes: Sequence[WeightScheme], amx: bool = False) -> str:
     """The activation dtype vLLM evaluates a bundle of `schemes` in (`COMPUTE_DTYPES`, else float32);
     `amx`: whether the worker lets vLLM use its AMX kernels."""
@@ -206,6 +302,12 @@ def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
     if quant and not isinstance(groups, dict):
         raise InvalidInput("`quantization_config` has no `config_groups` object", code="BUNDLE_CONFIG_INVALID")
     return [WeightScheme.from_group(g) for g in (groups or {}).values()]
+
+
+def fp8_kv_cache(config: dict[str, Any]) -> bool:
+    """Whether a bundle's config asks for a quantized (FP8) KV cache: its `kv_cache_scheme`."""
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and bool(quant.get("kv_cache_scheme"))
 
 
 def head_size(config: dict[str, Any]) -> int | None:
@@ -374,6 +476,21 @@ def shared_worker(
     return worker
 
 
+def cuda_version(
+    hello: dict[str, Any], tp: int, gpu_names: Sequence[object], sm: int, fallbacks: Sequence[str] = ()
+) -> str:
+    """The eval's runtime version on GPUs: vLLM, torch, the activations, the degree, the GPUs (counted by
+    name, so eight of one kind stay short) and each kernel that stands in for the bundle's own."""
+    counts: dict[str, int] = {}
+    for name in gpu_names:
+        counts[str(name)] = counts.get(str(name), 0) + 1
+    gpus = ", ".join(name if n == 1 else f"{n} x {name}" for name, n in counts.items()) or "GPU"
+    return (
+        f"vLLM {hello['vllm']} ({hello['build']}, CUDA), torch {hello['torch']}, bfloat16 activations, "
+        f"tensor parallel {tp} on {gpus} (sm{sm})"
+    ) + "".join(f", {fallback}" for fallback in fallbacks)
+
+
 def tensor_parallel_size(gpus: int, heads: int) -> int:
     """The degree vLLM shards a model over: the largest power of two up to `gpus` that divides `heads`."""
     size = 1
@@ -431,10 +548,7 @@ class VllmRuntime:
         hello = self._worker.hello
         if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
             raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
-        kv = isinstance(config.get("quantization_config"), dict) and bool(
-            config["quantization_config"].get("kv_cache_scheme")
-        )
-        why = cpu_limitation(schemes, here, hello, head_size(config), fp8_kv_cache=kv)
+        why = cpu_limitation(schemes, here, hello, head_size(config), fp8_kv_cache=fp8_kv_cache(config))
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
@@ -483,6 +597,19 @@ class VllmRuntime:
         gpus = tuple(granted[:tp])
         self._worker = shared_worker(installed.python, threads, None, gpus)
         hello = self._worker.hello
+        sm = hello.get("cuda_sm")
+        if not isinstance(sm, int):
+            raise StageFailed(
+                f"vLLM {hello['vllm']} sees no CUDA GPU among {','.join(gpus)} (is its environment a CPU build?)",
+                code="EVAL_RUNTIME_LOAD_FAILED",
+                details={"runtime": self.name, "gpus": list(gpus)},
+            )
+        verdict = cuda_verdict(bundle_schemes(config), sm, fp8_kv_cache=fp8_kv_cache(config))
+        if verdict.cannot is not None:
+            raise Deferred(
+                f"vLLM {hello['vllm']} on these GPUs (sm{sm}) cannot run it: {verdict.cannot}",
+                details={"runtime_needed": env.name},
+            )
         try:
             loaded, _ = self._worker.request(
                 {
@@ -505,11 +632,7 @@ class VllmRuntime:
         self.load_seconds = float(loaded["load_s"])
         self.dtype = "bfloat16"
         self.tensor_parallel = tp
-        gpu_names = ", ".join(str(n) for n in loaded.get("gpus", [])) or "GPU"
-        self.version = (
-            f"vLLM {hello['vllm']} ({hello['build']}, CUDA), torch {hello['torch']}, bfloat16 activations, "
-            f"tensor parallel {tp} on {gpu_names}"
-        ) + (
+        self.version = cuda_version(hello, tp, loaded.get("gpus", []), sm, verdict.fallbacks) + (
             ""
             if hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
             else f", top-{TOP_K} log-probabilities, the rest spread evenly"

@@ -9,7 +9,8 @@ reply stream, a line of JSON, followed by `nbytes` raw bytes when the reply carr
 (little-endian float32, C order, shape in the header). Every reply has `ok`; a failed request
 answers `{"ok": false, "error": ..., "type": ...}` and the worker goes on. Requests:
 
-- `hello`: protocol, versions, the kernels this build has and the AMX decision;
+- `hello`: protocol, versions, the kernels this build has, the AMX decision and, on GPUs, the smallest
+  compute capability among them (`cuda_sm`: major × 10 + minor; None on the CPU);
 - `load` {model, max_model_len, kv_cache_bytes, full_vocab_limit, top_k}: open a model with `vllm.LLM`;
 - `logits` {ids}: the next-token log-probabilities at every position of one window ([len(ids), V]);
 - `greedy` {prompts, n}: `n` tokens continuing each prompt by argmax, EOS ignored;
@@ -29,7 +30,7 @@ import sys
 import time
 from typing import Any, BinaryIO
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 # A bf16 matmul large enough for oneDNN to take its AMX kernels when allowed to: on a CPU that
 # advertises AMX but faults on it, this child dies with SIGILL.
@@ -161,7 +162,19 @@ class Worker:
             "prompt_logprobs": "engine arrays" if self.fast_prompt_logprobs else "RequestOutput",
             "amx_tile_supported_after_decision": bool(self.torch.cpu._is_amx_tile_supported()),
             "head_sizes": self._head_sizes(),
+            "cuda_sm": self._cuda_sm(),
         }
+
+    def _cuda_sm(self) -> int | None:
+        """The smallest compute capability of the visible GPUs, as vLLM reads it (through NVML, so no CUDA
+        context is made before vLLM starts its own processes); None without CUDA."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return None
+        found = [current_platform.get_device_capability(i) for i in range(self.torch.cuda.device_count())]
+        sms = [c.to_int() for c in found if c is not None]
+        return min(sms) if sms else None
 
     def _head_sizes(self) -> list[int] | None:
         """The attention head sizes vLLM's CPU attention takes (None: this vLLM does not say)."""
