@@ -25,7 +25,8 @@ where both pick the same next token, `ppl +` the relative perplexity increase
 | w4a16-gptq, w4a16-awq    | 0.06   | 0.85     | 0.08             | -                |
 | q4_0, mxfp4, nvfp4,      | 0.15   | 0.80     | 0.15             | -                |
 | int4-rtn, nvfp4-w4a16    |        |          |                  |                  |
-| nvfp4-w4a4, mxfp4-w4a4   | 0.25   | 0.75     | 0.25             | -                |
+| nvfp4-w4a4 (-gptq),      | 0.25   | 0.75     | 0.25             | -                |
+| mxfp4-w4a4               |        |          |                  |                  |
 
 Why these values:
 

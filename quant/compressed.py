@@ -34,9 +34,12 @@ def ct_scheme(scheme: Scheme) -> QuantizationScheme:
     scales = {} if narrow is None else {"scale_dtype": getattr(torch, narrow), "zp_dtype": getattr(torch, narrow)}
     # A locally dynamic activation (NVFP4) has a static tensor scale, observed on calibration text.
     observer = "static_minmax" if acts is not None and acts.dynamic == "local" else None
+    # GPTQ quantizes the columns in the order of their Hessian's diagonal (llm-compressor's default "static"),
+    # and its checkpoints say so, as llm-compressor's own do; the stored weights keep their column order.
+    order = {"actorder": "static"} if scheme.method == "gptq" else {}
     return QuantizationScheme(
         targets=list(scheme.targets),
-        weights=QuantizationArgs(**scheme.weights.model_dump(), dynamic=False, **scales),
+        weights=QuantizationArgs(**scheme.weights.model_dump(), dynamic=False, **scales, **order),
         input_activations=QuantizationArgs(**acts.model_dump(), observer=observer, **scales)
         if acts is not None
         else None,

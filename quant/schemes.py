@@ -33,7 +33,8 @@ CompressionFormat = Literal[
 ]
 # How the quantized values are chosen: `none` (unquantized), round-to-nearest from the weights alone
 # (`rtn`: kiln's `quant.rtn`), or by llm-compressor (`quant.calibrated`): calibrated on sample text (GPTQ:
-# Hessian-based error feedback; AWQ: activation-aware per-channel smoothing, then round-to-nearest), or
+# Hessian-based error feedback, for int4 and NVFP4 weights; AWQ: activation-aware per-channel smoothing,
+# then round-to-nearest), or
 # `minmax`, its `QuantizationModifier`'s min-max observers (round-to-nearest for the weights, with the
 # tensor scales NVFP4 shares across fused q/k/v and gate/up; static activation scales observed on sample text).
 QuantMethod = Literal["none", "rtn", "gptq", "awq", "minmax"]
@@ -151,12 +152,15 @@ class Scheme(_Frozen):
             raise ValueError(f"scheme {self.name!r}: format {self.format!r} does not match its quantization; {want!r}")
         if (self.method == "none") != (self.weights is None):
             raise ValueError(f"scheme {self.name!r}: method 'none' is exactly for unquantized schemes")
-        if self.method in CALIBRATED_METHODS and (
-            self.weights is None or self.weights.type != "int" or self.input_activations is not None
-        ):
-            raise ValueError(f"scheme {self.name!r}: {self.method} calibrates int weights only (weight-only WnA16)")
-        if (self.method == "minmax") != (self.format in FP4_FORMATS.values()):
-            raise ValueError(f"scheme {self.name!r}: llm-compressor's min-max quantization is exactly for FP4 here")
+        int_weight_only = self.weights is not None and self.weights.type == "int" and self.input_activations is None
+        if self.method == "awq" and not int_weight_only:
+            raise ValueError(f"scheme {self.name!r}: awq calibrates int weights only (weight-only WnA16)")
+        if self.method == "gptq" and not (int_weight_only or self.format == FP4_FORMATS[16]):
+            raise ValueError(f"scheme {self.name!r}: gptq calibrates int weight-only (WnA16) or NVFP4 weights")
+        if self.method == "minmax" and self.format not in FP4_FORMATS.values():
+            raise ValueError(f"scheme {self.name!r}: llm-compressor's min-max quantization is for FP4 only")
+        if self.format in FP4_FORMATS.values() and self.method not in ("minmax", "gptq"):
+            raise ValueError(f"scheme {self.name!r}: FP4 weights are chosen by llm-compressor (minmax or gptq)")
         return self
 
     @property

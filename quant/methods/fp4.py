@@ -14,12 +14,16 @@
 Source: vLLM's compressed-tensors schemes (`CompressedTensorsW4A4Fp4`, `CompressedTensorsW4A4Mxfp4`) and their
 kernel choices (vLLM 0.33). GGUF's own `nvfp4` and `mxfp4` are llama.cpp types (`targets.gguf`).
 
-All three are quantized by llm-compressor's `QuantizationModifier` (`minmax`: the weights' min-max scales,
-NVFP4's tensor scales shared across the fused q/k/v and gate/up projections, as vLLM fuses them), in
+They are quantized by llm-compressor's `QuantizationModifier` (`minmax`: the weights' min-max scales,
+NVFP4's tensor scales shared across the fused q/k/v and gate/up projections, as vLLM fuses them), or, for
+`nvfp4-w4a4-gptq`, by its `GPTQModifier` (the same scales, each weight column rounded to make up for the
+error of those before it on sample text: the checkpoint is laid out exactly as `nvfp4-w4a4`'s), in
 `quant.calibrated`; which device takes which format natively is the hardware catalog's `fp4` fact.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from core.hardware import Fp4Format, HardwareProfile
 from quant.methods.base import GateDefaults, Method
@@ -59,7 +63,12 @@ def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
 
 
 def _fp4(
-    name: str, description: str, weights: WeightQuant, activations: ActivationQuant | None, gate: GateDefaults
+    name: str,
+    description: str,
+    weights: WeightQuant,
+    activations: ActivationQuant | None,
+    gate: GateDefaults,
+    method: Literal["minmax", "gptq"] = "minmax",
 ) -> Method:
     scheme = Scheme(
         name=name,
@@ -67,7 +76,7 @@ def _fp4(
         weights=weights,
         input_activations=activations,
         format="nvfp4-pack-quantized" if weights.group_size == 16 else "mxfp4-pack-quantized",
-        method="minmax",
+        method=method,
     )
     return Method(
         scheme,
@@ -87,6 +96,14 @@ METHODS = (
         _NVFP4_WEIGHTS,
         _NVFP4_ACTIVATIONS,
         W4A4,
+    ),
+    _fp4(
+        "nvfp4-w4a4-gptq",
+        "NVFP4 W4A4 as nvfp4-w4a4, its weights chosen by GPTQ on sample text (the same checkpoint layout)",
+        _NVFP4_WEIGHTS,
+        _NVFP4_ACTIVATIONS,
+        W4A4,
+        method="gptq",
     ),
     _fp4(
         "nvfp4-w4a16",

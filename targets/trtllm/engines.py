@@ -82,6 +82,8 @@ LEGACY_REFUSED: dict[str, str] = {
     "(--qformat fp8 --kv_cache_dtype fp8) is the fp8 scheme's legacy engine, not this checkpoint",
     "nvfp4-w4a4": "the pinned release's quantize.py calibrates its own NVFP4 scales (--qformat nvfp4): an engine "
     "would not be this checkpoint; the PyTorch backend loads the checkpoint itself on Blackwell",
+    "nvfp4-w4a4-gptq": "the pinned release's quantize.py has no GPTQ format and calibrates its own NVFP4 scales: "
+    "an engine would not be this checkpoint; the PyTorch backend loads the checkpoint itself on Blackwell",
     **{q: f"{ENGINE_REFUSED[f.quant_algo]}" for q, f in FORMATS.items() if f.quant_algo in ENGINE_REFUSED},
 }
 

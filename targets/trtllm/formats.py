@@ -7,7 +7,7 @@
 | fp8-kv8                   | FP8_PER_CHANNEL_PER_TOKEN | as fp8, with its kv_cache_scheme  | transformers, vLLM (CPU) |
 | fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers, vLLM (CPU) |
 | int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)           |
-| nvfp4-w4a4                | NVFP4                     | hf_quant_config.json, ModelOpt    | deferred (GPU, sm100)    |
+| nvfp4-w4a4 (-gptq)        | NVFP4                     | hf_quant_config.json, ModelOpt    | deferred (GPU, sm100)    |
 
 Why W4A16_AWQ for all three int4 schemes: TensorRT-LLM's compressed-tensors reader has no weight-only
 int branch (`quant_config_utils.py`), and its PyTorch backend builds per-group int4 Linears only
@@ -61,6 +61,7 @@ FORMATS: dict[str, TrtllmFormat] = {
     "w4a16-gptq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "nvfp4-w4a4": TrtllmFormat("NVFP4", "modelopt", ("tensorrt_llm",)),
+    "nvfp4-w4a4-gptq": TrtllmFormat("NVFP4", "modelopt", ("tensorrt_llm",)),
 }
 
 # Schemes TensorRT-LLM cannot load as kiln writes them, and why.

@@ -110,6 +110,9 @@ def test_no_method_shares_a_name_with_a_gguf_type() -> None:
         ("nvfp4-w4a4", "a100", True, "Marlin"),
         ("nvfp4-w4a4", "mi355x", False, "no NVFP4 kernels on ROCm"),
         ("nvfp4-w4a4", "mi300x", False, "no NVFP4 kernels on ROCm"),
+        ("nvfp4-w4a4-gptq", "b200", True, "native NVFP4 W4A4"),
+        ("nvfp4-w4a4-gptq", "h100", True, "no FP4 tensor cores: NVFP4 weights through vLLM's Marlin"),
+        ("nvfp4-w4a4-gptq", "mi355x", False, "no NVFP4 kernels on ROCm"),
         ("nvfp4-w4a16", "b200", True, "weight-only"),
         ("nvfp4-w4a16", "h100", True, "weight-only"),
         ("mxfp4-w4a4", "mi355x", True, "native MXFP4 W4A4 matmuls on gfx950"),
@@ -127,6 +130,7 @@ def test_fp4_verdicts_follow_the_hardware_facts(name: str, hardware: str, compat
 
 def test_fp4_matmul_rates() -> None:
     assert METHODS["nvfp4-w4a4"].matmul_dtype == METHODS["mxfp4-w4a4"].matmul_dtype == "fp4"
+    assert METHODS["nvfp4-w4a4-gptq"].matmul_dtype == "fp4"
     assert METHODS["nvfp4-w4a16"].matmul_dtype == "bf16"
     b200, h100 = PROFILES["b200"], PROFILES["h100"]
     assert b200.matmul_tflops("fp4") == (b200.tflops.fp4, "fp4")

@@ -3,7 +3,8 @@
 
 kiln builds its modifiers from its catalog (`quant.compressed.ct_scheme`), quantizes a disk-offloaded model
 and stores through its own streaming writer (`quant.store.write_quantized`); upstream here is the documented
-way: the model in memory, `QuantizationModifier(scheme="NVFP4", ...)`, `save_pretrained(save_compressed=True)`.
+way: the model in memory, `QuantizationModifier(scheme="NVFP4", ...)` (`GPTQModifier` for the GPTQ method),
+`save_pretrained(save_compressed=True)`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from quant.store import CONFIG_FILE, TENSORS_FILE, write_quantized
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
 # kiln method -> compressed-tensors preset
-PRESETS = {"nvfp4-w4a4": "NVFP4", "nvfp4-w4a16": "NVFP4A16", "mxfp4-w4a4": "MXFP4"}
+PRESETS = {"nvfp4-w4a4": "NVFP4", "nvfp4-w4a4-gptq": "NVFP4", "nvfp4-w4a16": "NVFP4A16", "mxfp4-w4a4": "MXFP4"}
 
 
 def _samples() -> list[list[int]]:
@@ -32,11 +33,15 @@ def _samples() -> list[list[int]]:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_the_catalog_scheme_is_the_compressed_tensors_preset(name: str) -> None:
-    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
 
     ours = ct_scheme(get_scheme(name))
     preset = preset_name_to_scheme(PRESETS[name], ["Linear"])
-    assert ours.weights == preset.weights
+    weights = preset.weights
+    if get_scheme(name).method == "gptq":  # what GPTQModifier makes of the preset: its default column order
+        assert weights is not None
+        weights = QuantizationArgs(**{**weights.model_dump(), "actorder": "static"})
+    assert ours.weights == weights
     assert ours.input_activations == preset.input_activations
     assert ours.format == get_scheme(name).format
 
@@ -45,6 +50,7 @@ def test_the_catalog_scheme_is_the_compressed_tensors_preset(name: str) -> None:
 def test_kiln_fp4_tensors_equal_what_llmcompressor_oneshot_writes(name: str, tmp_path: Path) -> None:
     import torch
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -61,7 +67,8 @@ def test_kiln_fp4_tensors_equal_what_llmcompressor_oneshot_writes(name: str, tmp
     del calibrated
 
     model = AutoModelForCausalLM.from_pretrained(str(EXAMPLE / "model"), dtype=getattr(torch, dtype))
-    recipe = QuantizationModifier(targets="Linear", scheme=PRESETS[name], ignore=["lm_head"])
+    modifier = GPTQModifier if scheme.method == "gptq" else QuantizationModifier
+    recipe = modifier(targets="Linear", scheme=PRESETS[name], ignore=["lm_head"])
     with cpu_pin_memory_workaround():
         oneshot(model=model, recipe=recipe, **oneshot_data(samples))
     # oneshot's sequential pipeline leaves the model dispatched with CPU offloading, which save_pretrained

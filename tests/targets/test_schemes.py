@@ -23,6 +23,7 @@ def test_presets_are_the_issue_schemes() -> None:
         "w4a16-gptq",
         "w4a16-awq",
         "nvfp4-w4a4",
+        "nvfp4-w4a4-gptq",
         "nvfp4-w4a16",
         "mxfp4-w4a4",
     ]

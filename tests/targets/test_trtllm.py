@@ -210,18 +210,20 @@ def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() ->
     assert not set(spec.quants) & set(spec.unsupported_quants)
 
 
+@pytest.mark.parametrize("quant", ["nvfp4-w4a4", "nvfp4-w4a4-gptq"])
 def test_nvfp4_checkpoint_is_what_compressed_tensors_modelopt_converter_reads_back(
-    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path
+    model_dir: Path, quantized: dict[str, QuantizedWeights], tmp_path: Path, quant: str
 ) -> None:
     """Cross-check with compressed-tensors' own ModelOpt NVFP4 converter: converting kiln's TensorRT-LLM
     checkpoint gives back the hf-bundle's compressed-tensors tensors (the tensor scales to within the one
-    rounding 1 / (1 / x) can add)."""
+    rounding 1 / (1 / x) can add), for min-max and GPTQ-chosen weights alike (GPTQ keeps the fused
+    projections' shared tensor scales, or the export would refuse it)."""
     import torch
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from safetensors import safe_open
 
-    q = quantized["nvfp4-w4a4"]
-    _export(open_source(model_dir), "nvfp4-w4a4", tmp_path / "ckpt", q)
+    q = quantized[quant]
+    _export(open_source(model_dir), quant, tmp_path / "ckpt", q)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted((tmp_path / "ckpt").glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
