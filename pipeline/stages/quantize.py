@@ -88,7 +88,7 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
 
 STAGE = Stage(
     "quantize",
-    "3",
+    "4",  # 4: a GPTQ scheme's quantization_config records its static column order (actorder)
     run,
     QuantizeRecord,
     "quantize the Linear weights once per scheme (compressed-tensors layout)",
