@@ -38,7 +38,18 @@ HELLO = {"vllm": "0.32.0", "build": "vllm", "torch": "2.13.0+cu130", "prompt_log
 
 
 def test_every_scheme_a_bundle_holds_has_its_cuda_row() -> None:
-    for scheme in ALL:
+    """Every quantized method of the catalog, as a bundle's config states it, and the schemes above."""
+    from quant.catalog import METHODS
+    from quant.compressed import quantization_config
+
+    stated = [
+        WeightScheme.from_group(group)
+        for method in METHODS.values()
+        if method.scheme.quantized
+        for group in quantization_config(method.scheme)["config_groups"].values()
+    ]
+    assert len(stated) >= 10
+    for scheme in (*stated, *ALL):
         assert any(k.matches(scheme) for k in CUDA_KERNELS), scheme
 
 
