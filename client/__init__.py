@@ -27,6 +27,7 @@ from core.digest import CHUNK
 from core.errors import DigestMismatch, KilnError, Unavailable
 from core.evals import PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest, check_relative_path
+from core.resolve import ResolveOut
 from core.signing import ATTESTATION_FILES
 
 _ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
@@ -356,7 +357,7 @@ class RegistryClient:
         min_tokens_per_s: float | None = None,
         max_ttft_ms: float | None = None,
         key: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ResolveOut:
         """The artifact a pool of `hardware` ("h100" or "h100:4,mi300x") should load from `channel`, why,
         and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split."""
         params: dict[str, Any] = {
@@ -370,8 +371,7 @@ class RegistryClient:
         }
         optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key}
         params.update({k: v for k, v in optional.items() if v is not None})
-        result: dict[str, Any] = self._json("GET", "/v1/resolve", params=params)
-        return result
+        return ResolveOut.model_validate(self._json("GET", "/v1/resolve", params=params))
 
     # -- hardware catalog and measured performance -----------------------------------------------
 

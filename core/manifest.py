@@ -44,6 +44,17 @@ class FileEntry(BaseModel):
         return check_relative_path(v)
 
 
+class FileOut(BaseModel):
+    """A manifest's file as the registry serves it: where to download it (an artifact's detail, a resolve answer)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    sha256: str
+    size: int
+    url: str = Field(description="absolute download URL")
+
+
 class ArtifactManifest(BaseModel):
     """One artifact: a target's output for one quantization, with where it runs and how it was made."""
 

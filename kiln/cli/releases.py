@@ -135,29 +135,26 @@ def resolve(
             key=key,
         )
     if as_json:
-        emit(answer)
+        emit(answer.model_dump(mode="json"))
         return
-    a, why = answer["artifact"], answer["reason"]
+    a, why = answer.artifact, answer.reason
     stdout.print(
-        safe_text(
-            f"{answer['model']}@{answer['version']} ({answer['channel']}) on {answer['hardware']}: {a['name']}, "
-            f"TP {why['tp']}"
-        )
+        safe_text(f"{answer.model}@{answer.version} ({answer.channel}) on {answer.hardware}: {a.name}, TP {why.tp}")
     )
-    stdout.print(f"  {safe_text(answer.get('explanation', ''))}")
-    stdout.print(f"  {safe_text(why.get('explanation', ''))}")
-    if answer.get("split"):
-        shares = ", ".join(f"{m['version']} {m['weight']:g} %" for m in answer["split"])
+    stdout.print(f"  {safe_text(answer.explanation)}")
+    stdout.print(f"  {safe_text(why.explanation)}")
+    if answer.split:
+        shares = ", ".join(f"{m.version} {m.weight:g} %" for m in answer.split)
         stdout.print(safe_text(f"  split: {shares}"))
-    for f in a["files"][:LISTED_FILES]:
-        stdout.print(safe_text(f"  {f['path']}  sha256:{f['sha256']}  {f['size']} bytes"))
-        stdout.print(f"    {safe_text(f['url'])}")
-    if len(a["files"]) > LISTED_FILES:
-        count, total = len(a["files"]), fmt_size(sum(f["size"] for f in a["files"]))
+    for f in a.files[:LISTED_FILES]:
+        stdout.print(safe_text(f"  {f.path}  sha256:{f.sha256}  {f.size} bytes"))
+        stdout.print(f"    {safe_text(f.url)}")
+    if len(a.files) > LISTED_FILES:
+        count, total = len(a.files), fmt_size(sum(f.size for f in a.files))
         more = count - LISTED_FILES
         stdout.print(f"  ... and {more} more files ({count} in all, {total}; --json lists every one)")
-    if answer.get("fallbacks"):
-        names = ", ".join(f"{fb['artifact']['name']}@{fb['hardware']}" for fb in answer["fallbacks"])
+    if answer.fallbacks:
+        names = ", ".join(f"{fb.artifact.name}@{fb.hardware}" for fb in answer.fallbacks)
         stdout.print(safe_text("  fallbacks: " + names))
     if not registry.startswith(("http://", "https://")):
         err.print(f"[dim]embedded registry: `kiln serve --data-dir {safe_text(registry)}` serves these URLs[/dim]")

@@ -7,12 +7,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
-from core.manifest import ArtifactManifest
+from core.manifest import ArtifactManifest, FileOut
 from registry.api.errors import error_responses
 from registry.api.params import ArtifactName, ModelName, Version
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts import service
-from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut, FileOut
+from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
 from registry.settings import RegistrySettings

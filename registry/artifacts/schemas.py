@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import ConfigDict, Field, computed_field, field_validator
 
 from core.evals import EvalMetrics, PublishedEval, RecordedEval
-from core.manifest import ArtifactManifest
+from core.manifest import ArtifactManifest, FileOut
 from registry.api.rows import FromRow
 from registry.artifacts.evals import EvalStatus, eval_status
 
@@ -76,13 +76,6 @@ class ArtifactSummary(FromRow):
     @computed_field(description="failed if any eval failed, else passed if any passed, else not_evaluated")
     def eval_status(self) -> EvalStatus:
         return eval_status(self.evals)
-
-
-class FileOut(BaseModel):
-    path: str
-    sha256: str
-    size: int
-    url: str = Field(description="absolute download URL")
 
 
 class ArtifactDetail(ArtifactSummary):

@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Literal
 
 from core.errors import InvalidInput
 from core.hardware import HARDWARE_NAME_PATTERN
+from core.resolve import Policy
 
-Policy = Literal["latency", "cost", "quality"]
 POLICIES: tuple[Policy, ...] = ("latency", "cost", "quality")
 MAX_POOLS = 16
 

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
+from core.manifest import FileOut
+from core.resolve import MeasurementOut, ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
 from registry.api.errors import error_responses
 from registry.api.lean_route import LeanRoute
 from registry.api.params import (
@@ -21,21 +23,12 @@ from registry.api.params import (
     TTFT_MS,
 )
 from registry.api.urls import artifact_file_url, base_url
-from registry.artifacts.schemas import FileOut
 from registry.channels.buckets import BASIS_POINTS
 from registry.deps import require
 from registry.resolve.cache import ChannelSnapshot, ResolveCache
 from registry.resolve.explain import explain_choice
 from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import Candidate, rank_candidates
-from registry.resolve.schemas import (
-    MeasurementOut,
-    ResolveCandidate,
-    ResolvedArtifact,
-    ResolveOut,
-    ResolveReason,
-    SplitMember,
-)
 from registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view
 from registry.settings import RegistrySettings
 

@@ -111,10 +111,10 @@ def test_client_against_a_real_server(server_url: str, server_app: FastAPI, tmp_
     with RegistryClient.connect(server_url, token=make_token(server_app, ["publish", "promote"])) as client:
         manifest = publish_flow(client, tmp_path, "served-model")
         answer = client.resolve("served-model", "h100")
-        assert answer["artifact"]["name"] == "gguf-q8"
+        assert answer.artifact.name == "gguf-q8"
         upload = client.upload_blob(tmp_path / "model.gguf")
         assert upload.uploaded is False and upload.size == manifest.files[0].size
-    url = next(f["url"] for f in answer["artifact"]["files"] if f["path"] == "model.gguf")
+    url = next(f.url for f in answer.artifact.files if f.path == "model.gguf")
     assert url.startswith(server_url + "/v1/models/served-model/releases/1.0/artifacts/gguf-q8/files/")
     data = (tmp_path / "model.gguf").read_bytes()
     with httpx2.Client() as http:
@@ -175,7 +175,7 @@ def test_embedded_client(tmp_path: Path) -> None:
     registry_dir = tmp_path / "registry"
     with RegistryClient.connect(registry_dir) as client:
         publish_flow(client, tmp_path, "embedded-model")
-        assert client.resolve("embedded-model", "cpu", context=1024)["artifact"]["name"] == "gguf-q8"
+        assert client.resolve("embedded-model", "cpu", context=1024).artifact.name == "gguf-q8"
     assert (registry_dir / "registry.db").is_file()
     with RegistryClient.connect(str(registry_dir)) as client:  # a second process would see the same
         assert client.get_release("embedded-model", "1.0")["version"] == "1.0"

@@ -1,16 +1,28 @@
-"""API shapes for resolve answers."""
+"""Resolve's answer as it crosses the wire: the artifact a pool should load, why, and the fallbacks.
+
+The registry's `GET /v1/resolve` renders a `ResolveOut` (`registry.resolve.routes`), and the client
+reads the answer back into the same record (`client.RegistryClient.resolve`), which the CLI prints.
+They live here, in the ground layer, because the registry and the client both speak them; how the
+candidates are sized and ranked stays in `registry.resolve`.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from registry.artifacts.evals import EvalStatus
-from registry.artifacts.schemas import FileOut
+from core.evals import EvalStatus
+from core.manifest import FileOut
+
+Policy = Literal["latency", "cost", "quality"]
 
 
 class ResolvedArtifact(BaseModel):
+    """An artifact of the release, with where to download each of its files."""
+
+    model_config = ConfigDict(frozen=True)
+
     name: str
     target: str
     format: str
@@ -21,6 +33,8 @@ class ResolvedArtifact(BaseModel):
 
 class MeasurementOut(BaseModel):
     """A performance record as resolve used it (`registry.resolve.views.Measurement`)."""
+
+    model_config = ConfigDict(frozen=True)
 
     id: int
     hardware: str
@@ -37,6 +51,10 @@ class MeasurementOut(BaseModel):
 
 
 class ResolveReason(BaseModel):
+    """Why a candidate placed where it did: its replica's memory plan, its speed, its SLO and its eval."""
+
+    model_config = ConfigDict(frozen=True)
+
     fits: bool = Field(description="the replica fits in its devices' memory and in the pool's free devices")
     tp: int = Field(description="devices per replica (tensor-parallel degree): the smallest that fits")
     weights_bytes: int
@@ -64,23 +82,35 @@ class ResolveReason(BaseModel):
 
 
 class ResolveCandidate(BaseModel):
+    """One artifact on one pool, as ranked: the answer's own choice or a fallback."""
+
+    model_config = ConfigDict(frozen=True)
+
     hardware: str
     artifact: ResolvedArtifact
     reason: ResolveReason
 
 
 class SplitMember(BaseModel):
+    """One release of a channel's weighted split."""
+
+    model_config = ConfigDict(frozen=True)
+
     version: str
     weight: float = Field(description="percent of the channel's traffic")
     chosen: bool = Field(description="the release this answer is for")
 
 
 class ResolveOut(BaseModel):
+    """Resolve's answer: the best candidate under the policy, why it won, and the others best first."""
+
+    model_config = ConfigDict(frozen=True)
+
     model: str
     channel: str
     version: str = Field(description="the release this answer is for (of a split: the caller key's, else the largest)")
     hardware: str = Field(description="the pool the artifact is for")
-    policy: Literal["latency", "cost", "quality"]
+    policy: Policy
     artifact: ResolvedArtifact
     reason: ResolveReason
     explanation: str = Field(description="why this candidate won under the policy")
