@@ -19,7 +19,8 @@ from core.errors import InvalidInput, StageFailed
 from eval.runtimes import capabilities
 from eval.runtimes.capabilities import VllmCapabilities, cpu_flags, decide, vllm_capabilities
 from eval.runtimes.environments import Installed, get_environment
-from eval.runtimes.vllm_runtime import VllmRuntime, WeightScheme, cpu_limitation
+from eval.runtimes.vllm_runtime import VllmRuntime
+from eval.runtimes.vllm_support import WeightScheme, cpu_limitation
 from pipeline.build import plan
 from pipeline.recipe import load_recipe
 from pipeline.stage import Node

@@ -15,14 +15,8 @@ from core.errors import Deferred
 from core.hardware import builtin_catalog
 from eval.runtimes import environments, vllm_runtime
 from eval.runtimes.environments import Installed, find, get_environment
-from eval.runtimes.vllm_runtime import (
-    CUDA_KERNELS,
-    VllmRuntime,
-    WeightScheme,
-    cuda_verdict,
-    cuda_version,
-    shared_worker,
-)
+from eval.runtimes.vllm_runtime import VllmRuntime, cuda_version, shared_worker
+from eval.runtimes.vllm_support import CUDA_KERNELS, WeightScheme, cuda_verdict
 from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 
 FP8 = WeightScheme("float", 8, "channel", True)

@@ -26,16 +26,8 @@ from eval.run import evaluate, evaluate_artifact, measure
 from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
 from eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, Int8MatmulVerdict, decide, vllm_capabilities
 from eval.runtimes.environments import Installed, find, get_environment
-from eval.runtimes.vllm_runtime import (
-    VllmRuntime,
-    WeightScheme,
-    bundle_config,
-    bundle_schemes,
-    cpu_limitation,
-    head_size,
-    shared_worker,
-    tensor_parallel_size,
-)
+from eval.runtimes.vllm_runtime import VllmRuntime, shared_worker, tensor_parallel_size
+from eval.runtimes.vllm_support import WeightScheme, bundle_config, bundle_schemes, cpu_limitation, head_size
 from eval.runtimes.vllm_worker import amx_decision, probe_amx
 from eval.text import EvalText, tokenize_text
 from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN

@@ -9,7 +9,7 @@ import pytest
 from core.hardware import PROFILES
 from eval.gates import DEFAULT_GATES, Gate
 from eval.native_kernels import NATIVE_SCHEMES
-from eval.runtimes.vllm_runtime import CPU_LIMITS, WeightScheme, compute_dtype
+from eval.runtimes.vllm_support import CPU_LIMITS, WeightScheme, compute_dtype
 from quant.catalog import FAMILIES, METHODS, SCHEMES, compatibility, get_method
 from quant.compressed import quantization_config
 from quant.methods.base import FLOAT_FORMATS, Method

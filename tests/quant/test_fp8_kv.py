@@ -11,7 +11,7 @@ import pytest
 
 from eval.runtimes.capabilities import VllmCapabilities
 from eval.runtimes.transformers_runtime import TransformersRuntime
-from eval.runtimes.vllm_runtime import bundle_schemes, cpu_limitation
+from eval.runtimes.vllm_support import bundle_schemes, cpu_limitation
 from quant.catalog import get_method
 from quant.rtn import kv_scale_names
 from tests.model_factory import make_bundle

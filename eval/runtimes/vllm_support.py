@@ -1,0 +1,302 @@
+"""What vLLM runs where, as data: what a bundle's config asks for (its weight schemes, an FP8 KV cache), what
+vLLM's CPU build cannot run on this machine (`CPU_LIMITS`, against its capabilities and the worker's kernels)
+and the activation dtype it computes a bundle in there (`COMPUTE_DTYPES`), and what its CUDA build runs per GPU
+generation (`CUDA_KERNELS`: natively, through a stand-in kernel, or not at all). `eval.runtimes.vllm_runtime`
+asks these before it loads anything, so a bundle vLLM cannot run is recorded as not evaluated, with the reason.
+
+Pure: no vLLM, no torch; the CPU facts come from `eval.runtimes.capabilities`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import InvalidInput
+from eval.runtimes.capabilities import VllmCapabilities
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """What a compressed-tensors config group says of the weights and activations of its layers."""
+
+    weight_type: str  # "int" or "float" (FP8 only at 8 bits: an FP4 group is float at 4)
+    weight_bits: int
+    weight_strategy: str  # "tensor", "channel", "group", "block"
+    activations: bool  # activations quantized too (W8A8) or not (weight-only)
+    group_size: int | None = None  # elements per scale of a group strategy (NVFP4: 16, MXFP4: 32)
+
+    @classmethod
+    def from_group(cls, group: Any) -> WeightScheme:
+        weights = group.get("weights") if isinstance(group, dict) else None
+        bits = weights.get("num_bits") if isinstance(weights, dict) else None
+        if not isinstance(weights, dict) or not isinstance(bits, int) or isinstance(bits, bool):
+            raise InvalidInput(
+                "a compressed-tensors config group needs `weights` with an integer `num_bits`",
+                code="BUNDLE_CONFIG_INVALID",
+            )
+        size = weights.get("group_size")
+        return cls(
+            weight_type=str(weights.get("type")),
+            weight_bits=bits,
+            weight_strategy=str(weights.get("strategy")),
+            activations=bool(group.get("input_activations")),
+            group_size=size if isinstance(size, int) and not isinstance(size, bool) else None,
+        )
+
+
+def int8_w8a8(scheme: WeightScheme) -> bool:
+    """Int8 weights and int8 activations: what vLLM's CPU build runs through its int8 GEMM."""
+    return scheme.weight_type == "int" and scheme.weight_bits == 8 and scheme.activations
+
+
+@dataclass(frozen=True)
+class Limitation:
+    """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, `amx` usable
+    here, `fp8_matmul`: torch's FP8 matmul usable here, `int8_exact`: an int8 GEMM that sums in int32
+    here), or never (`never`); `reason` is what the eval
+    records when it is missing."""
+
+    scheme: str
+    matches: Callable[[WeightScheme], bool]
+    needs: str
+    reason: str
+
+
+# Sources: vllm 0.32.0 model_executor/kernels/linear/__init__.py (init_nvfp4_linear_kernel, init_mxfp4_linear_kernel:
+# no CPU entry), model_executor/kernels/linear/mixed_precision/cpu.py (CPUWNA16: uint4/uint4b8 only,
+# through torch.ops._C.cpu_gemm_wna16) and kernels/linear/scaled_mm/cpu.py (block FP8: AMX kernels only);
+# each reason was seen as vLLM's own load error on this machine kind (AMD EPYC, AVX2).
+CPU_LIMITS: tuple[Limitation, ...] = (
+    Limitation(
+        "FP4",
+        lambda s: s.weight_type == "float" and s.weight_bits == 4,
+        "never",
+        "vLLM has no CPU kernel for NVFP4 or MXFP4 (its load fails: 'Failed to find a kernel that can implement "
+        "the NVFP4 linear layer', 'Marlin FP4 not available'); they run on NVIDIA sm80+ (Marlin FP4, natively on "
+        "Blackwell) and AMD gfx950: deferred to such a runner",
+    ),
+    Limitation(
+        "W4A16",
+        lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations,
+        "kernel:cpu_gemm_wna16",
+        "this vLLM build has no cpu_gemm_wna16 kernel, which it runs 4-bit weight-only layers with on CPU",
+    ),
+    Limitation(
+        "int8 W8A16",
+        lambda s: s.weight_type == "int" and s.weight_bits == 8 and not s.activations,
+        "never",
+        "vLLM's CPU weight-only kernel (CPUWNA16) takes 4-bit weights only; int8 weight-only has no CPU kernel",
+    ),
+    Limitation(
+        "FP8 W8A8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy != "block" and s.activations,
+        "fp8_matmul",
+        "vLLM runs per-channel FP8 W8A8 on CPU through torch._scaled_mm, which has no usable FP8 matmul here",
+    ),
+    Limitation(
+        "int8 W8A8",
+        int8_w8a8,
+        "int8_exact",
+        "vLLM runs int8 W8A8 on this CPU through oneDNN's int8 GEMM, which adds u8 x s8 product pairs in "
+        "saturating 16-bit integers without VNNI: its figures would be the kernel's clipping, not the bundle's",
+    ),
+    Limitation(
+        "block FP8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
+        "amx",
+        "vLLM runs block-scaled FP8 on CPU with AMX kernels only (CPUFp8BlockScaledMMKernel)",
+    ),
+)
+
+
+# The activation dtype vLLM computes a bundle in: float32, as transformers evaluates every bundle (the two
+# runtimes then differ by their kernels, not by their arithmetic), except where vLLM's CPU kernel takes no
+# float32: its 4-bit weight-only GEMM (seen here: `"cpu_gemm_wna16" not implemented for 'Float'`), with
+# AMX in use its int8 W8A8 GEMM (`int8_scaled_mm_with_quant: expect A to be bfloat16 or half`), and its
+# block FP8 GEMM, AMX only (`fp8_scaled_mm_cpu: expect A to be bfloat16 or half`).
+# (name, which schemes, dtype, only where AMX is used)
+DEFAULT_DTYPE = "float32"
+COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
+    ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
+    ("int8 W8A8 with AMX", int8_w8a8, "bfloat16", True),
+    (
+        "block FP8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
+        "bfloat16",
+        False,
+    ),
+)
+
+
+# What vLLM's CUDA build runs on a GPU of compute capability `sm` (major × 10 + minor), read at the source
+# of the pinned vllm 0.32.0 (the same Python in its CPU build): model_executor/layers/quantization/
+# compressed_tensors/compressed_tensors.py `_get_scheme_from_parts` and each scheme's `get_min_capability`,
+# utils/marlin_utils_fp8.py and marlin_utils_fp4.py (Marlin from sm75), utils/nvfp4_utils.py
+# (`cutlass_fp4_supported`: sm100+), kernels/linear/mxfp4/flashinfer.py (sm100+), and
+# v1/attention/backends/triton_attn.py (an FP8 KV cache needs SM89's fp8e4nv).
+# kiln loads every bundle with bfloat16 activations, which need sm80 (Ampere): that is the floor.
+BF16_MIN_SM = 80
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """How vLLM's CUDA build runs a scheme: with its own arithmetic from `native_sm`, and below that, from
+    `loads_sm`, through a `fallback` kernel that computes something else (weight-only: activations stay
+    bfloat16), which the eval then measures and names in its runtime version (`fallback`: a short label in
+    the registry's runtime-version characters); below `loads_sm` it cannot run at all."""
+
+    scheme: str
+    matches: Callable[[WeightScheme], bool]
+    native_sm: int
+    loads_sm: int
+    fallback: str = ""
+
+
+def _fp4(s: WeightScheme) -> bool:
+    return s.weight_type == "float" and s.weight_bits == 4
+
+
+CUDA_KERNELS: tuple[CudaKernels, ...] = (
+    CudaKernels(
+        "NVFP4 W4A4",
+        lambda s: _fp4(s) and s.group_size == 16 and s.activations,
+        native_sm=100,
+        loads_sm=75,
+        fallback="NVFP4 weight-only (Marlin FP4 W4A16, below sm100)",
+    ),
+    CudaKernels("NVFP4 W4A16", lambda s: _fp4(s) and s.group_size == 16 and not s.activations, 75, 75),
+    CudaKernels(
+        "MXFP4",
+        lambda s: _fp4(s) and s.group_size != 16,
+        native_sm=100,
+        loads_sm=80,
+        fallback="MXFP4 weight-only (Marlin FP4 W4A16, below sm100)",
+    ),
+    CudaKernels(
+        "FP8 W8A8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.activations,
+        native_sm=89,
+        loads_sm=75,
+        fallback="FP8 weight-only (Marlin W8A16, below sm89)",
+    ),
+    CudaKernels("FP8 W8A16", lambda s: s.weight_type == "float" and s.weight_bits == 8 and not s.activations, 75, 75),
+    CudaKernels("int8 W8A8", int8_w8a8, 75, 75),
+    CudaKernels("int W4A16/W8A16", lambda s: s.weight_type == "int" and not s.activations, 75, 75),
+)
+FP8_KV_CACHE_MIN_SM = 89
+
+
+@dataclass(frozen=True)
+class CudaVerdict:
+    """A bundle on a GPU: why vLLM cannot run it there (`cannot`), or what it runs instead of the bundle's
+    own arithmetic (`fallbacks`, said in the eval's runtime version)."""
+
+    cannot: str | None
+    fallbacks: tuple[str, ...] = ()
+
+
+def cuda_verdict(schemes: Sequence[WeightScheme], sm: int, fp8_kv_cache: bool = False) -> CudaVerdict:
+    """What vLLM's CUDA build does with a bundle of `schemes` (and an FP8 KV cache) on a GPU of compute
+    capability `sm` (`CUDA_KERNELS`); the smallest capability of the GPUs a tensor-parallel replica spans."""
+    name = f"sm{sm}"
+    if sm < BF16_MIN_SM:
+        return CudaVerdict(f"kiln evaluates with bfloat16 activations, which need sm{BF16_MIN_SM}; this GPU is {name}")
+    if fp8_kv_cache and sm < FP8_KV_CACHE_MIN_SM:
+        return CudaVerdict(
+            f"FP8 KV cache: vLLM's attention keeps an FP8 cache from sm{FP8_KV_CACHE_MIN_SM} (fp8e4nv); "
+            f"this GPU is {name}"
+        )
+    fallbacks: list[str] = []
+    for kernels in CUDA_KERNELS:
+        if not any(kernels.matches(s) for s in schemes):
+            continue
+        if sm < kernels.loads_sm:
+            return CudaVerdict(f"{kernels.scheme}: vLLM runs it from sm{kernels.loads_sm}; this GPU is {name}")
+        if sm < kernels.native_sm and kernels.fallback not in fallbacks:
+            fallbacks.append(kernels.fallback)
+    return CudaVerdict(None, tuple(fallbacks))
+
+
+def compute_dtype(schemes: Sequence[WeightScheme], amx: bool = False) -> str:
+    """The activation dtype vLLM evaluates a bundle of `schemes` in (`COMPUTE_DTYPES`, else float32);
+    `amx`: whether the worker lets vLLM use its AMX kernels."""
+    for _, matches, dtype, needs_amx in COMPUTE_DTYPES:
+        if (amx or not needs_amx) and any(matches(s) for s in schemes):
+            return dtype
+    return DEFAULT_DTYPE
+
+
+def bundle_config(bundle_dir: Path) -> dict[str, Any]:
+    """A bundle's config.json, as an object; anything else is a clear error, not a crash later."""
+    try:
+        config = json.loads((bundle_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidInput(
+            f"{bundle_dir}: no readable config.json ({e})",
+            code="BUNDLE_CONFIG_INVALID",
+            details={"path": str(bundle_dir)},
+        ) from None
+    if not isinstance(config, dict):
+        raise InvalidInput(f"{bundle_dir}: config.json is not an object", code="BUNDLE_CONFIG_INVALID")
+    return config
+
+
+def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
+    """The weight schemes of a compressed-tensors bundle's config groups; [] for an unquantized one."""
+    quant = config.get("quantization_config") or {}
+    groups = quant.get("config_groups") if isinstance(quant, dict) else None
+    if quant and not isinstance(groups, dict):
+        raise InvalidInput("`quantization_config` has no `config_groups` object", code="BUNDLE_CONFIG_INVALID")
+    return [WeightScheme.from_group(g) for g in (groups or {}).values()]
+
+
+def fp8_kv_cache(config: dict[str, Any]) -> bool:
+    """Whether a bundle's config asks for a quantized (FP8) KV cache: its `kv_cache_scheme`."""
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and bool(quant.get("kv_cache_scheme"))
+
+
+def head_size(config: dict[str, Any]) -> int | None:
+    """The model's attention head size from its config (None where it does not say it as integers)."""
+    head, hidden, heads = config.get("head_dim"), config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(head, int) and head > 0:
+        return head
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def cpu_limitation(
+    schemes: Sequence[WeightScheme],
+    capabilities: VllmCapabilities,
+    hello: dict[str, Any],
+    head: int | None = None,
+    fp8_kv_cache: bool = False,
+) -> str | None:
+    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` (and an FP8 KV cache) here (given
+    this machine's `capabilities` and the worker's `hello`), or None if it can."""
+    sizes = hello.get("head_sizes")
+    if head is not None and sizes and head not in sizes:
+        return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
+    if fp8_kv_cache and "avx512f" not in capabilities.cpu_flags:
+        # vllm 0.32.0 v1/attention/backends/cpu_attn.py: an fp8 cache only on x86 with AVX-512 (or AMX).
+        return "FP8 KV cache: vLLM's CPU attention keeps an FP8 cache only with AVX-512; this CPU has none"
+    for limit in CPU_LIMITS:
+        if not any(limit.matches(s) for s in schemes):
+            continue
+        if limit.needs == "never":
+            return f"{limit.scheme}: {limit.reason}"
+        if limit.needs == "amx" and not capabilities.amx.used:
+            return f"{limit.scheme}: {limit.reason}; AMX here: {capabilities.amx.reason}"
+        if limit.needs == "fp8_matmul" and not capabilities.fp8_matmul.usable:
+            return f"{limit.scheme}: {limit.reason} ({capabilities.fp8_matmul.reason})"
+        if limit.needs == "int8_exact" and not capabilities.int8_matmul.exact:
+            return f"{limit.scheme}: {limit.reason}"
+        kernel = limit.needs.removeprefix("kernel:")
+        if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
+            return f"{limit.scheme}: {limit.reason}"
+    return None
