@@ -77,7 +77,11 @@ def test_calibrated_bundle_loads_and_beats_rtn_on_layer_outputs(
 
     config = json.loads((bundles[name] / "config.json").read_text())["quantization_config"]
     rtn_config = json.loads((bundles["int4-rtn"] / "config.json").read_text())["quantization_config"]
-    assert config == rtn_config  # same compressed-tensors layout: hf-bundle and eval need no change
+    # The same compressed-tensors layout (hf-bundle and eval need no change); GPTQ's records its column order.
+    order = config["config_groups"]["group_0"]["weights"].pop("actorder")
+    assert order == ("static" if name == "w4a16-gptq" else None)
+    assert rtn_config["config_groups"]["group_0"]["weights"].pop("actorder") is None
+    assert config == rtn_config
     reference = _layer_outputs(model_dir, held_out)
     rtn = _layer_outputs(bundles["int4-rtn"], held_out)
     calibrated = _layer_outputs(bundles[name], held_out)

@@ -381,6 +381,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The example model's hf-bundle for every scheme (round-to-nearest quantization: cheap)."""
     from formats.hf_model import open_source
     from quant.catalog import get_scheme
+    from quant.schemes import FP4_FORMATS
     from quant.store import open_quantized, write_quantized
     from targets.base import ExportRequest
     from targets.hf_bundle.export import export
@@ -394,7 +395,8 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         if scheme.quantized:
             (root / "q").mkdir()
             calibrated = None
-            if scheme.method == "minmax" or scheme.kv_cache is not None:  # llm-compressor's own, seconds here
+            # llm-compressor's own, seconds here: FP4 (min-max or GPTQ) and a calibrated KV cache.
+            if scheme.format in FP4_FORMATS.values() or scheme.kv_cache is not None:
                 from quant.calibrated import calibrate, calibration_samples
 
                 text = (EXAMPLE_MODEL.parent / "heldout.txt").read_text(encoding="utf-8")
