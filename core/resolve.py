@@ -32,7 +32,7 @@ class ResolvedArtifact(BaseModel):
 
 
 class MeasurementOut(BaseModel):
-    """A performance record as resolve used it (`registry.resolve.views.Measurement`)."""
+    """A performance record as resolve reads it (its release views hold these) and used it in an answer."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -16,11 +16,12 @@ from typing import Any, Literal
 
 from core.errors import NotFound
 from core.hardware import HardwareCatalog, HardwareProfile
+from core.resolve import MeasurementOut
 from core.shape import ShapeRecord
 from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
 from registry.resolve.fit import ReplicaPlan, kv_dtype_of, plan_replica
 from registry.resolve.query import Policy, Pool, ResolveQuery
-from registry.resolve.views import ArtifactView, Measurement, ReleaseView
+from registry.resolve.views import ArtifactView, ReleaseView
 
 GIB = 1024**3
 
@@ -34,7 +35,7 @@ class Speed:
     tokens_per_s_per_sequence: float
     ttft_ms: float | None
     cost_per_mtok: float | None
-    measurement: Measurement | None
+    measurement: MeasurementOut | None
     note: str
 
 
@@ -75,7 +76,7 @@ def runs_on(artifact: ArtifactView, profile: HardwareProfile, catalog: HardwareC
     return False, "not built for it"
 
 
-def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> Measurement | None:
+def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> MeasurementOut | None:
     """The record that speaks for this replica: same SKU, TP and concurrency, at the requested context or
     longer (the nearest, then the newest)."""
     matching = [
@@ -90,7 +91,7 @@ def _measurement(artifact: ArtifactView, plan: ReplicaPlan) -> Measurement | Non
     return min(matching, key=lambda m: (m.context, -m.id)) if matching else None
 
 
-def _in_bounds(m: Measurement) -> bool:
+def _in_bounds(m: MeasurementOut) -> bool:
     """A record inside the ranges PerformanceCreate accepts: resolve divides by its speeds. (Records stored
     by an older kiln, which took any positive number, are not used.)"""
     return (

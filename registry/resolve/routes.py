@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import asdict
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
 from core.manifest import FileOut
-from core.resolve import MeasurementOut, ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
+from core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
 from registry.api.errors import error_responses
 from registry.api.lean_route import LeanRoute
 from registry.api.params import (
@@ -77,7 +76,7 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
             ttft_ms=speed.ttft_ms,
             cost_per_mtok=speed.cost_per_mtok,
             speed_source=speed.source,
-            measured=MeasurementOut(**asdict(m)) if m is not None else None,
+            measured=m,
             meets_slo=c.meets_slo,
             eval_status=a.eval_status,
             kl=a.kl,

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import NotFound
 from core.hardware import HardwareCatalog
+from core.resolve import MeasurementOut
 from core.shape import ShapeRecord
 from registry.artifacts.evals import eval_status
 from registry.artifacts.service import WITH_FILES_AND_EVALS, Artifact, release_artifacts
@@ -20,7 +21,7 @@ from registry.models.service import get_model
 from registry.performance.service import records_of_artifacts
 from registry.releases.service import get_release_by_id
 from registry.resolve.cache import MAX_FINGERPRINTS, ChannelFingerprints, ChannelSnapshot, ResolveCache, SnapshotKey
-from registry.resolve.views import ArtifactView, FileView, Measurement, ReleaseView
+from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 
 def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
@@ -104,22 +105,22 @@ def load_release_view(
         return view
     release = get_release_by_id(session, snapshot.release_id)
     artifacts = release_artifacts(session, snapshot.release_id, *WITH_FILES_AND_EVALS)
-    measured: dict[int, list[Measurement]] = {}
+    measured: dict[int, list[MeasurementOut]] = {}
     for r in records_of_artifacts(session, [a.id for a in artifacts]):
         measured.setdefault(r.artifact_id, []).append(
-            Measurement(
-                r.id,
-                r.hardware,
-                r.runtime,
-                r.runtime_version,
-                r.tp,
-                r.context,
-                r.concurrency,
-                r.tokens_per_s,
-                r.ttft_ms,
-                r.itl_p50_ms,
-                r.itl_p99_ms,
-                r.recorded_at.isoformat(),
+            MeasurementOut(
+                id=r.id,
+                hardware=r.hardware,
+                runtime=r.runtime,
+                runtime_version=r.runtime_version,
+                tp=r.tp,
+                context=r.context,
+                concurrency=r.concurrency,
+                tokens_per_s=r.tokens_per_s,
+                ttft_ms=r.ttft_ms,
+                itl_p50_ms=r.itl_p50_ms,
+                itl_p99_ms=r.itl_p99_ms,
+                recorded_at=r.recorded_at.isoformat(),
             )
         )
     view = ReleaseView(
@@ -133,7 +134,7 @@ def load_release_view(
     return view
 
 
-def _artifact_view(a: Artifact, evals_through: int, measurements: list[Measurement]) -> ArtifactView:
+def _artifact_view(a: Artifact, evals_through: int, measurements: list[MeasurementOut]) -> ArtifactView:
     """The artifact as the channel judges it: by the eval results it was promoted with."""
     evals = [e for e in a.evals if e.id <= evals_through]
     kls = [e.metrics.kl for e in evals if e.metrics is not None]

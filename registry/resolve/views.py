@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from core.resolve import MeasurementOut
 from core.shape import ShapeRecord
 from registry.artifacts.evals import EvalStatus
 
@@ -14,24 +15,6 @@ class FileView:
     path: str
     sha256: str
     size: int
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """A performance record as resolve reads it."""
-
-    id: int
-    hardware: str
-    runtime: str
-    runtime_version: str
-    tp: int
-    context: int
-    concurrency: int
-    tokens_per_s: float
-    ttft_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    recorded_at: str
 
 
 @dataclass(frozen=True)
@@ -48,7 +31,7 @@ class ArtifactView:
     kl: float | None  # best (lowest) metrics.kl over its evals
     failed_reasons: tuple[str, ...]
     files: tuple[FileView, ...]
-    measurements: tuple[Measurement, ...] = ()
+    measurements: tuple[MeasurementOut, ...] = ()
 
 
 @dataclass(frozen=True)
