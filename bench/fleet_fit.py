@@ -9,7 +9,8 @@ chooses, the memory per device (weights + KV cache), the decode bound (tokens/s 
 sequence), the time-to-first-token bound for one prompt of `--context` tokens, and USD per million
 output tokens at the decode bound. A combination no kiln target serves (`targets` compatibility:
 TPUs take orbax bf16 / int8-w8a16 only, FP8 needs FP8 units) is marked with the reason, not sized.
-No hardware is used: these are bounds from the catalog's data-sheet figures (`core/hardware.yaml`).
+No hardware is used: these are bounds from the catalog's data-sheet figures (`core/hardware.yaml`), each scaled by
+the share of it measured on that SKU where its entry has a `measured` record (H200's).
 Prints a markdown table and appends the run's record to --record.
 """
 
@@ -91,7 +92,8 @@ def main() -> None:
                     rows.append(row)
                     continue
                 plan = plan_replica(profile, shape, weights[quant], quant, args.context, n, kv_dtype=args.kv_dtype)
-                row |= {"served": True, "targets": targets, **{k: v for k, v in vars(plan).items() if k != "hardware"}}
+                fields = {k: v for k, v in vars(plan).items() if k not in ("hardware", "basis")}
+                row |= {"served": True, "targets": targets, **fields, "basis": plan.basis.model_dump(mode="json")}
                 rows.append(row)
                 per_device = f"{plan.weights_per_device_bytes / GIB:.1f} + {plan.kv_per_device_bytes / GIB:.1f} GiB"
                 if not plan.fits:

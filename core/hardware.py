@@ -4,13 +4,15 @@ The built-in catalog is `core/hardware.yaml`; a registry extends or overrides it
 (`registry/hardware`) without a code change. Targets decide compatibility from an entry's family,
 arch, compute capability and FP8 flavour, never from its name, so a new SKU of a known architecture
 is served the artifacts its architecture runs. Resolve sizes replicas and bounds speed and cost from
-its memory, bandwidth, FLOP/s, interconnect and price.
+its memory, bandwidth, FLOP/s, interconnect and price, each peak scaled by the share of it a measurement
+reached on that SKU (`measured`: `kiln hardware probe`) where the entry has one.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from datetime import date
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +50,9 @@ TP_EFFICIENCY = (0.05, 1)  # (0.05, 1]: above 0.05, so a TP group's bound is nev
 PRICE_PER_DEVICE_HOUR = (0, 10_000)  # USD
 COMPUTE_CAPABILITY = (10, 1000)
 DEVICES_PER_NODE = (1, 1024)
+# A measured share of a data-sheet peak: a small-M matmul reaches a few percent of the FLOP/s, and a generic
+# entry's peak (the `cpu` socket) may sit below what a larger machine measures, hence up to 2.
+FRACTION = (0.001, 2)
 
 
 def _number(
@@ -71,6 +76,62 @@ class Tflops(_Frozen):
     fp8: float | None = _number(TFLOPS, default=None)
     int8: float | None = _number(TFLOPS, default=None)
     fp4: float | None = _number(TFLOPS, default=None)
+
+
+class DtypeFractions(_Frozen):
+    """Measured shares of a peak by the type of the matmul's inputs; absent: not measured."""
+
+    bf16: float | None = _number(FRACTION, default=None)
+    fp8: float | None = _number(FRACTION, default=None)
+    int8: float | None = _number(FRACTION, default=None)
+    fp4: float | None = _number(FRACTION, default=None)
+
+    def given(self) -> dict[str, float]:
+        """The measured types and their shares."""
+        return {
+            k: v
+            for k, v in (("bf16", self.bf16), ("fp8", self.fp8), ("int8", self.int8), ("fp4", self.fp4))
+            if v is not None
+        }
+
+
+class MeasuredEfficiency(_Frozen):
+    """The shares of an SKU's data-sheet peaks measured on one of its devices, and where and how.
+
+    Resolve multiplies each peak by its share where one is given (`registry.resolve.fit`); `kiln hardware
+    probe` measures them (kiln/probe.py) and, with `--publish`, records them in a registry's catalog."""
+
+    memory_read: float = _number(
+        FRACTION, "share of bandwidth_gbs a read of a buffer far larger than any cache reaches"
+    )
+    decode: DtypeFractions = Field(
+        default_factory=DtypeFractions,
+        description="share of bandwidth_gbs a decode-like chain reaches (one token: M=1 matmuls over weights read "
+        "through the matmul of that type: bf16 weights, FP8 through scaled matmuls, ...)",
+    )
+    matmul: DtypeFractions = Field(
+        default_factory=DtypeFractions, description="share of tflops.<type> a large-M matmul (prefill-like) reaches"
+    )
+    matmul_small_m: DtypeFractions = Field(
+        default_factory=DtypeFractions, description="share of tflops.<type> a small-M matmul reaches (recorded only)"
+    )
+    allocatable_gib: float | None = _number(
+        MEMORY_GIB, "GiB one process can allocate on a device (what the runtime leaves)", default=None
+    )
+    source: str = Field(
+        min_length=1, max_length=300, description="where and how: the device or product, runtime versions, method"
+    )
+    measured_on: str = Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$", description="the date measured, YYYY-MM-DD")
+
+    @model_validator(mode="after")
+    def _readable(self) -> MeasuredEfficiency:
+        if not self.source.isprintable():
+            raise ValueError("source is printable text")
+        try:
+            date.fromisoformat(self.measured_on)
+        except ValueError:
+            raise ValueError(f"measured_on {self.measured_on!r} is not a date (YYYY-MM-DD)") from None
+        return self
 
 
 class Interconnect(_Frozen):
@@ -106,6 +167,9 @@ class HardwareProfile(_Frozen):
     devices_per_node: int = Field(default=1, strict=True, ge=DEVICES_PER_NODE[0], le=DEVICES_PER_NODE[1])
     price_per_device_hour: float | None = _number(PRICE_PER_DEVICE_HOUR, "USD per device-hour", default=None)
     products: tuple[str, ...] = Field(default=(), max_length=16)
+    measured: MeasuredEfficiency | None = Field(
+        default=None, description="measured shares of its peaks (kiln hardware probe); absent: resolve uses the peaks"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> HardwareProfile:
@@ -121,6 +185,12 @@ class HardwareProfile(_Frozen):
             raise ValueError("fp4 lists each format once")
         if any(not (0 < len(p) <= 64) or not p.isprintable() for p in self.products):
             raise ValueError("products are printable names of 1 to 64 characters")
+        if self.measured is not None:
+            m = self.measured
+            for kind, fractions in (("decode", m.decode), ("matmul", m.matmul), ("matmul_small_m", m.matmul_small_m)):
+                for dtype in fractions.given():
+                    if getattr(self.tflops, dtype) is None:
+                        raise ValueError(f"measured.{kind}.{dtype} is given for a device without {dtype} matmuls")
         return self
 
     def matmul_tflops(self, dtype: MatmulDtype) -> tuple[float, MatmulDtype]:

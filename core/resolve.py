@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.evals import EvalStatus
+from core.hardware import MatmulDtype
 from core.manifest import FileOut
 
 Policy = Literal["latency", "cost", "quality"]
@@ -50,6 +51,37 @@ class MeasurementOut(BaseModel):
     recorded_at: str
 
 
+class BoundBasis(BaseModel):
+    """What a replica's bounds rest on: the catalog's data-sheet peaks alone ("spec"), or scaled by the shares
+    of them measured on that SKU (its catalog entry's `measured` record)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    decode: Literal["measured", "spec"] = Field(
+        description="the decode bound's limiting term (memory reads, or matmuls when FLOP-bound) used a measured share"
+    )
+    prefill: Literal["measured", "spec"] = Field(
+        description="the prefill (TTFT) bound used a measured share of the matmul rate"
+    )
+    memory: Literal["measured", "spec"] = Field(
+        description="usable memory is a share of the measured allocatable memory, not of the data sheet's"
+    )
+    bandwidth_fraction: float = Field(description="share of the data-sheet bandwidth the weights are read at (1: spec)")
+    bandwidth_path: Literal["decode", "memory_read", "spec"] = Field(
+        description="where bandwidth_fraction comes from: a decode-like chain measured for the weights' matmul "
+        "type, the plain memory read (no decode measured for that type), or the data sheet"
+    )
+    kv_bandwidth_fraction: float = Field(
+        description="share of the data-sheet bandwidth the KV cache is read at: the measured memory read, or 1"
+    )
+    matmul_fraction: float = Field(
+        description="share of the data-sheet TFLOP/s of matmul_dtype that prefill and FLOP-bound decode run at"
+    )
+    matmul_dtype: MatmulDtype = Field(description="the type the replica's matmuls run in on this hardware")
+    allocatable_bytes: int | None = Field(description="measured memory one process can allocate, where measured")
+    source: str | None = Field(description="where and when the measured shares were measured; None: all spec")
+
+
 class ResolveReason(BaseModel):
     """Why a candidate placed where it did: its replica's memory plan, its speed, its SLO and its eval."""
 
@@ -62,11 +94,15 @@ class ResolveReason(BaseModel):
         description="the replica's: 2 (K,V) × layers × kv_heads × head_dim × context × concurrency × KV bytes"
     )
     memory_bytes: int = Field(description="memory of one device")
-    usable_bytes: int = Field(description="90 % of it: the rest is kept for activations and the runtime")
+    usable_bytes: int = Field(
+        description="90 % of it (of the measured allocatable memory where smaller): the rest is kept for "
+        "activations and the runtime"
+    )
     required_bytes: int = Field(description="weights + KV cache per device (KV heads replicated where TP > KV heads)")
     kv_room_bytes: int = Field(description="usable memory per device left for the KV cache after the weights")
     decode_tokens_per_s_bound: float = Field(
-        description="replica decode bound: concurrency × bandwidth × TP efficiency / bytes read per device per step"
+        description="replica decode bound: concurrency × bandwidth × measured share × TP efficiency / bytes read "
+        "per device per step (or the matmuls' time, when longer)"
     )
     prefill_tokens_per_s_bound: float | None = Field(description="context / time-to-first-token bound")
     tokens_per_s: float = Field(description="replica output tokens/s the answer is ranked by (measured or bound)")
@@ -78,6 +114,7 @@ class ResolveReason(BaseModel):
     meets_slo: bool
     eval_status: EvalStatus
     kl: float | None
+    basis: BoundBasis = Field(description="which of the bounds rest on measured shares of the peaks, and which on spec")
     explanation: str
 
 

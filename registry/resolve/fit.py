@@ -16,18 +16,35 @@ memory, and bounds what that replica can do:
   artifact computes in (`matmul_dtype`) on all TP devices × efficiency.
 
 efficiency is 1 on one device and the interconnect's `tp_efficiency` under TP (the all-reduces).
-These are upper bounds from data-sheet peaks, for ranking and sizing; a real server reaches a share.
+
+Each data-sheet peak is scaled by the share of it measured on that SKU where its catalog entry has a
+`measured` record (`core.hardware.MeasuredEfficiency`, from `kiln hardware probe`), and the plan says which
+(`basis`, a `core.resolve.BoundBasis`):
+
+- the weights are read at the share a decode-like chain reached with weights of their matmul path
+  (`weight_path`: bf16, or FP8 / INT8 / FP4 read by the matmul that runs in that type); a path with no such
+  measurement (weights dequantized before a bf16 matmul: W4A16, GGUF types; or an unmeasured type) at the
+  plain memory-read share, labelled so. The KV cache is read by attention, not a matmul: at the memory-read
+  share.
+- matmuls (prefill, and decode when FLOP-bound) run at the large-M share of the type they run in
+  (`matmul_dtype_on`); a type with no measured share at its peak.
+- usable memory is `MEMORY_UTILIZATION` of the smaller of the memory and the measured allocatable memory.
+
+Without a record every bound rests on the peaks ("spec"): upper bounds for ranking and sizing that a real
+server reaches a share of. A measured performance record of the artifact (`registry.resolve.ranking`) is
+used before any bound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from core.errors import InvalidInput
 from core.hardware import (
     BANDWIDTH_GBS,
     DEVICES_PER_NODE,
+    FRACTION,
     MEMORY_GIB,
     PRICE_PER_DEVICE_HOUR,
     TFLOPS,
@@ -35,6 +52,7 @@ from core.hardware import (
     HardwareProfile,
     MatmulDtype,
 )
+from core.resolve import BoundBasis
 from core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
 from quant.catalog import METHODS
 
@@ -72,6 +90,81 @@ def matmul_dtype_on(quant: str, profile: HardwareProfile) -> MatmulDtype:
     return method.matmul_dtype_on(profile) if method is not None else "bf16"
 
 
+def weight_path(quant: str, profile: HardwareProfile) -> MatmulDtype | None:
+    """The matmul an artifact's weights are read through in decode on `profile`: bf16 for unquantized weights,
+    fp8 / int8 / fp4 where its matmuls run natively in that type there; None where the weights are dequantized
+    before a bf16 matmul (weight-only schemes, GGUF types, a low type the device lacks the units for)."""
+    method = METHODS.get(quant)
+    if method is None:
+        return None
+    if method.weight_dtype == "bfloat16":
+        return "bf16"
+    dtype = method.matmul_dtype_on(profile)
+    return dtype if dtype != "bf16" else None
+
+
+@dataclass(frozen=True)
+class Shares:
+    """The shares of a profile's peaks a plan uses: 1 and "spec" for each one its entry has no measurement of."""
+
+    weights: float = 1.0
+    weights_from: Literal["decode", "memory_read", "spec"] = "spec"
+    kv: float = 1.0
+    matmul: float = 1.0
+    matmul_from: Literal["measured", "spec"] = "spec"
+    allocatable_bytes: int | None = None
+    source: str | None = None
+
+
+def shares(profile: HardwareProfile, path: MatmulDtype | None, matmul: MatmulDtype) -> Shares:
+    """The measured shares of `profile`'s peaks for weights read through `path` (`weight_path`) and matmuls in
+    `matmul`: a decode chain's for the path where measured, else the plain memory read's; the KV cache at the
+    memory read's; the large-M matmul share of `matmul` where measured, else 1 (spec)."""
+    m = profile.measured
+    if m is None:
+        return Shares()
+
+    def checked(name: str, value: float) -> float:
+        return _check_rate(profile, f"measured.{name}", value, FRACTION)
+
+    read = checked("memory_read", m.memory_read)
+    decode = getattr(m.decode, path) if path is not None else None
+    rate = getattr(m.matmul, matmul)
+    allocatable = m.allocatable_gib
+    return Shares(
+        weights=checked(f"decode.{path}", decode) if decode is not None else read,
+        weights_from="decode" if decode is not None else "memory_read",
+        kv=read,
+        matmul=checked(f"matmul.{matmul}", rate) if rate is not None else 1.0,
+        matmul_from="measured" if rate is not None else "spec",
+        allocatable_bytes=(
+            int(_check_rate(profile, "measured.allocatable_gib", allocatable, MEMORY_GIB) * GIB)
+            if allocatable is not None
+            else None
+        ),
+        source=f"{m.source}, {m.measured_on}",
+    )
+
+
+def _rate(value: float) -> str:
+    return f"{value:,g}"
+
+
+def _basis_text(share: Shares, path: MatmulDtype | None, bandwidth_gbs: float, tflops: float, used: str) -> str:
+    """Which rates the bounds used, measured shares or data-sheet peaks, in a line."""
+    if share.source is None:
+        return f"bounds at data-sheet peaks (spec): {_rate(bandwidth_gbs)} GB/s, {_rate(tflops)} TFLOP/s {used}"
+    read = f"{path} decode" if share.weights_from == "decode" else "memory read"
+    parts = [f"decode at {share.weights:.2f} × {_rate(bandwidth_gbs)} GB/s ({read}, measured)"]
+    if share.weights_from == "decode":
+        parts.append(f"KV cache at {share.kv:.2f} × (memory read, measured)")
+    if share.matmul_from == "measured":
+        parts.append(f"prefill at {share.matmul:.2f} × {_rate(tflops)} TFLOP/s {used} (measured)")
+    else:
+        parts.append(f"prefill at {_rate(tflops)} TFLOP/s {used} (spec: not measured)")
+    return ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class ReplicaPlan:
     """One replica of an artifact on a hardware profile: its tensor-parallel degree, memory and bounds."""
@@ -100,6 +193,7 @@ class ReplicaPlan:
     matmul_dtype: MatmulDtype  # the type the matmuls run in on this hardware
     matmul_tflops: float
     cost_per_mtok: float | None  # USD per million output tokens at the decode bound; None without a price
+    basis: BoundBasis  # which bounds rest on measured shares of the peaks, and which on spec
     explanation: str
 
 
@@ -178,7 +272,13 @@ def plan_replica(
     limit = min(devices_per_node, max_devices or devices_per_node)
     allowed, excluded = _tp_degrees(shape, limit)
     memory = int(memory_gib * GIB)
-    usable = round(MEMORY_UTILIZATION * memory)
+    tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
+    tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
+    path = weight_path(quant, profile)
+    share = shares(profile, path, used)
+    allocatable = share.allocatable_bytes
+    held = min(memory, allocatable) if allocatable is not None else memory  # what a server can take
+    usable = round(MEMORY_UTILIZATION * held)
     kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ShapeRecord) else 0
 
     def per_device(tp: int) -> tuple[int, int]:
@@ -205,17 +305,17 @@ def plan_replica(
         efficiency = _check_rate(profile, "interconnect.tp_efficiency", efficiency, TP_EFFICIENCY, above=True)
     # Every divisor below is a product of bounded, positive facts, and every dividend is bounded by
     # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
-    tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
-    tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
     params = shape.parameters() if isinstance(shape, ShapeRecord) else None
-    memory_s = max(w_dev + kv_dev, 1) / (bandwidth_gbs * 1e9 * efficiency)
-    compute_s = 2 * params * concurrency / (tp * tflops * 1e12 * efficiency) if params is not None else 0.0
+    read_bytes = max(w_dev / share.weights + kv_dev / share.kv, 1)  # bytes at the data sheet's rate
+    memory_s = read_bytes / (bandwidth_gbs * 1e9 * efficiency)
+    flops_per_s = tp * tflops * 1e12 * share.matmul * efficiency
+    compute_s = 2 * params * concurrency / flops_per_s if params is not None else 0.0
     step_s = max(memory_s, compute_s)
     decode = concurrency / step_s
     ttft: float | None = None
     if isinstance(shape, ShapeRecord) and params is not None and shape.num_attention_heads is not None:
         flops = 2 * params * context + 2 * shape.num_layers * shape.num_attention_heads * shape.head_dim * context**2
-        ttft = flops / (tp * tflops * 1e12 * efficiency)
+        ttft = flops / flops_per_s
     price = profile.price_per_device_hour
     if price is not None:
         price = _check_rate(profile, "price_per_device_hour", price, PRICE_PER_DEVICE_HOUR)
@@ -224,6 +324,8 @@ def plan_replica(
     link = f" ({profile.interconnect.name})" if tp > 1 and profile.interconnect is not None else ""
     arithmetic = f"{_gib(w_dev)} weights + {_gib(kv_dev)} KV per device"
     room = f"{_gib(usable)} usable of {_gib(memory)}"
+    if held < memory:
+        room = f"{_gib(usable)} usable of {_gib(held)} allocatable (measured, of {_gib(memory)})"
     if fits:
         parts = [f"TP {tp} of {limit}{link}: {arithmetic} ≤ {room}"]
         if tried:
@@ -236,9 +338,23 @@ def plan_replica(
     if isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
         parts.append(f"KV heads replicated: {shape.num_kv_heads} over TP {tp}, one per device")
     if compute_s > memory_s:
-        parts.append(f"decode FLOP-bound at {concurrency} sequences ({used} matmuls, {tflops:g} TFLOP/s per device)")
+        rate = f"{share.matmul:.2f} × {tflops:g}" if share.matmul_from == "measured" else f"{tflops:g}"
+        parts.append(f"decode FLOP-bound at {concurrency} sequences ({used} matmuls, {rate} TFLOP/s per device)")
+    parts.append(_basis_text(share, path, bandwidth_gbs, tflops, used))
     if isinstance(shape, str):
         parts.append(shape)
+    basis = BoundBasis(
+        decode=share.matmul_from if compute_s > memory_s else ("spec" if share.weights_from == "spec" else "measured"),
+        prefill=share.matmul_from,
+        memory="measured" if held < memory else "spec",
+        bandwidth_fraction=share.weights,
+        bandwidth_path=share.weights_from,
+        kv_bandwidth_fraction=share.kv,
+        matmul_fraction=share.matmul,
+        matmul_dtype=used,
+        allocatable_bytes=allocatable,
+        source=share.source,
+    )
     return ReplicaPlan(
         hardware=profile.name,
         quant=quant,
@@ -264,5 +380,6 @@ def plan_replica(
         matmul_dtype=used,
         matmul_tflops=tflops,
         cost_per_mtok=cost,
+        basis=basis,
         explanation="; ".join(parts),
     )

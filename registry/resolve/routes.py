@@ -80,6 +80,7 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
             meets_slo=c.meets_slo,
             eval_status=a.eval_status,
             kl=a.kl,
+            basis=plan.basis,
             explanation=c.explanation,
         ),
     )

@@ -97,15 +97,14 @@ def test_fp8_70b_needs_two_h100s_and_one_h200_or_mi300x() -> None:
     assert h100.cost_per_mtok == pytest.approx(2.99 * 2 / (68.279 * 3600) * 1e6, rel=1e-4)  # USD 24.33
     assert h100.explanation == (
         "TP 2 of 8 (NVLink 4): 33.8 GiB weights + 5.0 GiB KV per device ≤ 72.0 GiB usable of 80.0 GiB; "
-        "TP 1 needs 77.7 GiB"
+        "TP 1 needs 77.7 GiB; bounds at data-sheet peaks (spec): 3,350 GB/s, 1,979 TFLOP/s fp8"
     )
+    assert (h100.basis.decode, h100.basis.prefill, h100.basis.memory, h100.basis.source) == ("spec",) * 3 + (None,)
 
+    # H200's bounds rest on its measured shares: tests/registry/test_fit_measured.py recomputes them.
     h200 = plan_replica(PROFILES["h200"], shape, FP8_70B, "fp8", CONTEXT, 1)
-    assert FP8_70B + KV_32K <= 0.9 * 141 * GIB  # 77.7 of 126.9 GiB
+    assert FP8_70B + KV_32K <= 0.9 * 139.8 * GIB  # 77.7 of 125.8 GiB (of 139.8 allocatable)
     assert (h200.tp, h200.fits) == (1, True)
-    assert h200.decode_tokens_per_s == pytest.approx(4800e9 / (FP8_70B + KV_32K)) == pytest.approx(57.55, abs=0.01)
-    assert h200.ttft_s == pytest.approx(PREFILL_FLOPS_32K / 1979e12) == pytest.approx(3.048, abs=1e-3)
-    assert h200.cost_per_mtok == pytest.approx(3.79 / (57.549 * 3600) * 1e6, rel=1e-4)  # USD 18.29
 
     mi300x = plan_replica(PROFILES["mi300x"], shape, FP8_70B, "fp8", CONTEXT, 1)
     assert (mi300x.tp, mi300x.fits) == (1, True)
@@ -180,7 +179,7 @@ def test_fp8_kv_cache_halves_the_kv_bytes() -> None:
     fp8 = plan_replica(PROFILES["h200"], shape, FP8_70B, "fp8", CONTEXT, 8, kv_dtype="fp8")
     assert KV_DTYPES == {"bf16": 2, "fp8": 1}
     assert fp8.kv_cache_bytes * 2 == bf16.kv_cache_bytes == 80 * GIB
-    # One H200 holds 126.9 GiB: 67.7 + 80 GiB does not fit, 67.7 + 40 GiB does.
+    # One H200 holds 125.8 GiB (of the 139.8 GiB a process can allocate): 67.7 + 80 GiB does not fit, 67.7 + 40 does.
     assert (bf16.tp, fp8.tp) == (2, 1)
 
 
@@ -353,7 +352,10 @@ def test_any_config_gives_a_plan(config: dict[str, Any], hardware: str) -> None:
     assert plan.tp >= 1 and plan.decode_tokens_per_s > 0 and math.isfinite(plan.decode_tokens_per_s)
     if isinstance(shape, ShapeRecord) and shape.num_attention_heads is not None:
         assert shape.num_attention_heads % plan.tp == 0
-    assert MEMORY_UTILIZATION * plan.memory_per_device_bytes == pytest.approx(plan.usable_per_device_bytes, abs=1)
+    # 90 % of the memory, or of the measured allocatable memory where the catalog entry has one that is smaller.
+    held = min(plan.memory_per_device_bytes, plan.basis.allocatable_bytes or plan.memory_per_device_bytes)
+    assert MEMORY_UTILIZATION * held == pytest.approx(plan.usable_per_device_bytes, abs=1)
+    assert (plan.basis.memory == "measured") == (held < plan.memory_per_device_bytes)
 
 
 # --- the footprint against the bundles kiln writes -------------------------------------------------

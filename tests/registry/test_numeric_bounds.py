@@ -42,8 +42,22 @@ from tests.registry.helpers import (
 
 JSON = {"Content-Type": "application/json"}
 ARTIFACT = "/v1/models/tiny/releases/1.0/artifacts/gguf-q8"
-# The seeded artifact runs on `cpu`; an entry with every field (interconnect, FP8, price) replaces it.
-CPU_AS_H100 = {**builtin_catalog().profiles["h100"].model_dump(mode="json"), "name": "cpu"}
+# The seeded artifact runs on `cpu`; an entry with every field (interconnect, FP8, price, a measured record with a
+# share of each peak) replaces it.
+_SHARES = {"bf16": 0.8, "fp8": 0.6, "int8": 0.4}
+CPU_AS_H100 = {
+    **builtin_catalog().profiles["h100"].model_dump(mode="json"),
+    "name": "cpu",
+    "measured": {
+        "memory_read": 0.9,
+        "decode": _SHARES,
+        "matmul": _SHARES,
+        "matmul_small_m": _SHARES,
+        "allocatable_gib": 78.5,
+        "source": "numeric edges",
+        "measured_on": "2026-11-26",
+    },
+}
 
 
 @dataclass
@@ -360,6 +374,8 @@ def test_split_weights_are_numbers_of_at_least_one_basis_point(client: TestClien
         {"memory_gib": "80"},
         {"devices_per_node": True},
         {"price_per_device_hour": "2.99"},
+        {"measured": {**CPU_AS_H100["measured"], "memory_read": 5e-324}},
+        {"measured": {**CPU_AS_H100["measured"], "matmul": {"bf16": 1e308}}},
     ],
 )
 def test_hardware_facts_outside_their_range_are_refused_and_resolve_still_answers(
@@ -388,6 +404,14 @@ def test_replica_bounds_stay_finite_at_the_catalogs_extremes() -> None:
         "interconnect": {"name": "slow link", "bandwidth_gbs": 1, "tp_efficiency": 0.0501},
         "devices_per_node": 1024,
         "price_per_device_hour": 10_000,
+        "measured": {
+            "memory_read": 0.001,
+            "decode": {"fp8": 0.001},
+            "matmul": {"fp8": 0.001},
+            "allocatable_gib": 1,
+            "source": "the smallest shares",
+            "measured_on": "2026-11-26",
+        },
     }
     fastest = {
         **h100,
@@ -397,6 +421,14 @@ def test_replica_bounds_stay_finite_at_the_catalogs_extremes() -> None:
         "interconnect": {"name": "fast link", "bandwidth_gbs": 100_000, "tp_efficiency": 1},
         "devices_per_node": 1024,
         "price_per_device_hour": 0,
+        "measured": {
+            "memory_read": 2,
+            "decode": {"fp8": 2},
+            "matmul": {"fp8": 2},
+            "allocatable_gib": 16_384,
+            "source": "the largest shares",
+            "measured_on": "2026-11-26",
+        },
     }
     huge = {key: MAX_DIMENSION for key in (*LLAMA_CONFIG, "intermediate_size")}
     for entry in (slowest, fastest):
@@ -433,6 +465,14 @@ def test_plan_replica_refuses_a_profile_built_around_validation() -> None:
     profile = type(h100).model_construct(**{**dict(h100), "interconnect": link})
     with pytest.raises(InvalidInput, match="tp_efficiency"):
         plan_replica(profile, shape, 100 * 2**30, "bf16", 4096, 1)  # 100 GiB: TP 2, over the link
+    measured = builtin_catalog().profiles["h200"].measured
+    assert measured is not None
+    for name, value in (("memory_read", 0.0), ("memory_read", math.nan), ("allocatable_gib", 0.0)):
+        bad = measured.model_construct(**{**dict(measured), name: value})
+        profile = type(h100).model_construct(**{**dict(h100), "measured": bad})
+        with pytest.raises(InvalidInput) as raised:
+            plan_replica(profile, shape, 16 * 2**30, "bf16", 4096, 1)
+        assert raised.value.code == "HARDWARE_CATALOG_INVALID" and f"measured.{name}" in raised.value.message
 
 
 def test_a_stored_measurement_outside_todays_range_is_not_used(app: FastAPI, client: TestClient) -> None:
