@@ -12,6 +12,9 @@ runs itself again. Then, each step in its own process with its own timeout, so o
 is recorded and the rest still run, inside one overall budget (`--budget`, 270 s by default):
 
 1. `info`: the GPU, its driver, torch / transformers / JAX versions and JAX's devices.
+   `probe`: `bench/hardware_probe.py` on the device before anything else runs there (the shares of its
+   catalog peaks it reaches: memory read, decode chains in bf16 and FP8, GEMMs per type, allocatable
+   memory; what `kiln hardware probe` measures), its table printed and its record kept here.
 2. `build-cuda` and `build-cpu`, at the same time: the example (examples/tiny-llama) with a recipe
    restricted to the targets whose runtimes are there (hf-bundle: bf16, fp8, fp8-block, int8-w8a8,
    int8-w8a16, int4-rtn, w4a16-gptq, w4a16-awq; orbax: bf16, int8-w8a16; gguf when llama.cpp imports),
@@ -70,7 +73,7 @@ ORBAX = ["bf16", "int8-w8a16"]
 GGUF = ["f16", "q8_0", "q4_k_m"]
 KERNEL_SCHEMES = ("fp8", "fp8-block", "int8-w8a8")
 # Seconds each step may take at most (the overall budget cuts them shorter).
-STEP_LIMITS = {"info": 60, "build": 200, "kernels": 90, "gptq-layer": 120, "scale": 560}
+STEP_LIMITS = {"info": 60, "probe": 90, "build": 200, "kernels": 90, "gptq-layer": 120, "scale": 560}
 # One artifact at 8B: the model, its ingested copy and the FP8 bundle (with its quantize stage's output) take
 # ~50 GB; where the disk has less free, INT4 round-to-nearest (~41 GB).
 SCALE_TARGETS = (("hf-bundle-fp8", 56e9), ("hf-bundle-int4-rtn", 0.0))
@@ -169,6 +172,14 @@ def step_info(args: argparse.Namespace) -> dict[str, Any]:
 
     out["device"] = describe(resolve_device(args.device))
     return out
+
+
+def step_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/hardware_probe.py on the device (`kiln hardware probe`'s measurement), with its table."""
+    from hardware_probe import probe, table  # bench/hardware_probe.py, beside this script
+
+    doc = probe(args.device)
+    return {**doc, "table": "\n".join(table(doc))}
 
 
 def _recipe(args: argparse.Namespace, work: Path) -> Path:
@@ -409,6 +420,7 @@ def step_scale(args: argparse.Namespace) -> dict[str, Any]:
 
 STEPS = {
     "info": step_info,
+    "probe": step_probe,
     "build": step_build,
     "kernels": step_kernels,
     "gptq-layer": step_gptq_layer,
@@ -618,6 +630,10 @@ def print_tables(record: dict[str, Any]) -> None:
             print(f"  {json.dumps(row)}")
         if scale.get("status") == "failed":
             print(scale.get("log_tail", ""))
+    probe = steps.get("probe", {})
+    if probe:
+        print(f"\n== kiln hardware probe on the device: {probe.get('status', 'ok')}")
+        print(probe.get("table") or probe.get("reason") or "")
     gptq = steps.get("gptq-layer", {})
     if gptq:
         print(f"\n== GPTQ of one layer: {json.dumps({k: v for k, v in gptq.items() if k != 'traceback'})}")
@@ -660,6 +676,10 @@ def main() -> None:
             runner.finish(runner.start("scale", "scale", *extra))
         finish(runner, args, tmp)
         return
+    if cuda and not gpu:
+        runner.skip("probe", "no CUDA device visible")
+    else:  # alone on the device, before the builds
+        runner.finish(runner.start("probe", "probe"))
     # The two builds at once: the CUDA one on the GPU, the CPU one on the cores. The kernels and the GPTQ
     # layer run on the device after the device's build, while the CPU build finishes.
     if cuda and not gpu:

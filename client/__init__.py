@@ -380,6 +380,11 @@ class RegistryClient:
         result: list[dict[str, Any]] = self._json("GET", "/v1/hardware")
         return result
 
+    def hardware_entry(self, name: str) -> dict[str, Any]:
+        """One SKU of the registry's catalog, with where its entry comes from."""
+        result: dict[str, Any] = self._json("GET", f"/v1/hardware/{_seg(name)}")
+        return result
+
     def put_hardware(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
         """Add SKU `name` to the catalog or override its entry (admin)."""
         result: dict[str, Any] = self._json("PUT", f"/v1/hardware/{_seg(name)}", json=entry)

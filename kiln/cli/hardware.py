@@ -1,4 +1,4 @@
-"""`kiln hardware list|set|delete` and `kiln performance`: the catalog resolve sizes with, and measurements."""
+"""`kiln hardware list|set|delete|probe` and `kiln performance`: the catalog resolve sizes with, and measurements."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import typer
 import yaml
 
 from client import RegistryClient
+from core.device import resolve_device
 from core.errors import InvalidInput
+from core.hardware import HardwareCatalog, builtin_catalog, parse_profile
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
-from kiln.console import safe_text, stdout
+from kiln.console import err, safe_text, stdout
+from kiln.probe import ProbeRun, device_name, efficiency, identify, measure, table
 
 
 def _read_mapping(path: Path, what: str) -> dict[str, Any]:
@@ -68,6 +71,92 @@ def hardware_delete(
     with RegistryClient.connect(registry) as client:
         client.delete_hardware(name)
     answer({"name": name, "deleted": True}, as_json, f"hardware {name}: registry entry removed")
+
+
+def _registry_catalog(client: RegistryClient) -> HardwareCatalog:
+    """The registry's catalog as it serves it (its own entries over the built-in ones)."""
+    return HardwareCatalog(
+        parse_profile({k: v for k, v in e.items() if k != "source"}, f"registry hardware entry {e.get('name')!r}")
+        for e in client.hardware()
+    )
+
+
+@hardware_app.command("probe")
+def hardware_probe(
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            "--hardware",
+            help="The SKU this node's device is (default: the catalog entry whose products name the GPU, else cpu).",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N.")
+    ] = "auto",
+    publish: Annotated[
+        bool,
+        typer.Option(
+            "--publish",
+            help="Record the shares as the SKU's `measured` record in the registry's catalog (admin; audited).",
+        ),
+    ] = False,
+    saved: Annotated[
+        Path | None,
+        typer.Option(
+            "--from", help="A run printed by --json, to show or publish instead of measuring.", show_default=False
+        ),
+    ] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure the shares of an SKU's data-sheet peaks this node's device reaches: memory read, a decode chain and
+    matmuls per type, allocatable memory. With --publish, resolve bounds that SKU by them."""
+    client = RegistryClient.connect(registry) if publish else None
+    try:
+        # Against the peaks of the entry the shares are published to: the registry's where it has its own.
+        catalog = _registry_catalog(client) if client is not None else builtin_catalog()
+        if saved is not None:
+            data = _read_mapping(saved, "a probe run (kiln hardware probe --json)")
+            try:
+                run = ProbeRun.model_validate(data.get("run", data))
+            except ValueError as e:
+                raise InvalidInput(f"{saved}: not a probe run: {e}", code="INVALID_INPUT") from None
+            profile = identify(run.device_name, run.device.startswith("cuda"), catalog, hardware)
+        else:
+            where = resolve_device(device)
+            profile = identify(device_name(where), where.is_cuda, catalog, hardware)
+            run = measure(where, profile)
+        record, rows, problems = efficiency(run, profile)
+        out: dict[str, Any] = {
+            "hardware": profile.name,
+            "run": run.model_dump(mode="json"),
+            "readings": [row.as_dict() for row in rows],
+            "measured": record.model_dump(mode="json") if record is not None else None,
+            "problems": problems,
+        }
+        if client is not None:
+            if record is None or problems:
+                raise InvalidInput(
+                    f"hardware {profile.name}: not published, the run is not a whole record: {'; '.join(problems)}",
+                    code="PROBE_INCOMPLETE",
+                    details={"hardware": profile.name, "problems": problems},
+                )
+            entry = client.hardware_entry(profile.name)
+            put = client.put_hardware(profile.name, {**entry, "measured": record.model_dump(mode="json")})
+            out["published"] = put["source"]
+    finally:
+        if client is not None:
+            client.close()
+    if as_json:
+        emit(out)
+        return
+    for line in table(run, profile, rows):
+        stdout.print(safe_text(line))
+    for problem in problems:
+        err.print(safe_text(f"left out: {problem}"))
+    if "published" in out:
+        err.print(safe_text(f"hardware {profile.name}: measured shares recorded ({out['published']})"))
 
 
 @app.command()
