@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from pydantic import ValidationError
 
 from client import RegistryClient
 from core.device import resolve_device
@@ -120,8 +121,9 @@ def hardware_probe(
             data = _read_mapping(saved, "a probe run (kiln hardware probe --json)")
             try:
                 run = ProbeRun.model_validate(data.get("run", data))
-            except ValueError as e:
-                raise InvalidInput(f"{saved}: not a probe run: {e}", code="INVALID_INPUT") from None
+            except ValidationError as e:
+                found = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'run'}: {err['msg']}" for err in e.errors())
+                raise InvalidInput(f"{saved}: not a probe run: {found}", code="INVALID_INPUT") from None
             profile = identify(run.device_name, run.device.startswith("cuda"), catalog, hardware)
         else:
             where = resolve_device(device)

@@ -155,3 +155,13 @@ def test_only_an_unlimited_admin_publishes(
     assert client.get("/v1/hardware/cpu").json() == {**builtin_catalog().get("cpu").model_dump(mode="json"),
                                                      "source": "builtin"}  # fmt: skip
     assert not [e for e in client.get("/v1/audit").json() if e["action"].startswith("hardware.")]
+
+
+def test_a_saved_run_that_is_not_one_is_refused_naming_its_fields(tmp_path: Path) -> None:
+    bad = tmp_path / "run.json"
+    bad.write_text(json.dumps({"run": {"device": "cpu", "readings": [{"key": "memory_write"}]}}))
+    out = kiln("hardware", "probe", "--from", str(bad))
+    text = " ".join(out.stderr.split())  # the error console wraps long lines
+    assert out.returncode == 2 and "INVALID_INPUT" in text, out.stderr
+    assert "not a probe run" in text and "device_name: Field required" in text
+    assert "readings.0.key: String should match pattern" in text
