@@ -6,11 +6,16 @@ token and cost per million tokens; a measured performance record of that artifac
 the same TP, concurrency and at least the context replaces the estimate. The policy then ranks:
 `latency` the fastest per sequence, `cost` the cheapest per token, `quality` the lowest KL, each
 among candidates that fit, have room in their pool and meet the caller's SLO.
+
+`rank_release` ranks and says what resolve would answer instead when nothing can be served (the page
+that shows a release's fit shows the candidates with that); `rank_candidates` is resolve's: the ranked
+candidates, or that answer raised.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -177,37 +182,74 @@ def _candidate(
     return Candidate(artifact, pool, index, plan, speed, fits, not misses, misses, "; ".join(parts))
 
 
-def _policy_key(c: Candidate, policy: Policy) -> tuple[float, ...]:
-    speed = -c.speed.tokens_per_s_per_sequence
-    kl = c.artifact.kl if c.artifact.kl is not None else math.inf
-    cost = c.speed.cost_per_mtok if c.speed.cost_per_mtok is not None else math.inf
-    if policy == "cost":
-        return (cost, speed, kl)
-    if policy == "quality":
-        return (kl, speed, cost)
-    return (speed, kl, cost)
+# The policies' criteria after fit, SLO and eval status, each a value where lower ranks first.
+CRITERIA: dict[str, Callable[[Candidate], float]] = {
+    "speed": lambda c: -c.speed.tokens_per_s_per_sequence,
+    "kl": lambda c: c.artifact.kl if c.artifact.kl is not None else math.inf,
+    "cost": lambda c: c.speed.cost_per_mtok if c.speed.cost_per_mtok is not None else math.inf,
+}
+POLICY_ORDER: dict[Policy, tuple[str, ...]] = {
+    "latency": ("speed", "kl", "cost"),
+    "cost": ("cost", "speed", "kl"),
+    "quality": ("kl", "speed", "cost"),
+}
 
 
-def _rank_key(c: Candidate, policy: Policy) -> tuple[object, ...]:
+def rank_criteria(policy: Policy) -> tuple[str, ...]:
+    """The names of `rank_key`'s values, in its order: what a candidate is compared on, first to last."""
+    return ("fits", "slo", "eval", *POLICY_ORDER[policy], "pool", "name")
+
+
+def rank_key(c: Candidate, policy: Policy) -> tuple[object, ...]:
+    """The candidate's sort key under `policy` (smaller first), one value per `rank_criteria` name."""
     return (
         not c.fits,
         not c.meets_slo,
         0 if c.artifact.eval_status == "passed" else 1,
-        *_policy_key(c, policy),
+        *(CRITERIA[name](c) for name in POLICY_ORDER[policy]),
         c.pool_index,
         c.artifact.name,
     )
+
+
+@dataclass(frozen=True)
+class Unranked:
+    """An artifact resolve did not rank on a pool: not built for its SKU, or its eval failed (`reason` says)."""
+
+    artifact: ArtifactView
+    hardware: str
+    reason: str
+    eval_failed: bool
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Every (artifact, pool) candidate, best first, the artifacts left out and why, and `problem`: the
+    NO_COMPATIBLE_ARTIFACT or SLO_UNMET error resolve answers when the first cannot be served (None when it can)."""
+
+    ranked: tuple[Candidate, ...]
+    unranked: tuple[Unranked, ...]
+    problem: NotFound | None
 
 
 def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuery, channel: str) -> list[Candidate]:
     """Every (artifact, pool) candidate, best first by the query's policy; the first fits and meets the SLO.
 
     NO_COMPATIBLE_ARTIFACT says why nothing runs or fits; SLO_UNMET what the best achieves."""
-    where = f"{view.model}@{view.version} (channel {channel})"
+    ranking = rank_release(view, catalog, query, f"{view.model}@{view.version} (channel {channel})")
+    if ranking.problem is not None:
+        raise ranking.problem
+    return list(ranking.ranked)
+
+
+def rank_release(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuery, where: str) -> Ranking:
+    """Every (artifact, pool) candidate of `view`, best first by the query's policy, the artifacts left out and
+    why, and the error resolve would answer instead of the first (`where` names the release in it)."""
     profiles = [catalog.get(p.hardware) for p in query.pools]
     names = [p.name for p in profiles]
     details: dict[str, Any] = {"model": view.model, "version": view.version, "hardware": names}
     candidates: list[Candidate] = []
+    unranked: list[Unranked] = []
     why: dict[str, list[str]] = {}  # reason -> "artifact (hardware)"
     failed: list[str] = []
     for index, (pool, profile) in enumerate(zip(query.pools, profiles, strict=True)):
@@ -215,26 +257,37 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
             runs, how = runs_on(a, profile, catalog)
             if not runs:
                 why.setdefault(how, []).append(f"{a.name} ({profile.name})" if len(profiles) > 1 else a.name)
+                unranked.append(Unranked(a, profile.name, how, eval_failed=False))
             elif a.eval_status == "failed":
                 failed.append(f"{a.name} on {profile.name} ({', '.join(a.failed_reasons)})")
+                unranked.append(Unranked(a, profile.name, "; ".join(a.failed_reasons), eval_failed=True))
             else:
                 candidates.append(_candidate(a, pool, index, profile, view.shape, query, how))
     if not candidates:
         if failed:
-            raise NotFound(
+            problem = NotFound(
                 f"every artifact of {where} for {', '.join(names)} failed its eval: {'; '.join(failed)}",
                 code="NO_COMPATIBLE_ARTIFACT",
                 details={**details, "failed": failed},
             )
+            return Ranking((), tuple(unranked), problem)
         supported = sorted({h for a in view.artifacts for h in a.hardware})
         reasons = "; ".join(f"{reason} ({', '.join(items)})" for reason, items in why.items())
         what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
-        raise NotFound(
+        problem = NotFound(
             f"release {where} has no artifact for hardware {', '.join(map(repr, names))}: {what}",
             code="NO_COMPATIBLE_ARTIFACT",
             details={**details, "supported_hardware": supported, "reasons": why},
         )
-    ranked = sorted(candidates, key=lambda c: _rank_key(c, query.policy))
+        return Ranking((), tuple(unranked), problem)
+    ranked = tuple(sorted(candidates, key=lambda c: rank_key(c, query.policy)))
+    return Ranking(ranked, tuple(unranked), _problem(ranked, where, names, details, query))
+
+
+def _problem(
+    ranked: tuple[Candidate, ...], where: str, names: list[str], details: dict[str, Any], query: ResolveQuery
+) -> NotFound | None:
+    """Why the first of `ranked` cannot be served (it does not fit, or misses the SLO); None when it can."""
     best = ranked[0]
     if not best.fits:
         needs = "; ".join(
@@ -244,7 +297,7 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
             + (f", {c.pool.free_devices} free" if c.pool.free_devices is not None else "")
             for c in ranked
         )
-        raise NotFound(
+        return NotFound(
             f"no artifact of {where} fits on {', '.join(names)} with context {query.context} × concurrency "
             f"{query.concurrency}: {needs}",
             code="NO_COMPATIBLE_ARTIFACT",
@@ -263,7 +316,7 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
             },
         )
     if not best.meets_slo:
-        raise NotFound(
+        return NotFound(
             f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.name} on "
             f"{best.hardware}: {'; '.join(best.slo_misses)}",
             code="SLO_UNMET",
@@ -277,4 +330,4 @@ def rank_candidates(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQ
                 },
             },
         )
-    return ranked
+    return None

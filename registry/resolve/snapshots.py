@@ -1,5 +1,6 @@
 """The database reads of resolve: a channel's snapshot (the release or weighted split it points at, the routing
-revision), the hardware catalog at a revision, and a release's view with its artifacts, evals and measurements."""
+revision), a release asked for by version, the hardware catalog at a revision, and a release's view with its
+artifacts, evals and measurements."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from core.hardware import HardwareCatalog
 from core.resolve import MeasurementOut
 from core.shape import ShapeRecord
 from registry.artifacts.evals import eval_status
-from registry.artifacts.service import WITH_FILES_AND_EVALS, Artifact, release_artifacts
+from registry.artifacts.service import WITH_EVALS, WITH_FILES_AND_EVALS, Artifact, release_artifacts
 from registry.channels.buckets import BASIS_POINTS, merged, reassign
 from registry.channels.service import channel_names
 from registry.models.service import get_model
 from registry.performance.service import records_of_artifacts
-from registry.releases.service import get_release_by_id
+from registry.releases.service import get_release, get_release_by_id, with_artifacts
 from registry.resolve.cache import MAX_FINGERPRINTS, ChannelFingerprints, ChannelSnapshot, ResolveCache, SnapshotKey
 from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
@@ -82,6 +83,14 @@ def _build_snapshot(fingerprint: tuple[int, str, int, str | None, int]) -> Chann
     return ChannelSnapshot(
         members, primary, revision, tuple((k, tuple(r)) for k, r in assigned.items()), fingerprint=fingerprint
     )
+
+
+def release_snapshot(session: Session, model: str, version: str) -> SnapshotKey:
+    """`model@version` asked for by version rather than through a channel: judged by every eval result it has
+    (a channel judges its release by those it was promoted with). NotFound names the model or release missing."""
+    release = get_release(session, model, version, with_artifacts(*WITH_EVALS))
+    evals_through = max((e.id for a in release.artifacts for e in a.evals), default=0)
+    return SnapshotKey(release.id, release.version, evals_through)
 
 
 def load_catalog(session_factory: Callable[[], Session], revision: int, cache: ResolveCache) -> HardwareCatalog:

@@ -10,32 +10,51 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from functools import cache, partial
 from pathlib import Path
-from typing import Annotated, Any
-from urllib.parse import quote
+from typing import Annotated, Any, Literal
+from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from pydantic import BeforeValidator, Field
 
-from core.errors import KilnError, NotFound
+from core.errors import InvalidInput, KilnError, NotFound
+from core.hardware import HardwareCatalog
 from registry.api.errors import http_status
-from registry.api.params import MODEL_NAME_PATTERN, ChannelName, ModelName, Version
+from registry.api.params import (
+    MAX_CONCURRENCY,
+    MAX_CONTEXT,
+    MODEL_NAME_PATTERN,
+    TOKENS_PER_S,
+    TTFT_MS,
+    ChannelName,
+    ModelName,
+    Version,
+)
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts.service import WITH_FILES_AND_EVALS
 from registry.audit import service as audit_service
 from registry.channels import service as channels_service
 from registry.deps import PrincipalDep, SessionDep, SettingsDep
+from registry.hardware.service import effective_catalog
 from registry.models import service as models_service
 from registry.releases import service as releases_service
+from registry.resolve.fit import MEMORY_UTILIZATION
+from registry.resolve.query import MAX_POOLS, ResolveQuery
+from registry.resolve.ranking import rank_release
+from registry.resolve.snapshots import load_release_view, release_snapshot
+from registry.resolve.views import ReleaseView
 from registry.web.units import human_size
 from registry.web.views import (
     METRIC_COLUMNS,
     NO_EVAL_REASON,
     audit_row,
     compact_json,
+    fit_page,
     flat_rows,
+    form_number,
     release_matrix,
     timestamp,
 )
@@ -55,6 +74,7 @@ _templates = Environment(
 _templates.filters["timestamp"] = timestamp
 _templates.filters["json"] = compact_json
 _templates.filters["size"] = human_size
+_templates.filters["number"] = form_number
 
 HTTP_REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict", 422: "Invalid request"}
 
@@ -73,6 +93,9 @@ class PageLinks:
 
     def release(self, model: str, version: str) -> str:
         return self.page("models", model, "releases", version)
+
+    def fit(self, model: str, version: str, query: str = "") -> str:
+        return self.page("models", model, "releases", version, "fit") + (f"?{query}" if query else "")
 
     def channel(self, model: str, channel: str) -> str:
         return self.page("models", model, "channels", channel)
@@ -193,6 +216,77 @@ def release_page(
         missing=releases_service.missing_artifacts(release),
         # Download links only where downloads are answered: a sealed release that is not yanked.
         served=release.status == "sealed" and release.yanked_at is None,
+    )
+
+
+def _blank_is_none(value: Any) -> Any:
+    """An empty form field (a GET form sends every field) is the parameter left out."""
+    return None if value == "" else value
+
+
+MAX_POOLS_TEXT = 1000  # as resolve's `hardware`
+# resolve's SLO bounds, on the number itself: an empty field is None, which has no bounds.
+TokensPerS = Annotated[float, Field(ge=TOKENS_PER_S[0], le=TOKENS_PER_S[1], allow_inf_nan=False)]
+TtftMs = Annotated[float, Field(ge=TTFT_MS[0], le=TTFT_MS[1], allow_inf_nan=False)]
+
+
+def default_pools(view: ReleaseView, catalog: HardwareCatalog) -> list[str]:
+    """The SKUs the release's artifacts are built for that the catalog knows, in the catalog's order."""
+    built = {h for a in view.artifacts for h in a.hardware}
+    return [p.name for p in catalog if p.name in built][:MAX_POOLS]
+
+
+@router.get("/ui/models/{model}/releases/{version}/fit")
+def fit_explorer(
+    model: ModelName,
+    version: Version,
+    request: Request,
+    session: SessionDep,
+    pool: Annotated[
+        list[str] | None, Query(description="a pool: an SKU, optionally with its free devices (h100:8)")
+    ] = None,
+    context: Annotated[int, Query(ge=1, le=MAX_CONTEXT)] = 4096,
+    concurrency: Annotated[int, Query(ge=1, le=MAX_CONCURRENCY)] = 1,
+    policy: Literal["latency", "cost", "quality"] = "latency",
+    kv_cache_dtype: Literal["bf16", "fp8"] = "bf16",
+    min_tokens_per_s: Annotated[TokensPerS | None, BeforeValidator(_blank_is_none), Query()] = None,
+    max_ttft_ms: Annotated[TtftMs | None, BeforeValidator(_blank_is_none), Query()] = None,
+) -> HTMLResponse:
+    """Which artifact of a release resolve would load on the pools asked for, and why: every candidate with its
+    memory per device, decode and TTFT figures (measured or from the catalog's peaks), cost and TP, and why each
+    other one lost or does not fit. The release is judged by all its evals, as if a channel pointed at it now."""
+    release = releases_service.get_release(session, model, version)
+    catalog = effective_catalog(session)
+    view = load_release_view(session, model, release_snapshot(session, model, version))
+    asked = [p.strip() for p in pool or () if p.strip()]
+    pools = ",".join(asked) if asked else ",".join(default_pools(view, catalog))
+    if len(pools) > MAX_POOLS_TEXT:
+        raise InvalidInput(f"the pools are over {MAX_POOLS_TEXT} characters", code="RESOLVE_POOLS_INVALID")
+    query = ResolveQuery(pools, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
+    parsed = query.pools if pools else ()  # a bad pool is refused here, an unknown SKU by the ranking
+    content = fit_page(rank_release(view, catalog, query, f"{model}@{version}"), query) if parsed else None
+    pool_texts = [f"{p.hardware}:{p.free_devices}" if p.free_devices is not None else p.hardware for p in parsed]
+    # The same query on the model's other releases (without the pools when they were this release's defaults).
+    slo = (("min_tokens_per_s", min_tokens_per_s), ("max_ttft_ms", max_ttft_ms))
+    same = urlencode(
+        [("pool", text) for text in (pool_texts if asked else ())]
+        + [("context", context), ("concurrency", concurrency), ("policy", policy), ("kv_cache_dtype", kv_cache_dtype)]
+        + [(name, form_number(value)) for name, value in slo if value is not None]
+    )
+    return render(
+        request,
+        "fit.html",
+        title=f"Fit of {model}@{version}",
+        model=model,
+        release=release,
+        releases=[r.version for r in releases_service.list_releases(session, model)],
+        query=query,
+        pools=pool_texts,
+        skus=[p.name for p in catalog],
+        same=same,
+        page=content,
+        defaulted=not asked,
+        usable_share=MEMORY_UTILIZATION,
     )
 
 

@@ -1,7 +1,8 @@
 """What the pages show, computed from ORM rows: the artifact × runtime eval matrix, the quality plot's
-points, lineage and provenance as tables, and small formatters.
+points, lineage and provenance as tables, resolve's ranking of a release as the fit page shows it, and small
+formatters.
 
-Pure functions over rows the routes loaded through the services; templates only lay these out.
+Pure functions over rows and records the routes loaded through the services; templates only lay these out.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Literal
 
+from core.errors import KilnError
 from core.evals import EvalMetrics, Gate
+from core.resolve import Policy
 from registry.artifacts.evals import eval_status
 from registry.artifacts.service import Artifact, EvalResult
 from registry.audit.service import AuditEvent
+from registry.resolve.explain import explain_choice
+from registry.resolve.query import ResolveQuery
+from registry.resolve.ranking import Candidate, Ranking, Unranked, rank_criteria, rank_key
+from registry.web.bars import MemoryBar, bar_domain, memory_bar, render_bar
 from registry.web.plot import PlotPoint, QualityPlot, quality_plot
 from registry.web.units import human_size, json_number
 
@@ -403,3 +410,203 @@ def audit_row(event: AuditEvent) -> AuditRow:
         after=compact_json(details.get("after")),
         other=compact_json(rest) if rest else "",
     )
+
+
+# --- the fit explorer: resolve's ranking of one release for pools a caller names ---------------------------
+
+BoundSource = Literal["measured", "spec"]
+
+
+@dataclass(frozen=True)
+class BoundBasis:
+    """Where a candidate's decode and TTFT figures come from: a performance record of that artifact on that SKU
+    ("measured") or the plan's bounds from the catalog's data-sheet peaks ("spec"); `detail` says which record,
+    or that there was none that applied."""
+
+    decode: BoundSource
+    ttft: BoundSource
+    detail: str
+
+
+def bound_basis(candidate: Candidate) -> BoundBasis:
+    """The labels of a candidate's decode and TTFT figures: the ranking's `speed.source` ("measured" when a
+    performance record replaced the estimate, both figures then coming from it).
+
+    The one place the page decides these labels: a plan that records which of its own bounds rest on measured
+    efficiency fractions of the SKU's peaks would be read here, for the figures of an estimate."""
+    source: BoundSource = "measured" if candidate.speed.source == "measured" else "spec"
+    return BoundBasis(decode=source, ttft=source, detail=candidate.speed.note)
+
+
+def form_number(value: float) -> str:
+    """A number as a form field holds it: short where that is exact ("500", not "500.0"), else in full."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
+def tokens_per_s(value: float) -> str:
+    return f"{value:,.1f}"
+
+
+def duration_ms(value: float | None) -> str:
+    """A time to first token: ms below a second, seconds to two decimals below 100 s, whole seconds past that;
+    "unknown" for None."""
+    if value is None:
+        return "unknown"
+    if value < 1000:
+        return f"{value:.0f} ms"
+    return f"{value / 1000:,.2f} s" if value < 100_000 else f"{value / 1000:,.0f} s"
+
+
+def dollars(value: float | None) -> str:
+    """USD per million tokens to the cent (two significant digits below a cent); "no price" for None."""
+    if value is None:
+        return "no price"
+    return f"${value:,.2f}" if value >= 0.01 else f"${value:.2g}"
+
+
+def shortfall(c: Candidate) -> str | None:
+    """What keeps `c` from being served whatever the other candidates are: it does not fit in memory or in
+    its pool's free devices, or it misses the SLO; None when nothing does. From the plan's own figures."""
+    p = c.plan
+    if not p.fits:
+        devices = f"{p.max_tp} device{'s' if p.max_tp > 1 else ''}"
+        free = f"; the pool has {c.pool.free_devices} free" if c.pool.free_devices is not None else ""
+        return (
+            f"does not fit in {devices}: at TP {p.tp} it needs {human_size(p.required_per_device_bytes)} per device "
+            f"(weights {human_size(p.weights_per_device_bytes)} + KV cache {human_size(p.kv_per_device_bytes)}) "
+            f"of {human_size(p.usable_per_device_bytes)} usable{free}"
+        )
+    if not c.fits:
+        return (
+            f"needs TP {p.tp}; the pool has {c.pool.free_devices} free device{'s' if c.pool.free_devices != 1 else ''}"
+        )
+    if not c.meets_slo:
+        return "misses the SLO: " + "; ".join(c.slo_misses)
+    return None
+
+
+def _kl_text(kl: float | None) -> str:
+    return "not reported" if kl is None else f"{kl:.3g}"
+
+
+def why_behind(c: Candidate, first: Candidate, policy: Policy) -> str:
+    """Why `c` ranks after `first`: the first of the ranking's criteria (`rank_criteria`, the order of its sort
+    key) on which the two differ, told with both candidates' own figures."""
+    names = rank_criteria(policy)
+    mine, theirs = rank_key(c, policy), rank_key(first, policy)
+    name = next((n for n, a, b in zip(names, mine, theirs, strict=True) if a != b), None)
+    if name in ("fits", "slo"):
+        return shortfall(c) or ""
+    if name == "eval":
+        return (
+            f"its eval is {STATUS_LABELS.get(c.artifact.eval_status, c.artifact.eval_status)}: ranked after passed ones"
+        )
+    if name == "speed":
+        return (
+            f"slower: {tokens_per_s(c.speed.tokens_per_s_per_sequence)} tokens/s per sequence, "
+            f"against {tokens_per_s(first.speed.tokens_per_s_per_sequence)}"
+        )
+    if name == "kl":
+        return f"further from the reference: KL {_kl_text(c.artifact.kl)}, against {_kl_text(first.artifact.kl)}"
+    if name == "cost":
+        return (
+            f"costlier: {dollars(c.speed.cost_per_mtok)} per million tokens, "
+            f"against {dollars(first.speed.cost_per_mtok)}"
+        )
+    if name == "pool":
+        return f"as good on every count as {first.artifact.name} on {first.hardware}, a pool listed before it"
+    return f"as good on every count as {first.artifact.name}, which comes first by name"
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One ranked candidate as the fit page shows it; `verdict` is "chosen", why it ranks after the chosen
+    one, or (when none can be served) what keeps it from being served."""
+
+    rank: int
+    candidate: Candidate
+    chosen: bool
+    bar: MemoryBar
+    bar_svg: str
+    decode_per_sequence: str
+    decode_replica: str
+    decode_bound: str  # the plan's bound per sequence, shown beside a measured figure
+    ttft: str
+    cost: str
+    basis: BoundBasis
+    verdict: str
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """An artifact the ranking left out, with the same reason, on one or more of the pools."""
+
+    artifact: str
+    hardware: tuple[str, ...]
+    reason: str
+    eval_failed: bool
+
+
+def left_out(unranked: Iterable[Unranked]) -> tuple[LeftOut, ...]:
+    """The ranking's left-out (artifact, pool) pairs, one row per artifact and reason, in the order first seen."""
+    grouped: dict[tuple[str, str, bool], list[str]] = {}
+    for u in unranked:
+        grouped.setdefault((u.artifact.name, u.reason, u.eval_failed), []).append(u.hardware)
+    return tuple(LeftOut(name, tuple(hw), reason, failed) for (name, reason, failed), hw in grouped.items())
+
+
+@dataclass(frozen=True)
+class FitPage:
+    """Resolve's ranking of one release over the pools asked for: every candidate, best first, with its memory
+    bar; the artifacts left out and why; the chosen one and resolve's sentence on it, or the error resolve
+    answers instead (NO_COMPATIBLE_ARTIFACT, SLO_UNMET)."""
+
+    rows: tuple[FitRow, ...]
+    left_out: tuple[LeftOut, ...]
+    chosen: FitRow | None
+    explanation: str | None
+    problem: KilnError | None
+
+
+def fit_row(
+    rank: int, c: Candidate, first: Candidate, problem: KilnError | None, policy: Policy, domain: int
+) -> FitRow:
+    """A candidate of the ranking as a row; `first` is the ranking's first, `domain` the page's bar scale."""
+    chosen = problem is None and c is first
+    if chosen:
+        verdict = "chosen"
+    elif problem is not None:
+        verdict = shortfall(c) or ""
+    else:
+        verdict = why_behind(c, first, policy)
+    bar = memory_bar(c.plan, domain)
+    return FitRow(
+        rank=rank,
+        candidate=c,
+        chosen=chosen,
+        bar=bar,
+        bar_svg=render_bar(bar),
+        decode_per_sequence=tokens_per_s(c.speed.tokens_per_s_per_sequence),
+        decode_replica=tokens_per_s(c.speed.tokens_per_s),
+        decode_bound=tokens_per_s(c.plan.decode_tokens_per_s_per_sequence),
+        ttft=duration_ms(c.speed.ttft_ms),
+        cost=dollars(c.speed.cost_per_mtok),
+        basis=bound_basis(c),
+        verdict=verdict,
+    )
+
+
+def fit_page(ranking: Ranking, query: ResolveQuery) -> FitPage:
+    """The fit page's content from resolve's ranking of a release for `query`."""
+    if not ranking.ranked:
+        return FitPage((), left_out(ranking.unranked), None, None, ranking.problem)
+    first = ranking.ranked[0]
+    domain = bar_domain(c.plan for c in ranking.ranked)
+    rows = tuple(
+        fit_row(i, c, first, ranking.problem, query.policy, domain) for i, c in enumerate(ranking.ranked, start=1)
+    )
+    chosen = rows[0] if rows[0].chosen else None
+    sentence = explain_choice(list(ranking.ranked), query) if chosen is not None else None
+    explanation = sentence[:1].upper() + sentence[1:] if sentence else None  # it follows another sentence
+    return FitPage(rows, left_out(ranking.unranked), chosen, explanation, ranking.problem)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
 
+from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from tests.registry.helpers import make_release, post_eval, promote, publish, seal
+from tests.registry.helpers import make_release, post_eval, promote, publish, publish_declared, seal
 
 DESCRIPTION = "Tiny test model <script>alert('description')</script>"
 FORCED_REASON = "<script>alert('reason')</script> ship despite the q4_0 regression"
@@ -137,6 +141,66 @@ def seed(client: TestClient) -> None:
     assert client.post("/v1/models/tiny/releases/1.0/yank", json={"reason": YANK_REASON}).status_code == 200
     make_release(client, version="3.0", planned=["gguf-q4_0", "gguf-q8_0"])
     publish(client, "gguf-q8_0", {"new-q8_0.gguf": b"new" * 100}, ["cpu"], version="3.0")
+
+
+# A fleet worth fitting: Llama-3-70B's real config (examples/llama-3-70b) in the bundles kiln builds for GPUs and
+# the GGUFs llama.cpp serves on CPU. The bundles' bytes are `quant.footprint.checkpoint_bytes` of that config; the
+# GGUFs' are its 70,553,706,496 parameters at llama.cpp's bits per weight: 8.5 for Q8_0 (34 bytes per block of 32),
+# and about 4.85 and 3.0 for the Q4_K_M and Q2_K mixes. Only the sizes matter: the blobs are declared, not stored.
+FLEET_MODEL = "llama-3-70b"
+LLAMA_70B: dict[str, Any] = json.loads(
+    (Path(__file__).resolve().parents[2] / "examples/llama-3-70b/config.json").read_text()
+)
+PARAMETERS_70B = 70_553_706_496
+FLEET: dict[str, tuple[int, list[str], str, str, str, float]] = {
+    # name: (bytes, hardware, quant, target, eval runtime, KL)
+    "hf-bf16": (141_107_412_992, ["h100", "mi300x"], "bf16", "hf-bundle", "vllm", 0.0),
+    "hf-fp8": (72_669_806_592, ["h100"], "fp8", "hf-bundle", "vllm", 0.011),
+    "hf-w4a16-awq": (39_500_407_552, ["h100", "mi300x"], "w4a16-awq", "hf-bundle", "vllm", 0.042),
+    "gguf-q8_0": (PARAMETERS_70B * 34 // 32, ["cpu"], "q8_0", "gguf", "llama.cpp", 0.004),
+    "gguf-q4_k_m": (PARAMETERS_70B * 485 // 800, ["cpu"], "q4_k_m", "gguf", "llama.cpp", 0.061),
+    "gguf-q2_k": (PARAMETERS_70B * 3 // 8, ["cpu"], "q2_k", "gguf", "llama.cpp", 0.48),
+}
+FLEET_GATE = {"max_kl": 0.1}
+# hf-fp8 measured on two H100s at 8K × 4: a little under its bound (about 68 tokens/s per sequence).
+FP8_RECORD: dict[str, Any] = {
+    "hardware": "h100",
+    "runtime": "vllm",
+    "runtime_version": "vLLM 0.32.0, CUDA 12.8",
+    "tp": 2,
+    "context": 8192,
+    "concurrency": 4,
+    "tokens_per_s": 221.0,
+    "ttft_ms": 612.0,
+    "itl_p50_ms": 17.6,
+    "itl_p99_ms": 24.9,
+}
+
+
+def seed_fleet(app: FastAPI, client: TestClient) -> None:
+    """llama-3-70b@1.0, sealed and on prod: FLEET's artifacts, each evaluated against FLEET_GATE (gguf-q2_k fails
+    it), and FP8_RECORD, hf-fp8's measured speed on two H100s at 8K × 4."""
+    make_release(client, model=FLEET_MODEL, model_config=LLAMA_70B, planned=list(FLEET))
+    for name, (size, hardware, quant, target, runtime, kl) in FLEET.items():
+        fmt = "gguf-v3" if target == "gguf" else "safetensors"
+        publish_declared(client, app, name, size, hardware, model=FLEET_MODEL, quant=quant, target=target, format=fmt)
+        status = "passed" if kl <= FLEET_GATE["max_kl"] else "failed"
+        reason = None if status == "passed" else f"kl {kl} is above max_kl {FLEET_GATE['max_kl']}"
+        done = post_eval(
+            client,
+            name,
+            status,
+            runtime=runtime,
+            model=FLEET_MODEL,
+            metrics={"kl": kl},
+            gates=FLEET_GATE,
+            reason=reason,
+        )
+        assert done.status_code == 201, done.text
+    measured = client.post(f"/v1/models/{FLEET_MODEL}/releases/1.0/artifacts/hf-fp8/performance", json=FP8_RECORD)
+    assert measured.status_code == 201, measured.text
+    seal(client, model=FLEET_MODEL)
+    assert promote(client, model=FLEET_MODEL, force=True, reason="gguf-q2_k is not served").status_code == 200
 
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}

@@ -53,6 +53,7 @@ URLS = [
     "/ui/static/kiln.css",
     "/ui/models/tiny",
     "/ui/models/tiny/releases/1.0",
+    "/ui/models/tiny/releases/1.0/fit?pool=cpu",
     "/ui/models/tiny/channels/prod",
     "/ui/audit",
     "/ui/nothing-here",

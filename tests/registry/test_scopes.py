@@ -86,6 +86,7 @@ def test_a_read_token_for_other_models_reads_nothing_of_this_one(closed: FastAPI
         ("/v1/models/tiny-llama/releases/1.0/artifacts/gguf-q8/files/model.gguf", {}),
         ("/ui/audit", {"model": "tiny-llama"}),
         ("/ui/models/tiny-llama", {}),
+        ("/ui/models/tiny-llama/releases/1.0/fit", {"pool": "cpu"}),
     ]
     with _as(closed, reader) as other:
         for path, params in refused:
