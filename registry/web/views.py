@@ -414,28 +414,40 @@ def audit_row(event: AuditEvent) -> AuditRow:
 
 # --- the fit explorer: resolve's ranking of one release for pools a caller names ---------------------------
 
-BoundSource = Literal["measured", "spec"]
+# A figure's label: a performance record of the artifact on that SKU ("measured"), a bound on the SKU's
+# measured shares of its peaks ("shares", the catalog entry's `measured` record), or on data-sheet peaks ("spec").
+BoundSource = Literal["measured", "shares", "spec"]
+BOUND_LABELS: dict[BoundSource, str] = {"measured": "measured", "shares": "measured share", "spec": "spec"}
 
 
 @dataclass(frozen=True)
 class BoundBasis:
-    """Where a candidate's decode and TTFT figures come from: a performance record of that artifact on that SKU
-    ("measured") or the plan's bounds from the catalog's data-sheet peaks ("spec"); `detail` says which record,
-    or that there was none that applied."""
+    """Where a candidate's decode and TTFT figures come from, and a line that says which record or which rates."""
 
     decode: BoundSource
     ttft: BoundSource
     detail: str
 
+    @property
+    def decode_label(self) -> str:
+        return BOUND_LABELS[self.decode]
+
+    @property
+    def ttft_label(self) -> str:
+        return BOUND_LABELS[self.ttft]
+
 
 def bound_basis(candidate: Candidate) -> BoundBasis:
-    """The labels of a candidate's decode and TTFT figures: the ranking's `speed.source` ("measured" when a
-    performance record replaced the estimate, both figures then coming from it).
-
-    The one place the page decides these labels: a plan that records which of its own bounds rest on measured
-    efficiency fractions of the SKU's peaks would be read here, for the figures of an estimate."""
-    source: BoundSource = "measured" if candidate.speed.source == "measured" else "spec"
-    return BoundBasis(decode=source, ttft=source, detail=candidate.speed.note)
+    """The labels of a candidate's decode and TTFT figures: "measured" when a performance record replaced the
+    estimate (both figures then come from it), else what the plan's bounds rest on (`ReplicaPlan.basis`): the
+    SKU's measured shares of its peaks, or the data sheet."""
+    if candidate.speed.source == "measured":
+        return BoundBasis(decode="measured", ttft="measured", detail=candidate.speed.note)
+    basis = candidate.plan.basis
+    decode: BoundSource = "shares" if basis.decode == "measured" else "spec"
+    ttft: BoundSource = "shares" if basis.prefill == "measured" else "spec"
+    where = f" ({basis.source})" if basis.source else ""
+    return BoundBasis(decode=decode, ttft=ttft, detail=f"{candidate.speed.note}{where}")
 
 
 def form_number(value: float) -> str:

@@ -586,6 +586,37 @@ def test_fit_page_policies_and_the_form(app: FastAPI, client: TestClient) -> Non
     assert {o.attrs["value"] for o in form.find("datalist", id="skus").find_all("option")} >= {"h100", "mi300x", "cpu"}
 
 
+def test_fit_page_labels_bounds_on_measured_shares(app: FastAPI, client: TestClient) -> None:
+    """On h200, whose catalog entry carries measured shares of its peaks, the bounds are labelled "measured share"
+    and say where the shares were measured; on h100 (none measured) "spec"; the record's figures "measured"."""
+    seed_fleet(app, client)
+    doc = fit(client, pool=["h200:8", "h100:8"], context=8192, concurrency=4)
+    answer = resolved(client, "h200:8,h100:8", context=8192, concurrency=4)
+    rows = candidate_rows(doc)
+    assert [(r.attrs["data-hardware"], r.attrs["data-artifact"]) for r in rows] == [
+        (c["hardware"], c["artifact"]["name"]) for c in answer
+    ]
+    for row, c in zip(rows, answer, strict=True):
+        reason = c["reason"]
+        decode = row.find("td", class_="decode").find("span", class_="basis")
+        ttft = row.find("td", class_="ttft").find("span", class_="basis")
+        if reason["speed_source"] == "measured":
+            expected = ("measured", "measured")
+        else:
+            basis = reason["basis"]
+            expected = (
+                "measured share" if basis["decode"] == "measured" else "spec",
+                "measured share" if basis["prefill"] == "measured" else "spec",
+            )
+        assert (decode.text, ttft.text) == expected, (c["hardware"], c["artifact"]["name"])
+        detail = row.find("p", class_="basis-detail").text
+        if c["hardware"] == "h200":
+            assert expected == ("measured share", "measured share")
+            assert reason["basis"]["source"] in detail
+        else:
+            assert reason["basis"]["source"] is None
+
+
 def test_fit_page_defaults_to_the_pools_the_release_is_built_for(app: FastAPI, client: TestClient) -> None:
     seed_fleet(app, client)
     doc = page(client, FIT)

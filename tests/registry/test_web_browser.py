@@ -214,20 +214,20 @@ def test_fit_explorer_draws_memory_bars(live_fleet: str, chromium: str, tmp_path
 
 
 def test_fit_explorer_figure(live_fleet: str, chromium: str, tmp_path: Path) -> None:
-    """The page for the README (docs/img/fit-explorer.png): three pools, cropped to the answer and the
+    """The page for the README (docs/img/fit-explorer.png): four pools (h200's bounds on its measured shares), cropped to the answer and the
     candidates and kept small (a 64-colour palette); written to KILN_SCREENSHOT_DIR when set."""
     from PIL import Image
 
     shot = tmp_path / "fit-full.png"
-    query = "pool=h100:8&pool=mi300x:8&pool=cpu&context=8192&concurrency=4"
+    query = "pool=h200:8&pool=h100:8&pool=mi300x:8&pool=cpu&context=8192&concurrency=4"
     url = f"{live_fleet}/ui/models/{FLEET_MODEL}/releases/1.0/fit?{query}"
-    height = 1500  # seven candidates
+    height = 1900  # ten candidates
     run_chromium(chromium, tmp_path / "profile", f"--screenshot={shot}", f"--window-size={FIT_WIDTH},{height}", url)
     figure = tmp_path / "fit-explorer.png"
     with Image.open(shot) as image:
         full = image.convert("RGB")
     rows = bar_rows(full, rgb(COLOURS["weights"]), run=40)
-    assert bands(rows) == 7, rows  # h100: three bundles; mi300x: two; cpu: two GGUFs (Q2_K failed its eval)
+    assert bands(rows) == 10, rows  # h200, h100: three bundles each; mi300x: two; cpu: two GGUFs (Q2_K failed)
     cropped = full.crop((0, 0, FIT_WIDTH, min(max(rows) + 100, height)))  # the last row's text below its bar
     # A 256-colour palette keeps the bars' colours exact and the file small.
     cropped.quantize(colors=256, method=Image.Quantize.FASTOCTREE).save(figure, optimize=True)
