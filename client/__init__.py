@@ -357,9 +357,11 @@ class RegistryClient:
         min_tokens_per_s: float | None = None,
         max_ttft_ms: float | None = None,
         key: str | None = None,
+        version: str | None = None,
     ) -> ResolveOut:
         """The artifact a pool of `hardware` ("h100" or "h100:4,mi300x") should load from `channel`, why,
-        and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split."""
+        and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split,
+        `version` names one of the channel's releases (VERSION_NOT_IN_CHANNEL if it is not)."""
         params: dict[str, Any] = {
             "model": model,
             "hardware": hardware,
@@ -369,7 +371,7 @@ class RegistryClient:
             "policy": policy,
             "kv_cache_dtype": kv_cache_dtype,
         }
-        optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key}
+        optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key, "version": version}
         params.update({k: v for k, v in optional.items() if v is not None})
         return ResolveOut.model_validate(self._json("GET", "/v1/resolve", params=params))
 
