@@ -3,8 +3,6 @@ objects of a router's own API (kiln.routing)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -13,22 +11,9 @@ import typer
 from client import RegistryClient
 from kiln.cli.common import DEFAULT_REGISTRY, RegistryOpt, routing_app
 from kiln.console import err, safe_text
-from kiln.routing import FORMATS, RenderOptions, Sizing, render_channel
+from kiln.routing import FORMATS, RenderOptions, Sizing, render_channel, write_atomically
 from kiln.routing.formats import get_format
 from kiln.routing.gather import parse_pool_options
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it: a reader sees the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @routing_app.command("render")

@@ -10,8 +10,11 @@ which runtime serves an artifact and how it is sized; `names` makes Kubernetes n
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from client import RegistryClient
 from kiln.routing import gateway_api, kserve  # noqa: F401 - each registers its format
@@ -19,7 +22,7 @@ from kiln.routing.formats import FORMATS, Document, get_format, to_yaml
 from kiln.routing.gather import gather_routing
 from kiln.routing.records import ChannelRouting, RenderOptions, Sizing
 
-__all__ = ["FORMATS", "ChannelRouting", "RenderOptions", "Rendered", "Sizing", "render_channel"]
+__all__ = ["FORMATS", "ChannelRouting", "RenderOptions", "Rendered", "Sizing", "render_channel", "write_atomically"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +49,17 @@ def render_channel(
     routing = gather_routing(client, model, channel, pools, sizing or Sizing(), modelcars=fmt.needs_modelcars)
     documents = fmt.render(routing, options)
     return Rendered(routing, documents, to_yaml(fmt, routing, documents))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it: a reader (kubectl, a GitOps agent) sees the
+    old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
