@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from core.errors import InvalidInput
 from core.hardware import Family
@@ -49,6 +49,14 @@ class PoolRouting(BaseModel):
     family: Family
     free_devices: int | None
     placements: tuple[Placement, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _whole_channel(self) -> PoolRouting:
+        if sum(p.weight for p in self.placements) != BASIS_POINTS:
+            raise ValueError("the placements' weights are the channel's whole traffic: 10,000 basis points")
+        if len({p.version for p in self.placements}) != len(self.placements):
+            raise ValueError("each release is placed once per pool")
+        return self
 
 
 class Sizing(BaseModel):
@@ -93,6 +101,13 @@ class ChannelRouting(BaseModel):
     sizing: Sizing
     pools: tuple[PoolRouting, ...] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _one_split(self) -> ChannelRouting:
+        splits = {tuple((p.version, p.weight) for p in pool.placements) for pool in self.pools}
+        if len(splits) != 1:
+            raise ValueError("every pool places the same releases with the same weights (one split)")
+        return self
+
     @property
     def split(self) -> tuple[tuple[str, int], ...]:
         """(version, basis points) of each release of the channel, in the split's order."""
@@ -130,7 +145,7 @@ class RenderOptions:
             _invalid("oci_host", self.oci_host, "host or host:port")
 
 
-def _invalid(field: str, value: object, expected: str) -> None:
+def _invalid(field: str, value: object, expected: str) -> NoReturn:
     raise InvalidInput(
         f"{field.replace('_', '-')} {str(value)[:80]!r}: expected {expected}",
         code="ROUTING_OPTION_INVALID",

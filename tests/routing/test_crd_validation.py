@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from core.errors import KilnError
 from kiln.routing import RenderOptions
 from kiln.routing.formats import get_format
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, Sizing
@@ -75,6 +77,14 @@ def test_pure_renders_are_valid() -> None:
     for fmt in ("gateway-api", "kserve"):
         for kind, document in rendered(fmt).items():
             assert problems(document) == [], kind
+
+
+def test_the_records_hold_one_whole_split() -> None:
+    with pytest.raises(ValidationError, match="10,000 basis points"):
+        PoolRouting(hardware="h100", family="cuda", free_devices=None, placements=(placement("1.4.0", 9000),))
+    other = PoolRouting(hardware="mi300x", family="rocm", free_devices=None, placements=(placement("1.4.0", 10000),))
+    with pytest.raises(ValidationError, match="one split"):
+        ChannelRouting.model_validate({**ROUTING.model_dump(), "pools": [ROUTING.pools[0], other]})
 
 
 def _set(*path: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
@@ -222,3 +232,36 @@ def test_a_broken_document_is_refused(
     found = problems(broken)
     assert found, f"{kind} with {what} was accepted"
     assert any(said in p for p in found), found
+
+
+def test_names_stay_valid_and_distinct_whatever_kiln_names_allow() -> None:
+    # A 64-character model name with dots, versions that differ only where Kubernetes names cannot
+    # (1.4.0 and 1-4-0), one with build metadata ('+'): every object valid, no two services alike.
+    versions = ("1.4.0", "1-4-0", "2.0.0+build.7")
+    routing = ROUTING.model_copy(
+        update={
+            "model": "m" + ".x" * 31 + "y",
+            "pools": (
+                PoolRouting(
+                    hardware="mi300x",
+                    family="rocm",
+                    free_devices=None,
+                    placements=tuple(placement(v, w) for v, w in zip(versions, (5000, 3000, 2000), strict=True)),
+                ),
+            ),
+        }
+    )
+    for fmt in ("gateway-api", "kserve"):
+        if fmt == "kserve":  # build metadata has no OCI tag: its model car cannot be named
+            with pytest.raises(KilnError, match="has no OCI tag"):
+                get_format(fmt).render(routing, RenderOptions())
+            tagged = (placement("1.4.0", 5000), placement("1-4-0", 5000))
+            pool = PoolRouting(hardware="mi300x", family="rocm", free_devices=None, placements=tagged)
+            documents = get_format(fmt).render(routing.model_copy(update={"pools": (pool,)}), RenderOptions())
+        else:
+            documents = get_format(fmt).render(routing, RenderOptions())
+        for document in documents:
+            assert problems(document) == [], document["metadata"]["name"]
+        names = [(d["kind"], d["metadata"]["name"]) for d in documents]
+        assert len(set(names)) == len(names)
+        assert all(len(name) <= 63 for _, name in names)
