@@ -57,9 +57,14 @@ def _kiln_error_classes() -> dict[str, type[KilnError]]:
 def error_from_response(response: httpx2.Response) -> KilnError:
     """The kiln error a registry error response stands for: by its code, else by HTTP status."""
     try:
-        body = response.json()["error"]
-        code, message, details = str(body["code"]), str(body["message"]), dict(body.get("details") or {})
-    except (ValueError, KeyError, TypeError):
+        data = response.json()
+        if isinstance(data, dict) and "errors" in data:  # the OCI distribution API's shape, under /v2/
+            first = data["errors"][0]
+            code, message, details = str(first["code"]), str(first["message"]), {"detail": first.get("detail")}
+        else:
+            body = data["error"]
+            code, message, details = str(body["code"]), str(body["message"]), dict(body.get("details") or {})
+    except (ValueError, KeyError, TypeError, IndexError):
         code, message, details = f"HTTP_{response.status_code}", response.text[:500] or response.reason_phrase, {}
     cls = _kiln_error_classes().get(code) or _ERRORS_BY_STATUS.get(response.status_code, KilnError)
     return cls(message, code=code, details={**details, "http_status": response.status_code})
@@ -357,9 +362,11 @@ class RegistryClient:
         min_tokens_per_s: float | None = None,
         max_ttft_ms: float | None = None,
         key: str | None = None,
+        version: str | None = None,
     ) -> ResolveOut:
         """The artifact a pool of `hardware` ("h100" or "h100:4,mi300x") should load from `channel`, why,
-        and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split."""
+        and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split,
+        `version` names one of the channel's releases (VERSION_NOT_IN_CHANNEL if it is not)."""
         params: dict[str, Any] = {
             "model": model,
             "hardware": hardware,
@@ -369,9 +376,21 @@ class RegistryClient:
             "policy": policy,
             "kv_cache_dtype": kv_cache_dtype,
         }
-        optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key}
+        optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key, "version": version}
         params.update({k: v for k, v in optional.items() if v is not None})
         return ResolveOut.model_validate(self._json("GET", "/v1/resolve", params=params))
+
+    def oci_tags(self, repository: str) -> list[str]:
+        """Every tag of one of the registry's OCI repositories (`<model>`, `modelcar/<model>`): its
+        `/v2/<repository>/tags/list`. Errors carry the OCI codes (NAME_UNKNOWN, NAME_INVALID, DENIED)."""
+        tags: list[str] = []
+        path: str | None = f"/v2/{repository}/tags/list"
+        while path is not None:
+            response = self._send("GET", path)
+            tags.extend(response.json()["tags"] or [])
+            link = response.headers.get("Link", "")
+            path = link[link.index("<") + 1 : link.index(">")] if 'rel="next"' in link else None
+        return tags
 
     # -- hardware catalog and measured performance -----------------------------------------------
 

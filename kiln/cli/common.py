@@ -55,6 +55,11 @@ runtime_app = typer.Typer(help="Install and list runtime environments (vLLM runs
 app.add_typer(runtime_app, name="runtime")
 hardware_app = typer.Typer(help="The registry's hardware catalog (changes need the admin scope).", no_args_is_help=True)
 app.add_typer(hardware_app, name="hardware")
+routing_app = typer.Typer(
+    help="Render a channel's routing for the routers people run (Gateway API Inference Extension, KServe).",
+    no_args_is_help=True,
+)
+app.add_typer(routing_app, name="routing")
 
 # Whether the running command was given --json, as parsed (an error is then a JSON document too).
 _JSON_REQUESTED: ContextVar[bool] = ContextVar("kiln_json_requested", default=False)

@@ -117,6 +117,9 @@ def resolve(
     min_tokens_per_s: Annotated[float | None, typer.Option(help="SLO: decode tokens/s per sequence.")] = None,
     max_ttft_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, ms.")] = None,
     key: Annotated[str | None, typer.Option(help="Request or session id: a stable release of a split.")] = None,
+    version: Annotated[
+        str | None, typer.Option(help="A release of the channel (a split member): answer for it, not with --key.")
+    ] = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     as_json: JsonOpt = False,
 ) -> None:
@@ -133,6 +136,7 @@ def resolve(
             min_tokens_per_s=min_tokens_per_s,
             max_ttft_ms=max_ttft_ms,
             key=key,
+            version=version,
         )
     if as_json:
         emit(answer.model_dump(mode="json"))

@@ -17,9 +17,9 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Engine, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 
-from core.errors import Unavailable
+from core.errors import NotFound, Unavailable
 from core.hardware import HardwareCatalog
-from registry.channels.buckets import bucket_of, owner
+from registry.channels.buckets import BASIS_POINTS, bucket_of, owner
 from registry.channels.models import Channel
 from registry.models.models import Model
 from registry.releases.models import Release
@@ -84,6 +84,21 @@ class ChannelSnapshot:
         member = owner(self.buckets, bucket_of(model, channel, key))
         assert isinstance(member, SnapshotKey)
         return member
+
+    def member(self, model: str, channel: str, version: str) -> SnapshotKey:
+        """The member that is release `version`: of the split, or the one release the channel points at.
+
+        VERSION_NOT_IN_CHANNEL (404) names the channel's releases when `version` is none of them."""
+        for member, _ in self.members:
+            if member.version == version:
+                return member
+        versions = [m.version for m, _ in self.members]
+        raise NotFound(
+            f"release {version!r} of {model!r} is not on channel {channel!r}; it points at "
+            + ", ".join(f"{m.version} ({w * 100 / BASIS_POINTS:g} %)" for m, w in self.members),
+            code="VERSION_NOT_IN_CHANNEL",
+            details={"model": model, "channel": channel, "version": version, "versions": versions},
+        )
 
 
 class LRUCache(Generic[K, V]):

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
+from core.errors import InvalidInput
 from core.manifest import FileOut
 from core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
 from registry.api.errors import error_responses
@@ -20,6 +21,7 @@ from registry.api.params import (
     MODEL_NAME_PATTERN,
     TOKENS_PER_S,
     TTFT_MS,
+    VERSION_PATTERN,
 )
 from registry.api.urls import artifact_file_url, base_url
 from registry.channels.buckets import BASIS_POINTS
@@ -146,6 +148,14 @@ async def resolve(
             "while the weights are unchanged",
         ),
     ] = None,
+    version: Annotated[
+        str | None,
+        Query(
+            pattern=VERSION_PATTERN,
+            description="a release of the channel (a member of its split, or the release it points at): "
+            "answer for that release (how a router renders each member's placement); not with `key`",
+        ),
+    ] = None,
     wait: Annotated[
         int,
         Query(
@@ -161,29 +171,40 @@ async def resolve(
     # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
     # The query's own values (strings and numbers, cheap to hash) key the answer with the channel's
     # fingerprint and the release the key lands on; the pools are parsed only on a miss.
+    if version is not None and key is not None:
+        raise InvalidInput(
+            "give `key` (the release a caller lands on) or `version` (a release of the channel), not both",
+            code="RESOLVE_KEY_AND_VERSION",
+            details={"key": key, "version": version},
+        )
     asked = ResolveQuery(hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     # The raw header list, not `request.headers` (built per request): this is the hot path.
     if_none_match = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"if-none-match"), None)
-    body, etag = _answer(request, model, channel, asked, key)
+    body, etag = _answer(request, model, channel, asked, key, version)
     if wait and if_none_match is not None:
         deadline = time.monotonic() + wait
         while _matches(if_none_match, etag) and time.monotonic() < deadline:
             await asyncio.sleep(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
-            body, etag = _answer(request, model, channel, asked, key)
+            body, etag = _answer(request, model, channel, asked, key, version)
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if _matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     return Response(body, media_type="application/json", headers=headers)
 
 
-def _answer(request: Request, model: str, channel: str, query: ResolveQuery, key: str | None) -> tuple[bytes, str]:
-    """The rendered answer and its ETag, from the caches where nothing it depends on changed."""
+def _answer(
+    request: Request, model: str, channel: str, query: ResolveQuery, key: str | None, version: str | None
+) -> tuple[bytes, str]:
+    """The rendered answer and its ETag, from the caches where nothing it depends on changed.
+
+    The answer is a function of the member it is for, however it was chosen (the key's, the one named by
+    `version`, or the primary), so the member's release keys the cache, never the key or the version."""
     state = request.app.state  # not dependencies: each one solved costs more than this route's own work
     settings: RegistrySettings = state.settings
     cache: ResolveCache = state.resolve_cache
     sessions = state.session_factory
     snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
-    member = snapshot.choose(model, channel, key)
+    member = snapshot.choose(model, channel, key) if version is None else snapshot.member(model, channel, version)
     base = base_url(request, settings)
     answer_key = (snapshot.fingerprint, member.release_id, model, channel, query, base)
     hit = cache.answers.get(answer_key)

@@ -688,6 +688,45 @@ def test_a_promotion_replaces_the_split(canary: TestClient, live: httpx2.Client)
     ]
 
 
+def test_version_answers_for_that_release_of_the_channel(app: FastAPI, canary: TestClient) -> None:
+    # Without a split the channel's one release answers to its version; another release does not.
+    assert canary.get("/v1/resolve", params={**CPU, "version": "1.0"}).json()["version"] == "1.0"
+    for version in ("2.0", "9.9"):  # sealed but not on the channel; no such release
+        error = assert_error(
+            canary.get("/v1/resolve", params={**CPU, "version": version}), 404, "VERSION_NOT_IN_CHANNEL"
+        )
+        assert error["details"] == {"model": "tiny", "channel": "prod", "version": version, "versions": ["1.0"]}
+        assert "points at 1.0 (100 %)" in error["message"]
+    assert canary.put(SPLIT, json=weights(("1.0", 95), ("2.0", 5))).is_success
+    answers = {v: canary.get("/v1/resolve", params={**CPU, "version": v}) for v in ("1.0", "2.0")}
+    for version, response in answers.items():
+        answer = response.json()
+        assert answer["version"] == version
+        assert answer["artifact"]["files"][0]["url"].endswith(f"/releases/{version}/artifacts/gguf-q8/files/model.gguf")
+        assert [(m["version"], m["weight"], m["chosen"]) for m in answer["split"]] == [
+            ("1.0", 95.0, version == "1.0"),
+            ("2.0", 5.0, version == "2.0"),
+        ]
+    # Each release is its own cached answer, and the one without a version is the largest member's.
+    assert answers["1.0"].headers["etag"] != answers["2.0"].headers["etag"]
+    assert canary.get("/v1/resolve", params=CPU).headers["etag"] == answers["1.0"].headers["etag"]
+    again = canary.get(
+        "/v1/resolve", params={**CPU, "version": "2.0"}, headers={"If-None-Match": answers["2.0"].headers["etag"]}
+    )
+    assert again.status_code == 304
+    # Once the channel leaves a release, naming it is refused at once (the cached answer is not served).
+    assert promote(canary, "2.0").status_code == 200
+    error = assert_error(canary.get("/v1/resolve", params={**CPU, "version": "1.0"}), 404, "VERSION_NOT_IN_CHANNEL")
+    assert error["details"]["versions"] == ["2.0"]
+    # Read access is the route's: a token for another model may not ask.
+    other = make_token(app, ["read"], models=["other"], name="other-reader")
+    with TestClient(app, headers={"Authorization": f"Bearer {other}"}) as stranger:
+        assert_error(stranger.get("/v1/resolve", params={**CPU, "version": "2.0"}), 403, "FORBIDDEN")
+    mine = make_token(app, ["read"], models=["tiny"], name="tiny-reader")
+    with TestClient(app, headers={"Authorization": f"Bearer {mine}"}) as reader:
+        assert reader.get("/v1/resolve", params={**CPU, "version": "2.0"}).json()["version"] == "2.0"
+
+
 # --- ETags and long-polls -------------------------------------------------------------------------
 
 CPU = {"model": "tiny", "hardware": "cpu"}
@@ -780,6 +819,9 @@ HOSTILE_QUERIES: list[tuple[dict[str, Any], str, str]] = [  # (query, code, what
     ({"channel": "prod\n"}, "INVALID_INPUT", "query.channel:"),
     ({"key": "k" * 300}, "INVALID_INPUT", "query.key:"),
     ({"key": ""}, "INVALID_INPUT", "query.key:"),
+    ({"version": "v" * 65}, "INVALID_INPUT", "query.version:"),
+    ({"version": "../1.0"}, "INVALID_INPUT", "query.version:"),
+    ({"version": "1.0", "key": "k"}, "RESOLVE_KEY_AND_VERSION", "not both"),
     ({"policy": "fastest"}, "INVALID_INPUT", "query.policy:"),
     ({"kv_cache_dtype": "int4"}, "INVALID_INPUT", "query.kv_cache_dtype:"),
     ({"context": 0}, "INVALID_INPUT", "query.context:"),
