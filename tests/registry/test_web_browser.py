@@ -214,8 +214,9 @@ def test_fit_explorer_draws_memory_bars(live_fleet: str, chromium: str, tmp_path
 
 
 def test_fit_explorer_figure(live_fleet: str, chromium: str, tmp_path: Path) -> None:
-    """The page for the README (docs/img/fit-explorer.png): four pools (h200's bounds on its measured shares), cropped to the answer and the
-    candidates and kept small (a 64-colour palette); written to KILN_SCREENSHOT_DIR when set."""
+    """The page for the README (docs/img/fit-explorer.png): four pools (h200's bounds on its measured shares),
+    cropped to the answer and the candidates and kept small (a 256-colour palette); written to KILN_SCREENSHOT_DIR
+    when set."""
     from PIL import Image
 
     shot = tmp_path / "fit-full.png"
