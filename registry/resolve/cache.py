@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Engine, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
+from starlette.responses import Response
 
 from core.errors import NotFound, Unavailable
 from core.hardware import HardwareCatalog
@@ -200,6 +201,21 @@ class ChannelFingerprints:
                 connection.invalidate()
 
 
+class Answer(Response):
+    """A rendered resolve answer, its ETag and its response headers, made once when the answer is cached and
+    sent as is to every caller it serves (each response gets its own copy of the header list: the
+    middleware adds the request's id to it)."""
+
+    def __init__(self, body: bytes, etag: str) -> None:
+        super().__init__(body, media_type="application/json", headers={"ETag": etag, "Cache-Control": "no-cache"})
+        self.etag = etag
+        self._prepared = tuple(self.raw_headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": list(self._prepared)})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 class ResolveCache:
     """Per-process caches for resolve: release views, catalogs, and answers keyed by all they depend on."""
 
@@ -207,4 +223,4 @@ class ResolveCache:
         self.fingerprints = fingerprints
         self.views: LRUCache[tuple[SnapshotKey, int], ReleaseView] = LRUCache(max_views)
         self.catalogs: LRUCache[int, HardwareCatalog] = LRUCache(4)
-        self.answers: LRUCache[tuple[object, ...], tuple[bytes, str]] = LRUCache(max_answers)
+        self.answers: LRUCache[tuple[object, ...], Answer] = LRUCache(max_answers)

@@ -37,6 +37,14 @@ class ResolveQuery:
     min_tokens_per_s: float | None = None  # per sequence
     max_ttft_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        # Hashed once: the answer cache hashes its key on every lookup (and again to mark it recent).
+        fields = (self.hardware, self.policy, self.context, self.concurrency, self.kv_dtype)
+        object.__setattr__(self, "_hash", hash((*fields, self.min_tokens_per_s, self.max_ttft_ms)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined,no-any-return]
+
     @functools.cached_property
     def pools(self) -> tuple[Pool, ...]:
         return parse_pools(self.hardware)

@@ -26,7 +26,7 @@ from registry.api.params import (
 from registry.api.urls import artifact_file_url, base_url
 from registry.channels.buckets import BASIS_POINTS
 from registry.deps import require
-from registry.resolve.cache import ChannelSnapshot, ResolveCache
+from registry.resolve.cache import Answer, ChannelSnapshot, ResolveCache
 from registry.resolve.explain import explain_choice
 from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import Candidate, rank_candidates
@@ -180,22 +180,21 @@ async def resolve(
     asked = ResolveQuery(hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     # The raw header list, not `request.headers` (built per request): this is the hot path.
     if_none_match = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"if-none-match"), None)
-    body, etag = _answer(request, model, channel, asked, key, version)
+    answer = _answer(request, model, channel, asked, key, version)
     if wait and if_none_match is not None:
         deadline = time.monotonic() + wait
-        while _matches(if_none_match, etag) and time.monotonic() < deadline:
+        while _matches(if_none_match, answer.etag) and time.monotonic() < deadline:
             await asyncio.sleep(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
-            body, etag = _answer(request, model, channel, asked, key, version)
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if _matches(if_none_match, etag):
-        return Response(status_code=304, headers=headers)
-    return Response(body, media_type="application/json", headers=headers)
+            answer = _answer(request, model, channel, asked, key, version)
+    if _matches(if_none_match, answer.etag):
+        return Response(status_code=304, headers={"ETag": answer.etag, "Cache-Control": "no-cache"})
+    return answer
 
 
 def _answer(
     request: Request, model: str, channel: str, query: ResolveQuery, key: str | None, version: str | None
-) -> tuple[bytes, str]:
-    """The rendered answer and its ETag, from the caches where nothing it depends on changed.
+) -> Answer:
+    """The rendered answer with its ETag, from the caches where nothing it depends on changed.
 
     The answer is a function of the member it is for, however it was chosen (the key's, the one named by
     `version`, or the primary), so the member's release keys the cache, never the key or the version."""
@@ -229,6 +228,6 @@ def _answer(
         split=_split_out(snapshot, view.version),
     )
     body = answer.model_dump_json().encode()
-    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-    cache.answers.put(answer_key, (body, etag))
-    return body, etag
+    rendered = Answer(body, '"' + hashlib.sha256(body).hexdigest()[:32] + '"')
+    cache.answers.put(answer_key, rendered)
+    return rendered
