@@ -421,7 +421,7 @@ BOUND_LABELS: dict[BoundSource, str] = {"measured": "measured", "shares": "measu
 
 
 @dataclass(frozen=True)
-class BoundBasis:
+class FigureLabels:
     """Where a candidate's decode and TTFT figures come from, and a line that says which record or which rates."""
 
     decode: BoundSource
@@ -437,17 +437,17 @@ class BoundBasis:
         return BOUND_LABELS[self.ttft]
 
 
-def bound_basis(candidate: Candidate) -> BoundBasis:
+def figure_labels(candidate: Candidate) -> FigureLabels:
     """The labels of a candidate's decode and TTFT figures: "measured" when a performance record replaced the
     estimate (both figures then come from it), else what the plan's bounds rest on (`ReplicaPlan.basis`): the
     SKU's measured shares of its peaks, or the data sheet."""
     if candidate.speed.source == "measured":
-        return BoundBasis(decode="measured", ttft="measured", detail=candidate.speed.note)
+        return FigureLabels(decode="measured", ttft="measured", detail=candidate.speed.note)
     basis = candidate.plan.basis
     decode: BoundSource = "shares" if basis.decode == "measured" else "spec"
     ttft: BoundSource = "shares" if basis.prefill == "measured" else "spec"
     where = f" ({basis.source})" if basis.source else ""
-    return BoundBasis(decode=decode, ttft=ttft, detail=f"{candidate.speed.note}{where}")
+    return FigureLabels(decode=decode, ttft=ttft, detail=f"{candidate.speed.note}{where}")
 
 
 def form_number(value: float) -> str:
@@ -546,7 +546,7 @@ class FitRow:
     decode_bound: str  # the plan's bound per sequence, shown beside a measured figure
     ttft: str
     cost: str
-    basis: BoundBasis
+    basis: FigureLabels
     verdict: str
 
 
@@ -604,7 +604,7 @@ def fit_row(
         decode_bound=tokens_per_s(c.plan.decode_tokens_per_s_per_sequence),
         ttft=duration_ms(c.speed.ttft_ms),
         cost=dollars(c.speed.cost_per_mtok),
-        basis=bound_basis(c),
+        basis=figure_labels(c),
         verdict=verdict,
     )
 
