@@ -9,6 +9,7 @@ an unchanged answer is reused.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -138,9 +139,10 @@ class ChannelFingerprints:
     resolve route is `async`), so one connection per process serves it. A database error drops the
     connection (the next request opens another) and is reported as Unavailable.
 
-    On SQLite the rows are kept, and `PRAGMA data_version` (which changes whenever another
-    connection, in any process, commits; this one never writes) says when to drop them: a cheaper
-    statement than the query, and exact.
+    On SQLite the rows are kept until another connection, in any process, commits (this one never
+    writes): `WalIndexHeader` says so from shared memory, with no statement and no system call; where it
+    cannot (a header being rewritten), `PRAGMA data_version` does, a statement cheaper than the query.
+    Both are exact.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -151,7 +153,9 @@ class ChannelFingerprints:
         self._connection: Any = None
         self._cursor: Any = None  # one per connection, reused
         self._versioned = engine.dialect.name == "sqlite"
-        self._data_version: int | None = None
+        self._data_version: object = None  # the WAL-index header's bytes, or ("pragma", data_version)
+        self._wal_index: WalIndexHeader | None = None
+        self._wal_index_looked = False  # once per connection: a database not in WAL mode has none
         self._rows: dict[tuple[str, str], Any] = {}
         self.snapshots: dict[tuple[object, ...], ChannelSnapshot] = {}  # built once per fingerprint row
 
@@ -165,7 +169,7 @@ class ChannelFingerprints:
                 self._cursor = self._connection.cursor()
             if not self._versioned:
                 return self._query(model, channel)
-            version = self._fetchone("PRAGMA data_version", ())[0]
+            version = self._version()
             if version != self._data_version or len(self._rows) >= MAX_FINGERPRINTS:
                 self._rows.clear()
                 self._data_version = version
@@ -181,6 +185,19 @@ class ChannelFingerprints:
             self.close()
             raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
 
+    def _version(self) -> object:
+        """What changes with every commit to the database: the WAL-index header when it can be read
+        whole, else SQLite's data_version (which opens the WAL file's shared memory on first use)."""
+        if self._wal_index is not None:
+            header = self._wal_index.read()
+            if header is not None:
+                return header
+        version = ("pragma", self._fetchone("PRAGMA data_version", ())[0])
+        if not self._wal_index_looked:
+            self._wal_index_looked = True
+            self._wal_index = WalIndexHeader.open(self._connection.driver_connection)
+        return version
+
     def _query(self, model: str, channel: str) -> FingerprintRow | None:
         params = {"model": model, "channel": channel}
         args: Any = [params[name] for name in self._positional] if self._positional is not None else params
@@ -195,10 +212,65 @@ class ChannelFingerprints:
 
     def close(self) -> None:
         self._cursor = None
+        wal_index, self._wal_index, self._wal_index_looked = self._wal_index, None, False
+        if wal_index is not None:
+            wal_index.close()
+        self._data_version = None
         if self._connection is not None:
             connection, self._connection = self._connection, None
             with contextlib.suppress(Exception):
                 connection.invalidate()
+
+
+class WalIndexHeader:
+    """A SQLite database's WAL-index header, read from its shared memory (`<db>-shm`) as SQLite's own
+    readers read it before they take a lock (`walIndexTryHdr` in wal.c; the layout is in SQLite's
+    "WAL-mode File Format", section 2.2.1): two 48-byte copies of the header, written one after the
+    other by each committing writer. When the copies agree the header is current, and it changes with
+    every commit (`iChange` and `mxFrame` count them, the salts change when the log restarts); when
+    they differ a writer is between the two copies, and `read` says None: ask SQLite.
+
+    Exact where `PRAGMA data_version` is, for the connections it watches: every connection of the
+    database writes through the same shared memory in WAL mode, which `registry.db` sets on each."""
+
+    COPY = 48  # bytes of one WalIndexHdr: iVersion, unused, iChange, isInit, ...
+    IS_INIT = 12  # byte offset of isInit: 0 until a connection has built the index
+
+    def __init__(self, file: Any, view: mmap.mmap) -> None:
+        self._file = file
+        self._view = view
+
+    @classmethod
+    def open(cls, connection: Any) -> WalIndexHeader | None:
+        """The header of `connection`'s main database, or None where it has none to share (not in WAL
+        mode, an in-memory database, a shared memory file not there yet or too small to be one)."""
+        mode = connection.execute("PRAGMA journal_mode").fetchone()
+        path = next((row[2] for row in connection.execute("PRAGMA database_list") if row[1] == "main"), "")
+        if mode is None or str(mode[0]).lower() != "wal" or not path:
+            return None
+        try:
+            file = open(f"{path}-shm", "rb")  # noqa: SIM115 - held open for the mapping's life
+        except OSError:
+            return None
+        try:
+            view = mmap.mmap(file.fileno(), 2 * cls.COPY, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            file.close()
+            return None
+        return cls(file, view)
+
+    def read(self) -> bytes | None:
+        """The current header's bytes, or None when a writer is rewriting it (or none was built yet)."""
+        view, n = self._view, self.COPY
+        first = view[:n]
+        if first != view[n : 2 * n] or not first[self.IS_INIT]:
+            return None
+        return first
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._view.close()
+        self._file.close()
 
 
 class Answer(Response):
