@@ -45,7 +45,7 @@ from registry.models.routes import router as models_router
 from registry.oci.base_image import load_base_image
 from registry.oci.routes import router as oci_router
 from registry.ops.metrics import RegistryMetrics
-from registry.ops.middleware import ObservabilityMiddleware
+from registry.ops.middleware import ObservabilityMiddleware, RequestLog
 from registry.performance.routes import router as performance_router
 from registry.releases.routes import router as releases_router
 from registry.resolve.cache import ChannelFingerprints, ResolveCache
@@ -153,6 +153,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
             yield
         finally:
             await webhooks.stop()
+            app.state.request_log.flush()
             app.state.resolve_cache.fingerprints.close()
             engine.dispose()
 
@@ -162,6 +163,9 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
         version="1",
         openapi_tags=OPENAPI_TAGS,
         lifespan=lifespan,
+        # Prometheus (`/metrics`) and the access line are the registry's own; FastAPI's OpenTelemetry
+        # instrumentation otherwise asks the global providers on every request whether one is configured.
+        telemetry=None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -178,7 +182,8 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     app.add_middleware(LeanLane, routes=resolve_router.routes)
     app.add_middleware(RequestBoundaryMiddleware, max_body_bytes=settings.max_body_bytes)
     # Outermost: sees every answer, and adds the request id and the security headers to each.
-    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics, response_headers=add_security_headers)
+    app.state.request_log = RequestLog(app.state.metrics)
+    app.add_middleware(ObservabilityMiddleware, log=app.state.request_log, response_headers=add_security_headers)
     install_error_handlers(app)
     for router in (
         models_router,

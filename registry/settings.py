@@ -68,6 +68,12 @@ class RegistrySettings(BaseSettings):
         description="requests need API tokens with scopes; off only for the in-process embedded registry",
     )
     anonymous_read: bool = Field(default=True, description="reads (list, resolve, download) without a token")
+    opentelemetry: bool = Field(
+        default=False,
+        description="FastAPI's own OpenTelemetry spans, metrics and logs for every request, to the process's "
+        "configured providers (or those FASTAPI_OTEL_AUTO_CONFIGURE sets up from OTEL_* variables); off, no "
+        "request looks for a provider",
+    )
     protected_channels: list[str] = Field(
         default_factory=lambda: ["prod"], description="channels whose promotion needs the `promote` scope"
     )

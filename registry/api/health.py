@@ -52,5 +52,6 @@ def readyz(session: SessionDep, store: BlobStoreDep) -> Health:
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 def metrics(request: Request) -> Any:
+    request.app.state.request_log.flush()  # this process's requests so far, not up to a flush behind
     body = request.app.state.metrics.exposition()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

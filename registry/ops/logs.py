@@ -7,11 +7,12 @@ written without its user name, password, query and fragment (`RedactUrls`): they
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import time
+from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 # One encoder: `json.dumps` with any non-default argument builds a new one per call.
@@ -112,71 +113,51 @@ class JsonFormatter(logging.Formatter):
         return _ENCODER.encode(entry)
 
 
+def access_fields(entry: Sequence[Any]) -> dict[str, Any]:
+    """The access line's fields, in the line's order, from a `registry.ops.middleware.Entry`."""
+    _, request_id, method, path, route, status, sent, elapsed, client = entry
+    return {
+        "request_id": request_id,
+        "method": method,
+        "path": path,
+        "route": route,
+        "status": status,
+        "bytes": sent,
+        "duration_ms": round(elapsed * 1000, 3),
+        "client": client,
+    }
+
+
 class AccessLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The access log's handler: JSON lines, buffered, written at most `FLUSH_S` after they were made.
+    """The access log's handler under `kiln serve`: JSON lines, written a batch at a time.
 
-    The request middleware hands it each request's fields (`write_access`) without a LogRecord: on
-    the hot path, logging's record (~20 attributes, thread and process names), its dispatch and a
-    write and flush per line cost about as much as answering a cached resolve. The line is the one
-    `JsonFormatter` writes for the same fields. Like nginx's `access_log ... buffer= flush=`, lines
-    wait in memory until `MAX_BUFFER` bytes are waiting or `FLUSH_S` has passed (a timer on the
-    event loop), and are flushed on close (logging flushes every handler at exit): a process killed
-    outright loses at most its last `FLUSH_S` of lines. Other records (`emit`) are written in order
-    after the buffered lines.
+    The request middleware's `RequestLog` hands it batches of requests (`write_lines`) without a
+    LogRecord: on the hot path logging's record (~20 attributes, thread and process names), its
+    dispatch and a write per line cost about as much as answering a cached resolve. Each line is the
+    one `JsonFormatter` writes for the same fields, put together directly (strings escaped as the
+    encoder escapes them, numbers as it writes them). Other records (`emit`) are written as they come.
     """
-
-    FLUSH_S = 0.1
-    MAX_BUFFER = 64 * 1024
 
     def __init__(self, stream: Any = None) -> None:
         super().__init__(stream)
         self.setFormatter(JsonFormatter())
         self._clock = _Clock()
-        self._lines: list[str] = []
-        self._size = 0
-        self._timer: asyncio.TimerHandle | None = None
 
-    def write_access(self, fields: dict[str, Any]) -> None:
-        """Buffer one request's access line (`fields` as `JsonFormatter` would place them)."""
-        line = _ENCODER.encode(
-            {"time": self._clock.stamp(time.time()), "level": "info", "logger": ACCESS_LOGGER, **fields}
+    def write_lines(self, entries: Sequence[Sequence[Any]]) -> None:
+        """Write one access line per `registry.ops.middleware.Entry`, in order, and flush."""
+        stamp, esc = self._clock.stamp, encode_basestring_ascii
+        text = "".join(
+            f'{{"time":"{stamp(ended)}","level":"info","logger":"{ACCESS_LOGGER}","request_id":{esc(request_id)},'
+            f'"method":{esc(method)},"path":{esc(path)},"route":{esc(route)},"status":{status:d},"bytes":{sent:d},'
+            f'"duration_ms":{round(elapsed * 1000, 3)!r},"client":{esc(client)}}}\n'
+            for ended, request_id, method, path, route, status, sent, elapsed, client in entries
         )
         with self.lock:  # type: ignore[union-attr]
-            self._lines.append(line)
-            self._size += len(line) + 1
-            if self._size >= self.MAX_BUFFER:
-                self._write_buffered()
-                return
-            if self._timer is None:
-                try:
-                    loop = asyncio.get_running_loop()
-                except RuntimeError:  # not on an event loop: nothing will come back to flush it
-                    self._write_buffered()
-                    return
-                self._timer = loop.call_later(self.FLUSH_S, self.flush)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self.lock:  # type: ignore[union-attr]
-            self._write_buffered()
-        super().emit(record)
-
-    def flush(self) -> None:
-        with self.lock:  # type: ignore[union-attr]
-            self._write_buffered()
-        super().flush()
-
-    def _write_buffered(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._lines:
-            return
-        lines, self._lines, self._size = self._lines, [], 0
-        try:
-            self.stream.write("\n".join(lines) + "\n")
-            self.stream.flush()
-        except Exception:  # as logging does: a log that cannot be written never fails a request
-            self.handleError(logging.makeLogRecord({"msg": "access log write failed", "name": ACCESS_LOGGER}))
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except Exception:  # as logging does: a log that cannot be written never fails a request
+                self.handleError(logging.makeLogRecord({"msg": "access log write failed", "name": ACCESS_LOGGER}))
 
 
 def log_config(level: str = "info") -> dict[str, Any]:

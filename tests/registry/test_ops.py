@@ -58,50 +58,133 @@ def test_access_log_is_one_json_line_per_request(client: TestClient, caplog: pyt
     assert line["level"] == "info" and line["time"].endswith("Z") and line["duration_ms"] >= 0
 
 
-def test_access_line_handler_buffers_the_formatter_s_line(tmp_path: Path) -> None:
-    """`kiln serve`'s access handler writes the line `JsonFormatter` writes for the same fields, after at most
-    `FLUSH_S` on an event loop, at once off one, when `MAX_BUFFER` bytes wait, and on close."""
+def test_access_lines_are_the_formatter_s_lines() -> None:
+    """`kiln serve`'s access handler writes, for each request, the line `JsonFormatter` writes for the same
+    fields, whatever the path holds (quotes, backslashes, control characters, non-ASCII)."""
+    import io
+
+    from registry.ops.logs import AccessLineHandler, access_fields
+
+    paths = ["/v1/resolve", '/v1/models/"quoted"\\back', "/v1/\x00\x1f\u2028caf\u00e9/\U0001f600", ""]
+    entries = [
+        (1_790_000_000.0 + i * 0.0004, f"r-{i}", "GET", path, "unmatched", 404, i * 7, i * 0.0123456, "::1")
+        for i, path in enumerate(paths)
+    ]
+    stream = io.StringIO()
+    handler = AccessLineHandler(stream)
+    handler.write_lines(entries)
+    formatter = JsonFormatter()
+    for entry, line in zip(entries, stream.getvalue().splitlines(), strict=True):
+        record = logging.makeLogRecord({"name": "kiln.registry.access", "levelno": logging.INFO, "levelname": "INFO"})
+        record.created = entry[0]
+        record.access = access_fields(entry)
+        assert line == formatter.format(record)
+        assert json.loads(line)["path"] == entry[3]
+    handler.emit(logging.makeLogRecord({"msg": "another record", "levelname": "WARNING", "name": "x"}))
+    assert json.loads(stream.getvalue().splitlines()[-1])["message"] == "another record"
+
+
+def test_request_log_hands_on_batches(tmp_path: Path) -> None:
+    """What requests leave behind goes out `FLUSH_S` after the first on an event loop, at once off one, when
+    `MAX_PENDING` wait, and on `flush` (which `/metrics` and shutdown call): the access lines in order, the
+    counters and the latency histogram as one call per request would have left them."""
     import asyncio
     import io
     import time
 
-    from registry.ops.logs import AccessLineHandler
+    from registry.ops.logs import ACCESS_LOGGER, AccessLineHandler
+    from registry.ops.metrics import RegistryMetrics
+    from registry.ops.middleware import RequestLog
 
-    fields = {"request_id": "r-1", "method": "GET", "path": "/v1/resolve", "route": "/v1/resolve", "status": 200}
     stream = io.StringIO()
     handler = AccessLineHandler(stream)
-    handler.write_access(fields)  # no event loop: written at once
-    line = json.loads(stream.getvalue())
-    record = logging.makeLogRecord({"name": "kiln.registry.access", "levelno": logging.INFO, "levelname": "INFO"})
-    record.access = fields
-    expected = json.loads(JsonFormatter().format(record))
-    assert line.pop("time").endswith("Z") and expected.pop("time")
-    assert line == expected
+    access = logging.getLogger(ACCESS_LOGGER)
+    saved = (access.handlers[:], access.propagate, access.level)
+    access.handlers, access.propagate = [handler], False
+    access.setLevel(logging.INFO)
+    metrics = RegistryMetrics()
+    log = RequestLog(metrics)
+
+    def entry(i: int, status: int = 200) -> tuple[float, str, str, str, str, int, int, float, str]:
+        return (time.time(), f"r-{i}", "GET", "/v1/resolve", "/v1/resolve", status, 100, 0.001 * (i % 40), "::1")
+
+    def lines() -> int:
+        return stream.getvalue().count("\n")
 
     async def on_the_loop() -> list[int]:
-        lines = []
-        handler.write_access({**fields, "request_id": "r-2"})
-        lines.append(stream.getvalue().count("\n"))  # buffered
-        await asyncio.sleep(AccessLineHandler.FLUSH_S * 3)
-        lines.append(stream.getvalue().count("\n"))  # the timer wrote it
-        for i in range(AccessLineHandler.MAX_BUFFER // 100):
-            handler.write_access({**fields, "request_id": f"many-{i}"})
-        lines.append(stream.getvalue().count("\n"))  # the buffer filled up: written without waiting
-        handler.write_access({**fields, "request_id": "last"})
-        return lines
+        seen = []
+        log.add(entry(0))
+        seen.append(lines())  # pending
+        await asyncio.sleep(RequestLog.FLUSH_S * 3)
+        seen.append(lines())  # the timer handed it on
+        for i in range(1, RequestLog.MAX_PENDING + 1):
+            log.add(entry(i, 200 if i % 3 else 404))
+        seen.append(lines())  # MAX_PENDING waited: handed on without the timer
+        log.add(entry(10_000))
+        seen.append(lines())
+        return seen
 
-    started = time.monotonic()
-    buffered, timed, filled = asyncio.run(on_the_loop())
-    assert (buffered, timed) == (1, 2) and 2 < filled < 2 + AccessLineHandler.MAX_BUFFER // 100
-    assert time.monotonic() - started < 5
-    assert '"request_id":"last"' not in stream.getvalue()
-    handler.emit(logging.makeLogRecord({"msg": "another record", "levelname": "WARNING", "name": "x"}))
-    written = stream.getvalue().splitlines()
-    assert json.loads(written[-2])["request_id"] == "last"  # buffered lines go first, in order
-    assert json.loads(written[-1])["message"] == "another record"
-    handler.write_access({**fields, "request_id": "at-close"})
-    handler.close()
-    assert json.loads(stream.getvalue().splitlines()[-1])["request_id"] in ("at-close",)
+    try:
+        log.add(entry(-1))  # no event loop: at once
+        assert lines() == 1
+        pending, timed, filled, last = asyncio.run(on_the_loop())
+        assert (pending, timed, filled, last) == (1, 2, 2 + RequestLog.MAX_PENDING, 2 + RequestLog.MAX_PENDING)
+        log.flush()
+        assert lines() == RequestLog.MAX_PENDING + 3
+    finally:
+        access.handlers, access.propagate = saved[0], saved[1]
+        access.setLevel(saved[2])
+    ids = [json.loads(x)["request_id"] for x in stream.getvalue().splitlines()]
+    assert ids == ["r--1", "r-0", *(f"r-{i}" for i in range(1, RequestLog.MAX_PENDING + 1)), "r-10000"]
+
+    # The same requests observed one by one, the way the middleware did before it batched.
+    direct = RegistryMetrics()
+    for i in [-1, 0, *range(1, RequestLog.MAX_PENDING + 1), 10_000]:
+        status = 200 if i <= 0 or i == 10_000 or i % 3 else 404
+        direct.requests.labels("GET", "/v1/resolve", str(status)).inc()
+        direct.latency.labels("GET", "/v1/resolve").observe(0.001 * (i % 40))
+        direct.bytes_served.labels("/v1/resolve").inc(100)
+
+    def samples(m: RegistryMetrics) -> list[str]:  # sums rounded: added in another order
+        text = m.exposition().decode()
+        return [
+            re.sub(r"(_sum\{[^}]*\}) (\S+)", lambda g: f"{g[1]} {float(g[2]):.9f}", x)
+            for x in text.splitlines()
+            if x.startswith("kiln_http") and "_created" not in x
+        ]
+
+    assert samples(metrics) == samples(direct)
+    assert any('le="0.025"' in x and not x.endswith(" 0.0") for x in samples(metrics))  # buckets moved
+
+
+def test_metrics_read_every_request_answered_before_it(client: TestClient) -> None:
+    """`/metrics` counts each request this process answered before it, none waiting for a batch."""
+    for _ in range(5):
+        client.get("/v1/models/nope")
+    text = client.get("/metrics").text
+    assert 'kiln_http_requests_total{method="GET",route="/v1/models/{model}",status="404"} 5.0' in text
+
+
+def test_fastapi_opentelemetry_is_off_unless_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `opentelemetry`, no request asks the global providers whether one is configured (FastAPI's
+    instrumentation would, on each); with it, FastAPI's instrumentation looks for them."""
+    from opentelemetry import trace
+
+    asked = []
+    real = trace.get_tracer_provider
+
+    def counted() -> object:
+        asked.append(1)
+        return real()
+
+    monkeypatch.setattr(trace, "get_tracer_provider", counted)
+    for enabled in (False, True):
+        asked.clear()
+        settings = RegistrySettings(data_dir=tmp_path / str(enabled), opentelemetry=enabled)
+        with TestClient(create_app(settings)) as client:
+            for _ in range(3):
+                assert client.get("/healthz").status_code == 200
+        assert (len(asked) >= 3) is enabled, (enabled, len(asked))
 
 
 def test_served_access_lines_reach_stderr(tmp_path: Path) -> None:
