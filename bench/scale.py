@@ -317,6 +317,7 @@ def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
         if node not in found:
             continue  # a stage with effects outside the store: none in this recipe
         data = found[node]
+        status = data["result"].get("status") if data.get("record") == "EvalReport" else None
         used = data["provenance"].get("resources")
         if used is None:
             sys.exit(f"{meta} has no resources in its provenance: this checkout's kiln does not record them")
@@ -338,7 +339,11 @@ def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
                 "device": (data["provenance"].get("device") or {}).get("name"),
                 "device_peak_bytes": used.get("device_peak_bytes"),
                 "output_bytes": sum(f["size"] for f in data["files"]),
-                "throughput_bps": size.model_bytes / used["wall_s"] if used["wall_s"] > 0 else None,
+                # An eval recorded as not evaluated (its runtime is not here) did no work to time.
+                "eval_status": status,
+                "throughput_bps": (
+                    size.model_bytes / used["wall_s"] if used["wall_s"] > 0 and status != "not_evaluated" else None
+                ),
             }
         )
     return rows
@@ -431,7 +436,7 @@ def print_table(result: dict[str, Any]) -> None:
                 _mib(row["children_peak_rss_bytes"]) if row["children_peak_rss_bytes"] else "-",
                 f"{_mb(io.get('read_bytes'))}/{_mb(io.get('write_bytes'))}",
                 f"{_mb(io.get('rchar'))}/{_mb(io.get('wchar'))}",
-                f"{row['throughput_bps'] / MB:,.0f}" if row["throughput_bps"] else "-",
+                f"{row['throughput_bps'] / MB:,.0f}" if row["throughput_bps"] else _not_run(row),
                 "PASS" if mem["held_ok"] else "FAIL",
                 "PASS" if mem["rss_ok"] else "FAIL",
                 _mib(row.get("device_peak_bytes")),
@@ -439,8 +444,12 @@ def print_table(result: dict[str, Any]) -> None:
         )
     print(
         "growth: anonymous peak over the stage's start (what it allocated itself); ~: RSS sampled every 10 ms "
-        "(the process had peaked higher in an earlier stage)"
+        "(the process had peaked higher in an earlier stage); n/e: not evaluated here (its runtime is absent)"
     )
+
+
+def _not_run(row: dict[str, Any]) -> str:
+    return "n/e" if row.get("eval_status") == "not_evaluated" else "-"
 
 
 def throughput_checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
