@@ -50,9 +50,10 @@ TP_EFFICIENCY = (0.05, 1)  # (0.05, 1]: above 0.05, so a TP group's bound is nev
 PRICE_PER_DEVICE_HOUR = (0, 10_000)  # USD
 COMPUTE_CAPABILITY = (10, 1000)
 DEVICES_PER_NODE = (1, 1024)
-# A measured share of a data-sheet peak: a small-M matmul reaches a few percent of the FLOP/s, and a generic
-# entry's peak (the `cpu` socket) may sit below what a larger machine measures, hence up to 2.
-FRACTION = (0.001, 2)
+# A measured share of a data-sheet peak: a small-M matmul reaches a few percent of the FLOP/s, a type a device has
+# no fast kernel for far less (INT8 on a CPU without VNNI: a few GOP/s, under 0.001 of the `cpu` socket's 4 TOP/s),
+# and a generic entry's peak (the `cpu` socket) may sit below what a larger machine measures, hence up to 2.
+FRACTION = (0.0001, 2)
 
 
 def _number(

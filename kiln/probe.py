@@ -56,13 +56,16 @@ class Sizes:
     shapes: tuple[tuple[int, int], ...]  # (K, N) of the GEMMs, each run at large and at small M
     warmup: int
     repeats: int
+    step_s: float | None = None  # the most one timed GEMM step may take: large M is cut to fit a slow kernel
 
 
 # On a GPU: Llama-3-70B's layer shapes (q/o 8192², gate/up 8192 × 28672, down 28672 × 8192) at M=8192 (8.8 TFLOP a
 # step: about 12 ms on an H200 in bf16) and a decode chain over 2 GiB of weights (under a millisecond a step); the
-# tensors' creation and CUDA's start take longer than the timed work. On the CPU: sizes that take seconds on two cores.
+# tensors' creation and CUDA's start take longer than the timed work. On the CPU: sizes that take seconds on two cores,
+# and a second a GEMM step at most: a type the CPU has no fast kernel for (INT8 without VNNI runs at a few GOP/s,
+# ten seconds a step at M=1024) is measured at fewer rows, where a kernel that slow runs at the same rate.
 CUDA_SIZES = Sizes(4 * GIB, 2 * GIB, 8192, 8192, 64, ((8192, 8192), (8192, 28672), (28672, 8192)), 3, 10)
-CPU_SIZES = Sizes(512 * MIB, 256 * MIB, 4096, 1024, 16, ((4096, 4096),), 1, 5)
+CPU_SIZES = Sizes(512 * MIB, 256 * MIB, 4096, 1024, 16, ((4096, 4096),), 1, 5, step_s=1.0)
 
 
 class ProbeReading(BaseModel):
@@ -271,8 +274,25 @@ class _Kernels:
         what = f"M={m} through {len(weights)} FP8 {d}×{d} weights ({total / MIB:,.0f} MiB), torch._scaled_mm row-wise"
         return _reading("decode.fp8", what, "GB/s", total, self.time(step))
 
-    def gemm(self, dtype: str, m: int, key: str) -> ProbeReading:
-        """GEMMs of `m` rows over each (K, N) of `shapes`, weights stored (N, K) as a checkpoint stores them."""
+    def _rows(self, dtype: str, m: int) -> int:
+        """`m`, or where the sizes bound a step's seconds and one step at `small_m` rows says a step at `m` would
+        take longer, the most rows (a multiple of 16, at least `small_m`) that fit: a kernel that slow is no faster
+        at more rows."""
+        budget, small = self.sizes.step_s, self.sizes.small_m
+        if budget is None or m <= small:
+            return m
+        step = self._step(dtype, small)
+        step()  # the first call pays for the kernel's set-up
+        t0 = time.perf_counter()
+        step()
+        per_row = (time.perf_counter() - t0) / small
+        if per_row * m <= budget:
+            return m
+        return min(m, max(small, int(budget / per_row) // 16 * 16))
+
+    def _step(self, dtype: str, m: int) -> Callable[[], None]:
+        """One step: GEMMs of `m` rows over each (K, N) of `shapes`, weights stored (N, K) as a checkpoint
+        stores them."""
         torch, on = self.torch, self.on
         runs: list[Callable[[], object]] = []
         for k, n in self.sizes.shapes:
@@ -293,11 +313,18 @@ class _Kernels:
             for run in runs:
                 run()
 
-        flops = sum(2 * m * k * n for k, n in self.sizes.shapes)
+        return step
+
+    def gemm(self, dtype: str, m: int, key: str) -> ProbeReading:
+        """GEMMs of `m` rows (fewer where a step would pass the sizes' bound) in `dtype`: FLOP/s."""
+        rows = self._rows(dtype, m)
+        cut = f" (cut from {m}: a step at {m} passes {self.sizes.step_s:g} s)" if rows < m else ""
+        flops = sum(2 * rows * k * n for k, n in self.sizes.shapes)
         shapes = ", ".join(f"{k}×{n}" for k, n in self.sizes.shapes)
         kernel = {"bf16": "bf16", "int8": "INT8 torch._int_mm", "fp8": "FP8 torch._scaled_mm row-wise"}[dtype]
         unit: Unit = "TOP/s" if dtype == "int8" else "TFLOP/s"
-        return _reading(key, f"{kernel}, M={m}, K×N {shapes}", unit, flops, self.time(step))
+        times = self.time(self._step(dtype, rows))
+        return _reading(key, f"{kernel}, M={rows}{cut}, K×N {shapes}", unit, flops, times)
 
 
 def measure(device: Device, profile: HardwareProfile, sizes: Sizes | None = None) -> ProbeRun:
@@ -432,7 +459,7 @@ def efficiency(run: ProbeRun, profile: HardwareProfile) -> tuple[MeasuredEfficie
     low, high = FRACTION
     for reading in run.readings:
         peak = _peak(profile, reading.key)
-        fraction = round(reading.median / peak, 4) if peak is not None else None
+        fraction = float(f"{reading.median / peak:.4g}") if peak is not None else None
         rows.append(Row(reading, peak, fraction))
         if fraction is None:
             problems.append(f"{reading.key}: {profile.name}'s entry gives no such peak")
@@ -469,17 +496,17 @@ def table(run: ProbeRun, profile: HardwareProfile, rows: Iterable[Row]) -> list[
     """The probe's table for people: each reading, the catalog's peak and the share."""
     lines = [
         f"{run.device_name} ({run.device}, {run.runtime}) as {profile.name}: {run.seconds:.1f} s, {run.timer}",
-        f"{'measured':<20} {'median':>10} {'best':>10} {'peak':>10} {'unit':<8} {'share':>6}  how",
+        f"{'measured':<20} {'median':>10} {'best':>10} {'peak':>10} {'unit':<8} {'share':>8}  how",
     ]
     for row in rows:
         r = row.reading
         peak = f"{row.peak:,.0f}" if row.peak is not None else "-"
-        share = f"{row.fraction:.3f}" if row.fraction is not None else "-"
-        lines.append(f"{r.key:<20} {r.median:>10,.2f} {r.best:>10,.2f} {peak:>10} {r.unit:<8} {share:>6}  {r.what}")
+        share = f"{row.fraction:.3g}" if row.fraction is not None else "-"
+        lines.append(f"{r.key:<20} {r.median:>10,.4g} {r.best:>10,.4g} {peak:>10} {r.unit:<8} {share:>8}  {r.what}")
     if run.allocatable_gib is not None:
         lines.append(
             f"{'allocatable':<20} {run.allocatable_gib:>10,.1f} {'':>10} {profile.memory_gib:>10,.0f} {'GiB':<8} "
-            f"{run.allocatable_gib / profile.memory_gib:>6.3f}"
+            f"{run.allocatable_gib / profile.memory_gib:>8.3g}"
         )
     lines += [f"{key:<20} not measured: {why}" for key, why in run.skipped.items()]
     return lines

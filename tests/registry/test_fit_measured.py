@@ -269,7 +269,7 @@ def test_an_admin_records_measured_shares_for_h100_and_its_answer_changes(llama:
 
 
 BAD_MEASURED: list[tuple[dict[str, Any], str]] = [  # (change to a measured record, the problem named)
-    ({"memory_read": 0}, "measured.memory_read: Input should be greater than or equal to 0.001"),
+    ({"memory_read": 0}, "measured.memory_read: Input should be greater than or equal to 0.0001"),
     ({"memory_read": 2.5}, "measured.memory_read: Input should be less than or equal to 2"),
     ({"memory_read": "0.9"}, "measured.memory_read: Input should be a valid number"),
     ({"decode": {"bf16": True}}, "measured.decode.bf16: Input should be a valid number"),

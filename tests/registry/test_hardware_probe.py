@@ -61,7 +61,7 @@ def test_the_probe_measures_this_cpu_within_a_minute(probed: tuple[dict[str, Any
     assert "matmul.fp8" in run["skipped"]  # no FP8 units on the CPU entry
     for key, r in readings.items():
         peak = cpu.bandwidth_gbs if r["unit"] == "GB/s" else getattr(cpu.tflops, key.split(".")[1])
-        assert r["peak"] == peak and r["fraction"] == round(r["median"] / peak, 4), r
+        assert r["peak"] == peak and r["fraction"] == float(f"{r['median'] / peak:.4g}"), r
         assert 0 < r["median"] <= r["best"] and r["repeats"] >= 3, r
     # Physically plausible for a CPU socket: GB/s of memory reads, a fraction of a TFLOP/s of bf16 matmuls.
     assert 0.5 < readings["memory_read"]["median"] < 1000
