@@ -20,7 +20,6 @@ published later against a registry's entry. torch is imported only when measurin
 
 from __future__ import annotations
 
-import platform
 import re
 import statistics
 import time
@@ -33,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.device import Device
+from core.device import Device, cpu_model
 from core.errors import InvalidInput
 from core.hardware import FRACTION, MEMORY_GIB, DtypeFractions, HardwareCatalog, HardwareProfile, MeasuredEfficiency
 
@@ -162,17 +161,6 @@ def _scaled(torch: Any, a: Any, b_t: Any, out: Any) -> Any:
     return torch._scaled_mm(a, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _mem_available_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -203,7 +191,7 @@ def _allocatable_cuda_gib(torch: Any, index: int) -> float:
 def device_name(device: Device) -> str:
     """The device's name: the GPU's as torch reports it (what `identify` matches), or the CPU's model."""
     if not device.is_cuda:
-        return _cpu_name()
+        return cpu_model()
     import torch
 
     return str(torch.cuda.get_device_name(device.index or 0))
