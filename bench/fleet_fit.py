@@ -4,7 +4,7 @@
         [--concurrency 1 16] [--quants bf16 fp8 w4a16-awq] [--hardware h100 h200 mi300x mi355x tpu-v5e]
 
 For each hardware × quant × concurrency: the checkpoint's weight bytes (`quant.footprint`, exact
-for kiln's compressed-tensors bundles), the tensor-parallel degree `registry.resolve.fit.plan_replica`
+for kiln's compressed-tensors bundles), the tensor-parallel degree `placement.fit.plan_replica`
 chooses, the memory per device (weights + KV cache), the decode bound (tokens/s for the replica and per
 sequence), the time-to-first-token bound for one prompt of `--context` tokens, and USD per million
 output tokens at the decode bound. A combination no kiln target serves (`targets` compatibility:
@@ -51,8 +51,8 @@ def served_by(quant: str, hardware: str) -> tuple[list[str], str]:
 def main() -> None:
     from core.hardware import PROFILES
     from core.shape import ShapeRecord
+    from placement.fit import plan_replica
     from quant.footprint import checkpoint_bytes
-    from registry.resolve.fit import plan_replica
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples/llama-3-70b/config.json")

@@ -1,6 +1,6 @@
 """Random-weight releases of any Llama shape, for the benchmarks that need real-sized weights.
 
-`write_weights(out, config)` writes the tensors config.json implies (`formats.hf_model.ModelShape`) in
+`write_weights(out, config)` writes the tensors config.json implies (`formats.architectures.shape.ModelShape`) in
 checkpoint order (embeddings, the layers in turn, the final norm, lm_head) as bf16, N(0, 0.02) with the
 norms 1, generated on every core (reproducibly: `_normal`) and written one tensor at a time into
 SafeTensors shards of at most `shard_bytes` with `model.safetensors.index.json`: writing Llama-3-8B's
@@ -26,7 +26,7 @@ SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
 
 def checkpoint_tensors(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor `config` implies, in checkpoint order."""
-    from formats.hf_model import ModelShape
+    from formats.architectures.shape import ModelShape
 
     def order(name: str) -> tuple[int, int]:
         if name.startswith("model.layers."):

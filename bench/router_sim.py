@@ -50,6 +50,8 @@ from registry_resolve import (  # the model, its evals and the server start of t
     serving,
 )
 
+from placement.model import parameters
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -101,7 +103,7 @@ def artifact_bytes(quant: str) -> int:
     if quant in GGUF_BITS_PER_WEIGHT:
         shape = ShapeRecord.from_untrusted(CONFIG)
         assert isinstance(shape, ShapeRecord)
-        size = (shape.parameters() or 0) * GGUF_BITS_PER_WEIGHT[quant] / 8
+        size = (parameters(shape) or 0) * GGUF_BITS_PER_WEIGHT[quant] / 8
     else:
         size = checkpoint_bytes(CONFIG, quant)
     return round(size / SHARD_SIZES[1]) * SHARD_SIZES[1]

@@ -210,11 +210,11 @@ def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
     tensors = size.tensors()
     matrices = sum(math.prod(s) for _, s in tensors if len(s) == 2)
     if target == "gguf":
-        # The plan's own count of the file (`pipeline.requirements.gguf_bytes`); a type llama.cpp's quantizer
+        # The plan's own count of the file (`placement.weights.gguf_bytes`); a type llama.cpp's quantizer
         # makes (Q4_K_M) goes through a lossless (bf16) GGUF first, deleted after.
+        from formats.architectures.shape import ModelShape
         from formats.gguf.constants import QUANTS as GGUF_QUANTS
-        from formats.hf_model import ModelShape
-        from pipeline.requirements import gguf_bytes
+        from placement.weights import gguf_bytes
 
         transient = 2 * matrices if GGUF_QUANTS[quant].llama_ftype is not None else 0
         return 0, gguf_bytes(ModelShape.from_config(size.config()), quant), transient

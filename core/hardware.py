@@ -99,7 +99,7 @@ class DtypeFractions(_Frozen):
 class MeasuredEfficiency(_Frozen):
     """The shares of an SKU's data-sheet peaks measured on one of its devices, and where and how.
 
-    Resolve multiplies each peak by its share where one is given (`registry.resolve.fit`); `kiln hardware
+    Resolve multiplies each peak by its share where one is given (`placement.fit`); `kiln hardware
     probe` measures them (kiln/probe.py) and, with `--publish`, records them in a registry's catalog."""
 
     memory_read: float = _number(

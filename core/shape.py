@@ -2,14 +2,15 @@
 release's `model_config`, and resolve sizes replicas from.
 
 `ShapeRecord` is the one type for it. The pipeline builds it from a checked config.json
-(`formats.hf_model.ModelShape.record`), stores it in the ingest stage's record and publishes its JSON;
+(`formats.architectures.shape.ModelShape.record`), stores it in the ingest stage's record and publishes its JSON;
 the registry stores that JSON as it came. A release's `model_config` is publisher input from any tool,
 so resolve reads it with `ShapeRecord.from_untrusted`: Hugging Face key names or this record's, each
 value a positive int up to MAX_DIMENSION or counted as missing, and a sentence instead of a record
 when the KV cache cannot be sized. What the pipeline writes reads back as the same record.
 
-The sizing arithmetic (parameters, KV cache bytes) lives here beside the fields it reads, so the
-pipeline and the registry count a model the same way.
+The arithmetic over it (parameters total and active, KV cache bytes, tensor-parallel degrees) has one home,
+`placement`, which the pipeline, the registry and the routing renderer all import, so they count a model the
+same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from core.errors import UnknownName
 
@@ -39,8 +40,28 @@ _HIDDEN = ("hidden_size", "n_embd", "hidden")
 _INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
 _VOCAB = ("vocab_size", "n_vocab")
 _POSITIONS = ("max_position_embeddings", "n_positions")
+# Mixtures of experts: routed experts, experts per token, each expert's width (Mixtral's is intermediate_size),
+# a shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`; DeepSeek's is n_shared_experts times
+# moe_intermediate_size, given by this record's name), the sparse layers' count.
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERTS_PER_TOKEN = ("experts_per_token", "num_experts_per_tok")
+_MOE_INTERMEDIATE = ("moe_intermediate_size",)
+_SHARED_INTERMEDIATE = ("shared_expert_intermediate_size",)
+_SLIDING_WINDOW = ("sliding_window",)
 
 Dimension = Annotated[int, Field(gt=0, le=MAX_DIMENSION)]
+# Fields written only where the model has them (experts, sliding windows).
+_OPTIONAL_FIELDS = frozenset(
+    {
+        "num_experts",
+        "experts_per_token",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "sparse_layers",
+        "sliding_window",
+        "sliding_layers",
+    }
+)
 
 
 def kv_element_bytes(kv_dtype: str) -> int:
@@ -55,11 +76,14 @@ def kv_element_bytes(kv_dtype: str) -> int:
 
 
 class ShapeRecord(BaseModel):
-    """What sizing needs of a decoder-only (Llama-family) model; None where the source did not say.
+    """What sizing needs of a decoder-only model, dense or a mixture of experts; None where the source did not say.
 
     Layers, KV heads and head_dim size the KV cache and are always known; the rest bound prefill
-    (parameters) and tensor parallelism (heads). Strict and closed: `"8"` is not a size, and a field
-    this record does not have is an error, not something carried along.
+    (parameters) and tensor parallelism (heads). A mixture of experts gives its experts, how many run per
+    token and each one's width, and how many of the layers are sparse (the rest dense, `intermediate_size`
+    wide); sliding-window layers (`sliding_layers` of them) keep at most `sliding_window` tokens of KV.
+    Strict and closed: `"8"` is not a size, and a field this record does not have is an error, not something
+    carried along.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -74,6 +98,24 @@ class ShapeRecord(BaseModel):
     vocab_size: Dimension | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: Dimension | None = None
+    num_experts: Dimension | None = None
+    experts_per_token: Dimension | None = None
+    moe_intermediate_size: Dimension | None = None
+    shared_expert_intermediate_size: Dimension | None = None
+    sparse_layers: Dimension | None = None  # None with experts: every layer
+    sliding_window: Dimension | None = None
+    sliding_layers: Dimension | None = None  # None with a window: every layer
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dense fields always, the experts' and windows' only where given: a dense model's record is the
+        JSON stored releases (and stage records, by digest) already hold."""
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if k not in _OPTIONAL_FIELDS or v is not None}
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None and self.experts_per_token is not None
 
     @classmethod
     def from_untrusted(cls, config: object) -> ShapeRecord | str:
@@ -105,6 +147,13 @@ class ShapeRecord(BaseModel):
             ]
             return "the release's model_config lacks " + ", ".join(missing) + ", so the KV cache is not counted"
         tied = config.get("tie_word_embeddings")
+        experts = _first_dimension(config, _EXPERTS)
+        per_token = _first_dimension(config, _EXPERTS_PER_TOKEN)
+        moe = experts is not None and per_token is not None and per_token <= experts
+        window = _first_dimension(config, _SLIDING_WINDOW)
+        if config.get("use_sliding_window") is False:  # Qwen's: a window given but not used
+            window = None
+        sliding = _sliding_layers(config, layers) if window is not None else None
         return cls(
             architecture=_architecture(config),
             num_layers=layers,
@@ -116,23 +165,15 @@ class ShapeRecord(BaseModel):
             vocab_size=_first_dimension(config, _VOCAB),
             tie_word_embeddings=tied if isinstance(tied, bool) else False,
             max_position_embeddings=_first_dimension(config, _POSITIONS),
+            num_experts=experts if moe else None,
+            experts_per_token=per_token if moe else None,
+            # Mixtral's experts are intermediate_size wide; it gives no moe_intermediate_size
+            moe_intermediate_size=(_first_dimension(config, _MOE_INTERMEDIATE) if moe else None),
+            shared_expert_intermediate_size=_first_dimension(config, _SHARED_INTERMEDIATE) if moe else None,
+            sparse_layers=_sparse_layers(config, layers) if moe else None,
+            sliding_window=window if sliding != 0 else None,
+            sliding_layers=sliding or None,
         )
-
-    def parameters(self) -> int | None:
-        """Parameters of a Llama-family model: q/k/v/o, gate/up/down, two norms per layer, the final
-        norm, embeddings and lm_head unless tied (biases, where a family has them, are not counted:
-        under 0.01 %). None when hidden, heads, intermediate or vocab are unknown."""
-        heads, h, ff, vocab = self.num_attention_heads, self.hidden_size, self.intermediate_size, self.vocab_size
-        if heads is None or h is None or ff is None or vocab is None:
-            return None
-        q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * ff + 2 * h
-        return self.num_layers * per_layer + h + vocab * h * (1 if self.tie_word_embeddings else 2)
-
-    def kv_cache_bytes(self, context: int, concurrency: int, kv_dtype: str = "bf16") -> int:
-        """The replica's KV cache: keys and values of every layer for `context` × `concurrency` tokens."""
-        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_element_bytes(kv_dtype)
-        return per_token * context * concurrency
 
 
 def _first_dimension(config: Mapping[Any, Any], keys: tuple[str, ...]) -> int | None:
@@ -150,3 +191,36 @@ def _architecture(config: Mapping[Any, Any]) -> str | None:
         listed = config.get("architectures")
         value = listed[0] if isinstance(listed, list) and len(listed) == 1 else None
     return value if isinstance(value, str) and 0 < len(value) <= MAX_ARCHITECTURE_LENGTH else None
+
+
+def _sliding_layers(config: Mapping[Any, Any], layers: int) -> int | None:
+    """How many layers slide: this record's `sliding_layers`, else config.json's `layer_types` counted, else
+    every layer (Mistral's and Mixtral's window applies to all); 0 when `layer_types` lists none."""
+    counted = _first_dimension(config, ("sliding_layers",))
+    if counted is not None:
+        return min(counted, layers)
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == layers:
+        return sum(k == "sliding_attention" for k in kinds)
+    pattern = _first_dimension(config, ("sliding_window_pattern",))  # Gemma 3's: every pattern-th layer is global
+    if pattern is not None:
+        return layers - layers // pattern
+    return None
+
+
+def _sparse_layers(config: Mapping[Any, Any], layers: int) -> int | None:
+    """How many layers route to experts: this record's `sparse_layers`, else Qwen-MoE's rule (every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`), else DeepSeek's (all after `first_k_dense_replace`);
+    None: every layer."""
+    counted = _first_dimension(config, ("sparse_layers",))
+    if counted is not None:
+        return min(counted, layers)
+    step = _first_dimension(config, ("decoder_sparse_step",))
+    dense = config.get("mlp_only_layers")
+    if step is not None or isinstance(dense, list):
+        only = {i for i in dense if isinstance(i, int)} if isinstance(dense, list) else set()
+        return sum(1 for i in range(layers) if i not in only and (i + 1) % (step or 1) == 0) or None
+    first_dense = config.get("first_k_dense_replace")
+    if isinstance(first_dense, int) and not isinstance(first_dense, bool) and 0 <= first_dense < layers:
+        return layers - first_dense
+    return None

@@ -2,9 +2,10 @@
 check everything, and plan from headers alone.
 
 `open_source(dir)` validates the directory (pickle refusal, file names, links and file types,
-config.json's types and bounds, SafeTensors headers, shapes against config.json) without reading
-any tensor data; `SourceModel.tensor(name)` then materialises one tensor at a time through a
-memory-mapped `safe_open`, so peak memory is bounded by the largest tensor. The ingest stage
+config.json's types and bounds through its family's record in `formats.architectures`, SafeTensors
+headers, every tensor's name and shape against what config.json implies) without reading any tensor
+data; `SourceModel.tensor(name)` then materialises one tensor at a time through a memory-mapped
+`safe_open`, so peak memory is bounded by the largest tensor. The ingest stage
 (`pipeline.stages.ingest`) copies what this checked into the content-addressed store.
 """
 
@@ -15,15 +16,13 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import TYPE_CHECKING, Any
 
 from core.digest import sha256_file, sha256_json
 from core.errors import SourceInvalid, UnsafeCheckpoint
 from core.manifest import FileEntry, check_relative_path
-from core.shape import ShapeRecord
 from core.untrusted import InvalidJSON, loads_json, short_repr
+from formats.architectures.shape import ModelShape
 from formats.safetensors import TensorInfo, read_header
 
 if TYPE_CHECKING:
@@ -37,282 +36,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some exporters write that are recomputed at load time and carry no weights.
 IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-@dataclass(frozen=True)
-class ArchFamily:
-    """What a supported architecture looks like, as data."""
-
-    name: str  # llama | mistral | qwen2
-    attention_bias_default: bool
-
-
-ARCHITECTURES: dict[str, ArchFamily] = {
-    "LlamaForCausalLM": ArchFamily("llama", False),
-    "MistralForCausalLM": ArchFamily("mistral", False),
-    "Qwen2ForCausalLM": ArchFamily("qwen2", True),
-}
-
-
-# Upper bounds on config.json's sizes: several times the largest public models (vocab 262,144,
-# hidden 16,384, intermediate 53,248, 126 layers, 128 heads, head_dim 256, context 10M), so a real
-# model never meets them and a hostile config cannot ask for a billion layers.
-CONFIG_LIMITS: dict[str, int] = {
-    "vocab_size": 2**22,
-    "hidden_size": 2**16,
-    "intermediate_size": 2**18,
-    "num_hidden_layers": 1024,
-    "num_attention_heads": 1024,
-    "num_key_value_heads": 1024,
-    "head_dim": 1024,
-    "max_position_embeddings": 2**24,
-    "sliding_window": 2**24,
-}
-MAX_TOKEN_ID = 2**31 - 1
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_INDEX_BYTES = 64 * 1024 * 1024
-
-
-def _size(name: str, default: Any = ...) -> Any:
-    """A positive size bounded by CONFIG_LIMITS; required unless given a default."""
-    return Field(default, gt=0, le=CONFIG_LIMITS[name])
-
-
-_RopeTheta = Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
-_TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-# Keys whose explicit null means nothing to transformers: refused rather than read as "absent".
-_NOT_NULL = (
-    "rope_theta",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_bias",
-    "hidden_act",
-    "use_sliding_window",
-    "mlp_bias",
-    "partial_rotary_factor",
-)
-
-
-class RopeParameters(BaseModel):
-    """`rope_parameters` (transformers 5) or `rope_scaling`: the keys kiln reads; others pass through."""
-
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
-
-    rope_theta: _RopeTheta | None = None
-    rope_type: str | None = None
-    type: str | None = None
-
-
-class SourceConfig(BaseModel):
-    """Every config.json key kiln reads, with exact types and bounds (validators only reject).
-
-    Strict: `"false"` is not a bool, `64.0` is not an int, `true` is not a number, `1e400` (inf) and
-    NaN are not floats. Keys kiln does not read are ignored. Explicit `null` means "absent" only
-    where transformers reads it that way (head_dim, num_key_value_heads, sliding_window, token ids,
-    rope_scaling, rope_parameters).
-    """
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    architectures: list[str] = Field(min_length=1, max_length=1)
-    vocab_size: int = _size("vocab_size")
-    hidden_size: int = _size("hidden_size")
-    intermediate_size: int = _size("intermediate_size")
-    num_hidden_layers: int = _size("num_hidden_layers")
-    num_attention_heads: int = _size("num_attention_heads")
-    num_key_value_heads: int | None = _size("num_key_value_heads", None)
-    head_dim: int | None = _size("head_dim", None)
-    rope_theta: _RopeTheta | None = None
-    rope_parameters: RopeParameters | None = None
-    rope_scaling: RopeParameters | None = None
-    rms_norm_eps: float = Field(default=1e-6, gt=0, lt=1, allow_inf_nan=False)
-    max_position_embeddings: int = _size("max_position_embeddings", 2048)
-    tie_word_embeddings: bool = False
-    attention_bias: bool | None = None  # absent: the family's default
-    hidden_act: str = "silu"
-    use_sliding_window: bool = False
-    sliding_window: int | None = _size("sliding_window", None)
-    mlp_bias: bool = False
-    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    bos_token_id: _TokenId | None = None
-    eos_token_id: _TokenId | list[_TokenId] | None = None
-    pad_token_id: _TokenId | None = None
-    unk_token_id: _TokenId | None = None
-
-    @field_validator(*_NOT_NULL, mode="before")
-    @classmethod
-    def _not_null(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("must not be null (leave the key out for the default)")
-        return v
-
-    @field_validator("eos_token_id", mode="before")
-    @classmethod
-    def _token_ids(cls, v: Any) -> Any:
-        def ok(i: Any) -> bool:
-            return type(i) is int and 0 <= i <= MAX_TOKEN_ID
-
-        if v is None or ok(v) or (isinstance(v, list) and all(ok(i) for i in v)):
-            return v
-        raise ValueError(f"must be a token id (0..{MAX_TOKEN_ID}), a list of them, or null")
-
-
-def _config_error(e: ValidationError) -> SourceInvalid:
-    problems = []
-    for err in e.errors():
-        loc = ".".join(str(part) for part in err["loc"]) or "config"
-        if err["type"] == "missing":
-            problems.append((loc, "is required"))
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        problems.append((loc, f"{msg}, got {short_repr(err['input'])}"))
-    return SourceInvalid(
-        "config.json: " + "; ".join(f"{loc}: {msg}" for loc, msg in problems),
-        details={
-            "file": "config.json",
-            "field": problems[0][0],
-            "errors": [{"field": f, "message": m} for f, m in problems],
-        },
-    )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The hyper-parameters every target needs, read once from config.json."""
-
-    architecture: str
-    family: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        archs = config.get("architectures")
-        if (
-            not isinstance(archs, list)
-            or len(archs) != 1
-            or not isinstance(archs[0], str)
-            or archs[0] not in ARCHITECTURES
-        ):
-            raise SourceInvalid(
-                f"config.json: architectures={short_repr(archs)} is not supported; "
-                f"supported: {', '.join(ARCHITECTURES)}",
-                details={"file": "config.json", "field": "architectures"},
-            )
-        try:
-            c = SourceConfig.model_validate(config)
-        except ValidationError as e:
-            raise _config_error(e) from None
-        fam = ARCHITECTURES[c.architectures[0]]
-        heads = c.num_attention_heads
-        kv_heads = c.num_key_value_heads if c.num_key_value_heads is not None else heads
-        if c.head_dim is not None:
-            head_dim = c.head_dim
-        elif c.hidden_size % heads == 0:
-            head_dim = c.hidden_size // heads
-        else:
-            raise SourceInvalid(
-                f"config.json: head_dim is absent and hidden_size={c.hidden_size} is not a multiple of "
-                f"num_attention_heads={heads}",
-                details={"file": "config.json", "field": "head_dim"},
-            )
-        if heads % kv_heads:
-            raise SourceInvalid(
-                f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
-                details={"file": "config.json", "field": "num_key_value_heads"},
-            )
-        if head_dim % 2:
-            raise SourceInvalid(
-                f"config.json: head_dim={head_dim} must be even for rotary embeddings",
-                details={"file": "config.json", "field": "head_dim"},
-            )
-        rope_theta = c.rope_theta
-        if rope_theta is None and c.rope_parameters is not None:
-            rope_theta = c.rope_parameters.rope_theta
-        eos = c.eos_token_id
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            architecture=c.architectures[0],
-            family=fam.name,
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_layers=c.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            rms_norm_eps=c.rms_norm_eps,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=c.tie_word_embeddings,
-            attention_bias=c.attention_bias if c.attention_bias is not None else fam.attention_bias_default,
-            bos_token_id=c.bos_token_id,
-            eos_token_id=eos,
-        )
-
-    @property
-    def tensor_count(self) -> int:
-        """How many tensors `expected_tensors` names, computed without building it."""
-        per_layer = 9 + (3 if self.attention_bias else 0)
-        return 2 + (0 if self.tie_word_embeddings else 1) + self.num_layers * per_layer
-
-    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Every weight tensor name the checkpoint must contain, with its shape."""
-        h, q, kv, ff = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-            self.intermediate_size,
-        )
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
-        if not self.tie_word_embeddings:
-            out["lm_head.weight"] = (self.vocab_size, h)
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = (h,)
-            out[p + "post_attention_layernorm.weight"] = (h,)
-            out[p + "self_attn.q_proj.weight"] = (q, h)
-            out[p + "self_attn.k_proj.weight"] = (kv, h)
-            out[p + "self_attn.v_proj.weight"] = (kv, h)
-            out[p + "self_attn.o_proj.weight"] = (h, q)
-            if self.attention_bias:
-                out[p + "self_attn.q_proj.bias"] = (q,)
-                out[p + "self_attn.k_proj.bias"] = (kv,)
-                out[p + "self_attn.v_proj.bias"] = (kv,)
-            out[p + "mlp.gate_proj.weight"] = (ff, h)
-            out[p + "mlp.up_proj.weight"] = (ff, h)
-            out[p + "mlp.down_proj.weight"] = (h, ff)
-        return out
-
-    def record(self) -> ShapeRecord:
-        """What the registry keeps about the model (a release's `model_config`): resolve sizes KV caches,
-        tensor-parallel degrees and prefill FLOPs from it (`registry.resolve.fit`)."""
-        return ShapeRecord(
-            architecture=self.architecture,
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size,
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-        )
 
 
 @dataclass
@@ -550,8 +275,9 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
 def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> None:
     # Count first: the expected names are only built for a config the headers can satisfy.
     if shape.tensor_count != len(tensors):
+        experts = f", {shape.moe.experts} experts in {len(shape.moe.sparse_layers)} layers" if shape.moe else ""
         raise SourceInvalid(
-            f"config.json implies {shape.tensor_count} tensors ({shape.num_layers} layers, "
+            f"config.json implies {shape.tensor_count} tensors ({shape.num_layers} layers{experts}, "
             f"tie_word_embeddings={shape.tie_word_embeddings}, attention_bias={shape.attention_bias}) "
             f"but the SafeTensors headers hold {len(tensors)}",
             details={"expected_count": shape.tensor_count, "count": len(tensors)},

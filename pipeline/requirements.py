@@ -2,7 +2,7 @@
 on (kind, count, memory per device), host memory, cores, an accelerator, a runtime.
 
 Every node of the graph carries its `Requirements`, computed when the graph is planned from the model's
-shape (`formats.hf_model.ModelShape`, read from config.json: the SafeTensors headers are not needed, so a
+shape (`formats.architectures.shape.ModelShape`, read from config.json: the SafeTensors headers are not needed, so a
 shape-only source plans too), the stage's scheme and params, and the device the plan is for (`PlanDevice`:
 the CPU, or a GPU whose memory comes from torch on a machine that has one, or from a hardware SKU of the
 catalog, `core.hardware`, when planning a fleet from elsewhere). Nothing here is fixed per stage kind but
@@ -71,34 +71,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
-from core.errors import KilnError, SourceInvalid, UnknownName
+from core.errors import SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
+from core.shape import ShapeRecord
 from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
-from formats.gguf.constants import QUANTS as GGUF_QUANTS
-from formats.gguf.constants import FileType, TensorType, tensor_nbytes
-from formats.hf_model import ModelShape, SourceModel
+from formats.architectures.record import TensorKind, TensorSpec
+from formats.architectures.shape import ModelShape
+from formats.hf_model import SourceModel
 from formats.safetensors import DTYPES
-from quant.catalog import SCHEMES
-from quant.footprint import checkpoint_bytes
-from registry.resolve.fit import MEMORY_UTILIZATION
+from placement.fit import MEMORY_UTILIZATION
+from placement.model import kv_cache_bytes, tp_degrees
+from placement.weights import artifact_bytes
 
 MiB = 1024 * 1024
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
-# The Linears each of AWQ's smoothings balances in a Llama-family layer (llm-compressor's default mappings).
-AWQ_MAPPINGS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-# The GGUF tensor type most of a llama.cpp-quantized file's 2-D weights get, by its file type (the output
-# tensor gets Q6_K; llama.cpp's mix also puts Q6_K on some attn_v / ffn_down, a few percent more).
-LLAMA_FTYPE_TYPES: dict[FileType, TensorType] = {
-    FileType.MOSTLY_Q4_K_M: TensorType.Q4_K,
-    FileType.MOSTLY_Q6_K: TensorType.Q6_K,
-}
+# The Linears each of AWQ's smoothings balances in a decoder layer, by kind (llm-compressor's default mappings:
+# input_layernorm -> q/k/v, v -> o, post_attention_layernorm -> gate/up of the MLP or of every expert, up -> down).
+AWQ_MAPPINGS: tuple[frozenset[TensorKind], ...] = (
+    frozenset({TensorKind.ATTN_Q, TensorKind.ATTN_K, TensorKind.ATTN_V, TensorKind.ATTN_QKV}),
+    frozenset({TensorKind.ATTN_OUTPUT}),
+    frozenset(
+        {
+            TensorKind.FFN_GATE,
+            TensorKind.FFN_UP,
+            TensorKind.FFN_GATE_UP,
+            TensorKind.FFN_GATE_EXPS,
+            TensorKind.FFN_UP_EXPS,
+            TensorKind.FFN_GATE_SHEXP,
+            TensorKind.FFN_UP_SHEXP,
+        }
+    ),
+    frozenset({TensorKind.FFN_DOWN, TensorKind.FFN_DOWN_EXPS, TensorKind.FFN_DOWN_SHEXP}),
+)
 # What a source's config.json may say its weights are stored in (`torch_dtype`, or `dtype` in transformers 5).
 CONFIG_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -267,34 +278,47 @@ class Sizing:
         return cls(shape, config, CONFIG_DTYPES[dtype], max_tokens, window, greedy_tokens, shape_only=True)
 
     @cached_property
-    def _one_layer_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the model with one decoder layer: the embedding, lm_head, final norm and a layer."""
-        return ModelShape.expected_tensors(replace(self.shape, num_layers=1))
+    def record(self) -> ShapeRecord:
+        """The shape as sizing reads it (`placement.model`)."""
+        return self.shape.record()
+
+    @cached_property
+    def _layer_specs(self) -> list[TensorSpec]:
+        """The largest decoder layer's tensors (a sparse layer's, with every expert, in a mixture of experts)."""
+        sh = self.shape
+        sparse = sh.moe.sparse_layers[0] if sh.moe is not None and sh.moe.sparse_layers else None
+        dense = next((i for i in range(sh.num_layers) if not sh.is_sparse(i)), None)
+        layers = [sh.layer_tensors(i) for i in (dense, sparse) if i is not None]
+        return max(layers, key=lambda ts: sum(t.elements for t in ts))
 
     @property
     def _layer(self) -> dict[str, tuple[int, ...]]:
-        return {n: s for n, s in self._one_layer_tensors.items() if n.startswith("model.layers.0.")}
+        return {t.name: t.shape for t in self._layer_specs}
 
     @property
     def layer_params(self) -> int:
-        """P_L: the parameters of one decoder layer (norms and biases included)."""
-        return sum(math.prod(s) for s in self._layer.values())
+        """P_L: the parameters of the largest decoder layer (norms, biases and every expert included)."""
+        return sum(t.elements for t in self._layer_specs)
 
     @property
-    def layer_linears(self) -> dict[str, tuple[int, int]]:
-        """Each Linear of a decoder layer by its short name (q_proj, ..., down_proj): [out, in]."""
-        return {
-            n.split(".")[-2]: (s[0], s[1]) for n, s in self._layer.items() if n.endswith("_proj.weight") and len(s) == 2
-        }
+    def layer_linears(self) -> list[TensorSpec]:
+        """The Linear weights of the largest decoder layer (every expert's included)."""
+        return [t for t in self._layer_specs if t.quantizable]
 
     @property
     def largest_tensor_bytes(self) -> int:
         """The largest source tensor's bytes: the embedding (or lm_head), or an MLP projection."""
-        return self.weight_bytes * max(math.prod(s) for s in self._one_layer_tensors.values())
+        embedding = self.shape.vocab_size * self.shape.hidden_size
+        return self.weight_bytes * max(embedding, *(math.prod(s) for s in self._layer.values()))
 
     def activations(self, tokens: int) -> int:
-        """A(n): float32 activations of `tokens` tokens through one decoder layer."""
-        return 4 * tokens * (4 * self.shape.hidden_size + 3 * self.shape.intermediate_size)
+        """A(n): float32 activations of `tokens` tokens through one decoder layer (a sparse layer's MLP: each
+        token's k experts)."""
+        sh = self.shape
+        width = sh.intermediate_size
+        if sh.moe is not None:
+            width = max(width, sh.moe.experts_per_token * sh.moe.intermediate_size)
+        return 4 * tokens * (4 * sh.hidden_size + 3 * width)
 
     @property
     def context(self) -> int:
@@ -307,45 +331,12 @@ class Sizing:
         return 16 * self.window * self.shape.vocab_size
 
     def kv_cache_bytes(self, tokens: int, element: int = KV_BYTES, tp: int = 1) -> int:
-        """Keys and values of every layer for one sequence of `tokens`, per device under `tp`."""
-        sh = self.shape
-        return 2 * sh.num_layers * max(sh.num_kv_heads // tp, 1) * sh.head_dim * tokens * element
+        """Keys and values of every layer for one sequence of `tokens`, per device under `tp` (`placement.model`)."""
+        return kv_cache_bytes(self.record, tokens, tp=tp, element_bytes=element)
 
     def weights_bytes(self, quant: str, runtime: str) -> int:
-        """The artifact's weights: a GGUF file's tensors for llama.cpp, else the scheme's checkpoint
-        (`quant.footprint`); the source's bytes where the quant is neither or the shape does not fit it."""
-        if runtime == "llama.cpp" and quant in GGUF_QUANTS:
-            return gguf_bytes(self.shape, quant)
-        if quant in SCHEMES:
-            try:
-                return checkpoint_bytes(self.config, quant)
-            except KilnError as e:  # QUANT_SHAPE: the export refuses it; the plan sizes the source
-                if e.code != "QUANT_SHAPE":
-                    raise
-        return self.weight_bytes * sum(math.prod(s) for s in self.shape.expected_tensors().values())
-
-
-def gguf_bytes(shape: ModelShape, quant: str) -> int:
-    """A GGUF file's tensor bytes for `quant`: 1-D tensors F32; 2-D weights the quant's type (the output
-    tensor its output type; llama.cpp's file types as `LLAMA_FTYPE_TYPES`), F16 where a row does not fill
-    whole blocks."""
-    spec = GGUF_QUANTS[quant]
-    output = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
-    total = 0
-    for name, dims in shape.expected_tensors().items():
-        if len(dims) == 1:
-            total += 4 * dims[0]
-            continue
-        if spec.llama_ftype is not None:
-            ttype = TensorType.Q6_K if name == output else LLAMA_FTYPE_TYPES[spec.llama_ftype]
-        else:
-            assert spec.tensor_type is not None
-            ttype = spec.output_type if name == output and spec.output_type is not None else spec.tensor_type
-        try:
-            total += tensor_nbytes(dims, ttype)
-        except ValueError:
-            total += tensor_nbytes(dims, spec.fallback_type)
-    return total
+        """The artifact's weights (`placement.weights.artifact_bytes`)."""
+        return artifact_bytes(self.shape, self.config, self.weight_bytes, quant, runtime)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,17 +384,17 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
     sh = sizing.shape
     samples, seq_len = int(calibration.get("samples", 0)), int(calibration.get("seq_len", 0))
     element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
-    linears = sizing.layer_linears
+    linears = [t.shape for t in sizing.layer_linears]
     if method == "minmax":
-        working = element * sizing.layer_params + 4 * max(math.prod(s) for s in linears.values())
+        working = element * sizing.layer_params + 4 * max(math.prod(s) for s in linears)
         if samples:
             working += sizing.activations(seq_len)
         return Footprint(working, 8 * samples * seq_len * sh.hidden_size)
     if method == "gptq":
-        widest = max(linears.values(), key=lambda s: (s[1], s[0]))
-        method_bytes = sum(4 * s[1] * s[1] for s in linears.values()) + 4 * widest[1] ** 2 + 4 * math.prod(widest)
+        widest = max(linears, key=lambda s: (s[1], s[0]))
+        method_bytes = sum(4 * s[1] * s[1] for s in linears) + 4 * widest[1] ** 2 + 4 * math.prod(widest)
     else:
-        balanced = max(sum(math.prod(linears[n]) for n in group if n in linears) for group in AWQ_MAPPINGS)
+        balanced = max(sum(t.elements for t in sizing.layer_linears if t.kind in group) for group in AWQ_MAPPINGS)
         method_bytes = (element + 12) * balanced
     working = element * sizing.layer_params + method_bytes + sizing.activations(seq_len)
     host = 8 * samples * seq_len * sh.hidden_size
@@ -425,7 +416,7 @@ def transformers_forward(sizing: Sizing, quant: str) -> Footprint:
         return Footprint(streamed.working, streamed.host + sizing.compare_bytes)
     sh = sizing.shape
     w = sizing.window
-    weights = 4 * sum(math.prod(s) for s in sh.expected_tensors().values())
+    weights = 4 * sum(t.elements for t in sh.tensors())
     return Footprint(weights + sizing.activations(w) + 4 * w * sh.vocab_size, sizing.compare_bytes)
 
 
@@ -469,13 +460,8 @@ def tensor_parallel(sizing: Sizing, weights: int, gpu: GpuSpec | None) -> Served
 
     if gpu is None:
         return Served(1, share(1), True)
-    sh = sizing.shape
     usable = int(MEMORY_UTILIZATION * gpu.memory_bytes)
-    degrees = [
-        tp
-        for tp in (2**i for i in range(gpu.per_node.bit_length()))
-        if tp <= gpu.per_node and sh.num_heads % tp == 0 and (sh.num_kv_heads % tp == 0 or tp % sh.num_kv_heads == 0)
-    ]
+    degrees, _ = tp_degrees(sizing.record, gpu.per_node)
     for tp in degrees:
         if share(tp) <= usable:
             return Served(tp, share(tp), True)

@@ -1,7 +1,7 @@
 """The weight footprint of a scheme's checkpoint, from a model config alone (no weights read).
 
 What hf-bundle writes for a scheme (and rocm-bundle and trtllm's compressed-tensors FP8 with it):
-every tensor config.json implies (`formats.hf_model.ModelShape.expected_tensors`, in the source's
+every tensor config.json implies (`formats.architectures.shape.ModelShape.expected_tensors`, in the source's
 order), the Linear weights the scheme quantizes as `quant.rtn.planned_tensors` lays them out
 (FP8 or int8 values, int4 packed eight to an int32 with its `weight_shape`, bf16 scales per channel,
 group or block), and everything else (embeddings, norms, biases, `lm_head`) in bf16. GPTQ and AWQ
@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from formats.hf_model import ModelShape
+from formats.architectures.shape import ModelShape
 from formats.safetensors import DTYPES
 from quant.catalog import get_scheme
 from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes

@@ -8,9 +8,10 @@ E4M3 uses absmax / 448, its largest finite value. Scales are rounded to bf16 (th
 checkpoint stores) *before* quantizing, and upwards, so decompression `q * scale` uses exactly the
 scale the values were rounded against and no element lands outside the grid.
 
-Which tensors are quantized: the weights of the Linear layers inside the decoder blocks
-(attention q/k/v/o and MLP gate/up/down projections). Embeddings, norms, biases and `lm_head`
-(the scheme's `ignore`) are passed through in bf16.
+Which tensors are quantized: the weights of the Linear layers inside the decoder blocks (attention
+q/k/v/o or fused qkv, MLP gate/up/down or fused gate_up, every expert's and a shared expert's:
+`formats.architectures.LINEAR_WEIGHT`, built from the architecture records). Routers, embeddings, norms,
+biases and `lm_head` (the scheme's `ignore`) are passed through in bf16.
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput
+from formats.architectures import LINEAR_WEIGHT
 from quant.methods.base import FLOAT_FORMATS, weight_storage
 from quant.schemes import LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
 if TYPE_CHECKING:
     import torch
-
-# The Linear layers of the llama / mistral / qwen2 decoder blocks, by weight name.
-LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 # A decoder layer's attention tensors, by name (its KV-cache scales sit beside them).

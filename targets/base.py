@@ -17,6 +17,7 @@ from core.hardware import PROFILES
 from quant.schemes import Verdict
 
 if TYPE_CHECKING:
+    from formats.architectures.record import Architecture
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
@@ -157,6 +158,10 @@ class TargetSpec:
     serving_runtimes: tuple[str, ...] = ()
     # Quants served by other runtimes than those (trtllm's int4 checkpoints: tensorrt_llm only), all listed.
     quant_runtimes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Whether the target writes each family through the family's own mapping in its architecture record
+    # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
+    # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
+    per_architecture: bool = False
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""
@@ -187,6 +192,18 @@ class TargetSpec:
                     code="HARDWARE_INCOMPATIBLE",
                     details={"artifact": f"{self.name}-{quant}", "hardware": hw, "reason": verdicts[hw].reason},
                 )
+
+    def check_architecture(self, arch: Architecture) -> None:
+        """TARGET_ARCHITECTURE_UNSUPPORTED when the family's record says this target cannot serve it, and why."""
+        if not self.per_architecture:
+            return
+        mapping = arch.target(self.name)
+        if mapping.refused is not None:
+            raise InvalidInput(
+                f"target {self.name!r} cannot serve {arch.hf_class} ({arch.family}): {mapping.refused}",
+                code="TARGET_ARCHITECTURE_UNSUPPORTED",
+                details={"target": self.name, "architecture": arch.hf_class, "reason": mapping.refused},
+            )
 
     def check_quant(self, quant: str) -> None:
         if quant in self.unsupported_quants:

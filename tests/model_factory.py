@@ -15,7 +15,26 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# The families of 2025-26 the tests build beside the first three, and what each one's tiny model sets beyond the
+# shared sizes: experts (Qwen3-MoE: more experts than tokens route to in a short text, so some see none;
+# Mixtral: 4 of them, top-2), Gemma 3's sliding and global layers with a window shorter than an eval window.
+NEW_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
+FAMILY_CONFIG: dict[str, dict[str, object]] = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gemma3": {"sliding_window": 16, "query_pre_attn_scalar": 16},
+}
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
+HEAD_DIM_DEFAULTS = ("qwen3", "qwen3_moe", "gemma3")
+TIED_FAMILIES = ("gemma3",)
+# Families whose RMSNorm scales by (1 + w): their norms are drawn around 0, not 1.
+OFFSET_NORM_FAMILIES = ("gemma3",)
 
 
 @functools.cache
@@ -42,7 +61,7 @@ def make_model(
     out: Path,
     family: str = "llama",
     *,
-    tie_word_embeddings: bool = False,
+    tie_word_embeddings: bool | None = None,
     hidden_size: int = 64,
     intermediate_size: int = 256,
     num_layers: int = 2,
@@ -52,8 +71,10 @@ def make_model(
     dtype: str = "bfloat16",
     shards: int = 1,
     seed: int = 0,
+    **config: object,
 ) -> Path:
-    """Write a random model of `family` with a real BPE tokenizer into `out` and return `out`."""
+    """Write a random model of `family` with a real BPE tokenizer into `out` and return `out`; `config` sets
+    config keys beyond the shared sizes and the family's own (`FAMILY_CONFIG`)."""
     import torch
     import transformers
 
@@ -68,8 +89,15 @@ def make_model(
     fast.save_pretrained(out)
     eot = fast.convert_tokens_to_ids("<|endoftext|>")
     arch = FAMILIES[family]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(family, arch.replace("ForCausalLM", "Config")))
+    extra = {**FAMILY_CONFIG.get(family, {}), **config}
+    if family == "gemma3" and "layer_types" not in extra:  # one sliding layer, then a global one, repeated
+        extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family in HEAD_DIM_DEFAULTS:  # their configs default to 128 / 256, not hidden / heads
+        extra.setdefault("head_dim", hidden_size // num_heads)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = family in TIED_FAMILIES
+    model_config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -81,13 +109,14 @@ def make_model(
         bos_token_id=eot,
         eos_token_id=eot,
         pad_token_id=eot,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config)
+    model = getattr(transformers, arch)(model_config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2)  # non-trivial norms catch a missing or misplaced norm
+            if name.endswith("norm.weight"):  # non-trivial norms catch a missing or misplaced norm
+                p.uniform_(-0.2, 0.2) if family in OFFSET_NORM_FAMILIES else p.uniform_(0.8, 1.2)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.02)
     model.to(getattr(torch, dtype)).save_pretrained(

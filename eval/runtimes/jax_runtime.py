@@ -77,7 +77,7 @@ class JaxRuntime:
         # in the same process (the local executor) need theirs, so it allocates what it uses instead.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         jax, orbax_checkpoint = import_runtime(("jax", "orbax.checkpoint"), "jax")
-        from formats.hf_model import ModelShape
+        from formats.architectures.shape import ModelShape
         from targets.orbax.layout import FORMAT, FORMAT_VERSION, forward_config
 
         if compute_dtype not in ("float32", "bfloat16"):

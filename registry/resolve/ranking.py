@@ -1,6 +1,6 @@
 """Ranking, a pure function of a release view, the hardware catalog and the query.
 
-For each pool and each artifact built for its hardware, `registry.resolve.fit.plan_replica` sizes a
+For each pool and each artifact built for its hardware, `placement.fit.plan_replica` sizes a
 replica (tensor-parallel degree, memory per device) and bounds its decode speed, time to first
 token and cost per million tokens; a measured performance record of that artifact on that SKU at
 the same TP, concurrency and at least the context replaces the estimate. The policy then ranks:
@@ -23,8 +23,8 @@ from core.errors import NotFound
 from core.hardware import HardwareCatalog, HardwareProfile
 from core.resolve import MeasurementOut
 from core.shape import ShapeRecord
+from placement.fit import ReplicaPlan, kv_dtype_of, plan_replica
 from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
-from registry.resolve.fit import ReplicaPlan, kv_dtype_of, plan_replica
 from registry.resolve.query import Policy, Pool, ResolveQuery
 from registry.resolve.views import ArtifactView, ReleaseView
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from registry.resolve.fit import ReplicaPlan
+from placement.fit import ReplicaPlan
 from registry.web.units import human_size
 
 WIDTH, HEIGHT = 380, 22

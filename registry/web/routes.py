@@ -22,6 +22,7 @@ from pydantic import BeforeValidator, Field
 
 from core.errors import InvalidInput, KilnError, NotFound
 from core.hardware import HardwareCatalog
+from placement.fit import MEMORY_UTILIZATION
 from registry.api.errors import http_status
 from registry.api.params import (
     MAX_CONCURRENCY,
@@ -41,7 +42,6 @@ from registry.deps import PrincipalDep, SessionDep, SettingsDep
 from registry.hardware.service import effective_catalog
 from registry.models import service as models_service
 from registry.releases import service as releases_service
-from registry.resolve.fit import MEMORY_UTILIZATION
 from registry.resolve.query import MAX_POOLS, ResolveQuery
 from registry.resolve.ranking import rank_release
 from registry.resolve.snapshots import load_release_view, release_snapshot

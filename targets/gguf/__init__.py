@@ -37,6 +37,7 @@ def _prepare(source: SourceModel) -> dict[str, Any]:
 
 SPEC = register(
     TargetSpec(
+        per_architecture=True,
         name="gguf",
         format="gguf-v3",
         quants=tuple(QUANTS),

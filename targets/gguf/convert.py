@@ -30,7 +30,7 @@ from formats.gguf.constants import (
 if TYPE_CHECKING:
     import torch
 
-    from formats.hf_model import ModelShape
+    from formats.architectures.shape import ModelShape
     from formats.safetensors import TensorInfo
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

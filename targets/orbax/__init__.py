@@ -36,6 +36,7 @@ def _check_params(params: dict[str, Any]) -> None:
 
 SPEC = register(
     TargetSpec(
+        per_architecture=True,
         name="orbax",
         format="orbax-checkpoint",
         quants=tuple(QUANTS),

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
-from formats.hf_model import ModelShape
+from formats.architectures.shape import ModelShape
 from quant.catalog import SCHEMES
 from quant.schemes import Verdict
 from targets.orbax.sharding import mesh_from_params

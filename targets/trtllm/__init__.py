@@ -26,6 +26,7 @@ from targets.trtllm.stages import derived_nodes
 
 SPEC = register(
     TargetSpec(
+        per_architecture=True,
         name="trtllm",
         format="safetensors",
         quants=QUANTS,

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from core.errors import UnknownName
 from core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
+from placement.model import kv_cache_bytes, parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = json.loads((ROOT / "examples/llama-3-70b/config.json").read_text())
@@ -83,7 +84,7 @@ def test_the_lenient_reader_counts_a_bad_size_as_missing(bad: Any) -> None:
         assert shape.startswith("the release's model_config lacks ") and shape.endswith("KV cache is not counted")
     for key in ("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings"):
         shape = ShapeRecord.from_untrusted({**KV, key: bad})
-        assert isinstance(shape, ShapeRecord) and getattr(shape, key) is None and shape.parameters() is None
+        assert isinstance(shape, ShapeRecord) and getattr(shape, key) is None and parameters(shape) is None
 
 
 def test_the_lenient_reader_names_what_is_missing() -> None:
@@ -108,13 +109,13 @@ def test_the_lenient_reader_fills_what_transformers_would() -> None:
 
 
 def test_sizing() -> None:
-    assert RECORD_70B.parameters() == 70_553_706_496
-    assert RECORD_70B.kv_cache_bytes(32768, 1) == 2 * 80 * 8 * 128 * 32768 * KV_DTYPES["bf16"] == 10 * 2**30
-    assert RECORD_70B.kv_cache_bytes(32768, 2, "fp8") == RECORD_70B.kv_cache_bytes(32768, 1)
+    assert parameters(RECORD_70B) == 70_553_706_496
+    assert kv_cache_bytes(RECORD_70B, 32768, 1) == 2 * 80 * 8 * 128 * 32768 * KV_DTYPES["bf16"] == 10 * 2**30
+    assert kv_cache_bytes(RECORD_70B, 32768, 2, "fp8") == kv_cache_bytes(RECORD_70B, 32768, 1)
     tied = RECORD_70B.model_copy(update={"tie_word_embeddings": True})
-    assert (RECORD_70B.parameters() or 0) - (tied.parameters() or 0) == 128256 * 8192
+    assert (parameters(RECORD_70B) or 0) - (parameters(tied) or 0) == 128256 * 8192
     with pytest.raises(UnknownName, match="known: bf16, fp8"):
-        RECORD_70B.kv_cache_bytes(1, 1, "int4")
+        kv_cache_bytes(RECORD_70B, 1, 1, "int4")
 
 
 def test_the_record_is_frozen() -> None:

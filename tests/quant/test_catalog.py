@@ -10,13 +10,13 @@ from core.hardware import PROFILES
 from eval.gates import DEFAULT_GATES, Gate
 from eval.native_kernels import NATIVE_SCHEMES
 from eval.runtimes.vllm_support import CPU_LIMITS, WeightScheme, compute_dtype
+from placement.fit import matmul_dtype
 from quant.catalog import FAMILIES, METHODS, SCHEMES, compatibility, get_method
 from quant.compressed import quantization_config
 from quant.methods.base import FLOAT_FORMATS, Method
 from quant.methods.fp8 import FP8
 from quant.rtn import planned_tensors
 from quant.schemes import Scheme
-from registry.resolve.fit import matmul_dtype
 from targets.hf_bundle.export import QUANTS as HF_BUNDLE_QUANTS
 from targets.orbax.layout import QUANTS as ORBAX_QUANTS
 from targets.rocm_bundle.export import QUANTS as ROCM_BUNDLE_QUANTS

@@ -1,4 +1,4 @@
-"""Replica sizing (`registry.resolve.fit`) and the checkpoint footprint it is fed (`quant.footprint`).
+"""Replica sizing (`placement.fit`) and the checkpoint footprint it is fed (`quant.footprint`).
 
 The 70B figures of docs/routing.md are recomputed here by hand from the catalog's literal numbers
 (core/hardware.yaml), and the footprint estimate is checked against hf-bundles kiln writes.
@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, builtin_catalog, parse_profile
 from core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
+from placement.fit import MEMORY_UTILIZATION, matmul_dtype, plan_replica
+from placement.model import kv_cache_bytes, parameters
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes, checkpoint_tensors
-from registry.resolve.fit import MEMORY_UTILIZATION, matmul_dtype, plan_replica
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = json.loads((ROOT / "examples/llama-3-70b/config.json").read_text())
@@ -71,9 +72,9 @@ def test_the_70b_config_reads_as_llama_3_70b() -> None:
         tie_word_embeddings=False,
         max_position_embeddings=131072,
     )
-    assert PARAMS_70B == 70_553_706_496 == shape.parameters()
+    assert PARAMS_70B == 70_553_706_496 == parameters(shape)
     assert FP8_70B == 72_669_806_592 == checkpoint_bytes(LLAMA_70B, "fp8")
-    assert KV_32K == 10 * GIB == shape.kv_cache_bytes(CONTEXT, 1)
+    assert KV_32K == 10 * GIB == kv_cache_bytes(shape, CONTEXT, 1)
 
 
 def test_fp8_70b_needs_two_h100s_and_one_h200_or_mi300x() -> None:
@@ -243,7 +244,7 @@ def test_fp4_runs_natively_only_where_the_device_takes_its_block_format() -> Non
 def test_decode_is_the_slower_of_reading_and_computing() -> None:
     """A roofline: one sequence is bandwidth-bound; many short ones are FLOP-bound, at the matmul rate."""
     shape = ShapeRecord.from_untrusted(LLAMA_70B)
-    params = shape.parameters()
+    params = parameters(shape)
     assert params is not None
     one = plan_replica(PROFILES["h100"], shape, FP8_70B, "fp8", 4096, 1)
     assert one.decode_tokens_per_s == pytest.approx(
@@ -257,7 +258,7 @@ def test_decode_is_the_slower_of_reading_and_computing() -> None:
 
 def test_an_fp8_kv_cache_artifact_is_sized_with_its_own_kv_type() -> None:
     """A checkpoint with calibrated FP8 KV scales is served with an FP8 cache, whatever the caller assumed."""
-    from registry.resolve.fit import kv_dtype_of
+    from placement.fit import kv_dtype_of
 
     h100, cpu = PROFILES["h100"], PROFILES["cpu"]
     assert kv_dtype_of("fp8-kv8", "bf16", h100) == "fp8" and kv_dtype_of("fp8", "bf16", h100) == "bf16"
@@ -324,7 +325,7 @@ def test_partial_configs_size_the_kv_cache_but_not_prefill() -> None:
     shape = ShapeRecord.from_untrusted(
         {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": "big"}
     )
-    assert isinstance(shape, ShapeRecord) and shape.num_attention_heads is None and shape.parameters() is None
+    assert isinstance(shape, ShapeRecord) and shape.num_attention_heads is None and parameters(shape) is None
     plan = plan_replica(PROFILES["h100"], shape, 10 * GIB, "bf16", 4096, 1)
     assert plan.kv_cache_bytes == 2 * 32 * 8 * 128 * 4096 * 2
     assert plan.ttft_s is None and plan.prefill_tokens_per_s is None

@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 
 from core.hardware import PROFILES, builtin_catalog
 from core.shape import ShapeRecord
-from registry.resolve.fit import plan_replica
+from placement.fit import plan_replica
 from tests.registry.helpers import make_release, post_eval, promote, publish_declared, seal
 
 ROOT = Path(__file__).resolve().parents[2]

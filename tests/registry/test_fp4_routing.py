@@ -2,7 +2,7 @@
 
 The artifacts are what kiln's hf-bundle writes for `examples/llama-3-70b` (sizes from `quant.footprint`,
 hardware from the catalog's verdicts), with the example model's measured KL. Decode is a roofline
-(`registry.resolve.fit`): many short sequences make it FLOP-bound, where the format the device computes
+(`placement.fit`): many short sequences make it FLOP-bound, where the format the device computes
 natively wins (NVFP4 on B200, MXFP4 on MI355X, FP8 on H100); one long sequence is bandwidth-bound, where the
 smallest weights win. H200's bounds rest on its measured shares (core/hardware.yaml): its FP8 GEMMs reach 0.659 of
 1,979 TFLOP/s and its bf16 ones 0.754 of 989, so per sequence bf16 on TP 4 (twice FP8's devices) is faster, and

@@ -26,8 +26,8 @@ from starlette.testclient import TestClient
 from core.errors import InvalidInput
 from core.hardware import builtin_catalog, parse_profile
 from core.shape import MAX_DIMENSION, ShapeRecord
+from placement.fit import MAX_WEIGHTS_BYTES, plan_replica
 from registry.api.params import MAX_CONCURRENCY, MAX_CONTEXT
-from registry.resolve.fit import MAX_WEIGHTS_BYTES, plan_replica
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     LLAMA_CONFIG,

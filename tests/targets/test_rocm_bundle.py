@@ -83,7 +83,7 @@ def test_fnuz_bundle_dequantises_to_vllm_load_time_values(scheme: str, model_dir
     import torch
     from safetensors import safe_open
 
-    from quant.rtn import LINEAR_WEIGHT
+    from formats.architectures import LINEAR_WEIGHT
 
     fn = _bundle(model_dir, tmp_path / "fn", scheme, GFX942)
     fnuz = _bundle(model_dir, tmp_path / "fnuz", scheme, {**GFX942, "fp8_dtype": "e4m3fnuz"})

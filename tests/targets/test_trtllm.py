@@ -12,10 +12,11 @@ import pytest
 
 from core.errors import InvalidInput, RecipeInvalid, StageFailed
 from core.hardware import PROFILES
+from formats.architectures import LINEAR_WEIGHT
 from formats.hf_model import SourceModel, open_source
 from pipeline.recipe import Recipe, parse_recipe
 from quant.catalog import get_scheme
-from quant.rtn import LINEAR_WEIGHT, dequantize
+from quant.rtn import dequantize
 from quant.store import QuantizedWeights, open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
 from targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows

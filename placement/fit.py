@@ -5,8 +5,9 @@ weight bytes and quant, and a `core.hardware.HardwareProfile`; no I/O. `plan_rep
 smallest tensor-parallel degree whose share of the weights and KV cache fits in each device's usable
 memory, and bounds what that replica can do:
 
-- decode is a roofline: each step reads, on every device, its share of the weights and of the KV cache
-  at full context (those bytes ÷ (bandwidth × efficiency)), and computes 2 × parameters × `concurrency`
+- decode is a roofline: each step reads, on every device, its share of the weights (of a mixture of experts,
+  the share its tokens' experts touch: `placement.model.active_parameters`) and of the KV cache at full
+  context (those bytes ÷ (bandwidth × efficiency)), and computes 2 × active parameters × `concurrency`
   FLOPs of matmuls at the artifact's matmul type on all TP devices × efficiency; the step takes the longer
   of the two. Few sequences are bandwidth-bound (the smallest weights win); many are FLOP-bound, where
   what the hardware computes natively (FP4 on Blackwell and gfx950, FP8 on Hopper) wins. The replica
@@ -54,6 +55,7 @@ from core.hardware import (
 )
 from core.resolve import BoundBasis
 from core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
+from placement.model import active_parameters, flops_parameters, kv_cache_bytes, parameters, tp_degrees
 from quant.catalog import METHODS
 
 GIB = 1024**3
@@ -225,19 +227,13 @@ def _check_rate(
     return float(value)
 
 
-def _tp_degrees(shape: ShapeRecord | str, limit: int) -> tuple[list[int], list[int]]:
-    """(allowed, excluded): the powers of two up to `limit`, split by whether the heads divide over them."""
-    allowed: list[int] = []
-    excluded: list[int] = []
-    tp = 1
-    while tp <= limit:
-        ok = isinstance(shape, str) or (
-            (shape.num_attention_heads is None or shape.num_attention_heads % tp == 0)
-            and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
-        )
-        (allowed if ok else excluded).append(tp)
-        tp *= 2
-    return allowed, excluded
+def _read_share(shape: ShapeRecord | str, concurrency: int) -> float:
+    """The share of the weights a decode step of `concurrency` sequences reads: 1 for a dense model (or an
+    unknown shape), active / total parameters for a mixture of experts."""
+    if not isinstance(shape, ShapeRecord) or not shape.is_moe:
+        return 1.0
+    total, active = parameters(shape), active_parameters(shape, concurrency)
+    return min(active / total, 1.0) if total and active is not None else 1.0
 
 
 def _gib(n: float) -> str:
@@ -265,12 +261,12 @@ def plan_replica(
     weights_bytes = _check_count("weights_bytes", weights_bytes, 0, MAX_WEIGHTS_BYTES)
     if max_devices is not None:
         _check_count("max_devices", max_devices, 1, MAX_DIMENSION)
-    kv_elem = kv_element_bytes(kv_dtype)
+    kv_element_bytes(kv_dtype)  # an unknown KV dtype is refused before anything is sized
     memory_gib = _check_rate(profile, "memory_gib", profile.memory_gib, MEMORY_GIB)
     bandwidth_gbs = _check_rate(profile, "bandwidth_gbs", profile.bandwidth_gbs, BANDWIDTH_GBS)
     devices_per_node = int(_check_rate(profile, "devices_per_node", profile.devices_per_node, DEVICES_PER_NODE))
     limit = min(devices_per_node, max_devices or devices_per_node)
-    allowed, excluded = _tp_degrees(shape, limit)
+    allowed, excluded = tp_degrees(shape if isinstance(shape, ShapeRecord) else None, limit)
     memory = int(memory_gib * GIB)
     tflops, used = profile.matmul_tflops(matmul_dtype_on(quant, profile))
     tflops = _check_rate(profile, f"tflops.{used}", tflops, TFLOPS)
@@ -279,14 +275,13 @@ def plan_replica(
     allocatable = share.allocatable_bytes
     held = min(memory, allocatable) if allocatable is not None else memory  # what a server can take
     usable = round(MEMORY_UTILIZATION * held)
-    kv_total = shape.kv_cache_bytes(context, concurrency, kv_dtype) if isinstance(shape, ShapeRecord) else 0
+    kv_total = kv_cache_bytes(shape, context, concurrency, kv_dtype) if isinstance(shape, ShapeRecord) else 0
 
     def per_device(tp: int) -> tuple[int, int]:
         weights = -(-weights_bytes // tp)
         if not isinstance(shape, ShapeRecord):
             return weights, 0
-        heads_here = max(shape.num_kv_heads // tp, 1)  # tp > kv_heads: each device keeps one KV head
-        return weights, 2 * shape.num_layers * heads_here * shape.head_dim * context * concurrency * kv_elem
+        return weights, kv_cache_bytes(shape, context, concurrency, kv_dtype, tp)  # tp > kv_heads: one KV head each
 
     tried: list[tuple[int, int]] = []  # (tp, weights + KV per device) of each TP that did not fit
     tp = allowed[-1]
@@ -305,8 +300,10 @@ def plan_replica(
         efficiency = _check_rate(profile, "interconnect.tp_efficiency", efficiency, TP_EFFICIENCY, above=True)
     # Every divisor below is a product of bounded, positive facts, and every dividend is bounded by
     # MAX_WEIGHTS_BYTES and MAX_DIMENSION: the bounds stay finite floats and above zero.
-    params = shape.parameters() if isinstance(shape, ShapeRecord) else None
-    read_bytes = max(w_dev / share.weights + kv_dev / share.kv, 1)  # bytes at the data sheet's rate
+    params = flops_parameters(shape) if isinstance(shape, ShapeRecord) else None
+    # A mixture of experts reads, per step, the share of its weights the step's tokens touch (`active_parameters`).
+    read_w = w_dev * _read_share(shape, concurrency)
+    read_bytes = max(read_w / share.weights + kv_dev / share.kv, 1)  # bytes at the data sheet's rate
     memory_s = read_bytes / (bandwidth_gbs * 1e9 * efficiency)
     flops_per_s = tp * tflops * 1e12 * share.matmul * efficiency
     compute_s = 2 * params * concurrency / flops_per_s if params is not None else 0.0
@@ -337,6 +334,11 @@ def plan_replica(
         parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.num_kv_heads} KV heads)")
     if isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
         parts.append(f"KV heads replicated: {shape.num_kv_heads} over TP {tp}, one per device")
+    if isinstance(shape, ShapeRecord) and shape.is_moe and read_w < w_dev:
+        parts.append(
+            f"experts: a decode step of {concurrency} reads {read_w / w_dev:.0%} of the weights "
+            f"({shape.experts_per_token} of {shape.num_experts} experts per token)"
+        )
     if compute_s > memory_s:
         rate = f"{share.matmul:.2f} × {tflops:g}" if share.matmul_from == "measured" else f"{tflops:g}"
         parts.append(f"decode FLOP-bound at {concurrency} sequences ({used} matmuls, {rate} TFLOP/s per device)")

@@ -1,0 +1,67 @@
+"""Mixtral (MixtralForCausalLM): Mistral's attention and, in every layer, `num_local_experts` SwiGLU experts of
+`intermediate_size` (`block_sparse_moe.experts.<e>.w1` gate, `w3` up, `w2` down), `num_experts_per_tok` per
+token by a softmax router (`block_sparse_moe.gate`), always renormalised over the chosen. llama.cpp writes
+it as `llama` with stacked experts (its rows of q and k permuted as Llama's)."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from formats.architectures.config import FamilyConfig, MoeShape, size
+from formats.architectures.record import (
+    Architecture,
+    Attention,
+    Experts,
+    LayerType,
+    Mlp,
+    Projections,
+    TargetMapping,
+    refused,
+)
+
+
+class MixtralConfig(FamilyConfig):
+    """Mixtral's config.json: the experts (`num_local_experts`, `num_experts_per_tok`); a window on every layer
+    when `sliding_window` is given."""
+
+    num_local_experts: int = size("num_experts")
+    num_experts_per_tok: int = size("num_experts_per_tok")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> MixtralConfig:
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_local_experts={self.num_local_experts}"
+            )
+        return self
+
+    def layer_kinds(self) -> tuple[LayerType, ...]:
+        kind: LayerType = "sliding_attention" if self.sliding_window is not None else "full_attention"
+        return (kind,) * self.num_hidden_layers
+
+    def moe(self) -> MoeShape:
+        return MoeShape(
+            experts=self.num_local_experts,
+            experts_per_token=self.num_experts_per_tok,
+            intermediate_size=self.intermediate_size,
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(self.num_hidden_layers)),
+        )
+
+
+RECORD = Architecture(
+    family="mixtral",
+    hf_class="MixtralForCausalLM",
+    model_types=("mixtral",),
+    config=MixtralConfig,
+    attention=Attention(sliding="all"),
+    mlp=Mlp(experts=Experts(block="block_sparse_moe", projections=Projections(gate="w1", up="w3", down="w2"))),
+    targets={
+        # GGUF, once written: TargetMapping(gguf_arch="llama", permute_qk=True)
+        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "orbax": refused("the JAX forward does not compute this family yet"),
+        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        "vllm": TargetMapping(),
+    },
+    description="mixture of experts (8 experts, top-2), GQA",
+)

@@ -1,0 +1,233 @@
+"""What an architecture is, as data: one frozen `Architecture` record per family.
+
+A record says how a family's config.json is read (`config`, a strict pydantic model of the keys it reads,
+with their bounds), how its checkpoint is named and shaped (attention, MLP or mixture of experts, norms),
+how it computes where that differs between families (activation, norm offset, embedding scale, per-layer
+attention kinds and windows, rope), and what each target needs to write it (`targets`: a mapping, or the
+reason the target cannot serve the family). Every stage reads the record; none keeps a table of its own
+keyed by family. `layer_tensors` builds a decoder layer's tensors from the record's building blocks, so a
+new family is a record and its tests (docs/extending.md).
+
+Tensor kinds (`TensorKind`) are the roles a tensor plays, named as llama.cpp names them where it has a name
+(`attn_q`, `ffn_gate_exps`, `ffn_gate_inp`): a target maps kinds, not a family's own spelling of them, and
+which tensors a quantization scheme may quantize is a property of the kind (`LINEAR_KINDS`).
+
+Sources, read for each family's record: transformers 5.17's modeling and configuration files (the names
+`save_pretrained` writes, the config keys and their defaults) and llama.cpp's `convert_hf_to_gguf.py` (the
+kinds and their GGUF names).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Final, Literal
+
+if TYPE_CHECKING:
+    from formats.architectures.config import FamilyConfig
+
+
+class TensorKind(StrEnum):
+    """The role of one tensor of a checkpoint (llama.cpp's name for it where it has one)."""
+
+    TOKEN_EMBD = "token_embd"
+    OUTPUT_NORM = "output_norm"
+    OUTPUT = "output"
+    ATTN_NORM = "attn_norm"  # before attention
+    ATTN_Q = "attn_q"
+    ATTN_K = "attn_k"
+    ATTN_V = "attn_v"
+    ATTN_QKV = "attn_qkv"  # q, k and v fused in one Linear (Phi-3)
+    ATTN_OUTPUT = "attn_output"
+    ATTN_Q_NORM = "attn_q_norm"  # per-head RMSNorm of the queries (Qwen3, Gemma 3)
+    ATTN_K_NORM = "attn_k_norm"
+    ATTN_POST_NORM = "attn_post_norm"  # after attention, before the residual add (Gemma 3)
+    FFN_NORM = "ffn_norm"  # before the MLP
+    FFN_POST_NORM = "ffn_post_norm"  # after the MLP, before the residual add (Gemma 3)
+    FFN_GATE = "ffn_gate"
+    FFN_UP = "ffn_up"
+    FFN_GATE_UP = "ffn_gate_up"  # gate and up fused in one Linear (Phi-3): [2 x intermediate, hidden]
+    FFN_DOWN = "ffn_down"
+    FFN_GATE_INP = "ffn_gate_inp"  # the router of a mixture of experts: [experts, hidden]
+    FFN_GATE_EXPS = "ffn_gate_exps"  # one expert's gate; GGUF stacks every expert's into one tensor
+    FFN_UP_EXPS = "ffn_up_exps"
+    FFN_DOWN_EXPS = "ffn_down_exps"
+    FFN_GATE_SHEXP = "ffn_gate_shexp"  # the shared expert's gate, up and down
+    FFN_UP_SHEXP = "ffn_up_shexp"
+    FFN_DOWN_SHEXP = "ffn_down_shexp"
+    FFN_GATE_INP_SHEXP = "ffn_gate_inp_shexp"  # the shared expert's sigmoid gate: [1, hidden]
+
+
+# The kinds that are Linear weights a quantization scheme may quantize (the router, norms and embeddings never).
+LINEAR_KINDS: Final = frozenset(
+    {
+        TensorKind.ATTN_Q,
+        TensorKind.ATTN_K,
+        TensorKind.ATTN_V,
+        TensorKind.ATTN_QKV,
+        TensorKind.ATTN_OUTPUT,
+        TensorKind.FFN_GATE,
+        TensorKind.FFN_UP,
+        TensorKind.FFN_GATE_UP,
+        TensorKind.FFN_DOWN,
+        TensorKind.FFN_GATE_EXPS,
+        TensorKind.FFN_UP_EXPS,
+        TensorKind.FFN_DOWN_EXPS,
+        TensorKind.FFN_GATE_SHEXP,
+        TensorKind.FFN_UP_SHEXP,
+        TensorKind.FFN_DOWN_SHEXP,
+    }
+)
+EXPERT_KINDS: Final = frozenset({TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS, TensorKind.FFN_DOWN_EXPS})
+NORM_KINDS: Final = frozenset(
+    {
+        TensorKind.OUTPUT_NORM,
+        TensorKind.ATTN_NORM,
+        TensorKind.ATTN_Q_NORM,
+        TensorKind.ATTN_K_NORM,
+        TensorKind.ATTN_POST_NORM,
+        TensorKind.FFN_NORM,
+        TensorKind.FFN_POST_NORM,
+    }
+)
+
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES: Final = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a checkpoint: its name, shape, kind, and the layer and expert it belongs to (None: none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: TensorKind
+    layer: int | None = None
+    expert: int | None = None
+    bias: bool = False  # a Linear's bias (its kind is the Linear's)
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def quantizable(self) -> bool:
+        """A Linear weight a scheme may quantize (never a bias, norm, embedding or router)."""
+        return self.kind in LINEAR_KINDS and not self.bias and len(self.shape) == 2
+
+
+# -- the record's parts ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A decoder layer's attention as the checkpoint stores it.
+
+    `bias`: q/k/v biases when config.json does not say (`attention_bias`); `qk_norm`: per-head RMSNorms of
+    q and k after the projections; `fused_qkv`: one `qkv_proj` Linear; `sliding`: where sliding-window
+    layers come from ("none": every layer is full; "all": every layer slides when config.json gives a
+    window; "layer_types": config.json's `layer_types`, or the family's pattern)."""
+
+    bias: bool = False
+    qk_norm: bool = False
+    fused_qkv: bool = False
+    sliding: Literal["none", "all", "layer_types"] = "none"
+    prefix: str = "self_attn"
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The names of a gated MLP's three Linears (`gate_proj`, `up_proj`, `down_proj`; Mixtral: w1, w3, w2)."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts block: where its router and experts are, and how it routes.
+
+    `block` is the MLP module's name in a layer (`mlp`, Mixtral's `block_sparse_moe`); the router is
+    `<block>.<router>.weight` [experts, hidden] and expert e's Linears `<block>.<experts>.<e>.<proj>.weight`.
+    `softmax_then_topk`: the router's softmax runs over every expert before the top-k are kept (Qwen3-MoE,
+    Mixtral, as transformers computes them); `shared`: the name of a shared expert module beside the routed
+    ones (None: none) and `shared_gate` its sigmoid gate's (None: the shared expert is added ungated)."""
+
+    block: str = "mlp"
+    router: str = "gate"
+    experts: str = "experts"
+    projections: Projections = Projections()
+    softmax_then_topk: bool = True
+    shared: str | None = None
+    shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """A decoder layer's MLP: a gated MLP (`fused_gate_up`: one `gate_up_proj`), and, in the layers the
+    config makes sparse, `experts` instead."""
+
+    projections: Projections = Projections()
+    fused_gate_up: bool = False
+    experts: Experts | None = None
+    prefix: str = "mlp"
+    activations: tuple[str, ...] = ("silu",)  # hidden_act values the family's checkpoints use
+
+
+@dataclass(frozen=True)
+class Norms:
+    """RMSNorm conventions: `offset` 1 where the stored weight w scales by (1 + w) (Gemma); `sandwich`: a
+    norm after attention and after the MLP besides the two before them (Gemma 3); `embedding_scale`:
+    the embedding's output is multiplied by sqrt(hidden_size) (Gemma)."""
+
+    offset: float = 0.0
+    sandwich: bool = False
+    embedding_scale: Literal["none", "sqrt_hidden"] = "none"
+
+
+@dataclass(frozen=True)
+class TargetMapping:
+    """What one target needs of a family: a mapping (target-specific data, see each target's table), or
+    `refused`, the reason it cannot serve the family, which `kiln plan` gives as it refuses the recipe."""
+
+    refused: str | None = None
+    gguf_arch: str | None = None  # GGUF: llama.cpp's architecture name
+    permute_qk: bool = False  # GGUF: q/k rows permuted to llama.cpp's interleaved rope layout
+    names: tuple[tuple[TensorKind, str], ...] = ()  # GGUF: kinds whose tensor name is not the kind itself
+    trtllm_architecture: str | None = None  # TensorRT-LLM: the architecture its PyTorch backend registers
+
+    @property
+    def supported(self) -> bool:
+        return self.refused is None
+
+
+def refused(reason: str) -> TargetMapping:
+    return TargetMapping(refused=reason)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family: its names, config schema, checkpoint layout, computation conventions and target mappings."""
+
+    family: str  # kiln's name (`qwen3_moe`): in recipes' errors, GGUF mappings and docs
+    hf_class: str  # config.json's `architectures[0]`
+    model_types: tuple[str, ...]  # config.json's `model_type` values transformers builds this class from
+    config: type[FamilyConfig] = field(repr=False)
+    attention: Attention = Attention()
+    mlp: Mlp = Mlp()
+    norms: Norms = Norms()
+    tied_default: bool = False
+    # Layer-by-layer streaming through transformers' own decoder layers (`eval.runtimes.layer_stream`).
+    streams: bool = True
+    targets: dict[str, TargetMapping] = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.mlp.experts is not None
+
+    def target(self, name: str) -> TargetMapping:
+        """The family's mapping for target `name`; a target the record does not name is refused."""
+        return self.targets.get(name) or refused(f"kiln has no {name} mapping for {self.hf_class}")

@@ -1,0 +1,247 @@
+"""The architecture records (`formats.architectures`): each family's model, made by transformers' own classes,
+ingests with exactly the tensors the record implies; each family's config is checked with exact types and
+bounds; the Linear weights a scheme may quantize are the ones transformers computes with as Linears; a target a
+record refuses is refused at plan time with the record's reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.errors import InvalidInput, SourceInvalid
+from core.shape import ShapeRecord
+from formats.architectures import ARCHITECTURES, FAMILIES, LINEAR_WEIGHT, get_architecture
+from formats.architectures.record import EXPERT_KINDS, TensorKind
+from formats.architectures.shape import ModelShape
+from formats.hf_model import open_source
+from targets.base import all_targets
+from tests.model_factory import FAMILIES as FACTORY_FAMILIES
+from tests.model_factory import NEW_FAMILIES, make_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_model(root / f, f, vocab_size=384) for f in FACTORY_FAMILIES}
+
+
+def test_every_family_has_one_record_and_the_factory_makes_each() -> None:
+    assert set(FAMILIES) == set(FACTORY_FAMILIES)
+    for family, hf_class in FACTORY_FAMILIES.items():
+        assert ARCHITECTURES[hf_class].family == family
+        assert FAMILIES[family].hf_class == hf_class
+
+
+@pytest.mark.parametrize("family", list(FACTORY_FAMILIES))
+def test_a_transformers_model_ingests_with_exactly_the_tensors_its_record_implies(
+    models: dict[str, Path], family: str
+) -> None:
+    from safetensors import safe_open
+
+    source = open_source(models[family])
+    with safe_open(str(models[family] / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert source.shape.expected_tensors() == saved
+    assert source.shape.tensor_count == len(saved)
+    assert list(source.tensors) == [t.name for t in source.shape.tensors()]
+
+
+@pytest.mark.parametrize("family", list(FACTORY_FAMILIES))
+def test_the_linear_weights_are_what_transformers_computes_as_linears(models: dict[str, Path], family: str) -> None:
+    """Every 2-D weight a scheme may quantize is a Linear's (or one expert's slice of a fused experts tensor) in
+    transformers' own model; routers, norms, embeddings and the head never are."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(models[family]))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    shape = open_source(models[family]).shape
+    quantizable = {t.name for t in shape.tensors() if t.quantizable}
+    assert quantizable == {n for n in shape.expected_tensors() if LINEAR_WEIGHT.match(n)}
+    experts = {t.name for t in shape.tensors() if t.kind in EXPERT_KINDS}
+    assert quantizable - experts == linears - {"lm_head.weight"} - _routers(shape)
+    assert bool(experts) == (shape.moe is not None)
+
+
+def _routers(shape: ModelShape) -> set[str]:
+    return {t.name for t in shape.tensors() if t.kind == TensorKind.FFN_GATE_INP}
+
+
+def test_the_moe_shapes_are_read_as_transformers_builds_them(tmp_path: Path) -> None:
+    src = make_model(
+        tmp_path / "m",
+        "qwen3_moe",
+        num_layers=4,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        vocab_size=384,
+    )
+    shape = open_source(src).shape
+    assert shape.moe is not None and shape.moe.sparse_layers == (1, 2, 3)
+    assert not shape.is_sparse(0) and "model.layers.0.mlp.gate_proj.weight" in shape.expected_tensors()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in shape.expected_tensors()
+    record = shape.record()
+    assert (record.num_experts, record.experts_per_token, record.moe_intermediate_size, record.sparse_layers) == (
+        8,
+        2,
+        64,
+        3,
+    )
+    assert ShapeRecord.model_validate_json(record.model_dump_json()) == record
+
+
+def test_a_dense_record_writes_what_stored_releases_hold(models: dict[str, Path]) -> None:
+    """A dense model's record JSON has no expert or window keys: stage records and releases keep their digests."""
+    dumped = open_source(models["llama"]).shape.record().model_dump(mode="json")
+    assert "num_experts" not in dumped and "sliding_window" not in dumped
+
+
+def test_gemma3_layers_windows_and_ropes(models: dict[str, Path]) -> None:
+    shape = open_source(models["gemma3"]).shape
+    assert shape.layer_types == ("sliding_attention", "full_attention")
+    assert shape.sliding_window == 16 and shape.tie_word_embeddings
+    assert shape.rope_for("full_attention").theta == 1_000_000.0
+    assert shape.rope_for("sliding_attention").theta == 10_000.0
+    assert shape.hidden_act == "gelu_pytorch_tanh" and shape.query_pre_attn_scalar == 16
+    assert shape.record().sliding_layers == 1
+
+
+def test_a_hub_style_gemma3_config_reads_its_pattern_and_local_rope() -> None:
+    """Configs on the Hub predate `layer_types` and `rope_parameters`: `sliding_window_pattern`, `rope_theta`,
+    `rope_local_base_freq` and a linear `rope_scaling` for the global layers."""
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 262208,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+    }
+    shape = ModelShape.from_config(config)
+    assert shape.layer_types.count("full_attention") == 5 and shape.layer_type(5) == "full_attention"
+    full, local = shape.rope_for("full_attention"), shape.rope_for("sliding_attention")
+    assert (full.theta, full.scaling, full.factor) == (1e6, "linear", 8.0)
+    assert (local.theta, local.scaling, local.factor) == (1e4, "default", None)
+    # The registry reads an untrusted config without the family's defaults; what sizes the KV cache agrees.
+    kv = ("num_layers", "num_kv_heads", "head_dim", "sliding_window", "sliding_layers")
+    untrusted, record = ShapeRecord.from_untrusted(config), shape.record()
+    assert isinstance(untrusted, ShapeRecord)
+    assert {k: getattr(untrusted, k) for k in kv} == {k: getattr(record, k) for k in kv}
+
+
+def _base(family: str) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": [FACTORY_FAMILIES[family]],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    if family == "qwen3_moe":
+        config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    if family == "mixtral":
+        config |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+    return config
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "field", "says"),
+    [
+        ("qwen3_moe", {"num_experts": None, "num_local_experts": None}, "config", "num_experts"),
+        ("qwen3_moe", {"num_local_experts": 16}, "config", "disagree"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "config", "exceeds"),
+        ("qwen3_moe", {"num_experts": "8"}, "num_experts", "valid integer"),
+        ("qwen3_moe", {"num_experts": 8.0}, "num_experts", "valid integer"),
+        ("qwen3_moe", {"num_experts": 10**9}, "num_experts", "less than or equal"),
+        ("qwen3_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size", "greater than 0"),
+        ("qwen3_moe", {"mlp_only_layers": [2]}, "config", "distinct layers"),
+        ("qwen3_moe", {"norm_topk_prob": "true"}, "norm_topk_prob", "valid boolean"),
+        ("mixtral", {"num_local_experts": None}, "num_local_experts", "is required"),
+        ("mixtral", {"num_experts_per_tok": 5}, "config", "exceeds"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "encoder"),
+        ("gemma3", {"hidden_activation": "silu"}, "hidden_activation", "gelu_pytorch_tanh"),
+        ("gemma3", {"layer_types": ["full_attention"]}, "config", "layer_types has 1 entries"),
+        ("gemma3", {"layer_types": ["sliding_attention", "chunked"]}, "layer_types", "one of"),
+        ("gemma3", {"query_pre_attn_scalar": float("nan")}, "query_pre_attn_scalar", "finite"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act", "silu"),
+        ("qwen3", {"rope_parameters": {"full_attention": 3}}, "rope_parameters", "object"),
+        ("qwen3", {"rope_parameters": {"rope_theta": "1e6"}}, "rope_parameters.rope_theta", "valid number"),
+        ("phi3", {"partial_rotary_factor": 1.5}, "partial_rotary_factor", "less than or equal"),
+    ],
+)
+def test_a_bad_family_config_is_refused_naming_the_field(
+    family: str, change: dict[str, Any], field: str, says: str
+) -> None:
+    config = {k: v for k, v in {**_base(family), **change}.items() if v is not None}
+    with pytest.raises(SourceInvalid) as e:
+        ModelShape.from_config(config)
+    assert e.value.code == "SOURCE_INVALID"
+    assert e.value.details["field"] == field and says in e.value.message, e.value.message
+
+
+def test_an_unknown_architecture_names_every_supported_one() -> None:
+    with pytest.raises(SourceInvalid, match="GptOssForCausalLM.*supported: LlamaForCausalLM") as e:
+        get_architecture(["GptOssForCausalLM"])
+    assert e.value.details["supported"] == list(ARCHITECTURES)
+
+
+def test_a_target_a_record_refuses_is_refused_with_its_reason() -> None:
+    targets = all_targets()
+    for arch in ARCHITECTURES.values():
+        for name, spec in targets.items():
+            mapping = arch.target(name)
+            if not spec.per_architecture or mapping.supported:
+                spec.check_architecture(arch)
+                continue
+            with pytest.raises(InvalidInput) as e:
+                spec.check_architecture(arch)
+            assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED" and mapping.refused in e.value.message
+
+
+def test_kiln_plan_refuses_a_target_the_family_cannot_have(models: dict[str, Path], tmp_path: Path) -> None:
+    from pipeline.build import plan
+    from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
+
+    refused = next(
+        (f, t) for f in NEW_FAMILIES for t in ("orbax", "gguf", "trtllm") if not FAMILIES[f].target(t).supported
+    )
+    family, target = refused
+    (tmp_path / "heldout.txt").write_text("hello world " * 200)
+    quant = {"orbax": "bf16", "gguf": "f16", "trtllm": "bf16"}[target]
+    recipe = tmp_path / "kiln.yaml"
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": "m",
+                "version": "1.0.0",
+                "source": str(models[family]),
+                "eval": {"text": "heldout.txt"},
+                "targets": [{"target": "hf-bundle", "quants": ["bf16"]}, {"target": target, "quants": [quant]}],
+            }
+        )
+    )
+    with pytest.raises(InvalidInput) as e:
+        plan(load_recipe(recipe, allowed_roots=[models[family].parent]), open_store(None, tmp_path / "work"))
+    assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED"
+    assert e.value.details == {
+        "target": target,
+        "architecture": FACTORY_FAMILIES[family],
+        "reason": FAMILIES[family].target(target).refused,
+    }
