@@ -10,7 +10,10 @@ The script is deterministic and needs no network access. It
    llama.cpp's "gpt-2" pre-tokenizer reproduces it) whose only special token is
    ``<|endoftext|>`` (bos = eos = pad);
 3. trains a ``LlamaForCausalLM`` (4 layers, d=256, GQA 8/4 heads) in fp32 on
-   the training tokens, documents separated by ``<|endoftext|>``;
+   the training tokens, documents separated by ``<|endoftext|>``; with
+   ``--family qwen3_moe``, a ``Qwen3MoeForCausalLM`` of the same attention whose
+   MLPs are 8 experts of width d/2, 2 per token (the router trained with its
+   load-balancing loss);
 4. saves model (bf16 safetensors) and tokenizer to ``<out>/model/`` and the
    held-out text to ``<out>/heldout.txt``;
 5. reloads the saved model with transformers, measures held-out perplexity
@@ -43,8 +46,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
-    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +66,13 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE, help="output directory (default: %(default)s)")
+    parser.add_argument(
+        "--family",
+        choices=("llama", "qwen3_moe"),
+        default="llama",
+        help="llama, or qwen3_moe: 8 experts of width hidden/2, 2 per token (default: %(default)s)",
+    )
+    parser.add_argument("--name", default="tiny-llama", help="the model card's name (default: %(default)s)")
     parser.add_argument(
         "--hidden",
         type=int,
@@ -111,9 +123,41 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def model_config(eot_id: int, hidden: int = 256) -> LlamaConfig:
+# The mixture of experts of `--family qwen3_moe`: many narrow experts, few per token, as the released MoEs are
+# shaped; the router's load-balancing loss keeps every expert in use while it trains.
+EXPERTS = 8
+EXPERTS_PER_TOKEN = 2
+ROUTER_AUX_LOSS = 0.01
+
+
+def model_config(eot_id: int, hidden: int = 256, family: str = "llama") -> PreTrainedConfig:
     if hidden % 64:
         raise SystemExit(f"--hidden must be a multiple of 64 (32-wide heads, KV heads half of them), got {hidden}")
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,  # the width of a dense layer; every layer here is sparse
+            moe_intermediate_size=hidden // 2,
+            num_experts=EXPERTS,
+            num_experts_per_tok=EXPERTS_PER_TOKEN,
+            norm_topk_prob=True,
+            output_router_logits=True,
+            router_aux_loss_coef=ROUTER_AUX_LOSS,
+            num_hidden_layers=4,
+            num_attention_heads=hidden // 32,
+            num_key_value_heads=hidden // 64,
+            head_dim=32,
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rms_norm_eps=1e-5,
+            hidden_act="silu",
+            attention_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=eot_id,
+            eos_token_id=eot_id,
+            pad_token_id=eot_id,
+        )
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
@@ -133,7 +177,7 @@ def model_config(eot_id: int, hidden: int = 256) -> LlamaConfig:
     )
 
 
-def train_model(model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace) -> list[float]:
+def train_model(model: PreTrainedModel, stream: torch.Tensor, args: argparse.Namespace) -> list[float]:
     """Train on shuffled non-overlapping windows of ``stream``; return per-step losses."""
     windows = stream[: len(stream) // args.seq_len * args.seq_len].view(-1, args.seq_len)
     gen = torch.Generator().manual_seed(args.seed)
@@ -202,12 +246,21 @@ def heldout_perplexity(model_dir: Path, text: str, seq_len: int) -> tuple[float,
     return math.exp(nll / count), len(ids)
 
 
+def _mlp(cfg: dict) -> str:
+    if "num_experts" in cfg:
+        return (
+            f"{cfg['num_experts']} experts of width {cfg['moe_intermediate_size']} per layer, "
+            f"{cfg['num_experts_per_tok']} per token (renormalised)"
+        )
+    return f"intermediate {cfg['intermediate_size']}"
+
+
 def write_readme(path: Path, card: dict) -> None:
     cfg = card["config"]
     path.write_text(
-        f"""# tiny-llama: kiln's bundled example model
+        f"""# {card["name"]}: kiln's bundled example model
 
-A small but genuinely trained Llama-architecture causal LM ({card["params"]:,} parameters)
+A small but genuinely trained {card["architecture"].removesuffix("ForCausalLM")}-architecture causal LM ({card["params"]:,} parameters)
 with its own byte-level BPE tokenizer, used as kiln's end-to-end example artifact.
 It was trained from scratch on the Python {card["corpus"]["python"]} standard library source code, so it
 writes Python-flavoured text; it is a test fixture, not a useful assistant.
@@ -221,7 +274,7 @@ writes Python-flavoured text; it is a test fixture, not a useful assistant.
 
 ## Architecture
 
-`LlamaForCausalLM`: vocab {cfg["vocab_size"]}, hidden {cfg["hidden_size"]}, intermediate {cfg["intermediate_size"]},
+`{card["architecture"]}`: vocab {cfg["vocab_size"]}, hidden {cfg["hidden_size"]}, {_mlp(cfg)},
 {cfg["num_hidden_layers"]} layers, {cfg["num_attention_heads"]} attention heads / {cfg["num_key_value_heads"]} KV heads (GQA), SiLU, RMSNorm eps {cfg["rms_norm_eps"]},
 RoPE theta {cfg["rope_theta"]}, max positions {cfg["max_position_embeddings"]}, untied embeddings, no attention bias.
 
@@ -294,7 +347,7 @@ def main() -> None:
         f"tokenizer: vocab {tokenizer.get_vocab_size()}, eot id {eot_id}, {len(stream):,} training tokens", flush=True
     )
 
-    model = LlamaForCausalLM(model_config(eot_id, args.hidden))
+    model = AutoModelForCausalLM.from_config(model_config(eot_id, args.hidden, args.family))
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {params:,} parameters; training {args.steps} steps of {args.batch_size}x{args.seq_len} tokens",
@@ -304,14 +357,16 @@ def main() -> None:
     losses = train_model(model, stream, args)
     train_seconds = time.perf_counter() - start
 
+    if args.family == "qwen3_moe":  # the load-balancing loss is for training; a release computes no router logits
+        model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(model_dir)
     hf_tokenizer.save_pretrained(model_dir)
 
     perplexity, heldout_tokens = heldout_perplexity(model_dir, heldout_text, args.seq_len)
     config = model.config
     card = {
-        "name": "tiny-llama",
-        "architecture": "LlamaForCausalLM",
+        "name": args.name,
+        "architecture": config.architectures[0] if config.architectures else type(model).__name__,
         "params": params,
         "eot_id": eot_id,
         "config": {
@@ -327,6 +382,17 @@ def main() -> None:
             "hidden_act": config.hidden_act,
             "tie_word_embeddings": config.tie_word_embeddings,
             "dtype": "bfloat16",
+            **(
+                {
+                    "num_experts": config.num_experts,
+                    "num_experts_per_tok": config.num_experts_per_tok,
+                    "moe_intermediate_size": config.moe_intermediate_size,
+                    "norm_topk_prob": config.norm_topk_prob,
+                    "router_aux_loss_coef": config.router_aux_loss_coef,
+                }
+                if args.family == "qwen3_moe"
+                else {}
+            ),
         },
         "safetensors_bytes": (model_dir / "model.safetensors").stat().st_size,
         "model_dir_bytes": sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file()),
