@@ -404,3 +404,35 @@ def test_kiln_plan_refuses_what_the_forward_does_not_compute(
     with pytest.raises(InvalidInput) as e:
         plan(load_recipe(recipe, allowed_roots=[tmp_path]), open_store(None, tmp_path / "work"))
     assert e.value.code == "ORBAX_UNSUPPORTED" and named in e.value.message, e.value.message
+
+
+def test_the_jax_eval_is_planned_with_every_expert_of_a_layer() -> None:
+    """Sizing (`pipeline.requirements.jax_forward`) at Qwen3-30B-A3B's shape: a layer is restored with all its
+    experts and their router (in bf16, then cast to float32 as used) and the mixture runs every expert on the
+    window's tokens, so 128 experts plan that much more than 8 of the same size and top-k, to the byte."""
+    from pipeline.requirements import Sizing, eval_requirements
+
+    window, memory = 128, {}
+    for experts in (8, 128):
+        config = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151_936,
+            "moe_intermediate_size": 768,
+            "num_experts": experts,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+        }
+        shape = ModelShape.from_config(config)
+        sizing = Sizing.of_config(config, shape, max_tokens=512, window=window, greedy_tokens=8)
+        memory[experts] = eval_requirements(sizing, "jax", "bf16").memory_bytes
+    h, f, extra = 2048, 768, 128 - 8
+    restored = (2 + 4) * extra * (3 * f * h + h)  # the experts and their router rows: bf16 restored, float32 used
+    dense = 4 * window * extra * (3 * f + h)  # gate, up, their product and each expert's output, float32
+    assert memory[128] - memory[8] == restored + dense
+    assert restored > 2 * 10**9  # over 2 GB more: a 128-expert layer is 1.2 GB in bf16
