@@ -347,6 +347,8 @@ def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfi
                 f"rope scaling {rope.scaling!r} ({kind} layers) is not implemented (known: {', '.join(ROPE_SCALINGS)})",
                 rope_type=rope.scaling,
             )
+        if rope.scaling == "linear" and rope.factor is None:
+            raise _unsupported(f"linear rope scaling without a factor ({kind} layers)", rope_type=rope.scaling)
         factor = rope.factor if rope.scaling == "linear" and rope.factor is not None else 1.0
         window = shape.sliding_window if kind == "sliding_attention" else None
         layers.append(LayerConfig(window, rope.theta, factor, shape.is_sparse(i)))
