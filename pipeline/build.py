@@ -153,7 +153,7 @@ def _build_graph(
     prepared: dict[str, Node] = {}  # one prepare node per target that has one, shared by its exports
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
-        spec.check_architecture(sizing.shape.arch)
+        spec.check_model(sizing.shape, sizing.config, entry.params)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
             if spec.name not in prepared:

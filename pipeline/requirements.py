@@ -52,7 +52,9 @@ C = 16·W·V.
   weights cast to float32 as used) + 4·min(V, HEAD_BLOCK)·h (a block of the head in float32) + 16·T·h (the
   hidden states of every window, padded to its power-of-two bucket, in and out of the layer) + the KV cache
   in float32 + A(W) + 4·W·V, and C on the host; a checkpoint of at most 256 MiB (`RESIDENT_BYTES`) is
-  restored whole, its bytes in place of the first term.
+  restored whole, its bytes in place of the first term. A mixture of experts' layer is restored with all
+  E of its experts (P_L counts them) and runs them all on every token: 4·W·E·(3·f_e + h) more (f_e the
+  experts' intermediate size).
 
 A stage on a GPU needs that many GPUs (`gpus`, Ray's `num_gpus`) with `device_memory_bytes` each, and
 `memory_bytes` of host memory (its base, plus what it keeps on the host); a stage on the CPU needs no GPU
@@ -422,13 +424,17 @@ def transformers_forward(sizing: Sizing, quant: str) -> Footprint:
 
 def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     """The JAX forward (`eval.runtimes.jax_runtime`): the checkpoint restored one decoder layer at a time (a
-    checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used."""
+    checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used. A sparse layer is
+    restored with every expert (the orbax layout stacks them per layer), so P_L counts them all, and its mixture
+    runs densely: every expert on every token of a window, [W, experts, ...] float32 activations besides A(W)."""
     from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES
 
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     checkpoint = sizing.weights_bytes(quant, "jax")
     restored = checkpoint if checkpoint <= RESIDENT_BYTES else sizing.weight_bytes * (sizing.layer_params + v * h)
+    # The dense mixture's gate, up and their product [W, E, f_e], and each expert's output [W, E, h].
+    experts = 4 * w * sh.moe.experts * (3 * sh.moe.intermediate_size + h) if sh.moe is not None else 0
     working = (
         restored
         + 4 * sizing.layer_params
@@ -436,6 +442,7 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
         + 16 * sizing.max_tokens * h
         + sizing.kv_cache_bytes(sizing.context, element=4)
         + sizing.activations(w)
+        + experts
         + 4 * w * v
     )
     return Footprint(working, sizing.compare_bytes)

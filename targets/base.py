@@ -7,7 +7,7 @@ Registering a name twice fails loudly.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from quant.schemes import Verdict
 
 if TYPE_CHECKING:
     from formats.architectures.record import Architecture
+    from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
@@ -162,6 +163,10 @@ class TargetSpec:
     # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
     # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
     per_architecture: bool = False
+    # Refuses, at plan time, a model of a family the record maps that this target still cannot write or serve
+    # (a config feature its runtime does not compute, a mesh the model does not split over): called with the
+    # model's shape, its config.json and the recipe's params. None: every model of a mapped family.
+    check_model_fn: Callable[[ModelShape, Mapping[str, Any], dict[str, Any]], None] | None = None
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""
@@ -204,6 +209,13 @@ class TargetSpec:
                 code="TARGET_ARCHITECTURE_UNSUPPORTED",
                 details={"target": self.name, "architecture": arch.hf_class, "reason": mapping.refused},
             )
+
+    def check_model(self, shape: ModelShape, config: Mapping[str, Any], params: dict[str, Any]) -> None:
+        """Refuse, at plan time, a model this target cannot serve: its family (`check_architecture`), then the
+        model itself (`check_model_fn`), each with the reason."""
+        self.check_architecture(shape.arch)
+        if self.check_model_fn is not None:
+            self.check_model_fn(shape, config, params)
 
     def check_quant(self, quant: str) -> None:
         if quant in self.unsupported_quants:

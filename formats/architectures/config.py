@@ -202,10 +202,11 @@ class FamilyConfig(BaseModel):
         return None
 
     def rope(self) -> dict[LayerType, RopeSpec]:
-        """Each layer type's rope: `rope_parameters` (one for all, or one per layer type), else `rope_theta`
-        with `rope_scaling`; the base defaults to 10,000 as transformers' does."""
+        """Each layer type's rope: `rope_scaling` where given (transformers' `convert_rope_params_to_dict` lets it
+        replace `rope_parameters`), else `rope_parameters` (one for all, or one per layer type), with `rope_theta`;
+        the base defaults to 10,000 as transformers' does."""
         kinds = sorted(set(self.layer_kinds()))
-        params = self.rope_parameters or self.rope_scaling or {}
+        params = self.rope_scaling or self.rope_parameters or {}
         out: dict[LayerType, RopeSpec] = {}
         for kind in kinds:
             if kind in params:  # one per layer type: its own base first

@@ -57,11 +57,12 @@ class Gemma3Config(FamilyConfig):
         )
 
     def rope(self) -> dict[LayerType, RopeSpec]:
-        """The global layers' rope: `rope_parameters["full_attention"]`, else `rope_theta` (default 1,000,000) with
-        `rope_scaling`; the sliding layers': `rope_parameters["sliding_attention"]`, else `rope_local_base_freq`
-        (default 10,000), never scaled (transformers' `convert_rope_params_to_dict`)."""
+        """The global layers' rope: `rope_parameters["full_attention"]` updated with `rope_scaling`, its base else
+        `rope_theta` (default 1,000,000); the sliding layers': `rope_parameters["sliding_attention"]`, else
+        `rope_local_base_freq` (default 10,000), never scaled (transformers' `convert_rope_params_to_dict`)."""
         nested: dict[str, Any] = self.rope_parameters or {}
-        full = dict(nested.get("full_attention") or self.rope_scaling or {})
+        full = dict(nested.get("full_attention") or {})
+        full.update(self.rope_scaling or {})  # transformers updates the global layers' parameters with it
         full.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else GLOBAL_THETA)
         local = dict(nested.get("sliding_attention") or {})
         local.setdefault("rope_theta", self.rope_local_base_freq or LOCAL_THETA)
@@ -85,7 +86,7 @@ RECORD = Architecture(
     targets={
         # GGUF, once written: TargetMapping(gguf_arch="gemma3")
         "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
-        "orbax": refused("the JAX forward does not compute this family yet"),
+        "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),
     },

@@ -59,7 +59,7 @@ RECORD = Architecture(
     targets={
         # GGUF, once written: TargetMapping(gguf_arch="llama", permute_qk=True)
         "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
-        "orbax": refused("the JAX forward does not compute this family yet"),
+        "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),
     },

@@ -22,12 +22,12 @@ RECORD = Architecture(
     hf_class="Phi3ForCausalLM",
     model_types=("phi3",),
     config=Phi3Config,
-    attention=Attention(fused_qkv=True, sliding="all"),
+    attention=Attention(fused_qkv=True, partial_rotary=True, sliding="all"),
     mlp=Mlp(fused_gate_up=True),
     targets={
         # GGUF, once written: TargetMapping(gguf_arch="phi3", names=((TensorKind.FFN_GATE_UP, "ffn_up"),))
         "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
-        "orbax": refused("the JAX forward does not compute this family yet"),
+        "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),
     },

@@ -73,7 +73,7 @@ RECORD = Architecture(
     targets={
         # GGUF, once written: TargetMapping(gguf_arch="qwen3moe")
         "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
-        "orbax": refused("the JAX forward does not compute this family yet"),
+        "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),
     },

@@ -125,13 +125,16 @@ class Attention:
     """A decoder layer's attention as the checkpoint stores it.
 
     `bias`: q/k/v biases when config.json does not say (`attention_bias`); `qk_norm`: per-head RMSNorms of
-    q and k after the projections; `fused_qkv`: one `qkv_proj` Linear; `sliding`: where sliding-window
-    layers come from ("none": every layer is full; "all": every layer slides when config.json gives a
-    window; "layer_types": config.json's `layer_types`, or the family's pattern)."""
+    q and k after the projections; `fused_qkv`: one `qkv_proj` Linear; `partial_rotary`: rope rotates only
+    the first `partial_rotary_factor` of each head's dimensions (Phi-3; families without it rotate every
+    dimension whatever config.json says); `sliding`: where sliding-window layers come from ("none": every
+    layer is full; "all": every layer slides when config.json gives a window; "layer_types": config.json's
+    `layer_types`, or the family's pattern)."""
 
     bias: bool = False
     qk_norm: bool = False
     fused_qkv: bool = False
+    partial_rotary: bool = False
     sliding: Literal["none", "all", "layer_types"] = "none"
     prefix: str = "self_attn"
 

@@ -3,7 +3,8 @@
 Layout: `layout` (the artifact's files, quants and the model features served, as data), `sharding`
 (the tensor-parallel plan on a mesh), `writer` (streaming orbax checkpoint writer, a state machine),
 `export` (the stage function). Served by kiln's JAX forward (`eval.runtimes.jax_runtime`), which
-restores the checkpoint with orbax, on CPU in tests and on TPU v5e/v5p in production.
+restores the checkpoint with orbax, on CPU in tests and on TPU v5e/v5p in production (a design target: nothing
+has run on a TPU).
 Only plain-data modules are imported here: recipe checks and `kiln plan` import `targets` and load no jax.
 """
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from targets.base import TargetSpec, register
 
-from .layout import INT8, QUANTS, TPU_HARDWARE, compatibility
+from .layout import INT8, QUANTS, TPU_HARDWARE, check_model, compatibility
 from .sharding import mesh_from_params
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
 
 
 def _check_params(params: dict[str, Any]) -> None:
-    """Refuse a bad `mesh` when the recipe is read, before any stage runs (the model's fit is checked at export)."""
+    """Refuse a bad `mesh` when the recipe is read, before any stage runs (the model's fit is checked at plan
+    time, `layout.check_model`, and again at export)."""
     mesh_from_params(params)
 
 
@@ -48,5 +50,6 @@ SPEC = register(
         quantized_input=(INT8,),
         compatibility_fn=compatibility,
         check_params=_check_params,
+        check_model_fn=check_model,
     )
 )

@@ -1,11 +1,14 @@
-"""Write the orbax artifact: the weights as JAX-ready arrays, streamed one source tensor at a time.
+"""Write the orbax artifact: the weights as JAX-ready arrays, streamed one group of source tensors at a time.
 
-Everything is planned from headers first (every tensor's dtype and shape, and its place on the
-mesh), so a model that cannot be sharded on the recipe's mesh is refused before anything is
-written. Then each source tensor is read (`SourceModel.tensor`, memory-mapped) and converted, and
-the converted arrays go to the checkpoint writer in batches of at most `WRITE_BATCH_BYTES` (or one
-tensor, if larger), then are dropped: peak memory is one batch. Each orbax partial save costs tens of
-milliseconds whatever its size, so one save per tensor made a small model's export take seconds.
+Everything is planned from the model's shape first (every checkpoint tensor's dtype and shape, what it is
+made of, and its place on the mesh: `layout.plan_checkpoint`, `sharding.plan_sharding`), so a model that
+cannot be sharded on the recipe's mesh is refused before anything is written. Then each group is read
+(`SourceModel.tensor`, memory-mapped): one source tensor, copied or split (Phi-3's fused Linears), or one
+layer's experts of one projection, stacked. Its arrays go to the checkpoint writer in batches of at most
+`WRITE_BATCH_BYTES` (or one group, if larger), then are dropped: peak memory is one batch, and for a
+mixture of experts at least one stacked projection (twice its bytes while it is stacked). Each orbax
+partial save costs tens of milliseconds whatever its size, so one save per tensor made a small model's
+export take seconds.
 
 int8 takes its values from the shared quantize stage (the weight-only int8 scheme, `layout.INT8`),
 the same integers and scales the hf-bundle of that scheme packs for vLLM, stored here unpacked as
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput, StageFailed, UnknownName
 from targets.base import ExportRequest, ExportResult
@@ -28,12 +31,13 @@ from targets.orbax.layout import (
     FORMAT,
     FORMAT_VERSION,
     QUANTS,
-    SCALE_SUFFIX,
     SHARDING_FILE,
     WEIGHTS_FILE,
-    QuantLayout,
+    SourceGroup,
+    checkpoint_tensors,
     compatibility,
     forward_config,
+    plan_checkpoint,
 )
 from targets.orbax.sharding import TENSOR_AXIS, HeadLayout, mesh_from_params, plan_sharding
 from targets.orbax.writer import OrbaxWriter
@@ -47,18 +51,6 @@ if TYPE_CHECKING:
 
 # The arrays handed to one orbax partial save: a few of a 70B model's layers, all of a small model.
 WRITE_BATCH_BYTES = 256 * 1024 * 1024
-
-
-def plan_tensors(source: SourceModel, layout: QuantLayout, quantized: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every checkpoint tensor `{name: (dtype, shape)}` in write order, from the source header alone."""
-    planned: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, info in source.tensors.items():
-        if _quantized(quantized, name):
-            planned[name] = (layout.linear_dtype, info.shape)
-            planned[name + SCALE_SUFFIX] = ("float32", info.shape[:1])
-        else:
-            planned[name] = (layout.other_dtype, info.shape)
-    return planned
 
 
 def _quantized(quantized: QuantizedWeights | None, name: str) -> bool:
@@ -75,8 +67,8 @@ def bf16_array(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
 
 
-def int8_arrays(name: str, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[str, np.ndarray]]:
-    """`<module>.weight` as int8 values q and `<module>.weight_scale` [out] from a weight that is exactly q * scale.
+def int8_arrays(name: str, weight: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 values q and float32 scales [out] of `name`, a weight that is exactly q * scale per output channel.
 
     `weight` is the quantize stage's dequantized float32 weight and `scale` its per-channel scales; a
     weight that is not exactly q * scale with q in int8 means the stage's layout changed, and is an error.
@@ -91,32 +83,58 @@ def int8_arrays(name: str, weight: torch.Tensor, scale: torch.Tensor) -> Iterato
             code="ORBAX_INT8_MISMATCH",
             details={"tensor": name},
         )
-    yield name, q.to(torch.int8).numpy()
-    yield name + SCALE_SUFFIX, s.reshape(-1).numpy()
+    return q.to(torch.int8).numpy(), s.reshape(-1).numpy()
 
 
 def checkpoint_arrays(
-    source: SourceModel, quantized: QuantizedWeights | None
+    source: SourceModel, quantized: QuantizedWeights | None, groups: list[SourceGroup]
 ) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """The checkpoint's arrays, one group per source tensor (a weight with its scale), in source order.
+    """The checkpoint's arrays, one list per group of source tensors (`layout.plan_checkpoint`), in source order.
 
-    Each group is built by a call whose locals die when it returns, so nothing here keeps a tensor
-    alive while the next one is read.
+    Each list is built by a call whose locals die when it returns, so nothing here keeps a tensor
+    alive while the next group is read.
     """
-    for name in source.tensors:
-        yield _arrays_for(source, quantized, name)
+    for group in groups:
+        yield _group_arrays(source, quantized, group)
 
 
-def _arrays_for(source: SourceModel, quantized: QuantizedWeights | None, name: str) -> list[tuple[str, np.ndarray]]:
+def _group_arrays(
+    source: SourceModel, quantized: QuantizedWeights | None, group: SourceGroup
+) -> list[tuple[str, np.ndarray]]:
+    """A group's arrays: its source tensors converted (bf16, or int8 with scales), then copied, split or stacked."""
+    import numpy as np
+
+    converted = [_converted(source, quantized, name) for name in group.sources]
+    values = [v for v, _ in converted]
+    scales = [s for _, s in converted if s is not None]
+    if group.how == "stack":
+        parts, part_scales = [np.stack(values)], [np.stack(scales)] if scales else []
+    elif group.how == "split":
+        bounds = np.cumsum([p.shape[0] for p in group.parts])[:-1]
+        parts = np.split(values[0], bounds)
+        part_scales = np.split(scales[0], bounds) if scales else []
+    else:
+        parts, part_scales = values, scales
+    return [
+        *((t.name, a) for t, a in zip(group.parts, parts, strict=True)),
+        *((t.name, a) for t, a in zip(group.scales, part_scales, strict=True)),
+    ]
+
+
+def _converted(
+    source: SourceModel, quantized: QuantizedWeights | None, name: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One source tensor as the checkpoint stores it: (int8 values, float32 scales) when quantized, else
+    (bfloat16, None)."""
     from quant.rtn import dequantize
 
     if quantized is not None and _quantized(quantized, name):
         module = name.removesuffix(".weight")
         stored = {q: quantized.tensor(q) for q in quantized.module_tensors(name)}
-        return list(int8_arrays(name, dequantize(quantized.scheme, module, stored), stored[f"{module}.weight_scale"]))
+        return int8_arrays(name, dequantize(quantized.scheme, module, stored), stored[f"{module}.weight_scale"])
     if quantized is not None and quantized.replaces(name):  # a tensor calibration changed
-        return [(name, bf16_array(quantized.tensor(name)))]
-    return [(name, bf16_array(source.tensor(name)))]
+        return bf16_array(quantized.tensor(name)), None
+    return bf16_array(source.tensor(name)), None
 
 
 def export(source: SourceModel, req: ExportRequest) -> ExportResult:
@@ -132,18 +150,20 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         raise InvalidInput(f"orbax-{req.quant}: needs {want}")
     mesh = mesh_from_params(req.params)
     cfg = forward_config(source.shape, source.config)
-    planned = plan_tensors(source, layout, quantized)
+    groups = plan_checkpoint(source.shape, layout, lambda name: _quantized(quantized, name))
+    tensors = checkpoint_tensors(groups)
+    planned = {n: (t.dtype, t.shape) for n, t in tensors.items()}
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    specs, notes = plan_sharding({n: shape for n, (_, shape) in planned.items()}, heads, mesh)
+    specs, notes = plan_sharding(tensors, heads, mesh)
 
     out = req.out_dir
     writer = OrbaxWriter(out / CHECKPOINT_DIR, planned)
     batch: dict[str, np.ndarray] = {}
     batch_source_bytes = 0
-    for group in checkpoint_arrays(source, quantized):
-        batch.update(group)
-        batch_source_bytes += source.tensors[group[0][0]].nbytes
-        del group
+    for group, arrays in zip(groups, checkpoint_arrays(source, quantized, groups), strict=True):
+        batch.update(arrays)
+        batch_source_bytes += sum(source.tensors[name].nbytes for name in group.sources)
+        del arrays
         if sum(a.nbytes for a in batch.values()) >= WRITE_BATCH_BYTES:
             writer.write(batch)
             req.on_progress(batch_source_bytes)

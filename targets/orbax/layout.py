@@ -1,33 +1,39 @@
-"""The orbax artifact as data: its files, the dtype of each tensor per quant, and the model features it serves.
+"""The orbax artifact as data: its files, the checkpoint's tensors, their dtype per quant, and the model
+features its forward serves.
 
     <artifact>/
       checkpoint/        orbax checkpoint (v1 layout): the weights as a PyTree of arrays, one per
-                         tensor, keyed by the source's own names split at '.' (model/layers/0/...)
+                         tensor, keyed by their names split at '.' (model/layers/0/...)
       config.json        the source's model config, unchanged
       weights.json       format version, quant, and every tensor's dtype and shape
       sharding.json      the mesh and one partition spec per tensor (`targets.orbax.sharding`)
       tokenizer files, generation_config.json (copied)
 
-Weights keep the source's `[out, in]` orientation; the forward contracts over `in`. Quant `int8`
-stores each Linear weight as int8 `weight` plus a float32 `weight_scale` per output channel, and the
-weight is `weight * weight_scale[:, None]`; everything else (embeddings, norms, biases, lm_head)
-is bfloat16, as for bf16.
+Tensors keep the source's names and `[out, in]` orientation, except where the layout is the one a TPU
+serving stack computes with (`plan_checkpoint`): a mixture of experts' Linears are stacked per layer and
+projection, `[experts, out, in]`, and fused Linears (Phi-3's `qkv_proj`, `gate_up_proj`) are split into
+their parts. The forward contracts over `in`. Quant `int8` stores each Linear weight as int8 `weight` plus
+a float32 `weight_scale` per output channel (`[experts, out]` for a stack), and the weight is
+`weight * weight_scale[..., None]`; everything else (embeddings, norms, routers, biases, lm_head) is
+bfloat16, as for bf16.
 
 Nothing here imports jax, numpy or torch: recipe checks and `kiln plan` import `targets`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
+from formats.architectures.config import sqrt_hidden
+from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from quant.catalog import SCHEMES
 from quant.schemes import Verdict
-from targets.orbax.sharding import mesh_from_params
+from targets.orbax.sharding import HeadLayout, mesh_from_params, plan_sharding
 
 FORMAT: Final = "orbax-checkpoint"
 FORMAT_VERSION: Final = 1
@@ -118,68 +124,268 @@ def compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:
     return verdicts
 
 
+# -- the checkpoint's tensors ----------------------------------------------------------------------------------
+
+Part = Literal["weight", "bias", "scale"]
+# Fused source Linears the checkpoint stores split, and the kinds of their parts in row order.
+FUSED: Final[dict[TensorKind, tuple[TensorKind, ...]]] = {
+    TensorKind.ATTN_QKV: (TensorKind.ATTN_Q, TensorKind.ATTN_K, TensorKind.ATTN_V),
+    TensorKind.FFN_GATE_UP: (TensorKind.FFN_GATE, TensorKind.FFN_UP),
+}
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One array of the checkpoint: its name, dtype and shape, the role it plays (`kind`, the source tensor's or,
+    for a split fused Linear, its part's), which part of its Linear it is, and its decoder layer (None: none)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: TensorKind
+    part: Part = "weight"
+    layer: int | None = None
+
+    @property
+    def key(self) -> str:
+        """The forward's name for it within its layer: its kind (`attn_q`), `.bias` or `.scale` added for those."""
+        return self.kind.value if self.part == "weight" else f"{self.kind.value}.{self.part}"
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """Source tensors read together and the checkpoint arrays made of them (`parts`, with one `scales` entry each
+    where the Linear is quantized): `copy` one source as it is; `split` one fused source's rows into `parts`, in
+    order; `stack` one source per expert on a new first axis, in expert order."""
+
+    how: Literal["copy", "split", "stack"]
+    sources: tuple[str, ...]
+    parts: tuple[CheckpointTensor, ...]
+    scales: tuple[CheckpointTensor, ...] = ()
+
+    @property
+    def outputs(self) -> tuple[CheckpointTensor, ...]:
+        return (*self.parts, *self.scales)
+
+
+def plan_checkpoint(
+    shape: ModelShape, quant: QuantLayout, quantized: Callable[[str], bool] = lambda name: False
+) -> list[SourceGroup]:
+    """Every checkpoint array from the model's shape alone, grouped by the source tensors it is made of, in source
+    order. `quantized(name)` says which source Linear weights the quant stores as int8 with scales.
+
+    Experts are stacked per layer and projection: expert e's `<block>.<experts>.<e>.<proj>.weight` becomes row e of
+    `<block>.<experts>.<proj>.weight` [experts, out, in]. Fused Linears are split: Phi-3's `qkv_proj` into
+    `q_proj`, `k_proj`, `v_proj` (and its bias likewise), `gate_up_proj` into the MLP's gate and up projections,
+    so the tensor-parallel plan splits each by whole heads and the forward reads one layout for every family.
+    Every other tensor keeps its source name."""
+    arch = shape.arch
+    specs = shape.tensors()
+    experts: dict[tuple[int | None, TensorKind], list[TensorSpec]] = {}
+    for spec in specs:
+        if spec.expert is not None:
+            experts.setdefault((spec.layer, spec.kind), []).append(spec)
+    groups: list[SourceGroup] = []
+    for spec in specs:
+        part: Part = "bias" if spec.bias else "weight"
+        q = part == "weight" and spec.quantizable and quantized(spec.name)
+        dtype = quant.linear_dtype if q else quant.other_dtype
+        if spec.expert is not None:
+            if spec.expert != 0:
+                continue  # the whole stack is planned at expert 0
+            members = experts[spec.layer, spec.kind]
+            if (
+                [m.expert for m in members] != list(range(len(members)))
+                or any(m.shape != spec.shape for m in members)
+                or any((part == "weight" and spec.quantizable and quantized(m.name)) != q for m in members)
+            ):
+                raise InvalidInput(f"orbax: the experts of {spec.name!r} do not stack", details={"tensor": spec.name})
+            assert arch.mlp.experts is not None  # a spec with an expert comes from the record's experts
+            name = spec.name.replace(f".{arch.mlp.experts.experts}.0.", f".{arch.mlp.experts.experts}.", 1)
+            stacked = CheckpointTensor(name, dtype, (len(members), *spec.shape), spec.kind, part, spec.layer)
+            groups.append(SourceGroup("stack", tuple(m.name for m in members), (stacked,), _scales(q, stacked)))
+        elif spec.kind in FUSED:
+            parts = tuple(
+                CheckpointTensor(_split_name(shape, spec, kind), dtype, (rows, *spec.shape[1:]), kind, part, spec.layer)
+                for kind, rows in zip(FUSED[spec.kind], _split_rows(shape, spec.kind), strict=True)
+            )
+            if sum(p.shape[0] for p in parts) != spec.shape[0]:
+                raise InvalidInput(f"orbax: {spec.name!r} does not split into its parts", details={"tensor": spec.name})
+            groups.append(SourceGroup("split", (spec.name,), parts, tuple(s for p in parts for s in _scales(q, p))))
+        else:
+            t = CheckpointTensor(spec.name, dtype, spec.shape, spec.kind, part, spec.layer)
+            groups.append(SourceGroup("copy", (spec.name,), (t,), _scales(q, t)))
+    return groups
+
+
+def checkpoint_tensors(groups: Sequence[SourceGroup]) -> dict[str, CheckpointTensor]:
+    """`{name: tensor}` of every array the groups write, in write order."""
+    return {t.name: t for g in groups for t in g.outputs}
+
+
+def _scales(quantized: bool, weight: CheckpointTensor) -> tuple[CheckpointTensor, ...]:
+    """A quantized weight's float32 scales, one per output channel (per expert and channel for a stack)."""
+    if not quantized:
+        return ()
+    name = weight.name.removesuffix(".weight") + ".weight" + SCALE_SUFFIX
+    return (CheckpointTensor(name, "float32", weight.shape[:-1], weight.kind, "scale", weight.layer),)
+
+
+def _split_rows(shape: ModelShape, kind: TensorKind) -> tuple[int, ...]:
+    if kind == TensorKind.ATTN_QKV:
+        return (shape.q_size, shape.kv_size, shape.kv_size)
+    return (shape.intermediate_size, shape.intermediate_size)  # gate first, as transformers' Phi3MLP chunks it
+
+
+def _split_name(shape: ModelShape, spec: TensorSpec, kind: TensorKind) -> str:
+    arch, leaf = shape.arch, "bias" if spec.bias else "weight"
+    layer = f"model.layers.{spec.layer}."
+    module = {
+        TensorKind.ATTN_Q: f"{arch.attention.prefix}.q_proj",
+        TensorKind.ATTN_K: f"{arch.attention.prefix}.k_proj",
+        TensorKind.ATTN_V: f"{arch.attention.prefix}.v_proj",
+        TensorKind.FFN_GATE: f"{arch.mlp.prefix}.{arch.mlp.projections.gate}",
+        TensorKind.FFN_UP: f"{arch.mlp.prefix}.{arch.mlp.projections.up}",
+    }[kind]
+    return f"{layer}{module}.{leaf}"
+
+
+# -- the forward's configuration -------------------------------------------------------------------------------
+
+# config.json's activation -> the forward's (transformers' ACT2FN names).
+ACTIVATIONS: Final[dict[str, str]] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ROPE_SCALINGS: Final = ("default", "linear")  # linear: positions divided by `factor`
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What differs between decoder layers: the window its queries see (None: every earlier key), its rope's base
+    and linear scaling factor (1: none), and whether its MLP routes to experts."""
+
+    window: int | None
+    rope_theta: float
+    rope_factor: float = 1.0
+    sparse: bool = False
+
+
 @dataclass(frozen=True)
 class ForwardConfig:
-    """The hyper-parameters of the JAX forward (hashable: it is a static argument of `jax.jit`)."""
+    """The hyper-parameters of the JAX forward (hashable: it is a static argument of `jax.jit`), from the model's
+    `ModelShape` and its family's record."""
 
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None  # Mistral: each query sees at most this many keys (itself included)
+    rotary_dim: int  # the leading dimensions of each head rope rotates (Phi-3's partial rotary: fewer)
+    attention_scale: float  # head_dim^-1/2, or Gemma's query_pre_attn_scalar^-1/2
+    activation: str = "silu"  # of the gated MLP and the experts: silu or gelu_tanh
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorms scale by (offset + w) (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
+    embedding_scale: float | None = None  # the embedding's rows times this, in the compute dtype (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    experts: int = 0  # routed experts of a sparse layer (0: none)
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    layers: tuple[LayerConfig, ...] = ()
+
+
+def _unsupported(message: str, **details: Any) -> InvalidInput:
+    return InvalidInput(f"orbax: {message}", code="ORBAX_UNSUPPORTED", details=details)
 
 
 def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfig:
-    """The forward's config from a model's checked shape and its config.json, for the keys the shape does not
-    carry; refuses features the JAX forward would compute differently.
+    """The forward's config from a model's checked shape (and config.json, for the keys the shape does not carry);
+    refuses, with ORBAX_UNSUPPORTED and the reason, what the JAX forward would compute differently from
+    transformers.
 
-    The export calls this before writing anything, so an artifact is only built for models its
-    runtime serves exactly (plain RoPE, SiLU MLP, full attention or Mistral's sliding window).
-    """
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise InvalidInput(f"orbax: hidden_act={act!r} is not supported (SiLU only)", code="ORBAX_UNSUPPORTED")
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise InvalidInput(
-            f"orbax: rope scaling {rope_type!r} is not supported yet (plain RoPE only)",
-            code="ORBAX_UNSUPPORTED",
-            details={"rope_type": rope_type},
+    Everything family-specific comes from the family's record (`shape.arch`) and the shape: q/k norms, norm
+    offset and sandwich norms, the embedding scale, activation, attention scale, each layer's window and rope
+    (`ModelShape.rope_for` of its type), partial rotary, experts. `kiln plan` calls this (through the target's
+    model check) and the export again before writing anything, so an artifact is only planned for models its
+    runtime serves exactly."""
+    arch = shape.arch
+    activation = ACTIVATIONS.get(shape.hidden_act)
+    if activation is None:
+        raise _unsupported(
+            f"activation {shape.hidden_act!r} is not computed (known: {', '.join(ACTIVATIONS)})",
+            activation=shape.hidden_act,
         )
-    if config.get("mlp_bias") or config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise InvalidInput(
-            "orbax: MLP biases and partial rotary embeddings are not supported", code="ORBAX_UNSUPPORTED"
+    if config.get("mlp_bias"):
+        raise _unsupported("MLP biases are not computed")
+    if shape.rotary_fraction != 1.0 and not arch.attention.partial_rotary:
+        raise _unsupported(
+            f"partial_rotary_factor={shape.rotary_fraction} on {shape.architecture}, whose transformers class "
+            "rotates every dimension",
+            partial_rotary_factor=shape.rotary_fraction,
         )
-    window = None
-    if shape.family == "mistral" and config.get("sliding_window") is not None:
-        window = int(config["sliding_window"])
-    elif config.get("use_sliding_window"):
-        raise InvalidInput(
-            f"orbax: sliding-window attention of {shape.family} is not supported", code="ORBAX_UNSUPPORTED"
-        )
+    rotary_dim = int(shape.head_dim * shape.rotary_fraction)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise _unsupported(f"rope would rotate {rotary_dim} dimensions of each head; it rotates pairs")
+    if shape.attn_logit_softcapping is not None:
+        # transformers 5.17's Gemma 3 attention does not pass it on (Gemma 2's does): no reference to match.
+        raise _unsupported("attn_logit_softcapping is set; transformers' Gemma 3 does not apply it")
+    moe = shape.moe
+    experts = arch.mlp.experts
+    if moe is not None and experts is not None:
+        if moe.shared_intermediate_size or experts.shared is not None:
+            raise _unsupported("a shared expert is not computed")
+        if not experts.softmax_then_topk:
+            raise _unsupported("routers other than softmax over every expert, then top-k, are not computed")
+    layers = []
+    for i in range(shape.num_layers):
+        kind = shape.layer_type(i)
+        rope = shape.rope_for(kind)
+        if rope.scaling not in ROPE_SCALINGS:
+            raise _unsupported(
+                f"rope scaling {rope.scaling!r} ({kind} layers) is not implemented (known: {', '.join(ROPE_SCALINGS)})",
+                rope_type=rope.scaling,
+            )
+        if rope.scaling == "linear" and rope.factor is None:
+            raise _unsupported(f"linear rope scaling without a factor ({kind} layers)", rope_type=rope.scaling)
+        factor = rope.factor if rope.scaling == "linear" and rope.factor is not None else 1.0
+        window = shape.sliding_window if kind == "sliding_attention" else None
+        layers.append(LayerConfig(window, rope.theta, factor, shape.is_sparse(i)))
+    scalar = shape.query_pre_attn_scalar
     return ForwardConfig(
         architecture=shape.architecture,
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
         num_layers=shape.num_layers,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        rope_theta=shape.rope_theta,
         rms_norm_eps=shape.rms_norm_eps,
         tie_word_embeddings=shape.tie_word_embeddings,
-        attention_bias=shape.attention_bias,
-        sliding_window=window,
+        rotary_dim=rotary_dim,
+        attention_scale=(scalar if scalar is not None else shape.head_dim) ** -0.5,
+        activation=activation,
+        qk_norm=arch.attention.qk_norm,
+        norm_offset=arch.norms.offset,
+        sandwich_norms=arch.norms.sandwich,
+        embedding_scale=sqrt_hidden(shape.hidden_size) if arch.norms.embedding_scale == "sqrt_hidden" else None,
+        final_logit_softcapping=shape.final_logit_softcapping,
+        experts=moe.experts if moe is not None else 0,
+        experts_per_token=moe.experts_per_token if moe is not None else 0,
+        norm_topk_prob=moe.norm_topk_prob if moe is not None else False,
+        layers=tuple(layers),
+    )
+
+
+def check_model(shape: ModelShape, config: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    """At plan time: ORBAX_UNSUPPORTED for a model the forward does not compute (`forward_config`), and
+    ORBAX_SHARDING_NOT_DIVISIBLE for one the recipe's mesh cannot split, before any stage runs."""
+    forward_config(shape, config)
+    plan_sharding(
+        checkpoint_tensors(plan_checkpoint(shape, QUANTS["bf16"])),
+        HeadLayout(shape.num_heads, shape.num_kv_heads, shape.head_dim),
+        mesh_from_params(params),
     )
 
 

@@ -9,11 +9,15 @@ Megatron-style tensor parallelism over the mesh axis `model` (`TENSOR_AXIS`); ev
   (one per output channel) are replicated;
 - embeddings and lm_head split the vocabulary (dim 0), or the hidden size (dim 1) when the vocabulary
   does not divide the axis;
-- norms are replicated.
+- a mixture of experts' stacked Linears ([experts, out, in]) split their expert axis when the experts
+  divide the axis (expert parallelism: each device holds whole experts, and the routed sum is reduced
+  over the axis); otherwise each expert splits as a dense MLP does (gate/up on out, down on in);
+- norms and routers are replicated.
 
-Attention projections are split by whole heads. Key/value heads fewer than the axis size are
-replicated, as Megatron and vLLM do, when the axis size is a multiple of their count (each device
-then holds the one kv head its query heads read); otherwise the plan is refused.
+Tensors are told apart by their role (`TensorKind`), not their names. Attention projections are split
+by whole heads. Key/value heads fewer than the axis size are replicated, as Megatron and vLLM do, when
+the axis size is a multiple of their count (each device then holds the one kv head its query heads
+read); otherwise the plan is refused.
 
 A split that does not divide is refused before anything is written, with `ShardingNotDivisible`
 naming the tensor. The plan is plain data (JSON in the artifact's `sharding.json`); a `PartitionSpec`
@@ -25,9 +29,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from core.errors import InvalidInput
+from formats.architectures.record import EXPERT_KINDS, TensorKind
+
+if TYPE_CHECKING:
+    from targets.orbax.layout import CheckpointTensor
 
 TENSOR_AXIS = "model"
 DEFAULT_MESH: Mapping[str, int] = {"data": 2, "model": 4}  # 8 chips: a v5e-8 slice is a 2x4 torus
@@ -113,36 +121,61 @@ class HeadLayout:
     head_dim: int
 
 
-_COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias|weight_scale)$")
-_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|weight_scale)$")
-_KV = re.compile(r"\.self_attn\.[kv]_proj\.")
-_ATTENTION = re.compile(r"\.self_attn\.[qkvo]_proj\.")
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# The roles each rule applies to (`formats.architectures.record.TensorKind`): a family's own names never matter.
+_COLUMN: Final = frozenset(
+    {
+        TensorKind.ATTN_Q,
+        TensorKind.ATTN_K,
+        TensorKind.ATTN_V,
+        TensorKind.FFN_GATE,
+        TensorKind.FFN_UP,
+        TensorKind.FFN_GATE_SHEXP,
+        TensorKind.FFN_UP_SHEXP,
+    }
+)
+_ROW: Final = frozenset({TensorKind.ATTN_OUTPUT, TensorKind.FFN_DOWN, TensorKind.FFN_DOWN_SHEXP})
+_KV: Final = frozenset({TensorKind.ATTN_K, TensorKind.ATTN_V})
+_ATTENTION: Final = frozenset({TensorKind.ATTN_Q, TensorKind.ATTN_K, TensorKind.ATTN_V, TensorKind.ATTN_OUTPUT})
+_VOCAB: Final = frozenset({TensorKind.TOKEN_EMBD, TensorKind.OUTPUT})
+_EXPERT_COLUMN: Final = frozenset({TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS})
 
 
 def plan_sharding(
-    tensors: Mapping[str, tuple[int, ...]], heads: HeadLayout, mesh: Mesh
+    tensors: Mapping[str, CheckpointTensor], heads: HeadLayout, mesh: Mesh
 ) -> tuple[dict[str, PartitionSpec], dict[str, str]]:
-    """The partition spec of every tensor (checkpoint names and shapes) on `mesh`, and the choices made.
+    """The partition spec of every checkpoint tensor (`targets.orbax.layout.plan_checkpoint`) on `mesh`, by the
+    role it plays, and the choices made.
 
     Returns (specs, notes): `notes` says, for tensors whose placement was a choice (embeddings split
-    on hidden, replicated kv heads), what was chosen and why. Raises `ShardingNotDivisible` naming
-    the first tensor that cannot be split.
+    on hidden, replicated kv heads, experts split by expert or within each), what was chosen and why.
+    Raises `ShardingNotDivisible` naming the first tensor that cannot be split.
     """
     tp = mesh.tensor_parallel
     replicate_kv = heads.num_kv_heads % tp != 0
     specs: dict[str, PartitionSpec] = {}
     notes: dict[str, str] = {}
-    for name, shape in tensors.items():
+    for name, t in tensors.items():
+        shape, kind = t.shape, t.kind
         spec: list[str | None] = [None] * len(shape)
-        if tp > 1 and name in _VOCAB:
+        if tp == 1:
+            pass
+        elif kind in _VOCAB:
             dim = 0 if shape[0] % tp == 0 else 1
             _check_divisible(name, shape, dim, tp)
             spec[dim] = TENSOR_AXIS
             if dim == 1:
                 notes[name] = f"vocabulary {shape[0]} does not divide {tp}: split on hidden size"
-        elif tp > 1 and _COLUMN.search(name):
-            if _KV.search(name) and replicate_kv:
+        elif kind in EXPERT_KINDS:
+            split = _expert_dim(name, t, tp)
+            if split is not None:
+                spec[split] = TENSOR_AXIS
+            notes[name] = (
+                f"expert parallel: {shape[0]} experts, {shape[0] // tp} whole experts per device"
+                if split == 0
+                else f"{shape[0]} experts do not divide {tp}: each expert split tensor-parallel"
+            )
+        elif kind in _COLUMN:
+            if kind in _KV and replicate_kv:
                 if tp % heads.num_kv_heads:
                     raise ShardingNotDivisible(
                         f"orbax: tensor {name!r} {list(shape)} holds {heads.num_kv_heads} key/value heads, which can "
@@ -152,16 +185,32 @@ def plan_sharding(
                     )
                 notes[name] = f"{heads.num_kv_heads} kv heads replicated over {tp} devices"
             else:
-                _check_heads(name, shape, heads, tp)
+                _check_heads(name, shape, kind, heads, tp)
                 _check_divisible(name, shape, 0, tp)
                 spec[0] = TENSOR_AXIS
-        # Row-parallel scales (one per output channel, which row-parallel keeps whole) stay replicated.
-        elif tp > 1 and _ROW.search(name) and not name.endswith(".weight_scale"):
-            _check_heads(name, shape, heads, tp)
+        # Row-parallel scales and biases (one per output channel, which row-parallel keeps whole) stay replicated.
+        elif kind in _ROW and t.part == "weight":
+            _check_heads(name, shape, kind, heads, tp)
             _check_divisible(name, shape, 1, tp)
             spec[1] = TENSOR_AXIS
         specs[name] = tuple(spec)
     return specs, notes
+
+
+def _expert_dim(name: str, t: CheckpointTensor, tp: int) -> int | None:
+    """The dimension of a stacked expert tensor ([experts, out, in], its scales [experts, out]) split over the
+    tensor axis: the experts (expert parallelism) when they divide it; else each expert's intermediate size
+    (tensor parallelism inside every expert: gate/up on `out`, down on `in`; down's scales replicated)."""
+    if t.shape[0] % tp == 0:
+        return 0
+    if t.kind in _EXPERT_COLUMN:
+        dim = 1
+    elif t.part == "weight":
+        dim = 2
+    else:
+        return None
+    _check_divisible(name, t.shape, dim, tp)
+    return dim
 
 
 def _check_divisible(name: str, shape: tuple[int, ...], dim: int, tp: int) -> None:
@@ -173,13 +222,13 @@ def _check_divisible(name: str, shape: tuple[int, ...], dim: int, tp: int) -> No
         )
 
 
-def _check_heads(name: str, shape: tuple[int, ...], heads: HeadLayout, tp: int) -> None:
-    if not _ATTENTION.search(name):
+def _check_heads(name: str, shape: tuple[int, ...], kind: TensorKind, heads: HeadLayout, tp: int) -> None:
+    if kind not in _ATTENTION:
         return
-    count, kind = (heads.num_kv_heads, "key/value") if _KV.search(name) else (heads.num_heads, "attention")
+    count, what = (heads.num_kv_heads, "key/value") if kind in _KV else (heads.num_heads, "attention")
     if count % tp:
         raise ShardingNotDivisible(
-            f"orbax: tensor {name!r} {list(shape)} holds {count} {kind} heads of {heads.head_dim}, which do not "
+            f"orbax: tensor {name!r} {list(shape)} holds {count} {what} heads of {heads.head_dim}, which do not "
             f"split into whole heads over mesh axis {TENSOR_AXIS!r} of size {tp}",
             details={"tensor": name, "shape": list(shape), "heads": count, "axis": TENSOR_AXIS, "axis_size": tp},
         )

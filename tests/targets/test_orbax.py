@@ -22,11 +22,12 @@ from core.errors import InvalidInput
 from core.manifest import ArtifactManifest, FileEntry
 from eval.metrics import compare
 from eval.runtimes import JaxRuntime
+from formats.architectures.record import TensorKind
 from formats.hf_model import SourceModel, open_source
 from quant.catalog import get_scheme
 from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
-from targets.orbax.layout import INT8
+from targets.orbax.layout import INT8, CheckpointTensor
 from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
 from tests.model_factory import make_model
 
@@ -303,10 +304,15 @@ def test_sharding_plan_restores_on_an_8_device_mesh(exported: Callable) -> None:
 
 
 def test_plan_splits_embeddings_on_hidden_when_the_vocabulary_does_not_divide() -> None:
-    shapes = {"model.embed_tokens.weight": (1001, 64), "lm_head.weight": (1001, 64), "model.norm.weight": (64,)}
-    specs, notes = plan_sharding(shapes, HeadLayout(4, 4, 16), Mesh.parse({"model": 4}))
+    shapes = {
+        CheckpointTensor("model.embed_tokens.weight", "bfloat16", (1001, 64), TensorKind.TOKEN_EMBD),
+        CheckpointTensor("lm_head.weight", "bfloat16", (1001, 64), TensorKind.OUTPUT),
+        CheckpointTensor("model.norm.weight", "bfloat16", (64,), TensorKind.OUTPUT_NORM),
+    }
+    tensors = {t.name: t for t in shapes}
+    specs, notes = plan_sharding(tensors, HeadLayout(4, 4, 16), Mesh.parse({"model": 4}))
     assert specs["model.embed_tokens.weight"] == (None, "model") and "1001" in notes["lm_head.weight"]
-    specs, _ = plan_sharding(shapes, HeadLayout(4, 4, 16), Mesh.parse({"data": 8, "model": 1}))
+    specs, _ = plan_sharding(tensors, HeadLayout(4, 4, 16), Mesh.parse({"data": 8, "model": 1}))
     assert set(specs.values()) == {(None, None), (None,)}  # no tensor parallelism: every weight whole
 
 
