@@ -370,3 +370,24 @@ def test_a_name_llama_cpp_looks_tokens_up_for_is_refused(small: dict[str, Path],
         export(open_source(small["phi3"]), ExportRequest(quant="f16", out_dir=out))  # named after its directory
     assert e.value.code == "GGUF_NAME_UNSUPPORTED"
     assert not list(out.glob("*.gguf*")) and not list(out.glob(".*"))
+
+
+@pytest.mark.slow
+def test_linear_rope_scaling_is_written_for_every_architecture(tmp_path: Path) -> None:
+    """Linear rope scaling (positions divided by the factor) is arithmetic every llama.cpp graph shares: a Llama
+    with it is written with rope.scaling.type/factor, and llama.cpp's logits agree with transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    model = make_model(tmp_path / "m", "llama", **SIZES, rope_parameters=rope)
+    _sharpen(model)
+    res = export(open_source(model), ExportRequest(quant="f16", out_dir=tmp_path / "out"))
+    path = tmp_path / "out" / res.files[0]
+    fields = gguf.GGUFReader(path).fields
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 4.0
+    ids = list(AutoTokenizer.from_pretrained(model)(TEXT, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    kl, top1 = _kl(ref.double().numpy(), path, ids)
+    assert kl.mean() <= 1e-6 and top1 >= 0.97, (kl.mean(), top1)
