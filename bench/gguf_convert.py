@@ -154,26 +154,12 @@ def _prepare(source: Path, work: Path) -> tuple[Path, float]:
 
 
 def llama_cpp_converter(work: Path) -> Path:
-    """The vendored llama.cpp of the pinned llama-cpp-python's sdist (converter, conversion/, gguf-py)."""
-    import importlib.metadata
-    import tarfile
+    """The vendored llama.cpp of the pinned llama-cpp-python's sdist (converter, conversion/, gguf-py), unpacked
+    under --work (`tests/llama_cpp_converter.py`, which the GGUF tests check kiln against too)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.llama_cpp_converter import vendored_llama_cpp
 
-    version = importlib.metadata.version("llama_cpp_python")
-    root = work / f"llama-cpp-python-{version}"
-    vendored = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    if (vendored / "convert_hf_to_gguf.py").is_file():
-        return vendored
-    root.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(root)]
-        + [f"llama-cpp-python=={version}"],
-        check=True,
-    )
-    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-    wanted = (prefix + "convert_hf_to_gguf.py", prefix + "conversion/", prefix + "gguf-py/")
-    with tarfile.open(root / f"llama_cpp_python-{version}.tar.gz") as tar:
-        tar.extractall(root, members=[m for m in tar.getmembers() if m.name.startswith(wanted)], filter="data")
-    return vendored
+    return vendored_llama_cpp(work)
 
 
 def _timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:

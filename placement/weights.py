@@ -9,8 +9,8 @@ from typing import Any, Final
 from core.errors import KilnError
 from formats.architectures.record import TensorKind
 from formats.architectures.shape import ModelShape
+from formats.gguf.constants import F32_KINDS, FileType, TensorType, tensor_nbytes
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
-from formats.gguf.constants import FileType, TensorType, tensor_nbytes
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes
 
@@ -23,7 +23,7 @@ LLAMA_FTYPE_TYPES: Final[dict[FileType, TensorType]] = {
 
 
 def gguf_bytes(shape: ModelShape, quant: str) -> int:
-    """A GGUF file's tensor bytes for `quant`: 1-D tensors F32; 2-D weights the quant's type (the output
+    """A GGUF file's tensor bytes for `quant`: 1-D tensors and routers F32; 2-D weights the quant's type (the output
     tensor its output type; llama.cpp's file types as `LLAMA_FTYPE_TYPES`), F16 where a row does not fill
     whole blocks. Experts stacked into one tensor take the bytes of their parts."""
     spec = GGUF_QUANTS[quant]
@@ -31,8 +31,8 @@ def gguf_bytes(shape: ModelShape, quant: str) -> int:
     total = 0
     for t in shape.tensors():
         dims = t.shape
-        if len(dims) == 1:
-            total += 4 * dims[0]
+        if len(dims) == 1 or t.kind in F32_KINDS:  # norms, biases and routers stay F32 (llama.cpp's rule)
+            total += 4 * t.elements
             continue
         if spec.llama_ftype is not None:
             ttype = TensorType.Q6_K if t.kind == output else LLAMA_FTYPE_TYPES[spec.llama_ftype]

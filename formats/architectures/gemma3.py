@@ -84,8 +84,7 @@ RECORD = Architecture(
     norms=Norms(offset=1.0, sandwich=True, embedding_scale="sqrt_hidden"),
     tied_default=True,
     targets={
-        # GGUF, once written: TargetMapping(gguf_arch="gemma3")
-        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "gguf": TargetMapping(gguf_arch="gemma3"),
         "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),

@@ -57,8 +57,7 @@ RECORD = Architecture(
     attention=Attention(sliding="all"),
     mlp=Mlp(experts=Experts(block="block_sparse_moe", projections=Projections(gate="w1", up="w3", down="w2"))),
     targets={
-        # GGUF, once written: TargetMapping(gguf_arch="llama", permute_qk=True)
-        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "gguf": TargetMapping(gguf_arch="llama", permute_qk=True),
         "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),

@@ -5,7 +5,7 @@ in one (`mlp.gate_up_proj`, [2 x intermediate, hidden], gate first); every layer
 from __future__ import annotations
 
 from formats.architectures.config import FamilyConfig
-from formats.architectures.record import Architecture, Attention, LayerType, Mlp, TargetMapping, refused
+from formats.architectures.record import Architecture, Attention, LayerType, Mlp, TargetMapping, TensorKind, refused
 
 
 class Phi3Config(FamilyConfig):
@@ -25,8 +25,7 @@ RECORD = Architecture(
     attention=Attention(fused_qkv=True, partial_rotary=True, sliding="all"),
     mlp=Mlp(fused_gate_up=True),
     targets={
-        # GGUF, once written: TargetMapping(gguf_arch="phi3", names=((TensorKind.FFN_GATE_UP, "ffn_up"),))
-        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "gguf": TargetMapping(gguf_arch="phi3", names=((TensorKind.FFN_GATE_UP, "ffn_up"),)),
         "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),

@@ -13,8 +13,7 @@ RECORD = Architecture(
     config=QwenConfig,
     attention=Attention(qk_norm=True, sliding="layer_types"),
     targets={
-        # GGUF, once written: TargetMapping(gguf_arch="qwen3")
-        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "gguf": TargetMapping(gguf_arch="qwen3"),
         "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),

@@ -71,8 +71,7 @@ RECORD = Architecture(
     attention=Attention(qk_norm=True, sliding="all"),
     mlp=Mlp(experts=Experts()),
     targets={
-        # GGUF, once written: TargetMapping(gguf_arch="qwen3moe")
-        "gguf": refused("kiln's GGUF writer has no mapping for this family yet"),
+        "gguf": TargetMapping(gguf_arch="qwen3moe"),
         "orbax": TargetMapping(),
         "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
         "vllm": TargetMapping(),

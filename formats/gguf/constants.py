@@ -3,15 +3,18 @@
 Sources: ggml-org/llama.cpp `gguf-py/gguf/constants.py` (GGUF_MAGIC, GGMLQuantizationType,
 GGML_QUANT_SIZES, Keys, TokenType, LlamaFileType), `src/llama-vocab.cpp` (pre-tokenizer names and
 the regexes llama.cpp runs for them) and `convert_hf_to_gguf.py` / `conversion/llama.py`,
-`conversion/qwen.py` (tensor names, which families permute q/k rows). Nothing here imports numpy or
-torch: recipe checks and `kiln plan` import `targets`, which imports this.
+`conversion/qwen.py`, `conversion/gemma.py`, `conversion/phi.py` (tensor names, metadata keys) and
+`src/models/*.cpp` (what each architecture's graph computes). Nothing here imports numpy or torch: recipe checks
+and `kiln plan` import `targets`, which imports this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import Final, Literal
+
+from formats.architectures.record import TensorKind
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32
 GGUF_VERSION: Final = 3
@@ -151,6 +154,15 @@ class Keys:
     VALUE_LENGTH: Final = "{arch}.attention.value_length"
     ROPE_FREQ_BASE: Final = "{arch}.rope.freq_base"
     ROPE_DIMENSION_COUNT: Final = "{arch}.rope.dimension_count"
+    ROPE_FREQ_BASE_SWA: Final = "{arch}.rope.freq_base_swa"
+    ROPE_SCALING_TYPE: Final = "{arch}.rope.scaling.type"
+    ROPE_SCALING_FACTOR: Final = "{arch}.rope.scaling.factor"
+    SLIDING_WINDOW: Final = "{arch}.attention.sliding_window"
+    SLIDING_WINDOW_PATTERN: Final = "{arch}.attention.sliding_window_pattern"
+    FINAL_LOGIT_SOFTCAPPING: Final = "{arch}.final_logit_softcapping"
+    EXPERT_COUNT: Final = "{arch}.expert_count"
+    EXPERT_USED_COUNT: Final = "{arch}.expert_used_count"
+    EXPERT_FEED_FORWARD_LENGTH: Final = "{arch}.expert_feed_forward_length"
     VOCAB_SIZE: Final = "{arch}.vocab_size"
 
     TOKENIZER_MODEL: Final = "tokenizer.ggml.model"
@@ -167,51 +179,99 @@ class Keys:
     CHAT_TEMPLATE: Final = "tokenizer.chat_template"
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one HF family is written: the llama.cpp architecture name and its rope layout.
+# Tensor kind (`formats.architectures.record.TensorKind`) -> llama.cpp's tensor name (gguf-py's TENSOR_NAMES), without
+# the `blk.{i}.` of a decoder layer's tensors or the `.weight` / `.bias` suffix. A kind that is missing (Phi-3's fused
+# gate_up) has no name of its own: the family's mapping names it (`TargetMapping.names`).
+TENSOR_NAMES: Final[dict[TensorKind, str]] = {
+    TensorKind.TOKEN_EMBD: "token_embd",
+    TensorKind.OUTPUT_NORM: "output_norm",
+    TensorKind.OUTPUT: "output",
+    TensorKind.ATTN_NORM: "attn_norm",
+    TensorKind.ATTN_Q: "attn_q",
+    TensorKind.ATTN_K: "attn_k",
+    TensorKind.ATTN_V: "attn_v",
+    TensorKind.ATTN_QKV: "attn_qkv",
+    TensorKind.ATTN_OUTPUT: "attn_output",
+    TensorKind.ATTN_Q_NORM: "attn_q_norm",
+    TensorKind.ATTN_K_NORM: "attn_k_norm",
+    TensorKind.ATTN_POST_NORM: "post_attention_norm",
+    TensorKind.FFN_NORM: "ffn_norm",
+    TensorKind.FFN_POST_NORM: "post_ffw_norm",
+    TensorKind.FFN_GATE: "ffn_gate",
+    TensorKind.FFN_UP: "ffn_up",
+    TensorKind.FFN_DOWN: "ffn_down",
+    TensorKind.FFN_GATE_INP: "ffn_gate_inp",
+    TensorKind.FFN_GATE_EXPS: "ffn_gate_exps",
+    TensorKind.FFN_UP_EXPS: "ffn_up_exps",
+    TensorKind.FFN_DOWN_EXPS: "ffn_down_exps",
+    TensorKind.FFN_GATE_SHEXP: "ffn_gate_shexp",
+    TensorKind.FFN_UP_SHEXP: "ffn_up_shexp",
+    TensorKind.FFN_DOWN_SHEXP: "ffn_down_shexp",
+    TensorKind.FFN_GATE_INP_SHEXP: "ffn_gate_inp_shexp",
+}
+# Kinds llama.cpp keeps in F32 whatever the file type: its converter writes them F32 and llama-quantize never
+# quantizes them (the routers: a token's choice of experts is too sensitive to round).
+F32_KINDS: Final = frozenset({TensorKind.FFN_GATE_INP, TensorKind.FFN_GATE_INP_SHEXP})
 
-    llama.cpp's `llama` architecture uses the interleaved (GPT-J style) rope layout, so the HF q/k
-    rows are permuted at conversion (LlamaModel.permute); `qwen2` uses NEOX rope, which is HF's own
-    layout, so Qwen2Model does not permute.
+
+@dataclass(frozen=True)
+class LlamaCppArch:
+    """One llama.cpp architecture (`general.architecture`): what its graph computes, where families differ, and
+    the optional keys its converter writes. kiln refuses a model the graph would compute differently from
+    transformers (`targets.gguf.convert.check_supported`), and writes the keys the converter writes.
+
+    `sliding`: "none" (every layer attends to every earlier token), "per_layer" (a window on the layers
+    `{arch}.attention.sliding_window_pattern` marks, each layer type with its own rope base) or "disabled"
+    (reads a window and ignores it: Phi-3). `experts`: routes every layer to experts when `expert_count` is set
+    (softmax over all experts, top-k, the k weights renormalised to sum to 1). `scale_by_embd_per_head_at`:
+    layer counts at which the graph scales attention by (hidden / heads)^-1/2 instead of head_dim^-1/2 (Gemma 3
+    27B). The keys: `vocab_size` and `rope_dimension_count` written or not; `head_dim_keys` key/value_length
+    "always" or only where head_dim is not hidden / heads; `expert_feed_forward_length` for the experts' size.
+
+    Sources: llama.cpp `src/models/<arch>.cpp` (load_arch_hparams and the graph) and `conversion/*.py`
+    (`set_gguf_parameters`) of the pinned llama-cpp-python's vendored llama.cpp.
     """
 
-    gguf_arch: str
-    permute_qk: bool
+    name: str
+    activation: str = "silu"
+    sliding: Literal["none", "per_layer", "disabled"] = "none"
+    partial_rotary: bool = False
+    embedding_scale: Literal["none", "sqrt_hidden"] = "none"
+    experts: bool = False
+    final_logit_softcapping: bool = False
+    scale_by_embd_per_head_at: frozenset[int] = frozenset()
+    vocab_size_key: bool = False
+    rope_dimension_key: bool = False
+    head_dim_keys: Literal["always", "when_not_default"] = "when_not_default"
+    expert_feed_forward_key: bool = False
 
 
-ARCHS: Final[dict[str, ArchSpec]] = {
-    "llama": ArchSpec("llama", permute_qk=True),
-    "mistral": ArchSpec("llama", permute_qk=True),
-    "qwen2": ArchSpec("qwen2", permute_qk=False),
+LLAMA_CPP_ARCHS: Final[dict[str, LlamaCppArch]] = {
+    a.name: a
+    for a in (
+        LlamaCppArch("llama", experts=True, vocab_size_key=True, rope_dimension_key=True),
+        LlamaCppArch("qwen2", vocab_size_key=True, rope_dimension_key=True),
+        LlamaCppArch("qwen3", head_dim_keys="always"),
+        LlamaCppArch("qwen3moe", experts=True, head_dim_keys="always", expert_feed_forward_key=True),
+        LlamaCppArch(
+            "gemma3",
+            activation="gelu_pytorch_tanh",
+            sliding="per_layer",
+            embedding_scale="sqrt_hidden",
+            final_logit_softcapping=True,
+            scale_by_embd_per_head_at=frozenset({62}),
+            head_dim_keys="always",
+        ),
+        LlamaCppArch("phi3", sliding="disabled", partial_rotary=True, rope_dimension_key=True),
+    )
 }
 
-# HF tensor name -> GGUF tensor name, for the tensors outside the decoder blocks.
-GLOBAL_TENSOR_NAMES: Final[dict[str, str]] = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-# Suffix after `model.layers.{i}.` -> GGUF name after `blk.{i}.`.
-BLOCK_TENSOR_NAMES: Final[dict[str, str]] = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-# The HF suffixes whose rows llama.cpp permutes for its rope layout, and the head count used.
-PERMUTED_Q: Final = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
-PERMUTED_K: Final = ("self_attn.k_proj.weight", "self_attn.k_proj.bias")
-OUTPUT_TENSOR: Final = "output.weight"
-TOKEN_EMBD_TENSOR: Final = "token_embd.weight"
+# llama.cpp's vocabulary loader sets token attributes by general.name (src/llama-vocab.cpp, "Handle per token
+# attributes"): for a name containing one of the words it looks up each of the tokens, and a vocabulary without
+# one of them fails to load (std::out_of_range).
+LLAMA_CPP_NAMED_TOKENS: Final[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = (
+    (("phi-3", "phi3"), ("</s>", "<unk>", "<s>", "<|endoftext|>")),
+)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """The `gguf` target: one GGUF v3 file with tokenizer metadata, for llama.cpp on CPU, Apple and edge.
 
-Layout: the format itself (constants, reader, writer, quant encoders) is `formats.gguf`; here are
-`convert` (HF -> GGUF names, q/k permutation, per-tensor types), `tokenizer` (vocab, merges,
-pre-tokenizer) and `export` (the stage function). Only the constants are imported here: recipe checks
+Layout: the format itself (constants, reader, writer, quant encoders, the llama.cpp architectures) is
+`formats.gguf`; here are `convert` (tensor kinds -> GGUF names, stacked experts, q/k permutation, norm offsets,
+per-tensor types), `tokenizer` (vocab, merges, pre-tokenizer) and `export` (what llama.cpp would compute
+differently is refused, the metadata, the stage function). Each family is written through its record's `gguf`
+mapping (`formats.architectures`). Only the constants are imported here: recipe checks
 and `kiln plan` import `targets` and load neither numpy nor torch.
 """
 

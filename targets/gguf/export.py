@@ -1,4 +1,5 @@
-"""The `gguf` target: a SafeTensors Llama-family release -> one GGUF v3 file llama.cpp loads.
+"""The `gguf` target: a SafeTensors release of any family whose record maps `gguf` -> one GGUF v3 file llama.cpp
+loads (llama, mistral and mixtral as `llama`, qwen2, qwen3, qwen3moe, gemma3, phi3).
 
 F16, BF16, Q8_0, Q4_0, MXFP4 and NVFP4 are written by kiln in one streaming pass (NVFP4 encoded by
 ggml's quantizer). Q4_K_M and Q6_K are produced by llama.cpp's own quantizer (`llama_model_quantize`
@@ -19,23 +20,27 @@ from typing import TYPE_CHECKING, Any
 from core.errors import Deferred, InvalidInput, StageFailed, UnknownName
 from formats.gguf.constants import (
     GGML_QUANT_VERSION,
+    LLAMA_CPP_NAMED_TOKENS,
     QK_K,
     QUANTS,
     RUNTIME,
     FileType,
     Keys,
+    LlamaCppArch,
     QuantSpec,
     TensorType,
+    ValueType,
 )
 from formats.gguf.reader import read_header
 from formats.gguf.writer import GGUFWriter, Metadata
 
-from .convert import TensorPlan, arch_spec, convert_tensors, plan_tensors
+from .convert import TensorPlan, convert_tensors, gguf_mapping, llama_cpp_arch, plan_tensors
 from .tokenizer import VocabMetadata, predict_vocab, read_vocab
 
 if TYPE_CHECKING:
     import torch
 
+    from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
 
@@ -46,36 +51,146 @@ def output_name(quant: str) -> str:
     return f"model-{quant}.gguf"
 
 
-def check_supported(source: SourceModel) -> None:
-    """Refuse model features llama.cpp's llama/qwen2 graphs would silently compute differently."""
-    cfg = source.config
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise InvalidInput(
-            f"GGUF export: hidden_act={act!r} is not supported (llama.cpp uses SiLU)", code="GGUF_UNSUPPORTED"
+def _unsupported(shape: ModelShape, arch: LlamaCppArch, message: str, **details: object) -> InvalidInput:
+    return InvalidInput(
+        f"GGUF export of {shape.architecture} as llama.cpp's {arch.name}: {message}",
+        code="GGUF_UNSUPPORTED",
+        details={"architecture": shape.architecture, "gguf_arch": arch.name, **details},
+    )
+
+
+def check_supported(shape: ModelShape) -> None:
+    """Refuse (GGUF_UNSUPPORTED, saying what and why) a model that llama.cpp's graph for its architecture would
+    compute differently from transformers, reading the family's record and the llama.cpp architecture its `gguf`
+    mapping names (`LLAMA_CPP_ARCHS`); GGUF_UNSUPPORTED_ARCH where the record refuses the target."""
+    arch = llama_cpp_arch(shape)
+    record = shape.arch
+    if shape.hidden_act != arch.activation:
+        raise _unsupported(
+            shape, arch, f"hidden_act={shape.hidden_act!r} is not supported (llama.cpp computes {arch.activation})"
         )
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise InvalidInput(
-            f"GGUF export: rope scaling {rope_type!r} is not supported yet (only plain rope)",
-            code="GGUF_UNSUPPORTED",
-            details={"rope_type": rope_type},
+    if record.norms.embedding_scale != arch.embedding_scale:
+        raise _unsupported(
+            shape,
+            arch,
+            f"the embedding scale {record.norms.embedding_scale!r} is not llama.cpp's {arch.embedding_scale!r}",
         )
-    if cfg.get("use_sliding_window"):
-        raise InvalidInput("GGUF export: sliding-window attention is not supported", code="GGUF_UNSUPPORTED")
-    arch_spec(source.shape)
+    _check_rope(shape, arch)
+    sliding = sum(t == "sliding_attention" for t in shape.layer_types)
+    window = shape.sliding_window
+    if sliding and arch.sliding != "per_layer" and window is not None and window < shape.max_position_embeddings:
+        raise _unsupported(
+            shape,
+            arch,
+            f"{sliding} of {shape.num_layers} layers attend within a window of {window} tokens (context "
+            f"{shape.max_position_embeddings}); llama.cpp's graph attends to every earlier token",
+            sliding_window=window,
+        )
+    if shape.moe is not None:
+        _check_experts(shape, arch)
+    scale_dim = (
+        shape.hidden_size / shape.num_heads if shape.num_layers in arch.scale_by_embd_per_head_at else shape.head_dim
+    )
+    scalar = shape.query_pre_attn_scalar if shape.query_pre_attn_scalar is not None else float(shape.head_dim)
+    if scalar != scale_dim:
+        raise _unsupported(
+            shape,
+            arch,
+            f"attention is scaled by query_pre_attn_scalar={scalar:g}^-1/2; llama.cpp scales it by {scale_dim:g}^-1/2",
+            query_pre_attn_scalar=scalar,
+        )
+    if shape.attn_logit_softcapping is not None:
+        raise _unsupported(shape, arch, "attn_logit_softcapping is set; llama.cpp does not cap attention logits")
+    if shape.final_logit_softcapping is not None and not arch.final_logit_softcapping:
+        raise _unsupported(shape, arch, "final_logit_softcapping is set; llama.cpp's graph does not cap the logits")
+
+
+def _check_rope(shape: ModelShape, arch: LlamaCppArch) -> None:
+    """llama.cpp's rope: one base and one linear scale for the full-attention layers (for every layer where the
+    graph has no sliding layers); a base of their own, unscaled, for the sliding layers where it has them."""
+    ropes = dict(shape.rope)
+    for kind, spec in ropes.items():
+        scaled_ok = kind == "full_attention" or arch.sliding != "per_layer"
+        if spec.scaling not in ("default", "linear") or (spec.scaling == "linear" and not scaled_ok):
+            raise _unsupported(
+                shape,
+                arch,
+                f"rope scaling {spec.scaling!r} on its {kind} layers is not supported (llama.cpp computes plain "
+                "rope, and linear scaling on full-attention layers)",
+                rope_type=spec.scaling,
+            )
+    if arch.sliding != "per_layer" and len({(s.theta, s.scaling, s.factor) for s in ropes.values()}) > 1:
+        raise _unsupported(shape, arch, "its layer types have different ropes; llama.cpp's graph has one for all")
+    if shape.rotary_fraction != 1.0:
+        dims = rope_dimensions(shape)
+        if not arch.partial_rotary:
+            raise _unsupported(
+                shape,
+                arch,
+                f"rope rotates {dims} of each head's {shape.head_dim} dimensions; llama.cpp rotates all of them",
+                partial_rotary_factor=shape.rotary_fraction,
+            )
+        if dims <= 0 or dims % 2:
+            raise _unsupported(
+                shape, arch, f"rope would rotate {dims} dimensions per head (llama.cpp needs an even count)"
+            )
+
+
+def _check_experts(shape: ModelShape, arch: LlamaCppArch) -> None:
+    """llama.cpp's mixture of experts: in every layer, a softmax over all experts, the top k, their weights
+    renormalised to sum to 1; no shared expert."""
+    moe, experts = shape.moe, shape.arch.mlp.experts
+    assert moe is not None
+    if not arch.experts:
+        raise _unsupported(shape, arch, "the model routes to experts; llama.cpp's graph has none")
+    if not moe.norm_topk_prob:
+        raise _unsupported(
+            shape, arch, "norm_topk_prob is false; llama.cpp renormalises the chosen experts' weights to sum to 1"
+        )
+    if experts is not None and not experts.softmax_then_topk:
+        raise _unsupported(shape, arch, "its router does not take a softmax over every expert before the top k")
+    dense = shape.num_layers - len(moe.sparse_layers)
+    if dense:
+        raise _unsupported(
+            shape, arch, f"{dense} of its layers are dense; llama.cpp routes every layer to experts", dense_layers=dense
+        )
+    if moe.shared_intermediate_size:
+        raise _unsupported(shape, arch, "it has a shared expert, which llama.cpp's graph does not compute")
+
+
+def check_name(name: str, vocab: VocabMetadata) -> None:
+    """Refuse a general.name for which llama.cpp's vocabulary loader looks up tokens this vocabulary lacks (it
+    would fail to load the file): GGUF_NAME_UNSUPPORTED, naming them."""
+    lowered = name.lower()
+    tokens = set(vocab.tokens)
+    for words, needed in LLAMA_CPP_NAMED_TOKENS:
+        missing = [t for t in needed if t not in tokens]
+        if missing and any(w in lowered for w in words):
+            raise InvalidInput(
+                f"GGUF: llama.cpp sets token attributes by the model's name: for a general.name containing "
+                f"{' or '.join(map(repr, words))} ({name!r}) it needs the tokens {', '.join(map(repr, missing))}, "
+                "which this tokenizer lacks, and would fail to load the file; export it under another name "
+                "(the target's `name` param)",
+                code="GGUF_NAME_UNSUPPORTED",
+                details={"name": name, "missing_tokens": missing},
+            )
+
+
+def rope_dimensions(shape: ModelShape) -> int:
+    """The dimensions of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
+    return int(shape.head_dim * shape.rotary_fraction)
 
 
 def model_metadata(meta: Metadata, source: SourceModel, name: str, file_type: FileType) -> None:
-    """The general.* and {arch}.* keys llama.cpp reads for the llama / qwen2 architectures."""
+    """The general.* and {arch}.* keys llama.cpp reads for the family's architecture: the keys its converter
+    writes (`LlamaCppArch`), from the checked config (`ModelShape`)."""
     s = source.shape
-    arch = arch_spec(s).gguf_arch
+    arch = llama_cpp_arch(s)
 
     def k(key: str) -> str:
-        return key.format(arch=arch)
+        return key.format(arch=arch.name)
 
-    meta.add_string(Keys.ARCHITECTURE, arch)
+    meta.add_string(Keys.ARCHITECTURE, arch.name)
     meta.add_string(Keys.NAME, name)
     meta.add_uint32(k(Keys.CONTEXT_LENGTH), s.max_position_embeddings)
     meta.add_uint32(k(Keys.EMBEDDING_LENGTH), s.hidden_size)
@@ -85,11 +200,33 @@ def model_metadata(meta: Metadata, source: SourceModel, name: str, file_type: Fi
     meta.add_uint32(k(Keys.HEAD_COUNT_KV), s.num_kv_heads)
     meta.add_float32(k(Keys.ROPE_FREQ_BASE), s.rope_theta)
     meta.add_float32(k(Keys.LAYERNORM_RMS_EPS), s.rms_norm_eps)
-    meta.add_uint32(k(Keys.ROPE_DIMENSION_COUNT), s.head_dim)
-    if s.head_dim != s.hidden_size // s.num_heads:
+    if arch.rope_dimension_key:
+        meta.add_uint32(k(Keys.ROPE_DIMENSION_COUNT), rope_dimensions(s))
+    if arch.head_dim_keys == "always" or s.head_dim != s.hidden_size // s.num_heads:
         meta.add_uint32(k(Keys.KEY_LENGTH), s.head_dim)
         meta.add_uint32(k(Keys.VALUE_LENGTH), s.head_dim)
-    meta.add_uint32(k(Keys.VOCAB_SIZE), s.vocab_size)
+    if arch.vocab_size_key:
+        meta.add_uint32(k(Keys.VOCAB_SIZE), s.vocab_size)
+    ropes = dict(s.rope)
+    main = ropes.get("full_attention") or next(iter(ropes.values()), None)  # what rope.freq_base is of
+    if main is not None and main.scaling == "linear" and main.factor is not None:
+        meta.add_string(k(Keys.ROPE_SCALING_TYPE), "linear")
+        meta.add_float32(k(Keys.ROPE_SCALING_FACTOR), main.factor)
+    kinds = s.layer_types
+    if arch.sliding == "per_layer" and "sliding_attention" in kinds and s.sliding_window is not None:
+        # llama.cpp's default pattern is 5 sliding layers to 1 global: say each layer's kind
+        meta.add_uint32(k(Keys.SLIDING_WINDOW), s.sliding_window)
+        meta.add_array(k(Keys.SLIDING_WINDOW_PATTERN), [t == "sliding_attention" for t in kinds], ValueType.BOOL)
+        meta.add_float32(k(Keys.ROPE_FREQ_BASE_SWA), s.rope_for("sliding_attention").theta)
+    elif arch.sliding == "disabled":  # read, and ignored: check_supported refused a window shorter than the context
+        meta.add_uint32(k(Keys.SLIDING_WINDOW), s.sliding_window or 0)
+    if s.final_logit_softcapping is not None:
+        meta.add_float32(k(Keys.FINAL_LOGIT_SOFTCAPPING), s.final_logit_softcapping)
+    if s.moe is not None:
+        meta.add_uint32(k(Keys.EXPERT_COUNT), s.moe.experts)
+        meta.add_uint32(k(Keys.EXPERT_USED_COUNT), s.moe.experts_per_token)
+        if arch.expert_feed_forward_key:
+            meta.add_uint32(k(Keys.EXPERT_FEED_FORWARD_LENGTH), s.moe.intermediate_size)
     meta.add_uint32(Keys.FILE_TYPE, file_type)
     meta.add_uint32(Keys.QUANTIZATION_VERSION, GGML_QUANT_VERSION)
 
@@ -122,6 +259,7 @@ def write_gguf(
     from formats.gguf.quants import Encoder, F16Overflow
 
     def metadata(vocab: VocabMetadata) -> Metadata:
+        check_name(name, vocab)
         meta = Metadata()
         model_metadata(meta, source, name, file_type)
         vocab.add_to(meta)
@@ -155,7 +293,8 @@ def write_gguf(
 
 def _source_tensors(source: SourceModel, plans: list[TensorPlan]) -> Iterator[tuple[str, torch.Tensor]]:
     for p in plans:
-        yield p.source, source.tensor(p.source)
+        for name in p.sources:  # a stacked tensor's parts one after another: one stack is held at a time
+            yield name, source.tensor(name)
 
 
 def llama_quantize(src: Path, dst: Path, ftype: FileType, *, threads: int = 0) -> None:
@@ -185,7 +324,7 @@ def llama_quantize(src: Path, dst: Path, ftype: FileType, *, threads: int = 0) -
 def prepare(source: SourceModel) -> dict[str, Any]:
     """Once per source, for every GGUF export: the tokenizer as transformers loads it (the reference
     metadata; loading transformers costs seconds a bare tensor conversion does not)."""
-    check_supported(source)
+    check_supported(source.shape)
     return {"vocab": asdict(read_vocab(source.root, source.shape.vocab_size, source.config))}
 
 
@@ -204,7 +343,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         )
     strict = bool(req.params.get("strict_types", False))
     name = str(req.params.get("name") or req.model_name or source.root.name)
-    check_supported(source)
+    check_supported(source.shape)
     plans = plan_tensors(source.tensors, source.shape, quant, strict=strict)
     expected_fallbacks = _k_quant_fallbacks(plans, quant, strict)
 
@@ -253,8 +392,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             types = Counter(written.values())
             fallbacks = {g: f"{why}; llama.cpp wrote {written.get(g, '?')}" for g, why in expected_fallbacks.items()}
     details: dict[str, Any] = {
-        "architecture": arch_spec(source.shape).gguf_arch,
-        "permuted_qk": arch_spec(source.shape).permute_qk,
+        "architecture": llama_cpp_arch(source.shape).name,
+        "permuted_qk": gguf_mapping(source.shape).permute_qk,
         "tokenizer_pre": vocab.pre,
         "tokenizer_header": settled,
         "vocab_padded": vocab.padded,

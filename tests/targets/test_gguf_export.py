@@ -248,10 +248,11 @@ def _unpermute(w: torch.Tensor, n: int) -> torch.Tensor:
     return w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantized_state(path: Path, family: str, n_layers: int = 2) -> dict[str, torch.Tensor]:
+def dequantized_state(path: Path, model_dir: Path, family: str, n_layers: int = 2) -> dict[str, torch.Tensor]:
     """The weights a GGUF file holds, dequantized by gguf-py and mapped back to HF names and layout."""
-    from targets.gguf.convert import gguf_name
+    from targets.gguf.convert import layout
 
+    places = layout(open_source(model_dir).shape)
     kw = FAMILIES[family]
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     names = ["model.embed_tokens.weight", "model.norm.weight"] + (
@@ -272,7 +273,7 @@ def dequantized_state(path: Path, family: str, n_layers: int = 2) -> dict[str, t
         ]
     state = {}
     for name in names:
-        t = tensors[gguf_name(name)]
+        t = tensors[places[name].name]
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if family != "qwen2" and "q_proj" in name:
@@ -296,7 +297,7 @@ def test_quantized_file_computes_what_its_weights_say(
     is llama.cpp's 8-bit activations, not the weight quantization (which costs 10-100x more)."""
     ids, _ = reference(family)
     path, _ = exported(family, quant)
-    ref = hf_logits(models[family], ids, dequantized_state(path, family))
+    ref = hf_logits(models[family], ids, dequantized_state(path, models[family], family))
     got = agreement(ref, llama_logits(path, ids))
     assert got["kl"] <= 2e-4 and got["max_abs"] <= 0.2, got
 
