@@ -4,7 +4,9 @@ As the reference it loads the source release's bf16 SafeTensors and upcasts them
 every matmul runs in float32: the reference is the checkpoint's exact weights with as little
 rounding in the arithmetic as this machine offers. For an hf-bundle artifact it loads the bundle
 directory the same way (`dtype="auto"` keeps the checkpoint's dtype, e.g. for quantized bundles
-whose kernels need it).
+whose kernels need it). A compressed-tensors bundle's experts load as one quantized Linear per expert
+projection (`eval.runtimes.experts`: transformers alone would dequantize them into its fused experts),
+and tensors its loader renamed keep the dtype the model declares (`as_declared`).
 
 `device` is a torch device string (`cpu`, `cuda:0`; the stage's, `pipeline.placement`). On a CUDA
 device the model is moved there after loading; each window's ids go there and its logits come back
