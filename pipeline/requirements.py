@@ -303,6 +303,11 @@ class Sizing:
         return sum(t.elements for t in self._layer_specs)
 
     @property
+    def layer_expert_params(self) -> int:
+        """The parameters of the largest decoder layer's routed experts (0 for a dense model)."""
+        return sum(t.elements for t in self._layer_specs if t.expert is not None)
+
+    @property
     def layer_linears(self) -> list[TensorSpec]:
         """The Linear weights of the largest decoder layer (every expert's included)."""
         return [t for t in self._layer_specs if t.quantizable]
@@ -364,13 +369,17 @@ def nothing(sizing: Sizing, node: Any) -> Footprint:
 
 
 def layer_streamed(sizing: Sizing) -> Footprint:
-    """The reference (and a transformers eval): one decoder layer at a time in float32."""
+    """The reference (and a transformers eval): one decoder layer at a time in float32. A mixture of experts'
+    per-expert tensors are merged into transformers' fused 3-D experts as the layer loads, which holds the
+    experts twice for a moment (the per-expert and the stacked copies): a pass over a Qwen3-MoE layer of 32
+    experts, 214 MB in float32 read from 107 MB of bf16, raised the peak RSS by 474 MiB, not 321."""
     from eval.runtimes.base import HEAD_BLOCK
 
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     working = (
         4 * sizing.layer_params
+        + 4 * sizing.layer_expert_params
         + 4 * min(v, HEAD_BLOCK) * h
         + 8 * sizing.max_tokens * h
         + sizing.activations(w)

@@ -20,6 +20,14 @@ rotary embedding, in `dtype` (float32 for the reference, so the checkpoint's bf1
 exactly). Peak memory: one layer in `dtype` plus its checkpoint-dtype read, the hidden states of the
 call's windows, and one window's [tokens, vocab] float32 logits; `pipeline.requirements` plans with it.
 
+Every family whose record streams (`Architecture.streams`: `STREAMED`) runs this way, its layers' weights
+loaded by transformers' own loader (`convert_and_load_state_dict_in_model`) given that layer's tensors, so a
+checkpoint's per-expert tensors become transformers' fused 3-D experts by its conversion mapping, one
+layer at a time, as `from_pretrained` converts the whole model; what differs between families is read from
+the modules and the record: rotary embeddings per layer type where the architecture has one per type
+(Gemma 3's global and sliding bases), the embedding's scale (Gemma's sqrt(hidden), in `dtype`) and the
+head's final logit soft-capping.
+
 It computes the reference (the source release) and evaluates hf-bundle and rocm-bundle artifacts in
 transformers (`open_transformers`). A compressed-tensors bundle is built on the meta device the way
 transformers' own loader prepares it (its `CompressedTensorsHfQuantizer`: each quantized Linear with its
@@ -27,21 +35,24 @@ scheme and compressed layout), and each layer, as it is needed, gets a fresh cop
 stored tensors, and compressed-tensors' own decompression; its forward then fake-quantizes activations
 as the whole-model load does. The logits equal `TransformersRuntime`'s bit for bit (tests/eval/
 test_layer_stream.py checks every scheme), with one layer decompressed at a time instead of the model:
-an FP8 Llama-3-70B bundle evaluates on one GPU. ROCm's float8_e4m3fnuz weights are read as e4m3fn with
+an FP8 Llama-3-70B bundle evaluates on one GPU. A bundle's experts are one quantized Linear per expert
+projection (`eval.runtimes.experts`), as in the whole-model load. ROCm's float8_e4m3fnuz weights are read as e4m3fn with
 the scale halved (exact; `transformers_runtime._load_e4m3fnuz_exactly` does the same for the whole model).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
-from core.errors import Deferred, StageFailed
+from core.errors import StageFailed
 from eval.runtimes.base import (
     HEAD_BLOCK,
     RESIDENT_BYTES,
@@ -50,9 +61,15 @@ from eval.runtimes.base import (
     greedy_by_length,
     import_torch_transformers,
 )
+from eval.runtimes.experts import loading_experts
+from eval.runtimes.transformers_runtime import as_declared, compressed_tensors_quantizer
+from formats.architectures import ARCHITECTURES
+from formats.architectures.record import Architecture
 
-# Architectures whose causal-LM forward is embed -> decoder layers (one mask per layer type) -> norm -> head.
-STREAMED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# The families whose causal-LM forward is embed -> decoder layers (one mask and rotary embedding per layer type)
+# -> norm -> head, by config.json's model_type: every record that says it streams.
+STREAMED: Final[dict[str, Architecture]] = {t: a for a in ARCHITECTURES.values() if a.streams for t in a.model_types}
+STREAMED_MODEL_TYPES: Final = frozenset(STREAMED)
 
 
 class LayerStream:
@@ -74,17 +91,25 @@ class LayerStream:
                 code="EVAL_RUNTIME_LOAD_FAILED",
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
-        if config.model_type not in STREAMED_MODEL_TYPES:
+        record = STREAMED.get(config.model_type)
+        if record is None:
             raise StageFailed(
                 f"the layer-streamed forward covers {sorted(STREAMED_MODEL_TYPES)}, not {config.model_type!r}",
                 code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
                 details={"model_type": config.model_type},
             )
-        quantizer = _compressed_tensors(config, self.model_dir)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation="sdpa")
-        if quantizer is not None:  # each quantized Linear in its compressed layout, as transformers loads it
-            quantizer._process_model_before_weight_loading(model)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        quantizer = compressed_tensors_quantizer(config, self.model_dir)
+        with loading_experts(config):  # a bundle's experts as one quantized Linear each, as the whole load
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, dtype=self.dtype, attn_implementation="sdpa"
+                )
+            if quantizer is not None:  # each quantized Linear in its compressed layout, as transformers loads it
+                quantizer._process_model_before_weight_loading(model)
+            # The checkpoint's names to the modules' (and per-expert tensors to fused experts), as from_pretrained.
+            self._conversions = get_model_conversion_mapping(model, hf_quantizer=quantizer)
         self._quantizer = quantizer
         self._fp4 = False
         self.config = config
@@ -95,6 +120,17 @@ class LayerStream:
         self.num_layers = int(config.num_hidden_layers)
         # The rotary embedding's frequencies are computed, not stored: build it for real on the device.
         self._rotary = type(self._base.rotary_emb)(config=config).to(self.device)
+        # Gemma 3 holds one per layer type (its global and sliding layers' bases); Llama's is one for all.
+        self._rotary_by_type = "layer_type" in inspect.signature(self._rotary.forward).parameters
+        # Gemma's embedding multiplies by sqrt(hidden) (`Gemma3TextScaledWordEmbedding`): its own number.
+        self._embed_scale: float | None = getattr(self._base.embed_tokens, "scalar_embed_scale", None)
+        if (self._embed_scale is not None) != (record.norms.embedding_scale != "none"):
+            raise StageFailed(
+                f"transformers' {type(self._base.embed_tokens).__name__} and the {record.family} record disagree "
+                f"on the embedding's scale ({record.norms.embedding_scale})",
+                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            )
+        self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._weights = _WeightIndex(self.model_dir)
         self._head_name = "lm_head.weight"
         if self._head_name not in self._weights:
@@ -142,20 +178,19 @@ class LayerStream:
             hidden = [self._embed(ids)[None] for ids in checked]
             positions = [torch.arange(len(ids), device=self.device)[None] for ids in checked]
             masks = [self._masks(h, p, None) for h, p in zip(hidden, positions, strict=True)]
-            rotary = [self._rotary(h, p) for h, p in zip(hidden, positions, strict=True)]
+            rotary = [self._position_embeddings(h, p) for h, p in zip(hidden, positions, strict=True)]
             for i in range(self.num_layers):
-                layer = self._load(self._base.layers[i], f"{self._prefix}layers.{i}.")
-                for w in range(len(hidden)):
-                    hidden[w] = layer(
-                        hidden[w],
-                        attention_mask=masks[w][self._layer_types[i]],
-                        position_ids=positions[w],
-                        position_embeddings=rotary[w],
-                    )
-                self._unload(layer)
-            norm = self._load(self._base.norm, f"{self._prefix}norm.")
-            hidden = [norm(h)[0] for h in hidden]
-            self._unload(norm)
+                kind = self._layer_types[i]
+                with self._loaded(f"{self._prefix}layers.{i}") as layer:
+                    for w in range(len(hidden)):
+                        hidden[w] = layer(
+                            hidden[w],
+                            attention_mask=masks[w][kind],
+                            position_ids=positions[w],
+                            position_embeddings=rotary[w][kind],
+                        )
+            with self._loaded(f"{self._prefix}norm") as norm:
+                hidden = [norm(h)[0] for h in hidden]
             for w in range(len(hidden)):
                 h, hidden[w] = hidden[w], None  # type: ignore[call-overload]  # drop each window's states once used
                 yield self._head(h).cpu().numpy()
@@ -185,21 +220,20 @@ class LayerStream:
                 length = len(step[0])
                 h = torch.stack([self._embed(ids) for ids in step])
                 pos = torch.arange(start, start + length, device=self.device)[None].expand(len(step), -1)
-                masks, rotary = self._masks(h, pos, cache), self._rotary(h, pos)
+                masks, rotary = self._masks(h, pos, cache), self._position_embeddings(h, pos)
                 for i in range(self.num_layers):
-                    layer = self._load(self._base.layers[i], f"{self._prefix}layers.{i}.")
-                    h = layer(
-                        h,
-                        attention_mask=masks[self._layer_types[i]],
-                        position_ids=pos,
-                        past_key_values=cache,
-                        use_cache=True,
-                        position_embeddings=rotary,
-                    )
-                    self._unload(layer)
-                norm = self._load(self._base.norm, f"{self._prefix}norm.")
-                last = norm(h[:, -1])
-                self._unload(norm)
+                    kind = self._layer_types[i]
+                    with self._loaded(f"{self._prefix}layers.{i}") as layer:
+                        h = layer(
+                            h,
+                            attention_mask=masks[kind],
+                            position_ids=pos,
+                            past_key_values=cache,
+                            use_cache=True,
+                            position_embeddings=rotary[kind],
+                        )
+                with self._loaded(f"{self._prefix}norm") as norm:
+                    last = norm(h[:, -1])
                 toks = torch.argmax(self._head(last)[:, : self.vocab_size], dim=-1).tolist()
                 for row, tok in zip(generated, toks, strict=True):
                     row.append(int(tok))
@@ -221,63 +255,129 @@ class LayerStream:
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: makers[kind](**kwargs) for kind in set(self._layer_types)}
 
+    def _position_embeddings(self, h: Any, positions: Any) -> dict[str, Any]:
+        """The rotary embedding's (cos, sin) per layer type, as the architecture's own model forward builds it."""
+        if self._rotary_by_type:
+            return {kind: self._rotary(h, positions, kind) for kind in set(self._layer_types)}
+        shared = self._rotary(h, positions)
+        return dict.fromkeys(set(self._layer_types), shared)
+
     def _embed(self, ids: list[int]) -> Any:
-        """[len(ids), hidden] in `dtype`: the embedding's rows gathered from the mapped file, cast after."""
-        rows = self._weights.rows(f"{self._prefix}embed_tokens.weight", ids)
-        return rows.to(device=self.device, dtype=self.dtype)
+        """[len(ids), hidden] in `dtype`: the embedding's rows gathered from the mapped file, cast after, and
+        scaled where the architecture scales them (Gemma: by sqrt(hidden) in `dtype`, as its embedding does)."""
+        rows = self._weights.rows(f"{self._prefix}embed_tokens.weight", ids).to(device=self.device, dtype=self.dtype)
+        if self._embed_scale is None:
+            return rows
+        return rows * self._torch.tensor(self._embed_scale, dtype=self.dtype, device=self.device)
 
     def _head(self, h: Any) -> Any:
-        """[tokens, vocab] float32 logits of final hidden states `h`, HEAD_BLOCK vocabulary rows at a time."""
+        """[tokens, vocab] float32 logits of final hidden states `h`, HEAD_BLOCK vocabulary rows at a time,
+        soft-capped in `dtype` where the architecture caps them (Gemma 3's `final_logit_softcapping`)."""
         torch = self._torch
         vocab = self._weights.shape(self._head_name)[0]
         out = torch.empty((h.shape[0], vocab), dtype=torch.float32, device=self.device)
         for lo in range(0, vocab, HEAD_BLOCK):
             hi = min(vocab, lo + HEAD_BLOCK)
             block = self._weights.block(self._head_name, lo, hi).to(device=self.device, dtype=self.dtype)
-            out[:, lo:hi] = torch.nn.functional.linear(h, block).float()
+            logits = torch.nn.functional.linear(h, block)
+            if self._softcap is not None:  # the order of Gemma3ForCausalLM.forward's three steps
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+            out[:, lo:hi] = logits.float()
         return out
 
-    def _load(self, module: Any, prefix: str) -> Any:
-        """`module` with its weights from the checkpoint on the device, each cast to its meta tensor's dtype
-        (`dtype`, or a compressed tensor's own), assigned, not copied. A bundle's module is a fresh copy of
-        the compressed layout, decompressed once loaded (the layout is kept for the next load)."""
-        if self._quantizer is not None:
-            module = _copy_layer(module)
-        meta = module.state_dict()
-        names = list(meta.keys())
-        missing = [prefix + k for k in names if prefix + k not in self._weights]
+    @contextmanager
+    def _loaded(self, path: str) -> Iterator[Any]:
+        """The module at `path` ("model.layers.3") with its weights on the device while the block runs.
+
+        Its checkpoint tensors (those named `path.`) go through transformers' loader
+        (`convert_and_load_state_dict_in_model`) with the model's conversion mapping, as `from_pretrained`
+        loads the whole model: renamed, experts fused, each cast to the dtype the module declares (a
+        compressed tensor keeps its own). A bundle's module is a fresh copy of the compressed layout,
+        decompressed once loaded (the layout is kept for the next load). On exit the weights are freed:
+        the module keeps its shapes on the meta device."""
+        template = self._model.get_submodule(path)
+        module = _copy_layer(template) if self._quantizer is not None else template
+        declared = {name: t.dtype for name, t in template.state_dict().items()}
+        self._model.set_submodule(path, module)
+        try:
+            self._read(path, module)
+            as_declared(module, declared)
+            if self._quantizer is not None:
+                self._decompress(module)
+            yield module
+        finally:
+            if module is template:
+                module.to("meta")
+            else:
+                self._model.set_submodule(path, template)
+
+    def _read(self, path: str, module: Any) -> None:
+        """Load the checkpoint's tensors under `path.` into `module` (installed at `path`) with transformers'
+        loader, or fail naming what the checkpoint lacks or what did not convert."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging as hf_logging
+
+        prefix = path + "."
+        stored = {name: self._weights.tensor(name) for name in self._weights.names(prefix)}
+        _read_fnuz_as_fn(stored)
+        load = LoadStateDictConfig(
+            dtype=self.dtype,
+            dtype_plan=self._model._get_dtype_plan(self.dtype),
+            hf_quantizer=self._quantizer,
+            weight_mapping=self._conversions,  # type: ignore[arg-type]  # its own function's list
+            device_map={"": str(self.device)},
+        )
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar, once per layer per pass
+        try:
+            info, _ = convert_and_load_state_dict_in_model(self._model, stored, load)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        failed = sorted(k for k in info.conversion_errors if k.startswith(prefix))
+        if failed:
+            raise StageFailed(
+                f"{self.model_dir}: the checkpoint's tensors for {failed[0]} do not convert: "
+                + " ".join(info.conversion_errors[failed[0]].strip().splitlines()[-2:])[:400],
+                code="SOURCE_INVALID",
+                details={"failed": failed[:8]},
+            )
+        mismatched = sorted((k, tuple(a), tuple(b)) for k, a, b in info.mismatched_keys if k.startswith(prefix))
+        if mismatched:
+            name, got, want = mismatched[0]
+            raise StageFailed(
+                f"{self.model_dir}: {name} is {list(got)} in the checkpoint, the model's is {list(want)}",
+                code="SOURCE_INVALID",
+                details={"mismatched": [m[0] for m in mismatched[:8]]},
+            )
+        missing = sorted(k for k in info.missing_keys if k.startswith(prefix))
         if missing:
             raise StageFailed(
                 f"{self.model_dir}: the checkpoint lacks {missing[0]} ({len(missing)} tensors missing)",
                 code="SOURCE_INVALID",
                 details={"missing": missing[:8]},
             )
-        unsaved = {n for n, _ in module.named_buffers()} - set(names)
+        unsaved = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
         if unsaved:  # a computed buffer would be left uninitialised by loading weights alone
             raise StageFailed(
-                f"a layer holds buffers the checkpoint does not: {sorted(unsaved)[:4]}",
+                f"a layer holds tensors the checkpoint does not: {unsaved[:4]}",
                 code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             )
-        stored = {k: self._weights.tensor(prefix + k) for k in names}
-        _read_fnuz_as_fn(stored)
-        state = {k: t.to(device=self.device, dtype=meta[k].dtype) for k, t in stored.items()}
-        module.load_state_dict(state, strict=True, assign=True)
-        if self._quantizer is not None:
-            from compressed_tensors.compressors.base import decompress_module
-            from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
-            from eval.runtimes.transformers_runtime import upcast_linear_weights
+    def _decompress(self, module: Any) -> None:
+        """compressed-tensors' own decompression of each quantized Linear of a loaded bundle layer."""
+        from compressed_tensors.compressors.base import decompress_module
+        from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
-            fmt = self._quantizer.compressor.force_compression_format
-            for sub in module.modules():
-                if is_module_quantized(sub):
-                    decompress_module(sub, fmt)
-            if self._fp4:  # FP4 decompresses into bfloat16: upcast, as the whole-model load does
-                upcast_linear_weights(module, self.dtype)
-        return module
+        from eval.runtimes.transformers_runtime import upcast_linear_weights
 
-    def _unload(self, module: Any) -> None:
-        module.to("meta")  # frees the weights; the module keeps its shapes for the next call
+        fmt = self._quantizer.compressor.force_compression_format
+        for sub in module.modules():
+            if is_module_quantized(sub):
+                decompress_module(sub, fmt)
+        if self._fp4:  # FP4 decompresses into bfloat16: upcast, as the whole-model load does
+            upcast_linear_weights(module, self.dtype)
 
 
 def _copy_layer(module: Any) -> Any:
@@ -294,38 +394,6 @@ def _copy_layer(module: Any) -> Any:
         if cache is not None and hasattr(cache, "attn_module"):
             cache.attn_module = weakref.ref(sub)
     return copied
-
-
-def _compressed_tensors(config: Any, model_dir: Path) -> Any:
-    """transformers' quantizer for a compressed-tensors bundle's config (None for a plain checkpoint); a
-    quantization another library wrote is not streamed."""
-    if getattr(config, "quantization_config", None) is None:
-        return None
-    from transformers.quantizers.auto import AutoHfQuantizer
-    from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
-
-    try:
-        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
-    except (ValueError, KeyError, TypeError) as e:  # an unknown method, or a config its library refuses
-        raise StageFailed(
-            f"{model_dir}: config.json's quantization_config is not one transformers loads: {e}",
-            code="EVAL_RUNTIME_LOAD_FAILED",
-            details={"path": str(model_dir), "field": "quantization_config"},
-        ) from None
-    if not isinstance(quantizer, CompressedTensorsHfQuantizer):
-        raise StageFailed(
-            f"{model_dir}: {type(quantizer).__name__} quantization is not streamed (compressed-tensors is)",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
-        )
-    try:
-        quantizer.validate_environment()
-    except ImportError as e:  # its quantization library is not installed here
-        raise Deferred(
-            f"transformers cannot load {str(model_dir)!r} on this machine: {e}",
-            details={"runtime_needed": "transformers with compressed-tensors"},
-        ) from None
-    quantizer.use_fp8_kernel = False  # the emulation every CPU and GPU computes alike
-    return quantizer
 
 
 def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
@@ -382,6 +450,10 @@ class _WeightIndex:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def names(self, prefix: str) -> list[str]:
+        """The tensors whose names start with `prefix` (one module's: "model.layers.3.")."""
+        return [name for name in self._where if name.startswith(prefix)]
 
     def _handle(self, name: str) -> Any:
         path = self._where[name]

@@ -4,7 +4,9 @@ As the reference it loads the source release's bf16 SafeTensors and upcasts them
 every matmul runs in float32: the reference is the checkpoint's exact weights with as little
 rounding in the arithmetic as this machine offers. For an hf-bundle artifact it loads the bundle
 directory the same way (`dtype="auto"` keeps the checkpoint's dtype, e.g. for quantized bundles
-whose kernels need it).
+whose kernels need it). A compressed-tensors bundle's experts load as one quantized Linear per expert
+projection (`eval.runtimes.experts`: transformers alone would dequantize them into its fused experts),
+and tensors its loader renamed keep the dtype the model declares (`as_declared`).
 
 `device` is a torch device string (`cpu`, `cuda:0`; the stage's, `pipeline.placement`). On a CUDA
 device the model is moved there after loading; each window's ids go there and its logits come back
@@ -22,6 +24,7 @@ import numpy as np
 
 from core.errors import Deferred, InvalidInput, StageFailed
 from eval.runtimes.base import check_ids, greedy_by_length, import_torch_transformers
+from eval.runtimes.experts import loading_experts
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -41,7 +44,11 @@ class TransformersRuntime:
         self.device = torch.device(device)  # a malformed string raises here, before the model loads
         torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
+            config = transformers.AutoConfig.from_pretrained(str(self.model_dir))
+            with loading_experts(config):  # a bundle's experts as one quantized Linear each (eval.runtimes.experts)
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
+                if dtype != "auto" and getattr(model, "hf_quantizer", None) is not None:
+                    as_declared(model, declared_dtypes(config, self.model_dir, torch_dtype))
         except ImportError as e:  # e.g. a quantized bundle whose kernels package is missing here
             raise Deferred(
                 f"transformers cannot load {str(self.model_dir)!r} on this machine: {e}",
@@ -132,6 +139,80 @@ def upcast_linear_weights(model: Any, dtype: Any) -> None:
             module.weight = upcast
 
 
+def compressed_tensors_quantizer(config: Any, model_dir: Path) -> Any:
+    """transformers' quantizer for a compressed-tensors bundle's config (None for a plain checkpoint), set to
+    the emulation every CPU and GPU computes alike; a quantization another library wrote is refused."""
+    if getattr(config, "quantization_config", None) is None:
+        return None
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+
+    try:
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    except (ValueError, KeyError, TypeError) as e:  # an unknown method, or a config its library refuses
+        raise StageFailed(
+            f"{model_dir}: config.json's quantization_config is not one transformers loads: {e}",
+            code="EVAL_RUNTIME_LOAD_FAILED",
+            details={"path": str(model_dir), "field": "quantization_config"},
+        ) from None
+    if not isinstance(quantizer, CompressedTensorsHfQuantizer):
+        raise StageFailed(
+            f"{model_dir}: {type(quantizer).__name__} quantization is not streamed (compressed-tensors is)",
+            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+        )
+    try:
+        quantizer.validate_environment()
+    except ImportError as e:  # its quantization library is not installed here
+        raise Deferred(
+            f"transformers cannot load {str(model_dir)!r} on this machine: {e}",
+            details={"runtime_needed": "transformers with compressed-tensors"},
+        ) from None
+    quantizer.use_fp8_kernel = False
+    return quantizer
+
+
+def declared_dtypes(config: Any, model_dir: Path, dtype: Any) -> dict[str, Any]:
+    """Each parameter's dtype as a bundle's model declares it before loading: built on the meta device in
+    `dtype`, each quantized Linear in its compressed layout (transformers' quantizer, as `from_pretrained`)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        twin = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    quantizer = compressed_tensors_quantizer(config, model_dir)
+    if quantizer is not None:
+        quantizer._process_model_before_weight_loading(twin)
+    return {name: p.dtype for name, p in twin.named_parameters()}
+
+
+def as_declared(model: Any, declared: dict[str, Any]) -> None:
+    """Give each floating-point parameter of a loaded bundle the dtype its model declares where the load left
+    the checkpoint's, narrower one (an exact upcast).
+
+    transformers 5.17 loads a pre-quantized checkpoint's tensors in the model's dtype, except those whose name
+    its conversion mapping renames, which keep the checkpoint's (`core_model_loading.
+    convert_and_load_state_dict_in_model`: `original_key != renamed_key` -> `_dtype = None`). Mixtral's
+    `block_sparse_moe.` -> `mlp.` renames its router and experts: a float32 load of a Mixtral bundle kept the
+    router bfloat16 (its matmul then refuses the float32 activations) and the experts' scales bfloat16 (their
+    weights dequantized in bfloat16, the attention's in float32)."""
+    import torch
+
+    for name, param in list(model.named_parameters()):
+        want = declared.get(name)
+        if (
+            want is None
+            or not param.is_floating_point()
+            or not want.is_floating_point
+            or param.dtype == want
+            or torch.finfo(want).bits <= torch.finfo(param.dtype).bits
+        ):
+            continue
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        delattr(module, attr)  # removed, then a new Parameter (as `upcast_linear_weights`)
+        setattr(module, attr, torch.nn.Parameter(param.data.to(want), requires_grad=False))
+
+
 def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:
     """Put a bundle's float8_e4m3fnuz weights (rocm-bundle for gfx942) into the model without rounding.
 
@@ -140,9 +221,12 @@ def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:
     weight x scale product exact, so the eval scores the values the bundle holds.
     """
     from safetensors import safe_open
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
 
+    # The checkpoint's names as the load renamed them (Mixtral's `block_sparse_moe.` is the module's `mlp.`).
+    renamings = [t for t in getattr(model, "_weight_conversions", None) or [] if isinstance(t, WeightRenaming)]
     files = sorted(model_dir.glob("*.safetensors"))
     where: dict[str, Path] = {}
     fnuz: list[str] = []
@@ -158,6 +242,6 @@ def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:
         with safe_open(str(where[name + "_scale"]), framework="pt") as handle:
             scale = handle.get_tensor(name + "_scale")
         fn, halved = e4m3fnuz_to_e4m3fn(weight, scale)
-        module = model.get_submodule(name.removesuffix(".weight"))
+        module = model.get_submodule(rename_source_key(name, renamings, [])[0].removesuffix(".weight"))
         module.weight.data.copy_(fn)
         module.weight_scale.data.copy_(halved.to(module.weight_scale.dtype))
