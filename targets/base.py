@@ -18,6 +18,7 @@ from quant.schemes import Verdict
 
 if TYPE_CHECKING:
     from formats.architectures.record import Architecture
+    from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
@@ -121,8 +122,8 @@ class DerivedNode:
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
-# (artifact name, quant, params) -> the artifacts the target derives from that export.
-DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedNode]]
+# (artifact name, quant, params, the model's shape) -> the artifacts the target derives from that export.
+DerivedFn = Callable[[str, str, dict[str, Any], "ModelShape"], list[DerivedNode]]
 # source -> what every export of the target needs from it and would otherwise compute once each (JSON).
 PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
@@ -162,6 +163,9 @@ class TargetSpec:
     # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
     # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
     per_architecture: bool = False
+    # Validates one quant and its params for a model (a scheme its family's loader cannot read, a config its runtime
+    # does not compute, an engine no pinned release converts), raising KilnError with the reason; None: nothing.
+    check_model: Callable[[ModelShape, str, dict[str, Any]], None] | None = None
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""
@@ -204,6 +208,13 @@ class TargetSpec:
                 code="TARGET_ARCHITECTURE_UNSUPPORTED",
                 details={"target": self.name, "architecture": arch.hf_class, "reason": mapping.refused},
             )
+
+    def check_for_model(self, shape: ModelShape, quant: str, params: dict[str, Any]) -> None:
+        """At plan time, once the source is read: the family's record (`check_architecture`), then the target's own
+        check of `quant` and `params` for this model (`check_model`)."""
+        self.check_architecture(shape.arch)
+        if self.check_model is not None:
+            self.check_model(shape, quant, params)
 
     def check_quant(self, quant: str) -> None:
         if quant in self.unsupported_quants:
