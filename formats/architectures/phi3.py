@@ -10,8 +10,8 @@ from formats.architectures.record import Architecture, Attention, LayerType, Mlp
 # Why TensorRT-LLM loads no quantized Phi-3 kiln writes.
 _FUSED_SPLIT = (
     "TensorRT-LLM's Phi3ForCausalLM.load_weights (modeling_phi3.py) splits the fused qkv_proj and gate_up_proj by "
-    "rows and hands each part its weight alone (since PR #6761 also the one fused weight_scale, whole, which fits "
-    "ModelOpt's per-tensor FP8 only): a fused Linear's per-channel, block, NVFP4 or int4 scales would not load"
+    "rows and hands each part its weight alone (PR #6761 adds the fused weight_scale, for ModelOpt's per-tensor FP8): "
+    "a fused Linear's per-channel, block, NVFP4 or int4 scales would not load"
 )
 
 
