@@ -153,7 +153,7 @@ def _build_graph(
     prepared: dict[str, Node] = {}  # one prepare node per target that has one, shared by its exports
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
-        spec.check_model(sizing.shape, sizing.config, entry.params)
+        spec.check_model(sizing.shape, sizing.config, quant, entry.params)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
             if spec.name not in prepared:
@@ -206,7 +206,7 @@ def _build_graph(
         nodes += [export, *evaluators]
         roles = {"export": export.id, "ingest": ingest.id, "reference": reference.id}
         made: list[PlannedArtifact] = []
-        for derived in spec.derived(name, quant, entry.params) if spec.derived is not None else []:
+        for derived in spec.derived(name, quant, entry.params, sizing.shape) if spec.derived is not None else []:
             params = derived.params
             if derived.evaluates is not None:  # an eval on other hardware: judged by the same gate
                 params = {**params, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()}

@@ -122,8 +122,8 @@ class DerivedNode:
 
 
 ExportFn = Callable[["SourceModel", ExportRequest], ExportResult]
-# (artifact name, quant, params) -> the artifacts the target derives from that export.
-DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedNode]]
+# (artifact name, quant, params, the model's shape) -> the artifacts the target derives from that export.
+DerivedFn = Callable[[str, str, dict[str, Any], "ModelShape"], list[DerivedNode]]
 # source -> what every export of the target needs from it and would otherwise compute once each (JSON).
 PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
@@ -163,10 +163,11 @@ class TargetSpec:
     # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
     # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
     per_architecture: bool = False
-    # Refuses, at plan time, a model of a family the record maps that this target still cannot write or serve
-    # (a config feature its runtime does not compute, a mesh the model does not split over): called with the
-    # model's shape, its config.json and the recipe's params. None: every model of a mapped family.
-    check_model_fn: Callable[[ModelShape, Mapping[str, Any], dict[str, Any]], None] | None = None
+    # Refuses, at plan time, a model of a family the record maps that this target still cannot write or serve in
+    # one quant (a config feature its runtime does not compute, a scheme its family's loader cannot read, a mesh
+    # the model does not split over, an engine no pinned release converts): called with the model's shape, its
+    # config.json, the quant and the recipe's params, raising KilnError with the reason. None: nothing to check.
+    check_model_fn: Callable[[ModelShape, Mapping[str, Any], str, dict[str, Any]], None] | None = None
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""
@@ -210,12 +211,12 @@ class TargetSpec:
                 details={"target": self.name, "architecture": arch.hf_class, "reason": mapping.refused},
             )
 
-    def check_model(self, shape: ModelShape, config: Mapping[str, Any], params: dict[str, Any]) -> None:
-        """Refuse, at plan time, a model this target cannot serve: its family (`check_architecture`), then the
-        model itself (`check_model_fn`), each with the reason."""
+    def check_model(self, shape: ModelShape, config: Mapping[str, Any], quant: str, params: dict[str, Any]) -> None:
+        """Refuse, at plan time, a model this target cannot serve in `quant`: its family (`check_architecture`),
+        then the model itself (`check_model_fn`), each with the reason."""
         self.check_architecture(shape.arch)
         if self.check_model_fn is not None:
-            self.check_model_fn(shape, config, params)
+            self.check_model_fn(shape, config, quant, params)
 
     def check_quant(self, quant: str) -> None:
         if quant in self.unsupported_quants:

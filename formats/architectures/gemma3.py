@@ -86,7 +86,21 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="gemma3"),
         "orbax": TargetMapping(),
-        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        # TensorRT-LLM main (2026): tensorrt_llm/_torch/models/modeling_gemma3.py (sliding layers from
+        # config.layer_types, with their window and local rope base; the embedding scaled by sqrt(hidden)) and
+        # checkpoints/hf/gemma3_weight_mapper.py, which adds the 1 to every norm as it loads (the checkpoint keeps
+        # transformers' w). The TensorRT backend converts Gemma 3 with examples/models/core/gemma/ (its README's
+        # "Run Gemma 3").
+        "trtllm": TargetMapping(
+            trtllm_architecture="Gemma3ForCausalLM",
+            trtllm_assumes=(
+                (
+                    "no_softcapping",
+                    "TensorRT-LLM's Gemma3 (modeling_gemma3.py) applies no attention or final logit softcapping",
+                ),
+            ),
+            trtllm_converter="gemma",
+        ),
         "vllm": TargetMapping(),
     },
     description="dense, 5:1 sliding-window:global layers, q/k RMSNorm, (1 + w) sandwich norms, tied head",

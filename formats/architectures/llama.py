@@ -19,7 +19,7 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="llama", permute_qk=True),
         "orbax": TargetMapping(),
-        "trtllm": TargetMapping(trtllm_architecture="LlamaForCausalLM"),
+        "trtllm": TargetMapping(trtllm_architecture="LlamaForCausalLM", trtllm_converter="llama"),
         "vllm": TargetMapping(),
     },
     description="dense, GQA, SwiGLU",

@@ -23,7 +23,7 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="llama", permute_qk=True),
         "orbax": TargetMapping(),
-        "trtllm": TargetMapping(trtllm_architecture="MistralForCausalLM"),
+        "trtllm": TargetMapping(trtllm_architecture="MistralForCausalLM", trtllm_converter="llama"),
         "vllm": TargetMapping(),
     },
     description="dense, GQA, SwiGLU, optional sliding window on every layer",

@@ -59,7 +59,21 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="llama", permute_qk=True),
         "orbax": TargetMapping(),
-        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        # TensorRT-LLM main (2026): tensorrt_llm/_torch/models/modeling_mixtral.py (the router a Linear built with
+        # quant_config=None; block_sparse_moe.experts.<e>.w1/w2/w3 load into the fused MoE as named) and
+        # checkpoints/hf/mixtral_weight_mapper.py. The TensorRT backend's MODEL_MAP maps MixtralForCausalLM to
+        # LLaMAForCausalLM: examples/models/core/mixtral/README.md converts with the llama converter.
+        "trtllm": TargetMapping(
+            trtllm_architecture="MixtralForCausalLM",
+            trtllm_assumes=(
+                (
+                    "no_binding_window",
+                    "TensorRT-LLM's MixtralAttention (modeling_mixtral.py) has no window: it would attend past a "
+                    "sliding window shorter than the context",
+                ),
+            ),
+            trtllm_converter="llama",
+        ),
         "vllm": TargetMapping(),
     },
     description="mixture of experts (8 experts, top-2), GQA",

@@ -7,6 +7,13 @@ from __future__ import annotations
 from formats.architectures.config import FamilyConfig
 from formats.architectures.record import Architecture, Attention, LayerType, Mlp, TargetMapping, TensorKind, refused
 
+# Why TensorRT-LLM loads no quantized Phi-3 kiln writes.
+_FUSED_SPLIT = (
+    "TensorRT-LLM's Phi3ForCausalLM.load_weights (modeling_phi3.py) splits the fused qkv_proj and gate_up_proj by "
+    "rows and hands each part its weight alone (PR #6761 adds the fused weight_scale, for ModelOpt's per-tensor FP8): "
+    "a fused Linear's per-channel, block, NVFP4 or int4 scales would not load"
+)
+
 
 class Phi3Config(FamilyConfig):
     """Phi-3's config.json: a window on every layer when `sliding_window` is given; `partial_rotary_factor`
@@ -27,7 +34,22 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="phi3", names=((TensorKind.FFN_GATE_UP, "ffn_up"),)),
         "orbax": TargetMapping(),
-        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        # TensorRT-LLM main (2026): tensorrt_llm/_torch/models/modeling_phi3.py; the TensorRT backend's
+        # examples/models/core/phi/convert_checkpoint.py converts Phi-3.
+        "trtllm": TargetMapping(
+            trtllm_architecture="Phi3ForCausalLM",
+            trtllm_refused=tuple(
+                (algo, _FUSED_SPLIT) for algo in ("FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "NVFP4")
+            ),
+            trtllm_assumes=(
+                (
+                    "no_binding_window",
+                    "TensorRT-LLM's Phi3Attention (modeling_phi3.py) has no window: it would attend past a sliding "
+                    "window shorter than the context",
+                ),
+            ),
+            trtllm_converter="phi",
+        ),
         "vllm": TargetMapping(),
     },
     description="dense, fused qkv and gate_up projections",

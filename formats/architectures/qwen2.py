@@ -37,7 +37,7 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="qwen2"),
         "orbax": TargetMapping(),
-        "trtllm": TargetMapping(trtllm_architecture="Qwen2ForCausalLM"),
+        "trtllm": TargetMapping(trtllm_architecture="Qwen2ForCausalLM", trtllm_converter="qwen"),
         "vllm": TargetMapping(),
     },
     description="dense, GQA with q/k/v biases, SwiGLU",

@@ -15,7 +15,19 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="qwen3"),
         "orbax": TargetMapping(),
-        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        # TensorRT-LLM main (2026): tensorrt_llm/_torch/models/modeling_qwen3.py.
+        "trtllm": TargetMapping(
+            trtllm_architecture="Qwen3ForCausalLM",
+            trtllm_assumes=(
+                (
+                    "no_binding_window",
+                    "TensorRT-LLM's Qwen3DecoderLayer (modeling_qwen3.py) gives its attention no window: it would "
+                    "attend past a sliding window shorter than the context",
+                ),
+            ),
+            trtllm_no_converter="the TensorRT backend's qwen convert_checkpoint.py refuses model_type qwen3 "
+            "(0.21.0; NVIDIA/TensorRT-LLM issue #5450): only the PyTorch backend serves Qwen3",
+        ),
         "vllm": TargetMapping(),
     },
     description="dense, GQA, q/k RMSNorm, SwiGLU",

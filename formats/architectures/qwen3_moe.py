@@ -73,7 +73,31 @@ RECORD = Architecture(
     targets={
         "gguf": TargetMapping(gguf_arch="qwen3moe"),
         "orbax": TargetMapping(),
-        "trtllm": refused("kiln writes no TensorRT-LLM checkpoint for this family yet"),
+        # TensorRT-LLM main (2026): tensorrt_llm/_torch/models/modeling_qwen3_moe.py, its HF weight mapper
+        # (checkpoints/hf/qwen3_moe_weight_mapper.py, via qwen2_moe_weight_mapper.py: experts.<e>.gate_proj/up_proj/
+        # down_proj become the fused MoE's w1/w3/w2), the router a plain bf16 parameter (Qwen3Gate).
+        "trtllm": TargetMapping(
+            trtllm_architecture="Qwen3MoeForCausalLM",
+            trtllm_assumes=(
+                (
+                    "every_layer_sparse",
+                    "TensorRT-LLM's Qwen3MoEDecoderLayer (modeling_qwen3_moe.py) builds a routed MoE block in every "
+                    "layer: a dense layer (mlp_only_layers, decoder_sparse_step > 1) would not load",
+                ),
+                (
+                    "norm_topk_prob",
+                    "TensorRT-LLM routes Qwen3-MoE with RoutingMethodType.Renormalize (top-k, then a softmax over the "
+                    "chosen experts: modeling_qwen3_moe.py), which computes norm_topk_prob true",
+                ),
+                (
+                    "no_binding_window",
+                    "TensorRT-LLM's Qwen3MoEDecoderLayer gives its attention no window: it would attend past a "
+                    "sliding window shorter than the context",
+                ),
+            ),
+            trtllm_no_converter="Qwen3MoeForCausalLM is not in the TensorRT backend's tensorrt_llm.models.MODEL_MAP "
+            "(NVIDIA/TensorRT-LLM issue #5978): only the PyTorch backend serves Qwen3-MoE",
+        ),
         "vllm": TargetMapping(),
     },
     description="mixture of experts (top-k of many, no shared expert), GQA, q/k RMSNorm",

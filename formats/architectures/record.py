@@ -190,6 +190,12 @@ class Norms:
     embedding_scale: Literal["none", "sqrt_hidden"] = "none"
 
 
+# What a TensorRT-LLM model class may assume of a config (`TargetMapping.trtllm_assumes`): every layer routes to
+# experts; the router renormalises over the chosen experts; no logit softcapping; no window shorter than the
+# context (the class passes no attention window).
+TrtllmAssumption = Literal["every_layer_sparse", "norm_topk_prob", "no_softcapping", "no_binding_window"]
+
+
 @dataclass(frozen=True)
 class TargetMapping:
     """What one target needs of a family: a mapping (target-specific data, see each target's table), or
@@ -200,6 +206,16 @@ class TargetMapping:
     permute_qk: bool = False  # GGUF: q/k rows permuted to llama.cpp's interleaved rope layout
     names: tuple[tuple[TensorKind, str], ...] = ()  # GGUF: kinds whose tensor name is not the kind itself
     trtllm_architecture: str | None = None  # TensorRT-LLM: the architecture its PyTorch backend registers
+    # TensorRT-LLM: QuantAlgos its model class cannot load for this family, with the reason (the fused MoE's limits
+    # are the target's own, for every family with experts).
+    trtllm_refused: tuple[tuple[str, str], ...] = ()
+    # TensorRT-LLM: what its model class assumes of config.json (`TrtllmAssumption`), with the reason a model that
+    # breaks it is refused.
+    trtllm_assumes: tuple[tuple[TrtllmAssumption, str], ...] = ()
+    # TensorRT-LLM legacy engines: examples/models/core/<converter>/convert_checkpoint.py of the pinned release, or
+    # (None) why no release kiln pins converts the family.
+    trtllm_converter: str | None = None
+    trtllm_no_converter: str | None = None
 
     @property
     def supported(self) -> bool:

@@ -378,9 +378,10 @@ def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfi
     )
 
 
-def check_model(shape: ModelShape, config: Mapping[str, Any], params: Mapping[str, Any]) -> None:
-    """At plan time: ORBAX_UNSUPPORTED for a model the forward does not compute (`forward_config`), and
-    ORBAX_SHARDING_NOT_DIVISIBLE for one the recipe's mesh cannot split, before any stage runs."""
+def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: Mapping[str, Any]) -> None:
+    """`TargetSpec.check_model_fn`, at plan time: ORBAX_UNSUPPORTED for a model the forward does not compute
+    (`forward_config`; the same for every quant), and ORBAX_SHARDING_NOT_DIVISIBLE for one the recipe's mesh
+    cannot split, before any stage runs."""
     forward_config(shape, config)
     plan_sharding(
         checkpoint_tensors(plan_checkpoint(shape, QUANTS["bf16"])),

@@ -8,6 +8,11 @@ SKU with a release that still has trtllm-build. Both are stages of the target's 
 `targets.trtllm.stages` and run by the pipeline's derived stage, where that GPU and the pinned tensorrt_llm
 exist; they are deferred elsewhere. See `targets.trtllm.formats` for the per-scheme choices and their
 sources, `targets.trtllm.engines` for the per-SKU jobs' params, commands and runners.
+
+Families: each architecture record's `trtllm` mapping (`formats.architectures`) names the architecture TensorRT-LLM's
+PyTorch backend registers, the QuantAlgos its model's loader cannot read, what its model class assumes of the config
+and the legacy converter; the fused MoE's limits (`formats.MOE_REFUSED`) apply to every family with experts. A model
+the backend would not load or would compute differently is refused at plan time (`check_model`).
 """
 
 from targets.base import TargetSpec, register
@@ -16,6 +21,7 @@ from targets.trtllm.export import (
     HARDWARE,
     QUANTIZED,
     QUANTS,
+    check_model,
     check_params,
     check_quant_params,
     export,
@@ -40,6 +46,7 @@ SPEC = register(
         compatibility_fn=trtllm_compatibility,
         check_params=check_params,
         check_quant_params=check_quant_params,
+        check_model_fn=check_model,
         unsupported_quants=REFUSED,
         derived=derived_nodes,
         quant_runtimes={q: f.eval_runtimes for q, f in FORMATS.items()},

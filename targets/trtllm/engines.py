@@ -17,14 +17,18 @@ so. The commands, as the pinned release's examples take them (examples/models/co
 examples/quantization/quantize.py, tensorrt_llm/commands/build.py), with `{examples}` the runner's
 TensorRT-LLM checkout's `examples/` at the pinned tag and the other `{...}` the stage's directories:
 
-    bf16:      python3 {examples}/models/core/<family>/convert_checkpoint.py --model_dir {source}
-                   --output_dir {checkpoint} --dtype bfloat16 --tp_size 1
+    bf16:      python3 {examples}/models/core/<converter>/convert_checkpoint.py --model_dir {source}
+                   --output_dir {checkpoint} --dtype bfloat16 --tp_size 1  (gemma: its own flags)
     fp8:       python3 {examples}/quantization/quantize.py --model_dir {source} --dtype bfloat16
                    --qformat fp8 --kv_cache_dtype fp8 --calib_size 512 --output_dir {checkpoint} --tp_size 1
     w4a16-awq: python3 {examples}/quantization/quantize.py ... --qformat int4_awq --awq_block_size 128
                    --calib_size 32 ...
     then:      trtllm-build --checkpoint_dir {checkpoint} --output_dir {engine} --max_batch_size N
                    --max_input_len N --max_seq_len N <plugin flags>
+
+The converter is the family's (`TargetMapping.trtllm_converter` in its architecture record: llama for Llama,
+Mistral and Mixtral, qwen for Qwen2, gemma for Gemma 3, phi for Phi-3); Qwen3 and Qwen3-MoE have none (the
+TensorRT backend never converted them: NVIDIA/TensorRT-LLM issues #5450, #5978) and are refused with that reason.
 
 An engine is tied to the GPU architecture and the TensorRT version it was built with, so it is
 offered to its SKU alone. Where the GPU or the pinned package is missing, either stage is deferred
@@ -38,7 +42,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,6 +59,9 @@ from targets.trtllm.formats import (
     algo_verdict,
 )
 
+if TYPE_CHECKING:
+    from formats.architectures.shape import ModelShape
+
 # What the per-SKU evaluation pins by default: the oldest release that loads every scheme kiln writes.
 DEFAULT_PYTORCH_TENSORRT_LLM = max((v for v, _ in MIN_PYTORCH_BACKEND.values()), key=Version)
 # What legacy engines pin by default: the last 0.x line, with trtllm-build.
@@ -62,12 +69,20 @@ DEFAULT_ENGINE_TENSORRT_LLM = "0.21.0"
 _VERSION = r"^[0-9]+\.[0-9]+\.[0-9]+([.+-]?[A-Za-z0-9.]+)?$"
 # The placeholders of the legacy commands (filled by the engine stage on its runner).
 EXAMPLES, SOURCE, CHECKPOINT, ENGINE = "{examples}", "{source}", "{checkpoint}", "{engine}"
-# Which examples/models/core/<family>/convert_checkpoint.py converts an architecture's bf16 checkpoint.
-CONVERTERS: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen",
-}
+# How each examples/models/core/<converter>/convert_checkpoint.py takes the bf16 source and the checkpoint it writes,
+# by converter (the family's `TargetMapping.trtllm_converter`): llama (Llama, Mistral, Mixtral), qwen and phi take
+# --model_dir/--output_dir/--tp_size (their READMEs); gemma takes --ckpt-type hf --model-dir/--output-model-dir
+# and --world-size (examples/models/core/gemma/README.md, "Run Gemma 3").
+_MODEL_DIR_FLAGS = ("--model_dir", SOURCE, "--output_dir", CHECKPOINT, "--dtype", "bfloat16", "--tp_size", "1")
+CONVERT_FLAGS: dict[str, tuple[str, ...]] = {
+    "llama": _MODEL_DIR_FLAGS,
+    "qwen": _MODEL_DIR_FLAGS,
+    "phi": _MODEL_DIR_FLAGS,
+    "gemma": (
+        "--ckpt-type", "hf", "--model-dir", SOURCE, "--output-model-dir", CHECKPOINT,
+        "--dtype", "bfloat16", "--world-size", "1",
+    ),
+}  # fmt: skip
 # kiln scheme -> quantize.py's --qformat and its options (None: bf16, convert_checkpoint.py).
 LEGACY_QFORMATS: dict[str, list[str] | None] = {
     "bf16": None,
@@ -225,12 +240,26 @@ def build_flags(quant: str, sku: str) -> list[str]:
     return [*flags, "--gemm_plugin", "auto"]
 
 
-def legacy_commands(quant: str, sku: str, matrix: EngineMatrix) -> list[list[str]]:
-    """The argv templates of one legacy engine: convert or quantize the bf16 source, then trtllm-build."""
+def check_converter(shape: ModelShape, quant: str, params: TrtllmParams) -> None:
+    """With legacy engines asked for: refuse a family no release kiln pins converts, with the record's reason."""
+    mapping = shape.arch.target("trtllm")
+    if params.legacy_engines is None or mapping.trtllm_converter is not None:
+        return
+    reason = mapping.trtllm_no_converter or f"kiln knows no TensorRT backend converter for {shape.architecture}"
+    raise InvalidInput(
+        f"trtllm-{quant}: no legacy engine for {shape.architecture} ({shape.family}): {reason}",
+        code="ENGINE_UNSUPPORTED",
+        details={"quant": quant, "architecture": shape.architecture, "reason": reason},
+    )
+
+
+def legacy_commands(quant: str, sku: str, matrix: EngineMatrix, converter: str) -> list[list[str]]:
+    """The argv templates of one legacy engine: convert (with the family's `converter`) or quantize the bf16
+    source, then trtllm-build."""
     options = LEGACY_QFORMATS[quant]
     if options is None:
-        convert = ["python3", f"{EXAMPLES}/models/core/{{family}}/convert_checkpoint.py", "--model_dir", SOURCE]
-        convert += ["--output_dir", CHECKPOINT, "--dtype", "bfloat16", "--tp_size", "1"]
+        script = f"{EXAMPLES}/models/core/{converter}/convert_checkpoint.py"
+        convert = ["python3", script, *CONVERT_FLAGS[converter]]
     else:
         convert = ["python3", f"{EXAMPLES}/quantization/quantize.py", "--model_dir", SOURCE, "--dtype", "bfloat16"]
         convert += [*options, "--output_dir", CHECKPOINT, "--tp_size", "1"]

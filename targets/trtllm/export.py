@@ -20,6 +20,7 @@ The written directory is checked against `schema.check_checkpoint` before export
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,17 +29,25 @@ from core.errors import InvalidInput, StageFailed
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
-from targets.trtllm.engines import check_skus, parse_params, runner
+from targets.trtllm.engines import check_converter, check_skus, parse_params, runner
 from targets.trtllm.formats import ENGINE_SKUS, FORMATS, MIN_PYTORCH_BACKEND, scheme_verdicts
-from targets.trtllm.schema import HF_QUANT_CONFIG, HfQuantConfig, check_checkpoint
+from targets.trtllm.schema import (
+    HF_QUANT_CONFIG,
+    HfQuantConfig,
+    check_checkpoint,
+    fused_groups,
+    model_refusal,
+    router_modules,
+)
 
 if TYPE_CHECKING:
     import torch
 
+    from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
-CODE_VERSION = "2"
+CODE_VERSION = "3"
 QUANTS = tuple(FORMATS)
 QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
 HARDWARE = tuple(ENGINE_SKUS)
@@ -116,8 +125,6 @@ _NVFP4_NAMES = {
     "weight_global_scale": ("weight_scale_2", True),
     "input_global_scale": ("input_scale", True),
 }
-# Linears TensorRT-LLM fuses (one GEMM), which must share weight_scale_2 and input_scale exactly.
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _reciprocal(read: Any) -> Any:
@@ -129,9 +136,10 @@ def _reciprocal(read: Any) -> Any:
     return inverted
 
 
-def to_modelopt_nvfp4(planned: list[Planned]) -> list[Planned]:
+def to_modelopt_nvfp4(planned: list[Planned], fused: dict[str, tuple[str, ...]]) -> list[Planned]:
     """The plan with every compressed-tensors NVFP4 module as ModelOpt's (`_NVFP4_NAMES`), after checking that the
-    Linears TensorRT-LLM fuses share their tensor scales (each is read now: four bytes)."""
+    Linears TensorRT-LLM runs as one GEMM (`fused`: q/k/v, gate/up, each expert's gate/up; `schema.fused_groups`)
+    share their tensor scales (each is read now: four bytes)."""
     out = []
     shared: dict[tuple[str, str], tuple[str, float]] = {}  # (fused group, scale) -> (first module, its value)
     for p in planned:
@@ -141,15 +149,15 @@ def to_modelopt_nvfp4(planned: list[Planned]) -> list[Planned]:
             continue
         name, inverted = _NVFP4_NAMES[local]
         if inverted:
-            parent, _, linear = module.rpartition(".")
-            group = next((g for g in _FUSED if linear in g), None)
+            group = fused.get(module)
             if group is not None:
                 value = float(p.read().reshape(-1)[0])
-                first = shared.setdefault((f"{parent}.{group[0]}", local), (module, value))
+                first = shared.setdefault((group[0], local), (module, value))
                 if first[1] != value:
+                    linears = "/".join(m.rpartition(".")[2] for m in group)
                     raise StageFailed(
                         f"trtllm NVFP4: {module}.{local} is {value!r} but {first[0]}.{local} is {first[1]!r}; "
-                        f"TensorRT-LLM fuses {'/'.join(group)} and needs them equal",
+                        f"TensorRT-LLM runs {linears} as one GEMM and needs them equal",
                         code="TRTLLM_FUSED_SCALES",
                     )
             out.append(replace(p, name=f"{module}.{name}", shape=(), nbytes=4, read=_reciprocal(p.read)))
@@ -170,9 +178,10 @@ def unit_scale_kv(quantized: QuantizedWeights) -> dict[str, Any]:
     }
 
 
-def hf_quant_config(scheme: Scheme) -> HfQuantConfig:
+def hf_quant_config(scheme: Scheme, shape: ModelShape) -> HfQuantConfig:
     """hf_quant_config.json for an int4 or NVFP4 scheme, in ModelOpt's legacy shape (the one read whatever the
-    producer); int4's W4A16_AWQ layout carries a (unit) pre_quant_scale."""
+    producer); int4's W4A16_AWQ layout carries a (unit) pre_quant_scale. exclude_modules: the scheme's ignore
+    (lm_head), then every router, by name, as ModelOpt lists them."""
     assert scheme.weights is not None
     algo = FORMATS[scheme.name].quant_algo
     return HfQuantConfig.model_validate(
@@ -184,7 +193,7 @@ def hf_quant_config(scheme: Scheme) -> HfQuantConfig:
                 "group_size": scheme.weights.group_size,
                 "has_zero_point": False,
                 "pre_quant_scale": algo == "W4A16_AWQ",
-                "exclude_modules": list(scheme.ignore),
+                "exclude_modules": [*scheme.ignore, *router_modules(shape)],
             },
         }
     )
@@ -196,17 +205,20 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     fmt = FORMATS.get(req.quant)
     if fmt is None:
         raise InvalidInput(f"trtllm builds {', '.join(QUANTS)}; got {req.quant!r}")
+    check_model(source.shape, source.config, req.quant, req.params)
     scheme, quantized = checked_inputs("trtllm", req)
     planned = plan_tensors(source, quantized, req.on_progress)
     inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
     if fmt.quant_algo == "W4A16_AWQ":
         planned = to_modelopt_int4(planned)
     elif fmt.quant_algo == "NVFP4":
-        planned = to_modelopt_nvfp4(planned)
+        planned = to_modelopt_nvfp4(planned, fused_groups(source.shape))
     files = write_bundle(source, req.out_dir, planned, inline, params.max_shard_bytes)
     if fmt.layout == "modelopt":
         # quantized_layers belongs to MIXED_PRECISION only; the other keys are written even when null, as ModelOpt does.
-        config = hf_quant_config(scheme).model_dump(mode="json", exclude={"quantization": {"quantized_layers"}})
+        config = hf_quant_config(scheme, source.shape).model_dump(
+            mode="json", exclude={"quantization": {"quantized_layers"}}
+        )
         (req.out_dir / HF_QUANT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         files = sorted([*files, HF_QUANT_CONFIG])
     checked = check_checkpoint(req.out_dir)
@@ -233,6 +245,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             runtime["quantization"]["kv_cache_quant_algo"] = kv_algo
     verdicts = scheme_verdicts(scheme.name)
     details: dict[str, Any] = {
+        "architecture": source.shape.architecture,
         "shards": sum(f.endswith(".safetensors") for f in files),
         "layout": fmt.layout,
         "hardware": {hw: v.model_dump() for hw, v in verdicts.items()},
@@ -272,3 +285,20 @@ def check_quant_params(quant: str, params: dict[str, Any]) -> None:
     """`TargetSpec.check_quant_params`: every SKU must serve `quant`, and every pin load or build it (named,
     with the reason)."""
     check_skus(quant, parse_params(params))
+
+
+def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: dict[str, Any]) -> None:
+    """`TargetSpec.check_model_fn`, at plan time and again on export: TensorRT-LLM's PyTorch backend must serve
+    this model as `quant` (`schema.model_refusal`: the family's record, the fused MoE's limits; config.json is
+    read through `shape`), and a legacy engine needs a release that converts the family
+    (`engines.check_converter`)."""
+    algo = FORMATS[quant].quant_algo
+    refusal = model_refusal(shape, algo)
+    if refusal is not None:
+        code, reason = refusal
+        raise InvalidInput(
+            f"trtllm-{quant} cannot serve {shape.architecture} ({shape.family}): {reason}",
+            code=code,
+            details={"target": "trtllm", "quant": quant, "architecture": shape.architecture, "reason": reason},
+        )
+    check_converter(shape, quant, parse_params(params))

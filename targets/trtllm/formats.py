@@ -76,6 +76,27 @@ REFUSED: dict[str, str] = {
     "W4A16_MXFP4), not for dense Linears",
 }
 
+# QuantAlgo -> why TensorRT-LLM's fused MoE cannot run a family's experts in it, for every family with experts
+# (Qwen3-MoE, Mixtral). Read in tensorrt_llm/_torch/modules/fused_moe/ (main, 2026): each backend's `can_implement`
+# (CutlassFusedMoE._QUANT_SUPPORT_TABLE: unquantized, FP8 per tensor, FP8_BLOCK_SCALES on sm90/sm120, NVFP4 on
+# sm100/103/120/121, W4A16_NVFP4, W4A8_AWQ, per-channel W8A16 and W4A16, the MXFP4 and MXFP8 kinds;
+# TRTLLMGenFusedMoE._SUPPORTED_QUANT_ALGOS: NVFP4, FP8_BLOCK_SCALES, W4A8_NVFP4_FP8 and the MXFP4 kinds on sm100;
+# DeepGemm and CuteDSL: FP8 block and NVFP4 on sm100; Marlin: W4A16_NVFP4), resolved by `moe_resolution.py`, and
+# the methods' loaders in `quantization.py`. NVFP4 loads (`NVFP4CutlassFusedMoEMethod`, `<e>.w1/w2/w3.weight`,
+# `weight_scale`, `weight_scale_2`, `input_scale`), with each expert's w1 and w3 sharing weight_scale_2 and
+# input_scale (`load_expert_fc31_alpha_nvfp4` asserts it; input scales are reduced by a max over the experts).
+MOE_REFUSED: dict[str, str] = {
+    "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM's fused MoE has no FP8 rowwise method: no backend takes "
+    "FP8_PER_CHANNEL_PER_TOKEN experts (CutlassFusedMoE._QUANT_SUPPORT_TABLE, "
+    "TRTLLMGenFusedMoE._SUPPORTED_QUANT_ALGOS; PR #17433's review: 'there's no FP8-rowwise MoE method')",
+    "FP8_BLOCK_SCALES": "TensorRT-LLM's FP8 block-scale fused MoE (DeepSeekFP8BlockScalesFusedMoEMethod) reads each "
+    "expert's scales as <e>.w1/w2/w3.weight_scale_inv, and the Qwen3-MoE and Mixtral weight mappers pass "
+    "compressed-tensors' weight_scale through unrenamed: the experts' scales would not load",
+    "W4A16_AWQ": "no TensorRT-LLM fused-MoE backend runs per-group int4 weight-only experts: "
+    "CutlassFusedMoE._QUANT_SUPPORT_TABLE has W4A8_AWQ (FP8 activations) and per-channel W4A16 only, the others "
+    "NVFP4, FP8 block scaling and MXFP4",
+}
+
 # QuantAlgo -> the NVIDIA architectures TensorRT-LLM documents it on (None: bf16, sm80+).
 ALGO_ARCHES: dict[str | None, tuple[str, ...]] = {
     None: ("sm80", "sm89", "sm90", "sm100"),

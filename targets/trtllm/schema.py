@@ -20,10 +20,17 @@ Sources (NVIDIA/TensorRT-LLM, main branch as of 2026):
   tensor names, dtypes and shapes each algo's Linear loads (`LINEAR_TENSORS`).
 - The Qwen3.5 HF weight-mapper unit test (`_pack_int4_rows`): W4A16 weights are int4 pairs of
   consecutive output rows in one byte, row 2j in the low nibble.
+- Per family, `tensorrt_llm/_torch/models/modeling_{llama,mistral,qwen,qwen3,qwen3_moe,mixtral,gemma3,phi3}.py`
+  (each `@register_auto_model` name; `_arch_index.py` lists them) and `checkpoints/hf/*_weight_mapper.py`: q/k/v
+  and gate/up load into fused Linears from their separate tensors, Phi-3's fused ones are split by rows; experts
+  load as `<block>.experts.<e>.w1/w3/w2` (Qwen3-MoE's gate_proj/up_proj/down_proj renamed so); the router is
+  never quantized. Which tensors a model has is its architecture record's (`ModelShape.tensors`), so the checker
+  covers every family; what the backend cannot load per family is `model_refusal`'s.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from collections.abc import Callable
@@ -34,9 +41,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from core.errors import InvalidInput
+from formats.architectures.record import TensorKind, TrtllmAssumption
+from formats.architectures.shape import ModelShape
 from formats.safetensors import TensorInfo, read_header
+from targets.trtllm.formats import MOE_REFUSED
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
+# A layer's KV-cache scales, beside its attention's projections (compressed-tensors' kv_cache_scheme).
+KV_SCALES = ("k_scale", "v_scale")
 
 # tensorrt_llm/quantization/mode.py: QuantAlgo. INT8 is a KV-cache algo only (QUANT_ALGO_LIST excludes it).
 QuantAlgoName = Literal[
@@ -198,21 +210,99 @@ LINEAR_TENSORS: dict[str | None, tuple[TensorSpec, ...]] = {
 }
 
 
-def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(out, in) of every Linear in a Llama-family decoder layer, from config.json."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    return {
-        "self_attn.q_proj": (heads * head_dim, hidden),
-        "self_attn.k_proj": (kv * head_dim, hidden),
-        "self_attn.v_proj": (kv * head_dim, hidden),
-        "self_attn.o_proj": (hidden, heads * head_dim),
-        "mlp.gate_proj": (inter, hidden),
-        "mlp.up_proj": (inter, hidden),
-        "mlp.down_proj": (hidden, inter),
-    }
+def _excluded(module: str, patterns: tuple[str, ...]) -> bool:
+    """Whether TensorRT-LLM leaves `module` unquantized for these exclude_modules / ignore entries: a glob on the
+    name (`QuantConfig.is_module_excluded_from_quantization`, fnmatch), or compressed-tensors' name suffix."""
+    return any(fnmatch.fnmatchcase(module, p) or module.endswith("." + p) or module == p for p in patterns)
+
+
+def _broken(shape: ModelShape, assumption: TrtllmAssumption) -> str | None:
+    """What in this config breaks one of a TensorRT-LLM model class's assumptions (None: nothing)."""
+    moe = shape.moe
+    if assumption == "every_layer_sparse" and moe is not None and len(moe.sparse_layers) < shape.num_layers:
+        dense = sorted(set(range(shape.num_layers)) - set(moe.sparse_layers))
+        return f"this config makes layers {dense[:8]} dense"
+    if assumption == "norm_topk_prob" and moe is not None and not moe.norm_topk_prob:
+        return "this config has norm_topk_prob false"
+    if assumption == "no_softcapping":
+        caps = {"attn_logit_softcapping": shape.attn_logit_softcapping}
+        caps["final_logit_softcapping"] = shape.final_logit_softcapping
+        set_caps = {k: v for k, v in caps.items() if v is not None}
+        if set_caps:
+            return "this config sets " + ", ".join(f"{k}={v}" for k, v in set_caps.items())
+    window = shape.sliding_window
+    sliding = "sliding_attention" in shape.layer_types
+    if assumption == "no_binding_window" and sliding and window is not None and window < shape.max_position_embeddings:
+        return f"this config slides over {window} of its {shape.max_position_embeddings} positions"
+    return None
+
+
+def model_refusal(shape: ModelShape, algo: str | None) -> tuple[str, str] | None:
+    """Why TensorRT-LLM's PyTorch backend cannot serve this model as a checkpoint of QuantAlgo `algo` (None: bf16),
+    as (error code, reason); None when it can. From the family's record (`TargetMapping`: `refused`,
+    `trtllm_assumes`, `trtllm_refused`), then, for a family with experts, the fused MoE's limits (`MOE_REFUSED`)."""
+    arch = shape.arch
+    mapping = arch.target("trtllm")
+    if mapping.refused is not None:
+        return "TARGET_ARCHITECTURE_UNSUPPORTED", mapping.refused
+    for assumption, why in mapping.trtllm_assumes:
+        broken = _broken(shape, assumption)
+        if broken is not None:
+            return "TARGET_ARCHITECTURE_UNSUPPORTED", f"{why}; {broken}"
+    if algo is None:
+        return None
+    refused = dict(mapping.trtllm_refused).get(algo)
+    if refused is not None:
+        return "QUANT_UNSUPPORTED", refused
+    if shape.moe is not None and algo in MOE_REFUSED:
+        return "QUANT_UNSUPPORTED", MOE_REFUSED[algo]
+    return None
+
+
+def expected_tensors(
+    shape: ModelShape, algo: str | None, group: int | None, exclude: tuple[str, ...]
+) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Every tensor TensorRT-LLM loads from a checkpoint of this model and algo, with its allowed dtypes and shape:
+    the architecture record's tensors (`ModelShape.tensors`), each quantizable Linear (attention, MLP, fused qkv or
+    gate_up, every expert's) as `LINEAR_TENSORS[algo]` unless excluded, everything else (norms, embeddings, the
+    router, biases) bf16."""
+    out: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    for t in shape.tensors():
+        module = t.name.removesuffix(".weight")
+        if algo is None or not t.quantizable or _excluded(module, exclude):
+            out[t.name] = (("BF16",), t.shape)
+            continue
+        o, i = t.shape
+        for spec in LINEAR_TENSORS[algo]:
+            out[f"{module}.{spec.suffix}"] = (spec.dtypes, spec.shape(o, i, group or 0))
+    return out
+
+
+# Linear kinds TensorRT-LLM runs as one GEMM: q/k/v and gate/up as fused Linears, each expert's gate and up as its
+# w3_w1. NVFP4 needs each group to share weight_scale_2 and input_scale (`NVFP4LinearMethod.load_weight_scales`,
+# the fused MoE's `load_expert_fc31_alpha_nvfp4` and `load_expert_fc31_input_scale_nvfp4` assert it).
+FUSED_KINDS: tuple[frozenset[TensorKind], ...] = (
+    frozenset({TensorKind.ATTN_Q, TensorKind.ATTN_K, TensorKind.ATTN_V}),
+    frozenset({TensorKind.FFN_GATE, TensorKind.FFN_UP}),
+    frozenset({TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS}),
+    frozenset({TensorKind.FFN_GATE_SHEXP, TensorKind.FFN_UP_SHEXP}),
+)
+
+
+def fused_groups(shape: ModelShape) -> dict[str, tuple[str, ...]]:
+    """Module -> the modules TensorRT-LLM runs it with as one GEMM (`FUSED_KINDS`), in checkpoint order; a module
+    that runs alone has no entry."""
+    groups: dict[tuple[int | None, int | None, int], list[str]] = {}
+    for t in shape.tensors():
+        for i, kinds in enumerate(FUSED_KINDS):
+            if t.quantizable and t.kind in kinds:
+                groups.setdefault((t.layer, t.expert, i), []).append(t.name.removesuffix(".weight"))
+    return {m: tuple(g) for g in groups.values() if len(g) > 1 for m in g}
+
+
+def router_modules(shape: ModelShape) -> list[str]:
+    """The router (gate) of every sparse layer, by module name: never quantized, listed in exclude_modules."""
+    return [t.name.removesuffix(".weight") for t in shape.tensors() if t.kind == TensorKind.FFN_GATE_INP]
 
 
 @dataclass(frozen=True)
@@ -243,10 +333,14 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
     """Check a checkpoint directory against what TensorRT-LLM's PyTorch backend reads (headers only).
 
     hf_quant_config.json, when present, is validated against `HfQuantConfig`; otherwise config.json's
-    `quantization_config` is resolved as TensorRT-LLM resolves it. Then every decoder Linear must
-    carry exactly the tensors `LINEAR_TENSORS` lists for that algo, with those dtypes and shapes.
+    `quantization_config` is resolved as TensorRT-LLM resolves it. The model's family must be one the backend
+    serves with that algo (`model_refusal`), and the checkpoint must hold exactly the tensors `expected_tensors`
+    lists (each quantized Linear, every expert's included, with the tensors its algo loads), with those dtypes and
+    shapes, plus a KV-cache scale pair per layer where a KV-cache algo is set; a ModelOpt checkpoint of a model with
+    experts lists every router in exclude_modules.
     """
     config = json.loads((root / "config.json").read_text())
+    shape = ModelShape.from_config(config)
     algo: str | None
     source: Literal["none", "hf_quant_config.json", "config.json"]
     group: int | None = None
@@ -266,26 +360,51 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
         algo, source = None, "none"
     if algo not in LINEAR_TENSORS:
         raise InvalidInput(f"kiln has no tensor layout for quant_algo {algo}", code="TRTLLM_CHECKPOINT")
+    refusal = model_refusal(shape, algo)
+    if refusal is not None:
+        raise InvalidInput(
+            f"{shape.architecture} as {algo or 'bf16'}: {refusal[1]}",
+            code="TRTLLM_CHECKPOINT",
+            details={"architecture": shape.architecture, "quant_algo": algo, "reason": refusal[1]},
+        )
+    if algo is not None and source == HF_QUANT_CONFIG:
+        kept = [m for m in router_modules(shape) if not _excluded(m, exclude)]
+        if kept:
+            raise InvalidInput(
+                f"{HF_QUANT_CONFIG}: exclude_modules must list every router, which TensorRT-LLM keeps in bf16; "
+                f"missing {kept[:3]}",
+                code="TRTLLM_CHECKPOINT",
+                details={"missing": kept},
+            )
     tensors = _headers(root)
-    expected: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module, (o, i) in linear_shapes(config).items():
-            name = f"model.layers.{layer}.{module}"
-            for spec in LINEAR_TENSORS[algo]:
-                expected[f"{name}.{spec.suffix}"] = (spec.dtypes, spec.shape(o, i, group or 0))
-    for name, (dtypes, shape) in expected.items():
+    expected = expected_tensors(shape, algo, group, exclude)
+    for name, (dtypes, dims) in expected.items():
         t = tensors.get(name)
-        if t is None or t.dtype not in dtypes or t.shape != shape:
+        if t is None or t.dtype not in dtypes or t.shape != dims:
             got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise InvalidInput(
-                f"{name}: {algo or 'bf16'} needs {'/'.join(dtypes)} {list(shape)}, got {got}",
+                f"{name}: {algo or 'bf16'} needs {'/'.join(dtypes)} {list(dims)}, got {got}",
                 code="TRTLLM_CHECKPOINT",
                 details={"tensor": name, "quant_algo": algo},
             )
-    linear = {n for n in tensors if n.startswith("model.layers.") and "_proj." in n and not n.endswith(".bias")}
-    extra = sorted(linear - set(expected))
+    kv_scales: set[str] = set()
+    if kv_algo is not None:
+        attention = shape.arch.attention.prefix
+        kv_scales = {f"model.layers.{i}.{attention}.{kv}" for i in range(shape.num_layers) for kv in KV_SCALES}
+        for name in sorted(kv_scales):
+            t = tensors.get(name)
+            if t is None or t.dtype not in _FLOAT_SCALES or math.prod(t.shape) != 1:
+                got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise InvalidInput(
+                    f"{name}: KV cache {kv_algo} needs a float scalar, got {got}",
+                    code="TRTLLM_CHECKPOINT",
+                    details={"tensor": name, "kv_cache_quant_algo": kv_algo},
+                )
+    extra = sorted(set(tensors) - set(expected) - kv_scales)
     if extra:
         raise InvalidInput(
-            f"{algo or 'bf16'}: tensors TensorRT-LLM would not load: {extra[:5]}", code="TRTLLM_CHECKPOINT"
+            f"{algo or 'bf16'}: tensors TensorRT-LLM would not load: {extra[:5]}",
+            code="TRTLLM_CHECKPOINT",
+            details={"tensors": extra[:20]},
         )
     return CheckedCheckpoint(algo, source, group, exclude, tensors, kv_algo)

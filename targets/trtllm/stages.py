@@ -9,7 +9,7 @@
   quantization. Its params hold the exact command templates (`engines.legacy_commands`); they run on the
   runner in a scratch directory, with `{examples}` the TensorRT-LLM checkout's `examples/` at the pinned tag
   (`$TRTLLM_EXAMPLES`), `{source}` the ingested source, `{checkpoint}` and `{engine}` directories of the
-  stage, and `{family}` the architecture's converter (`engines.CONVERTERS`). The engine is recorded as
+  stage; the convert step is the family's converter's (`engines.CONVERT_FLAGS`). The engine is recorded as
   quantized on the runner by that release (ModelOpt calibration for fp8 and int4_awq), not by kiln's
   quantize stage: kiln's quantized checkpoint is not what that release's converters read.
 
@@ -24,14 +24,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.errors import StageFailed
+from core.errors import InvalidInput, StageFailed
 from core.hardware import PROFILES
 from targets.base import BuildRequest, DerivedArtifact, DerivedNode, DerivedStage
 from targets.trtllm.engines import (
     CHECKPOINT,
-    CONVERTERS,
     ENGINE,
     EXAMPLES,
     SOURCE,
@@ -41,6 +40,9 @@ from targets.trtllm.engines import (
     runner_needs,
 )
 from targets.trtllm.formats import FORMATS
+
+if TYPE_CHECKING:
+    from formats.architectures.shape import ModelShape
 
 ENGINE_FORMAT = "trtllm-engine"
 EXAMPLES_ENV = "TRTLLM_EXAMPLES"
@@ -113,7 +115,6 @@ def build_engine(req: BuildRequest) -> DerivedArtifact:
         raise StageFailed(f"tensorrt_llm {versions['tensorrt_llm']} is installed, the recipe pins {p[RUNTIME]}")
     places = {
         EXAMPLES: os.environ[EXAMPLES_ENV],
-        "{family}": CONVERTERS[req.architecture],
         SOURCE: str(req.source_dir),
         CHECKPOINT: str(req.work_dir / "checkpoint"),
         ENGINE: str(req.work_dir / "engine"),
@@ -136,7 +137,7 @@ GPU_EVAL = DerivedStage(
 )
 LEGACY_ENGINE = DerivedStage(
     kind="engine",
-    code_version="3",
+    code_version="4",
     description="build a TensorRT engine per GPU SKU from the bf16 source, with a pinned release that has trtllm-build",
     runtime=RUNTIME,
     deferral=engine_deferral,
@@ -144,9 +145,10 @@ LEGACY_ENGINE = DerivedStage(
 )
 
 
-def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[DerivedNode]:
+def derived_nodes(name: str, quant: str, params: dict[str, Any], shape: ModelShape) -> list[DerivedNode]:
     """`TargetSpec.derived`: a GPU eval of export `name` per SKU of `params.gpus`, and a legacy engine per
-    SKU of `params.legacy_engines` (built from the bf16 source, so its input is the ingest, not the export)."""
+    SKU of `params.legacy_engines` (built from the bf16 source, so its input is the ingest, not the export,
+    with the family's converter)."""
     parsed = parse_params(params)
     nodes: list[DerivedNode] = []
     if parsed.gpus is not None:
@@ -168,6 +170,9 @@ def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[Derived
         ]
     matrix = parsed.legacy_engines
     if matrix is not None:
+        converter = shape.arch.target("trtllm").trtllm_converter
+        if converter is None:  # refused at plan time (`engines.check_converter`); never planned
+            raise InvalidInput(f"no TensorRT backend converter for {shape.architecture}", code="ENGINE_UNSUPPORTED")
         limits = {
             "max_batch_size": matrix.max_batch_size,
             "max_input_len": matrix.max_input_len,
@@ -183,7 +188,7 @@ def derived_nodes(name: str, quant: str, params: dict[str, Any]) -> list[Derived
                     "sku": sku,
                     "limits": limits,
                     RUNTIME: matrix.tensorrt_llm,
-                    "commands": legacy_commands(quant, sku, matrix),
+                    "commands": legacy_commands(quant, sku, matrix, converter),
                 },
                 inputs=("ingest",),
             )

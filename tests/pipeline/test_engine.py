@@ -39,32 +39,45 @@ def kiln(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    ("quant", "sku", "convert", "flags"),
+    ("quant", "sku", "converter", "convert", "flags"),
     [
         (
             "bf16",
             "h100",
-            ["python3", "{examples}/models/core/{family}/convert_checkpoint.py", "--model_dir", "{source}"]
+            "llama",
+            ["python3", "{examples}/models/core/llama/convert_checkpoint.py", "--model_dir", "{source}"]
             + ["--output_dir", "{checkpoint}", "--dtype", "bfloat16", "--tp_size", "1"],
+            ["--gemm_plugin", "bfloat16"],
+        ),
+        (  # Gemma's converter takes its own flags (examples/models/core/gemma/README.md)
+            "bf16",
+            "h100",
+            "gemma",
+            ["python3", "{examples}/models/core/gemma/convert_checkpoint.py", "--ckpt-type", "hf", "--model-dir"]
+            + ["{source}", "--output-model-dir", "{checkpoint}", "--dtype", "bfloat16", "--world-size", "1"],
             ["--gemm_plugin", "bfloat16"],
         ),
         (
             "fp8",
             "h100",
+            "llama",
             [*QUANTIZE, "--qformat", "fp8", "--kv_cache_dtype", "fp8", "--calib_size", "512", *OUT],
             ["--gemm_plugin", "auto", "--use_fp8_context_fmha", "enable"],
         ),
         (
             "w4a16-awq",
             "a100",
+            "qwen",
             [*QUANTIZE, "--qformat", "int4_awq", "--awq_block_size", "128", "--calib_size", "32", *OUT],
             ["--gemm_plugin", "auto"],
         ),
     ],
 )
-def test_legacy_engine_commands_are_exact(quant: str, sku: str, convert: list[str], flags: list[str]) -> None:
-    """From the bf16 source with the pinned release's own converters, then trtllm-build."""
-    assert legacy_commands(quant, sku, MATRIX) == [convert, [*BUILD, *COMMON, *flags]]
+def test_legacy_engine_commands_are_exact(
+    quant: str, sku: str, converter: str, convert: list[str], flags: list[str]
+) -> None:
+    """From the bf16 source with the pinned release's own converters (the family's), then trtllm-build."""
+    assert legacy_commands(quant, sku, MATRIX, converter) == [convert, [*BUILD, *COMMON, *flags]]
 
 
 def test_nvidia_smi_names_match_their_sku_only() -> None:
@@ -93,7 +106,7 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
         "sku": "h100",
         "limits": {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
         "tensorrt_llm": "0.21.0",
-        "commands": legacy_commands("fp8", "h100", MATRIX),
+        "commands": legacy_commands("fp8", "h100", MATRIX, "llama"),
     }
     made = engine_artifact(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
     result = artifact_record(params, made)
@@ -155,7 +168,7 @@ def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe:
     engine = rows["trtllm-bf16-a100"]  # the legacy engine: an artifact of its own, deferred
     assert (engine["export"], engine["eval"], engine["path"]) == ("deferred", "deferred", None)
     assert engine["runner"] == "a100 GPU with tensorrt_llm==0.21.0"
-    assert engine["command"] == legacy_commands("bf16", "a100", MATRIX)
+    assert engine["command"] == legacy_commands("bf16", "a100", MATRIX, "llama")
     deferred = {d["node"]: d for d in summary["deferred"]}
     gpu_evals = {f"gpu-eval/trtllm-{q}@{s}" for q in ("bf16", "int4-rtn") for s in ("h100", "a100")}
     assert set(deferred) == gpu_evals | {"engine/trtllm-bf16-a100"}

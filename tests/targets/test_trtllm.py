@@ -12,7 +12,9 @@ import pytest
 
 from core.errors import InvalidInput, RecipeInvalid, StageFailed
 from core.hardware import PROFILES
-from formats.architectures import LINEAR_WEIGHT
+from formats.architectures import ARCHITECTURES, LINEAR_WEIGHT
+from formats.architectures.record import TensorKind
+from formats.architectures.shape import ModelShape
 from formats.hf_model import SourceModel, open_source
 from pipeline.recipe import Recipe, parse_recipe
 from quant.catalog import get_scheme
@@ -20,16 +22,18 @@ from quant.rtn import dequantize
 from quant.store import QuantizedWeights, open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
 from targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows
-from targets.trtllm.formats import FORMATS, algo_verdict
+from targets.trtllm.formats import FORMATS, MOE_REFUSED, algo_verdict
 from targets.trtllm.schema import (
     HF_QUANT_CONFIG,
     LINEAR_TENSORS,
     check_checkpoint,
     compressed_tensors_algo,
     compressed_tensors_kv_algo,
+    fused_groups,
     parse_hf_quant_config,
 )
-from tests.model_factory import make_model
+from tests.model_factory import FAMILIES as FACTORY_FAMILIES
+from tests.model_factory import NEW_FAMILIES, make_model
 
 GOOD_CONFIG = {
     "producer": {"name": "modelopt", "version": "0.33.0"},
@@ -249,12 +253,13 @@ def test_fused_linears_with_different_tensor_scales_are_refused(
     from targets.hf_bundle.export import plan_tensors
     from targets.trtllm.export import to_modelopt_nvfp4
 
-    planned = plan_tensors(open_source(model_dir), quantized["nvfp4-w4a4"], lambda n: None)
-    assert len(to_modelopt_nvfp4(planned)) == len(planned)
+    source = open_source(model_dir)
+    planned = plan_tensors(source, quantized["nvfp4-w4a4"], lambda n: None)
+    assert len(to_modelopt_nvfp4(planned, fused_groups(source.shape))) == len(planned)
     k = next(i for i, p in enumerate(planned) if p.name == "model.layers.0.self_attn.k_proj.input_global_scale")
     planned[k] = replace(planned[k], read=lambda: torch.tensor([1234.5]))
     with pytest.raises(StageFailed) as e:
-        to_modelopt_nvfp4(planned)
+        to_modelopt_nvfp4(planned, fused_groups(source.shape))
     assert e.value.code == "TRTLLM_FUSED_SCALES" and "q_proj/k_proj/v_proj" in e.value.message
 
 
@@ -401,7 +406,8 @@ def test_recipe_plans_a_gpu_eval_per_sku_and_opt_in_legacy_engines(model_dir: Pa
     recipe = _recipe(
         tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16", "fp8", "w4a16-awq"], "params": {"gpus": GPUS}}
     )
-    derived = [d for name, entry, quant in recipe.artifacts() for d in spec.derived(name, quant, entry.params)]
+    shape = open_source(model_dir).shape
+    derived = [d for name, entry, quant in recipe.artifacts() for d in spec.derived(name, quant, entry.params, shape)]
     assert [d.name for d in derived] == [
         f"trtllm-{q}@{sku}" for q in ("bf16", "fp8", "w4a16-awq") for sku in GPUS["skus"]
     ]
@@ -412,9 +418,315 @@ def test_recipe_plans_a_gpu_eval_per_sku_and_opt_in_legacy_engines(model_dir: Pa
     older = {**ENGINES, "skus": ["a100", "l40s"]}
     recipe = _recipe(tmp_path, model_dir, {"target": "trtllm", "quants": ["bf16"], "params": {"legacy_engines": older}})
     (name, entry, quant), *_ = recipe.artifacts()
-    engines = spec.derived(name, quant, entry.params)
+    engines = spec.derived(name, quant, entry.params, shape)
     assert [(d.kind, d.name, d.inputs, d.evaluates) for d in engines] == [
         ("engine", f"trtllm-bf16-{sku}", ("ingest",), None) for sku in ("a100", "l40s")
     ]
-    assert engines[0].params["commands"][0][:2] == ["python3", "{examples}/models/core/{family}/convert_checkpoint.py"]
+    assert engines[0].params["commands"][0][:2] == ["python3", "{examples}/models/core/llama/convert_checkpoint.py"]
     assert engines[0].params["commands"][1][0] == "trtllm-build"
+
+
+# -- the families beyond Llama: Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3 ---------------------------------------
+
+# What TensorRT-LLM's PyTorch backend loads per family, as kiln writes it (`schema.model_refusal`).
+FAMILY_QUANTS = {
+    "qwen3": {"bf16", "fp8", "int4-rtn", "nvfp4-w4a4"},
+    "gemma3": {"bf16", "fp8", "int4-rtn", "nvfp4-w4a4"},
+    "qwen3_moe": {"bf16", "nvfp4-w4a4"},
+    "mixtral": {"bf16", "nvfp4-w4a4"},
+    "phi3": {"bf16"},
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    # 128 input columns everywhere (whole int4 groups and NVFP4 groups of 16), Qwen3-MoE's experts included.
+    root = tmp_path_factory.mktemp("families")
+    extra: dict[str, dict[str, object]] = {"qwen3_moe": {"moe_intermediate_size": 128}}
+    return {
+        f: make_model(root / f, f, hidden_size=128, intermediate_size=256, num_kv_heads=2, seed=i, **extra.get(f, {}))
+        for i, f in enumerate(NEW_FAMILIES)
+    }
+
+
+def _rtn(source: SourceModel, quant: str, root: Path) -> QuantizedWeights:
+    """The quantize stage's round-to-nearest output for `quant` (fp8, int4-rtn: no calibration)."""
+    root.mkdir(parents=True)
+    write_quantized(source, get_scheme(quant), root)
+    return open_quantized(root, quant)
+
+
+def _tensors(ckpt: Path, checked_tensors: dict) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for name, info in checked_tensors.items():
+        with safe_open(str(ckpt / info.file), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_bf16_checkpoint_of_every_family_holds_its_record_tensors(
+    family: str, family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    import torch
+
+    source = open_source(family_models[family])
+    result = _export(source, "bf16", tmp_path / "ckpt", None, max_shard_bytes=300_000)
+    checked = check_checkpoint(tmp_path / "ckpt")
+    assert checked.quant_algo is None and result.details["architecture"] == FACTORY_FAMILIES[family]
+    # Exactly the record's tensors (every expert's, the router, fused qkv/gate_up, Gemma's sandwich norms), bf16,
+    # with the source's values: nothing renamed or fused for TensorRT-LLM, whose mappers read transformers' names.
+    assert set(checked.tensors) == set(source.shape.expected_tensors())
+    stored = _tensors(tmp_path / "ckpt", checked.tensors)
+    for name, t in stored.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, source.tensor(name).to(torch.bfloat16)), name
+    assert ARCHITECTURES[FACTORY_FAMILIES[family]].target("trtllm").trtllm_architecture == FACTORY_FAMILIES[family]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("quant", ["fp8", "int4-rtn"])
+def test_round_to_nearest_checkpoints_per_family_load_or_are_refused_with_the_reason(
+    family: str, quant: str, family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """fp8 (FP8 rowwise) and int4-rtn (W4A16_AWQ) load on the dense families with separate projections; the
+    fused MoE has neither method, and Phi-3's loader splits its fused Linears without their scales."""
+    import torch
+
+    source = open_source(family_models[family])
+    q = _rtn(source, quant, tmp_path / "q")
+    algo = FORMATS[quant].quant_algo
+    if quant not in FAMILY_QUANTS[family]:
+        with pytest.raises(InvalidInput) as e:
+            _export(source, quant, tmp_path / "ckpt", q)
+        assert e.value.code == "QUANT_UNSUPPORTED" and e.value.details["architecture"] == FACTORY_FAMILIES[family]
+        why = "fused qkv_proj and gate_up_proj" if family == "phi3" else ("FP8 rowwise" if quant == "fp8" else "int4")
+        assert why in e.value.message, e.value.message
+        return
+    _export(source, quant, tmp_path / "ckpt", q)
+    checked = check_checkpoint(tmp_path / "ckpt")
+    assert checked.quant_algo == algo
+    linears = [t for t in source.shape.tensors() if t.quantizable]
+    specs = [s.suffix for s in LINEAR_TENSORS[algo]]
+    assert {f"{t.name.removesuffix('.weight')}.{s}" for t in linears for s in specs} <= set(checked.tensors)
+    stored = _tensors(tmp_path / "ckpt", checked.tensors)
+    for t in linears:  # the quantize stage's values, in the layout TensorRT-LLM's Linear loads
+        module = t.name.removesuffix(".weight")
+        if quant == "fp8":
+            assert torch.equal(stored[t.name].view(torch.uint8), q.tensor(t.name).view(torch.uint8)), t.name
+        else:
+            want = dequantize(q.scheme, module, {k: q.tensor(k) for k in q.module_tensors(t.name)})
+            got = unpack_int4_rows(stored[t.name]).float() * stored[f"{module}.weight_scale"].float().repeat_interleave(
+                128, dim=1
+            )
+            assert torch.equal(got, want), t.name
+    for t in source.shape.tensors():  # norms (Gemma's as transformers stores them: TensorRT-LLM adds the 1)
+        if not t.quantizable:
+            assert torch.equal(stored[t.name], source.tensor(t.name).to(torch.bfloat16)), t.name
+
+
+def _checkpoint_without(ckpt: Path, drop: str) -> None:
+    """Rewrite the shard holding `drop` without it (and the index), as a checkpoint missing that tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop(drop)
+    with safe_open(str(ckpt / shard), "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != drop}  # noqa: SIM118
+    save_file(kept, str(ckpt / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.slow
+def test_nvfp4_qwen3_moe_checkpoint_quantizes_every_expert_and_keeps_the_router(
+    family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The one quantized format TensorRT-LLM's fused MoE loads as kiln writes it: NVFP4, every expert's w1/w3/w2 in
+    ModelOpt's names with its gate and up sharing their tensor scales, the router bf16 and in exclude_modules; a
+    checkpoint missing one expert's scale is refused, naming it."""
+    import torch
+
+    from quant.calibrated import calibrate, calibration_samples
+
+    model_dir = family_models["qwen3_moe"]
+    source = open_source(model_dir)
+    scheme = get_scheme("nvfp4-w4a4")
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    cal = calibrate(source, scheme, calibration_samples(model_dir, text, samples=4, seq_len=64))
+    (tmp_path / "q").mkdir()
+    write_quantized(source, scheme, tmp_path / "q", calibrated=cal)
+    q = open_quantized(tmp_path / "q", "nvfp4-w4a4")
+    ckpt = tmp_path / "ckpt"
+    _export(source, "nvfp4-w4a4", ckpt, q, max_shard_bytes=200_000)
+    checked = check_checkpoint(ckpt)
+    assert checked.quant_algo == "NVFP4"
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert checked.exclude_modules == ("lm_head", *routers)
+    stored = _tensors(ckpt, checked.tensors)
+    for router in routers:
+        assert stored[f"{router}.weight"].dtype == torch.bfloat16 and f"{router}.weight_scale" not in stored
+    experts = [t for t in source.shape.tensors() if t.expert is not None]
+    assert len(experts) == 2 * 8 * 3
+    for t in experts:
+        module = t.name.removesuffix(".weight")
+        assert torch.equal(stored[t.name], q.tensor(f"{module}.weight_packed")), t.name
+        assert torch.equal(
+            stored[f"{module}.input_scale"], (1.0 / q.tensor(f"{module}.input_global_scale")).reshape(())
+        )
+        if t.kind == TensorKind.FFN_UP_EXPS:  # TensorRT-LLM asserts each expert's w1 and w3 share them
+            gate = module.replace("up_proj", "gate_proj")
+            for scale in ("weight_scale_2", "input_scale"):
+                assert torch.equal(stored[f"{module}.{scale}"], stored[f"{gate}.{scale}"]), module
+
+    _checkpoint_without(ckpt, "model.layers.1.mlp.experts.5.down_proj.weight_scale_2")
+    with pytest.raises(InvalidInput) as e:
+        check_checkpoint(ckpt)
+    assert e.value.code == "TRTLLM_CHECKPOINT"
+    assert "model.layers.1.mlp.experts.5.down_proj.weight_scale_2: NVFP4 needs F32 [], got missing" in e.value.message
+
+    doc = json.loads((ckpt / HF_QUANT_CONFIG).read_text())
+    doc["quantization"]["exclude_modules"] = ["lm_head"]
+    (ckpt / HF_QUANT_CONFIG).write_text(json.dumps(doc))
+    with pytest.raises(InvalidInput, match="exclude_modules must list every router"):
+        check_checkpoint(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("quant", ["w4a16-awq", "nvfp4-w4a4"])
+def test_calibrated_checkpoints_of_dense_families_validate(
+    family: str, quant: str, family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from quant.calibrated import calibrate, calibration_samples
+
+    model_dir = family_models[family]
+    source = open_source(model_dir)
+    scheme = get_scheme(quant)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    cal = calibrate(source, scheme, calibration_samples(model_dir, text, samples=4, seq_len=64))
+    (tmp_path / "q").mkdir()
+    write_quantized(source, scheme, tmp_path / "q", calibrated=cal)
+    _export(source, quant, tmp_path / "ckpt", open_quantized(tmp_path / "q", quant))
+    checked = check_checkpoint(tmp_path / "ckpt")
+    assert checked.quant_algo == FORMATS[quant].quant_algo and checked.exclude_modules == ("lm_head",)
+
+
+def _shape(model_dir: Path, **change: object) -> ModelShape:
+    config = {**json.loads((model_dir / "config.json").read_text()), **change}
+    return ModelShape.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "words"),
+    [
+        ("qwen3_moe", {"norm_topk_prob": False}, ["RoutingMethodType.Renormalize", "norm_topk_prob false"]),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, ["every layer", "layers [1] dense"]),
+        ("gemma3", {"final_logit_softcapping": 30.0}, ["no attention or final logit softcapping", "=30.0"]),
+        ("phi3", {"sliding_window": 64}, ["Phi3Attention", "slides over 64 of its 512 positions"]),
+        ("mixtral", {"sliding_window": 64}, ["MixtralAttention", "slides over 64"]),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+            ["Qwen3DecoderLayer", "slides over 64"],
+        ),
+    ],
+)
+def test_configs_tensorrt_llm_would_compute_differently_are_refused(
+    family: str, change: dict, words: list[str], family_models: dict[str, Path]
+) -> None:
+    spec = get_target("trtllm")
+    spec.check_model(_shape(family_models[family]), {}, "bf16", {})  # the tiny model as made is served
+    with pytest.raises(InvalidInput) as e:
+        spec.check_model(_shape(family_models[family], **change), {}, "bf16", {})
+    assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED"
+    for w in words:
+        assert w in e.value.message, e.value.message
+
+
+def test_every_quant_refused_per_family_is_one_kiln_writes_and_moe_refusals_name_the_fused_moe(
+    family_models: dict[str, Path],
+) -> None:
+    spec = get_target("trtllm")
+    for family, allowed in FAMILY_QUANTS.items():
+        shape = _shape(family_models[family])
+        for quant, fmt in FORMATS.items():
+            if any(q in allowed for q in (quant, quant.removesuffix("-gptq"))) or fmt.quant_algo is None:
+                spec.check_model(shape, {}, quant, {})
+                continue
+            if quant in ("fp8-kv8", "fp8-block", "w4a16-gptq", "w4a16-awq") and family in ("qwen3", "gemma3"):
+                spec.check_model(shape, {}, quant, {})  # same algos as fp8 / int4-rtn
+                continue
+            with pytest.raises(InvalidInput) as e:
+                spec.check_model(shape, {}, quant, {})
+            assert e.value.code == "QUANT_UNSUPPORTED", (family, quant)
+            if shape.moe is not None:
+                assert e.value.details["reason"] == MOE_REFUSED[fmt.quant_algo]
+    known = set(FORMATS[q].quant_algo for q in FORMATS) - {None}
+    for arch in ARCHITECTURES.values():
+        assert {algo for algo, _ in arch.target("trtllm").trtllm_refused} <= known, arch.family
+
+
+def _plan(tmp_path: Path, model_dir: Path, entry: dict) -> list:
+    from pipeline.build import plan
+    from pipeline.recipe import load_recipe
+    from pipeline.store import open_store
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "heldout.txt").write_text("hello world " * 200)
+    recipe = tmp_path / "kiln.yaml"
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": "m",
+                "version": "1",
+                "source": str(model_dir),
+                "eval": {"text": "heldout.txt"},
+                "targets": [entry],
+            }
+        )
+    )
+    return plan(load_recipe(recipe, allowed_roots=[model_dir.parent]), open_store(None, tmp_path / "work"))
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_plan_has_a_gpu_eval_per_sku_for_every_family_and_refuses_what_its_experts_cannot_run(
+    family: str, family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    quants = sorted(FAMILY_QUANTS[family] - {"int4-rtn"})
+    skus = {"bf16": ["h100", "h200"], "fp8": ["h100", "h200"], "nvfp4-w4a4": ["b200"]}
+    entries = [{"target": "trtllm", "quants": [q], "params": {"gpus": {"skus": skus[q]}}} for q in quants]
+    for i, entry in enumerate(entries):
+        nodes = _plan(tmp_path / str(i), family_models[family], entry)
+        quant = entry["quants"][0]
+        evals = [n for n in nodes if n.id.startswith("gpu-eval/")]
+        assert [n.id for n in evals] == [f"gpu-eval/trtllm-{quant}@{sku}" for sku in skus[quant]]
+        assert all(n.params["sku"] in skus[quant] and n.params["tensorrt_llm"] == "1.3.0rc20" for n in evals)
+    refused = {"qwen3_moe": "fp8-block", "mixtral": "w4a16-awq", "phi3": "fp8"}.get(family)
+    if refused is None:
+        return
+    with pytest.raises(InvalidInput) as e:
+        _plan(tmp_path / "refused", family_models[family], {"target": "trtllm", "quants": [refused]})
+    assert e.value.code == "QUANT_UNSUPPORTED" and f"trtllm-{refused} cannot serve" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("family", "converter"), [("mixtral", "llama"), ("gemma3", "gemma"), ("phi3", "phi"), ("qwen3", None)]
+)
+def test_legacy_engines_use_the_family_converter_or_are_refused(
+    family: str, converter: str | None, family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    entry = {"target": "trtllm", "quants": ["bf16"], "params": {"legacy_engines": {**ENGINES, "skus": ["h100"]}}}
+    if converter is None:
+        with pytest.raises(InvalidInput) as e:
+            _plan(tmp_path, family_models[family], entry)
+        assert e.value.code == "ENGINE_UNSUPPORTED" and "#5450" in e.value.message
+        return
+    (engine,) = [n for n in _plan(tmp_path, family_models[family], entry) if n.id.startswith("engine/")]
+    convert = engine.params["commands"][0]
+    assert convert[1] == f"{{examples}}/models/core/{converter}/convert_checkpoint.py"
+    # Gemma's converter takes its own flags (examples/models/core/gemma/README.md).
+    paths = ["--model-dir", "{source}", "--output-model-dir"] if family == "gemma3" else ["--model_dir", "{source}"]
+    assert all(p in convert for p in paths), convert
