@@ -16,7 +16,6 @@ from formats.architectures.record import (
     Mlp,
     Projections,
     TargetMapping,
-    refused,
 )
 
 

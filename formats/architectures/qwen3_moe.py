@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from formats.architectures.config import CONFIG_LIMITS, FamilyConfig, MoeShape, size
-from formats.architectures.record import Architecture, Attention, Experts, LayerType, Mlp, TargetMapping, refused
+from formats.architectures.record import Architecture, Attention, Experts, LayerType, Mlp, TargetMapping
 
 
 class Qwen3MoeConfig(FamilyConfig):

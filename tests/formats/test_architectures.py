@@ -202,46 +202,49 @@ def test_an_unknown_architecture_names_every_supported_one() -> None:
 
 
 def test_a_target_a_record_refuses_is_refused_with_its_reason() -> None:
+    from dataclasses import replace
+
+    from formats.architectures.record import refused
+
     targets = all_targets()
     for arch in ARCHITECTURES.values():
         for name, spec in targets.items():
-            mapping = arch.target(name)
-            if not spec.per_architecture or mapping.supported:
-                spec.check_architecture(arch)
+            assert not spec.per_architecture or arch.target(name).supported, (arch.family, name)
+            spec.check_architecture(arch)
+            if not spec.per_architecture:
                 continue
+            denied = replace(arch, targets={**arch.targets, name: refused("its runtime lacks the family")})
             with pytest.raises(InvalidInput) as e:
-                spec.check_architecture(arch)
-            assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED" and mapping.refused in e.value.message
+                spec.check_architecture(denied)
+            assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED"
+            assert e.value.details == {
+                "target": name,
+                "architecture": arch.hf_class,
+                "reason": "its runtime lacks the family",
+            }
 
 
-def test_kiln_plan_refuses_a_target_the_family_cannot_have(models: dict[str, Path], tmp_path: Path) -> None:
+def test_kiln_plan_refuses_what_a_target_cannot_serve_of_the_model(models: dict[str, Path], tmp_path: Path) -> None:
+    """A family every target maps can still have a model or quant one target cannot serve: planned, it is refused
+    with the reason before any stage runs (TensorRT-LLM's Phi-3 loader reads no quantized fused projection)."""
     from pipeline.build import plan
     from pipeline.recipe import load_recipe
     from pipeline.store import open_store
 
-    refused = next(
-        (f, t) for f in NEW_FAMILIES for t in ("orbax", "gguf", "trtllm") if not FAMILIES[f].target(t).supported
-    )
-    family, target = refused
     (tmp_path / "heldout.txt").write_text("hello world " * 200)
-    quant = {"orbax": "bf16", "gguf": "f16", "trtllm": "bf16"}[target]
     recipe = tmp_path / "kiln.yaml"
     recipe.write_text(
         json.dumps(
             {
                 "model": "m",
                 "version": "1.0.0",
-                "source": str(models[family]),
+                "source": str(models["phi3"]),
                 "eval": {"text": "heldout.txt"},
-                "targets": [{"target": "hf-bundle", "quants": ["bf16"]}, {"target": target, "quants": [quant]}],
+                "targets": [{"target": "hf-bundle", "quants": ["bf16"]}, {"target": "trtllm", "quants": ["fp8"]}],
             }
         )
     )
     with pytest.raises(InvalidInput) as e:
-        plan(load_recipe(recipe, allowed_roots=[models[family].parent]), open_store(None, tmp_path / "work"))
-    assert e.value.code == "TARGET_ARCHITECTURE_UNSUPPORTED"
-    assert e.value.details == {
-        "target": target,
-        "architecture": FACTORY_FAMILIES[family],
-        "reason": FAMILIES[family].target(target).refused,
-    }
+        plan(load_recipe(recipe, allowed_roots=[models["phi3"].parent]), open_store(None, tmp_path / "work"))
+    assert e.value.details["target"] == "trtllm" and e.value.details["quant"] == "fp8"
+    assert "Phi3ForCausalLM" in e.value.message and e.value.details["reason"]
