@@ -129,6 +129,41 @@ def make_model(
     return out
 
 
+def sharpen(model_dir: Path, strength: float = 1.0) -> None:
+    """Peaked next-token distributions, position-dependent attention and decisive routing: a random model predicts
+    almost uniformly, which would hide a misplaced norm, a wrong rope or window, or wrong experts behind a tiny KL.
+    Scales by role: q and k (through their per-head norms where the family has them), the router, the head (through
+    the final norm where it is tied); `strength` scales the head's factor (1: perplexities in the millions, for
+    comparing forwards; lower for a model whose quantized artifacts must pass their gates)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from formats.architectures.record import TensorKind
+    from formats.hf_model import open_source
+
+    shape = open_source(model_dir).shape
+    offset = shape.arch.norms.offset
+    kinds = {t.name: t.kind for t in shape.tensors()}
+    # A tied head is also the input embedding: its logits are sharpened through the final norm instead.
+    head = TensorKind.OUTPUT_NORM if shape.tie_word_embeddings else TensorKind.OUTPUT
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    for name, t in tensors.items():
+        kind, x = kinds[name], t.float()
+        if kind in (TensorKind.ATTN_Q_NORM, TensorKind.ATTN_K_NORM):
+            x = (offset + x) * 4.0 - offset
+        elif kind in (TensorKind.ATTN_Q, TensorKind.ATTN_K) and not shape.arch.attention.qk_norm:
+            x = x * 10.0
+        elif kind == TensorKind.ATTN_QKV:  # Phi-3: q and k rows (v's scale only scales the attention output)
+            x = x * 6.0
+        elif kind == TensorKind.FFN_GATE_INP:
+            x = x * 8.0
+        elif kind == head:
+            x = (offset + x) * 30.0 * strength - offset
+        tensors[name] = x.to(torch.bfloat16).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _shard_size(model: object, shards: int) -> str:
     if shards <= 1:
         return "10GB"

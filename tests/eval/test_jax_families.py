@@ -20,7 +20,6 @@ import pytest
 from core.errors import InvalidInput
 from eval.metrics import compare
 from eval.runtimes import JaxRuntime, TransformersRuntime
-from formats.architectures.record import TensorKind
 from formats.architectures.shape import ModelShape
 from formats.hf_model import open_source
 from quant.catalog import get_scheme
@@ -28,7 +27,7 @@ from quant.store import open_quantized, write_quantized
 from targets.base import ExportRequest, get_target
 from targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
 from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
-from tests.model_factory import make_model
+from tests.model_factory import make_model, sharpen
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = list(range(3, 500, 7))  # 71 tokens: longer than every window below, padded to a 128-token bucket
@@ -58,37 +57,6 @@ CASES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 }
 FAMILIES = list(CASES)
 MOE = ("qwen3_moe", "mixtral")
-
-
-def sharpen(model_dir: Path) -> None:
-    """Peaked next-token distributions, position-dependent attention and decisive routing: a random model predicts
-    almost uniformly, which would hide a misplaced norm, a wrong rope or window, or wrong experts behind a tiny KL.
-    Scales by role: q and k (through their per-head norms where the family has them), the router, the head (through
-    the final norm where it is tied)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shape = open_source(model_dir).shape
-    offset = shape.arch.norms.offset
-    kinds = {t.name: t.kind for t in shape.tensors()}
-    # A tied head is also the input embedding: its logits are sharpened through the final norm instead.
-    head = TensorKind.OUTPUT_NORM if shape.tie_word_embeddings else TensorKind.OUTPUT
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    for name, t in tensors.items():
-        kind, x = kinds[name], t.float()
-        if kind in (TensorKind.ATTN_Q_NORM, TensorKind.ATTN_K_NORM):
-            x = (offset + x) * 4.0 - offset
-        elif kind in (TensorKind.ATTN_Q, TensorKind.ATTN_K) and not shape.arch.attention.qk_norm:
-            x = x * 10.0
-        elif kind == TensorKind.ATTN_QKV:  # Phi-3: q and k rows (v's scale only scales the attention output)
-            x = x * 6.0
-        elif kind == TensorKind.FFN_GATE_INP:
-            x = x * 8.0
-        elif kind == head:
-            x = (offset + x) * 30.0 - offset
-        tensors[name] = x.to(torch.bfloat16).contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

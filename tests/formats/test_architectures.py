@@ -19,7 +19,7 @@ from formats.architectures.shape import ModelShape
 from formats.hf_model import open_source
 from targets.base import all_targets
 from tests.model_factory import FAMILIES as FACTORY_FAMILIES
-from tests.model_factory import NEW_FAMILIES, make_model
+from tests.model_factory import make_model
 
 
 @pytest.fixture(scope="module")
