@@ -58,6 +58,7 @@ from eval.runtimes import environments
 from eval.runtimes.base import check_ids
 from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilities
 from eval.runtimes.vllm_support import (
+    architecture_limitation,
     bundle_config,
     bundle_schemes,
     compute_dtype,
@@ -252,6 +253,9 @@ class VllmRuntime:
         self.path = Path(bundle_dir)
         if not self.path.is_dir():
             raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
+        why = architecture_limitation(bundle_config(self.path))
+        if why is not None:
+            raise Deferred(f"vLLM does not serve this model: {why}", details={"runtime_needed": "vllm"})
         placed = parse_device(device)
         if placed is None or placed.is_cuda:
             placed = resolve_device(placed)
