@@ -48,7 +48,7 @@ C = 16·W·V.
   share fits `MEMORY_UTILIZATION` of the device's memory (vLLM's default); on the host, the largest tensor as
   the checkpoint loads, and C. vLLM on the CPU holds the weights and the KV cache the eval reserves
   (`eval.runtimes.vllm_runtime.kv_cache_reservation`: a sequence of W + G + 1 tokens in float32 at 128-token
-  pages, at least 256 MiB) in host memory.
+  pages and the page vLLM keeps back, at least 256 MiB) in host memory.
 - llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C.
 - The JAX forward (`eval.runtimes.jax_runtime`) restores the orbax checkpoint one decoder layer at a time
   onto its device: s·(P_L + V·h) (a layer and the embedding or the head, as stored) + 4·P_L (the layer's

@@ -157,6 +157,9 @@ def sliding_layer_count(s: ShapeRecord) -> int:
 VLLM_BLOCK_SIZE = 16
 VLLM_CPU_BLOCK_SIZE = 128
 VLLM_TPU_BATCHED_TOKENS = {"v6e": 1024, "v5e": 512, "v5p": 256}
+# The blocks vLLM's block pool keeps back for itself (v1/core/block_pool.py, its null block), which its memory
+# check reserves before it admits a sequence (v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`).
+NULL_BLOCKS = 1
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,8 @@ class PagedKvCache:
         return full + self.sliding_groups * (_cdiv(held, self.block_size) + 1)
 
     def bytes(self, tokens: int, concurrency: int = 1) -> int:
-        """The pool `concurrency` sequences of `tokens` each need."""
+        """The pages `concurrency` sequences of `tokens` each take (vLLM's pool holds one block more, which its
+        block pool keeps back: `NULL_BLOCKS`)."""
         return concurrency * self.blocks_per_sequence(tokens) * self.block_bytes
 
     def max_concurrency(self, memory_bytes: int, max_model_len: int) -> float:

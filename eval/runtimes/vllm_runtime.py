@@ -70,7 +70,7 @@ from eval.runtimes.vllm_support import (
 )
 from eval.runtimes.vllm_worker import PROTOCOL
 from formats.architectures.shape import ModelShape
-from placement.model import VLLM_CPU_BLOCK_SIZE, paged_kv_cache
+from placement.model import NULL_BLOCKS, VLLM_CPU_BLOCK_SIZE, paged_kv_cache
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768
@@ -88,14 +88,14 @@ CPU_IN_FLIGHT_TOKENS = 4096
 
 def kv_cache_reservation(shape: ShapeRecord | None, max_model_len: int, element_bytes: int) -> int:
     """The KV cache the CPU runtime asks vLLM for: a sequence of `max_model_len` tokens as vLLM pages it on the
-    CPU (`placement.model.PagedKvCache`: 128-token pages of `element_bytes` elements; vLLM refuses to start with
-    less), and at least KV_CACHE_BYTES; KV_CACHE_BYTES where the shape is unknown."""
+    CPU (`placement.model.PagedKvCache`: 128-token pages of `element_bytes` elements) and the block vLLM keeps back
+    (it refuses to start with less), and at least KV_CACHE_BYTES; KV_CACHE_BYTES where the shape is unknown."""
     if shape is None:
         return KV_CACHE_BYTES
     paged = paged_kv_cache(
         shape, block_size=VLLM_CPU_BLOCK_SIZE, in_flight_tokens=CPU_IN_FLIGHT_TOKENS, element_bytes=element_bytes
     )
-    return max(KV_CACHE_BYTES, paged.bytes(max_model_len))
+    return max(KV_CACHE_BYTES, paged.bytes(max_model_len) + NULL_BLOCKS * paged.block_bytes)
 
 
 def _shape(config: dict[str, Any]) -> ShapeRecord | None:

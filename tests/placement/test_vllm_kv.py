@@ -14,9 +14,16 @@ from typing import Any
 import pytest
 
 from eval.runtimes.environments import find
-from eval.runtimes.vllm_runtime import WorkerProcess
+from eval.runtimes.vllm_runtime import (
+    CPU_IN_FLIGHT_TOKENS,
+    KV_CACHE_BYTES,
+    WorkerError,
+    WorkerProcess,
+    kv_cache_reservation,
+)
 from formats.architectures.shape import ModelShape
 from placement.model import (
+    NULL_BLOCKS,
     VLLM_CPU_BLOCK_SIZE,
     kv_bytes_per_token,
     kv_cache_bytes,
@@ -146,3 +153,41 @@ def test_kiln_counts_the_kv_cache_as_vllm_pages_it(
         # Whole pages of every layer: the exact count of MAX_MODEL_LEN tokens, rounded up to a page.
         exact = kv_cache_bytes(shape, MAX_MODEL_LEN, element_bytes=element)
         assert paged.bytes(MAX_MODEL_LEN) == pages * paged.block_size * exact // MAX_MODEL_LEN
+
+
+def test_the_cpu_eval_reserves_the_kv_cache_of_one_sequence_which_vllm_needs(tmp_path: Path) -> None:
+    """The CPU eval asks vLLM for one sequence's pages (`kv_cache_reservation`, past its 256 MiB floor): exactly
+    what vLLM needs to start, a byte less and it refuses."""
+    installed = find("vllm")
+    assert installed is not None, "vLLM's environment is not installed: `kiln runtime install vllm`"
+    model = tiny(tmp_path, "llama")
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text())).record()
+    paged = paged_kv_cache(
+        shape, block_size=VLLM_CPU_BLOCK_SIZE, in_flight_tokens=CPU_IN_FLIGHT_TOKENS, element_bytes=4
+    )
+    # 4 layers, 40 pages of 128 tokens and the block vLLM keeps back, 2 KV heads of 64, float32.
+    need = paged.bytes(MAX_MODEL_LEN) + NULL_BLOCKS * paged.block_bytes
+    assert need == 4 * (40 + 1) * 128 * 2 * 2 * 64 * 4
+    assert kv_cache_reservation(shape, MAX_MODEL_LEN, 4) == max(need, KV_CACHE_BYTES) == KV_CACHE_BYTES
+    longer = 200 * MAX_MODEL_LEN
+    assert kv_cache_reservation(shape, longer, 4) == paged.bytes(longer) + paged.block_bytes > KV_CACHE_BYTES
+    request = {
+        "op": "load",
+        "model": str(model),
+        "max_model_len": MAX_MODEL_LEN,
+        "full_vocab_limit": 1 << 20,
+        "top_k": 8,
+        "dtype": "float32",
+    }
+    for memory, starts in ((need, True), (need - 1, False)):
+        worker = WorkerProcess(installed.python)  # a failed load leaves vLLM's state behind: a worker each
+        try:
+            if starts:
+                worker.request({**request, "kv_cache_bytes": memory})
+                blocks = worker.request({"op": "kv_cache"})[0]["num_blocks"]
+                assert blocks == paged.blocks_per_sequence(MAX_MODEL_LEN) + NULL_BLOCKS
+            else:
+                with pytest.raises(WorkerError, match="KV cache is needed"):
+                    worker.request({**request, "kv_cache_bytes": memory})
+        finally:
+            worker.close()
