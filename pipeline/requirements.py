@@ -41,11 +41,14 @@ C = 16·W·V.
   (bench/calibration_memory.py, bf16, 4 samples of 64 tokens): GPTQ 2.56-2.61 GB of anonymous memory
   over the import baseline (formula 2.72 GB), AWQ 2.18-2.22 GB (formula 2.09 GB + the pipeline's own).
 - Serving runtimes on a GPU (vLLM, TensorRT-LLM): the artifact's weights (`quant.footprint`) ÷ TP + the
-  KV cache of one sequence of W + G tokens, 2·L·kv_heads·head_dim·(W + G)·2 bytes (bf16), split over TP
-  (replicated when TP > kv_heads); TP, the device count, is the smallest power of two (dividing the heads,
-  up to the GPUs of one node) whose per-device share fits `MEMORY_UTILIZATION` of the device's memory
-  (vLLM's default); on the host, the largest tensor as the checkpoint loads, and C. vLLM on the CPU holds
-  the weights and that KV cache in host memory too.
+  KV cache of one sequence of W + G tokens as vLLM pages it on that GPU (`placement.model.PagedKvCache`: bf16,
+  16-token pages of every full layer, a sliding layer's window and the tokens in flight; 2·L·kv_heads·head_dim·
+  (W + G)·2 bytes for a dense model at whole pages), split over TP (replicated when TP > kv_heads); TP, the
+  device count, is the smallest power of two (dividing the heads, up to the GPUs of one node) whose per-device
+  share fits `MEMORY_UTILIZATION` of the device's memory (vLLM's default); on the host, the largest tensor as
+  the checkpoint loads, and C. vLLM on the CPU holds the weights and the KV cache the eval reserves
+  (`eval.runtimes.vllm_runtime.kv_cache_reservation`: a sequence of W + G + 1 tokens in float32 at 128-token
+  pages and the page vLLM keeps back, at least 256 MiB) in host memory.
 - llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C.
 - The JAX forward (`eval.runtimes.jax_runtime`) restores the orbax checkpoint one decoder layer at a time
   onto its device: s·(P_L + V·h) (a layer and the embedding or the head, as stored) + 4·P_L (the layer's
@@ -84,12 +87,13 @@ from core.errors import SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
 from core.shape import ShapeRecord
 from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
+from eval.runtimes.vllm_runtime import kv_cache_reservation
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from formats.hf_model import SourceModel
 from formats.safetensors import DTYPES
 from placement.fit import MEMORY_UTILIZATION
-from placement.model import kv_cache_bytes, tp_degrees
+from placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
 from placement.weights import artifact_bytes
 
 MiB = 1024 * 1024
@@ -257,6 +261,8 @@ class Sizing:
     greedy_tokens: int
     device: PlanDevice = CPU_PLAN
     shape_only: bool = False  # planned from config.json alone
+    # Each artifact's weight bytes, counted once a plan (a mixture of experts has ~10^5 tensors to count).
+    _weights: dict[tuple[str, bool], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of_source(cls, source: SourceModel, *, max_tokens: int, window: int, greedy_tokens: int) -> Sizing:
@@ -341,9 +347,22 @@ class Sizing:
         """Keys and values of every layer for one sequence of `tokens`, per device under `tp` (`placement.model`)."""
         return kv_cache_bytes(self.record, tokens, tp=tp, element_bytes=element)
 
+    def paged_kv_bytes(self, tokens: int, tp: int = 1) -> int:
+        """A serving runtime's KV cache of one sequence of `tokens` on one of `tp` GPUs of the plan's device, paged as
+        vLLM pages it there (`placement.model.PagedKvCache`, `vllm_defaults` of that GPU)."""
+        gpu = self.device.gpu
+        serving = vllm_defaults("cuda", gpu.memory_bytes / 2**30 if gpu else 0.0, gpu.name if gpu else "")
+        paged = paged_kv_cache(
+            self.record, block_size=serving.block_size, in_flight_tokens=serving.in_flight_tokens, tp=tp
+        )
+        return paged.bytes(tokens)
+
     def weights_bytes(self, quant: str, runtime: str) -> int:
         """The artifact's weights (`placement.weights.artifact_bytes`)."""
-        return artifact_bytes(self.shape, self.config, self.weight_bytes, quant, runtime)
+        key = (quant, runtime == "llama.cpp")  # a GGUF file's, or the scheme's checkpoint for any other runtime
+        if key not in self._weights:
+            self._weights[key] = artifact_bytes(self.shape, self.config, self.weight_bytes, quant, runtime)
+        return self._weights[key]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -472,7 +491,7 @@ def tensor_parallel(sizing: Sizing, weights: int, gpu: GpuSpec | None) -> Served
     of the GPU's memory; the largest when none does. A GPU of unknown memory: TP 1."""
 
     def share(tp: int) -> int:
-        return -(-weights // tp) + sizing.kv_cache_bytes(sizing.context, tp=tp)
+        return -(-weights // tp) + sizing.paged_kv_bytes(sizing.context, tp=tp)
 
     if gpu is None:
         return Served(1, share(1), True)
@@ -619,7 +638,8 @@ def serving(
     weights = sizing.weights_bytes(quant, runtime)
     base = base_mib * MiB + sizing.largest_tensor_bytes + host
     if device.kind == "cpu":
-        return Requirements(cpus=cpus, memory_bytes=base + weights + sizing.kv_cache_bytes(sizing.context))
+        kv = kv_cache_reservation(sizing.record, sizing.context + 1, 4)
+        return Requirements(cpus=cpus, memory_bytes=base + weights + kv)
     served = tensor_parallel(sizing, weights, device.gpu)
     sku = device.gpu.sku if device.gpu is not None else None
     return Requirements(

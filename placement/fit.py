@@ -3,11 +3,14 @@
 Pure functions over a model's shape (`core.shape.ShapeRecord`, read from an untrusted config), an artifact's
 weight bytes and quant, and a `core.hardware.HardwareProfile`; no I/O. `plan_replica` picks the
 smallest tensor-parallel degree whose share of the weights and KV cache fits in each device's usable
-memory, and bounds what that replica can do:
+memory, and bounds what that replica can do. The KV cache is counted as vLLM pages it on that device
+(`placement.model.PagedKvCache` with `vllm_defaults`: pages of 16 tokens, 128 on a CPU; a sliding layer keeps its
+window and the tokens of the steps in flight), so a fit here is one vLLM admits.
 
 - decode is a roofline: each step reads, on every device, its share of the weights (of a mixture of experts,
-  the share its tokens' experts touch: `placement.model.active_parameters`) and of the KV cache at full
-  context (those bytes ÷ (bandwidth × efficiency)), and computes 2 × active parameters × `concurrency`
+  the share its tokens' experts touch: `placement.model.active_parameters`) and of the KV cache its attention
+  reads at full context (every token of a full layer, a sliding layer's window: `kv_cache_bytes`; those bytes ÷
+  (bandwidth × efficiency)), and computes 2 × active parameters × `concurrency`
   FLOPs of matmuls at the artifact's matmul type on all TP devices × efficiency; the step takes the longer
   of the two. Few sequences are bandwidth-bound (the smallest weights win); many are FLOP-bound, where
   what the hardware computes natively (FP4 on Blackwell and gfx950, FP8 on Hopper) wins. The replica
@@ -55,7 +58,17 @@ from core.hardware import (
 )
 from core.resolve import BoundBasis
 from core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
-from placement.model import active_parameters, flops_parameters, kv_cache_bytes, parameters, tp_degrees
+from placement.model import (
+    PagedKvCache,
+    active_parameters,
+    flops_parameters,
+    kv_cache_bytes,
+    paged_kv_cache,
+    parameters,
+    sliding_layer_count,
+    tp_degrees,
+    vllm_defaults,
+)
 from quant.catalog import METHODS
 
 GIB = 1024**3
@@ -184,7 +197,7 @@ class ReplicaPlan:
     usable_per_device_bytes: int  # MEMORY_UTILIZATION of it
     weights_bytes: int
     weights_per_device_bytes: int
-    kv_cache_bytes: int  # the replica's (0 when the shape is unknown)
+    kv_cache_bytes: int  # the replica's, paged as vLLM pages it (0 when the shape is unknown)
     kv_per_device_bytes: int  # with KV heads replicated where tp > kv_heads
     kv_room_per_device_bytes: int  # usable - weights per device: left for KV (negative: the weights alone do not fit)
     required_per_device_bytes: int  # weights + KV per device
@@ -275,13 +288,25 @@ def plan_replica(
     allocatable = share.allocatable_bytes
     held = min(memory, allocatable) if allocatable is not None else memory  # what a server can take
     usable = round(MEMORY_UTILIZATION * held)
-    kv_total = kv_cache_bytes(shape, context, concurrency, kv_dtype) if isinstance(shape, ShapeRecord) else 0
+    serving = vllm_defaults(profile.family, memory_gib, profile.name)
+
+    def paged(tp: int) -> PagedKvCache | None:
+        if not isinstance(shape, ShapeRecord):
+            return None
+        return paged_kv_cache(
+            shape,
+            block_size=serving.block_size,
+            in_flight_tokens=serving.in_flight_tokens,
+            kv_dtype=kv_dtype,
+            tp=tp,  # tp > kv_heads: one KV head each
+        )
+
+    whole = paged(1)
+    kv_total = whole.bytes(context, concurrency) if whole is not None else 0
 
     def per_device(tp: int) -> tuple[int, int]:
-        weights = -(-weights_bytes // tp)
-        if not isinstance(shape, ShapeRecord):
-            return weights, 0
-        return weights, kv_cache_bytes(shape, context, concurrency, kv_dtype, tp)  # tp > kv_heads: one KV head each
+        cache = paged(tp)
+        return -(-weights_bytes // tp), cache.bytes(context, concurrency) if cache is not None else 0
 
     tried: list[tuple[int, int]] = []  # (tp, weights + KV per device) of each TP that did not fit
     tp = allowed[-1]
@@ -303,7 +328,9 @@ def plan_replica(
     params = flops_parameters(shape) if isinstance(shape, ShapeRecord) else None
     # A mixture of experts reads, per step, the share of its weights the step's tokens touch (`active_parameters`).
     read_w = w_dev * _read_share(shape, concurrency)
-    read_bytes = max(read_w / share.weights + kv_dev / share.kv, 1)  # bytes at the data sheet's rate
+    # Attention reads each sequence's tokens, a sliding layer's window of them, not the pages held for admission.
+    kv_read = kv_cache_bytes(shape, context, concurrency, kv_dtype, tp) if isinstance(shape, ShapeRecord) else 0
+    read_bytes = max(read_w / share.weights + kv_read / share.kv, 1)  # bytes at the data sheet's rate
     memory_s = read_bytes / (bandwidth_gbs * 1e9 * efficiency)
     flops_per_s = tp * tflops * 1e12 * share.matmul * efficiency
     compute_s = 2 * params * concurrency / flops_per_s if params is not None else 0.0
@@ -332,6 +359,13 @@ def plan_replica(
     if excluded and isinstance(shape, ShapeRecord):
         heads = f"{shape.num_attention_heads} heads, " if shape.num_attention_heads is not None else ""
         parts.append(f"TP {', '.join(map(str, excluded))} not tried ({heads}{shape.num_kv_heads} KV heads)")
+    window = shape.sliding_window if isinstance(shape, ShapeRecord) else None
+    if isinstance(shape, ShapeRecord) and window is not None and window - 1 + serving.in_flight_tokens < context:
+        parts.append(
+            f"{sliding_layer_count(shape)} of {shape.num_layers} layers slide: each sequence keeps "
+            f"{window - 1 + serving.in_flight_tokens} of its {context} tokens there (a {window}-token window, "
+            f"{serving.in_flight_tokens} in flight)"
+        )
     if isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
         parts.append(f"KV heads replicated: {shape.num_kv_heads} over TP {tp}, one per device")
     if isinstance(shape, ShapeRecord) and shape.is_moe and read_w < w_dev:

@@ -13,10 +13,22 @@ kv = KV heads × head_dim, V vocabulary, E experts of width f_e, k per token, f_
   reads each sparse layer's distinct experts, E·(1 − (1 − k/E)^B) of them in expectation for independent
   tokens, not B·k.
 - KV cache per token of a sequence of T tokens: 2·kv·(bytes per element) for each full layer, and for each
-  sliding layer only while T is within its window: the cache of T tokens is 2·kv·e·(L_full·T + L_w·min(T, W)).
+  sliding layer only while T is within its window: the cache of T tokens is 2·kv·e·(L_full·T + L_w·min(T, W)),
+  what a runtime holding exactly its tokens keeps (llama.cpp, the JAX forward).
+- vLLM pages it (`PagedKvCache`, its accounting as vLLM 0.32 does it, checked against vLLM's own figures by
+  tests/placement/test_vllm_kv.py): pages of b tokens (16; 128 on the CPU) of one layer, 2·kv·e·b bytes each; the
+  layers in groups that share a block table (one group of every layer, or for full and sliding layers mixed,
+  groups of g layers each: g the fewer layers of one kind, or the more where those are under 1.5 times as many,
+  the last group of a kind padded); a block of the pool holds one page of each of g layers. A sequence of T
+  tokens takes ⌈T/b⌉ blocks in each full group, and in each sliding group ⌈min(W − 1 + F, T)/b⌉ + 1 (its window,
+  the F tokens of the steps in flight, and a block the window may straddle). Of M bytes the pool has
+  ⌊M/(g·2·kv·e·b)⌋ blocks; its capacity, as vLLM reports it, is blocks ÷ (blocks of one sequence of the longest
+  length) × that length, in tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from core.shape import ShapeRecord, kv_element_bytes
 
@@ -97,9 +109,7 @@ def flops_parameters(s: ShapeRecord) -> int | None:
 def kv_layer_tokens(s: ShapeRecord, tokens: int) -> int:
     """Σ over layers of the tokens each keeps for a sequence of `tokens`: every full layer all of them, a
     sliding layer at most its window."""
-    sliding = 0
-    if s.sliding_window is not None:
-        sliding = min(s.sliding_layers, s.num_layers) if s.sliding_layers is not None else s.num_layers
+    sliding = sliding_layer_count(s)
     return (s.num_layers - sliding) * tokens + sliding * min(tokens, s.sliding_window or tokens)
 
 
@@ -124,9 +134,135 @@ def kv_cache_bytes(
     return per_token_layer * kv_layer_tokens(s, tokens) * concurrency
 
 
-def kv_bytes_per_token(s: ShapeRecord, kv_dtype: str = "bf16") -> int:
-    """One token's keys and values over every layer (the sliding layers' included: a token within the window)."""
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * kv_element_bytes(kv_dtype)
+def kv_bytes_per_token(s: ShapeRecord, kv_dtype: str = "bf16", tp: int = 1, *, element_bytes: int | None = None) -> int:
+    """One token's keys and values over every layer (the sliding layers' included: a token within the window), on
+    one of `tp` devices, in `kv_dtype` (or `element_bytes` per element)."""
+    element = element_bytes if element_bytes is not None else kv_element_bytes(kv_dtype)
+    return 2 * s.num_layers * kv_heads_per_device(s, tp) * s.head_dim * element
+
+
+def sliding_layer_count(s: ShapeRecord) -> int:
+    """How many layers keep only a window of tokens (0 without a window)."""
+    if s.sliding_window is None:
+        return 0
+    return min(s.sliding_layers, s.num_layers) if s.sliding_layers is not None else s.num_layers
+
+
+# vLLM 0.32's defaults that shape its paged KV cache, as its source sets them: the tokens of a page
+# (config/cache.py `CacheConfig.DEFAULT_BLOCK_SIZE` 16; platforms/cpu.py 128), the scheduler's tokens per step for
+# `vllm serve` (engine/arg_utils.py: 16,384 on GPUs of 160 GiB or more, 8,192 on those of 70 GiB or more but the
+# A100, 2,048 on the others and on CPUs; TPU v6e 1,024, v5e 512, v5p 256) and the steps in flight at once
+# (config/vllm.py `max_concurrent_batches`: 2 under async scheduling, its default on GPUs; platforms/cpu.py turns
+# it off).
+VLLM_BLOCK_SIZE = 16
+VLLM_CPU_BLOCK_SIZE = 128
+VLLM_TPU_BATCHED_TOKENS = {"v6e": 1024, "v5e": 512, "v5p": 256}
+# The blocks vLLM's block pool keeps back for itself (v1/core/block_pool.py, its null block), which its memory
+# check reserves before it admits a sequence (v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`).
+NULL_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class VllmDefaults:
+    """What vLLM serves a model with on a device, as far as its KV cache's shape goes."""
+
+    block_size: int  # tokens per page
+    max_num_batched_tokens: int  # the scheduler's tokens per step
+    concurrent_batches: int  # steps in flight at once
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """vLLM's `max_in_flight_tokens`: tokens scheduled but not yet settled, which a sliding layer keeps too."""
+        return self.max_num_batched_tokens * self.concurrent_batches
+
+
+def vllm_defaults(family: str, memory_gib: float, name: str = "") -> VllmDefaults:
+    """`vllm serve`'s defaults on a device of `family` (cuda, rocm, tpu, cpu) with `memory_gib` per device."""
+    if family in ("cuda", "rocm"):
+        batched = 16384 if memory_gib >= 160 else 8192 if memory_gib >= 70 and "a100" not in name.lower() else 2048
+        return VllmDefaults(VLLM_BLOCK_SIZE, batched, 2)
+    if family == "tpu":
+        batched = next((n for chip, n in VLLM_TPU_BATCHED_TOKENS.items() if chip in name.lower()), 2048)
+        return VllmDefaults(VLLM_BLOCK_SIZE, batched, 1)
+    return VllmDefaults(VLLM_CPU_BLOCK_SIZE, 2048, 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PagedKvCache:
+    """A model's KV cache as vLLM pages it on one device (see the module's notation): `page_bytes` per layer and
+    page of `block_size` tokens, `group_size` layers per KV cache group, `full_groups` and `sliding_groups` of them
+    (a sliding group's layers keep `sliding_window` tokens and the `in_flight_tokens` of the steps in flight)."""
+
+    block_size: int
+    page_bytes: int
+    group_size: int
+    full_groups: int
+    sliding_groups: int
+    sliding_window: int | None
+    in_flight_tokens: int
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of the pool: a page of each layer of a group."""
+        return self.group_size * self.page_bytes
+
+    def blocks(self, memory_bytes: int) -> int:
+        """The blocks a pool of `memory_bytes` holds (vLLM's `num_blocks`)."""
+        return memory_bytes // self.block_bytes
+
+    def blocks_per_sequence(self, tokens: int) -> int:
+        """The blocks one sequence of `tokens` takes at most, over every group."""
+        full = self.full_groups * _cdiv(tokens, self.block_size)
+        if not self.sliding_groups or self.sliding_window is None:
+            return full
+        held = min(self.sliding_window - 1 + self.in_flight_tokens, tokens)
+        return full + self.sliding_groups * (_cdiv(held, self.block_size) + 1)
+
+    def bytes(self, tokens: int, concurrency: int = 1) -> int:
+        """The pages `concurrency` sequences of `tokens` each take (vLLM's pool holds one block more, which its
+        block pool keeps back: `NULL_BLOCKS`)."""
+        return concurrency * self.blocks_per_sequence(tokens) * self.block_bytes
+
+    def max_concurrency(self, memory_bytes: int, max_model_len: int) -> float:
+        """How many sequences of `max_model_len` a pool of `memory_bytes` holds at once (vLLM's figure)."""
+        return self.blocks(memory_bytes) / self.blocks_per_sequence(max_model_len)
+
+    def capacity_tokens(self, memory_bytes: int, max_model_len: int) -> int:
+        """The tokens a pool of `memory_bytes` holds, as vLLM reports its KV cache size: sequences of
+        `max_model_len` at once × `max_model_len` (so the sliding layers' cap counts at that length)."""
+        return int(self.max_concurrency(memory_bytes, max_model_len) * max_model_len)
+
+
+def paged_kv_cache(
+    s: ShapeRecord,
+    *,
+    block_size: int = VLLM_BLOCK_SIZE,
+    in_flight_tokens: int = 0,
+    kv_dtype: str = "bf16",
+    tp: int = 1,
+    element_bytes: int | None = None,
+) -> PagedKvCache:
+    """How vLLM pages `s`'s KV cache on one of `tp` devices (vllm/v1/core/kv_cache_utils.py
+    `_get_kv_cache_groups_uniform_page_size`): every layer one group when all are of one kind; full and sliding
+    layers mixed, groups of the fewer kind's count (the larger where under 1.5 times it), each kind's last group
+    padded."""
+    element = element_bytes if element_bytes is not None else kv_element_bytes(kv_dtype)
+    page = 2 * kv_heads_per_device(s, tp) * s.head_dim * element * block_size
+    sliding = sliding_layer_count(s)
+    full = s.num_layers - sliding
+    if not sliding or not full:
+        return PagedKvCache(
+            block_size, page, s.num_layers, int(full > 0), int(sliding > 0), s.sliding_window, in_flight_tokens
+        )
+    fewer, more = min(full, sliding), max(full, sliding)
+    group = more if more < fewer * 1.5 else fewer
+    return PagedKvCache(
+        block_size, page, group, _cdiv(full, group), _cdiv(sliding, group), s.sliding_window, in_flight_tokens
+    )
 
 
 def tp_degrees(s: ShapeRecord | None, limit: int) -> tuple[list[int], list[int]]:

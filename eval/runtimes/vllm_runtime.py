@@ -53,11 +53,13 @@ from typing import IO, Any
 import numpy as np
 
 from core.device import Device, parse_device, resolve_device, visible_gpus
-from core.errors import Deferred, InvalidInput, StageFailed
+from core.errors import Deferred, InvalidInput, KilnError, StageFailed
+from core.shape import ShapeRecord
 from eval.runtimes import environments
 from eval.runtimes.base import check_ids
 from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilities
 from eval.runtimes.vllm_support import (
+    architecture_limitation,
     bundle_config,
     bundle_schemes,
     compute_dtype,
@@ -67,6 +69,8 @@ from eval.runtimes.vllm_support import (
     head_size,
 )
 from eval.runtimes.vllm_worker import PROTOCOL
+from formats.architectures.shape import ModelShape
+from placement.model import NULL_BLOCKS, VLLM_CPU_BLOCK_SIZE, paged_kv_cache
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768
@@ -74,7 +78,32 @@ TOP_K = 256
 # The threads vLLM computes with (the eval stage's `cpus`, pipeline.requirements): a reduction
 # over another thread count gives other last bits, so it is fixed, not the machine's core count.
 DEFAULT_THREADS = 2
-KV_CACHE_BYTES = 256 * 1024 * 1024  # vLLM on CPU reserves this for the KV cache (enough for the eval windows)
+# vLLM on the CPU reserves what one sequence of the eval's length takes (`kv_cache_reservation`), and no less
+# than this, so that greedy prompts run side by side in a small model's cache.
+KV_CACHE_BYTES = 256 * 1024 * 1024
+# vLLM's LLM class on the CPU schedules 4,096 tokens a step, one step at a time (engine/arg_utils.py): a sliding
+# layer holds its window and these.
+CPU_IN_FLIGHT_TOKENS = 4096
+
+
+def kv_cache_reservation(shape: ShapeRecord | None, max_model_len: int, element_bytes: int) -> int:
+    """The KV cache the CPU runtime asks vLLM for: a sequence of `max_model_len` tokens as vLLM pages it on the
+    CPU (`placement.model.PagedKvCache`: 128-token pages of `element_bytes` elements) and the block vLLM keeps back
+    (it refuses to start with less), and at least KV_CACHE_BYTES; KV_CACHE_BYTES where the shape is unknown."""
+    if shape is None:
+        return KV_CACHE_BYTES
+    paged = paged_kv_cache(
+        shape, block_size=VLLM_CPU_BLOCK_SIZE, in_flight_tokens=CPU_IN_FLIGHT_TOKENS, element_bytes=element_bytes
+    )
+    return max(KV_CACHE_BYTES, paged.bytes(max_model_len) + NULL_BLOCKS * paged.block_bytes)
+
+
+def _shape(config: dict[str, Any]) -> ShapeRecord | None:
+    """The bundle's shape as kiln reads config.json; None where kiln cannot (vLLM's own load decides)."""
+    try:
+        return ModelShape.from_config(config).record()
+    except KilnError:
+        return None
 
 
 class WorkerProcess:
@@ -252,6 +281,9 @@ class VllmRuntime:
         self.path = Path(bundle_dir)
         if not self.path.is_dir():
             raise InvalidInput(f"bundle {str(self.path)!r} is not a directory", details={"path": str(self.path)})
+        why = architecture_limitation(bundle_config(self.path))
+        if why is not None:
+            raise Deferred(f"vLLM does not serve this model: {why}", details={"runtime_needed": "vllm"})
         placed = parse_device(device)
         if placed is None or placed.is_cuda:
             placed = resolve_device(placed)
@@ -279,16 +311,18 @@ class VllmRuntime:
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
                 details={"runtime_needed": "vllm"},
             )
+        dtype = compute_dtype(schemes, here.amx.used)
+        length = max_model_len + 1  # a window's last row is one sampled token's
         try:
             loaded, _ = self._worker.request(
                 {
                     "op": "load",
                     "model": str(self.path),
-                    "max_model_len": max_model_len + 1,  # a window's last row is one sampled token's
-                    "kv_cache_bytes": KV_CACHE_BYTES,
+                    "max_model_len": length,
+                    "kv_cache_bytes": kv_cache_reservation(_shape(config), length, 4 if dtype == "float32" else 2),
                     "full_vocab_limit": FULL_VOCAB_LIMIT,
                     "top_k": TOP_K,
-                    "dtype": compute_dtype(schemes, here.amx.used),
+                    "dtype": dtype,
                 }
             )
         except WorkerError as e:
@@ -300,7 +334,7 @@ class VllmRuntime:
         self.vocab_size = int(loaded["vocab"])
         self.load_seconds = float(loaded["load_s"])
         exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
-        self.dtype = compute_dtype(schemes, here.amx.used)
+        self.dtype = dtype
         self.version = (
             f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
             f"{self.dtype} activations, {threads} threads"

@@ -1,8 +1,10 @@
-"""What vLLM runs where, as data: what a bundle's config asks for (its weight schemes, an FP8 KV cache), what
-vLLM's CPU build cannot run on this machine (`CPU_LIMITS`, against its capabilities and the worker's kernels)
-and the activation dtype it computes a bundle in there (`COMPUTE_DTYPES`), and what its CUDA build runs per GPU
-generation (`CUDA_KERNELS`: natively, through a stand-in kernel, or not at all). `eval.runtimes.vllm_runtime`
-asks these before it loads anything, so a bundle vLLM cannot run is recorded as not evaluated, with the reason.
+"""What vLLM runs where, as data: which architectures it serves (`architecture_limitation`: the family record's
+`vllm` mapping, and the layouts vLLM refuses), what a bundle's config asks for (its weight schemes, an FP8 KV
+cache), what vLLM's CPU build cannot run on this machine (`CPU_LIMITS`, against its capabilities and the
+worker's kernels) and the activation dtype it computes a bundle in there (`COMPUTE_DTYPES`), and what its CUDA
+build runs per GPU generation (`CUDA_KERNELS`: natively, through a stand-in kernel, or not at all).
+`eval.runtimes.vllm_runtime` asks these before it loads anything, so a bundle vLLM cannot run is recorded as not
+evaluated, with the reason.
 
 Pure: no vLLM, no torch; the CPU facts come from `eval.runtimes.capabilities`.
 """
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import InvalidInput
+from core.errors import InvalidInput, KilnError
 from eval.runtimes.capabilities import VllmCapabilities
+from formats.architectures import ARCHITECTURES
+from formats.architectures.record import Architecture
+from formats.architectures.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,38 @@ def cuda_verdict(schemes: Sequence[WeightScheme], sm: int, fp8_kv_cache: bool = 
         if sm < kernels.native_sm and kernels.fallback not in fallbacks:
             fallbacks.append(kernels.fallback)
     return CudaVerdict(None, tuple(fallbacks))
+
+
+# Families whose vLLM model (vllm 0.32.0 model_executor/models/qwen2.py `Qwen2Model`, which Qwen3 builds on) asserts
+# that every layer slides or none does ("Sliding window for some but all layers is not supported"), seen as its
+# load error here; Gemma 3's sliding and global layers are served (tests/placement/test_vllm_kv.py).
+ONE_LAYER_TYPE_FAMILIES = ("qwen2", "qwen3")
+
+
+def architecture_limitation(config: dict[str, Any], records: dict[str, Architecture] = ARCHITECTURES) -> str | None:
+    """Why vLLM cannot serve a bundle of this config.json: its family record refuses the `vllm` runtime (the
+    record's reason), or its layers mix sliding and full attention in a family whose vLLM model takes one kind.
+    None where it can, and where kiln has no record of the architecture or cannot read the config (vLLM's own
+    load then decides)."""
+    listed = config.get("architectures")
+    name = listed[0] if isinstance(listed, list) and len(listed) == 1 and isinstance(listed[0], str) else None
+    record = records.get(name) if name is not None else None
+    if record is None:
+        return None
+    mapping = record.target("vllm")
+    if mapping.refused is not None:
+        return f"{record.hf_class} ({record.family}): {mapping.refused}"
+    if record.family in ONE_LAYER_TYPE_FAMILIES:
+        try:
+            kinds = set(ModelShape.from_config(config).layer_types)
+        except KilnError:
+            return None
+        if len(kinds) > 1:
+            return (
+                f"{record.hf_class}: vLLM's {record.family} model slides every layer or none, and this config slides "
+                "some (use_sliding_window with max_window_layers below num_hidden_layers)"
+            )
+    return None
 
 
 def compute_dtype(schemes: Sequence[WeightScheme], amx: bool = False) -> str:

@@ -11,9 +11,10 @@ answers `{"ok": false, "error": ..., "type": ...}` and the worker goes on. Reque
 
 - `hello`: protocol, versions, the kernels this build has, the AMX decision and, on GPUs, the smallest
   compute capability among them (`cuda_sm`: major × 10 + minor; None on the CPU);
-- `load` {model, max_model_len, kv_cache_bytes, full_vocab_limit, top_k}: open a model with `vllm.LLM`;
+- `load` {model, max_model_len, kv_cache_bytes, full_vocab_limit, top_k, block_size?}: open a model with `vllm.LLM`;
 - `logits` {ids}: the next-token log-probabilities at every position of one window ([len(ids), V]);
 - `greedy` {prompts, n}: `n` tokens continuing each prompt by argmax, EOS ignored;
+- `kv_cache`: how the loaded model's KV cache is paged, as vLLM's engine accounted for it (`kv_cache_report`);
 - `close`: exit.
 
 vLLM logs to stdout; the replies go to a private copy of the original stdout and fd 1 is pointed at
@@ -30,7 +31,7 @@ import sys
 import time
 from typing import Any, BinaryIO
 
-PROTOCOL = 2
+PROTOCOL = 3
 
 # A bf16 matmul large enough for oneDNN to take its AMX kernels when allowed to: on a CPU that
 # advertises AMX but faults on it, this child dies with SIGILL.
@@ -72,6 +73,44 @@ def probe_amx(python: str = sys.executable, code: str = AMX_PROBE, timeout: floa
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}
     done = subprocess.run([python, "-c", code], env=env, capture_output=True, timeout=timeout, check=False)
     return done.returncode
+
+
+def kv_cache_report(config: Any, vllm_config: Any) -> dict[str, Any]:
+    """vLLM's own KV accounting of a loaded model (vllm/v1/core/kv_cache_utils.py): the block pool's blocks and
+    bytes (`pool_bytes`), each KV cache group (the layers sharing one block table: their kind, one layer's page of
+    `block_size` tokens, the sliding window) and the capacity vLLM reports (`kv_cache_size_tokens`,
+    `max_concurrency` of `max_model_len` tokens), with the tokens in flight a sliding window's admission counts."""
+    cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        layer = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
+        groups.append(
+            {
+                "kind": type(layer).__name__,
+                "layers": len(group.layer_names),
+                "block_size": int(layer.block_size),
+                "page_bytes": int(layer.page_size_bytes),
+                "num_kv_heads": int(getattr(layer, "num_kv_heads", 0)),
+                "head_size": int(getattr(layer, "head_size", 0)),
+                "dtype": str(getattr(layer, "dtype", "")).removeprefix("torch."),
+                "sliding_window": getattr(layer, "sliding_window", None),
+            }
+        )
+    return {
+        "num_blocks": int(config.num_blocks),
+        # the groups' tensors alias one allocation (a block ID belongs to one group at a time)
+        "pool_bytes": max((int(t.size) for t in config.kv_cache_tensors), default=0),
+        "groups": groups,
+        "block_size": int(cache.block_size),
+        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        "kv_cache_size_tokens": int(cache.kv_cache_size_tokens),
+        "max_concurrency": float(cache.kv_cache_max_concurrency),
+        "max_model_len": int(vllm_config.model_config.max_model_len),
+        "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
+        "max_in_flight_tokens": int(vllm_config.max_in_flight_tokens),
+        "hybrid_kv_cache_manager": not scheduler.disable_hybrid_kv_cache_manager,
+    }
 
 
 def write_reply(out: BinaryIO, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -193,6 +232,8 @@ class Worker:
         options: dict[str, Any] = {}
         if "kv_cache_bytes" in req:  # on the CPU: the KV cache's bytes; on a GPU vLLM sizes it from its share
             options["kv_cache_memory_bytes"] = int(req["kv_cache_bytes"])
+        if "block_size" in req:  # tokens per KV cache page (vLLM's default: 128 on the CPU, 16 on GPUs)
+            options["block_size"] = int(req["block_size"])
         if int(req.get("tensor_parallel_size", 1)) > 1:
             options["tensor_parallel_size"] = int(req["tensor_parallel_size"])
         self.llm = LLM(
@@ -220,6 +261,16 @@ class Worker:
             "load_s": time.perf_counter() - started,
             "gpus": gpus,
         }
+
+    def kv_cache(self, _: dict[str, Any]) -> dict[str, Any]:
+        """The loaded model's KV cache as vLLM's engine laid it out: `kv_cache_report` of its scheduler's config."""
+        if self.llm is None:
+            raise RuntimeError("no model is loaded")
+        engine = self.llm.llm_engine
+        core = getattr(engine.engine_core, "engine_core", None)  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        if core is None:
+            raise RuntimeError("the engine runs in another process: its KV cache config is not readable here")
+        return {"ok": True, **kv_cache_report(core.scheduler.kv_cache_config, engine.vllm_config)}
 
     def unload(self, _: dict[str, Any]) -> dict[str, Any]:
         """Release the model: vLLM's distributed state goes with it, before another is loaded."""
@@ -301,7 +352,7 @@ def main() -> int:
             if op == "logits":
                 header, payload = worker.logits(req)
                 write_reply(replies, header, payload)
-            elif op in ("hello", "load", "unload", "greedy"):
+            elif op in ("hello", "load", "unload", "greedy", "kv_cache"):
                 write_reply(replies, getattr(worker, op)(req))
             else:
                 write_reply(replies, {"ok": False, "error": f"unknown op {op!r}", "type": "ProtocolError"})
