@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from formats.architectures.record import Architecture
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
+    from targets.lint.findings import LintReport, LintRequest
 
 # The modules that define kiln's targets; each calls `register` once at import.
 BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax", "targets.trtllm")
@@ -127,6 +128,8 @@ DerivedFn = Callable[[str, str, dict[str, Any]], list[DerivedNode]]
 PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
 CompatibilityFn = Callable[[str, dict[str, Any]], dict[str, Verdict]]
+# An artifact directory (and the model it was made from, when known) -> what is wrong with it (`targets.lint`).
+LintFn = Callable[["LintRequest"], "LintReport"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ class TargetSpec:
     # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
     # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
     per_architecture: bool = False
+    # Checks an artifact of this target against what its runtime loads, without running a model (`targets.lint`:
+    # one checker per format); the export stage fails on an error it finds, and publish refuses the artifact.
+    lint: LintFn | None = None
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""

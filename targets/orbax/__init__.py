@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from targets.base import TargetSpec, register
+from targets.lint import lint_orbax
 
 from .layout import INT8, QUANTS, TPU_HARDWARE, compatibility
 from .sharding import mesh_from_params
@@ -48,5 +49,6 @@ SPEC = register(
         quantized_input=(INT8,),
         compatibility_fn=compatibility,
         check_params=_check_params,
+        lint=lint_orbax,
     )
 )

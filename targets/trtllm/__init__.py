@@ -11,6 +11,7 @@ sources, `targets.trtllm.engines` for the per-SKU jobs' params, commands and run
 """
 
 from targets.base import TargetSpec, register
+from targets.lint import lint_safetensors
 from targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
@@ -43,5 +44,6 @@ SPEC = register(
         unsupported_quants=REFUSED,
         derived=derived_nodes,
         quant_runtimes={q: f.eval_runtimes for q, f in FORMATS.items()},
+        lint=lint_safetensors,
     )
 )
