@@ -11,7 +11,8 @@ imply, and the block scales of the types whose scale is a plain float.
 - Block scales: the f16 `d` of Q4_0 / Q5_0 / Q8_0, `d` and `dmin` of Q4_K / Q5_K, `d` of Q6_K, the UE4M3
   sub-block scales of NVFP4 (ggml-common.h `block_*`), read in chunks of a tensor's blocks: NaN or infinite
   ones are errors. llama.cpp writes d = 0 for an all-zero block, so zero is an error only when every block of
-  a tensor has it (the tensor is all zeros). MXFP4's E8M0 exponents have no NaN in ggml's decoding.
+  a tensor has it (the tensor is all zeros). MXFP4's E8M0 exponents have no NaN in ggml's decoding. The
+  fields lie in every block, so the whole tensor is read, 16 MiB at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from formats.architectures.shape import ModelShape
 from formats.gguf.constants import QUANTS, TYPE_TRAITS, Keys, TensorType
 from formats.gguf.reader import GGUFHeader, TensorEntry, read_header
 from targets.lint.findings import Finding, LintReport, LintRequest, finding
-from targets.lint.values import count, read_bytes
+from targets.lint.values import ScaleCounts
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,7 +57,7 @@ F16_SCALES: Final[dict[TensorType, tuple[int, ...]]] = {
     TensorType.Q6_K: (208,),
 }
 NVFP4_SCALES: Final = 4  # block_nvfp4: d[4] (UE4M3, one per 16 values), then qs[32]
-CHUNK_BLOCKS: Final = 1 << 20
+CHUNK_BYTES: Final = 16 << 20
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 _GLOBAL = {TensorKind.TOKEN_EMBD: "token_embd", TensorKind.OUTPUT_NORM: "output_norm", TensorKind.OUTPUT: "output"}
 
@@ -431,50 +432,62 @@ def _check_tensors(
 
 
 def _check_block_scales(path: Path, header: GGUFHeader, report: LintReport) -> None:
-    """NaN or infinite block scales, and tensors whose every block scale is zero, one tensor at a time."""
+    """NaN or infinite block scales, and tensors whose every block scale is zero, one tensor at a time, read
+    in chunks of about `CHUNK_BYTES` (a scale field is in every block, so every byte is read; memory is one
+    chunk, whatever the tensor)."""
     import numpy as np
 
     file = path.name
-    mm = read_bytes(path, 0, path.stat().st_size)
-    for t in header.tensors:
-        try:
-            ttype = TensorType(t.type_id)
-        except ValueError:
-            continue
-        if ttype not in F16_SCALES and ttype is not TensorType.NVFP4:
-            continue
-        traits = TYPE_TRAITS[ttype]
-        n = math.prod(t.shape) // traits.block_size
-        start = header.data_offset + t.offset
-        blocks = mm[start : start + n * traits.type_size].reshape(n, traits.type_size)
-        nan = inf = 0
-        nonzero = False
-        fields = F16_SCALES.get(ttype, ())
-        for c0 in range(0, n, CHUNK_BLOCKS):
-            chunk = blocks[c0 : c0 + CHUNK_BLOCKS]
-            if ttype is TensorType.NVFP4:
-                d = np.ascontiguousarray(chunk[:, :NVFP4_SCALES])
-                nonzero |= bool(((d != 0) & (d != 0x7F)).any())  # ggml decodes 0 and 0x7F as 0
+    with open(path, "rb") as f:
+        for t in header.tensors:
+            try:
+                ttype = TensorType(t.type_id)
+            except ValueError:
                 continue
-            for i, off in enumerate(fields):
-                values = _f16(chunk, off)
-                c = count(values)
-                nan, inf = nan + c.nan, inf + c.inf
-                if i == 0:
-                    nonzero |= c.zero < c.size
-        report.scales += 1
-        report.scale_bytes += n * (len(fields) * 2 or NVFP4_SCALES)
-        what = f"block scales ({ttype.name} d)"
-        if nan:
-            report.add(finding("SCALE_NAN", t.name, f"{nan} of {n} {what} NaN", file))
-        if inf:
-            report.add(finding("SCALE_INF", t.name, f"{inf} of {n} {what} infinite", file))
-        if n and not nonzero:
-            report.add(finding("SCALE_ZERO", t.name, f"all {n} {what} zero: the tensor is all zeros", file))
-    del mm
+            if ttype not in F16_SCALES and ttype is not TensorType.NVFP4:
+                continue
+            traits = TYPE_TRAITS[ttype]
+            n = math.prod(t.shape) // traits.block_size
+            step = max(1, CHUNK_BYTES // traits.type_size)
+            nan = inf = 0
+            nonzero = False
+            fields = F16_SCALES.get(ttype, ())
+            for c0 in range(0, n, step):
+                blocks = min(step, n - c0)
+                f.seek(header.data_offset + t.offset + c0 * traits.type_size)
+                chunk = np.frombuffer(f.read(blocks * traits.type_size), dtype=np.uint8).reshape(blocks, -1)
+                if ttype is TensorType.NVFP4:
+                    d = chunk[:, :NVFP4_SCALES]
+                    nonzero |= bool(((d != 0) & (d != 0x7F)).any())  # ggml decodes 0 and 0x7F as 0
+                    continue
+                for i, off in enumerate(fields):
+                    c = f16_counts(chunk, off)
+                    nan, inf = nan + c.nan, inf + c.inf
+                    if i == 0:
+                        nonzero |= c.zero < c.size
+            report.scales += 1
+            report.scale_bytes += n * (len(fields) * 2 or NVFP4_SCALES)
+            what = f"block scales ({ttype.name} d)"
+            if nan:
+                report.add(finding("SCALE_NAN", t.name, f"{nan} of {n} {what} NaN", file))
+            if inf:
+                report.add(finding("SCALE_INF", t.name, f"{inf} of {n} {what} infinite", file))
+            if n and not nonzero:
+                report.add(finding("SCALE_ZERO", t.name, f"all {n} {what} zero: the tensor is all zeros", file))
 
 
-def _f16(chunk: np.ndarray, off: int) -> np.ndarray:
+def f16_counts(chunk: np.ndarray, off: int) -> ScaleCounts:
+    """NaN, infinite and zero counts of the f16 field at byte `off` of each block (row of `chunk`), from its
+    bits: an all-ones exponent is inf (mantissa 0) or NaN, and +-0 has every other bit clear."""
     import numpy as np
 
-    return np.ascontiguousarray(chunk[:, off : off + 2]).view("<f2").reshape(-1).astype(np.float32)
+    bits = np.ascontiguousarray(chunk[:, off : off + 2]).view("<u2").reshape(-1)
+    special = (bits & 0x7C00) == 0x7C00
+    nan = int(np.count_nonzero(special & ((bits & 0x03FF) != 0)))
+    return ScaleCounts(
+        size=int(bits.size),
+        nan=nan,
+        inf=int(np.count_nonzero(special)) - nan,
+        zero=int(np.count_nonzero((bits & 0x7FFF) == 0)),
+        negative=0,  # a block's d carries the sign of its largest value (Q4_0: d = max / -8)
+    )
