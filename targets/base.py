@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
+    from targets.lint.findings import LintReport, LintRequest
 
 # The modules that define kiln's targets; each calls `register` once at import.
 BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax", "targets.trtllm")
@@ -128,6 +129,8 @@ DerivedFn = Callable[[str, str, dict[str, Any], "ModelShape"], list[DerivedNode]
 PrepareFn = Callable[["SourceModel"], dict[str, Any]]
 # (quant, params) -> for every hardware profile, whether that artifact runs there and why.
 CompatibilityFn = Callable[[str, dict[str, Any]], dict[str, Verdict]]
+# An artifact directory (and the model it was made from, when known) -> what is wrong with it (`targets.lint`).
+LintFn = Callable[["LintRequest"], "LintReport"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class TargetSpec:
     # the model does not split over, an engine no pinned release converts): called with the model's shape, its
     # config.json, the quant and the recipe's params, raising KilnError with the reason. None: nothing to check.
     check_model_fn: Callable[[ModelShape, Mapping[str, Any], str, dict[str, Any]], None] | None = None
+    # Checks an artifact of this target against what its runtime loads, without running a model (`targets.lint`:
+    # one checker per format); the export stage fails on an error it finds, and publish refuses the artifact.
+    lint: LintFn | None = None
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""

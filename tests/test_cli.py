@@ -314,3 +314,33 @@ def test_modelcar_base_writes_a_layout_the_registry_loads(tmp_path: Path) -> Non
     assert refused.returncode == 2 and "MODELCAR_BASE_INVALID" in refused.stderr and "Traceback" not in refused.stderr
     missing = kiln("modelcar-base", str(tmp_path / "other"), "--busybox", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+def test_lint_passes_good_artifacts_and_refuses_a_bad_one_naming_the_tensor(model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from formats.hf_model import open_source
+    from tests.model_factory import make_bundle
+
+    bundle = make_bundle(model_dir, tmp_path / "fp8", "fp8")
+    gguf = tmp_path / "gguf"
+    get_target("gguf").export(open_source(model_dir), ExportRequest(quant="q8_0", out_dir=gguf))
+    out = kiln("lint", str(bundle), str(gguf), "--config", str(model_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["ok"] and [a["format"] for a in doc["artifacts"]] == ["safetensors", "gguf-v3"]
+    assert all(a["scales"] > 0 and a["findings"] == [] for a in doc["artifacts"])
+
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors = load_file(bundle / "model.safetensors")
+    tensors[name][0, 0] = 0.0
+    save_file(tensors, bundle / "model.safetensors", metadata={"format": "pt"})
+    out = kiln("lint", str(bundle))
+    assert out.returncode == 2
+    assert "SCALE_ZERO" in out.stdout and f"{name}: 1 of 64 value(s) zero (model.safetensors)" in out.stdout
+    assert "refused: 1 error(s)" in out.stderr
+    finding = json.loads(kiln("lint", str(bundle), "--json").stdout)["artifacts"][0]["findings"][0]
+    assert (finding["code"], finding["subject"], finding["file"]) == ("SCALE_ZERO", name, "model.safetensors")
+
+    out = kiln("lint", str(tmp_path), "--json")
+    assert out.returncode == 2 and json.loads(out.stdout)["error"]["code"] == "LINT_NOT_AN_ARTIFACT"

@@ -95,6 +95,14 @@ def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
     assert {d["node"] for d in first["deferred"]} == {*gpu_evals, "gpu-eval/trtllm-nvfp4-w4a4@b200"}
     f16 = next(a for a in first["artifacts"] if a["artifact"] == "gguf-f16")
     assert f16["metrics"]["top1"] >= 0.99 and f16["metrics"]["kl"] <= 1e-3
+    # Every artifact the example builds passes the lint (each export stage ran it too), the GGUFs against the
+    # source's config as the export stage checks them.
+    exports = sorted((Path(env["KILN_WORK_DIR"]) / "export").glob("*/files"))
+    assert len(exports) == len(first["artifacts"])
+    source = ROOT / "examples" / "tiny-llama" / "model"
+    linted = json.loads(kiln("lint", *map(str, exports), "--config", str(source), "--json", env=env).stdout)
+    assert linted["ok"] and {a["format"] for a in linted["artifacts"]} == {"gguf-v3", "safetensors", "orbax-checkpoint"}
+    assert [f for a in linted["artifacts"] for f in a["findings"]] == []
 
     second = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
     assert second["stages"] == {"cached": sum(first["stages"].values()) - 7, "deferred": 7}

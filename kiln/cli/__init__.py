@@ -1,6 +1,6 @@
 """The `kiln` command line, one module per command group, on top of every other layer.
 
-build (build, plan, run-stage, publish, inspect) · releases (seal, abandon, promote, split, yank, resolve,
+build (build, plan, run-stage, publish, inspect) · lint (lint) · releases (seal, abandon, promote, split, yank, resolve,
 audit) · hardware (hardware list/set/delete, performance) · routing (routing render) · tokens · signing (verify,
 keys) · runtimes (runtime install, list) · server (serve, modelcar-base, db upgrade, gc).
 `main` maps kiln errors to the exit codes of `common`.
@@ -13,7 +13,7 @@ import sys
 import typer
 
 from core.errors import KilnError
-from kiln.cli import build, hardware, releases, routing, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
+from kiln.cli import build, hardware, lint, releases, routing, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
 from kiln.cli.common import EXIT_CODES, app, emit, json_requested
 from kiln.console import err, safe_text
 

@@ -39,6 +39,7 @@ EXIT_CODES: list[tuple[type[KilnError], int]] = [
     (KilnError, 1),
 ]
 EXIT_GATE_FAILED = 3
+EXIT_INVALID_INPUT = 2
 
 app = typer.Typer(
     name="kiln",

@@ -1,7 +1,10 @@
 """Export stage: one target's artifact for one quant, written by the target's export function.
 
 Exports of a quant the target lists in `quantized_input` also get the shared quantize stage's
-output; every other export reads only the ingested source.
+output; every other export reads only the ingested source. What the target wrote is then linted by the
+target's own lint (`TargetSpec.lint`, `targets.lint`) against the source's config: an error-level finding
+fails the stage (ArtifactLintFailed, its code the finding's, naming the tensor) before anything downstream
+evaluates or publishes the artifact.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from pipeline.records import ArtifactRecord, PreparedRecord
 from pipeline.stage import Stage, StageContext
 from pipeline.stages.ingest import open_ingested
 from targets.base import ExportRequest, get_target
+from targets.lint import LintRequest
 
 
 def run(ctx: StageContext) -> ArtifactRecord:
@@ -22,6 +26,7 @@ def run(ctx: StageContext) -> ArtifactRecord:
         quantized = open_output(ctx.input("quantized"))
     prepared = ctx.record("prepared", PreparedRecord).data if "prepared" in ctx.inputs else None
     source = open_ingested(ctx.input("ingest"))
+    shape = source.shape
     total = sum(t.nbytes for t in source.tensors.values())
     try:
         result = spec.export(
@@ -41,6 +46,11 @@ def run(ctx: StageContext) -> ArtifactRecord:
     produced = sorted(x.relative_to(ctx.out_dir).as_posix() for x in ctx.out_dir.rglob("*") if x.is_file())
     if produced != sorted(result.files):
         raise RuntimeError(f"target {spec.name} reported files {result.files} but wrote {produced}")
+    details = result.details
+    if spec.lint is not None:
+        report = spec.lint(LintRequest(ctx.out_dir, shape=shape, quant=p["quant"]))
+        report.raise_for_errors(ctx.node.id)
+        details = {**details, "lint": report.summary()}
     # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+); the recipe may narrow it.
     hardware = list(result.hardware) if result.hardware is not None else list(spec.hardware)
     if p.get("hardware") is not None:
@@ -61,8 +71,9 @@ def run(ctx: StageContext) -> ArtifactRecord:
         runtime=result.runtime,
         runtime_name=(result.eval_runtimes or spec.runtimes_for(p["quant"]))[0],
         eval_runtimes=list(result.eval_runtimes or spec.runtimes_for(p["quant"])),
-        details=result.details,
+        details=details,
     )
 
 
-STAGE = Stage("export", "6", run, ArtifactRecord, "write one target's artifact for one quant")
+# 7: the artifact is linted, and its record says so (`details.lint`)
+STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant")

@@ -5,6 +5,10 @@ planned artifacts included, is identical) and adds its artifact; the seal stage 
 Runs every time (the registry is outside the work dir); the registry makes it idempotent:
 blobs already present are skipped, an identical manifest or eval is accepted as is.
 
+Before anything is uploaded the artifact is linted again by its target's lint (`targets.lint`), against
+the ingested source's config: an export made before exports were linted, or one a shared store holds, is
+refused (ArtifactLintFailed, naming the tensor) rather than published.
+
 With a signing key ($KILN_SIGNING_KEY, which `kiln publish --signing-key` sets) each artifact is
 signed (OpenSSF model signature over its files, naming the artifact's claims) and its SLSA provenance
 statement signed with the same key; both are attached to the artifact, and the registry verifies them
@@ -13,6 +17,7 @@ against the keys it trusts and the artifact they are attached to.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -21,9 +26,12 @@ from core import __version__
 from core.evals import PublishedEval
 from core.manifest import ArtifactManifest
 from eval.report import EvalReport
+from formats.architectures.shape import ModelShape
 from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
 from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from pipeline.stage import Stage, StageContext, StageOutput
+from targets.base import get_target
+from targets.lint import LintRequest
 
 
 def manifest_for(artifact: StageOutput) -> ArtifactManifest:
@@ -48,6 +56,7 @@ def run(ctx: StageContext) -> PublishRecord:
     artifact = ctx.input("artifact")
     record = artifact.record(ArtifactRecord)
     manifest = manifest_for(artifact)
+    lint_artifact(ctx, record, artifact)
     # Each eval under its registry name (`eval@<runtime>`, `eval@tensorrt_llm@<sku>` for a GPU runner's).
     # An artifact without one (an engine built on a GPU runner) is published as not evaluated here.
     reports = {
@@ -80,6 +89,16 @@ def run(ctx: StageContext) -> PublishRecord:
         if key is not None:
             _attach_signed(ctx, client, manifest, ingest, reports, key)
     return PublishRecord(artifact=manifest.name, manifest_digest=manifest.content_digest())
+
+
+def lint_artifact(ctx: StageContext, record: ArtifactRecord, artifact: StageOutput) -> None:
+    """Raise ArtifactLintFailed when the artifact's target lint finds an error in it (nothing is uploaded)."""
+    spec = get_target(record.target)
+    if spec.lint is None or record.format != spec.format:
+        return  # a derived artifact (a TensorRT engine) is not in its target's export format
+    config = ctx.input("ingest").files_dir / "config.json"
+    shape = ModelShape.from_config(json.loads(config.read_text())) if config.is_file() else None
+    spec.lint(LintRequest(artifact.files_dir, shape=shape, quant=record.quant)).raise_for_errors(ctx.node.id)
 
 
 def _attach_signed(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from core.hardware import PROFILES
 from formats.gguf.constants import QUANTS
 from targets.base import TargetSpec, register
+from targets.lint import lint_gguf
 
 if TYPE_CHECKING:
     from formats.hf_model import SourceModel
@@ -48,6 +49,7 @@ SPEC = register(
         code_version=CODE_VERSION,
         export=_export,
         prepare=_prepare,
+        lint=lint_gguf,
         description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0/MXFP4/NVFP4 written by kiln, Q4_K_M/Q6_K by llama.cpp's "
         "quantizer",
     )

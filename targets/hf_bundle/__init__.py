@@ -6,6 +6,7 @@ compressed-tensors format vLLM loads, from the shared quantize stage's output.
 
 from targets.base import TargetSpec, register
 from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export, scheme_compatibility
+from targets.lint import lint_safetensors
 
 SPEC = register(
     TargetSpec(
@@ -20,5 +21,6 @@ SPEC = register(
         description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers; quantized as compressed-tensors",
         quantized_input=QUANTIZED,
         compatibility_fn=scheme_compatibility,
+        lint=lint_safetensors,
     )
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from targets.base import TargetSpec, register
+from targets.lint import lint_orbax
 
 from .layout import INT8, QUANTS, TPU_HARDWARE, check_model, compatibility
 from .sharding import mesh_from_params
@@ -51,5 +52,6 @@ SPEC = register(
         compatibility_fn=compatibility,
         check_params=_check_params,
         check_model_fn=check_model,
+        lint=lint_orbax,
     )
 )

@@ -5,6 +5,7 @@ in; for gfx942 it can carry FP8 weights pre-converted to float8_e4m3fnuz.
 """
 
 from targets.base import TargetSpec, register
+from targets.lint import lint_safetensors
 from targets.rocm_bundle.export import (
     CODE_VERSION,
     QUANTIZED,
@@ -30,5 +31,6 @@ SPEC = register(
         quantized_input=QUANTIZED,
         compatibility_fn=rocm_compatibility,
         check_params=check_params,
+        lint=lint_safetensors,
     )
 )

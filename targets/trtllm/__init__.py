@@ -16,6 +16,7 @@ the backend would not load or would compute differently is refused at plan time 
 """
 
 from targets.base import TargetSpec, register
+from targets.lint import lint_safetensors
 from targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
@@ -50,5 +51,6 @@ SPEC = register(
         unsupported_quants=REFUSED,
         derived=derived_nodes,
         quant_runtimes={q: f.eval_runtimes for q, f in FORMATS.items()},
+        lint=lint_safetensors,
     )
 )
