@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput
 from formats.architectures import LINEAR_WEIGHT
+from formats.architectures.record import TensorKind, TensorSpec
 from quant.methods.base import FLOAT_FORMATS, weight_storage
 from quant.schemes import LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 
+_ROUTER_KINDS = frozenset({TensorKind.FFN_GATE_INP, TensorKind.FFN_GATE_INP_SHEXP})
 # A decoder layer's attention tensors, by name (its KV-cache scales sit beside them).
 _ATTENTION = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
 
@@ -44,6 +46,12 @@ class QuantShapeError(InvalidInput):
     """A layer's shape does not fit the scheme (e.g. input width not a multiple of the group size)."""
 
     code = "QUANT_SHAPE"
+
+
+def router_modules(tensors: Iterable[TensorSpec]) -> list[str]:
+    """The module names of a mixture's routers (`<layer>.mlp.gate`, Mixtral's `<layer>.block_sparse_moe.gate`) and
+    shared-expert gates among `tensors`: [out, hidden] weights a loader builds as Linears, which stay bf16."""
+    return [t.name.removesuffix(".weight") for t in tensors if t.kind in _ROUTER_KINDS and not t.bias]
 
 
 def quantizes(scheme: Scheme, name: str) -> bool:

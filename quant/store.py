@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
 from quant.catalog import get_scheme
-from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes
+from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes, router_modules
 from quant.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -114,7 +114,9 @@ def write_quantized(
     except BaseException:
         writer.abort()
         raise
-    (out_dir / CONFIG_FILE).write_text(json.dumps(quantization_config(scheme), indent=2, sort_keys=True))
+    (out_dir / CONFIG_FILE).write_text(
+        json.dumps(quantization_config(scheme, router_modules(source.shape.tensors())), indent=2, sort_keys=True)
+    )
     return {
         "scheme": scheme.model_dump(mode="json"),
         "format": scheme.format,

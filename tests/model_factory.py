@@ -137,11 +137,18 @@ def _shard_size(model: object, shards: int) -> str:
 
 
 def make_bundle(
-    source_dir: Path, out: Path, scheme: str, target: str = "hf-bundle", params: dict[str, str] | None = None
+    source_dir: Path,
+    out: Path,
+    scheme: str,
+    target: str = "hf-bundle",
+    params: dict[str, str] | None = None,
+    *,
+    samples: int = 4,
+    seq_len: int = 64,
 ) -> Path:
     """`scheme`'s hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`: round-to-nearest, or
-    llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on 4 windows of the stdlib's
-    `argparse.py`)."""
+    llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on `samples` windows of `seq_len`
+    tokens of the stdlib's `argparse.py`)."""
     import sysconfig
 
     from formats.hf_model import open_source
@@ -160,8 +167,10 @@ def make_bundle(
         calibrated = None
         if method.by_llmcompressor:
             text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
-            samples = calibration_samples(source_dir, text, samples=4, seq_len=64) if method.calibrated else []
-            calibrated = calibrate(source, method, samples, offload_dir=out, compute_dtype=calibration_dtype())
+            windows = (
+                calibration_samples(source_dir, text, samples=samples, seq_len=seq_len) if method.calibrated else []
+            )
+            calibrated = calibrate(source, method, windows, offload_dir=out, compute_dtype=calibration_dtype())
         write_quantized(source, method, out / "q", calibrated=calibrated)
         quantized = open_quantized(out / "q", scheme)
     bundle = out / "bundle"

@@ -88,7 +88,9 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
 
 STAGE = Stage(
     "quantize",
-    "4",  # 4: a GPTQ scheme's quantization_config records its static column order (actorder)
+    # 4: a GPTQ scheme's quantization_config records its static column order (actorder); 5: every expert of a
+    # mixture calibrated on every token, Mixtral's experts and routers by their checkpoint names, routers in `ignore`
+    "5",
     run,
     QuantizeRecord,
     "quantize the Linear weights once per scheme (compressed-tensors layout)",
