@@ -162,6 +162,9 @@ class TargetSpec:
     # (`formats.architectures`, `Architecture.targets[name]`): a family whose record refuses the target is
     # refused at plan time with the record's reason. False: the target writes any family's tensors as they are.
     per_architecture: bool = False
+    # Whether it writes `lm_head` quantized where the recipe asks (`quantize.<quant>.lm_head: quantized`); a recipe
+    # asking it of a target that does not is refused.
+    quantized_head: bool = False
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""

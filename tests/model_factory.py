@@ -10,6 +10,10 @@ import functools
 import json
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quant.schemes import HeadChoice
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -143,12 +147,13 @@ def make_bundle(
     target: str = "hf-bundle",
     params: dict[str, str] | None = None,
     *,
+    lm_head: HeadChoice = "kept",
     samples: int = 4,
     seq_len: int = 64,
 ) -> Path:
     """`scheme`'s hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`: round-to-nearest, or
     llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on `samples` windows of `seq_len`
-    tokens of the stdlib's `argparse.py`)."""
+    tokens of the stdlib's `argparse.py`); `lm_head` kept in bf16 or quantized (`quant.catalog.get_scheme`)."""
     import sysconfig
 
     from formats.hf_model import open_source
@@ -161,7 +166,7 @@ def make_bundle(
 
     source = open_source(source_dir)
     quantized = None
-    method = get_scheme(scheme)
+    method = get_scheme(scheme, lm_head)
     if method.quantized:
         (out / "q").mkdir(parents=True)
         calibrated = None

@@ -33,7 +33,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
     from quant.store import write_quantized
 
     scheme = Scheme.model_validate(ctx.node.params["scheme"])
-    if scheme != get_scheme(scheme.name):
+    if scheme != get_scheme(scheme.name, scheme.lm_head):
         raise ValueError(f"scheme {scheme.name!r} in the plan differs from the preset of that name")
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
