@@ -631,8 +631,8 @@ def oneshot_data(samples: list[list[int]]) -> dict[str, Any]:
 def _check_calibrated(
     scheme: Scheme, name: str, weight_scale: torch.Tensor, qparams: Mapping[str, torch.Tensor]
 ) -> None:
-    """Refuse what a Linear that saw no calibration input is left with: scales of zero, or not finite (an
-    observer without statistics keeps its initial value; GPTQ without a Hessian leaves the module as it was)."""
+    """Refuse scales of zero, or not finite: what an observer that saw no calibration input can leave (an expert
+    calibrated on its routed tokens only, where none was routed). MXFP4's scales are exponents (0 is 2^-127)."""
     import torch
 
     scale = weight_scale.float()
