@@ -42,6 +42,7 @@ from pipeline.stages import seal as seal_stage
 from pipeline.store import StageInputMissing, StageStore, require_input
 from quant.calibrated import calibration_dtype
 from quant.catalog import get_scheme
+from quant.rtn import HeadTied
 from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
@@ -167,6 +168,12 @@ def _build_graph(
             export_inputs["prepared"] = prepared[spec.name].id
         if quant in spec.quantized_input:
             if quant not in quantized:
+                if recipe.lm_head(quant) == "quantized" and sizing.shape.tie_word_embeddings:
+                    raise HeadTied(
+                        f"quantize.{quant}.lm_head: quantized, but {recipe.model} ties lm_head to its embedding "
+                        "(tie_word_embeddings), which stays bf16; keep lm_head for this model",
+                        details={"quant": quant},
+                    )
                 quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest, device)
                 nodes.append(quantized[quant])
             export_inputs["quantized"] = quantized[quant].id
@@ -233,7 +240,7 @@ def _on_runtime_device(node: Node, device: Device) -> Node:
 def _quantize_node(
     recipe: Recipe, quant: str, ingest: Node, calibration_digest: str | None, device: Device = CPU
 ) -> Node:
-    scheme = get_scheme(quant)
+    scheme = get_scheme(quant, recipe.lm_head(quant))
     params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
     external = {}
     if scheme.calibrated:

@@ -12,6 +12,8 @@
       text: calib.txt              # default: eval.text, minus the tokens the eval scores
       samples: 32
       seq_len: 256
+    quantize:                      # optional, per quant: how the scheme is applied
+      w4a16-gptq: {lm_head: quantized}   # lm_head kept in bf16 (default) or quantized as the Linears are
     targets:
       - target: gguf
         quants: [f16, q8_0, q4_k_m]
@@ -43,6 +45,7 @@ from core.errors import KilnError, RecipeInvalid
 from core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
 from core.untrusted import short_repr
 from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from quant.schemes import HeadChoice
 
 MAX_RECIPE_BYTES = 1024 * 1024
 # Values in a parsed recipe (YAML aliases counted each time they are used) and nesting depth: a
@@ -113,6 +116,13 @@ class CalibrationSettings(_Strict):
     seq_len: int = Field(default=256, ge=16, le=32768)
 
 
+class QuantizeOptions(_Strict):
+    """How one quant's scheme is applied: `lm_head` kept in bf16 (the default, every preset's) or quantized as the
+    decoder's Linears are (by the targets that write it: hf-bundle, rocm-bundle; refused for a tied head)."""
+
+    lm_head: HeadChoice = "kept"
+
+
 class Recipe(_Strict):
     model: str = Field(pattern=MODEL_NAME_PATTERN)
     version: str = Field(pattern=VERSION_PATTERN)
@@ -121,6 +131,7 @@ class Recipe(_Strict):
     eval: EvalSettings
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     targets: list[TargetEntry] = Field(min_length=1)
+    quantize: dict[str, QuantizeOptions] = Field(default_factory=dict)
     # CI runner labels per accelerator ("cpu", "nvidia:h100", ...), for `kiln plan --matrix`; the defaults
     # are pipeline.requirements.RUNNER_LABELS.
     runners: dict[str, list[str]] = Field(default_factory=dict)
@@ -133,8 +144,17 @@ class Recipe(_Strict):
 
     def digest(self) -> str:
         """sha256 of the validated recipe as canonical JSON (defaults filled in, paths as written): what
-        the release's provenance names it by."""
-        return sha256_json(self.model_dump(mode="json"))
+        the release's provenance names it by (without `quantize` when it sets nothing: digests of recipes written
+        before it existed stay what they were)."""
+        dumped = self.model_dump(mode="json")
+        if not self.quantize:
+            dumped.pop("quantize")
+        return sha256_json(dumped)
+
+    def lm_head(self, quant: str) -> HeadChoice:
+        """What the recipe does with `lm_head` under `quant`'s scheme."""
+        options = self.quantize.get(quant)
+        return options.lm_head if options is not None else "kept"
 
     @field_validator("source")
     @classmethod
@@ -159,12 +179,26 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _gates_known(self) -> Recipe:
         from eval.gates import gate_for
+        from quant.catalog import get_scheme
+        from targets.base import get_target
 
         used = {q for t in self.targets for q in t.quants}
         for quant, override in self.eval.gates.items():
             if quant not in used:
                 raise ValueError(f"eval.gates names quant {quant!r} that no target builds; built: {sorted(used)}")
             _as_value_error(gate_for, quant, override)
+        for quant, options in self.quantize.items():
+            if quant not in used:
+                raise ValueError(f"quantize names quant {quant!r} that no target builds; built: {sorted(used)}")
+            _as_value_error(get_scheme, quant, options.lm_head)
+            refusing = sorted(
+                {t.target for t in self.targets if quant in t.quants and not get_target(t.target).quantized_head}
+            )
+            if options.lm_head == "quantized" and refusing:
+                raise ValueError(
+                    f"quantize.{quant}.lm_head: quantized, but {', '.join(refusing)} keep(s) lm_head in bf16; "
+                    "build this quant with hf-bundle or rocm-bundle only, or keep lm_head"
+                )
         names = [name for name, _, _ in self.artifacts()]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

@@ -81,6 +81,12 @@ disk; AWQ 25.8 s, 21.9 s). On the example model (examples/tiny-llama, 10.5 MB; 3
 tokens; 1 thread): GPTQ 5 s, peak 594 MB (604 MB in memory), AWQ 22 s, peak 656 MB (687-699 MB);
 AWQ's extra is its cached inputs of one layer for all samples, which grows with samples, not depth.
 
+Mixtures of experts: transformers 5.17 holds a layer's experts as fused 3-D parameters; `linearize_experts` gives
+each expert its own Linears and `oneshot(moe_calibrate_all_experts=True)` runs every calibration token through
+every expert (only the routed outputs reach the layer's output), so an expert no token is routed to is calibrated
+all the same; `model_tensor_names` maps what was calibrated back to the checkpoint's names (Mixtral's
+`block_sparse_moe.experts.<e>.w1/w3/w2`), and `moe_awq_mappings` smooths the router with the experts.
+
 Calibration samples: `samples` consecutive, non-overlapping windows of `seq_len` tokens (BOS first
 when the model has one), from the text's tokens after `skip_tokens` — the build skips the tokens
 the eval scores when calibrating on the eval's held-out text, so calibration never sees them. Too
@@ -93,16 +99,18 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from core.errors import InvalidInput, StageFailed
-from quant.rtn import kv_scale_names, quantizes
+from formats.architectures.record import TensorKind
+from quant.rtn import kv_scale_names, quantizes, router_modules
 from quant.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -193,6 +201,40 @@ def cpu_pin_memory_workaround() -> Iterator[None]:
         yield
     finally:
         IntermediatesCache.pin_memory = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def offset_norm_restore_workaround() -> Iterator[None]:
+    """Write AWQ's smoothed offset norms back into disk-offloaded modules.
+
+    Gemma's RMSNorms scale by (1 + w). llm-compressor 0.14's `norm_calibration_context` (entered by `oneshot`)
+    swaps each for a `CalibrationOffsetNorm` holding 1 + w, which AWQ divides by its smoothing scales, and on exit
+    `restore` sets `original.weight.data` to the result minus 1. On an offloaded module `original.weight` is a
+    copy read from the offload folder, so that assignment is lost: the checkpoint kept Gemma 3's
+    pre_feedforward_layernorm unsmoothed while gate_proj / up_proj were scaled to match the smoothed one.
+    Here `restore` writes through compressed-tensors' `update_offload_parameter`, as every other calibrated
+    tensor is written, and only where calibration changed the norm: 1 + w held in bf16 is coarser than w (a step of
+    2^-8 against w's own), so writing back a norm nothing smoothed would round it. Remove this once
+    `tests/pipeline/test_quantize_calibrated.py::test_upstream_offset_norm_restore_still_loses_offloaded_weights`
+    fails.
+    """
+    import torch
+    from compressed_tensors.offload import update_offload_parameter
+    from llmcompressor.modeling.offset_norm import CalibrationOffsetNorm
+
+    original = CalibrationOffsetNorm.restore
+
+    def restore(self: Any, module: torch.nn.Module) -> torch.nn.Module:
+        weight = cast("torch.Tensor", module.weight)
+        if not torch.equal(self.weight.data, (1.0 + weight.data.float()).to(self._orig_dtype)):
+            update_offload_parameter(module, "weight", (self.weight.data.float() - 1.0).to(self._orig_dtype))
+        return module
+
+    CalibrationOffsetNorm.restore = restore  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        CalibrationOffsetNorm.restore = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -320,8 +362,14 @@ def _quiet_llmcompressor_logs() -> None:
     logger.add(sys.stderr, level="ERROR")
 
 
-def _recipe(scheme: Scheme) -> list[Any]:
-    """llm-compressor modifiers for `scheme`; AWQ is a transform followed by plain quantization (0.14 API)."""
+def _recipe(scheme: Scheme, ignore: list[str] | None = None, awq_mappings: list[Any] | None = None) -> list[Any]:
+    """llm-compressor modifiers for `scheme`; AWQ is a transform followed by plain quantization (0.14 API).
+
+    `ignore`: the model's modules left unquantized (default the scheme's; `calibrate` adds the routers);
+    `awq_mappings`: AWQ's smoothing groups where llm-compressor's own for the model's class would be wrong
+    (None: its own)."""
+    if ignore is None:
+        ignore = list(scheme.ignore)
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -333,16 +381,118 @@ def _recipe(scheme: Scheme) -> list[Any]:
             raise ValueError(f"scheme {scheme.name!r}: an FP8 KV cache is calibrated beside round-to-nearest weights")
         from compressed_tensors.quantization import QuantizationArgs
 
-        # The KV cache's scales only: the weights stay kiln's round-to-nearest (`quant.rtn`).
-        return [QuantizationModifier(kv_cache_scheme=QuantizationArgs(**scheme.kv_cache.model_dump()))]
+        # The KV cache's scales only: the weights stay kiln's round-to-nearest (`quant.rtn`). `ignore` too: without
+        # it the modifier's default targets take in `lm_head`, and untying a tied head fails on disk-offloaded weights.
+        return [QuantizationModifier(kv_cache_scheme=QuantizationArgs(**scheme.kv_cache.model_dump()), ignore=ignore)]
     groups = {"group_0": ct_scheme(scheme).model_copy(update={"format": None})}
     if scheme.method == "gptq":
-        return [GPTQModifier(config_groups=groups, ignore=list(scheme.ignore))]
+        return [GPTQModifier(config_groups=groups, ignore=ignore)]
     if scheme.method == "awq":
-        return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=list(scheme.ignore))]
+        return [AWQModifier(mappings=awq_mappings), QuantizationModifier(config_groups=groups, ignore=ignore)]
     if scheme.method == "minmax":
-        return [QuantizationModifier(config_groups=groups, ignore=list(scheme.ignore))]
+        return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     raise ValueError(f"scheme {scheme.name!r} ({scheme.method}) is not quantized by llm-compressor")
+
+
+# llm-compressor's per-expert Linears (`LinearExperts2D`'s `ExpertMLPWithGate`), by the kind of tensor each holds.
+EXPERT_LINEARS: Final = {
+    TensorKind.FFN_GATE_EXPS: "gate_proj",
+    TensorKind.FFN_UP_EXPS: "up_proj",
+    TensorKind.FFN_DOWN_EXPS: "down_proj",
+}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def linearize_experts(model: torch.nn.Module) -> dict[int, str]:
+    """Give every expert of `model` its own Linears, in place; returns each sparse layer's experts module path.
+
+    transformers 5.17 keeps a mixture's experts as fused 3-D parameters (`experts.gate_up_proj`
+    [experts, 2 x intermediate, hidden], `experts.down_proj`), which no quantization modifier targets.
+    llm-compressor 0.14's `LinearExperts2D` holds them as `experts.<e>.gate_proj` / `up_proj` / `down_proj`
+    Linears and, under its `moe_calibration_context` (what `oneshot(moe_calibrate_all_experts=True)` enters),
+    runs every token through every expert while adding only the routed ones' outputs to the layer's output:
+    an expert no calibration token is routed to still gets a Hessian (GPTQ), smoothing statistics (AWQ) and
+    activation scales, and the model computes what it computed before. llm-compressor's own
+    `linearize_moe` reads a layer's fused tensors from the offload folder once per expert and projection (on the
+    tiny Qwen3-MoE of 8 experts: 48 reads, 21 MB, against 4 reads, 1.6 MB here); here each module is
+    linearized with offloading disabled, so its fused tensors are read once and dropped before the next."""
+    from compressed_tensors.offload import disable_offloading
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+    from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
+
+    for name, module in get_non_linearized_moes(model):
+        experts = cast(Any, module)  # a transformers fused experts module (llm-compressor's FusedExpertsProtocol)
+        linear = LinearExperts2D.get_linear_experts_cls(type(experts))
+        config = getattr(module, "config", None) or cast(Any, model).config
+        with disable_offloading():
+            replacement = linear.from_experts_module(experts, config)
+        model.set_submodule(name, replacement)
+    paths: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearExperts2D) and (m := _LAYER.search(name)) is not None:
+            paths[int(m.group(1))] = name
+    return paths
+
+
+def model_tensor_names(source: SourceModel, model: torch.nn.Module, experts: Mapping[int, str]) -> dict[str, str]:
+    """Every source tensor's name in the calibrated `model` (whose experts `linearize_experts` gave Linears).
+
+    Most are the checkpoint's own names. An expert's projection is `<experts>.<e>.<gate_proj|up_proj|down_proj>`
+    under the layer's experts module, whatever the checkpoint calls it (Mixtral's `w1` / `w3` / `w2`), and the
+    router sits beside the experts under the record's name for it (transformers 5.17 names Mixtral's
+    `block_sparse_moe` `mlp`). A name `model` lacks, or a tensor of another shape there, is CALIBRATION_FAILED."""
+    from compressed_tensors.offload import disable_onloading
+
+    moe = source.shape.arch.mlp.experts
+    names: dict[str, str] = {}
+    for t in source.shape.tensors():
+        name = t.name
+        if not _has_tensor(model, name) and t.layer is not None and t.layer in experts and moe is not None:
+            if t.kind in EXPERT_LINEARS and t.expert is not None and not t.bias:
+                name = f"{experts[t.layer]}.{t.expert}.{EXPERT_LINEARS[t.kind]}.weight"
+            elif t.kind == TensorKind.FFN_GATE_INP and not t.bias:
+                name = f"{experts[t.layer].rsplit('.', 1)[0]}.{moe.router}.weight"
+        if not _has_tensor(model, name):
+            raise StageFailed(f"the calibrated model has no tensor for {t.name!r}", code="CALIBRATION_FAILED")
+        module, attr = name.rsplit(".", 1)
+        with disable_onloading():  # an offloaded tensor's shape, without reading it
+            shape = tuple(getattr(model.get_submodule(module), attr).shape)
+        if shape != t.shape:
+            raise StageFailed(
+                f"the calibrated model's {name} is {list(shape)}, the checkpoint's {t.name} {list(t.shape)}",
+                code="CALIBRATION_FAILED",
+            )
+        names[t.name] = name
+    return names
+
+
+def moe_awq_mappings(model: torch.nn.Module, experts: Mapping[int, str], router: str) -> list[Any] | None:
+    """AWQ's smoothing groups for a mixture of experts llm-compressor 0.14 has none for (Mixtral); None where it has
+    (Qwen3-MoE) or the model is dense.
+
+    Its fallback for an unknown class is Llama's: post_attention_layernorm smoothed into `gate_proj` / `up_proj`,
+    which matches every expert's but not the router that reads the same normalised input, so routing would change.
+    These are its MoE groups (as for Qwen3-MoE): the norm into the router and every expert's gate and up, the
+    attention's as Llama's, and each expert's up into its down."""
+    from llmcompressor.modifiers.transform.awq import AWQ_MAPPING_REGISTRY, AWQMapping
+
+    if not experts or type(model).__name__ in AWQ_MAPPING_REGISTRY:
+        return None
+    block, attr = next(iter(experts.values())).rsplit(".", 1)
+    mlp = re.escape(block.rsplit(".", 1)[-1])
+    return [
+        AWQMapping("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]),
+        AWQMapping("re:.*v_proj$", ["re:.*o_proj$"]),
+        AWQMapping(
+            "re:.*post_attention_layernorm$",
+            [
+                f"re:.*{mlp}\\.{re.escape(router)}$",
+                f"re:.*{mlp}\\.{re.escape(attr)}\\.\\d+\\.gate_proj$",
+                f"re:.*{mlp}\\.{re.escape(attr)}\\.\\d+\\.up_proj$",
+            ],
+        ),
+        AWQMapping("re:.*up_proj$", ["re:.*down_proj$"]),
+    ]
 
 
 def _read(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -478,6 +628,25 @@ def oneshot_data(samples: list[list[int]]) -> dict[str, Any]:
     }
 
 
+def _check_calibrated(
+    scheme: Scheme, name: str, weight_scale: torch.Tensor, qparams: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse scales of zero, or not finite: what an observer that saw no calibration input can leave (an expert
+    calibrated on its routed tokens only, where none was routed). MXFP4's scales are exponents (0 is 2^-127)."""
+    import torch
+
+    scale = weight_scale.float()
+    bad = [k for k, v in qparams.items() if not bool(torch.isfinite(v.float()).all() and (v.float() > 0).all())]
+    if scheme.format != "mxfp4-pack-quantized" and not bool(torch.isfinite(scale).all() and scale.any()):
+        bad.insert(0, "weight_scale")
+    if bad:
+        raise StageFailed(
+            f"{scheme.name}: calibration left {name} with {', '.join(bad)} zero or not finite",
+            code="CALIBRATION_FAILED",
+            details={"tensor": name, "parameters": bad},
+        )
+
+
 def calibrate(
     source: SourceModel,
     scheme: Scheme,
@@ -516,8 +685,18 @@ def calibrate(
         model = AutoModelForCausalLM.from_pretrained(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
-    with cpu_pin_memory_workaround(), gptq_single_hessian(), onload_device(device):
-        oneshot(model=model, recipe=_recipe(scheme), **oneshot_data(samples))
+    experts = linearize_experts(model)
+    names = model_tensor_names(source, model, experts)
+    routers = [names[f"{r}.weight"].removesuffix(".weight") for r in router_modules(source.shape.tensors())]
+    moe = source.shape.arch.mlp.experts
+    recipe = _recipe(
+        scheme,
+        ignore=[*scheme.ignore, *routers],
+        awq_mappings=moe_awq_mappings(model, experts, moe.router) if moe is not None else None,
+    )
+    with cpu_pin_memory_workaround(), offset_norm_restore_workaround(), gptq_single_hessian(), onload_device(device):
+        # Every expert calibrated on every token (its output kept only where routed): see `linearize_experts`.
+        oneshot(model=model, recipe=recipe, moe_calibrate_all_experts=True, **oneshot_data(samples))
     scales: dict[str, str] = {}
     qparams: dict[str, dict[str, torch.Tensor]] = {}
     changed: dict[str, torch.Tensor] = {}
@@ -529,12 +708,10 @@ def calibrate(
             kv_scales[name] = _read(model, name).float().reshape(1)
     rtn_weights = scheme.method == "rtn"  # only the KV cache was calibrated
     for n in source.tensors:
-        if not _has_tensor(model, n):
-            raise StageFailed(f"{scheme.name}: the calibrated model has no tensor {n!r}", code="CALIBRATION_FAILED")
         if quantizes(scheme, n) and rtn_weights:
             continue
         if quantizes(scheme, n):
-            module = n.removesuffix(".weight")
+            module = names[n].removesuffix(".weight")
             zero = f"{module}.weight_zero_point"
             if not _has_tensor(model, f"{module}.weight_scale") or (
                 _has_tensor(model, zero) and bool(_read(model, zero).float().any())
@@ -548,13 +725,14 @@ def calibrate(
                 for local in GLOBAL_SCALES
                 if _has_tensor(model, f"{module}.{local}")
             }
+            _check_calibrated(scheme, n, _read(model, scales[n]), qparams[n])
             continue
-        # One tensor in memory at a time; only those calibration changed (AWQ's norms, small) are kept.
-        t = _read(model, n)
+        # One tensor in memory at a time; only those calibration changed (AWQ's norms and routers, small) are kept.
+        t = _read(model, names[n])
         if not torch.equal(t.to(torch.bfloat16), source.tensor(n).to(torch.bfloat16)):
             changed[n] = t
     return CalibratedWeights(
-        weights=_OffloadedTensors(model, {n: n for n in scales}, folder),
+        weights=_OffloadedTensors(model, {n: names[n] for n in scales}, folder),
         scales=_OffloadedTensors(model, scales, folder),
         changed=changed,
         qparams=qparams,

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Final
 
-from core.errors import UnknownName
+from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, HardwareProfile
 from quant.methods import dense, fp4, fp8, int4, int8
 from quant.methods.base import Method
-from quant.schemes import Scheme, Verdict
+from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme, Verdict
 
 FAMILIES: Final = (dense, fp8, int8, int4, fp4)
 METHODS: Final[dict[str, Method]] = {m.name: m for family in FAMILIES for m in family.METHODS}
@@ -37,9 +37,23 @@ def get_method(name: str) -> Method:
         ) from None
 
 
-def get_scheme(name: str) -> Scheme:
-    """The scheme of the method called `name`; an unknown name is an error listing the known ones."""
-    return get_method(name).scheme
+class HeadNotQuantizable(InvalidInput):
+    """`lm_head: quantized` for a scheme that quantizes nothing (bf16)."""
+
+    code = "QUANT_HEAD_UNSUPPORTED"
+
+
+def get_scheme(name: str, lm_head: HeadChoice = "kept") -> Scheme:
+    """The scheme of the method called `name`, its `lm_head` kept in bf16 (the preset) or quantized; an unknown
+    name is an error listing the known ones."""
+    scheme = get_method(name).scheme
+    if lm_head not in HEAD_CHOICES:
+        raise InvalidInput(f"lm_head must be one of {', '.join(HEAD_CHOICES)}; got {lm_head!r}")
+    if lm_head == "quantized" and not scheme.quantized:
+        raise HeadNotQuantizable(
+            f"scheme {name!r} quantizes nothing, so it cannot quantize lm_head", details={"scheme": name}
+        )
+    return scheme.with_lm_head(lm_head)
 
 
 def _verdict(method: Method, hw: HardwareProfile) -> Verdict:

@@ -7,7 +7,7 @@ transformers read back, and packing (int32 words, offsets) is never re-implement
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from quant.schemes import Scheme
@@ -47,8 +47,13 @@ def ct_scheme(scheme: Scheme) -> QuantizationScheme:
     )
 
 
-def quantization_config(scheme: Scheme) -> dict[str, Any]:
-    """The `quantization_config` block of config.json, serialised by compressed-tensors itself."""
+def quantization_config(scheme: Scheme, kept: Sequence[str] = ()) -> dict[str, Any]:
+    """The `quantization_config` block of config.json, serialised by compressed-tensors itself.
+
+    `kept`: modules besides the scheme's own `ignore` that stay unquantized although a loader might take them
+    for Linears: a mixture's routers, listed by their checkpoint names one by one as llm-compressor writes them
+    (`model.layers.0.mlp.gate`; Mixtral's `model.layers.0.block_sparse_moe.gate`), so vLLM, which builds the
+    router as a Linear, loads it in bf16 whatever its model code passes it."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationStatus
 
     kv = scheme.kv_cache
@@ -56,7 +61,7 @@ def quantization_config(scheme: Scheme) -> dict[str, Any]:
         config_groups={"group_0": ct_scheme(scheme)},
         format=scheme.format,
         quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=list(scheme.ignore),
+        ignore=[*scheme.ignore, *kept],
         kv_cache_scheme=QuantizationArgs(**kv.model_dump()) if kv is not None else None,
     )
     dumped: dict[str, Any] = config.model_dump(mode="json")

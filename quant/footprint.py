@@ -4,9 +4,11 @@ What hf-bundle writes for a scheme (and rocm-bundle and trtllm's compressed-tens
 every tensor config.json implies (`formats.architectures.shape.ModelShape.expected_tensors`, in the source's
 order), the Linear weights the scheme quantizes as `quant.rtn.planned_tensors` lays them out
 (FP8 or int8 values, int4 packed eight to an int32 with its `weight_shape`, bf16 scales per channel,
-group or block), and everything else (embeddings, norms, biases, `lm_head`) in bf16. GPTQ and AWQ
-store the same layout as round-to-nearest; AWQ's smoothed norms replace the source's in bf16, same
-size. The SafeTensors files hold exactly these bytes plus their headers (8 bytes + JSON each).
+group or block): every expert's projections one by one, as the checkpoint names them, and fused projections
+(Phi-3's qkv_proj, gate_up_proj) as one Linear each; everything else (embeddings, norms, routers, biases,
+`lm_head` unless the recipe quantizes it) in bf16. GPTQ and AWQ store the same layout as round-to-nearest;
+AWQ's smoothed norms (and a mixture's routers, which read the smoothed norm's output) replace the source's in
+bf16, same size. The SafeTensors files hold exactly these bytes plus their headers (8 bytes + JSON each).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from formats.architectures.shape import ModelShape
 from formats.safetensors import DTYPES
 from quant.catalog import get_scheme
 from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes
+from quant.schemes import HeadChoice
 
 
-def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
-    """(name, SafeTensors dtype, shape) of every tensor of `quant`'s checkpoint for `config`, in file order.
+def checkpoint_tensors(
+    config: Mapping[str, Any], quant: str, lm_head: HeadChoice = "kept"
+) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(name, SafeTensors dtype, shape) of every tensor of `quant`'s checkpoint for `config`, in file order, its
+    `lm_head` kept in bf16 or quantized.
 
     A config kiln would refuse is refused here the same way (`SourceInvalid`), as is a model whose
-    layers do not fit the scheme (`QUANT_SHAPE`); an unknown scheme lists the known ones."""
-    scheme = get_scheme(quant)
+    layers do not fit the scheme (`QUANT_SHAPE`) or whose tied head it would quantize (`QUANT_HEAD_TIED`); an
+    unknown scheme lists the known ones."""
+    scheme = get_scheme(quant, lm_head)
     expected = ModelShape.from_config(dict(config)).expected_tensors()
     check_shapes(scheme, expected)
     for name, shape in expected.items():
@@ -39,6 +46,7 @@ def checkpoint_tensors(config: Mapping[str, Any], quant: str) -> Iterator[tuple[
             yield name, "F32", (1,)
 
 
-def checkpoint_bytes(config: Mapping[str, Any], quant: str) -> int:
+def checkpoint_bytes(config: Mapping[str, Any], quant: str, lm_head: HeadChoice = "kept") -> int:
     """The tensor bytes of `quant`'s checkpoint for `config` (the SafeTensors files less their headers)."""
-    return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in checkpoint_tensors(config, quant))
+    tensors = checkpoint_tensors(config, quant, lm_head)
+    return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in tensors)

@@ -10,8 +10,9 @@ scale the values were rounded against and no element lands outside the grid.
 
 Which tensors are quantized: the weights of the Linear layers inside the decoder blocks (attention
 q/k/v/o or fused qkv, MLP gate/up/down or fused gate_up, every expert's and a shared expert's:
-`formats.architectures.LINEAR_WEIGHT`, built from the architecture records). Routers, embeddings, norms,
-biases and `lm_head` (the scheme's `ignore`) are passed through in bf16.
+`formats.architectures.LINEAR_WEIGHT`, built from the architecture records), and `lm_head` where the scheme
+quantizes it (`Scheme.with_lm_head`; every preset keeps it). Routers, embeddings, norms and biases are passed
+through in bf16.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput
 from formats.architectures import LINEAR_WEIGHT
+from formats.architectures.record import TensorKind, TensorSpec
 from quant.methods.base import FLOAT_FORMATS, weight_storage
-from quant.schemes import LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
+from quant.schemes import HEAD, LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
 if TYPE_CHECKING:
     import torch
 
 
+HEAD_WEIGHT = f"{HEAD}.weight"
+_ROUTER_KINDS = frozenset({TensorKind.FFN_GATE_INP, TensorKind.FFN_GATE_INP_SHEXP})
 # A decoder layer's attention tensors, by name (its KV-cache scales sit beside them).
 _ATTENTION = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
 
@@ -46,19 +50,43 @@ class QuantShapeError(InvalidInput):
     code = "QUANT_SHAPE"
 
 
+def router_modules(tensors: Iterable[TensorSpec]) -> list[str]:
+    """The module names of a mixture's routers (`<layer>.mlp.gate`, Mixtral's `<layer>.block_sparse_moe.gate`) and
+    shared-expert gates among `tensors`: [out, hidden] weights a loader builds as Linears, which stay bf16."""
+    return [t.name.removesuffix(".weight") for t in tensors if t.kind in _ROUTER_KINDS and not t.bias]
+
+
 def quantizes(scheme: Scheme, name: str) -> bool:
-    """Whether `scheme` stores tensor `name` quantized (False for everything left in bf16)."""
-    if scheme.weights is None or not LINEAR_WEIGHT.match(name):
+    """Whether `scheme` stores tensor `name` quantized (False for everything left in bf16): the decoder's Linear
+    weights, and `lm_head.weight` where the scheme quantizes the head."""
+    if scheme.weights is None:
+        return False
+    if name == HEAD_WEIGHT:
+        return scheme.lm_head == "quantized"
+    if not LINEAR_WEIGHT.match(name):
         return False
     module = name.removesuffix(".weight")
     return not any(module == ig or module.endswith("." + ig) for ig in scheme.ignore)
 
 
+class HeadTied(InvalidInput):
+    """`lm_head: quantized` for a model whose output projection is its embedding (`tie_word_embeddings`)."""
+
+    code = "QUANT_HEAD_TIED"
+
+
 def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Refuse, before any tensor is read, a model whose quantized layers do not fit the scheme."""
+    """Refuse, before any tensor is read, a model whose quantized layers do not fit the scheme, or whose tied head
+    the scheme would quantize."""
     w = scheme.weights
     if w is None:
         return
+    if scheme.lm_head == "quantized" and HEAD_WEIGHT not in shapes:
+        raise HeadTied(
+            f"{scheme.name}: the model ties lm_head to its embedding (tie_word_embeddings), which stays bf16; "
+            "keep lm_head (quantize.<quant>.lm_head: kept) for this model",
+            details={"scheme": scheme.name},
+        )
     for name, shape in shapes.items():
         if not quantizes(scheme, name):
             continue

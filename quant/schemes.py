@@ -1,7 +1,8 @@
 """Quantization schemes as frozen, validated data: how a method stores and computes a model's Linear layers.
 
 A `Scheme` says how the Linear layers of a model are stored (weights) and computed (activations);
-embeddings, norms and `lm_head` stay bf16. Its field names follow compressed-tensors'
+embeddings, norms and routers stay bf16, and `lm_head` too unless the recipe quantizes it
+(`Scheme.with_lm_head`). Its field names follow compressed-tensors'
 `QuantizationArgs` so that `quant.compressed` can hand it over unchanged, and `format` is
 compressed-tensors' own name for how the weights lie on disk (its `CompressionFormat`), chosen
 exactly as compressed-tensors 0.19 `infer_module_format` would choose it:
@@ -123,8 +124,18 @@ class KvCacheQuant(_Frozen):
     symmetric: Literal[True] = True
 
 
+# The output projection's module name, and what a scheme does with it: kept in bf16 (every preset, as llm-compressor's
+# own recipes do) or quantized like the decoder's Linears (a recipe's `quantize.<quant>.lm_head: quantized`).
+HEAD = "lm_head"
+HeadChoice = Literal["kept", "quantized"]
+HEAD_CHOICES: tuple[HeadChoice, ...] = ("kept", "quantized")
+
+
 class Scheme(_Frozen):
-    """A named quantization scheme for the Linear layers of a model (and, with `kv_cache`, its KV cache)."""
+    """A named quantization scheme for the Linear layers of a model (and, with `kv_cache`, its KV cache).
+
+    `lm_head` is either in `ignore` (kept in bf16) or named in `targets` (quantized as the Linears are; by name, as
+    vLLM's compressed-tensors loader matches its `ParallelLMHead`, which is no Linear there): `with_lm_head`."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,31}$")
     description: str
@@ -144,6 +155,31 @@ class Scheme(_Frozen):
         if self.kv_cache is None and isinstance(data, dict):
             data.pop("kv_cache", None)
         return data
+
+    @model_validator(mode="after")
+    def _head(self) -> Scheme:
+        if (HEAD in self.ignore) == (HEAD in self.targets):
+            raise ValueError(f"scheme {self.name!r}: {HEAD} is either ignored (kept in bf16) or a target, not both")
+        if HEAD in self.targets and self.weights is None:
+            raise ValueError(f"scheme {self.name!r} quantizes nothing; it cannot quantize {HEAD}")
+        return self
+
+    @property
+    def lm_head(self) -> HeadChoice:
+        """Whether the output projection is kept in bf16 or quantized as the decoder's Linears."""
+        return "quantized" if HEAD in self.targets else "kept"
+
+    def with_lm_head(self, choice: HeadChoice) -> Scheme:
+        """This scheme with `lm_head` kept in bf16 or quantized (a scheme that quantizes nothing refuses the latter)."""
+        if choice == self.lm_head:
+            return self
+        targets = tuple(t for t in self.targets if t != HEAD)
+        ignore = tuple(i for i in self.ignore if i != HEAD)
+        if choice == "quantized":
+            targets = (*targets, HEAD)
+        else:
+            ignore = (HEAD, *ignore)
+        return Scheme.model_validate({**self.model_dump(), "targets": targets, "ignore": ignore})
 
     @model_validator(mode="after")
     def _format_matches(self) -> Scheme:

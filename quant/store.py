@@ -16,13 +16,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
 from quant.catalog import get_scheme
-from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes
-from quant.schemes import Scheme
+from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes, router_modules
+from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,9 @@ def write_quantized(
             raise StageFailed(
                 f"{scheme.name}: calibration changed {n!r} {tuple(t.shape)}, not a source tensor it keeps"
             )
-    writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name})
+    # The head's choice beside the scheme's name, only when it is not the preset's (stored outputs keep their bytes).
+    head = {"lm_head": scheme.lm_head} if scheme.lm_head != "kept" else {}
+    writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name, **head})
     plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
     for n in replaced:
         plan[n] = planned_tensors(scheme, n, source.tensors[n].shape)
@@ -114,7 +116,9 @@ def write_quantized(
     except BaseException:
         writer.abort()
         raise
-    (out_dir / CONFIG_FILE).write_text(json.dumps(quantization_config(scheme), indent=2, sort_keys=True))
+    (out_dir / CONFIG_FILE).write_text(
+        json.dumps(quantization_config(scheme, router_modules(source.shape.tensors())), indent=2, sort_keys=True)
+    )
     return {
         "scheme": scheme.model_dump(mode="json"),
         "format": scheme.format,
@@ -178,9 +182,13 @@ class QuantizedWeights:
 
 
 def open_quantized(root: Path, scheme_name: str) -> QuantizedWeights:
-    scheme = get_scheme(scheme_name)
+    """A quantize output of scheme `scheme_name`, its `lm_head` kept or quantized as it was written."""
     infos, meta = read_header(root / TENSORS_FILE, TENSORS_FILE)
-    if meta.get("scheme") != scheme.name:
-        raise StageFailed(f"{root / TENSORS_FILE} holds scheme {meta.get('scheme')!r}, expected {scheme.name!r}")
+    if meta.get("scheme") != scheme_name:
+        raise StageFailed(f"{root / TENSORS_FILE} holds scheme {meta.get('scheme')!r}, expected {scheme_name!r}")
+    head = meta.get("lm_head", "kept")
+    if head not in HEAD_CHOICES:
+        raise StageFailed(f"{root / TENSORS_FILE}: lm_head {head!r} is none of {', '.join(HEAD_CHOICES)}")
+    scheme = get_scheme(scheme_name, cast("HeadChoice", head))
     config = json.loads((root / CONFIG_FILE).read_text())
     return QuantizedWeights(root=root, scheme=scheme, config=config, tensors={t.name: t for t in infos})

@@ -174,6 +174,9 @@ class TargetSpec:
     # Checks an artifact of this target against what its runtime loads, without running a model (`targets.lint`:
     # one checker per format); the export stage fails on an error it finds, and publish refuses the artifact.
     lint: LintFn | None = None
+    # Whether it writes `lm_head` quantized where the recipe asks (`quantize.<quant>.lm_head: quantized`); a recipe
+    # asking it of a target that does not is refused.
+    quantized_head: bool = False
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""

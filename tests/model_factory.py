@@ -10,6 +10,10 @@ import functools
 import json
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quant.schemes import HeadChoice
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -172,11 +176,19 @@ def _shard_size(model: object, shards: int) -> str:
 
 
 def make_bundle(
-    source_dir: Path, out: Path, scheme: str, target: str = "hf-bundle", params: dict[str, str] | None = None
+    source_dir: Path,
+    out: Path,
+    scheme: str,
+    target: str = "hf-bundle",
+    params: dict[str, str] | None = None,
+    *,
+    lm_head: HeadChoice = "kept",
+    samples: int = 4,
+    seq_len: int = 64,
 ) -> Path:
     """`scheme`'s hf-bundle (or rocm-bundle) of the model in `source_dir`, in `out/bundle`: round-to-nearest, or
-    llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on 4 windows of the stdlib's
-    `argparse.py`)."""
+    llm-compressor's (FP4; GPTQ/AWQ and NVFP4's activation scales calibrated on `samples` windows of `seq_len`
+    tokens of the stdlib's `argparse.py`); `lm_head` kept in bf16 or quantized (`quant.catalog.get_scheme`)."""
     import sysconfig
 
     from formats.hf_model import open_source
@@ -189,14 +201,16 @@ def make_bundle(
 
     source = open_source(source_dir)
     quantized = None
-    method = get_scheme(scheme)
+    method = get_scheme(scheme, lm_head)
     if method.quantized:
         (out / "q").mkdir(parents=True)
         calibrated = None
         if method.by_llmcompressor:
             text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
-            samples = calibration_samples(source_dir, text, samples=4, seq_len=64) if method.calibrated else []
-            calibrated = calibrate(source, method, samples, offload_dir=out, compute_dtype=calibration_dtype())
+            windows = (
+                calibration_samples(source_dir, text, samples=samples, seq_len=seq_len) if method.calibrated else []
+            )
+            calibrated = calibrate(source, method, windows, offload_dir=out, compute_dtype=calibration_dtype())
         write_quantized(source, method, out / "q", calibrated=calibrated)
         quantized = open_quantized(out / "q", scheme)
     bundle = out / "bundle"

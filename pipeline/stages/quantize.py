@@ -33,7 +33,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
     from quant.store import write_quantized
 
     scheme = Scheme.model_validate(ctx.node.params["scheme"])
-    if scheme != get_scheme(scheme.name):
+    if scheme != get_scheme(scheme.name, scheme.lm_head):
         raise ValueError(f"scheme {scheme.name!r} in the plan differs from the preset of that name")
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
@@ -88,7 +88,9 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
 
 STAGE = Stage(
     "quantize",
-    "4",  # 4: a GPTQ scheme's quantization_config records its static column order (actorder)
+    # 4: a GPTQ scheme's quantization_config records its static column order (actorder); 5: every expert of a
+    # mixture calibrated on every token, Mixtral's experts and routers by their checkpoint names, routers in `ignore`
+    "5",
     run,
     QuantizeRecord,
     "quantize the Linear weights once per scheme (compressed-tensors layout)",

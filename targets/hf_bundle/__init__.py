@@ -20,6 +20,7 @@ SPEC = register(
         export=export,
         description="HF-format bundle loadable by vLLM (CUDA, ROCm) and transformers; quantized as compressed-tensors",
         quantized_input=QUANTIZED,
+        quantized_head=True,
         compatibility_fn=scheme_compatibility,
         lint=lint_safetensors,
     )

@@ -91,12 +91,15 @@ def _bf16(source: SourceModel, name: str) -> torch.Tensor:
 
 
 def checked_inputs(target: str, req: ExportRequest) -> tuple[Scheme, Any]:
-    """The scheme for `req.quant` and the shared quantize output, checked to belong together."""
+    """The scheme for `req.quant` (the preset) and the shared quantize output, checked to belong together."""
     scheme = get_scheme(req.quant) if req.quant in SCHEMES else None
     if scheme is None:
         raise InvalidInput(f"{target} builds {', '.join(QUANTS)}; got {req.quant!r}")
     quantized = req.quantized
-    if scheme.quantized != (quantized is not None) or (quantized is not None and quantized.scheme != scheme):
+    # The quantize output's scheme is the preset, its lm_head kept or quantized as the recipe chose.
+    if scheme.quantized != (quantized is not None) or (
+        quantized is not None and quantized.scheme.with_lm_head("kept") != scheme
+    ):
         want = f"the quantize stage output for {scheme.name}" if scheme.quantized else "no quantized input"
         raise InvalidInput(f"{target}-{scheme.name}: needs {want}")
     return scheme, quantized
@@ -162,13 +165,19 @@ def bundle_runtime(source: SourceModel, scheme: Scheme) -> dict[str, Any]:
         "architecture": source.shape.architecture,
     }
     if scheme.quantized:
-        runtime["quantization"] = {"method": "compressed-tensors", "format": scheme.format, "scheme": scheme.name}
+        runtime["quantization"] = {
+            "method": "compressed-tensors",
+            "format": scheme.format,
+            "scheme": scheme.name,
+            **({"lm_head": "quantized"} if scheme.lm_head == "quantized" else {}),
+        }
         runtime["loaders"] = {"vllm": ">=0.9", "transformers": ">=5.0", "compressed-tensors": ">=0.19"}
     return runtime
 
 
 def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     scheme, quantized = checked_inputs("hf-bundle", req)
+    scheme = quantized.scheme if quantized is not None else scheme
     max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
     planned = plan_tensors(source, quantized, req.on_progress)
     files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, max_shard)

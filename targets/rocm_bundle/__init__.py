@@ -29,6 +29,7 @@ SPEC = register(
         export=export,
         description="HF-format bundle for vLLM on one AMD architecture (gfx942, gfx950), with its validated runtime",
         quantized_input=QUANTIZED,
+        quantized_head=True,
         compatibility_fn=rocm_compatibility,
         check_params=check_params,
         lint=lint_safetensors,

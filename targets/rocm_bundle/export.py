@@ -160,6 +160,7 @@ def _compose(f: Any, read: Any) -> Any:
 def export(source: Any, req: ExportRequest) -> ExportResult:
     params = parse_params(req.params)
     scheme, quantized = checked_inputs("rocm-bundle", req)
+    scheme = quantized.scheme if quantized is not None else scheme
     arch = ROCM_ARCHES[params.gfx_arch]
     planned = plan_tensors(source, quantized, req.on_progress)
     fp8 = get_method(scheme.name).weight_dtype == "float8_e4m3fn"

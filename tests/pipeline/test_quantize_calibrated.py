@@ -224,6 +224,40 @@ def test_upstream_awq_still_pins_memory_on_cpu() -> None:
         cache.pin_memory(0)  # and only inside it
 
 
+def test_upstream_offset_norm_restore_still_loses_offloaded_weights(tmp_path: Path) -> None:
+    """The reason for `offset_norm_restore_workaround`: when this test fails, upstream fixed it; remove the patch.
+
+    llm-compressor 0.14's `norm_calibration_context` restores Gemma's (1 + w) norms by assigning
+    `original.weight.data`, which on a disk-offloaded module is a copy: what AWQ smoothed is lost.
+    """
+    import torch
+    from compressed_tensors.offload import load_offloaded_model
+    from llmcompressor.modeling.offset_norm import norm_calibration_context
+    from transformers import AutoModelForCausalLM
+
+    from quant.calibrated import offset_norm_restore_workaround
+
+    source = make_model(tmp_path / "gemma3", "gemma3", vocab_size=384)
+    with load_offloaded_model(AutoModelForCausalLM):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype=torch.bfloat16, device_map={"": "disk"}, offload_folder=str(tmp_path / "offload")
+        )
+    name = "model.layers.0.pre_feedforward_layernorm"
+    before = model.get_submodule(name).weight.detach().clone()
+
+    def smoothed_by_half() -> torch.Tensor:
+        with norm_calibration_context(model):
+            norm = model.get_submodule(name)  # holds 1 + w while calibrating
+            norm.weight.data.div_(2)  # what AWQ's smoothing does to it
+        return model.get_submodule(name).weight.detach().float()
+
+    assert torch.equal(smoothed_by_half(), before.float())  # upstream: lost
+    with offset_norm_restore_workaround():
+        after = smoothed_by_half()
+    want = ((1.0 + before.float()).to(torch.bfloat16).float() / 2 - 1.0).to(torch.bfloat16).float()
+    assert torch.equal(after, want)
+
+
 def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir: Path, tmp_path: Path) -> None:
     """The stage gives calibration a folder in its own temporary directory and leaves nothing behind."""
     from pipeline.executors.local import LocalExecutor
