@@ -31,6 +31,8 @@ from targets.orbax.layout import (
     SHARDING_FILE,
     WEIGHTS_FILE,
     QuantLayout,
+    checkpoint_tensors,
+    plan_checkpoint,
 )
 
 STATE: Final = "state"  # the checkpoint's item holding the weights (`ocp.partial.save` of the tree)
@@ -117,13 +119,10 @@ def _against_config(
     if embd is not None and embd[1] != (shape.vocab_size, shape.hidden_size):
         msg = f"config.json implies [{shape.vocab_size}, {shape.hidden_size}]; {WEIGHTS_FILE} says {list(embd[1])}"
         out.append(finding("CONFIG_MISMATCH", "hidden_size", msg, WEIGHTS_FILE))
-    want: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for spec in shape.tensors():
-        if layout.scales and spec.quantizable:
-            want[spec.name] = (layout.linear_dtype, spec.shape)
-            want[spec.name + SCALE_SUFFIX] = ("float32", spec.shape[:1])
-        else:
-            want[spec.name] = (layout.other_dtype, spec.shape)
+    # What the orbax target plans for this model and layout (experts stacked, fused Linears split): one plan for
+    # writer and lint. A quantized layout stores every Linear weight quantized.
+    plan = plan_checkpoint(shape, layout, lambda name: layout.scales)
+    want = {t.name: (t.dtype, t.shape) for t in checkpoint_tensors(plan).values()}
     for name, (dtype, dims) in want.items():
         have = planned.get(name)
         scale = name.endswith(SCALE_SUFFIX)
