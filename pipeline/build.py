@@ -42,7 +42,7 @@ from pipeline.stages import seal as seal_stage
 from pipeline.store import StageInputMissing, StageStore, require_input
 from quant.calibrated import calibration_dtype
 from quant.catalog import get_scheme
-from quant.rtn import HeadTied
+from quant.rtn import HeadTied, check_shapes
 from targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
@@ -174,6 +174,8 @@ def _build_graph(
                         "(tie_word_embeddings), which stays bf16; keep lm_head for this model",
                         details={"quant": quant},
                     )
+                # A model whose Linears do not fit the scheme (QUANT_SHAPE) is refused here, not after calibration.
+                check_shapes(get_scheme(quant), sizing.shape.expected_tensors())
                 quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest, device)
                 nodes.append(quantized[quant])
             export_inputs["quantized"] = quantized[quant].id

@@ -27,13 +27,17 @@ pytestmark = pytest.mark.slow
 # artifacts keep every default KL and perplexity gate and need half the positions' top token; a broken
 # conversion (a missing permutation, misplaced experts) scores top-1 near 1/vocab and KL near 1, and fails.
 RANDOM_MODEL_GATES = {q: {"min_top1": 0.5} for q in ("q8_0", "fp8", "w4a16-gptq")}
+# Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide).
+WIDTHS: dict[str, dict[str, int]] = {"qwen3_moe": {"moe_intermediate_size": 128}}
 PROBE = {"gguf": ["f16", "q8_0"], "hf-bundle": ["bf16", "fp8", "w4a16-gptq"], "orbax": ["bf16"]}
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_the_probe_recipe_builds_and_passes_for_each_family(family: str, tmp_path: Path) -> None:
     # hidden 128 and intermediate 256: every Linear's rows fill GGUF's and GPTQ's 32- and 128-wide groups.
-    source = make_model(tmp_path / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512)
+    source = make_model(
+        tmp_path / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512, **WIDTHS.get(family, {})
+    )
     held_out = (ROOT / "examples" / "tiny-llama" / "heldout.txt").read_text()
     (tmp_path / "heldout.txt").write_text(held_out[:20000])
     (tmp_path / "calibration.txt").write_text((ROOT / "examples" / "tiny-llama" / "train.py").read_text())

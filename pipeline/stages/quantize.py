@@ -23,6 +23,7 @@ from pipeline.requirements import Requirements, Sizing, calibrated_requirements,
 from pipeline.stage import Node, Stage, StageContext, StageOutput
 from pipeline.stages.ingest import open_ingested
 from quant.catalog import get_scheme
+from quant.rtn import check_shapes
 from quant.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
     calibrated = None
+    check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})  # before calibration spends any time
     if scheme.by_llmcompressor:
         from quant.calibrated import calibrate, calibration_samples
 
