@@ -46,7 +46,7 @@ def build(family: str, work: Path, vllm: bool) -> dict[str, Any]:
     from formats.architectures import FAMILIES as RECORDS
     from tests.model_factory import make_model
 
-    source = make_model(
+    make_model(
         work / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512, **WIDTHS.get(family, {})
     )
     held_out = (ROOT / "examples" / "tiny-llama" / "heldout.txt").read_text()
