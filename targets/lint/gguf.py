@@ -30,7 +30,7 @@ from formats.architectures.record import Architecture
 from formats.architectures.shape import ModelShape
 from formats.gguf.constants import QUANTS, TYPE_TRAITS, Keys, TensorType
 from formats.gguf.reader import GGUFHeader, TensorEntry, read_header
-from targets.gguf.convert import layout
+from targets.gguf.convert import layout, llama_cpp_arch
 from targets.lint.findings import Finding, LintReport, LintRequest, finding
 from targets.lint.values import ScaleCounts
 
@@ -354,10 +354,13 @@ def _check_keys_against_config(keys: _Keys, s: ModelShape, tensors: dict[str, Te
     if s.moe is None and count_:
         differs("CONFIG_EXPERTS", EXPERT_COUNT, count_, None, " (a dense model)")
     elif s.moe is not None:
+        # An expert's width: `expert_feed_forward_length` where the architecture has the key (qwen3moe), else
+        # `feed_forward_length` (llama with experts: Mixtral), as the GGUF target writes them.
+        expert_ff = EXPERT_FF if llama_cpp_arch(s).expert_feed_forward_key else Keys.FEED_FORWARD_LENGTH
         for template, want in (
             (EXPERT_COUNT, s.moe.experts),
             (EXPERT_USED_COUNT, s.moe.experts_per_token),
-            (EXPERT_FF, s.moe.intermediate_size),
+            (expert_ff, s.moe.intermediate_size),
         ):
             have = keys.get(template)
             if have != want:

@@ -404,3 +404,15 @@ def test_the_jax_eval_is_planned_with_every_expert_of_a_layer() -> None:
     dense = 4 * window * extra * (3 * f + h)  # gate, up, their product and each expert's output, float32
     assert memory[128] - memory[8] == restored + dense
     assert restored > 2 * 10**9  # over 2 GB more: a 128-expert layer is 1.2 GB in bf16
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8-w8a16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_checkpoint_passes_the_lint(
+    family: str, quant: str, exported: Callable[[str, str], Path], models: dict[str, Path]
+) -> None:
+    """What the orbax export writes, the lint (which the export stage runs) passes: one plan for writer and lint."""
+    from targets.lint import lint_artifact
+
+    report = lint_artifact(exported(family, quant), shape=open_source(models[family]).shape, quant=quant)
+    assert report.errors == [], [(f.code, f.subject, f.message) for f in report.errors]

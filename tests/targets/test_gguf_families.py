@@ -391,3 +391,14 @@ def test_linear_rope_scaling_is_written_for_every_architecture(tmp_path: Path) -
         ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(torch.tensor([ids])).logits[0]
     kl, top1 = _kl(ref.double().numpy(), path, ids)
     assert kl.mean() <= 1e-6 and top1 >= 0.97, (kl.mean(), top1)
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8_0"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_every_familys_file_passes_the_lint(family: str, quant: str, exported: Any, models: dict[str, Path]) -> None:
+    """What the writer writes, the lint (which the export stage runs) passes: one naming and one set of keys."""
+    from targets.lint import lint_artifact
+
+    path, _ = exported(family, quant)
+    report = lint_artifact(path.parent, shape=open_source(models[family]).shape, quant=quant, target="gguf")
+    assert report.errors == [], [(f.code, f.subject, f.message) for f in report.errors]

@@ -215,3 +215,15 @@ def test_awq_folds_gemma3_smoothing_into_its_offset_norm(bundles: Any, models: d
         before = (1 + source[norm].float()) * source[f"{gate}.weight"].float().norm(dim=0)
         after = (1 + stored[norm].float()) * dequantize(scheme, gate, stored).norm(dim=0)
         assert float((after / before).log().std()) < 0.02, layer
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-block", "int8-w8a8", "int4-rtn"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_every_familys_bundle_passes_the_lint(family: str, scheme: str, bundles: Any, models: dict[str, Path]) -> None:
+    """What hf-bundle writes, the lint (which the export stage runs) passes: every expert's scales, the routers in
+    `ignore`, fused Linears as one."""
+    from formats.hf_model import open_source
+    from targets.lint import lint_artifact
+
+    report = lint_artifact(bundles(family, scheme), shape=open_source(models[family]).shape, quant=scheme)
+    assert report.errors == [], [(f.code, f.subject, f.message) for f in report.errors]
