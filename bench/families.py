@@ -31,8 +31,12 @@ sys.path.insert(0, str(ROOT))
 from record import add_record_argument, run_record, save_record  # noqa: E402  (bench/record.py, beside this script)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
-# Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide).
-WIDTHS: dict[str, dict[str, int]] = {"qwen3_moe": {"moe_intermediate_size": 128}}
+# Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide), and
+# Gemma 3's attention scaled by its head_dim (32 here), as Gemma 3 1B-12B are and llama.cpp's gemma3 computes.
+WIDTHS: dict[str, dict[str, int]] = {
+    "qwen3_moe": {"moe_intermediate_size": 128},
+    "gemma3": {"query_pre_attn_scalar": 32},
+}
 RECIPE_TARGETS = {
     "gguf": ["f16", "q8_0", "q4_k_m"],
     "hf-bundle": ["bf16", "fp8", "int8-w8a8", "w4a16-gptq"],
@@ -46,9 +50,7 @@ def build(family: str, work: Path, vllm: bool) -> dict[str, Any]:
     from formats.architectures import FAMILIES as RECORDS
     from tests.model_factory import make_model
 
-    make_model(
-        work / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512, **WIDTHS.get(family, {})
-    )
+    make_model(work / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512, **WIDTHS.get(family, {}))
     held_out = (ROOT / "examples" / "tiny-llama" / "heldout.txt").read_text()
     (work / "heldout.txt").write_text(held_out[:40000])
     (work / "calibration.txt").write_text((ROOT / "examples" / "tiny-llama" / "train.py").read_text())

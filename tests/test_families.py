@@ -27,8 +27,12 @@ pytestmark = pytest.mark.slow
 # artifacts keep every default KL and perplexity gate and need half the positions' top token; a broken
 # conversion (a missing permutation, misplaced experts) scores top-1 near 1/vocab and KL near 1, and fails.
 RANDOM_MODEL_GATES = {q: {"min_top1": 0.5} for q in ("q8_0", "fp8", "w4a16-gptq")}
-# Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide).
-WIDTHS: dict[str, dict[str, int]] = {"qwen3_moe": {"moe_intermediate_size": 128}}
+# Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide), and
+# Gemma 3's attention scaled by its head_dim (32 here), as Gemma 3 1B-12B are and llama.cpp's gemma3 computes.
+WIDTHS: dict[str, dict[str, int]] = {
+    "qwen3_moe": {"moe_intermediate_size": 128},
+    "gemma3": {"query_pre_attn_scalar": 32},
+}
 PROBE = {"gguf": ["f16", "q8_0"], "hf-bundle": ["bf16", "fp8", "w4a16-gptq"], "orbax": ["bf16"]}
 
 
