@@ -19,11 +19,14 @@ int8 W8A8 bundle on a CPU whose int8 GEMM clips its sums (`capabilities.Int8Matm
 not evaluated here: its figures would be that kernel's, and they change with how oneDNN blocks the work
 (a build under Ray and a local build published different results).
 
-What this vLLM cannot run on this CPU is data (`vllm_support.CPU_LIMITS`), checked against this machine's
-verdict (`eval.runtimes.capabilities`: decided from the CPU's flags and the installed libraries, planned into the
+What this vLLM cannot run on this CPU is data (`vllm_support.CPU_LIMITS` for its Linear layers,
+`vllm_support.CPU_EXPERTS_LIMITS` for a mixture's experts), checked against this machine's verdict
+(`eval.runtimes.capabilities`: decided from the CPU's flags and the installed libraries, planned into the
 eval stage's key) and the kernels the worker reports: such a bundle is *not evaluated here*, with the
-reason. A bundle vLLM refuses for any other reason fails the eval stage: transformers accepted it, so
-that is a bug to find.
+reason. Where vLLM's CPU experts kernel computes something else than the bundle (int4 experts with int8
+activations), the runtime version says so. A bundle vLLM refuses for any other reason fails the eval stage:
+transformers accepted it, so that is a bug to find; the worker tears down what the failed load left, and
+loads the next bundle.
 
 On a GPU (the eval stage placed on `cuda`, `pipeline.placement`) the same worker runs in vLLM's CUDA build
 (`vllm-cuda`, `kiln runtime install vllm` on a GPU machine) with bf16 activations, as vLLM serves there, and
@@ -61,10 +64,12 @@ from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilit
 from eval.runtimes.vllm_support import (
     architecture_limitation,
     bundle_config,
+    bundle_experts,
     bundle_schemes,
     compute_dtype,
     cpu_limitation,
     cuda_verdict,
+    experts_stand_ins,
     fp8_kv_cache,
     head_size,
 )
@@ -305,7 +310,10 @@ class VllmRuntime:
         hello = self._worker.hello
         if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
             raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
-        why = cpu_limitation(schemes, here, hello, head_size(config), fp8_kv_cache=fp8_kv_cache(config))
+        experts = bundle_experts(config)
+        why = cpu_limitation(
+            schemes, here, hello, head_size(config), fp8_kv_cache=fp8_kv_cache(config), experts=experts
+        )
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
@@ -335,10 +343,15 @@ class VllmRuntime:
         self.load_seconds = float(loaded["load_s"])
         exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
         self.dtype = dtype
+        stand_ins = experts_stand_ins(schemes, hello) if experts is not None else ()
         self.version = (
-            f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
-            f"{self.dtype} activations, {threads} threads"
-        ) + ("" if exact else f", top-{TOP_K} log-probabilities, the rest spread evenly")
+            (
+                f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "
+                f"{self.dtype} activations, {threads} threads"
+            )
+            + "".join(f", {s}" for s in stand_ins)
+            + ("" if exact else f", top-{TOP_K} log-probabilities, the rest spread evenly")
+        )
         self.loaded = True
 
     def _open_on_gpus(self, device: Device, max_model_len: int, threads: int) -> None:

@@ -1,8 +1,9 @@
 """What vLLM runs where, as data: which architectures it serves (`architecture_limitation`: the family record's
 `vllm` mapping, and the layouts vLLM refuses), what a bundle's config asks for (its weight schemes, an FP8 KV
-cache), what vLLM's CPU build cannot run on this machine (`CPU_LIMITS`, against its capabilities and the
-worker's kernels) and the activation dtype it computes a bundle in there (`COMPUTE_DTYPES`), and what its CUDA
-build runs per GPU generation (`CUDA_KERNELS`: natively, through a stand-in kernel, or not at all).
+cache, routed experts), what vLLM's CPU build cannot run on this machine (`CPU_LIMITS` for its Linear layers,
+`CPU_EXPERTS_LIMITS` for a mixture's experts, against its capabilities and the worker's kernels) and the
+activation dtype it computes a bundle in there (`COMPUTE_DTYPES`), and what its CUDA build runs per GPU
+generation (`CUDA_KERNELS`: natively, through a stand-in kernel, or not at all).
 `eval.runtimes.vllm_runtime` asks these before it loads anything, so a bundle vLLM cannot run is recorded as not
 evaluated, with the reason.
 
@@ -62,13 +63,20 @@ def int8_w8a8(scheme: WeightScheme) -> bool:
 class Limitation:
     """A scheme vLLM's CPU backend runs only with a capability (`kernel:<op>` in its build, `amx` usable
     here, `fp8_matmul`: torch's FP8 matmul usable here, `int8_exact`: an int8 GEMM that sums in int32
-    here), or never (`never`); `reason` is what the eval
-    records when it is missing."""
+    here), or never (`never`); `reason` is what the eval records when it is missing."""
 
     scheme: str
     matches: Callable[[WeightScheme], bool]
     needs: str
     reason: str
+
+
+def _fp8_block(s: WeightScheme) -> bool:
+    return s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block"
+
+
+def _int4_weight_only(s: WeightScheme) -> bool:
+    return s.weight_type == "int" and s.weight_bits == 4 and not s.activations
 
 
 # Sources: vllm 0.32.0 model_executor/kernels/linear/__init__.py (init_nvfp4_linear_kernel, init_mxfp4_linear_kernel:
@@ -86,7 +94,7 @@ CPU_LIMITS: tuple[Limitation, ...] = (
     ),
     Limitation(
         "W4A16",
-        lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations,
+        _int4_weight_only,
         "kernel:cpu_gemm_wna16",
         "this vLLM build has no cpu_gemm_wna16 kernel, which it runs 4-bit weight-only layers with on CPU",
     ),
@@ -111,9 +119,103 @@ CPU_LIMITS: tuple[Limitation, ...] = (
     ),
     Limitation(
         "block FP8",
-        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
+        _fp8_block,
         "amx",
         "vLLM runs block-scaled FP8 on CPU with AMX kernels only (CPUFp8BlockScaledMMKernel)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """A mixture's routed experts as vLLM's fused MoE layer sees them: the width of their input (`hidden_size`)
+    and of each expert's gated MLP (`intermediate_size`)."""
+
+    hidden_size: int
+    intermediate_size: int
+
+
+# Every CPU experts kernel of vllm 0.32.0 packs the experts' input dimension in tiles of 32
+# (fused_moe/experts/cpu_moe.py: CPUUnquantizedExperts.output_alignment, which pads the intermediate dimension
+# but not the hidden one; CPUExpertsInt8's VNNI prepack). Seen here: a Qwen3-MoE of hidden size 48 fails with
+# "No Unquantized MoE backend supports the deployment configuration".
+EXPERTS_HIDDEN_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class ExpertsLimitation(Limitation):
+    """A scheme vLLM's CPU build runs a mixture's experts in only with a capability (`amx`: AMX tiles used here,
+    which every quantized CPU experts kernel of x86 requires), or never; `intermediate_multiple`: the experts'
+    intermediate size that kernel takes a multiple of; `stand_in`: where it runs, what it computes instead of
+    the bundle's own arithmetic (named in the eval's runtime version), and `unless` the worker's hello flag
+    under which it computes the bundle's own."""
+
+    intermediate_multiple: int = 1
+    stand_in: str = ""
+    unless: str = ""
+
+
+# How vllm 0.32.0's CPU build runs a mixture's experts, scheme by scheme: the fused-MoE oracles
+# (model_executor/layers/fused_moe/oracle/{unquantized,fp8,int8,int_wna16,nvfp4,mxfp4}.py pick the first experts
+# class whose `is_supported_config` accepts the layer), compressed_tensors_moe/compressed_tensors_moe.py (which
+# method a config group gets) and fused_moe/experts/cpu_moe.py (the CPU classes and what each requires). On x86
+# the unquantized experts run everywhere (CPUUnquantizedExperts, any float dtype; AMX's only with bf16); every
+# quantized CPU experts class requires AMX tiles (`torch.cpu._is_amx_tile_supported`), and the Zen classes
+# (ZenCPUExpertsInt8, ZentorchExpertsInt4) a zentorch that vLLM's CPU environment does not install. Each
+# refusal quoted was seen as vLLM's load error here (AMD EPYC with AVX-512 and VNNI, no AMX), on Qwen3-MoE and
+# Mixtral (tests/eval/test_vllm_families.py loads each scheme); where a Linear layer's limit refuses a scheme too,
+# vLLM meets that one first.
+CPU_EXPERTS_LIMITS: tuple[ExpertsLimitation, ...] = (
+    ExpertsLimitation(
+        "per-channel FP8",
+        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy != "block",
+        "never",
+        "vLLM's CPU experts take FP8 weights in 128x128 blocks only (CPUExpertsFp8 and CPUExpertsFp8W8A8 accept "
+        "kFp8Static128BlockSym; its FP8 MoE oracle finds no backend for per-channel scales on a CPU, with AMX or "
+        "without; its load fails: 'Unsupported FP8 MoE backend: NONE'): a mixture's per-channel FP8 experts run on "
+        "NVIDIA GPUs",
+    ),
+    ExpertsLimitation(
+        "block FP8",
+        _fp8_block,
+        "amx",
+        "vLLM runs block-FP8 experts on CPU with AMX kernels only (CPUExpertsFp8, CPUExpertsFp8W8A8)",
+        stand_in="block-FP8 experts with bf16 activations (CPUExpertsFp8, W8A16)",
+        unless="amx_fp8",  # CPUExpertsFp8W8A8 quantizes the activations as the bundle does, with AMX-FP8
+    ),
+    ExpertsLimitation(
+        "int8 W8A8",
+        int8_w8a8,
+        "amx",
+        "vLLM runs int8 W8A8 experts on x86 CPUs with AMX only (CPUExpertsInt8; without, its load fails: 'No Int8 "
+        "MoE backend supports the deployment configuration')",
+        intermediate_multiple=32,
+    ),
+    ExpertsLimitation(
+        "W4A16",
+        _int4_weight_only,
+        "amx",
+        "vLLM runs 4-bit weight-only experts on x86 CPUs with AMX only (CPUExpertsInt4; without, its load fails: "
+        "'No WNA16 MoE backend supports the deployment configuration')",
+        stand_in="int4 experts with int8 activations (CPUExpertsInt4, W4A8)",
+    ),
+    ExpertsLimitation(
+        "int8 W8A16",
+        lambda s: s.weight_type == "int" and s.weight_bits == 8 and not s.activations,
+        "never",
+        "vLLM's CPU weight-only experts take 4-bit weights only (CPUExpertsInt4: kInt4Static)",
+    ),
+    ExpertsLimitation(
+        "NVFP4",
+        lambda s: s.weight_type == "float" and s.weight_bits == 4 and s.group_size == 16,
+        "never",
+        "vLLM's NVFP4 experts are CUDA kernels and a Triton emulation (fused_moe/oracle/nvfp4.py): none runs on a CPU",
+    ),
+    ExpertsLimitation(
+        "MXFP4",
+        lambda s: s.weight_type == "float" and s.weight_bits == 4 and s.group_size != 16,
+        "amx",
+        "vLLM runs MXFP4 experts on CPU with AMX only (CPUExpertsMxfp4, weight-only: bf16 activations)",
     ),
 )
 
@@ -126,14 +228,9 @@ CPU_LIMITS: tuple[Limitation, ...] = (
 # (name, which schemes, dtype, only where AMX is used)
 DEFAULT_DTYPE = "float32"
 COMPUTE_DTYPES: tuple[tuple[str, Callable[[WeightScheme], bool], str, bool], ...] = (
-    ("W4A16", lambda s: s.weight_type == "int" and s.weight_bits == 4 and not s.activations, "bfloat16", False),
+    ("W4A16", _int4_weight_only, "bfloat16", False),
     ("int8 W8A8 with AMX", int8_w8a8, "bfloat16", True),
-    (
-        "block FP8",
-        lambda s: s.weight_type == "float" and s.weight_bits == 8 and s.weight_strategy == "block",
-        "bfloat16",
-        False,
-    ),
+    ("block FP8", _fp8_block, "bfloat16", False),
 )
 
 
@@ -291,6 +388,35 @@ def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
     return [WeightScheme.from_group(g) for g in (groups or {}).values()]
 
 
+# config.json's expert counts, for an architecture kiln has no record of (Qwen2-MoE and Qwen3-MoE, Mixtral,
+# DeepSeek's routed experts).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def bundle_experts(config: dict[str, Any]) -> ExpertsShape | None:
+    """A bundle's routed experts (None: its model has none): config.json read through the family record (the
+    layers its config makes sparse, `ModelShape.moe`). For an architecture kiln has no record of, or a config it
+    cannot read, a positive expert count in config.json (`EXPERT_COUNT_KEYS`) says there are experts, of
+    `moe_intermediate_size` (else `intermediate_size`)."""
+    try:
+        shape = ModelShape.from_config(config)
+    except KilnError:
+        shape = None
+    if shape is not None:
+        moe = shape.moe
+        if moe is None or not moe.sparse_layers:
+            return None
+        return ExpertsShape(shape.hidden_size, moe.intermediate_size)
+    counts = [config.get(k) for k in EXPERT_COUNT_KEYS]
+    if not any(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return None
+    hidden = config.get("hidden_size")
+    inner = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not isinstance(hidden, int) or not isinstance(inner, int):
+        return None  # vLLM's own load decides
+    return ExpertsShape(hidden, inner)
+
+
 def fp8_kv_cache(config: dict[str, Any]) -> bool:
     """Whether a bundle's config asks for a quantized (FP8) KV cache: its `kv_cache_scheme`."""
     quant = config.get("quantization_config")
@@ -313,9 +439,13 @@ def cpu_limitation(
     hello: dict[str, Any],
     head: int | None = None,
     fp8_kv_cache: bool = False,
+    experts: ExpertsShape | None = None,
 ) -> str | None:
-    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` (and an FP8 KV cache) here (given
-    this machine's `capabilities` and the worker's `hello`), or None if it can."""
+    """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` (and an FP8 KV cache, and routed
+    `experts`) here (given this machine's `capabilities` and the worker's `hello`), or None if it can. A mixture's
+    experts are quantized as its Linear layers are (kiln quantizes every expert): its experts' limits
+    (`CPU_EXPERTS_LIMITS`) apply to the bundle's schemes after the Linear layers' (`CPU_LIMITS`), which vLLM
+    meets first as it builds the model."""
     sizes = hello.get("head_sizes")
     if head is not None and sizes and head not in sizes:
         return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
@@ -336,4 +466,39 @@ def cpu_limitation(
         kernel = limit.needs.removeprefix("kernel:")
         if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
             return f"{limit.scheme}: {limit.reason}"
+    return None if experts is None else experts_limitation(schemes, capabilities, experts)
+
+
+def experts_limitation(
+    schemes: Sequence[WeightScheme], capabilities: VllmCapabilities, experts: ExpertsShape
+) -> str | None:
+    """Why vLLM's CPU build cannot run a mixture's `experts` quantized as `schemes` here (`CPU_EXPERTS_LIMITS`,
+    `EXPERTS_HIDDEN_MULTIPLE`), or None if it can."""
+    if experts.hidden_size % EXPERTS_HIDDEN_MULTIPLE:
+        return (
+            f"experts: vLLM's CPU experts kernels take hidden sizes in multiples of {EXPERTS_HIDDEN_MULTIPLE}; "
+            f"this model's is {experts.hidden_size}"
+        )
+    for limit in CPU_EXPERTS_LIMITS:
+        if not any(limit.matches(s) for s in schemes):
+            continue
+        if limit.needs == "never":
+            return f"{limit.scheme} experts: {limit.reason}"
+        if limit.needs == "amx" and not capabilities.amx.used:
+            return f"{limit.scheme} experts: {limit.reason}; AMX here: {capabilities.amx.reason}"
+        if experts.intermediate_size % limit.intermediate_multiple:
+            return (
+                f"{limit.scheme} experts: vLLM's CPU kernel takes intermediate sizes in multiples of "
+                f"{limit.intermediate_multiple}; this model's experts' is {experts.intermediate_size}"
+            )
     return None
+
+
+def experts_stand_ins(schemes: Sequence[WeightScheme], hello: dict[str, Any]) -> tuple[str, ...]:
+    """What vLLM's CPU build computes a mixture's experts of `schemes` with instead of the bundle's own arithmetic
+    (`ExpertsLimitation.stand_in`, unless the worker's `hello` reports the capability that avoids it)."""
+    return tuple(
+        limit.stand_in
+        for limit in CPU_EXPERTS_LIMITS
+        if limit.stand_in and not (limit.unless and hello.get(limit.unless)) and any(limit.matches(s) for s in schemes)
+    )

@@ -12,6 +12,8 @@ answers `{"ok": false, "error": ..., "type": ...}` and the worker goes on. Reque
 - `hello`: protocol, versions, the kernels this build has, the AMX decision and, on GPUs, the smallest
   compute capability among them (`cuda_sm`: major × 10 + minor; None on the CPU);
 - `load` {model, max_model_len, kv_cache_bytes, full_vocab_limit, top_k, block_size?}: open a model with `vllm.LLM`;
+  where vLLM refuses it, what its engine had set up is torn down as its shutdown would, so the next load
+  starts clean (a failed dense load left the parallel groups without the expert group a mixture needs);
 - `logits` {ids}: the next-token log-probabilities at every position of one window ([len(ids), V]);
 - `greedy` {prompts, n}: `n` tokens continuing each prompt by argmax, EOS ignored;
 - `kv_cache`: how the loaded model's KV cache is paged, as vLLM's engine accounted for it (`kv_cache_report`);
@@ -201,6 +203,7 @@ class Worker:
             "prompt_logprobs": "engine arrays" if self.fast_prompt_logprobs else "RequestOutput",
             "amx_tile_supported_after_decision": bool(self.torch.cpu._is_amx_tile_supported()),
             "head_sizes": self._head_sizes(),
+            "amx_fp8": self._amx_fp8(),
             "cuda_sm": self._cuda_sm(),
         }
 
@@ -214,6 +217,13 @@ class Worker:
         found = [current_platform.get_device_capability(i) for i in range(self.torch.cuda.device_count())]
         sms = [c.to_int() for c in found if c is not None]
         return min(sms) if sms else None
+
+    def _amx_fp8(self) -> bool:
+        """Whether this CPU has AMX-FP8, which vLLM's FP8 W8A8 experts kernel needs (CPUExpertsFp8W8A8)."""
+        from vllm import _custom_ops
+
+        check = getattr(_custom_ops, "cpu_has_amx_fp8", None)
+        return bool(check()) if callable(check) and self.amx["used"] else False
 
     def _head_sizes(self) -> list[int] | None:
         """The attention head sizes vLLM's CPU attention takes (None: this vLLM does not say)."""
@@ -236,16 +246,20 @@ class Worker:
             options["block_size"] = int(req["block_size"])
         if int(req.get("tensor_parallel_size", 1)) > 1:
             options["tensor_parallel_size"] = int(req["tensor_parallel_size"])
-        self.llm = LLM(
-            model=req["model"],
-            skip_tokenizer_init=True,  # kiln gives token ids; no text goes in or out
-            max_logprobs=-1,
-            max_model_len=int(req["max_model_len"]),
-            enforce_eager=True,
-            seed=0,
-            dtype=req.get("dtype", "auto"),
-            **options,
-        )
+        try:
+            self.llm = LLM(
+                model=req["model"],
+                skip_tokenizer_init=True,  # kiln gives token ids; no text goes in or out
+                max_logprobs=-1,
+                max_model_len=int(req["max_model_len"]),
+                enforce_eager=True,
+                seed=0,
+                dtype=req.get("dtype", "auto"),
+                **options,
+            )
+        except BaseException:
+            self._tear_down()
+            raise
         config = self.llm.llm_engine.model_config
         self.vocab = int(config.get_vocab_size())
         self.full_vocab_limit = int(req["full_vocab_limit"])
@@ -271,6 +285,14 @@ class Worker:
         if core is None:
             raise RuntimeError("the engine runs in another process: its KV cache config is not readable here")
         return {"ok": True, **kv_cache_report(core.scheduler.kv_cache_config, engine.vllm_config)}
+
+    def _tear_down(self) -> None:
+        """What vLLM's engine does at shutdown (v1/engine/core.py: `cleanup_dist_env_and_memory`), which an engine
+        that failed to start never reaches: without it the parallel groups it made outlive it, and the next
+        model is given them (a mixture then finds no expert-parallel group)."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
 
     def unload(self, _: dict[str, Any]) -> dict[str, Any]:
         """Release the model: vLLM's distributed state goes with it, before another is loaded."""

@@ -180,7 +180,7 @@ def test_the_cpu_eval_reserves_the_kv_cache_of_one_sequence_which_vllm_needs(tmp
         "dtype": "float32",
     }
     for memory, starts in ((need, True), (need - 1, False)):
-        worker = WorkerProcess(installed.python)  # a failed load leaves vLLM's state behind: a worker each
+        worker = WorkerProcess(installed.python)  # a fresh worker each, as a build starts one
         try:
             if starts:
                 worker.request({**request, "kv_cache_bytes": memory})
