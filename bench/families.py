@@ -31,6 +31,9 @@ sys.path.insert(0, str(ROOT))
 from record import add_record_argument, run_record, save_record  # noqa: E402  (bench/record.py, beside this script)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
+# llama.cpp looks tokens up by the model's name (a name with "phi3" in it needs '<s>', '<unk>', '</s>'): the GGUF
+# files are named apart from the recipe's model.
+PARAMS: dict[str, dict[str, object]] = {"gguf": {"params": {"name": "probe"}}}
 # Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide), and
 # Gemma 3's attention scaled by its head_dim (32 here), as Gemma 3 1B-12B are and llama.cpp's gemma3 computes.
 WIDTHS: dict[str, dict[str, int]] = {
@@ -56,7 +59,9 @@ def build(family: str, work: Path, vllm: bool) -> dict[str, Any]:
     (work / "calibration.txt").write_text((ROOT / "examples" / "tiny-llama" / "train.py").read_text())
     arch = RECORDS[family]
     targets = [
-        {"target": t, "quants": q} for t, q in RECIPE_TARGETS.items() if t == "hf-bundle" or arch.target(t).supported
+        {"target": t, "quants": q, **PARAMS.get(t, {})}
+        for t, q in RECIPE_TARGETS.items()
+        if t == "hf-bundle" or arch.target(t).supported
     ]
     quants = [q for t in targets for q in t["quants"]]
     recipe = {

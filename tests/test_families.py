@@ -27,6 +27,9 @@ pytestmark = pytest.mark.slow
 # artifacts keep every default KL and perplexity gate and need half the positions' top token; a broken
 # conversion (a missing permutation, misplaced experts) scores top-1 near 1/vocab and KL near 1, and fails.
 RANDOM_MODEL_GATES = {q: {"min_top1": 0.5} for q in ("q8_0", "fp8", "w4a16-gptq")}
+# llama.cpp looks tokens up by the model's name (a name with "phi3" in it needs '<s>', '<unk>', '</s>'): the GGUF
+# files are named apart from the recipe's model.
+PARAMS: dict[str, dict[str, object]] = {"gguf": {"params": {"name": "probe"}}}
 # Every Linear's input a multiple of GPTQ's 128-wide groups (the factory's Qwen3-MoE experts are 64 wide), and
 # Gemma 3's attention scaled by its head_dim (32 here), as Gemma 3 1B-12B are and llama.cpp's gemma3 computes.
 WIDTHS: dict[str, dict[str, int]] = {
@@ -60,7 +63,7 @@ def test_the_probe_recipe_builds_and_passes_for_each_family(family: str, tmp_pat
             "gates": RANDOM_MODEL_GATES,
         },
         "calibration": {"text": "calibration.txt", "samples": 8, "seq_len": 64},
-        "targets": [{"target": t, "quants": q} for t, q in served.items()],
+        "targets": [{"target": t, "quants": q, **PARAMS.get(t, {})} for t, q in served.items()],
     }
     (tmp_path / "kiln.yaml").write_text(yaml.safe_dump(recipe))
     env = {
