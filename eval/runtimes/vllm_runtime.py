@@ -32,7 +32,8 @@ On a GPU (the eval stage placed on `cuda`, `pipeline.placement`) the same worker
 (`vllm-cuda`, `kiln runtime install vllm` on a GPU machine) with bf16 activations, as vLLM serves there, and
 tensor parallelism over the GPUs the stage was granted (`cuda`: every GPU it sees, under Ray those of its
 `num_gpus`, `pipeline.requirements` sizing that count from the weights; `cuda:N`: that one), the largest
-power of two of them that divides the attention heads (`tensor_parallel_size`). The CPU's verdicts
+power of two of them the model's heads shard over (`tensor_parallel_size`, by `placement.model.tp_degrees`, the rule
+the plan sizes replicas with). The CPU's verdicts
 (AMX, FP8 and int8 kernels) do not apply there; the GPU, the degree and the environment are in the
 report's runtime version. What vLLM's CUDA build runs on which GPU generation is data too (`vllm_support.CUDA_KERNELS`,
 checked against the compute capability the worker reads): a bundle it cannot run there (an FP8 KV cache
@@ -75,7 +76,7 @@ from eval.runtimes.vllm_support import (
 )
 from eval.runtimes.vllm_worker import PROTOCOL
 from formats.architectures.shape import ModelShape
-from placement.model import NULL_BLOCKS, VLLM_CPU_BLOCK_SIZE, paged_kv_cache
+from placement.model import NULL_BLOCKS, VLLM_CPU_BLOCK_SIZE, paged_kv_cache, tp_degrees
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768
@@ -250,12 +251,11 @@ def cuda_version(
     ) + "".join(f", {fallback}" for fallback in fallbacks)
 
 
-def tensor_parallel_size(gpus: int, heads: int) -> int:
-    """The degree vLLM shards a model over: the largest power of two up to `gpus` that divides `heads`."""
-    size = 1
-    while size * 2 <= gpus and heads % (size * 2) == 0:
-        size *= 2
-    return size
+def tensor_parallel_size(gpus: int, shape: ShapeRecord | None) -> int:
+    """The degree vLLM shards a model over: the largest power of two up to `gpus` that the attention heads
+    divide over and the KV heads divide over or replicate evenly over (`placement.model.tp_degrees`)."""
+    allowed, _ = tp_degrees(shape, max(gpus, 1))
+    return max(allowed)
 
 
 @atexit.register
@@ -365,7 +365,7 @@ class VllmRuntime:
             )
         config = bundle_config(self.path)
         granted = visible_gpus(device)
-        tp = tensor_parallel_size(len(granted), int(config.get("num_attention_heads", 1)))
+        tp = tensor_parallel_size(len(granted), _shape(config))
         gpus = tuple(granted[:tp])
         self._worker = shared_worker(installed.python, threads, None, gpus)
         hello = self._worker.hello

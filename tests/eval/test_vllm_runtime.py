@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from core.device import Device, DeviceUnavailable
 from core.errors import Deferred, InvalidInput, StageFailed
+from core.shape import ShapeRecord
 from eval.gates import gate_for
 from eval.run import evaluate, evaluate_artifact, measure
 from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
@@ -348,12 +349,31 @@ def test_a_gpu_this_machine_lacks_is_refused_before_vllm_starts(bundles: dict[st
 
 
 @pytest.mark.parametrize(
-    ("gpus", "heads", "size"), [(1, 32, 1), (2, 32, 2), (3, 32, 2), (8, 64, 8), (8, 12, 4), (4, 6, 2), (8, 7, 1)]
+    ("gpus", "heads", "kv_heads", "size"),
+    [
+        (1, 32, 8, 1),
+        (2, 32, 8, 2),
+        (3, 32, 8, 2),
+        (8, 64, 8, 8),
+        (8, 12, 4, 4),
+        (4, 6, 2, 2),
+        (8, 7, 7, 1),
+        (8, 32, 2, 8),
+        (8, 40, 8, 8),
+        (8, 24, 3, 1),
+        (16, 64, 4, 16),
+    ],
 )
-def test_tensor_parallelism_is_the_largest_power_of_two_of_the_gpus_dividing_the_heads(
-    gpus: int, heads: int, size: int
+def test_tensor_parallelism_is_the_largest_power_of_two_of_the_gpus_the_heads_shard_over(
+    gpus: int, heads: int, kv_heads: int, size: int
 ) -> None:
-    assert tensor_parallel_size(gpus, heads) == size
+    # The KV heads divide over the degree or replicate evenly (tp a multiple of them), as vLLM requires:
+    # 3 KV heads on 2 GPUs neither divide nor replicate evenly.
+    shape = ShapeRecord(
+        hidden_size=128 * heads, num_layers=2, num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=128
+    )
+    assert tensor_parallel_size(gpus, shape) == size
+    assert tensor_parallel_size(gpus, None) == 1 << (gpus.bit_length() - 1)
 
 
 def test_measure_uses_the_same_windows_for_every_runtime(
