@@ -87,7 +87,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
-from core.errors import SourceInvalid, UnknownName
+from core.errors import KilnError, SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
 from core.shape import ShapeRecord
 from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
@@ -97,9 +97,12 @@ from formats.architectures.shape import ModelShape
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
 from formats.hf_model import SourceModel
 from formats.safetensors import DTYPES
+from placement.cost import StageWork
 from placement.fit import MEMORY_UTILIZATION
 from placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
-from placement.weights import artifact_bytes, gguf_repacked_bytes
+from placement.weights import artifact_bytes, gguf_repacked_bytes, source_bytes
+from quant.footprint import quantized_bytes
+from quant.schemes import Scheme
 
 MiB = 1024 * 1024
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
@@ -698,3 +701,58 @@ def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = No
             details={"known": [k or "cpu" for k in RUNNER_LABELS]},
         )
     return list(RUNNER_LABELS[req.accelerator])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Disk and time (`placement.cost`): what each stage writes, reads and computes.
+
+
+def ingest_written_bytes(source_bytes: int) -> int:
+    """What ingest leaves in the work dir: a copy of the source's weights."""
+    return source_bytes
+
+
+def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
+    """The reference's stored distributions, at most: per scored token its kept tokens (12 bytes each, at most
+    `max_entries`), or its float32 logits where those take fewer bytes (`eval.reference_rows`)."""
+    v = sizing.shape.vocab_size
+    return sizing.max_tokens * min(12 * min(max_entries, v), 4 * v)
+
+
+def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
+    """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs wrote, or
+    for ingest the source): ingest a copy of the source (`ingest_written_bytes`); the reference its rows and a
+    forward of T tokens (2·N·T FLOPs); a quantize node the Linears it quantizes (`quant.footprint.quantized_bytes`;
+    calibration a forward of its samples); an export its artifact's bytes (a GGUF llama.cpp quantizes, the lossless
+    intermediate besides, removed when it ends); an eval a forward of T tokens. Reports and records: nothing."""
+    from targets.base import get_target
+
+    p = node.params
+    params = sum(t.elements for t in sizing.shape.tensors())
+    stage = node.stage.name
+    if stage == "ingest":
+        return StageWork(read_bytes, ingest_written_bytes(read_bytes))
+    if stage == "prepare":  # the tokenizer and the reference's vocabulary, not the weights
+        return StageWork()
+    if stage == "reference":
+        return StageWork(
+            read_bytes, reference_rows_bytes(sizing, int(p["max_entries"])), flops=2 * params * sizing.max_tokens
+        )
+    if stage == "quantize":
+        scheme = Scheme.model_validate(p["scheme"])
+        calibration = p.get("calibration", {})
+        tokens = int(calibration.get("samples", 0)) * int(calibration.get("seq_len", 0))
+        try:
+            written = quantized_bytes(sizing.config, scheme.name, scheme.lm_head)
+        except KilnError:  # a scheme quant.catalog does not name (a test's): sized as its whole checkpoint
+            written = sizing.weights_bytes(scheme.name, "transformers")
+        return StageWork(read_bytes, written, flops=2 * params * tokens)
+    if stage == "export":
+        spec = get_target(p["target"])
+        written = sizing.weights_bytes(p["quant"], spec.runtime)
+        gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
+        scratch = source_bytes(sizing.shape, sizing.weight_bytes) if gguf is not None and gguf.llama_ftype else 0
+        return StageWork(read_bytes, written, scratch)
+    if stage == "eval":
+        return StageWork(read_bytes, flops=2 * params * sizing.max_tokens)
+    return StageWork(read_bytes)
