@@ -18,17 +18,19 @@ from pydantic_core import to_jsonable_python
 from core.device import CPU, Device, resolve_device
 from core.digest import HashCache, sha256_json
 from core.errors import InvalidInput, StageFailed, UnknownName
+from core.hardware import PROFILES, get_profile
 from eval.gates import gate_for
 from eval.report import EvalReport
 from eval.runtimes.facts import RUNTIME_FACTS
 from formats.hf_model import open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
-from pipeline.placement import placed, with_device
+from pipeline.machine import Machine, this_machine
+from pipeline.placement import computes_on_device, placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import Sizing, plan_device, runner_labels
+from pipeline.requirements import PlanDevice, Sizing, catalog_gpu, plan_device, runner_labels, stage_work
 from pipeline.stage import Node
 from pipeline.stages import derived as derived_stage
 from pipeline.stages import eval as eval_stage
@@ -40,6 +42,8 @@ from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
 from pipeline.store import StageInputMissing, StageStore, require_input
+from placement.cost import Rates, StageWork, build_host_rates, device_rates, seconds
+from placement.weights import source_bytes
 from quant.calibrated import calibration_dtype
 from quant.catalog import get_scheme
 from quant.rtn import HeadTied, check_shapes
@@ -92,11 +96,68 @@ def plan(
     run on the stage's device) are placed on `device` (`pipeline.placement`): its kind is in their keys,
     and one on a GPU asks for it in its requirements, sized for the catalog's `gpu` when named, else for
     this machine's GPU (`pipeline.requirements.plan_device`)."""
+    return _plan(recipe, store, registry=registry, device=device, gpu=gpu)[0]
+
+
+def _plan(
+    recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU, gpu: str | None = None
+) -> tuple[list[Node], Sizing]:
     nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
     sizing = replace(sizing, device=plan_device(device, gpu))
-    return [replace(n, requires=placed(n, n.stage.requirements(n, sizing))) for n in nodes]
+    return [replace(n, requires=placed(n, n.stage.requirements(n, sizing))) for n in nodes], sizing
+
+
+def stage_costs(nodes: list[Node], sizing: Sizing) -> dict[str, StageWork]:
+    """Each node's work (`pipeline.requirements.stage_work`): ingest reads the source, every other node what its
+    inputs wrote."""
+    work: dict[str, StageWork] = {}
+    for node in nodes:
+        read = (
+            source_bytes(sizing.shape, sizing.weight_bytes)
+            if not node.inputs
+            else sum(work[i].written_bytes for i in node.inputs.values())
+        )
+        work[node.id] = stage_work(node, sizing, read)
+    return work
+
+
+def _rates(node: Node, sizing: Sizing) -> Rates | None:
+    """The rates of the device `node` computes on: its catalog GPU's, the build host's CPU; None for a GPU of
+    unknown kind."""
+    if not node.requires.gpus:
+        return build_host_rates()
+    gpu = sizing.device.gpu
+    return device_rates(get_profile(gpu.sku)) if gpu is not None and gpu.sku is not None else None
+
+
+class BuildDiskInsufficient(InvalidInput):
+    """A build whose stages still to run would write more than the work dir's disk has free."""
+
+    code = "BUILD_DISK_INSUFFICIENT"
+
+
+def disk_needed(nodes: list[Node], work: dict[str, StageWork], pending: set[str]) -> int:
+    """The disk the `pending` nodes take at their peak: everything they keep, and the largest scratch among them."""
+    kept = sum(work[n.id].written_bytes for n in nodes if n.id in pending)
+    return kept + max((work[n.id].scratch_bytes for n in nodes if n.id in pending), default=0)
+
+
+def refuse_full_disk(nodes: list[Node], sizing: Sizing, store: StageStore, machine: Machine) -> None:
+    """BUILD_DISK_INSUFFICIENT when the stages still to build here (not stored, not deferred) would write more than
+    the work dir's disk has free."""
+    done = stored(nodes, store)
+    deferred = _deferred(nodes, done)
+    pending = {n.id for n in nodes if done[n.id].digest is None and n.id not in deferred}
+    need = disk_needed(nodes, stage_costs(nodes, sizing), pending)
+    if need > machine.disk_free_bytes:
+        raise BuildDiskInsufficient(
+            f"the stages still to build write {need / 1e9:.1f} GB and {store.local.root} has "
+            f"{machine.disk_free_bytes / 1e9:.1f} GB free: free {(need - machine.disk_free_bytes) / 1e9:.1f} GB, "
+            "build fewer targets (or one stage at a time with `kiln run-stage`), or pass --force",
+            details={"needed_bytes": need, "free_bytes": machine.disk_free_bytes, "stages": sorted(pending)},
+        )
 
 
 def _build_graph(
@@ -484,9 +545,14 @@ def run(
     reporter: Reporter | None = None,
     executor: ExecutorChoice | None = None,
     device: str | Device = "cpu",
+    force: bool = False,
+    machine: Machine | None = None,
 ) -> BuildResult:
     """Plan the recipe and run its graph; a stage that failed (after what did not depend on it ran, with
     the Ray executor) is raised once every other outcome is known.
+
+    Before anything runs, a local build whose stages would write more than the work dir's disk has free
+    (`machine`, this one by default) is refused (BUILD_DISK_INSUFFICIENT) unless `force`.
 
     `device` (`auto`, `cpu`, `cuda`, `cuda:N`, or a `Device`) is where the compute stages run: checked
     against this machine for the local executor (DEVICE_UNAVAILABLE when it lacks it), against the
@@ -508,7 +574,9 @@ def run(
         stage_externals(recipe, store)
         outcomes = ray_executor.run(nodes)
     else:
-        nodes = plan(recipe, store, registry=registry, device=resolve_device(device))
+        nodes, sizing = _plan(recipe, store, registry=registry, device=resolve_device(device))
+        if not force:
+            refuse_full_disk(nodes, sizing, store, machine or this_machine(store.local.root))
         stage_externals(recipe, store)
         outcomes = LocalExecutor(store, reporter).run(nodes)
     result = BuildResult(recipe, nodes, outcomes)
@@ -571,12 +639,20 @@ def _where_ci() -> dict[str, Any]:
     return {"executor": "run-stage", "host": socket.gethostname(), **ci}
 
 
-def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> list[dict[str, Any]]:
+def status(
+    recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None, machine: Machine | None = None
+) -> list[dict[str, Any]]:
     """What `kiln plan` shows: each node, what it needs on `device` (sized for the catalog's `gpu`, or this
-    machine's), its cache key, and whether its output is stored (`shape only`: a source that has none)."""
-    nodes = plan(recipe, store, device=device, gpu=gpu)
+    machine's), its cache key, and whether its output is stored (`shape only`: a source that has none); the disk it
+    reads and writes and its estimated seconds (`placement.cost`); and, for a node still to build, what of
+    `machine` (this one by default) it would not fit (`misfits`: memory, or the disk with the stages before it),
+    with the numbers and what would make it fit."""
+    nodes, sizing = _plan(recipe, store, device=device, gpu=gpu)
+    machine = machine or this_machine(store.local.root)
+    work = stage_costs(nodes, sizing)
     done = stored(nodes, store)
     deferred: set[str] = set()
+    written = 0  # what the stages to build before this one leave on disk
     rows = []
     for node in nodes:
         key, state = done[node.id].key, "cached" if done[node.id].digest is not None else "to build"
@@ -592,6 +668,11 @@ def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
             deferred.add(node.id)
         if recipe.shape_only:
             state = "shape only"
+        cost, rates = work[node.id], _rates(node, sizing)
+        misfits: dict[str, Any] = {}
+        if state in ("to build", "shape only"):
+            misfits = _misfits(node, sizing, machine, cost, written)
+            written += cost.written_bytes
         rows.append(
             {
                 "node": node.id,
@@ -600,10 +681,63 @@ def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
                 "key": key,
                 "state": state,
                 "requires": node.requires.model_dump(),
+                "disk": {
+                    "read_bytes": cost.read_bytes,
+                    "written_bytes": cost.written_bytes,
+                    "scratch_bytes": cost.scratch_bytes,
+                },
+                "flops": cost.flops,
+                "seconds": round(seconds(cost, rates), 1) if rates is not None else None,
+                "rates": rates.basis if rates is not None else None,
+                "misfits": misfits,
                 **extra,
             }
         )
     return rows
+
+
+def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, before: int) -> dict[str, Any]:
+    """What of `machine` a node to build would not fit: host memory beyond what is available (with a catalog GPU
+    that would hold it, for a node that can compute on one), a GPU it was sized for that is too small, the disk
+    once the stages before it (`before` bytes) have written theirs."""
+    out: dict[str, Any] = {}
+    req = node.requires
+    if req.memory_bytes > machine.available_bytes:
+        out["memory"] = {
+            "needed_bytes": req.memory_bytes,
+            "available_bytes": machine.available_bytes,
+            "total_bytes": machine.memory_bytes,
+            "fix": _memory_fix(node, sizing, machine),
+        }
+    if not req.fits:
+        out["device"] = {
+            "needed_bytes": req.device_memory_bytes,
+            "gpus": req.gpus,
+            "fix": _memory_fix(node, sizing, machine),
+        }
+    need = before + cost.disk_peak_bytes
+    if cost.disk_peak_bytes and need > machine.disk_free_bytes:
+        out["disk"] = {
+            "needed_bytes": need,
+            "free_bytes": machine.disk_free_bytes,
+            "fix": f"free {(need - machine.disk_free_bytes) / 1e9:.1f} GB more, or build fewer targets at a time",
+        }
+    return out
+
+
+def _memory_fix(node: Node, sizing: Sizing, machine: Machine) -> str:
+    """What would hold `node`: the smallest CUDA GPU of the catalog it fits (`--device cuda --gpu SKU`) with the host
+    memory it then needs within what is available, for a node that can compute on one; else a machine with the
+    memory it needs."""
+    if computes_on_device(node):
+        cuda = sorted((p.memory_gib, name) for name, p in PROFILES.items() if p.family == "cuda")
+        for _, sku in cuda:
+            on_gpu = replace(sizing, device=PlanDevice("cuda", catalog_gpu(sku)))
+            req = node.stage.requirements(with_device(node, Device("cuda")), on_gpu)
+            if req.fits and req.memory_bytes <= machine.available_bytes:
+                host = req.memory_bytes / 2**30
+                return f"--device cuda --gpu {sku}: {req.gpus or 1} x {sku}, {host:.1f} GiB of host memory"
+    return f"a machine with {node.requires.memory_bytes / 2**30:.1f} GiB of memory free"
 
 
 def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> dict[str, Any]:

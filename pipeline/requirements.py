@@ -18,7 +18,9 @@ on the host: its window and the reference's in float32 and a float64 block of at
 C = 16·W·V.
 
 - Streaming stages (ingest, round-to-nearest quantize, every export): one tensor at a time, so
-  `factor` × the largest tensor (s × its elements), on the CPU.
+  `factor` × the largest tensor (s × its elements), on the CPU: ingest 2, round-to-nearest 2, an export its
+  target's `export_tensor_copies` (kiln's GGUF writer 1, HF-format bundles 2, llama.cpp's quantizer and orbax 3),
+  each above what was measured at Llama-3-8B's shape (bench/results/scale.jsonl).
 - The reference streams one decoder layer at a time in float32 (on the stage's device,
   `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_BLOCK)·h (a row block of the embedding /
   lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
@@ -48,8 +50,10 @@ C = 16·W·V.
   share fits `MEMORY_UTILIZATION` of the device's memory (vLLM's default); on the host, the largest tensor as
   the checkpoint loads, and C. vLLM on the CPU holds the weights and the KV cache the eval reserves
   (`eval.runtimes.vllm_runtime.kv_cache_reservation`: a sequence of W + G + 1 tokens in float32 at 128-token
-  pages and the page vLLM keeps back, at least 256 MiB) in host memory.
-- llama.cpp (CPU): the GGUF file's bytes (mapped) + its KV cache + C.
+  pages and the page vLLM keeps back, at least 256 MiB) in host memory, and that whole sum × `VLLM_CPU_MEASURED`
+  (1.6: what its worker was measured to hold beyond it).
+- llama.cpp (CPU): the GGUF file's bytes (mapped) + the repacked copy its CPU backend makes of the Q4_0 / Q4_K /
+  MXFP4 tensors (`placement.weights.CPU_REPACKED`) + its KV cache + C.
 - The JAX forward (`eval.runtimes.jax_runtime`) restores the orbax checkpoint one decoder layer at a time
   onto its device: s·(P_L + V·h) (a layer and the embedding or the head, as stored) + 4·P_L (the layer's
   weights cast to float32 as used) + 4·min(V, HEAD_BLOCK)·h (a block of the head in float32) + 16·T·h (the
@@ -83,21 +87,30 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
-from core.errors import SourceInvalid, UnknownName
+from core.errors import KilnError, SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
 from core.shape import ShapeRecord
 from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
 from eval.runtimes.vllm_runtime import kv_cache_reservation
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
+from formats.gguf.constants import QUANTS as GGUF_QUANTS
 from formats.hf_model import SourceModel
 from formats.safetensors import DTYPES
+from placement.cost import StageWork
 from placement.fit import MEMORY_UTILIZATION
 from placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
-from placement.weights import artifact_bytes
+from placement.weights import artifact_bytes, gguf_repacked_bytes, source_bytes
+from quant.footprint import quantized_bytes
+from quant.schemes import Scheme
 
 MiB = 1024 * 1024
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
+# vLLM's CPU build holds more than the weights, the KV cache it reserves and its imports: its worker's peak (with
+# the eval's own process) measured 1.25-1.59 × that sum (bench/results/scale.jsonl, 2026-11-26, 128-token windows:
+# at Llama-3.2-1B's shape FP8 6.33 GiB for 4.33 planned, INT8-W8A8 6.72 for 4.33, INT4 4.88 for 3.89, trtllm's FP8
+# 6.89 for 4.33; at Llama-3-8B's FP8 17.3 GiB for 11.9). The plan takes the highest.
+VLLM_CPU_MEASURED = 1.6
 # The Linears each of AWQ's smoothings balances in a decoder layer, by kind (llm-compressor's default mappings:
 # input_layernorm -> q/k/v, v -> o, post_attention_layernorm -> gate/up of the MLP or of every expert, up -> down).
 AWQ_MAPPINGS: tuple[frozenset[TensorKind], ...] = (
@@ -357,6 +370,11 @@ class Sizing:
         )
         return paged.bytes(tokens)
 
+    def repacked_bytes(self, quant: str) -> int:
+        """What llama.cpp's CPU backend holds besides the mapped file: its repacked copy of the tensors its kernels
+        interleave (`placement.weights.gguf_repacked_bytes`); 0 for a quant that is not a GGUF type."""
+        return gguf_repacked_bytes(self.shape, quant) if quant in GGUF_QUANTS else 0
+
     def weights_bytes(self, quant: str, runtime: str) -> int:
         """The artifact's weights (`placement.weights.artifact_bytes`)."""
         key = (quant, runtime == "llama.cpp")  # a GGUF file's, or the scheme's checkpoint for any other runtime
@@ -378,9 +396,16 @@ class Footprint:
     host: int = 0
 
 
-def streamed(factor: int) -> Callable[[Sizing, Any], Footprint]:
+def streamed(factor: float) -> Callable[[Sizing, Any], Footprint]:
     """A streaming stage: `factor` × the largest tensor, on the CPU."""
-    return lambda sizing, node: Footprint(factor * sizing.largest_tensor_bytes)
+    return lambda sizing, node: Footprint(math.ceil(factor * sizing.largest_tensor_bytes))
+
+
+def streamed_requirements(stage: str, sizing: Sizing, copies: float) -> Requirements:
+    """A streaming stage's needs on the CPU when it holds `copies` of the largest tensor (an export, by its target's
+    `export_tensor_copies`)."""
+    needs = _stage(stage)
+    return on_device(needs.cpus, needs.base_mib, streamed(copies)(sizing, None), "cpu", sizing)
 
 
 def nothing(sizing: Sizing, node: Any) -> Footprint:
@@ -519,10 +544,12 @@ class StageNeeds:
 STAGE_NEEDS: dict[str, StageNeeds] = {
     "ingest": StageNeeds(1, 200, streamed(2)),
     "reference": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing)),
-    "quantize": StageNeeds(1, 450, streamed(4)),
+    # Round-to-nearest: measured at 8B (bench/results/scale.jsonl) 1.1-1.2 GiB over its start, 1.2 copies of the
+    # 1.05 GB embedding; at 1B 0.4-0.5 GiB, one copy of its 0.53 GB embedding.
+    "quantize": StageNeeds(1, 450, streamed(2)),
     "quantize-calibrated": StageNeeds(2, 650, nothing),  # its footprint: `calibrated`, from the node's params
     "prepare": StageNeeds(1, 400, nothing),
-    "export": StageNeeds(1, 500, streamed(4)),
+    "export": StageNeeds(1, 500, streamed(4)),  # by its target's `export_tensor_copies` (`pipeline.stages.export`)
     "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing, str(node.params.get("quant", "")))),
     # A target's derived stage on a GPU runner (a GPU eval, an engine build): a serving runtime's replica,
     # `runner_requirements`.
@@ -619,7 +646,7 @@ def eval_requirements(
         if req.gpus and rt.gpu_runtime_env is not None:
             env = rt.gpu_runtime_env
     elif rt.memory_model == "mapped":
-        weights = sizing.weights_bytes(quant, runtime)
+        weights = sizing.weights_bytes(quant, runtime) + sizing.repacked_bytes(quant)
         footprint = Footprint(weights + sizing.kv_cache_bytes(sizing.context) + sizing.compare_bytes)
         req = on_device(stage.cpus, base, footprint, "cpu", sizing)
     elif rt.memory_model == "jax":
@@ -639,7 +666,7 @@ def serving(
     base = base_mib * MiB + sizing.largest_tensor_bytes + host
     if device.kind == "cpu":
         kv = kv_cache_reservation(sizing.record, sizing.context + 1, 4)
-        return Requirements(cpus=cpus, memory_bytes=base + weights + kv)
+        return Requirements(cpus=cpus, memory_bytes=math.ceil(VLLM_CPU_MEASURED * (base + weights + kv)))
     served = tensor_parallel(sizing, weights, device.gpu)
     sku = device.gpu.sku if device.gpu is not None else None
     return Requirements(
@@ -674,3 +701,58 @@ def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = No
             details={"known": [k or "cpu" for k in RUNNER_LABELS]},
         )
     return list(RUNNER_LABELS[req.accelerator])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Disk and time (`placement.cost`): what each stage writes, reads and computes.
+
+
+def ingest_written_bytes(source_bytes: int) -> int:
+    """What ingest leaves in the work dir: a copy of the source's weights."""
+    return source_bytes
+
+
+def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
+    """The reference's stored distributions, at most: per scored token its kept tokens (12 bytes each, at most
+    `max_entries`), or its float32 logits where those take fewer bytes (`eval.reference_rows`)."""
+    v = sizing.shape.vocab_size
+    return sizing.max_tokens * min(12 * min(max_entries, v), 4 * v)
+
+
+def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
+    """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs wrote, or
+    for ingest the source): ingest a copy of the source (`ingest_written_bytes`); the reference its rows and a
+    forward of T tokens (2·N·T FLOPs); a quantize node the Linears it quantizes (`quant.footprint.quantized_bytes`;
+    calibration a forward of its samples); an export its artifact's bytes (a GGUF llama.cpp quantizes, the lossless
+    intermediate besides, removed when it ends); an eval a forward of T tokens. Reports and records: nothing."""
+    from targets.base import get_target
+
+    p = node.params
+    params = sum(t.elements for t in sizing.shape.tensors())
+    stage = node.stage.name
+    if stage == "ingest":
+        return StageWork(read_bytes, ingest_written_bytes(read_bytes))
+    if stage == "prepare":  # the tokenizer and the reference's vocabulary, not the weights
+        return StageWork()
+    if stage == "reference":
+        return StageWork(
+            read_bytes, reference_rows_bytes(sizing, int(p["max_entries"])), flops=2 * params * sizing.max_tokens
+        )
+    if stage == "quantize":
+        scheme = Scheme.model_validate(p["scheme"])
+        calibration = p.get("calibration", {})
+        tokens = int(calibration.get("samples", 0)) * int(calibration.get("seq_len", 0))
+        try:
+            written = quantized_bytes(sizing.config, scheme.name, scheme.lm_head)
+        except KilnError:  # a scheme quant.catalog does not name (a test's): sized as its whole checkpoint
+            written = sizing.weights_bytes(scheme.name, "transformers")
+        return StageWork(read_bytes, written, flops=2 * params * tokens)
+    if stage == "export":
+        spec = get_target(p["target"])
+        written = sizing.weights_bytes(p["quant"], spec.runtime)
+        gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
+        scratch = source_bytes(sizing.shape, sizing.weight_bytes) if gguf is not None and gguf.llama_ftype else 0
+        return StageWork(read_bytes, written, scratch)
+    if stage == "eval":
+        return StageWork(read_bytes, flops=2 * params * sizing.max_tokens)
+    return StageWork(read_bytes)

@@ -1,49 +1,112 @@
 """An artifact's weight bytes, from the model's shape alone: a GGUF file's tensors for llama.cpp, a scheme's
-checkpoint (`quant.footprint`) for the HF-format targets, else the source's."""
+checkpoint (`quant.footprint`) for the HF-format targets, else the source's.
+
+A file llama.cpp's own quantizer writes (`llama_ftype`: Q4_K_M, Q6_K) takes llama.cpp's per-tensor mix, as
+`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp chooses it (`llama_tensor_types`). For Llama-3-70B's
+Q4_K_M that is 42.5 GB, not the 40.0 GB every weight at Q4_K would take: the output tensor at Q6_K, half the
+layers' ffn_down (`use_more_bits`) at Q6_K, attn_v at Q6_K or Q5_K.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from core.errors import KilnError
-from formats.architectures.record import TensorKind
+from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
-from formats.gguf.constants import F32_KINDS, FileType, TensorType, tensor_nbytes
+from formats.gguf.constants import F32_KINDS, TYPE_TRAITS, FileType, TensorType, tensor_nbytes
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes
 
-# The GGUF tensor type most of a llama.cpp-quantized file's 2-D weights get, by its file type (the output
-# tensor gets Q6_K; llama.cpp's mix also puts Q6_K on some attn_v / ffn_down, a few percent more).
+# The type most of a llama.cpp-quantized file's 2-D weights get, by its file type (`llama_ftype_get_default_type`).
 LLAMA_FTYPE_TYPES: Final[dict[FileType, TensorType]] = {
     FileType.MOSTLY_Q4_K_M: TensorType.Q4_K,
     FileType.MOSTLY_Q6_K: TensorType.Q6_K,
 }
+# llama.cpp's fallback for a row that does not fill whole blocks of the chosen type (`tensor_type_fallback`);
+# F16 where the fallback's blocks do not fit either.
+LLAMA_FALLBACK: Final[dict[TensorType, TensorType]] = {
+    TensorType.Q4_K: TensorType.Q5_0,
+    TensorType.Q5_K: TensorType.Q5_1,
+    TensorType.Q6_K: TensorType.Q8_0,
+}
+# The types whose weights llama.cpp's CPU backend repacks at load into interleaved copies for its AVX2 / AVX-512
+# kernels (ggml-cpu's "extra" buffer type, `ggml_repack_get_optimal_repack_type`): those tensors are then held
+# twice, the mapped file's pages and the repacked copy in anonymous memory. Measured at Llama-3-8B's shape
+# (bench/results/scale.jsonl, 2026-11-26 and 2026-11-27, 128-token windows): a Q4_K_M eval's anonymous memory rose
+# 3.7-3.9 GiB over its start for a 4.9 GB file (3.4 GiB of it Q4_K), MXFP4's 4.2 GiB for 4.6 GB (3.7 GiB MXFP4);
+# Q8_0's and F16's 0.7 GiB, the window-by-window comparison and llama.cpp's buffers (not repacked).
+CPU_REPACKED: Final = frozenset({TensorType.Q4_0, TensorType.Q4_K, TensorType.MXFP4})
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits in its K-quant mixes: the first and last eighth, and
+    every third layer between them."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _llama_type(shape: ModelShape, t: TensorSpec, ftype: FileType, output: TensorKind) -> TensorType:
+    """The type llama.cpp's quantizer gives a 2-D weight `t` in a file of `ftype` (`llama_tensor_get_type_impl`, for
+    the families kiln writes: not Falcon), before the fallback for rows that do not fill its blocks."""
+    default = LLAMA_FTYPE_TYPES[ftype]
+    layers = shape.num_layers
+    experts = shape.moe.experts if shape.moe is not None else 1
+    # llama.cpp's LLM_TYPE_70B (Llama-2/3-70B, Qwen2-72B: 80 layers with grouped KV heads): attn_v gets Q5_K over Q4_K.
+    is_70b = layers == 80 and shape.num_kv_heads < shape.num_heads
+    if t.kind == output:
+        return TensorType.Q6_K if t.shape[-1] % TYPE_TRAITS[default].block_size == 0 else TensorType.Q8_0
+    if t.kind in (TensorKind.ATTN_V, TensorKind.ATTN_QKV):
+        ttype = default
+        if ftype == FileType.MOSTLY_Q4_K_M and use_more_bits(t.layer or 0, layers):
+            ttype = TensorType.Q6_K
+        if is_70b and ttype == TensorType.Q4_K:
+            ttype = TensorType.Q5_K
+        return TensorType.Q8_0 if experts == 8 else ttype
+    if t.kind == TensorKind.ATTN_K and experts == 8:
+        return TensorType.Q8_0
+    if t.kind in (TensorKind.FFN_DOWN, TensorKind.FFN_DOWN_EXPS, TensorKind.FFN_DOWN_SHEXP):
+        more = ftype == FileType.MOSTLY_Q4_K_M and use_more_bits(t.layer or 0, layers)
+        return TensorType.Q6_K if more else default
+    if t.kind == TensorKind.ATTN_OUTPUT and experts == 8 and ftype == FileType.MOSTLY_Q4_K_M:
+        return TensorType.Q5_K
+    return default
+
+
+def gguf_tensor_types(shape: ModelShape, quant: str) -> Iterator[tuple[TensorSpec, TensorType]]:
+    """Each tensor of a GGUF file for `quant` and its type: 1-D tensors and routers F32; 2-D weights the quant's type
+    (the output tensor its output type), F16 where a row does not fill whole blocks; a file llama.cpp quantizes,
+    llama.cpp's mix and its fallbacks."""
+    spec = GGUF_QUANTS[quant]
+    output = TensorKind.TOKEN_EMBD if shape.tie_word_embeddings else TensorKind.OUTPUT
+    for t in shape.tensors():
+        if len(t.shape) == 1 or t.kind in F32_KINDS:  # norms, biases and routers stay F32 (llama.cpp's rule)
+            yield t, TensorType.F32
+            continue
+        if spec.llama_ftype is not None:
+            ttype = _llama_type(shape, t, spec.llama_ftype, output)
+            for fallback in (LLAMA_FALLBACK.get(ttype), TensorType.F16):
+                if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 or fallback is None:
+                    break
+                ttype = fallback
+            yield t, ttype
+            continue
+        assert spec.tensor_type is not None
+        ttype = spec.output_type if t.kind == output and spec.output_type is not None else spec.tensor_type
+        yield t, ttype if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 else spec.fallback_type
 
 
 def gguf_bytes(shape: ModelShape, quant: str) -> int:
-    """A GGUF file's tensor bytes for `quant`: 1-D tensors and routers F32; 2-D weights the quant's type (the output
-    tensor its output type; llama.cpp's file types as `LLAMA_FTYPE_TYPES`), F16 where a row does not fill
-    whole blocks. Experts stacked into one tensor take the bytes of their parts."""
-    spec = GGUF_QUANTS[quant]
-    output = TensorKind.TOKEN_EMBD if shape.tie_word_embeddings else TensorKind.OUTPUT
-    total = 0
-    for t in shape.tensors():
-        dims = t.shape
-        if len(dims) == 1 or t.kind in F32_KINDS:  # norms, biases and routers stay F32 (llama.cpp's rule)
-            total += 4 * t.elements
-            continue
-        if spec.llama_ftype is not None:
-            ttype = TensorType.Q6_K if t.kind == output else LLAMA_FTYPE_TYPES[spec.llama_ftype]
-        else:
-            assert spec.tensor_type is not None
-            ttype = spec.output_type if t.kind == output and spec.output_type is not None else spec.tensor_type
-        try:
-            total += tensor_nbytes(dims, ttype)
-        except ValueError:
-            total += tensor_nbytes(dims, spec.fallback_type)
-    return total
+    """A GGUF file's tensor bytes for `quant` (`gguf_tensor_types`). Experts stacked into one tensor take the bytes of
+    their parts."""
+    return sum(tensor_nbytes(t.shape, ttype) for t, ttype in gguf_tensor_types(shape, quant))
+
+
+def gguf_repacked_bytes(shape: ModelShape, quant: str) -> int:
+    """The bytes of a GGUF file for `quant` that llama.cpp's CPU backend holds a second time, repacked
+    (`CPU_REPACKED`)."""
+    return sum(tensor_nbytes(t.shape, ttype) for t, ttype in gguf_tensor_types(shape, quant) if ttype in CPU_REPACKED)
 
 
 def artifact_bytes(shape: ModelShape, config: Mapping[str, Any], weight_bytes: int, quant: str, runtime: str) -> int:
@@ -58,4 +121,9 @@ def artifact_bytes(shape: ModelShape, config: Mapping[str, Any], weight_bytes: i
         except KilnError as e:  # QUANT_SHAPE: the export refuses it; the plan sizes the source
             if e.code != "QUANT_SHAPE":
                 raise
+    return source_bytes(shape, weight_bytes)
+
+
+def source_bytes(shape: ModelShape, weight_bytes: int) -> int:
+    """The source checkpoint's tensor bytes: every tensor at `weight_bytes` per element."""
     return weight_bytes * sum(t.elements for t in shape.tensors())

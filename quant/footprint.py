@@ -50,3 +50,17 @@ def checkpoint_bytes(config: Mapping[str, Any], quant: str, lm_head: HeadChoice 
     """The tensor bytes of `quant`'s checkpoint for `config` (the SafeTensors files less their headers)."""
     tensors = checkpoint_tensors(config, quant, lm_head)
     return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape in tensors)
+
+
+def quantized_bytes(config: Mapping[str, Any], quant: str, lm_head: HeadChoice = "kept") -> int:
+    """The bytes of the Linears `quant` quantizes, as its quantize stage stores them (the rest of the checkpoint
+    is the source's, copied by the export)."""
+    scheme = get_scheme(quant, lm_head)
+    expected = ModelShape.from_config(dict(config)).expected_tensors()
+    check_shapes(scheme, expected)
+    return sum(
+        DTYPES[dtype].itemsize * math.prod(shape)
+        for name, full in expected.items()
+        if quantizes(scheme, name)
+        for _, dtype, shape in planned_tensors(scheme, name, full)
+    )

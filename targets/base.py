@@ -177,6 +177,14 @@ class TargetSpec:
     # Whether it writes `lm_head` quantized where the recipe asks (`quantize.<quant>.lm_head: quantized`); a recipe
     # asking it of a target that does not is refused.
     quantized_head: bool = False
+    # What its export holds while it writes, in copies of the source's largest tensor (beyond its imports), by
+    # quant ("*": any other), as measured (bench/results/scale.jsonl at Llama-3-8B's shape); the plan sizes
+    # the export stage with it (`pipeline.requirements`).
+    export_tensor_copies: Mapping[str, float] = field(default_factory=lambda: {"*": 4.0})
+
+    def export_copies(self, quant: str) -> float:
+        """`export_tensor_copies` for `quant`."""
+        return self.export_tensor_copies.get(quant, self.export_tensor_copies["*"])
 
     def runtimes_for(self, quant: str) -> tuple[str, ...]:
         """The runtimes that evaluate this target's artifact for `quant`, the first its primary."""

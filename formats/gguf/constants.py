@@ -66,6 +66,7 @@ class TensorType(IntEnum):
     F16 = 1
     Q4_0 = 2
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -89,6 +90,7 @@ TYPE_TRAITS: Final[dict[TensorType, TypeTraits]] = {
     TensorType.BF16: TypeTraits(1, 2),
     TensorType.Q4_0: TypeTraits(32, 2 + 16),  # f16 scale + 32 nibbles
     TensorType.Q5_0: TypeTraits(32, 2 + 4 + 16),
+    TensorType.Q5_1: TypeTraits(32, 2 + 2 + 4 + 16),  # f16 scale and minimum + high bits + nibbles
     TensorType.Q8_0: TypeTraits(32, 2 + 32),  # f16 scale + 32 int8
     TensorType.Q4_K: TypeTraits(QK_K, 2 + 2 + QK_K // 2 + 12),
     TensorType.Q5_K: TypeTraits(QK_K, 2 + 2 + QK_K // 2 + QK_K // 8 + 12),

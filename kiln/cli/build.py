@@ -48,6 +48,16 @@ DeviceOpt = Annotated[
 ]
 
 
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Start even when the stages to build would write more than the work dir's disk has free "
+        "(otherwise refused: BUILD_DISK_INSUFFICIENT).",
+    ),
+]
+
+
 def _device(spec: str, executor: Any = None) -> Any:
     """`--device`, parsed once (INVALID_DEVICE); checked against this machine for a local build
     (DEVICE_UNAVAILABLE), left to the cluster for Ray (`pipeline.executors.ray.RayExecutor.placement`)."""
@@ -113,6 +123,7 @@ def _run_build(
     allow_outside: list[Path] | None,
     executor: Any = None,
     device: Any = "cpu",
+    force: bool = False,
 ) -> None:
     from pipeline import build
     from pipeline.recipe import load_recipe
@@ -123,7 +134,13 @@ def _run_build(
     recipe = load_recipe(recipe_path, allowed_roots=allowed_roots(allow_outside))
     store = open_store(store_url, work_dir)
     result = build.run(
-        recipe, store, registry=registry, reporter=ProgressReporter(quiet=as_json), executor=executor, device=device
+        recipe,
+        store,
+        registry=registry,
+        reporter=ProgressReporter(quiet=as_json),
+        executor=executor,
+        device=device,
+        force=force,
     )
     summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
     report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
@@ -171,10 +188,11 @@ def build(
     as_json: JsonOpt = False,
     allow_outside: AllowOutsideOpt = None,
     device: DeviceOpt = "cpu",
+    force: ForceOpt = False,
 ) -> None:
     """Build and evaluate every artifact of RECIPE, reusing finished stages."""
     choice = _executor(executor, store, ray_address, retries)
-    _run_build(recipe, work_dir, store, None, as_json, allow_outside, choice, _device(device, choice))
+    _run_build(recipe, work_dir, store, None, as_json, allow_outside, choice, _device(device, choice), force)
 
 
 @app.command()
@@ -199,6 +217,7 @@ def publish(
         ),
     ] = None,
     device: DeviceOpt = "cpu",
+    force: ForceOpt = False,
 ) -> None:
     """Build (reusing finished stages) and publish every artifact of RECIPE with its eval results."""
     choice = _executor(executor, store, ray_address, retries)
@@ -206,7 +225,7 @@ def publish(
     if signing_key is not None:
         # The publish stages read it from the environment, as `kiln run-stage` on a CI runner does.
         os.environ["KILN_SIGNING_KEY"] = str(signing_key.resolve())
-    _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice, placed)
+    _run_build(recipe, work_dir, store, registry, as_json, allow_outside, choice, placed, force)
 
 
 def _executor(name: str, store: str | None, ray_address: str | None, retries: int) -> Any:
@@ -309,8 +328,9 @@ def plan(
         ),
     ] = None,
 ) -> None:
-    """Show the stage graph of RECIPE: each stage, its device (kind, count, memory per device), host memory,
-    cores, its cache key and whether it is built."""
+    """Show the stage graph of RECIPE: each stage, its device (kind, count, memory per device), host memory, the
+    disk it writes and reads, its estimated time, cores, its cache key and whether it is built; totals; and every
+    stage this machine's memory or disk cannot hold, with what would."""
     from pipeline import build
     from pipeline.recipe import load_recipe
     from pipeline.requirements import planning_device
@@ -338,17 +358,48 @@ def plan(
         return
     title = str(recipe) + (" (shape-only source: config.json alone; sized, not buildable)" if loaded.shape_only else "")
     table = Table(title=safe_text(title))
-    for col in ("stage", "device", "host", "needs", "key", "state"):
-        table.add_column(col, no_wrap=col == "stage")
+    for col in ("stage", "device", "host", "writes", "reads", "time", "needs", "key", "state"):
+        table.add_column(col, no_wrap=col == "stage", justify="right" if col in ("writes", "reads", "time") else "left")
     for r in rows:
-        req = r["requires"]
-        cells = (r["node"], _device_cell(req), fmt_size(req["memory_bytes"]), _needs(req), (r["key"] or "-")[:12])
-        table.add_row(*(safe_text(c) for c in (*cells, r["state"])))
+        req, disk = r["requires"], r["disk"]
+        host = fmt_size(req["memory_bytes"]) + (" !" if "memory" in r["misfits"] else "")
+        writes = fmt_size(disk["written_bytes"]) + (" !" if "disk" in r["misfits"] else "")
+        cells = (r["node"], _device_cell(req), host, writes, fmt_size(disk["read_bytes"]), _duration(r["seconds"]))
+        table.add_row(*(safe_text(c) for c in (*cells, _needs(req), (r["key"] or "-")[:12], r["state"])))
+    pending = [r for r in rows if r["state"] in ("to build", "shape only")]
+    total_s = sum(r["seconds"] or 0 for r in pending)
+    table.add_row(
+        "total (to build)",
+        "",
+        fmt_size(max((r["requires"]["memory_bytes"] for r in pending), default=0)),
+        fmt_size(sum(r["disk"]["written_bytes"] for r in pending)),
+        fmt_size(sum(r["disk"]["read_bytes"] for r in pending)),
+        _duration(total_s),
+        "",
+        "",
+        "",
+    )
     err.print(table)
+    # What this machine cannot hold, with the numbers and what would.
+    for r in rows:
+        for what, m in r["misfits"].items():
+            have = m.get("available_bytes", m.get("free_bytes"))
+            where = {"memory": "memory available", "disk": "disk free", "device": "the GPU"}[what]
+            numbers = f"needs {fmt_size(m['needed_bytes'])}" + (f", {fmt_size(have)} {where}" if have else "")
+            err.print(safe_text(f"[does not fit] {r['node']}: {what} {numbers}; {m['fix']}"), soft_wrap=True)
     # Deferred stages on lines of their own, the runner each waits for whole (a cell would wrap it).
     for r in rows:
         if r["state"] == "deferred" and "runner" in r:
             err.print(safe_text(f"{r['node']}: deferred to {r['runner']}"), soft_wrap=True)
+
+
+def _duration(seconds: float | None) -> str:
+    """An estimate's seconds as `42 s`, `3.5 min` or `4.2 h`; `-` where there is none."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _device_cell(req: dict[str, Any]) -> str:

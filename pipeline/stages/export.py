@@ -10,7 +10,8 @@ evaluates or publishes the artifact.
 from __future__ import annotations
 
 from pipeline.records import ArtifactRecord, PreparedRecord
-from pipeline.stage import Stage, StageContext
+from pipeline.requirements import Requirements, Sizing, streamed_requirements
+from pipeline.stage import Node, Stage, StageContext
 from pipeline.stages.ingest import open_ingested
 from targets.base import ExportRequest, get_target
 from targets.lint import LintRequest
@@ -76,4 +77,10 @@ def run(ctx: StageContext) -> ArtifactRecord:
 
 
 # 7: the artifact is linted, and its record says so (`details.lint`)
-STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant")
+def needs(node: Node, sizing: Sizing) -> Requirements:
+    """An export streams a tensor at a time on the CPU, holding its target's `export_tensor_copies` of the largest."""
+    spec = get_target(node.params["target"])
+    return streamed_requirements("export", sizing, spec.export_copies(node.params["quant"]))
+
+
+STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant", needs=needs)

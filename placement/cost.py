@@ -1,0 +1,86 @@
+"""What a stage costs besides memory: the disk it writes and reads, and an estimate of its time on its device.
+
+Pure functions over a stage's work (`StageWork`: bytes read, bytes written and kept, bytes written and removed
+before it ends, FLOPs) and a device's rates (`Rates`); the pipeline counts each stage's work from the model's
+shape (`pipeline.requirements.stage_work`).
+
+Time is a roofline plus the disk: bytes through memory (read + written) at the device's measured memory-read
+share of its bandwidth, or FLOPs at its measured large-M matmul share of its bf16 peak, whichever takes longer
+(`placement.fit.shares`, the catalog's `measured` record; the data sheet's peak where there is none), and every
+byte read or written on disk at `HOST_DISK_BYTES_S` besides (a scratch file twice: written, then read back).
+It is a floor, not a forecast: it counts no Python overhead, float32 compute where a CPU lacks bf16, nor a
+quantizer's search (llama.cpp's K-quants). At Llama-3-8B's shape on the 2-core host (bench/results/scale.jsonl)
+the measured times were 1-30 × the floor: ingest 10-47 s for 11 s, the reference 124-852 s for 29 s, the Q4_K_M
+export 212-312 s for 34 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.hardware import DtypeFractions, HardwareProfile, MeasuredEfficiency, get_profile
+from placement.fit import shares
+
+# This build host, as `kiln hardware probe` measured it (bench/results/hardware_probe.jsonl, 2026-11-27, two cores
+# of an AMD EPYC, torch 2.13.0+cpu, medians of 5): a 512 MiB read at 16.7 GB/s, bf16 matmuls at M=1024 at
+# 0.155 TFLOP/s; as shares of the catalog's `cpu` socket (50 GB/s, 2 TFLOP/s bf16).
+BUILD_HOST_PROFILE = "cpu"
+BUILD_HOST_MEASURED = MeasuredEfficiency(
+    memory_read=round(16.747 / 50, 4),
+    matmul=DtypeFractions(bf16=round(0.155 / 2.0, 4)),
+    source="kiln hardware probe --device cpu on the 2-core build host (AMD EPYC, torch 2.13.0+cpu)",
+    measured_on="2026-11-27",
+)
+# The work dir's disk, bytes read plus written per second: ingest copying Llama-3-8B's 16.07 GB (32.1 GB moved)
+# took 10-47 s, median 21.8 s (bench/results/scale.jsonl, seven runs).
+HOST_DISK_BYTES_S = 1.5e9
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """What a stage moves: `read_bytes` from disk, `written_bytes` it leaves there, `scratch_bytes` it writes and
+    removes before it ends (a lossless intermediate), and the `flops` of its matmuls."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    scratch_bytes: int = 0
+    flops: int = 0
+
+    @property
+    def disk_peak_bytes(self) -> int:
+        """The most it holds on disk at once: what it keeps and its scratch."""
+        return self.written_bytes + self.scratch_bytes
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A device's rates as a plan uses them: memory bytes/s and FLOP/s (its shares of the peaks), disk bytes/s."""
+
+    memory_bytes_s: float
+    flops_s: float
+    disk_bytes_s: float
+    basis: str
+
+
+def device_rates(profile: HardwareProfile, disk_bytes_s: float = HOST_DISK_BYTES_S) -> Rates:
+    """`profile`'s memory bandwidth at its measured memory-read share and its bf16 peak at its measured large-M
+    matmul share (`placement.fit.shares`; the peaks where it has no measurement)."""
+    share = shares(profile, None, "bf16")
+    memory = profile.bandwidth_gbs * 1e9 * share.weights
+    flops = profile.tflops.bf16 * 1e12 * share.matmul
+    basis = f"{profile.name}: {memory / 1e9:.3g} GB/s, {flops / 1e12:.3g} TFLOP/s bf16"
+    return Rates(memory, flops, disk_bytes_s, basis + (" (measured)" if share.source else " (data sheet)"))
+
+
+def build_host_rates() -> Rates:
+    """The rates of the CPU this plan's CPU stages run on: the catalog's `cpu` socket at this host's measured
+    shares (`BUILD_HOST_MEASURED`)."""
+    profile = get_profile(BUILD_HOST_PROFILE).model_copy(update={"measured": BUILD_HOST_MEASURED})
+    return device_rates(profile)
+
+
+def seconds(work: StageWork, rates: Rates) -> float:
+    """The estimate: the slower of its bytes through memory and its FLOPs, plus its disk bytes (module doc)."""
+    moved = work.read_bytes + work.written_bytes
+    compute = max(moved / rates.memory_bytes_s, work.flops / rates.flops_s)
+    return compute + (moved + 2 * work.scratch_bytes) / rates.disk_bytes_s
