@@ -697,16 +697,15 @@ def status(
 
 
 def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, before: int) -> dict[str, Any]:
-    """What of `machine` a node to build would not fit: host memory beyond what is available (with a catalog GPU
+    """What of `machine` a node to build would not fit: host memory beyond what its stages may use (with a catalog GPU
     that would hold it, for a node that can compute on one), a GPU it was sized for that is too small, the disk
     once the stages before it (`before` bytes) have written theirs."""
     out: dict[str, Any] = {}
     req = node.requires
-    if req.memory_bytes > machine.available_bytes:
+    if req.memory_bytes > machine.memory_bytes:
         out["memory"] = {
             "needed_bytes": req.memory_bytes,
-            "available_bytes": machine.available_bytes,
-            "total_bytes": machine.memory_bytes,
+            "memory_bytes": machine.memory_bytes,
             "fix": _memory_fix(node, sizing, machine),
         }
     if not req.fits:
@@ -727,17 +726,17 @@ def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, befo
 
 def _memory_fix(node: Node, sizing: Sizing, machine: Machine) -> str:
     """What would hold `node`: the smallest CUDA GPU of the catalog it fits (`--device cuda --gpu SKU`) with the host
-    memory it then needs within what is available, for a node that can compute on one; else a machine with the
+    memory it then needs within this machine's, for a node that can compute on one; else a machine with the
     memory it needs."""
     if computes_on_device(node):
         cuda = sorted((p.memory_gib, name) for name, p in PROFILES.items() if p.family == "cuda")
         for _, sku in cuda:
             on_gpu = replace(sizing, device=PlanDevice("cuda", catalog_gpu(sku)))
             req = node.stage.requirements(with_device(node, Device("cuda")), on_gpu)
-            if req.fits and req.memory_bytes <= machine.available_bytes:
+            if req.fits and req.memory_bytes <= machine.memory_bytes:
                 host = req.memory_bytes / 2**30
                 return f"--device cuda --gpu {sku}: {req.gpus or 1} x {sku}, {host:.1f} GiB of host memory"
-    return f"a machine with {node.requires.memory_bytes / 2**30:.1f} GiB of memory free"
+    return f"a machine with {node.requires.memory_bytes / 2**30:.1f} GiB of memory"
 
 
 def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> dict[str, Any]:

@@ -383,8 +383,8 @@ def plan(
     # What this machine cannot hold, with the numbers and what would.
     for r in rows:
         for what, m in r["misfits"].items():
-            have = m.get("available_bytes", m.get("free_bytes"))
-            where = {"memory": "memory available", "disk": "disk free", "device": "the GPU"}[what]
+            have = m.get("memory_bytes", m.get("free_bytes"))
+            where = {"memory": "memory here", "disk": "disk free", "device": "the GPU"}[what]
             numbers = f"needs {fmt_size(m['needed_bytes'])}" + (f", {fmt_size(have)} {where}" if have else "")
             err.print(safe_text(f"[does not fit] {r['node']}: {what} {numbers}; {m['fix']}"), soft_wrap=True)
     # Deferred stages on lines of their own, the runner each waits for whole (a cell would wrap it).

@@ -116,7 +116,7 @@ EXPECTED: dict[str, tuple[int | None, int, int, int, int]] = {
     "quantize/w4a16-gptq": (None, S, INT4_Q, 0, 2 * PARAMS * 128 * 2048),  # a forward of 128 samples of 2,048
     "export/orbax-bf16": (500 * MiB + 3 * LARGEST, S, S, 0, 0),
 }
-BIG = Machine(memory_bytes=2**50, available_bytes=2**50, disk_free_bytes=2**60)
+BIG = Machine(memory_bytes=2**50, disk_free_bytes=2**60)
 
 
 def plan(tmp_path: Path, machine: Machine = BIG) -> dict[str, dict]:
@@ -151,14 +151,14 @@ def test_the_70b_plan_equals_the_hand_calculation_stage_by_stage(tmp_path: Path)
 
 def test_a_machine_too_small_is_told_which_stages_do_not_fit_and_what_would(tmp_path: Path) -> None:
     # 23 GiB of memory (20 free) and 80 GB of disk, the box the issue describes.
-    small = Machine(memory_bytes=23 * GiB, available_bytes=20 * GiB, disk_free_bytes=80 * GB)
+    small = Machine(memory_bytes=23 * GiB, disk_free_bytes=80 * GB)
     rows = plan(tmp_path, small)
     memory = {n for n, r in rows.items() if "memory" in r["misfits"]}
     assert memory == {n for n, r in rows.items() if r["requires"]["memory_bytes"] > 20 * GiB}
     assert {"eval/gguf-q4_k_m", "eval/hf-bundle-bf16@vllm", "quantize/w4a16-gptq", "quantize/w4a16-awq"} <= memory
     assert "reference/source" not in memory and "export/gguf-q4_k_m" not in memory
     gguf = rows["eval/gguf-q4_k_m"]["misfits"]["memory"]
-    assert gguf["needed_bytes"] == EXPECTED["eval/gguf-q4_k_m"][0] and gguf["available_bytes"] == 20 * GiB
+    assert gguf["needed_bytes"] == EXPECTED["eval/gguf-q4_k_m"][0] and gguf["memory_bytes"] == 23 * GiB
     assert "machine with" in gguf["fix"]  # llama.cpp computes on the CPU: no GPU makes it fit
     # A stage that can compute on a GPU is told which catalog GPU would hold it.
     assert rows["quantize/w4a16-gptq"]["misfits"]["memory"]["fix"].startswith("--device cuda --gpu ")
@@ -193,7 +193,7 @@ def test_a_build_needing_more_disk_than_is_free_is_refused_before_anything_runs(
     from pipeline.build import BuildDiskInsufficient
 
     store = open_store(None, tmp_path / "work")
-    full = Machine(memory_bytes=64 * GiB, available_bytes=64 * GiB, disk_free_bytes=1 * MiB)
+    full = Machine(memory_bytes=64 * GiB, disk_free_bytes=1 * MiB)
     with pytest.raises(BuildDiskInsufficient) as refused:
         build.run(load_recipe(tiny_recipe), store, machine=full)
     error = refused.value
