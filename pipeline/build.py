@@ -21,7 +21,7 @@ from core.errors import InvalidInput, StageFailed, UnknownName
 from eval.gates import gate_for
 from eval.report import EvalReport
 from eval.runtimes.facts import RUNTIME_FACTS
-from formats.hf_model import open_shape, open_source
+from formats.hf_model import SourceModel, open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
 from pipeline.placement import placed, with_device
@@ -57,10 +57,11 @@ class SourceShapeOnly(InvalidInput):
 
 def refuse_shape_only(recipe: Recipe) -> None:
     """SOURCE_SHAPE_ONLY for a recipe whose source is config.json alone: it is planned, never built."""
-    if recipe.shape_only:
+    if recipe.is_shape_only:
+        why = "`shape_only: true`" if recipe.shape_only else "no weights beside it"
         raise SourceShapeOnly(
             f"{recipe.model}@{recipe.version}: the source {str(recipe.source_dir)!r} is shape-only (config.json "
-            "alone, `shape_only: true`): `kiln plan` sizes its stages, but building needs the weights and "
+            f"alone, {why}): `kiln plan` sizes its stages, but building needs the weights and "
             "tokenizer (a source directory of SafeTensors)",
             details={"source": str(recipe.source_dir)},
         )
@@ -85,14 +86,26 @@ def eval_column(node: Node) -> str:
 
 
 def plan(
-    recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU, gpu: str | None = None
+    recipe: Recipe,
+    store: StageStore,
+    *,
+    registry: str | None = None,
+    device: Device = CPU,
+    gpu: str | None = None,
+    hash_source: bool = True,
 ) -> list[Node]:
     """The stage graph in run order, each node with its requirements. With `registry`, publish nodes and
     the seal node come last. The compute stages (the reference, calibration, the evals of runtimes that
     run on the stage's device) are placed on `device` (`pipeline.placement`): its kind is in their keys,
     and one on a GPU asks for it in its requirements, sized for the catalog's `gpu` when named, else for
-    this machine's GPU (`pipeline.requirements.plan_device`)."""
-    nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device)
+    this machine's GPU (`pipeline.requirements.plan_device`).
+
+    A local source's files are hashed once, through the work dir's stat-keyed hash cache, to key the ingest
+    node. Without `hash_source` (`kiln plan`) nothing is hashed: the graph is planned from config.json, the
+    headers, the sizes and the digests an earlier build recorded; a source some of whose files none recorded
+    gets an ingest node without a key (`pipeline.stages.ingest.unhashed_node`), and every stage after it
+    is to be built."""
+    nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device, hash_source)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
     sizing = replace(sizing, device=plan_device(device, gpu))
@@ -100,12 +113,12 @@ def plan(
 
 
 def _build_graph(
-    recipe: Recipe, work_dir: Path, device: Device = CPU
+    recipe: Recipe, work_dir: Path, device: Device = CPU, hash_source: bool = True
 ) -> tuple[list[Node], list[PlannedArtifact], Sizing]:
     hashes = HashCache(work_dir / HASH_CACHE)
     ev = recipe.eval
     budget = {"max_tokens": ev.max_tokens, "window": ev.window, "greedy_tokens": ev.greedy_tokens}
-    if recipe.shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
+    if recipe.is_shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
         config, shape = open_shape(recipe.source_dir, allowed_roots=recipe.allowed_roots)
         sizing = Sizing.of_config(config, shape, **budget)
         ingest = Node(
@@ -123,8 +136,7 @@ def _build_graph(
         ingest = ingest_stage.remote_node(source, recipe.source_url)
         sizing = Sizing.of_source(source, **budget)
     else:
-        source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
-        ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
+        ingest, source = _local_ingest(recipe, hashes, work_dir / HASH_CACHE, hash_source)
         sizing = Sizing.of_source(source, **budget)
     # A shape-only recipe may name no held-out text: its nodes are keyed without it (they never run).
     texts = recipe.eval.text is not None or recipe.calibration.text is not None
@@ -232,6 +244,34 @@ def _build_graph(
                 evaluators.append(node)
         artifacts += [PlannedArtifact(name, quant, export, tuple(evaluators)), *made]
     return nodes, artifacts, sizing
+
+
+def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_source: bool) -> tuple[Node, SourceModel]:
+    """The ingest node of a source on this machine (a directory, or a hub repo's snapshot in the hub cache),
+    and the source checked from its headers. Its files are hashed (once: `hashes` remembers them by stat)
+    only with `hash_source`; else their recorded digests key it, or it has no key yet."""
+    origin = None
+    roots = recipe.allowed_roots
+    hub = recipe.source_hub
+    if hub is not None:
+        source_dir, origin = hub.fetch()
+        # A snapshot's files are links into its repo's `blobs/` in the cache: `<repo>/snapshots/<commit>/`.
+        roots = (*roots, source_dir.parent.parent)
+    else:
+        source_dir = recipe.source_dir
+    unhashed: list[str] = []
+
+    def recorded(path: Path) -> str:
+        digest = hashes.recorded(path)
+        if digest is None:
+            unhashed.append(path.name)
+            return "0" * 64  # stands for a digest nobody recorded: this node gets no key
+        return digest
+
+    source = open_source(source_dir, hasher=hashes.sha256 if hash_source else recorded, allowed_roots=roots)
+    if unhashed:
+        return ingest_stage.unhashed_node(source, source_dir, unhashed), source
+    return ingest_stage.node(source, source_dir, hash_cache, copy=recipe.source_copy, origin=origin), source
 
 
 def _on_runtime_device(node: Node, device: Device) -> Node:
@@ -574,7 +614,7 @@ def _where_ci() -> dict[str, Any]:
 def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> list[dict[str, Any]]:
     """What `kiln plan` shows: each node, what it needs on `device` (sized for the catalog's `gpu`, or this
     machine's), its cache key, and whether its output is stored (`shape only`: a source that has none)."""
-    nodes = plan(recipe, store, device=device, gpu=gpu)
+    nodes = plan(recipe, store, device=device, gpu=gpu, hash_source=False)
     done = stored(nodes, store)
     deferred: set[str] = set()
     rows = []
@@ -590,7 +630,10 @@ def status(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
             state, extra = "deferred", {"reason": f"waits on {', '.join(blocked)}"}
         if state == "deferred":
             deferred.add(node.id)
-        if recipe.shape_only:
+        unhashed = node.args.get("unhashed")
+        if unhashed:  # planned from headers: the source is hashed when a build ingests it
+            key, extra = None, {"reason": f"not hashed yet ({', '.join(unhashed)}): hashed once, at ingest"}
+        if recipe.is_shape_only:
             state = "shape only"
         rows.append(
             {
@@ -614,7 +657,7 @@ def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
     Each level is a GitHub Actions matrix (`{"include": [...]}`): its jobs may run in parallel, each
     `kiln run-stage RECIPE STAGE` on a runner with those labels. Publishing is its own job after them.
     The compute stages are placed on `device` (a plan sized for the catalog's `gpu` asks for its runners)."""
-    nodes = plan(recipe, store, device=device, gpu=gpu)
+    nodes = plan(recipe, store, device=device, gpu=gpu, hash_source=False)
     depth: dict[str, int] = {}
     levels: list[list[dict[str, Any]]] = []
     by_runner: dict[str, list[str]] = {}
