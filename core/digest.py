@@ -28,6 +28,13 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def file_stamp(path: str | Path) -> list[int]:
+    """(device, inode, size, mtime_ns) of `path`, links followed: what a rewrite or a replacement of the file
+    changes. Unlike ctime, a hard link to the file leaves it alone."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
@@ -53,15 +60,33 @@ class HashCache:
 
     def sha256(self, file: str | Path) -> str:
         p = Path(file).resolve()
+        hit = self.recorded(p)
+        if hit is not None:
+            return hit
         st = p.stat()
         stamp = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-        hit = self._entries.get(str(p))
-        if hit and hit.get("stat") == stamp:
-            return str(hit["sha256"])
         digest = sha256_file(p)
         self._entries[str(p)] = {"stat": stamp, "sha256": digest}
         self._dirty = True
         return digest
+
+    def recorded(self, file: str | Path) -> str | None:
+        """The sha256 recorded for `file` as it is now, or None (never hashed, or changed since): reads nothing
+        but its stat."""
+        p = Path(file).resolve()
+        st = p.stat()
+        hit = self._entries.get(str(p))
+        if hit and hit.get("stat") == [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]:
+            return str(hit["sha256"])
+        return None
+
+    def remember_linked(self, file: str | Path, digest: str, stamp: list[int]) -> bool:
+        """After a hard link to `file` (which moves its ctime), record `digest` again as its sha256 if the file is
+        still `stamp` (`file_stamp`: device, inode, size, mtime); False, recording nothing, if it is not."""
+        if file_stamp(file) != stamp:
+            return False
+        self.remember(file, digest)
+        return True
 
     def remember(self, file: str | Path, digest: str) -> None:
         """Record `digest` as the sha256 of `file` as it is now (its content was hashed as it was written)."""

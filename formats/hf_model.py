@@ -6,7 +6,7 @@ config.json's types and bounds through its family's record in `formats.architect
 headers, every tensor's name and shape against what config.json implies) without reading any tensor
 data; `SourceModel.tensor(name)` then materialises one tensor at a time through a memory-mapped
 `safe_open`, so peak memory is bounded by the largest tensor. The ingest stage
-(`pipeline.stages.ingest`) copies what this checked into the content-addressed store.
+(`pipeline.stages.ingest`) links what this checked into the content-addressed store.
 """
 
 from __future__ import annotations
@@ -166,6 +166,19 @@ def open_source(
         ignored=ignored,
         allowed_roots=roots[1:],
     )
+
+
+def is_shape_only(root: str | Path) -> bool:
+    """Whether the directory `root` is a shape-only source: config.json and no weights of any kind (no
+    SafeTensors, no index, no pickle checkpoint, which `open_source` refuses rather than plan around). Reads
+    only the listing."""
+    root = Path(root)
+    try:
+        names = {p.name for p in root.iterdir()}
+    except OSError:
+        return False
+    weights = INDEX_FILE in names or any(n.endswith((".safetensors", *PICKLE_SUFFIXES)) for n in names)
+    return "config.json" in names and not weights
 
 
 def open_shape(root: str | Path, allowed_roots: Iterable[str | Path] = ()) -> tuple[dict[str, Any], ModelShape]:

@@ -22,7 +22,7 @@ from core.hardware import PROFILES, get_profile
 from eval.gates import gate_for
 from eval.report import EvalReport
 from eval.runtimes.facts import RUNTIME_FACTS
-from formats.hf_model import open_shape, open_source
+from formats.hf_model import SourceModel, open_shape, open_source
 from pipeline.executors.local import LocalExecutor
 from pipeline.executors.node import NodeOutcome, Reporter, run_node
 from pipeline.machine import Machine, this_machine
@@ -61,10 +61,11 @@ class SourceShapeOnly(InvalidInput):
 
 def refuse_shape_only(recipe: Recipe) -> None:
     """SOURCE_SHAPE_ONLY for a recipe whose source is config.json alone: it is planned, never built."""
-    if recipe.shape_only:
+    if recipe.is_shape_only:
+        why = "`shape_only: true`" if recipe.shape_only else "no weights beside it"
         raise SourceShapeOnly(
             f"{recipe.model}@{recipe.version}: the source {str(recipe.source_dir)!r} is shape-only (config.json "
-            "alone, `shape_only: true`): `kiln plan` sizes its stages, but building needs the weights and "
+            f"alone, {why}): `kiln plan` sizes its stages, but building needs the weights and "
             "tokenizer (a source directory of SafeTensors)",
             details={"source": str(recipe.source_dir)},
         )
@@ -89,20 +90,38 @@ def eval_column(node: Node) -> str:
 
 
 def plan(
-    recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU, gpu: str | None = None
+    recipe: Recipe,
+    store: StageStore,
+    *,
+    registry: str | None = None,
+    device: Device = CPU,
+    gpu: str | None = None,
+    hash_source: bool = True,
 ) -> list[Node]:
     """The stage graph in run order, each node with its requirements. With `registry`, publish nodes and
     the seal node come last. The compute stages (the reference, calibration, the evals of runtimes that
     run on the stage's device) are placed on `device` (`pipeline.placement`): its kind is in their keys,
     and one on a GPU asks for it in its requirements, sized for the catalog's `gpu` when named, else for
-    this machine's GPU (`pipeline.requirements.plan_device`)."""
-    return _plan(recipe, store, registry=registry, device=device, gpu=gpu)[0]
+    this machine's GPU (`pipeline.requirements.plan_device`).
+
+    A local source's files are hashed once, through the work dir's stat-keyed hash cache, to key the ingest
+    node. Without `hash_source` (`kiln plan`) nothing is hashed: the graph is planned from config.json, the
+    headers, the sizes and the digests an earlier build recorded; a source some of whose files none recorded
+    gets an ingest node without a key (`pipeline.stages.ingest.unhashed_node`), and every stage after it
+    is to be built."""
+    return _plan(recipe, store, registry=registry, device=device, gpu=gpu, hash_source=hash_source)[0]
 
 
 def _plan(
-    recipe: Recipe, store: StageStore, *, registry: str | None = None, device: Device = CPU, gpu: str | None = None
+    recipe: Recipe,
+    store: StageStore,
+    *,
+    registry: str | None = None,
+    device: Device = CPU,
+    gpu: str | None = None,
+    hash_source: bool = True,
 ) -> tuple[list[Node], Sizing]:
-    nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device)
+    nodes, artifacts, sizing = _build_graph(recipe, store.local.root, device, hash_source)
     if registry is not None:
         nodes += _release_nodes(recipe, registry, nodes[0], artifacts, _deferred(nodes, stored(nodes, store)))
     sizing = replace(sizing, device=plan_device(device, gpu))
@@ -150,23 +169,28 @@ def refuse_full_disk(nodes: list[Node], sizing: Sizing, store: StageStore, machi
     done = stored(nodes, store)
     deferred = _deferred(nodes, done)
     pending = {n.id for n in nodes if done[n.id].digest is None and n.id not in deferred}
-    need = disk_needed(nodes, stage_costs(nodes, sizing), pending)
+    work = stage_costs(nodes, sizing)
+    need = disk_needed(nodes, work, pending)
     if need > machine.disk_free_bytes:
         raise BuildDiskInsufficient(
             f"the stages still to build write {need / 1e9:.1f} GB and {store.local.root} has "
             f"{machine.disk_free_bytes / 1e9:.1f} GB free: free {(need - machine.disk_free_bytes) / 1e9:.1f} GB, "
             "build fewer targets (or one stage at a time with `kiln run-stage`), or pass --force",
-            details={"needed_bytes": need, "free_bytes": machine.disk_free_bytes, "stages": sorted(pending)},
+            details={
+                "needed_bytes": need,
+                "free_bytes": machine.disk_free_bytes,
+                "stages": sorted(n for n in pending if work[n].disk_peak_bytes),  # those that write
+            },
         )
 
 
 def _build_graph(
-    recipe: Recipe, work_dir: Path, device: Device = CPU
+    recipe: Recipe, work_dir: Path, device: Device = CPU, hash_source: bool = True
 ) -> tuple[list[Node], list[PlannedArtifact], Sizing]:
     hashes = HashCache(work_dir / HASH_CACHE)
     ev = recipe.eval
     budget = {"max_tokens": ev.max_tokens, "window": ev.window, "greedy_tokens": ev.greedy_tokens}
-    if recipe.shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
+    if recipe.is_shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
         config, shape = open_shape(recipe.source_dir, allowed_roots=recipe.allowed_roots)
         sizing = Sizing.of_config(config, shape, **budget)
         ingest = Node(
@@ -184,8 +208,7 @@ def _build_graph(
         ingest = ingest_stage.remote_node(source, recipe.source_url)
         sizing = Sizing.of_source(source, **budget)
     else:
-        source = open_source(recipe.source_dir, hasher=hashes.sha256, allowed_roots=recipe.allowed_roots)
-        ingest = ingest_stage.node(source, recipe.source_dir, work_dir / HASH_CACHE)
+        ingest, source = _local_ingest(recipe, hashes, work_dir / HASH_CACHE, hash_source)
         sizing = Sizing.of_source(source, **budget)
     # A shape-only recipe may name no held-out text: its nodes are keyed without it (they never run).
     texts = recipe.eval.text is not None or recipe.calibration.text is not None
@@ -293,6 +316,34 @@ def _build_graph(
                 evaluators.append(node)
         artifacts += [PlannedArtifact(name, quant, export, tuple(evaluators)), *made]
     return nodes, artifacts, sizing
+
+
+def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_source: bool) -> tuple[Node, SourceModel]:
+    """The ingest node of a source on this machine (a directory, or a hub repo's snapshot in the hub cache),
+    and the source checked from its headers. Its files are hashed (once: `hashes` remembers them by stat)
+    only with `hash_source`; else their recorded digests key it, or it has no key yet."""
+    origin = None
+    roots = recipe.allowed_roots
+    hub = recipe.source_hub
+    if hub is not None:
+        source_dir, origin = hub.fetch()
+        # A snapshot's files are links into its repo's `blobs/` in the cache: `<repo>/snapshots/<commit>/`.
+        roots = (*roots, source_dir.parent.parent)
+    else:
+        source_dir = recipe.source_dir
+    unhashed: list[str] = []
+
+    def recorded(path: Path) -> str:
+        digest = hashes.recorded(path)
+        if digest is None:
+            unhashed.append(path.name)
+            return "0" * 64  # stands for a digest nobody recorded: this node gets no key
+        return digest
+
+    source = open_source(source_dir, hasher=hashes.sha256 if hash_source else recorded, allowed_roots=roots)
+    if unhashed:
+        return ingest_stage.unhashed_node(source, source_dir, unhashed), source
+    return ingest_stage.node(source, source_dir, hash_cache, copy=recipe.source_copy, origin=origin), source
 
 
 def _on_runtime_device(node: Node, device: Device) -> Node:
@@ -646,8 +697,8 @@ def status(
     machine's), its cache key, and whether its output is stored (`shape only`: a source that has none); the disk it
     reads and writes and its estimated seconds (`placement.cost`); and, for a node still to build, what of
     `machine` (this one by default) it would not fit (`misfits`: memory, or the disk with the stages before it),
-    with the numbers and what would make it fit."""
-    nodes, sizing = _plan(recipe, store, device=device, gpu=gpu)
+    with the numbers and what would make it fit. Nothing is hashed (`plan`'s `hash_source`)."""
+    nodes, sizing = _plan(recipe, store, device=device, gpu=gpu, hash_source=False)
     machine = machine or this_machine(store.local.root)
     work = stage_costs(nodes, sizing)
     done = stored(nodes, store)
@@ -666,7 +717,10 @@ def status(
             state, extra = "deferred", {"reason": f"waits on {', '.join(blocked)}"}
         if state == "deferred":
             deferred.add(node.id)
-        if recipe.shape_only:
+        unhashed = node.args.get("unhashed")
+        if unhashed:  # planned from headers: the source is hashed when a build ingests it
+            key, extra = None, {"reason": f"not hashed yet ({', '.join(unhashed)}): hashed once, at ingest"}
+        if recipe.is_shape_only:
             state = "shape only"
         cost, rates = work[node.id], _rates(node, sizing)
         misfits: dict[str, Any] = {}
@@ -747,7 +801,7 @@ def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
     Each level is a GitHub Actions matrix (`{"include": [...]}`): its jobs may run in parallel, each
     `kiln run-stage RECIPE STAGE` on a runner with those labels. Publishing is its own job after them.
     The compute stages are placed on `device` (a plan sized for the catalog's `gpu` asks for its runners)."""
-    nodes = plan(recipe, store, device=device, gpu=gpu)
+    nodes = plan(recipe, store, device=device, gpu=gpu, hash_source=False)
     depth: dict[str, int] = {}
     levels: list[list[dict[str, Any]]] = []
     by_runner: dict[str, list[str]] = {}

@@ -20,7 +20,12 @@
       - target: hf-bundle
         quants: [bf16]
     shape_only: false              # true: `source` holds config.json alone; planned and sized, never built
-                                   # (eval.text may then be left out)
+                                   # (eval.text may then be left out); a source directory found to hold
+                                   # config.json and no weights is shape-only without it
+    source_copy: false             # true: ingest copies the source into the store (default: links it)
+
+`source` is a directory, `s3://bucket/prefix` (`pipeline.remote_source`) or `hf://ORG/REPO@REVISION`
+(`pipeline.hub_source`: fetched into the hub cache and used in place).
 
 Every (target, quant) pair becomes one artifact named "<target>-<quant>".
 
@@ -45,6 +50,8 @@ from core.errors import KilnError, RecipeInvalid
 from core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
 from core.untrusted import short_repr
 from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from formats.hf_model import is_shape_only
+from pipeline.hub_source import HubSource, is_hub_url
 from quant.schemes import HeadChoice
 
 MAX_RECIPE_BYTES = 1024 * 1024
@@ -138,6 +145,9 @@ class Recipe(_Strict):
     # The source directory holds config.json alone (no weights, no tokenizer): `kiln plan` sizes the release
     # from the model's shape; nothing can be built from it (SOURCE_SHAPE_ONLY).
     shape_only: bool = False
+    # Ingest copies the source into the store rather than linking it (a reflink, a hard link, or a reference to
+    # the file in place: `storage.links`), for a store that must stand alone.
+    source_copy: bool = False
     # Set by parse_recipe from its arguments, never from the recipe's data.
     base_dir: Path = Field(default=Path("."), exclude=True)
     allowed_roots: tuple[Path, ...] = Field(default=(), exclude=True)
@@ -149,6 +159,8 @@ class Recipe(_Strict):
         dumped = self.model_dump(mode="json")
         if not self.quantize:
             dumped.pop("quantize")
+        if not self.source_copy:  # how the source is stored, not what is built from it
+            dumped.pop("source_copy")
         return sha256_json(dumped)
 
     def lm_head(self, quant: str) -> HeadChoice:
@@ -214,10 +226,27 @@ class Recipe(_Strict):
         return self.source if self.source.startswith("s3://") else None
 
     @property
+    def source_hub(self) -> HubSource | None:
+        """The hub repository and revision of an `hf://ORG/REPO@REVISION` source (`pipeline.hub_source`), else None."""
+        return HubSource.parse(self.source) if is_hub_url(self.source) else None
+
+    @property
     def source_dir(self) -> Path:
         if self.source_url is not None:
             raise RecipeInvalid(f"source {self.source!r} is a bucket, not a directory")
+        if is_hub_url(self.source):
+            raise RecipeInvalid(f"source {self.source!r} is a hub repository, not a directory")
         return (self.base_dir / self.source).resolve()
+
+    @property
+    def is_shape_only(self) -> bool:
+        """The source is config.json alone: `shape_only: true`, or a source directory found to hold config.json
+        and no weights. Such a recipe is planned and sized, never built (`pipeline.build.refuse_shape_only`)."""
+        if self.shape_only:
+            return True
+        if self.source_url is not None or is_hub_url(self.source):
+            return False
+        return is_shape_only(self.source_dir)
 
     @property
     def eval_text(self) -> Path:
@@ -301,15 +330,24 @@ def parse_recipe(
             f"{origin}: " + "; ".join(f"{loc}: {msg}" for loc, msg in errors),
             details={"errors": [{"field": loc, "message": msg} for loc, msg in errors]},
         ) from None
-    if recipe.eval.text is None and not recipe.shape_only:
-        raise _fail(origin, "eval.text", "required: the held-out text the artifacts are evaluated on")
-    if recipe.shape_only and recipe.source_url is not None:
-        raise _fail(origin, "shape_only", "a shape-only source is a directory holding config.json, not a bucket")
+    remote = recipe.source_url is not None or is_hub_url(recipe.source)
+    if recipe.shape_only and remote:
+        raise _fail(
+            origin, "shape_only", "a shape-only source is a directory holding config.json, not a bucket or a hub"
+        )
     fields = [("eval.text", recipe.eval.text, "file")] if recipe.eval.text is not None else []
-    if recipe.source_url is None:
-        fields.insert(0, ("source", recipe.source, "directory"))
-    else:
+    if recipe.source_url is not None:
         _check_bucket(origin, recipe.source_url)
+    elif is_hub_url(recipe.source):
+        try:
+            HubSource.parse(recipe.source)
+        except KilnError as e:
+            raise _fail(origin, "source", e.message) from None
+    else:
+        _check_path(origin, "source", recipe.source, "directory", base_dir, roots)
+    # After the source is checked: whether it is shape-only (config.json alone) is read from its listing.
+    if recipe.eval.text is None and not recipe.is_shape_only:
+        raise _fail(origin, "eval.text", "required: the held-out text the artifacts are evaluated on")
     if recipe.calibration.text is not None:
         fields.append(("calibration.text", recipe.calibration.text, "file"))
     for name, value, kind in fields:

@@ -707,9 +707,10 @@ def runner_labels(req: Requirements, overrides: dict[str, list[str]] | None = No
 # Disk and time (`placement.cost`): what each stage writes, reads and computes.
 
 
-def ingest_written_bytes(source_bytes: int) -> int:
-    """What ingest leaves in the work dir: a copy of the source's weights."""
-    return source_bytes
+def ingest_written_bytes(source_bytes: int, copy: bool) -> int:
+    """What ingest leaves in the work dir: links to the source (a clone, hard or symbolic link: no bytes of its
+    weights, `pipeline.stages.ingest`), or a copy of them where the recipe asks (`source_copy: true`)."""
+    return source_bytes if copy else 0
 
 
 def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
@@ -721,7 +722,7 @@ def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
 
 def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
     """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs wrote, or
-    for ingest the source): ingest a copy of the source (`ingest_written_bytes`); the reference its rows and a
+    for ingest the source): ingest links to the source or its copy (`ingest_written_bytes`); the reference its rows and a
     forward of T tokens (2·N·T FLOPs); a quantize node the Linears it quantizes (`quant.footprint.quantized_bytes`;
     calibration a forward of its samples); an export its artifact's bytes (a GGUF llama.cpp quantizes, the lossless
     intermediate besides, removed when it ends); an eval a forward of T tokens. Reports and records: nothing."""
@@ -731,7 +732,7 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
     params = sum(t.elements for t in sizing.shape.tensors())
     stage = node.stage.name
     if stage == "ingest":
-        return StageWork(read_bytes, ingest_written_bytes(read_bytes))
+        return StageWork(read_bytes, ingest_written_bytes(read_bytes, bool(p.get("copy", False))))
     if stage == "prepare":  # the tokenizer and the reference's vocabulary, not the weights
         return StageWork()
     if stage == "reference":

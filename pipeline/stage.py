@@ -87,6 +87,11 @@ class StageContext:
     progress: Callable[[int, int | None], None] = lambda advance, total: None
     # sha256 -> a local copy of that external input (`StageStore.external`)
     fetch_external: Callable[[str], Path] | None = None
+    # Files the stage put in `out_dir` without writing them (links to files it hashed), by path: their sha256
+    # and `core.digest.file_stamp` then. The store takes the digest while the stamp holds, reading nothing again.
+    hashed: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    # What the stage adds to its output's provenance (where its data came from); never part of its digest.
+    notes: dict[str, Any] = field(default_factory=dict)
 
     def external(self, name: str) -> Path:
         """A local copy of the file the node names as external input `name` (by digest, from the store)."""
@@ -120,6 +125,9 @@ class Stage:
     # For a stage that needs hardware or software this machine may lack: what a node still needs here
     # ({"runner", "command", "missing", ...}), or None when it can run. `kiln plan` asks without running.
     deferral: Callable[[Node], dict[str, Any] | None] | None = None
+    # Its output's files may be symbolic links to files outside the store (ingest's source, referenced in place
+    # where it can be neither cloned nor hard-linked): verified by content like any other file.
+    references: bool = False
     # What a node of this stage needs of the machine that runs it, for the model and device of `Sizing`;
     # None: `pipeline.requirements.requirements(name, sizing, node)`, the stage's row of the table.
     needs: Callable[[Node, Sizing], Requirements] | None = None

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from core.digest import HashCache, is_sha256, sha256_file
+from core.digest import HashCache, file_stamp, is_sha256, sha256_file
 from core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed, Unavailable
 from core.manifest import FileEntry
 from core.untrusted import InvalidJSON, loads_json
@@ -70,6 +70,8 @@ MAX_STAGE_JSON = 64 * 1024 * 1024
 _NOT_FOUND = ("NoSuchKey", "404", "NotFound")
 CHUNK = 8 * 1024 * 1024
 log = logging.getLogger(__name__)
+# Files a stage linked into its output, by path: (sha256, `core.digest.file_stamp` when it was hashed).
+Hashed = dict[str, tuple[str, list[int]]] | None
 
 
 class StageInputMissing(KilnError):
@@ -220,7 +222,7 @@ class WorkDir:
         for entry in files:
             file = path / OUTPUT_DIR / entry.path
             why = None
-            if not file.is_file() or file.is_symlink():
+            if not file.is_file() or (file.is_symlink() and not node.stage.references):
                 why = "is missing"
             elif file.stat().st_size != entry.size:
                 why = f"has {file.stat().st_size} bytes, not the {entry.size} its stage.json records"
@@ -260,19 +262,27 @@ class WorkDir:
         (tmp / OUTPUT_DIR).mkdir(parents=True)
         return tmp
 
-    def commit(self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any]) -> StageOutput:
+    def commit(
+        self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any], hashed: Hashed = None
+    ) -> StageOutput:
         """Manifest the temp output, write stage.json last, then rename the directory into place."""
-        self.seal(node, key, tmp, result, provenance)
+        self.seal(node, key, tmp, result, provenance, hashed)
         return self.install(node, key, tmp)
 
-    def seal(self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any]) -> list[FileEntry]:
-        """Write the temp output's stage.json (its files, hashed, and `result`); the output is then complete."""
+    def seal(
+        self, node: Node, key: str, tmp: Path, result: BaseModel, provenance: dict[str, Any], hashed: Hashed = None
+    ) -> list[FileEntry]:
+        """Write the temp output's stage.json (its files, hashed, and `result`); the output is then complete.
+        A file in `hashed` (`StageContext.hashed`) is not read again while its stamp is what the stage saw."""
         files_dir = tmp / OUTPUT_DIR
-        files = [
-            FileEntry(path=p.relative_to(files_dir).as_posix(), sha256=sha256_file(p), size=p.stat().st_size)
-            for p in sorted(files_dir.rglob("*"))
-            if p.is_file()
-        ]
+        files = []
+        for p in sorted(files_dir.rglob("*")):
+            if not p.is_file():
+                continue
+            path = p.relative_to(files_dir).as_posix()
+            known = (hashed or {}).get(path)
+            digest = known[0] if known is not None and file_stamp(p) == known[1] else sha256_file(p)
+            files.append(FileEntry(path=path, sha256=digest, size=p.stat().st_size))
         if not isinstance(result, node.stage.record):
             raise StageFailed(f"{node.id} returned a {type(result).__name__}, not a {node.stage.record.__name__}")
         payload = {
@@ -376,8 +386,11 @@ class StageStore(Protocol):
 
     def new_temp(self, stage: str, key: str) -> Path: ...
 
-    def commit(self, node: Node, key: str, tmp: Path, result: Any, provenance: dict[str, Any]) -> StageOutput:
-        """Make the temporary output at `tmp` the output of (node, key), for every machine of the store."""
+    def commit(
+        self, node: Node, key: str, tmp: Path, result: Any, provenance: dict[str, Any], hashed: Hashed = None
+    ) -> StageOutput:
+        """Make the temporary output at `tmp` the output of (node, key), for every machine of the store (the
+        files of `hashed`, `StageContext.hashed`, by the digests the stage gave while they are unchanged)."""
         ...
 
     def discard(self, tmp: Path) -> None: ...
@@ -455,9 +468,12 @@ class RemoteStageStore:
     def sweep_stale(self) -> int:
         return self._local.sweep_stale()
 
-    def commit(self, node: Node, key: str, tmp: Path, result: Any, provenance: dict[str, Any]) -> StageOutput:
-        """The bucket first, then this machine's copy: an output is never here without being there."""
-        files = self._local.seal(node, key, tmp, result, provenance)
+    def commit(
+        self, node: Node, key: str, tmp: Path, result: Any, provenance: dict[str, Any], hashed: Hashed = None
+    ) -> StageOutput:
+        """The bucket first, then this machine's copy: an output is never here without being there (a file
+        linked into the output is uploaded as its bytes)."""
+        files = self._local.seal(node, key, tmp, result, provenance, hashed)
         if self._push(node, key, tmp, files):
             return self._local.install(node, key, tmp)
         # Another machine committed this key first: its output is the output, here too.

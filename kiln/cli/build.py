@@ -356,7 +356,9 @@ def plan(
     if as_json:
         emit(rows)
         return
-    title = str(recipe) + (" (shape-only source: config.json alone; sized, not buildable)" if loaded.shape_only else "")
+    title = str(recipe) + (
+        " (shape-only source: config.json alone; sized, not buildable)" if loaded.is_shape_only else ""
+    )
     table = Table(title=safe_text(title))
     for col in ("stage", "device", "host", "writes", "reads", "time", "needs", "key", "state"):
         table.add_column(col, no_wrap=col == "stage", justify="right" if col in ("writes", "reads", "time") else "left")
@@ -391,6 +393,8 @@ def plan(
     for r in rows:
         if r["state"] == "deferred" and "runner" in r:
             err.print(safe_text(f"{r['node']}: deferred to {r['runner']}"), soft_wrap=True)
+        elif r["state"] == "to build" and r.get("reason"):  # an ingest whose source no build has hashed yet
+            err.print(safe_text(f"{r['node']}: {r['reason']}"), soft_wrap=True)
 
 
 def _duration(seconds: float | None) -> str:

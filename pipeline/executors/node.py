@@ -159,9 +159,10 @@ def run_node(
         prov["device"] = device
     if where is not None:
         prov["executor"] = where()
+    prov.update({k: v for k, v in ctx.notes.items() if k not in prov})
     if not node.stage.cacheable:
         store.discard(tmp)
         output = StageOutput(node.id, key, tmp, result, [], prov)
         return NodeOutcome(node, "ran", key, output, seconds=time.time() - started)
-    output = store.commit(node, key, tmp, result, prov)
+    output = store.commit(node, key, tmp, result, prov, hashed=ctx.hashed)
     return NodeOutcome(node, "built", key, output, seconds=time.time() - started)

@@ -237,8 +237,29 @@ def test_a_shape_only_source_is_planned_but_never_built(tmp_path: Path, command:
     assert not work.exists() or not any(work.iterdir())
 
 
+def test_a_source_of_config_json_alone_plans_shape_only_without_the_flag(tmp_path: Path) -> None:
+    from pipeline import build
+    from pipeline.recipe import load_recipe
+    from pipeline.store import WorkDir
+
+    (tmp_path / "config.json").write_text((EXAMPLE / "config.json").read_text())
+    recipe = yaml.safe_load(RECIPE.read_text())
+    del recipe["shape_only"]  # and no eval.text: nothing is evaluated in a plan
+    (tmp_path / "kiln.yaml").write_text(yaml.safe_dump(recipe))
+    loaded = load_recipe(tmp_path / "kiln.yaml")
+    assert not loaded.shape_only and loaded.is_shape_only
+    rows = build.status(loaded, WorkDir(tmp_path / "work"))
+    assert {r["state"] for r in rows} == {"shape only"}
+    flagged = load_recipe(RECIPE)
+    # The same sizes as the example that says `shape_only: true`.
+    assert [r["requires"] for r in rows] == [r["requires"] for r in build.status(flagged, WorkDir(tmp_path / "w2"))]
+    with pytest.raises(build.SourceShapeOnly, match="no weights beside it"):
+        build.refuse_shape_only(loaded)
+
+
 def test_a_recipe_without_held_out_text_must_be_shape_only(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text((EXAMPLE / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"weights beside it: not shape-only")
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["shape_only"] = False
     (tmp_path / "kiln.yaml").write_text(yaml.safe_dump(recipe))
