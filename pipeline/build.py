@@ -130,15 +130,14 @@ def _plan(
 
 def stage_costs(nodes: list[Node], sizing: Sizing) -> dict[str, StageWork]:
     """Each node's work (`pipeline.requirements.stage_work`): ingest reads the source, every other node what its
-    inputs wrote."""
+    inputs hold: what they wrote, and for ingest's output the source it links (or copied)."""
+    source = source_bytes(sizing.shape, sizing.weight_bytes)
     work: dict[str, StageWork] = {}
+    held: dict[str, int] = {}
     for node in nodes:
-        read = (
-            source_bytes(sizing.shape, sizing.weight_bytes)
-            if not node.inputs
-            else sum(work[i].written_bytes for i in node.inputs.values())
-        )
+        read = source if not node.inputs else sum(held[i] for i in node.inputs.values())
         work[node.id] = stage_work(node, sizing, read)
+        held[node.id] = source if not node.inputs else work[node.id].written_bytes
     return work
 
 

@@ -721,11 +721,12 @@ def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
 
 
 def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
-    """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs wrote, or
-    for ingest the source): ingest links to the source or its copy (`ingest_written_bytes`); the reference its rows and a
-    forward of T tokens (2·N·T FLOPs); a quantize node the Linears it quantizes (`quant.footprint.quantized_bytes`;
-    calibration a forward of its samples); an export its artifact's bytes (a GGUF llama.cpp quantizes, the lossless
-    intermediate besides, removed when it ends); an eval a forward of T tokens. Reports and records: nothing."""
+    """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs hold, or
+    for ingest the source): ingest links (or copies) the source (`ingest_written_bytes`); the reference its rows
+    and a forward of T tokens (2·N·T FLOPs); a quantize node the Linears it quantizes
+    (`quant.footprint.quantized_bytes`; calibration a forward of its samples); an export its artifact's bytes (a
+    GGUF llama.cpp quantizes, the lossless intermediate besides, removed when it ends); an eval a forward of T
+    tokens. Reports and records: nothing."""
     from targets.base import get_target
 
     p = node.params
