@@ -37,6 +37,11 @@ GPU memory: `device_peak_bytes`, torch's peak allocation on the process's CUDA d
 model's 4.7 GB allocated (held by reference cycles until a full collection), which the next stage then
 counted as its own peak; memory left on a device is released after the stage like host memory.
 
+Weights read: a runtime that computes with a model's weights says what it opened (`weights_opened`: the
+checkpoint's bytes and how it holds them, whole or streamed a layer at a time) and what it read of them
+(`weights_read`), and `weights` records both: `passes` = bytes read / the checkpoint's bytes, so a model
+loaded once is 1.0, and one streamed layer by layer for every generated token is one more per token.
+
 Bytes read and written (/proc/<pid>/io): `read_bytes`/`write_bytes` are what reached the storage layer
 (a file read from the page cache, or memory-mapped and already resident, reads 0; a write counts when it
 is dirtied); `rchar`/`wchar` are what passed through read/write system calls (not memory-mapped access).
@@ -45,6 +50,7 @@ is dirtied); `rchar`/`wchar` are what passed through read/write system calls (no
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import gc
@@ -53,7 +59,7 @@ import resource
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +292,48 @@ class MemorySampler:
         self._sample()
 
 
+@dataclass
+class WeightReads:
+    """The model weights a piece of work opened and read: `passes` over them = `read_bytes` / `model_bytes`."""
+
+    model_bytes: int = 0  # the checkpoints it opened (their SafeTensors files' bytes)
+    read_bytes: int = 0  # what it read of them, each time it read it
+    held: list[str] = field(default_factory=list)  # how it held each model it opened ("whole", "streamed ...")
+
+    def to_json(self) -> dict[str, Any]:
+        passes = round(self.read_bytes / self.model_bytes, 3) if self.model_bytes else None
+        return {**asdict(self), "passes": passes}
+
+
+_WEIGHTS: contextvars.ContextVar[WeightReads | None] = contextvars.ContextVar("weights", default=None)
+
+
+def weights_opened(model_bytes: int, held: str) -> None:
+    """A runtime opened a checkpoint of `model_bytes` and holds it as `held`: counted by `measure_usage`."""
+    reads = _WEIGHTS.get()
+    if reads is not None:
+        reads.model_bytes += model_bytes
+        reads.held.append(held)
+
+
+def weights_read(nbytes: int) -> None:
+    """A runtime read `nbytes` of a checkpoint's weights (again, where it reads them more than once)."""
+    reads = _WEIGHTS.get()
+    if reads is not None:
+        reads.read_bytes += nbytes
+
+
+@contextlib.contextmanager
+def counting_weights() -> Iterator[WeightReads]:
+    """Count the weights the work in the block opens and reads (`weights_opened`, `weights_read`)."""
+    reads = WeightReads()
+    token = _WEIGHTS.set(reads)
+    try:
+        yield reads
+    finally:
+        _WEIGHTS.reset(token)
+
+
 @dataclass(frozen=True)
 class ResourceUsage:
     """What one piece of work used (byte counts in bytes; None: this machine's /proc does not say)."""
@@ -305,6 +353,8 @@ class ResourceUsage:
     # peak); None where CUDA was not in use by the end of it (a CPU stage, or a child's GPU: vLLM's worker).
     device_peak_bytes: int | None = None
     device_end_bytes: int | None = None  # still allocated there when it ended (the largest device's)
+    # The model weights it opened and read, and the passes over them (`WeightReads`); None: it opened none.
+    weights: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -355,10 +405,13 @@ def measure_usage() -> Iterator[UsageMeter]:
     t0 = time.perf_counter()
     sampler = MemorySampler(children=True)
     _reset_device_peaks()
+    weights = WeightReads()
+    counting = _WEIGHTS.set(weights)
     try:
         with sampler:
             yield meter
     finally:
+        _WEIGHTS.reset(counting)
         wall = time.perf_counter() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         end = _status_fields("self", "VmRSS", "VmHWM", "RssAnon")
@@ -381,4 +434,5 @@ def measure_usage() -> Iterator[UsageMeter]:
             children_io=sampler.children_io(),
             device_peak_bytes=_device_bytes("max_memory_allocated"),
             device_end_bytes=_device_bytes("memory_allocated"),
+            weights=weights.to_json() if weights.model_bytes else None,
         )

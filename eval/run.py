@@ -9,7 +9,8 @@
 The reference is either the rows the reference stage stored (`eval.reference_rows.ReferenceStore`) or
 a runtime whose full logits are taken as rows that keep every token (exact KL). Windows are processed
 one at a time (reference rows, candidate logits, accumulate), so memory is one window's candidate
-logits plus the metrics' bounded work block.
+logits plus the metrics' bounded work block. Greedy agreement is decoded by the candidate, or teacher-forced
+on the reference's continuation in the same call as the windows (`measure`, docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.errors import Deferred
 from eval.gates import EvalMetrics, Gate
 from eval.metrics import MetricAccumulator
 from eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
 from eval.report import EvalReport, judged
-from eval.runtimes import Runtime, open_runtime
+from eval.runtimes import RUNTIME_FACTS, Runtime, open_runtime
 from eval.text import EvalText
 
 Reference = Runtime | ReferenceStore
@@ -38,18 +41,38 @@ def reference_window(reference: Reference, window: Sequence[int], vocab_size: in
     return reference_rows(logits[:-1], window[1:], vocab_size=vocab_size, tail_mass=0.0, max_entries=logits.shape[1])
 
 
-def measure(reference: Reference, candidate: Runtime, text: EvalText) -> EvalMetrics:
-    """The metrics of `candidate` against `reference` on `text` (see `eval.metrics`)."""
+def measure(
+    reference: Reference, candidate: Runtime, text: EvalText, *, teacher_forced: bool | None = None
+) -> EvalMetrics:
+    """The metrics of `candidate` against `reference` on `text` (see `eval.metrics`).
+
+    Greedy agreement compares each prompt's reference continuation with the candidate's: decoded by the
+    candidate itself, or `teacher_forced` (by default as the candidate's runtime facts say,
+    `RuntimeFacts.greedy`): the candidate's argmax at each position of one forward over the prompt and the
+    reference's continuation, its logits taken in the same call as the windows'. The common prefix is the
+    same either way (up to the first divergence both see the same tokens); see docs/evaluation.md."""
     acc = MetricAccumulator(text.vocab_size)
-    # A runtime that streams its layers reads them once for every window (`logits_many`), not once per window.
+    prompts = text.prompts if text.greedy_tokens else ()
+    expected = reference.greedy(prompts, text.greedy_tokens) if prompts else []
+    if teacher_forced is None:
+        facts = RUNTIME_FACTS.get(candidate.name)
+        teacher_forced = facts is not None and facts.greedy == "teacher-forced"
+    forced = [(*p, *want[:-1]) for p, want in zip(prompts, expected, strict=True)] if teacher_forced else []
+    sequences = [*text.windows, *forced]
+    # A runtime that streams its layers reads them once for every sequence (`logits_many`), not once per sequence.
     many = getattr(candidate, "logits_many", None)
-    candidates = many(text.windows) if many is not None else (candidate.logits(w) for w in text.windows)
-    for window, cand in zip(text.windows, candidates, strict=True):
+    outputs = iter(many(sequences) if many is not None else (candidate.logits(s) for s in sequences))
+    for window in text.windows:
         ref = reference_window(reference, window, text.vocab_size)
-        acc.add_rows(ref, cand[:-1], window[1:])
-    expected = reference.greedy(text.prompts, text.greedy_tokens)
-    for want, got in zip(expected, candidate.greedy(text.prompts, text.greedy_tokens), strict=True):
-        acc.add_greedy(want, got)
+        acc.add_rows(ref, next(outputs)[:-1], window[1:])
+    if teacher_forced:
+        for prompt, want in zip(prompts, expected, strict=True):
+            # Position len(prompt) - 1 + i predicts continuation token i, after the reference's first i.
+            scored = np.asarray(next(outputs))[len(prompt) - 1 :, : text.vocab_size]
+            acc.add_greedy(want, np.argmax(scored, axis=-1).tolist())
+    elif expected:
+        for want, got in zip(expected, candidate.greedy(prompts, text.greedy_tokens), strict=True):
+            acc.add_greedy(want, got)
     return acc.result()
 
 

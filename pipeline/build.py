@@ -188,7 +188,12 @@ def _build_graph(
 ) -> tuple[list[Node], list[PlannedArtifact], Sizing]:
     hashes = HashCache(work_dir / HASH_CACHE)
     ev = recipe.eval
-    budget = {"max_tokens": ev.max_tokens, "window": ev.window, "greedy_tokens": ev.greedy_tokens}
+    budget = {
+        "max_tokens": ev.max_tokens,
+        "window": ev.window,
+        "greedy_tokens": ev.greedy_tokens,
+        "greedy_prompts": ev.greedy_prompts,
+    }
     if recipe.is_shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
         config, shape = open_shape(recipe.source_dir, allowed_roots=recipe.allowed_roots)
         sizing = Sizing.of_config(config, shape, **budget)

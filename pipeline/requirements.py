@@ -21,15 +21,18 @@ C = 16·W·V.
   `factor` × the largest tensor (s × its elements), on the CPU: ingest 2, round-to-nearest 2, an export its
   target's `export_tensor_copies` (kiln's GGUF writer 1, HF-format bundles 2, llama.cpp's quantizer and orbax 3),
   each above what was measured at Llama-3-8B's shape (bench/results/scale.jsonl).
-- The reference streams one decoder layer at a time in float32 (on the stage's device,
-  `eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_BLOCK)·h (a row block of the embedding /
-  lm_head) + 8·T·h (the hidden states of every scored token, in and out of the layer) + A(W) + 4·W·V (one
-  window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors) and 4·W·V.
-- A transformers eval streams the artifact as the reference streams the source (`eval.runtimes.layer_stream`:
-  one decoder layer at a time, a bundle's decompressed by compressed-tensors as it is loaded), so it holds
-  what the reference holds, and C on the host besides; an architecture that does not stream, or a checkpoint
-  of at most 256 MiB (`RESIDENT_BYTES`: streaming it costs more than it saves), loads whole in float32,
-  4·N (N the model's parameters) + A(W) + 4·W·V.
+- The reference and a transformers eval hold the model as `eval.runtimes.residency.hold` decides from the
+  plan's memory budget on the stage's device (`PlanDevice.memory_budget`: `HOLD_UTILIZATION` of the GPU's
+  memory, or of the host's on the CPU, the stage's base and host bytes included there); the node's
+  `Requirements.weights` says which, and the stage holds it so. Whole, in float32: 4·N (N the model's
+  parameters) + A(W) + 4·W·V (on a GPU the model is read on the host first: 4·N there too). Streamed, one
+  decoder layer at a time in float32 (`eval.runtimes.layer_stream`): 4·P_L (the layer) + 4·min(V, HEAD_BLOCK)·h
+  (a row block of the embedding / lm_head) + 8·T'·h (the hidden states of every sequence, in and out of the
+  layer: T' = T for the reference, T + prompts·(32 + G) for an eval's windows and teacher-forced sequences)
+  + A(W) + 4·W·V (one window's logits); on the host besides: s·P_L (the layer as read from the SafeTensors)
+  and 4·W·V; plus what the budget leaves resident (the float32 head, then, for the reference, which decodes
+  its own greedy continuation, every layer: 4·(N - V·h) untied, 4·N tied). An eval also holds C on the host.
+  An architecture that does not stream loads whole.
 - Calibrated quantization (GPTQ / AWQ, llm-compressor's sequential pipeline, `quant.calibrated`): on the
   device c·P_L (one layer in the compute dtype: c = 2 for bfloat16, 4 for float32) + A(seq_len) (one
   sample through the layer) + the method's working set. GPTQ: the Hessians of every Linear of the layer,
@@ -80,18 +83,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count
+from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count, host_memory_bytes
 from core.errors import KilnError, SourceInvalid, UnknownName
 from core.hardware import PROFILES, get_profile
 from core.shape import ShapeRecord
+from eval.runtimes.base import HEAD_BLOCK
 from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
+from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
+from eval.runtimes.residency import Residency, hold
 from eval.runtimes.vllm_runtime import kv_cache_reservation
+from eval.text import DEFAULT_PROMPT_TOKENS
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
@@ -129,6 +136,9 @@ AWQ_MAPPINGS: tuple[frozenset[TensorKind], ...] = (
     ),
     frozenset({TensorKind.FFN_DOWN, TensorKind.FFN_DOWN_EXPS, TensorKind.FFN_DOWN_SHEXP}),
 )
+# The share of its device's memory a compute stage may fill holding a model (`PlanDevice.memory_budget`): the rest
+# for the allocator's slack, the checkpoint's pages as they are read and, on the CPU, what else the machine runs.
+HOLD_UTILIZATION = 0.8
 # What a source's config.json may say its weights are stored in (`torch_dtype`, or `dtype` in transformers 5).
 CONFIG_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -148,6 +158,9 @@ class Requirements(BaseModel):
     gpus: int = Field(default=0, ge=0)
     device_memory_bytes: int = Field(default=0, ge=0, description="per GPU")
     fits: bool = Field(default=True, description="whether the per-GPU share fits the GPU the plan is sized for")
+    # How a transformers forward holds the model (`eval.runtimes.residency.hold`), which the memory above is
+    # sized for; the stage holds it so. None: a stage that holds no model that way.
+    weights: Residency | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -186,10 +199,18 @@ class GpuSpec:
 @dataclass(frozen=True)
 class PlanDevice:
     """Where the plan's compute stages compute: the CPU, or a GPU (`gpu` None: one of unknown memory, e.g.
-    a Ray cluster's, planned from a driver that has none; then every GPU stage asks for one)."""
+    a Ray cluster's, planned from a driver that has none; then every GPU stage asks for one). `host_memory`:
+    the memory of the machine the CPU stages run on (`core.device.host_memory_bytes`; None: unknown)."""
 
     kind: DeviceKind = "cpu"
     gpu: GpuSpec | None = None
+    host_memory: int | None = None
+
+    def memory_budget(self, kind: DeviceKind) -> int | None:
+        """What a compute stage on a device of `kind` may fill holding a model: `HOLD_UTILIZATION` of the GPU's
+        memory, or of the host's on the CPU; None where that memory is unknown (then it streams)."""
+        memory = (self.gpu.memory_bytes if self.gpu is not None else None) if kind == "cuda" else self.host_memory
+        return None if memory is None else int(HOLD_UTILIZATION * memory)
 
 
 CPU_PLAN = PlanDevice()
@@ -230,7 +251,7 @@ def plan_device(device: Device, gpu: str | None = None, *, visible: int | None =
             raise InvalidDevice(
                 f"--gpu {gpu} names the GPU of --device cuda; the device is cpu", details={"gpu": gpu[:64]}
             )
-        return CPU_PLAN
+        return PlanDevice(host_memory=host_memory_bytes())
     if gpu is not None:
         return PlanDevice("cuda", catalog_gpu(gpu))
     count = cuda_device_count() if visible is None else visible
@@ -274,18 +295,30 @@ class Sizing:
     greedy_tokens: int
     device: PlanDevice = CPU_PLAN
     shape_only: bool = False  # planned from config.json alone
+    greedy_prompts: int = 4  # the prompts continued greedily (`eval.greedy_prompts`)
     # Each artifact's weight bytes, counted once a plan (a mixture of experts has ~10^5 tensors to count).
     _weights: dict[tuple[str, bool], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def of_source(cls, source: SourceModel, *, max_tokens: int, window: int, greedy_tokens: int) -> Sizing:
+    def of_source(
+        cls, source: SourceModel, *, max_tokens: int, window: int, greedy_tokens: int, greedy_prompts: int = 4
+    ) -> Sizing:
         """From a checked source: the weights' bytes per element from its SafeTensors headers (the widest)."""
         itemsize = max((DTYPES[t.dtype].itemsize for t in source.tensors.values()), default=2)
-        return cls(source.shape, source.config, itemsize, max_tokens, window, greedy_tokens)
+        return cls(
+            source.shape, source.config, itemsize, max_tokens, window, greedy_tokens, greedy_prompts=greedy_prompts
+        )
 
     @classmethod
     def of_config(
-        cls, config: Mapping[str, Any], shape: ModelShape, *, max_tokens: int, window: int, greedy_tokens: int
+        cls,
+        config: Mapping[str, Any],
+        shape: ModelShape,
+        *,
+        max_tokens: int,
+        window: int,
+        greedy_tokens: int,
+        greedy_prompts: int = 4,
     ) -> Sizing:
         """From config.json alone (a shape-only source): the weights' dtype from its `torch_dtype` (or
         `dtype`), bf16 when it says none; SOURCE_INVALID when it names another."""
@@ -296,7 +329,16 @@ class Sizing:
                 f"config.json: {key}={str(dtype)[:32]!r}; a source's weights are {', '.join(CONFIG_DTYPES)}",
                 details={"file": "config.json", "field": key},
             )
-        return cls(shape, config, CONFIG_DTYPES[dtype], max_tokens, window, greedy_tokens, shape_only=True)
+        return cls(
+            shape,
+            config,
+            CONFIG_DTYPES[dtype],
+            max_tokens,
+            window,
+            greedy_tokens,
+            shape_only=True,
+            greedy_prompts=greedy_prompts,
+        )
 
     @cached_property
     def record(self) -> ShapeRecord:
@@ -352,6 +394,21 @@ class Sizing:
         return self.window + self.greedy_tokens
 
     @property
+    def forced_tokens(self) -> int:
+        """The tokens of a teacher-forced eval's sequences: each prompt and the reference's continuation."""
+        return self.greedy_prompts * (DEFAULT_PROMPT_TOKENS + self.greedy_tokens)
+
+    @property
+    def params(self) -> int:
+        """N: the model's parameters."""
+        return sum(t.elements for t in self.shape.tensors())
+
+    @property
+    def streams(self) -> bool:
+        """Whether the transformers forward can stream this architecture by layer (`eval.runtimes.layer_stream`)."""
+        return self.config.get("model_type") in STREAMED_MODEL_TYPES
+
+    @property
     def compare_bytes(self) -> int:
         """C: an eval's window-by-window comparison on the host."""
         return 16 * self.window * self.shape.vocab_size
@@ -394,6 +451,7 @@ class Footprint:
 
     working: int
     host: int = 0
+    weights: Residency | None = None  # how it holds the model, where a transformers forward holds one
 
 
 def streamed(factor: float) -> Callable[[Sizing, Any], Footprint]:
@@ -412,24 +470,67 @@ def nothing(sizing: Sizing, node: Any) -> Footprint:
     return Footprint(0)
 
 
-def layer_streamed(sizing: Sizing) -> Footprint:
-    """The reference (and a transformers eval): one decoder layer at a time in float32. A mixture of experts'
-    per-expert tensors are merged into transformers' fused 3-D experts as the layer loads, which holds the
-    experts twice for a moment (the per-expert and the stacked copies): a pass over a Qwen3-MoE layer of 32
-    experts, 214 MB in float32 read from 107 MB of bf16, raised the peak RSS by 474 MiB, not 321."""
-    from eval.runtimes.base import HEAD_BLOCK
-
+def layer_streamed(sizing: Sizing, tokens: int) -> Footprint:
+    """The reference (and a transformers eval): one decoder layer at a time in float32, the hidden states of
+    `tokens` through it. A mixture of experts' per-expert tensors are merged into transformers' fused 3-D
+    experts as the layer loads, which holds the experts twice for a moment (the per-expert and the stacked
+    copies): a pass over a Qwen3-MoE layer of 32 experts, 214 MB in float32 read from 107 MB of bf16, raised
+    the peak RSS by 474 MiB, not 321."""
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
     working = (
         4 * sizing.layer_params
         + 4 * sizing.layer_expert_params
         + 4 * min(v, HEAD_BLOCK) * h
-        + 8 * sizing.max_tokens * h
+        + 8 * tokens * h
         + sizing.activations(w)
         + 4 * w * v
     )
     return Footprint(working, sizing.weight_bytes * sizing.layer_params + 4 * w * v)
+
+
+def held_whole(sizing: Sizing, kind: DeviceKind) -> Footprint:
+    """The model loaded whole in float32 (`TransformersRuntime`: read on the host, then moved to a GPU), one
+    window through it and its logits."""
+    w = sizing.window
+    weights = 4 * sizing.params
+    return Footprint(
+        weights + sizing.activations(w) + 4 * w * sizing.shape.vocab_size, weights if kind == "cuda" else 0
+    )
+
+
+def holding(
+    sizing: Sizing, kind: DeviceKind, base_mib: int, whole: Footprint, streamed: Footprint, resident: int
+) -> Footprint:
+    """The footprint of a transformers forward, holding the model as `eval.runtimes.residency.hold` decides for
+    the plan's memory budget on a device of `kind` (on the CPU the stage's base and host bytes count against
+    it too): `whole`, or `streamed` with up to `resident` bytes of cast layers kept (on the device)."""
+
+    def need(fp: Footprint) -> int:
+        return fp.working if kind == "cuda" else base_mib * MiB + fp.working + fp.host
+
+    residency = hold(
+        sizing.device.memory_budget(kind),
+        streams=sizing.streams,
+        whole=need(whole),
+        streamed=need(streamed),
+        resident=resident,
+    )
+    if residency.whole:
+        return replace(whole, weights=residency)
+    return Footprint(streamed.working + residency.resident_bytes, streamed.host, residency)
+
+
+def reference_forward(sizing: Sizing, kind: DeviceKind) -> Footprint:
+    """The reference: its windows' logits and its own greedy continuation, which decodes token by token, so
+    a streamed reference keeps what the budget allows of every layer and the head resident (float32)."""
+    sh = sizing.shape
+    head = sh.vocab_size * sh.hidden_size
+    resident = 4 * (
+        sizing.params - (0 if sh.tie_word_embeddings else head)
+    )  # the layers and the head, not the embedding
+    base = STAGE_NEEDS["reference"].base_mib
+    return holding(sizing, kind, base, held_whole(sizing, kind), layer_streamed(sizing, sizing.max_tokens), resident)
 
 
 def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
@@ -458,21 +559,22 @@ def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> F
     return Footprint(working, host)
 
 
-def transformers_forward(sizing: Sizing, quant: str) -> Footprint:
-    """A transformers eval: one layer at a time where the architecture streams (the reference's footprint),
-    else (or for a checkpoint of at most `RESIDENT_BYTES`) the artifact loaded whole in float32; the
-    window-by-window comparison on the host."""
-    from eval.runtimes.base import RESIDENT_BYTES
-    from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
-
-    streams = sizing.weights_bytes(quant, "transformers") > RESIDENT_BYTES
-    if sizing.config.get("model_type") in STREAMED_MODEL_TYPES and streams:
-        streamed = layer_streamed(sizing)
-        return Footprint(streamed.working, streamed.host + sizing.compare_bytes)
-    sh = sizing.shape
-    w = sizing.window
-    weights = 4 * sum(t.elements for t in sh.tensors())
-    return Footprint(weights + sizing.activations(w) + 4 * w * sh.vocab_size, sizing.compare_bytes)
+def transformers_forward(sizing: Sizing, quant: str, kind: DeviceKind, base_mib: int) -> Footprint:
+    """A transformers eval: the artifact whole in float32 where it fits the plan's budget (`holding`), else one
+    layer at a time (the reference's footprint, its windows and teacher-forced sequences through each layer),
+    keeping the float32 head resident where the budget allows (it is applied to every window; no layer is read
+    twice); the window-by-window comparison on the host."""
+    whole = held_whole(sizing, kind)
+    streamed = layer_streamed(sizing, sizing.max_tokens + sizing.forced_tokens)
+    compare = sizing.compare_bytes
+    return holding(
+        sizing,
+        kind,
+        base_mib,
+        Footprint(whole.working, whole.host + compare),
+        Footprint(streamed.working, streamed.host + compare),
+        4 * sizing.shape.vocab_size * sizing.shape.hidden_size,
+    )
 
 
 def jax_forward(sizing: Sizing, quant: str) -> Footprint:
@@ -480,7 +582,7 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used. A sparse layer is
     restored with every expert (the orbax layout stacks them per layer), so P_L counts them all, and its mixture
     runs densely: every expert on every token of a window, [W, experts, ...] float32 activations besides A(W)."""
-    from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES
+    from eval.runtimes.base import RESIDENT_BYTES
 
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
@@ -543,14 +645,14 @@ class StageNeeds:
 
 STAGE_NEEDS: dict[str, StageNeeds] = {
     "ingest": StageNeeds(1, 200, streamed(2)),
-    "reference": StageNeeds(2, 600, lambda sizing, node: layer_streamed(sizing)),
+    "reference": StageNeeds(2, 600, lambda sizing, node: reference_forward(sizing, placed_kind(node))),
     # Round-to-nearest: measured at 8B (bench/results/scale.jsonl) 1.1-1.2 GiB over its start, 1.2 copies of the
     # 1.05 GB embedding; at 1B 0.4-0.5 GiB, one copy of its 0.53 GB embedding.
     "quantize": StageNeeds(1, 450, streamed(2)),
     "quantize-calibrated": StageNeeds(2, 650, nothing),  # its footprint: `calibrated`, from the node's params
     "prepare": StageNeeds(1, 400, nothing),
     "export": StageNeeds(1, 500, streamed(4)),  # by its target's `export_tensor_copies` (`pipeline.stages.export`)
-    "eval": StageNeeds(2, 600, lambda sizing, node: transformers_forward(sizing, str(node.params.get("quant", "")))),
+    "eval": StageNeeds(2, 600, nothing),  # its footprint: its runtime's, `eval_requirements`
     # A target's derived stage on a GPU runner (a GPU eval, an engine build): a serving runtime's replica,
     # `runner_requirements`.
     "runner": StageNeeds(4, 2000, nothing),
@@ -596,7 +698,9 @@ def on_device(cpus: int, base_mib: int, footprint: Footprint, kind: DeviceKind, 
     its base and host bytes in host memory; on the CPU all of it in host memory."""
     base = base_mib * MiB
     if kind == "cpu":
-        return Requirements(cpus=cpus, memory_bytes=base + footprint.working + footprint.host)
+        return Requirements(
+            cpus=cpus, memory_bytes=base + footprint.working + footprint.host, weights=footprint.weights
+        )
     gpu = sizing.device.gpu
     return Requirements(
         cpus=cpus,
@@ -605,6 +709,7 @@ def on_device(cpus: int, base_mib: int, footprint: Footprint, kind: DeviceKind, 
         gpus=1,
         device_memory_bytes=footprint.working,
         fits=gpu is None or footprint.working <= gpu.memory_bytes,
+        weights=footprint.weights,
     )
 
 
@@ -652,7 +757,7 @@ def eval_requirements(
     elif rt.memory_model == "jax":
         req = on_device(stage.cpus, base, jax_forward(sizing, quant), device, sizing)
     else:
-        req = on_device(stage.cpus, base, transformers_forward(sizing, quant), device, sizing)
+        req = on_device(stage.cpus, base, transformers_forward(sizing, quant, device, base), device, sizing)
     return req.model_copy(update={"runtime_env": env})
 
 

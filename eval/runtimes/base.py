@@ -23,8 +23,9 @@ from core.errors import Deferred, InvalidInput
 # Vocabulary rows of an output head the streamed forwards cast and apply at a time (256 MiB in float32 at hidden
 # 4,096), so no [vocab, hidden] matrix is ever whole in float32 (2.1 GB at 128,256 x 4,096); the plan counts it.
 HEAD_BLOCK = 16384
-# A checkpoint up to this size is opened whole by the streamed runtimes (transformers, JAX): streaming costs a
-# pass over the files per call, more than computing takes on a small model; a larger one streams by layer.
+# A checkpoint up to this size is restored whole by the JAX forward: streaming costs a pass over the files per
+# call, more than computing takes on a small model; a larger one streams by layer. (The transformers forward
+# holds a model as its stage's plan decides, `eval.runtimes.residency`.)
 RESIDENT_BYTES = 256 * 1024 * 1024
 
 
@@ -57,6 +58,11 @@ class Runtime(Protocol):
     def close(self) -> None:
         """Release the model; the runtime is unusable afterwards."""
         ...
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """The bytes of a model directory's SafeTensors files: one pass over its weights."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
 def check_ids(token_ids: Sequence[int], vocab: int, who: str) -> list[int]:

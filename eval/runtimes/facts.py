@@ -27,6 +27,11 @@ from eval.runtimes.vllm_runtime import VllmRuntime
 # with its KV cache (llama.cpp); "serving": a server's replica, weights and KV cache, over the GPUs it
 # needs (vLLM, TensorRT-LLM).
 MemoryModel = Literal["streamed", "jax", "mapped", "serving"]
+# How an eval measures a runtime's greedy agreement with the reference's continuation (`eval.run.measure`):
+# "decoded": the runtime continues each prompt itself, token by token on its KV cache, as it serves;
+# "teacher-forced": one forward over each prompt and the reference's continuation, the argmax at each of its
+# positions (scored in the same pass as the windows: a forward that streams its layers reads them once).
+GreedyAgreement = Literal["decoded", "teacher-forced"]
 
 
 @dataclass(frozen=True)
@@ -46,15 +51,20 @@ class RuntimeFacts:
     # Whether kiln runs it on the stage's `--device` (a GPU where placed on one); False: where it runs is its
     # own (llama.cpp's CPU build, a GPU runner's tensorrt_llm).
     on_stage_device: bool = False
+    greedy: GreedyAgreement = "decoded"
 
 
 RUNTIME_FACTS: dict[str, RuntimeFacts] = {
     facts.name: facts
     for facts in (
-        # One layer at a time where the architecture streams (eval.runtimes.layer_stream), else the whole model.
-        RuntimeFacts(TransformersRuntime.name, open_transformers, "streamed", on_stage_device=True),
+        # One layer at a time where its plan says (eval.runtimes.residency), else the whole model. Not a serving
+        # runtime: its greedy agreement is teacher-forced, the same whichever way it holds the model.
+        RuntimeFacts(
+            TransformersRuntime.name, open_transformers, "streamed", on_stage_device=True, greedy="teacher-forced"
+        ),
         RuntimeFacts(LlamaCppRuntime.name, LlamaCppRuntime, "mapped", base_mib=450),
-        RuntimeFacts(JaxRuntime.name, JaxRuntime, "jax", on_stage_device=True),
+        # kiln's own forward, streamed by layer above `RESIDENT_BYTES`: teacher-forced, read once, as transformers.
+        RuntimeFacts(JaxRuntime.name, JaxRuntime, "jax", on_stage_device=True, greedy="teacher-forced"),
         # Opens only on a GPU runner with tensorrt_llm; elsewhere it raises Deferred (not evaluated here).
         RuntimeFacts(
             TensorRTLLMRuntime.name, TensorRTLLMRuntime, "serving", vendor="nvidia", runtime_env="tensorrt_llm"

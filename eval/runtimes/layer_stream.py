@@ -11,14 +11,22 @@ them at a time, read from the SafeTensors shards and cast to `dtype` on `device`
 - the embedding is gathered row by row from the mapped file and the output head is applied in blocks
   of `HEAD_BLOCK` vocabulary rows, so neither [vocab, hidden] matrix is ever whole in float32
   (each is the model's largest tensor: 2.1 GB in float32 at 128,256 x 4,096);
-- greedy continuation decodes on transformers' KV cache with the same layer-major order, one full
-  pass over the layers per generated token (a prefill, then `n - 1` single-token steps).
+- greedy continuation decodes on transformers' KV cache with the same layer-major order (a prefill, then
+  `n - 1` single-token steps). Each step needs every layer again: what the stream was allowed to keep
+  (`resident_bytes`, what the stage's memory budget leaves, `eval.runtimes.residency`: the head, which every
+  window needs too, then the layers in order) stays cast on the device after its first use, and only the
+  rest is read again per token. An eval never decodes here: its greedy agreement is teacher-forced, its
+  sequences scored in the same pass as its windows (`eval.run.measure`).
+
+What it reads is counted (`core.usage.weights_read`): the stage's provenance records the passes over the
+weights.
 
 The arithmetic is the whole model's: the same modules, the same causal mask (transformers'
 `create_causal_mask`, or its sliding-window twin where the architecture uses one) and the same
 rotary embedding, in `dtype` (float32 for the reference, so the checkpoint's bf16 weights are used
 exactly). Peak memory: one layer in `dtype` plus its checkpoint-dtype read, the hidden states of the
-call's windows, and one window's [tokens, vocab] float32 logits; `pipeline.requirements` plans with it.
+call's windows, one window's [tokens, vocab] float32 logits, and the resident layers; `pipeline.requirements`
+plans with it.
 
 Every family whose record streams (`Architecture.streams`: `STREAMED`) runs this way, its layers' weights
 loaded by transformers' own loader (`convert_and_load_state_dict_in_model`) given that layer's tensors, so a
@@ -53,16 +61,22 @@ from typing import Any, Final
 import numpy as np
 
 from core.errors import StageFailed
+from core.usage import weights_opened, weights_read
 from eval.runtimes.base import (
     HEAD_BLOCK,
-    RESIDENT_BYTES,
-    Runtime,
     check_ids,
+    checkpoint_bytes,
     greedy_by_length,
     import_torch_transformers,
 )
 from eval.runtimes.experts import loading_experts
-from eval.runtimes.transformers_runtime import as_declared, compressed_tensors_quantizer
+from eval.runtimes.residency import WHOLE, Residency
+from eval.runtimes.transformers_runtime import (
+    TransformersRuntime,
+    as_declared,
+    compressed_tensors_quantizer,
+    runtime_version,
+)
 from formats.architectures import ARCHITECTURES
 from formats.architectures.record import Architecture
 
@@ -77,7 +91,9 @@ class LayerStream:
 
     name = "transformers"
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(
+        self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, resident_bytes: int = 0
+    ) -> None:
         torch, transformers = import_torch_transformers()
         self._torch = torch
         self.model_dir = Path(model_dir)
@@ -132,6 +148,11 @@ class LayerStream:
             )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._weights = _WeightIndex(self.model_dir)
+        # The head's cast blocks and modules (by path) kept on the device after their first use, within
+        # `resident_bytes` (`_claim`); none by default, so memory stays one layer.
+        self._resident: dict[str, Any] = {}
+        self._resident_head: list[Any] | None = None
+        self._spare = resident_bytes
         self._head_name = "lm_head.weight"
         if self._head_name not in self._weights:
             if not getattr(config, "tie_word_embeddings", False):
@@ -140,6 +161,9 @@ class LayerStream:
                     code="SOURCE_INVALID",
                 )
             self._head_name = f"{self._prefix}embed_tokens.weight"
+        # The head first: it is applied to every window (and every generated token), each layer once a call.
+        vocab, hidden = self._weights.shape(self._head_name)
+        self._keep_head = self._claim(vocab * hidden * self.dtype.itemsize)
         if getattr(self._model.lm_head, "bias", None) is not None:
             raise StageFailed("an output head with a bias is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED")
         if quantizer is not None and any(
@@ -153,16 +177,15 @@ class LayerStream:
             or [("sliding_attention" if getattr(config, "sliding_window", None) else "full_attention")]
             * self.num_layers
         )
-        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}, one layer at a time"
         if quantizer is not None:
-            import compressed_tensors
-
-            from eval.runtimes.transformers_runtime import FP4_EMULATED
             from quant.compressed import FP4_SCALE_DTYPES
 
-            self.version += f", compressed-tensors {compressed_tensors.__version__} decompressing each layer"
             self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
-            self.version += FP4_EMULATED if self._fp4 else ""
+        # The whole model's version: the same computation, whichever way the plan had the stage hold it.
+        self.version = runtime_version(quantizer is not None, self._fp4)
+        weights_opened(
+            checkpoint_bytes(self.model_dir), Residency(whole=False, resident_bytes=resident_bytes).describe()
+        )
 
     # -- the Runtime protocol -------------------------------------------------------------------------------
 
@@ -200,12 +223,15 @@ class LayerStream:
 
     def close(self) -> None:
         self._weights.close()
+        self._resident.clear()
+        self._resident_head = None
         self._model = self._base = None
 
     # -- one pass ---------------------------------------------------------------------------------------------
 
     def _greedy_batch(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        """One prompt pass, then one token at a time on the KV cache, each pass over every layer in turn."""
+        """One prompt pass, then one token at a time on the KV cache, each pass over every layer in turn (the
+        resident ones as kept, the others read again)."""
         torch = self._torch
         from transformers import DynamicCache
 
@@ -274,11 +300,19 @@ class LayerStream:
         """[tokens, vocab] float32 logits of final hidden states `h`, HEAD_BLOCK vocabulary rows at a time,
         soft-capped in `dtype` where the architecture caps them (Gemma 3's `final_logit_softcapping`)."""
         torch = self._torch
-        vocab = self._weights.shape(self._head_name)[0]
+        vocab, hidden = self._weights.shape(self._head_name)
         out = torch.empty((h.shape[0], vocab), dtype=torch.float32, device=self.device)
-        for lo in range(0, vocab, HEAD_BLOCK):
+        kept = self._resident_head
+        if kept is None and self._keep_head:
+            kept = self._resident_head = []
+        for i, lo in enumerate(range(0, vocab, HEAD_BLOCK)):
             hi = min(vocab, lo + HEAD_BLOCK)
-            block = self._weights.block(self._head_name, lo, hi).to(device=self.device, dtype=self.dtype)
+            if kept is not None and i < len(kept):
+                block = kept[i]
+            else:
+                block = self._weights.block(self._head_name, lo, hi).to(device=self.device, dtype=self.dtype)
+                if kept is not None:
+                    kept.append(block)
             logits = torch.nn.functional.linear(h, block)
             if self._softcap is not None:  # the order of Gemma3ForCausalLM.forward's three steps
                 logits = torch.tanh(logits / self._softcap) * self._softcap
@@ -294,22 +328,37 @@ class LayerStream:
         loads the whole model: renamed, experts fused, each cast to the dtype the module declares (a
         compressed tensor keeps its own). A bundle's module is a fresh copy of the compressed layout,
         decompressed once loaded (the layout is kept for the next load). On exit the weights are freed:
-        the module keeps its shapes on the meta device."""
+        the module keeps its shapes on the meta device, unless it is kept resident (`_claim`): then it is
+        yielded as it is by every later call."""
+        if path in self._resident:
+            yield self._resident[path]
+            return
         template = self._model.get_submodule(path)
         module = _copy_layer(template) if self._quantizer is not None else template
         declared = {name: t.dtype for name, t in template.state_dict().items()}
         self._model.set_submodule(path, module)
+        kept = False
         try:
             self._read(path, module)
             as_declared(module, declared)
             if self._quantizer is not None:
                 self._decompress(module)
+            kept = self._claim(sum(t.nbytes for t in (*module.parameters(), *module.buffers())))
             yield module
         finally:
-            if module is template:
-                module.to("meta")
-            else:
+            if kept:
+                self._resident[path] = module
+            if module is not template:
                 self._model.set_submodule(path, template)
+            elif not kept:
+                module.to("meta")
+
+    def _claim(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit what may stay resident; if so they are counted as kept."""
+        if nbytes > self._spare:
+            return False
+        self._spare -= nbytes
+        return True
 
     def _read(self, path: str, module: Any) -> None:
         """Load the checkpoint's tensors under `path.` into `module` (installed at `path`) with transformers'
@@ -411,22 +460,27 @@ def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
 
 
 def open_transformers(
-    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, resident_bytes: int = RESIDENT_BYTES
-) -> Runtime:
-    """The transformers runtime for a model directory: one layer at a time where the architecture streams
-    (`STREAMED_MODEL_TYPES`; a plain checkpoint or a compressed-tensors bundle) and the weights exceed
-    `resident_bytes`, else the whole model (the same logits, bit for bit: tests/eval/test_layer_stream.py)."""
-    from eval.runtimes.transformers_runtime import TransformersRuntime
-
+    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, residency: Residency = WHOLE
+) -> TransformersRuntime | LayerStream:
+    """The transformers runtime for a model directory, holding it as the plan decided (`residency`,
+    `eval.runtimes.residency.hold`): the whole model, or one layer at a time (an architecture of
+    `STREAMED_MODEL_TYPES`, a plain checkpoint or a compressed-tensors bundle, in a given dtype) keeping
+    `resident_bytes` of cast layers; the same logits, bit for bit (tests/eval/test_layer_stream.py)."""
+    if residency.whole:
+        return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
     config = Path(model_dir) / "config.json"
     try:
         model_type = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        model_type = None  # the whole-model loader says what is wrong with it
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    if model_type in STREAMED_MODEL_TYPES and dtype != "auto" and weights > resident_bytes:
-        return LayerStream(model_dir, dtype, device)
-    return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
+        model_type = None  # LayerStream says what is wrong with it
+    if model_type is not None and model_type not in STREAMED_MODEL_TYPES or dtype == "auto":
+        raise StageFailed(
+            f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)} in a "
+            f"given dtype, not {model_type!r} in {dtype!r}",
+            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            details={"model_type": model_type, "dtype": dtype},
+        )
+    return LayerStream(model_dir, dtype, device, resident_bytes=residency.resident_bytes)
 
 
 class _WeightIndex:
@@ -462,21 +516,27 @@ class _WeightIndex:
         return self._handles[path]
 
     def tensor(self, name: str) -> Any:
-        return self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(name)
+        weights_read(tensor.nbytes)
+        return tensor
 
     def shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
 
     def block(self, name: str, lo: int, hi: int) -> Any:
         """Rows lo..hi of a 2-D tensor, read alone."""
-        return self._handle(name).get_slice(name)[lo:hi]
+        rows = self._handle(name).get_slice(name)[lo:hi]
+        weights_read(rows.nbytes)
+        return rows
 
     def rows(self, name: str, ids: Sequence[int]) -> Any:
         """The rows `ids` of a 2-D tensor, each read alone (an embedding lookup without the table)."""
         import torch
 
         table = self._handle(name).get_slice(name)
-        return torch.cat([table[i : i + 1] for i in ids])
+        rows = torch.cat([table[i : i + 1] for i in ids])
+        weights_read(rows.nbytes)
+        return rows
 
     def close(self) -> None:
         self._handles.clear()

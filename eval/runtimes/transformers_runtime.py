@@ -16,14 +16,15 @@ TF32 off), so a float32 reference on a GPU differs from the CPU's only by summat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, StageFailed
-from eval.runtimes.base import check_ids, greedy_by_length, import_torch_transformers
+from core.usage import weights_opened, weights_read
+from eval.runtimes.base import check_ids, checkpoint_bytes, greedy_by_length, import_torch_transformers
 from eval.runtimes.experts import loading_experts
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
@@ -63,14 +64,15 @@ class TransformersRuntime:
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         _load_e4m3fnuz_exactly(model, self.model_dir)
+        loaded = checkpoint_bytes(self.model_dir)  # read once, whole (`core.usage.WeightReads`)
+        weights_opened(loaded, "whole")
+        weights_read(loaded)
         emulated = dtype != "auto" and decompress_fp4(model, getattr(torch, dtype))
         if self.device.type != "cpu":
             model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a dtype cast; it moves in place
         self._model: Any = model.eval()
         self.vocab_size = int(model.config.vocab_size)
-        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}" + (
-            FP4_EMULATED if emulated else ""
-        )
+        self.version = runtime_version(getattr(model, "hf_quantizer", None) is not None, emulated)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = check_ids(token_ids, self.vocab_size, self.name)
@@ -78,6 +80,10 @@ class TransformersRuntime:
         with torch.inference_mode():
             out = self._model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), use_cache=False)
         return np.ascontiguousarray(out.logits[0].float().cpu().numpy(), dtype=np.float32)
+
+    def logits_many(self, windows: Sequence[Sequence[int]]) -> Iterator[np.ndarray]:
+        """Each window's logits, in order (`LayerStream.logits_many`'s call, on the model held whole)."""
+        return (self.logits(w) for w in windows)
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
         return greedy_by_length(prompts, self.vocab_size, self.name, self._greedy_batch, n)
@@ -104,6 +110,20 @@ class TransformersRuntime:
 
 # What an FP4 bundle's eval here is: not the serving kernel (Blackwell / gfx950 FP4 matmuls, Marlin FP4).
 FP4_EMULATED = ", FP4 emulated (weights decompressed by compressed-tensors, activations fake-quantized)"
+
+
+def runtime_version(compressed: bool, fp4: bool) -> str:
+    """What the transformers forward records as its version, held whole or streamed by layer alike: transformers
+    and torch, compressed-tensors for a compressed-tensors bundle, and FP4's emulation."""
+    import torch
+    import transformers
+
+    version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    if compressed:
+        import compressed_tensors
+
+        version += f", compressed-tensors {compressed_tensors.__version__}"
+    return version + (FP4_EMULATED if fp4 else "")
 
 
 def decompress_fp4(model: Any, dtype: Any) -> bool:

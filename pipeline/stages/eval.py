@@ -3,7 +3,11 @@
 A runtime that kiln runs on the stage's device (transformers, the JAX forward, vLLM) is a compute stage,
 placed on the build's device (`params["device"]`, `pipeline.placement`); the others run where they
 always do (llama.cpp's CPU build). vLLM is placed too: on the CPU in its CPU build, on a GPU in its CUDA
-build, over the GPUs the stage was granted (`eval.runtimes.vllm_runtime`)."""
+build, over the GPUs the stage was granted (`eval.runtimes.vllm_runtime`).
+
+transformers holds the artifact as the plan decided for the stage's memory budget (`node.requires.weights`,
+`eval.runtimes.residency`): whole, or one layer at a time; either way its greedy agreement is teacher-forced
+(`eval.run.measure`), so the weights are read once and the report is the same."""
 
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ def run(ctx: StageContext) -> EvalReport:
     files = [f.path for f in export.files]
     artifact = export.files_dir / files[0] if len(files) == 1 else export.files_dir
     # `cuda` (every GPU the stage was granted: vLLM's tensor parallelism) or `cuda:N`, as placed.
-    options = {"device": str(stage_device(ctx.node))} if computes_on_device(ctx.node) else {}
+    options: dict[str, object] = {"device": str(stage_device(ctx.node))} if computes_on_device(ctx.node) else {}
+    if runtime == "transformers" and ctx.node.requires.weights is not None:
+        options["residency"] = ctx.node.requires.weights  # whole or streamed, as the plan sized the stage
     report = evaluate_artifact(
         stored_reference(ctx.input("reference")),
         runtime,
@@ -67,4 +73,4 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
     return eval_requirements(sizing, node.params["runtime"], node.params["quant"], device=placed_kind(node))
 
 
-STAGE = Stage("eval", "5", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)
+STAGE = Stage("eval", "6", run, EvalReport, "compare one artifact, in its own runtime, with the reference", needs=needs)

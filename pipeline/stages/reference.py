@@ -4,9 +4,12 @@ The stage tokenises the held-out text once and stores the ids it was cut into (`
 the logits; every eval stage replays both from the stage's output instead of loading the tokenizer and
 the reference model again.
 
-It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`). The
-model is never whole in memory: `LayerStream` runs it one decoder layer at a time over every window,
-then the output head one window at a time. Each window's logits are reduced on the host to the stored
+It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`). It holds
+the model as its plan decided (`node.requires.weights`, `eval.runtimes.residency`): whole where that fits
+the memory budget of its device, else streamed by `LayerStream`, one decoder layer at a time over every
+window, then the output head one window at a time, keeping resident what the budget allows for its greedy
+continuation (decoded on the KV cache, reading only the layers not kept again per token). Its provenance
+records the passes over the weights (`resources.weights`). Each window's logits are reduced on the host to the stored
 rows of `eval.reference_rows` (most likely tokens, the rest as one mass, with a bound on the KL they
 can give) before the next window's are made: at a 128,256-token vocabulary and 4,096 tokens the full
 float32 logits would be 2.1 GB per release, the rows at most `max_entries` x 12 bytes per position.
@@ -18,7 +21,8 @@ import shutil
 from pathlib import Path
 
 from eval.reference_rows import ReferenceStore, reference_rows
-from eval.runtimes.layer_stream import LayerStream
+from eval.runtimes.layer_stream import open_transformers
+from eval.runtimes.residency import WHOLE
 from eval.runtimes.transformers_runtime import TorchDtype
 from eval.text import EvalText, load_text
 from pipeline.placement import stage_device
@@ -58,7 +62,8 @@ def run(ctx: StageContext) -> ReferenceRecord:
     text = eval_text(ingest, ctx.out_dir / TEXT_FILE, params)
     (ctx.out_dir / IDS_FILE).write_text(text.to_json())
     device = stage_device(ctx.node)
-    runtime = LayerStream(ingest.files_dir, dtype=REFERENCE_DTYPE, device=device.torch)
+    residency = ctx.node.requires.weights or WHOLE  # a node planned without sizing: the model as transformers loads it
+    runtime = open_transformers(ingest.files_dir, REFERENCE_DTYPE, device.torch, residency=residency)
     store = ReferenceStore(ctx.out_dir, identity=source_digest)
     try:
         for window, logits in zip(text.windows, runtime.logits_many(text.windows), strict=True):
@@ -96,8 +101,9 @@ def stored_reference(output: StageOutput) -> ReferenceStore:
 
 STAGE = Stage(
     "reference",
-    "4",
+    "5",
     run,
     ReferenceRecord,
-    "reference distributions of the source model (transformers one layer at a time, float32, on the stage's device)",
+    "reference distributions of the source model (transformers, whole or one layer at a time, float32, on the "
+    "stage's device)",
 )

@@ -22,6 +22,7 @@ import pytest
 
 from eval.runtimes import TransformersRuntime
 from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES, LayerStream, open_transformers
+from eval.runtimes.residency import STREAMED
 from eval.text import EvalText
 from formats.architectures import FAMILIES
 from tests.model_factory import NEW_FAMILIES, make_bundle, make_model
@@ -111,7 +112,7 @@ def test_every_family_whose_record_streams_opens_layer_by_layer(models: dict[str
     assert {t for a in FAMILIES.values() if a.streams for t in a.model_types} == STREAMED_MODEL_TYPES
     for family in NEW_FAMILIES:
         assert FAMILIES[family].streams
-        assert isinstance(open_transformers(models[family], resident_bytes=0), LayerStream), family
+        assert isinstance(open_transformers(models[family], residency=STREAMED), LayerStream), family
 
 
 def test_a_missing_expert_is_named(models: dict[str, Path], tmp_path: Path) -> None:

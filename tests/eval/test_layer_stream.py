@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from core.errors import StageFailed
+from core.usage import counting_weights
 from eval.runtimes import TransformersRuntime
 from eval.runtimes.layer_stream import LayerStream, open_transformers
+from eval.runtimes.residency import STREAMED, Residency
 from eval.text import EvalText
 from tests.model_factory import make_bundle, make_model
 
@@ -122,9 +124,10 @@ def test_a_bundle_streamed_one_layer_at_a_time_equals_the_whole_load_bit_for_bit
     """Each layer decompressed by compressed-tensors as transformers' loader would, activations fake-quantized
     by the same forward: the same logits and continuations as the whole bundle in transformers."""
     whole = TransformersRuntime(bundles[name])
-    stream = open_transformers(bundles[name], resident_bytes=0)
+    stream = open_transformers(bundles[name], residency=STREAMED)
     try:
         assert isinstance(stream, LayerStream)
+        assert stream.version == whole.version  # the same computation, whichever way it is held
         windows = eval_text.windows[:2]
         for window, logits in zip(windows, stream.logits_many(windows), strict=True):
             assert np.array_equal(logits, whole.logits(window)), name
@@ -148,15 +151,48 @@ def test_a_bundle_keeps_one_layer_decompressed_not_the_model(bundles: dict[str, 
         stream.close()
 
 
-def test_other_architectures_open_the_whole_model(llama_dir: Path, tmp_path: Path) -> None:
+def test_the_model_is_held_as_the_plan_says_and_only_a_streamed_architecture_streams(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    assert isinstance(open_transformers(llama_dir), TransformersRuntime)  # whole unless told to stream
+    assert isinstance(open_transformers(llama_dir, residency=STREAMED), LayerStream)
     other = tmp_path / "other"
     shutil.copytree(llama_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2-like"}))
-    assert not isinstance(open_transformers(llama_dir, dtype="auto"), LayerStream)
-    assert isinstance(open_transformers(llama_dir, resident_bytes=0), LayerStream)
-    # A small checkpoint opens whole: streaming would read the files once per call for no memory gained.
-    assert not isinstance(open_transformers(llama_dir), LayerStream)
+    for path, dtype in ((other, "float32"), (llama_dir, "auto")):
+        with pytest.raises(StageFailed) as e:
+            open_transformers(path, dtype, residency=STREAMED)
+        assert e.value.code == "REFERENCE_ARCHITECTURE_UNSUPPORTED"
+
+
+def _passes(runtime_dir: Path, residency: Residency, eval_text: EvalText, n: int) -> tuple[float, list[list[int]]]:
+    """The passes over the weights of the reference's work (every window's logits, then `n` greedy tokens of
+    each prompt) holding the model as `residency` says, and the continuations."""
+    with counting_weights() as reads:
+        runtime = open_transformers(runtime_dir, residency=residency)
+        try:
+            for _ in runtime.logits_many(eval_text.windows[:3]):
+                pass
+            tokens = runtime.greedy(eval_text.prompts[:2], n)
+        finally:
+            runtime.close()
+    return reads.read_bytes / reads.model_bytes, tokens
+
+
+def test_a_streamed_greedy_reads_again_only_the_layers_it_could_not_keep(llama_dir: Path, eval_text: EvalText) -> None:
+    """Whole: one pass. Streamed with nothing kept: one pass for the windows, then one per generated token (the
+    prefill and n - 1 steps). Keeping every layer and the head: one pass whatever n. Keeping about half: the
+    windows' pass and the half not kept for each token. The continuations are the same every way."""
+    n = 6
+    whole, want = _passes(llama_dir, Residency(whole=True), eval_text, n)
+    assert whole == 1.0
+    model = sum(f.stat().st_size for f in llama_dir.glob("*.safetensors"))
+    for resident, most in ((0, 1 + n), (4 * model, 1.01), (model, 1 + n * 0.55)):
+        passes, tokens = _passes(llama_dir, Residency(whole=False, resident_bytes=resident), eval_text, n)
+        assert tokens == want, resident
+        assert passes <= most, (resident, passes)
+    assert passes >= 1 + n * 0.3  # half the float32 model kept: the other half (and more) read per token
 
 
 @pytest.mark.parametrize(
