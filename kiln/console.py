@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from pipeline.executors.node import NodeOutcome
     from pipeline.stage import Node
 
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 120, emoji=False)
+# Not a terminal (a CI log, a file): wide enough for `kiln plan`'s table to keep each row on one line.
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, emoji=False)
 # stdout: what scripts read (secrets, resolve answers, inspect metadata): no wrapping, no highlighting.
 stdout = Console(soft_wrap=True, highlight=False, emoji=False)
 

@@ -361,7 +361,8 @@ def plan(
     )
     table = Table(title=safe_text(title))
     for col in ("stage", "device", "host", "writes", "reads", "time", "needs", "key", "state"):
-        table.add_column(col, no_wrap=col == "stage", justify="right" if col in ("writes", "reads", "time") else "left")
+        right = col in ("writes", "reads", "time")
+        table.add_column(col, no_wrap=col not in ("needs", "state"), justify="right" if right else "left")
     for r in rows:
         req, disk = r["requires"], r["disk"]
         host = fmt_size(req["memory_bytes"]) + (" !" if "memory" in r["misfits"] else "")
