@@ -299,6 +299,7 @@ class WeightReads:
     model_bytes: int = 0  # the checkpoints it opened (their SafeTensors files' bytes)
     read_bytes: int = 0  # what it read of them, each time it read it
     held: list[str] = field(default_factory=list)  # how it held each model it opened ("whole", "streamed ...")
+    resident_bytes: int = 0  # what a streamed model may keep loaded besides its one layer (its plan's budget)
 
     def to_json(self) -> dict[str, Any]:
         passes = round(self.read_bytes / self.model_bytes, 3) if self.model_bytes else None
@@ -308,12 +309,14 @@ class WeightReads:
 _WEIGHTS: contextvars.ContextVar[WeightReads | None] = contextvars.ContextVar("weights", default=None)
 
 
-def weights_opened(model_bytes: int, held: str) -> None:
-    """A runtime opened a checkpoint of `model_bytes` and holds it as `held`: counted by `measure_usage`."""
+def weights_opened(model_bytes: int, held: str, resident_bytes: int = 0) -> None:
+    """A runtime opened a checkpoint of `model_bytes` and holds it as `held` (streamed: keeping up to
+    `resident_bytes` loaded): counted by `measure_usage`."""
     reads = _WEIGHTS.get()
     if reads is not None:
         reads.model_bytes += model_bytes
         reads.held.append(held)
+        reads.resident_bytes += resident_bytes
 
 
 def weights_read(nbytes: int) -> None:

@@ -183,9 +183,8 @@ class LayerStream:
             self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
         # The whole model's version: the same computation, whichever way the plan had the stage hold it.
         self.version = runtime_version(quantizer is not None, self._fp4)
-        weights_opened(
-            checkpoint_bytes(self.model_dir), Residency(whole=False, resident_bytes=resident_bytes).describe()
-        )
+        held = Residency(whole=False, resident_bytes=resident_bytes)
+        weights_opened(checkpoint_bytes(self.model_dir), held.describe(), resident_bytes)
 
     # -- the Runtime protocol -------------------------------------------------------------------------------
 
