@@ -7,8 +7,10 @@ TORCH_VERSION := 2.13.0
 LLAMA_CPP_VERSION := 0.3.36
 # This CPU kind advertises AMX but faults on it: build llama.cpp for AVX2 and cap oneDNN at AVX512-BF16.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-# pip's wheel cache does not key on CMAKE_ARGS, so the built wheel is kept here.
-WHEELHOUSE := .wheelhouse
+# pip's wheel cache does not key on CMAKE_ARGS, so the built wheel is kept here: outside the checkout, as the
+# runtimes are, so a fresh clone (and CI) on this machine installs it in seconds instead of building it again.
+KILN_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kiln
+WHEELHOUSE ?= $(KILN_CACHE)/wheelhouse
 LLAMA_WHEEL := $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
 export ONEDNN_MAX_CPU_ISA := AVX512_CORE_BF16
 

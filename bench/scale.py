@@ -35,11 +35,11 @@ it keep resident, checked on the stage's anonymous peak plus its children's (and
 bound is shown at 1B. With `--sizes 1b,8b`, each stage's throughput at 8B is at least 0.67x its throughput
 at 1B (cost linear in size).
 
-Disk: the models, each build's ingested copy and every artifact (an 8B build of the whole recipe needs
-~140 GB). The run prints what it needs against what is free, and refuses when it will not fit: pick
+Disk: the models and every artifact (ingest links the source; an 8B build of the whole recipe needs
+~125 GB). The run prints what it needs against what is free, and refuses when it will not fit: pick
 artifacts with --targets, or --split, which builds one artifact (with its quantize stage) at a time and
-deletes it after reading its provenance, so the disk holds the source, its ingested copy and the
-largest artifact. The work dir is deleted after the run (not the models) unless --keep.
+deletes it after reading its provenance, so the disk holds the source and the largest artifact. The work
+dir is deleted after the run (not the models) unless --keep.
 """
 
 from __future__ import annotations
@@ -240,8 +240,9 @@ def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
 
 
 def disk_needed(size: Size, artifacts: list[tuple[str, str]], split: bool, have_model: bool) -> dict[str, int]:
-    """Bytes the run needs on the work dir's disk: the model (unless generated already), the ingested copy,
-    the reference's rows, and the artifacts (all of them, or with `split` the largest group)."""
+    """Bytes the run needs on the work dir's disk: the model (unless generated already), the reference's rows,
+    and the artifacts (all of them, or with `split` the largest group). Ingest links the source beside the
+    work dir (the same filesystem), so it writes nothing."""
     groups = _groups(artifacts) if split else [artifacts]
     per_group = []
     for group in groups:
@@ -251,7 +252,6 @@ def disk_needed(size: Size, artifacts: list[tuple[str, str]], split: bool, have_
     reference = max(EVAL["max_tokens"], SMALL_EVAL["max_tokens"]) * 4096 * 12 + (1 << 20)
     return {
         "model": 0 if have_model else size.model_bytes,
-        "ingest": size.model_bytes,
         "reference": reference,
         "artifacts": max(per_group) if split else sum(per_group),
     }
@@ -318,23 +318,27 @@ def kiln_build(
     return summary
 
 
-def plan_order(recipe: Path, work: Path, device: str = "cpu", host_memory: float | None = None) -> list[str]:
-    """The recipe's nodes in the order `kiln build` runs them (`kiln plan --json`)."""
+def plan_rows(recipe: Path, work: Path, device: str = "cpu", host_memory: float | None = None) -> list[dict[str, Any]]:
+    """The recipe's nodes in the order `kiln build` runs them, as `kiln plan --json` plans them (its disk and
+    estimated seconds among them)."""
     cmd = [sys.executable, "-m", "kiln", "plan", str(recipe), "--work-dir", str(work), "--json", "--device", device]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=kiln_env(host_memory))
     if proc.returncode != 0:
         sys.exit(f"kiln plan {recipe} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [row["node"] for row in json.loads(proc.stdout)]
+    rows: list[dict[str, Any]] = json.loads(proc.stdout)
+    return rows
 
 
-def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
-    """What the provenance of each stage in `ran` (node ids, in the order they ran) says it used."""
+def stage_rows(work: Path, size: Size, ran: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the provenance of each stage in `ran` (its plan rows, in the order they ran) says it used, beside
+    the seconds its plan estimated."""
     found = {}
     for meta in work.glob("*/*/stage.json"):
         data = json.loads(meta.read_text())
         found[data["node"]] = {**data, "_path": meta}
     rows = []
-    for node in ran:
+    for planned in ran:
+        node = planned["node"]
         if node not in found:
             continue  # a stage with effects outside the store: none in this recipe
         data = found[node]
@@ -366,6 +370,7 @@ def stage_rows(work: Path, size: Size, ran: list[str]) -> list[dict[str, Any]]:
                     size.model_bytes / used["wall_s"] if used["wall_s"] > 0 and status != "not_evaluated" else None
                 ),
                 "weights": used.get("weights"),  # how it held the model, and its passes over the weights
+                "planned_s": planned.get("seconds"),  # kiln plan's estimate, before the build ran
                 "stage_json": str(found[node]["_path"]),
             }
         )
@@ -376,6 +381,17 @@ def holds_transformers(row: dict[str, Any]) -> bool:
     """A stage that computes in transformers: the reference, or an eval in transformers that evaluated."""
     weights = row.get("weights")
     return weights is not None and (row["node"].startswith("reference/") or row.get("eval_status") != "not_evaluated")
+
+
+def whole_fits(size: Size, host_memory: float | None) -> bool:
+    """Whether the model whole in float32 (what the ceiling holds) fits the plan's memory budget on this host:
+    where it does not (8B here: 32 GB), there is no whole-model time to compare with, only a process killed
+    for its memory."""
+    from core.device import host_memory_bytes
+    from pipeline.requirements import HOLD_UTILIZATION
+
+    memory = host_memory * GIB if host_memory is not None else host_memory_bytes()
+    return memory is not None and 2 * size.model_bytes <= HOLD_UTILIZATION * memory
 
 
 def measure_ceiling(stage_json: Path, device: str, log: Path) -> dict[str, float]:
@@ -462,10 +478,10 @@ def run_size(size: Size, args: argparse.Namespace, artifacts: list[tuple[str, st
             {k: summary.get(k) for k in ("stages", "seconds", "process_s", "peak_rss_mib", "failed_gates")}
         )
         built = set(summary["stage_seconds"])  # the stages this build ran (not those a previous group built)
-        order = plan_order(recipe, work, args.device, args.host_memory)
-        group_rows = stage_rows(work, size, [n for n in order if n in built])
+        planned = plan_rows(recipe, work, args.device, args.host_memory)
+        group_rows = stage_rows(work, size, [r for r in planned if r["node"] in built])
         for row in group_rows:  # each against the same work with the model whole, before --split prunes it
-            if holds_transformers(row):
+            if holds_transformers(row) and whole_fits(size, args.host_memory):
                 print(f"  {size.name}: {row['node']} with the model whole ...", file=sys.stderr)
                 timed = measure_ceiling(Path(row["stage_json"]), args.device, log)
                 row["ceiling_s"], row["ceiling_cpu_s"] = round(timed["wall_s"], 3), round(timed["cpu_s"], 3)
@@ -644,9 +660,9 @@ def main() -> None:
     }
     total = sum(n["model"] for n in needed.values())
     total += (
-        sum(n["ingest"] + n["reference"] + n["artifacts"] for n in needed.values())
+        sum(n["reference"] + n["artifacts"] for n in needed.values())
         if args.keep
-        else max(n["ingest"] + n["reference"] + n["artifacts"] for n in needed.values())
+        else max(n["reference"] + n["artifacts"] for n in needed.values())
     )
     for s, n in needed.items():
         parts = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in n.items() if v)

@@ -2,7 +2,7 @@
 writer is checked against (tests/targets/test_gguf_families.py) and timed against (bench/gguf_convert.py).
 
 `vendored_llama_cpp` finds or unpacks `convert_hf_to_gguf.py`, its `conversion/` package and `gguf-py` from the
-sdist of the installed llama-cpp-python version (the repository's `.wheelhouse/`, then `pip download`, which uses
+sdist of the installed llama-cpp-python version (`pip download`, which uses
 pip's cache). `convert` runs the converter on several models in one process (its imports take most of its time).
 The converter recognises tokenizers by a hash table and refuses the test models', so its vocabulary step is
 skipped (`set_vocab` does nothing): its files hold no tokenizer.* keys.
@@ -18,7 +18,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 # Where the unpacked converter is kept between runs (`KILN_CONVERTER_CACHE` overrides it).
 DEFAULT_CACHE = Path.home() / ".cache" / "kiln" / "converters"
 
@@ -60,7 +59,7 @@ def vendored_llama_cpp(cache: Path | None = None) -> Path:
         return vendored
     root.mkdir(parents=True, exist_ok=True)
     sdist_name = f"llama_cpp_python-{version}.tar.gz"
-    sdist = next((p for p in (ROOT / ".wheelhouse" / sdist_name, root / sdist_name) if p.is_file()), None)
+    sdist = root / sdist_name if (root / sdist_name).is_file() else None
     if sdist is None:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(root)]
         proc = subprocess.run([*cmd, f"llama-cpp-python=={version}"], capture_output=True, text=True)
