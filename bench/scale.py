@@ -370,7 +370,9 @@ def stage_rows(work: Path, size: Size, ran: list[dict[str, Any]]) -> list[dict[s
                     size.model_bytes / used["wall_s"] if used["wall_s"] > 0 and status != "not_evaluated" else None
                 ),
                 "weights": used.get("weights"),  # how it held the model, and its passes over the weights
-                "planned_s": planned.get("seconds"),  # kiln plan's estimate, before the build ran
+                "planned_s": planned.get("floor_seconds", planned.get("seconds")),  # the plan's floor
+                "estimated_s": planned.get("seconds"),  # and its estimate (placement.cost), before the build ran
+                "kind": planned.get("kind"),
                 "stage_json": str(found[node]["_path"]),
             }
         )

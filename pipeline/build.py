@@ -30,7 +30,15 @@ from pipeline.placement import computes_on_device, placed, with_device
 from pipeline.recipe import Recipe
 from pipeline.records import ArtifactRecord, IngestRecord
 from pipeline.remote_source import S3Source
-from pipeline.requirements import PlanDevice, Sizing, catalog_gpu, plan_device, runner_labels, stage_work
+from pipeline.requirements import (
+    PlanDevice,
+    Sizing,
+    catalog_gpu,
+    plan_device,
+    runner_labels,
+    stage_kind,
+    stage_work,
+)
 from pipeline.stage import Node
 from pipeline.stages import derived as derived_stage
 from pipeline.stages import eval as eval_stage
@@ -42,7 +50,7 @@ from pipeline.stages import quantize as quantize_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import seal as seal_stage
 from pipeline.store import StageInputMissing, StageStore, require_input
-from placement.cost import Rates, StageWork, build_host_rates, device_rates, seconds
+from placement.cost import Rates, StageWork, build_host_rates, device_rates, estimate, seconds
 from placement.weights import source_bytes
 from quant.calibrated import calibration_dtype
 from quant.catalog import get_scheme
@@ -745,13 +753,25 @@ def status(
                     "scratch_bytes": cost.scratch_bytes,
                 },
                 "flops": cost.flops,
-                "seconds": round(seconds(cost, rates), 1) if rates is not None else None,
+                **_timing(node, cost, rates),
                 "rates": rates.basis if rates is not None else None,
                 "misfits": misfits,
                 **extra,
             }
         )
     return rows
+
+
+def _timing(node: Node, cost: StageWork, rates: Rates | None) -> dict[str, Any]:
+    """A plan row's time: `seconds`, the estimate on the node's device (`placement.cost.estimate`) for its `kind` of
+    work, `timed` whether that kind was measured there (else it is the floor), and `floor_seconds`; None for a
+    device of unknown kind."""
+    kind = stage_kind(node)
+    if rates is None:
+        return {"kind": kind, "seconds": None, "timed": False, "floor_seconds": None}
+    estimated, timed = estimate(cost, rates, kind)
+    floor = round(seconds(cost, rates), 1)
+    return {"kind": kind, "seconds": round(estimated, 1), "timed": timed, "floor_seconds": floor}
 
 
 def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, before: int) -> dict[str, Any]:

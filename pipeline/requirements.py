@@ -825,6 +825,25 @@ def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
     return sizing.max_tokens * min(12 * min(max_entries, v), 4 * v)
 
 
+def stage_kind(node: Any) -> str:
+    """The kind of work `node` does, as its time is measured (`placement.cost.BUILD_HOST_TIMES`): its stage, and
+    what does the work where that differs within a stage: a calibrated quantize (`quantize:calibrated`, a forward
+    of its samples), the target an export writes (`export:gguf`; `export:gguf-llama.cpp` for a type llama.cpp's
+    quantizer makes), the runtime an eval runs in (`eval:vllm`)."""
+    from targets.base import get_target
+
+    p, stage = node.params, node.stage.name
+    if stage == "quantize":
+        return "quantize:calibrated" if Scheme.model_validate(p["scheme"]).calibrated else "quantize"
+    if stage == "export":
+        spec = get_target(p["target"])
+        gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
+        return f"export:{p['target']}" + ("-llama.cpp" if gguf is not None and gguf.llama_ftype else "")
+    if stage == "eval":
+        return f"eval:{p['runtime']}"
+    return str(stage)
+
+
 def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
     """What `node` writes and computes on the model of `sizing`, reading `read_bytes` (what its inputs hold, or
     for ingest the source): ingest links (or copies) the source (`ingest_written_bytes`); the reference its rows

@@ -8,15 +8,17 @@ Time is a roofline plus the disk: bytes through memory (read + written) at the d
 share of its bandwidth, or FLOPs at its measured large-M matmul share of its bf16 peak, whichever takes longer
 (`placement.fit.shares`, the catalog's `measured` record; the data sheet's peak where there is none), and every
 byte read or written on disk at `HOST_DISK_BYTES_S` besides (a scratch file twice: written, then read back).
-It is a floor, not a forecast: it counts no Python overhead, float32 compute where a CPU lacks bf16, nor a
-quantizer's search (llama.cpp's K-quants). At Llama-3-8B's shape on the 2-core host (bench/results/scale.jsonl)
-the measured times were 1-30 × the floor: ingest 10-47 s for 11 s, the reference 124-852 s for 29 s, the Q4_K_M
-export 212-312 s for 34 s.
+That is a floor, not a forecast: it counts no Python overhead or process start, float32 compute where a CPU
+lacks bf16, nor a quantizer's search (llama.cpp's K-quants). On a device where kiln has measured its stages
+(`Rates.times`: the build host, `BUILD_HOST_TIMES`), the estimate is each kind of stage's measured line over
+its floor, `fixed_s + per_floor x floor`, fitted to one run of the whole recipe at two sizes; elsewhere (a
+catalog GPU) it is the floor, and says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from core.hardware import DtypeFractions, HardwareProfile, MeasuredEfficiency, get_profile
 from placement.fit import shares
@@ -34,6 +36,24 @@ BUILD_HOST_MEASURED = MeasuredEfficiency(
 # The work dir's disk, bytes read plus written per second: ingest copying Llama-3-8B's 16.07 GB (32.1 GB moved)
 # took 10-47 s, median 21.8 s (bench/results/scale.jsonl, seven runs).
 HOST_DISK_BYTES_S = 1.5e9
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """A kind of stage's measured wall time on one device: `fixed_s` (its process, imports, a runtime's start)
+    plus `per_floor` times its floor (`seconds`)."""
+
+    fixed_s: float
+    per_floor: float
+
+    def __call__(self, floor: float) -> float:
+        return self.fixed_s + self.per_floor * floor
+
+
+# Each kind of stage (`pipeline.requirements.stage_kind`) on the build host: fitted (`bench/fit_times.py`) to the
+# 1B and 8B rows of one `bench/scale.py --sizes 1b,8b --split --small-eval` run (bench/results/scale.jsonl).
+BUILD_HOST_TIMES_SOURCE = "bench/scale.py --sizes 1b,8b --split --small-eval, 2026-11-29 (bench/results/scale.jsonl)"
+BUILD_HOST_TIMES: dict[str, StageTime] = {}
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,7 @@ class Rates:
     flops_s: float
     disk_bytes_s: float
     basis: str
+    times: Mapping[str, StageTime] = field(default_factory=dict)  # measured kinds of stage (module doc)
 
 
 def device_rates(profile: HardwareProfile, disk_bytes_s: float = HOST_DISK_BYTES_S) -> Rates:
@@ -76,11 +97,20 @@ def build_host_rates() -> Rates:
     """The rates of the CPU this plan's CPU stages run on: the catalog's `cpu` socket at this host's measured
     shares (`BUILD_HOST_MEASURED`)."""
     profile = get_profile(BUILD_HOST_PROFILE).model_copy(update={"measured": BUILD_HOST_MEASURED})
-    return device_rates(profile)
+    rates = device_rates(profile)
+    return replace(rates, times=BUILD_HOST_TIMES, basis=rates.basis + f"; times fitted to {BUILD_HOST_TIMES_SOURCE}")
 
 
 def seconds(work: StageWork, rates: Rates) -> float:
-    """The estimate: the slower of its bytes through memory and its FLOPs, plus its disk bytes (module doc)."""
+    """The floor: the slower of its bytes through memory and its FLOPs, plus its disk bytes (module doc)."""
     moved = work.read_bytes + work.written_bytes
     compute = max(moved / rates.memory_bytes_s, work.flops / rates.flops_s)
     return compute + (moved + 2 * work.scratch_bytes) / rates.disk_bytes_s
+
+
+def estimate(work: StageWork, rates: Rates, kind: str) -> tuple[float, bool]:
+    """The seconds a stage of `kind` doing `work` takes on the device of `rates`, and whether that was measured
+    (the kind's line over its floor) or is the floor alone (a device or kind kiln has not timed)."""
+    floor = seconds(work, rates)
+    line = rates.times.get(kind)
+    return (floor, False) if line is None else (max(floor, line(floor)), True)

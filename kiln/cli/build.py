@@ -367,7 +367,14 @@ def plan(
         req, disk = r["requires"], r["disk"]
         host = fmt_size(req["memory_bytes"]) + (" !" if "memory" in r["misfits"] else "")
         writes = fmt_size(disk["written_bytes"]) + (" !" if "disk" in r["misfits"] else "")
-        cells = (r["node"], _device_cell(req), host, writes, fmt_size(disk["read_bytes"]), _duration(r["seconds"]))
+        cells = (
+            r["node"],
+            _device_cell(req),
+            host,
+            writes,
+            fmt_size(disk["read_bytes"]),
+            _duration(r["seconds"], r["timed"]),
+        )
         table.add_row(*(safe_text(c) for c in (*cells, _needs(req), (r["key"] or "-")[:12], r["state"])))
     pending = [r for r in rows if r["state"] in ("to build", "shape only")]
     total_s = sum(r["seconds"] or 0 for r in pending)
@@ -377,7 +384,7 @@ def plan(
         fmt_size(max((r["requires"]["memory_bytes"] for r in pending), default=0)),
         fmt_size(sum(r["disk"]["written_bytes"] for r in pending)),
         fmt_size(sum(r["disk"]["read_bytes"] for r in pending)),
-        _duration(total_s),
+        _duration(total_s, all(r["timed"] for r in pending)),
         "",
         "",
         "",
@@ -398,10 +405,13 @@ def plan(
             err.print(safe_text(f"{r['node']}: {r['reason']}"), soft_wrap=True)
 
 
-def _duration(seconds: float | None) -> str:
-    """An estimate's seconds as `42 s`, `3.5 min` or `4.2 h`; `-` where there is none."""
+def _duration(seconds: float | None, timed: bool = True) -> str:
+    """An estimate's seconds as `42 s`, `3.5 min` or `4.2 h`, a floor (not `timed` on its device) as `≥ 42 s`;
+    `-` where there is none."""
     if seconds is None:
         return "-"
+    if not timed:
+        return "≥ " + _duration(seconds)
     if seconds < 120:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

@@ -1,6 +1,6 @@
 """What a plan says a build costs, and what it refuses: `examples/llama-3-70b` (config.json alone) planned on the CPU,
-each stage's memory, disk written and read, and estimated time equal a hand calculation written here from the
-config's numbers; a machine too small for a stage gets it flagged with the numbers and what would hold it; and
+each stage's memory, disk written and read, and time (its floor, and the estimate: the line measured for its
+kind of work over that floor) equal a hand calculation written here from the config's numbers; a machine too small for a stage gets it flagged with the numbers and what would hold it; and
 `kiln build` refuses, before any stage runs, a build whose disk need exceeds what is free, unless forced.
 
 The machine is given to the planner (`pipeline.machine.Machine`), never read from this one.
@@ -18,7 +18,7 @@ from pipeline import build
 from pipeline.machine import Machine
 from pipeline.recipe import load_recipe
 from pipeline.store import open_store
-from placement.cost import HOST_DISK_BYTES_S
+from placement.cost import BUILD_HOST_TIMES, HOST_DISK_BYTES_S
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "examples" / "llama-3-70b" / "kiln.yaml"
@@ -90,9 +90,37 @@ MEMORY_S, FLOPS_S = 50e9 * round(16.747 / 50, 4), 2e12 * round(0.155 / 2, 4)
 FORWARD = 2 * PARAMS * T  # a forward over the scored tokens
 
 
-def estimate(read: int, written: int, scratch: int = 0, flops: int = 0) -> float:
+def floor(read: int, written: int, scratch: int = 0, flops: int = 0) -> float:
     moved = read + written
-    return round(max(moved / MEMORY_S, flops / FLOPS_S) + (moved + 2 * scratch) / HOST_DISK_BYTES_S, 1)
+    return max(moved / MEMORY_S, flops / FLOPS_S) + (moved + 2 * scratch) / HOST_DISK_BYTES_S
+
+
+# Each node's kind of work, whose measured line over its floor (fixed seconds + a multiple) is the estimate.
+KIND = {
+    "ingest/source": "ingest",
+    "reference/source": "reference",
+    "prepare/gguf": "prepare",
+    "export/gguf-q8_0": "export:gguf",
+    "eval/gguf-q8_0": "eval:llama.cpp",
+    "export/gguf-q4_k_m": "export:gguf-llama.cpp",  # llama.cpp's quantizer makes the K-quants
+    "eval/gguf-q4_k_m": "eval:llama.cpp",
+    "export/hf-bundle-bf16": "export:hf-bundle",
+    "eval/hf-bundle-bf16": "eval:transformers",
+    "quantize/fp8": "quantize",
+    "export/hf-bundle-fp8": "export:hf-bundle",
+    "eval/hf-bundle-fp8@vllm": "eval:vllm",
+    "quantize/int4-rtn": "quantize",
+    "export/hf-bundle-int4-rtn": "export:hf-bundle",
+    "quantize/w4a16-gptq": "quantize:calibrated",
+    "export/orbax-bf16": "export:orbax",
+}
+
+
+def estimate(node: str, read: int, written: int, scratch: int = 0, flops: int = 0) -> tuple[float, bool]:
+    """(seconds, timed): the kind's measured line over the floor where the build host has one, else the floor."""
+    low = floor(read, written, scratch, flops)
+    line = BUILD_HOST_TIMES.get(KIND[node])
+    return (round(low, 1), False) if line is None else (round(max(low, line.fixed_s + line.per_floor * low), 1), True)
 
 
 # node: (host memory (llama.cpp imports 450 MiB), disk read, disk written, scratch, FLOPs), every figure by hand.
@@ -132,7 +160,9 @@ def test_the_70b_plan_equals_the_hand_calculation_stage_by_stage(tmp_path: Path)
             assert row["requires"]["memory_bytes"] == memory, node
         assert row["disk"] == {"read_bytes": read, "written_bytes": written, "scratch_bytes": scratch}, node
         assert row["flops"] == flops, node
-        assert row["seconds"] == estimate(read, written, scratch, flops), node
+        assert row["kind"] == KIND[node], node
+        assert row["floor_seconds"] == round(floor(read, written, scratch, flops), 1), node
+        assert (row["seconds"], row["timed"]) == estimate(node, read, written, scratch, flops), node
         assert row["misfits"] == {}, node
     # The exports and quantizes the scale target (2 GiB + 2 x the largest tensor: 5.9 GiB) is meant for: under it but
     # llama.cpp's quantizer and orbax's writer, which were measured to hold 2.6 copies at 8B (docs/building.md).
