@@ -48,6 +48,9 @@ _EXPERTS_PER_TOKEN = ("experts_per_token", "num_experts_per_tok")
 _MOE_INTERMEDIATE = ("moe_intermediate_size",)
 _SHARED_INTERMEDIATE = ("shared_expert_intermediate_size",)
 _SLIDING_WINDOW = ("sliding_window",)
+# Multi-head latent attention (DeepSeek-V2/V3): the KV cache keeps a kv_lora_rank latent and a qk_rope_head_dim rope
+# key per token and layer; each query and key head is qk_nope_head_dim + qk_rope_head_dim wide, each value v_head_dim.
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
 
 Dimension = Annotated[int, Field(gt=0, le=MAX_DIMENSION)]
 # Fields written only where the model has them (experts, sliding windows).
@@ -60,6 +63,7 @@ _OPTIONAL_FIELDS = frozenset(
         "sparse_layers",
         "sliding_window",
         "sliding_layers",
+        *_MLA,
     }
 )
 
@@ -81,7 +85,11 @@ class ShapeRecord(BaseModel):
     Layers, KV heads and head_dim size the KV cache and are always known; the rest bound prefill
     (parameters) and tensor parallelism (heads). A mixture of experts gives its experts, how many run per
     token and each one's width, and how many of the layers are sparse (the rest dense, `intermediate_size`
-    wide); sliding-window layers (`sliding_layers` of them) keep at most `sliding_window` tokens of KV.
+    wide); sliding-window layers (`sliding_layers` of them) keep at most `sliding_window` tokens of KV. Multi-head
+    latent attention (`kv_lora_rank` and `qk_rope_head_dim` given) caches one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer instead of every KV head's keys and values; its KV heads are its heads, its
+    head_dim each query's and key's (no-rope and rope parts), `v_head_dim` each value's and `q_lora_rank` the
+    query's latent (None: none).
     Strict and closed: `"8"` is not a size, and a field this record does not have is an error, not something
     carried along.
     """
@@ -105,6 +113,10 @@ class ShapeRecord(BaseModel):
     sparse_layers: Dimension | None = None  # None with experts: every layer
     sliding_window: Dimension | None = None
     sliding_layers: Dimension | None = None  # None with a window: every layer
+    q_lora_rank: Dimension | None = None
+    kv_lora_rank: Dimension | None = None
+    qk_rope_head_dim: Dimension | None = None
+    v_head_dim: Dimension | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -116,6 +128,11 @@ class ShapeRecord(BaseModel):
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None and self.experts_per_token is not None
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: its cache is one latent per token and layer."""
+        return self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
 
     @classmethod
     def from_untrusted(cls, config: object) -> ShapeRecord | str:
@@ -133,6 +150,13 @@ class ShapeRecord(BaseModel):
         kv_heads = _first_dimension(config, _KV_HEADS) or heads
         head_dim = _first_dimension(config, _HEAD_DIM)
         hidden = _first_dimension(config, _HIDDEN)
+        mla = {key: _first_dimension(config, (key,)) for key in _MLA}
+        nope = _first_dimension(config, ("qk_nope_head_dim",))
+        is_mla = mla["kv_lora_rank"] is not None and mla["qk_rope_head_dim"] is not None
+        if is_mla and nope is not None:  # MLA's query and key heads (transformers writes head_dim as the rope's)
+            head_dim = nope + mla["qk_rope_head_dim"]  # type: ignore[operator]
+        elif not is_mla:
+            mla = dict.fromkeys(_MLA)
         if head_dim is None and hidden is not None and heads and hidden % heads == 0:
             head_dim = hidden // heads
         if layers is None or kv_heads is None or head_dim is None:
@@ -173,6 +197,7 @@ class ShapeRecord(BaseModel):
             sparse_layers=_sparse_layers(config, layers) if moe else None,
             sliding_window=window if sliding != 0 else None,
             sliding_layers=sliding or None,
+            **mla,
         )
 
 
