@@ -209,6 +209,12 @@ class ModelShape:
 
     def tensors(self) -> list[TensorSpec]:
         """Every weight tensor the checkpoint must contain: the embedding, final norm, head, then each layer."""
+        return list(self._tensors)
+
+    @cached_property
+    def _tensors(self) -> tuple[TensorSpec, ...]:
+        """`tensors()`, built once: a plan sizes its stages from them many times, and a mixture of experts has
+        ~10^5 of them (DeepSeek-V3: 45,395)."""
         h, v = self.hidden_size, self.vocab_size
         out = [
             TensorSpec("model.embed_tokens.weight", (v, h), TensorKind.TOKEN_EMBD),
@@ -218,7 +224,7 @@ class ModelShape:
             out.append(TensorSpec("lm_head.weight", (v, h), TensorKind.OUTPUT))
         for i in range(self.num_layers):
             out += layer_tensors(self, i)
-        return out
+        return tuple(out)
 
     @cached_property
     def _layer_counts(self) -> tuple[int, int]:
