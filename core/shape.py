@@ -41,8 +41,8 @@ _INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
 _VOCAB = ("vocab_size", "n_vocab")
 _POSITIONS = ("max_position_embeddings", "n_positions")
 # Mixtures of experts: routed experts, experts per token, each expert's width (Mixtral's is intermediate_size),
-# a shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`; DeepSeek's is n_shared_experts times
-# moe_intermediate_size, given by this record's name), the sparse layers' count.
+# a shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`, this record's name; DeepSeek's
+# n_shared_experts times moe_intermediate_size), the sparse layers' count.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERTS_PER_TOKEN = ("experts_per_token", "num_experts_per_tok")
 _MOE_INTERMEDIATE = ("moe_intermediate_size",)
@@ -193,7 +193,7 @@ class ShapeRecord(BaseModel):
             experts_per_token=per_token if moe else None,
             # Mixtral's experts are intermediate_size wide; it gives no moe_intermediate_size
             moe_intermediate_size=(_first_dimension(config, _MOE_INTERMEDIATE) if moe else None),
-            shared_expert_intermediate_size=_first_dimension(config, _SHARED_INTERMEDIATE) if moe else None,
+            shared_expert_intermediate_size=_shared_width(config) if moe else None,
             sparse_layers=_sparse_layers(config, layers) if moe else None,
             sliding_window=window if sliding != 0 else None,
             sliding_layers=sliding or None,
@@ -207,6 +207,16 @@ def _first_dimension(config: Mapping[Any, Any], keys: tuple[str, ...]) -> int | 
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
             return value
     return None
+
+
+def _shared_width(config: Mapping[Any, Any]) -> int | None:
+    """A shared expert's width: Qwen2-MoE's `shared_expert_intermediate_size` (this record's name too), else
+    DeepSeek's `n_shared_experts` experts of `moe_intermediate_size`, run as one MLP that wide."""
+    width = _first_dimension(config, _SHARED_INTERMEDIATE)
+    shared, expert = _first_dimension(config, ("n_shared_experts",)), _first_dimension(config, _MOE_INTERMEDIATE)
+    if width is None and shared is not None and expert is not None and shared * expert <= MAX_DIMENSION:
+        return shared * expert
+    return width
 
 
 def _architecture(config: Mapping[Any, Any]) -> str | None:
