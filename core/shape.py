@@ -41,13 +41,16 @@ _INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_hidden_size")
 _VOCAB = ("vocab_size", "n_vocab")
 _POSITIONS = ("max_position_embeddings", "n_positions")
 # Mixtures of experts: routed experts, experts per token, each expert's width (Mixtral's is intermediate_size),
-# a shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`; DeepSeek's is n_shared_experts times
-# moe_intermediate_size, given by this record's name), the sparse layers' count.
+# a shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`, this record's name; DeepSeek's
+# n_shared_experts times moe_intermediate_size), the sparse layers' count.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERTS_PER_TOKEN = ("experts_per_token", "num_experts_per_tok")
 _MOE_INTERMEDIATE = ("moe_intermediate_size",)
 _SHARED_INTERMEDIATE = ("shared_expert_intermediate_size",)
 _SLIDING_WINDOW = ("sliding_window",)
+# Multi-head latent attention (DeepSeek-V2/V3): the KV cache keeps a kv_lora_rank latent and a qk_rope_head_dim rope
+# key per token and layer; each query and key head is qk_nope_head_dim + qk_rope_head_dim wide, each value v_head_dim.
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
 
 Dimension = Annotated[int, Field(gt=0, le=MAX_DIMENSION)]
 # Fields written only where the model has them (experts, sliding windows).
@@ -60,6 +63,7 @@ _OPTIONAL_FIELDS = frozenset(
         "sparse_layers",
         "sliding_window",
         "sliding_layers",
+        *_MLA,
     }
 )
 
@@ -81,7 +85,11 @@ class ShapeRecord(BaseModel):
     Layers, KV heads and head_dim size the KV cache and are always known; the rest bound prefill
     (parameters) and tensor parallelism (heads). A mixture of experts gives its experts, how many run per
     token and each one's width, and how many of the layers are sparse (the rest dense, `intermediate_size`
-    wide); sliding-window layers (`sliding_layers` of them) keep at most `sliding_window` tokens of KV.
+    wide); sliding-window layers (`sliding_layers` of them) keep at most `sliding_window` tokens of KV. Multi-head
+    latent attention (`kv_lora_rank` and `qk_rope_head_dim` given) caches one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer instead of every KV head's keys and values; its KV heads are its heads, its
+    head_dim each query's and key's (no-rope and rope parts), `v_head_dim` each value's and `q_lora_rank` the
+    query's latent (None: none).
     Strict and closed: `"8"` is not a size, and a field this record does not have is an error, not something
     carried along.
     """
@@ -105,6 +113,10 @@ class ShapeRecord(BaseModel):
     sparse_layers: Dimension | None = None  # None with experts: every layer
     sliding_window: Dimension | None = None
     sliding_layers: Dimension | None = None  # None with a window: every layer
+    q_lora_rank: Dimension | None = None
+    kv_lora_rank: Dimension | None = None
+    qk_rope_head_dim: Dimension | None = None
+    v_head_dim: Dimension | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -116,6 +128,11 @@ class ShapeRecord(BaseModel):
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None and self.experts_per_token is not None
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: its cache is one latent per token and layer."""
+        return self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
 
     @classmethod
     def from_untrusted(cls, config: object) -> ShapeRecord | str:
@@ -133,6 +150,13 @@ class ShapeRecord(BaseModel):
         kv_heads = _first_dimension(config, _KV_HEADS) or heads
         head_dim = _first_dimension(config, _HEAD_DIM)
         hidden = _first_dimension(config, _HIDDEN)
+        mla = {key: _first_dimension(config, (key,)) for key in _MLA}
+        nope = _first_dimension(config, ("qk_nope_head_dim",))
+        is_mla = mla["kv_lora_rank"] is not None and mla["qk_rope_head_dim"] is not None
+        if is_mla and nope is not None:  # MLA's query and key heads (transformers writes head_dim as the rope's)
+            head_dim = nope + mla["qk_rope_head_dim"]  # type: ignore[operator]
+        elif not is_mla:
+            mla = dict.fromkeys(_MLA)
         if head_dim is None and hidden is not None and heads and hidden % heads == 0:
             head_dim = hidden // heads
         if layers is None or kv_heads is None or head_dim is None:
@@ -169,10 +193,11 @@ class ShapeRecord(BaseModel):
             experts_per_token=per_token if moe else None,
             # Mixtral's experts are intermediate_size wide; it gives no moe_intermediate_size
             moe_intermediate_size=(_first_dimension(config, _MOE_INTERMEDIATE) if moe else None),
-            shared_expert_intermediate_size=_first_dimension(config, _SHARED_INTERMEDIATE) if moe else None,
+            shared_expert_intermediate_size=_shared_width(config) if moe else None,
             sparse_layers=_sparse_layers(config, layers) if moe else None,
             sliding_window=window if sliding != 0 else None,
             sliding_layers=sliding or None,
+            **mla,
         )
 
 
@@ -182,6 +207,16 @@ def _first_dimension(config: Mapping[Any, Any], keys: tuple[str, ...]) -> int | 
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DIMENSION:
             return value
     return None
+
+
+def _shared_width(config: Mapping[Any, Any]) -> int | None:
+    """A shared expert's width: Qwen2-MoE's `shared_expert_intermediate_size` (this record's name too), else
+    DeepSeek's `n_shared_experts` experts of `moe_intermediate_size`, run as one MLP that wide."""
+    width = _first_dimension(config, _SHARED_INTERMEDIATE)
+    shared, expert = _first_dimension(config, ("n_shared_experts",)), _first_dimension(config, _MOE_INTERMEDIATE)
+    if width is None and shared is not None and expert is not None and shared * expert <= MAX_DIMENSION:
+        return shared * expert
+    return width
 
 
 def _architecture(config: Mapping[Any, Any]) -> str | None:

@@ -53,6 +53,9 @@ class SourceModel:
     ignored: list[tuple[str, str]] = field(default_factory=list)
     # Directories outside `root` that symbolic links among the used files may point into.
     allowed_roots: tuple[Path, ...] = ()
+    # Tensors the checkpoint carries that its record recognises and kiln builds nothing from (DeepSeek-V3's
+    # multi-token-prediction layer), and why: checked by name and shape, kept in the source, never read.
+    unused_tensors: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def digest(self) -> str:
@@ -148,6 +151,8 @@ def open_source(
     if INDEX_FILE in present:
         _check_index(root, tensors)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_TENSOR_SUFFIXES)}
+    unused = _recognised_extras(shape, tensors)
+    tensors = {n: t for n, t in tensors.items() if n not in unused}
     _check_against_config(shape, tensors)
 
     known = {f.path: f for f in known_files or []}
@@ -165,6 +170,7 @@ def open_source(
         files=files,
         ignored=ignored,
         allowed_roots=roots[1:],
+        unused_tensors=[(n, reason) for n, reason in unused.items()],
     )
 
 
@@ -283,6 +289,32 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
         raise SourceInvalid(
             f"{INDEX_FILE}: tensors not listed in the index: {extra[:5]}", details={"tensors": extra[:20]}
         )
+
+
+def _recognised_extras(shape: ModelShape, tensors: dict[str, TensorInfo]) -> dict[str, str]:
+    """The tensors beyond what config.json implies that the family's record recognises (`ModelShape.extra_tensors`),
+    with the reason kiln builds nothing from them: all of them or none, each of the shape the config implies."""
+    extras = {t.name: t.shape for t in shape.extra_tensors()}
+    present = [n for n in extras if n in tensors]
+    if not present:
+        return {}
+    missing = [n for n in extras if n not in tensors]
+    if missing:
+        raise SourceInvalid(
+            f"the checkpoint holds {len(present)} of the {len(extras)} tensors of {shape.architecture}'s "
+            f"multi-token-prediction layers (num_nextn_predict_layers={shape.prediction_layers}), e.g. it lacks "
+            f"{missing[0]!r}",
+            details={"missing": missing[:20]},
+        )
+    for name in present:
+        t = tensors[name]
+        if t.shape != extras[name]:
+            raise SourceInvalid(
+                f"{t.file}: tensor {name!r} has shape {list(t.shape)}, config.json implies {list(extras[name])}",
+                details={"tensor": name, "shape": list(t.shape), "expected": list(extras[name])},
+            )
+    reason = shape.arch.prediction_layers.reason if shape.arch.prediction_layers is not None else ""
+    return dict.fromkeys(present, reason)
 
 
 def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> None:

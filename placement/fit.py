@@ -63,6 +63,7 @@ from placement.model import (
     active_parameters,
     flops_parameters,
     kv_cache_bytes,
+    kv_elements_per_token_layer,
     paged_kv_cache,
     parameters,
     sliding_layer_count,
@@ -366,7 +367,12 @@ def plan_replica(
             f"{window - 1 + serving.in_flight_tokens} of its {context} tokens there (a {window}-token window, "
             f"{serving.in_flight_tokens} in flight)"
         )
-    if isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
+    if isinstance(shape, ShapeRecord) and shape.is_mla:
+        parts.append(
+            f"MLA: {kv_elements_per_token_layer(shape)} cache elements a token and layer (a latent and a rope key), "
+            "whole on every device"
+        )
+    elif isinstance(shape, ShapeRecord) and tp > shape.num_kv_heads:
         parts.append(f"KV heads replicated: {shape.num_kv_heads} over TP {tp}, one per device")
     if isinstance(shape, ShapeRecord) and shape.is_moe and read_w < w_dev:
         parts.append(

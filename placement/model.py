@@ -7,7 +7,10 @@ kv = KV heads × head_dim, V vocabulary, E experts of width f_e, k per token, f_
 
 - Parameters per layer: attention h·q + 2·h·kv + q·h, two norms 2·h; a dense MLP 3·h·f; a sparse one the
   router E·h and E experts of 3·h·f_e, a shared expert 3·h·f_s. Embeddings V·h, and the head V·h unless tied.
-  (Biases and q/k norms, where a family has them, are under 0.01 % and not counted.)
+  (Biases, sinks and q/k norms, where a family has them, are not counted: under 0.01 %, gpt-oss's expert biases
+  0.03 %.) Multi-head latent attention (H heads, query latent r_q, KV latent r_kv, rope key d_r, each head's
+  query and key d_qk = d_nope + d_r, value d_v): h·r_q + r_q + r_q·H·d_qk (or h·H·d_qk without a query latent),
+  h·(r_kv + d_r) + r_kv, r_kv·H·(d_nope + d_v), H·d_v·h, and the two norms.
 - Active parameters (what one token computes with): all of them but the routed experts it does not run:
   each sparse layer's router, k experts and the shared expert besides the rest. A decode step at batch B
   reads each sparse layer's distinct experts, E·(1 − (1 − k/E)^B) of them in expectation for independent
@@ -15,6 +18,12 @@ kv = KV heads × head_dim, V vocabulary, E experts of width f_e, k per token, f_
 - KV cache per token of a sequence of T tokens: 2·kv·(bytes per element) for each full layer, and for each
   sliding layer only while T is within its window: the cache of T tokens is 2·kv·e·(L_full·T + L_w·min(T, W)),
   what a runtime holding exactly its tokens keeps (llama.cpp, the JAX forward).
+- Multi-head latent attention caches one latent per token and layer, r_kv + d_r elements (DeepSeek-V3: 512 + 64),
+  not 2·kv: vLLM 0.32's `MLAAttention.get_kv_cache_spec` (model_executor/layers/attention/mla_attention.py) gives
+  every MLA layer one KV head of `head_size = kv_lora_rank + qk_rope_head_dim` and no separate value
+  (`MLAAttentionSpec.head_size_v = 0`, v1/kv_cache_interface.py: a page is block_size × head_size × e bytes), with
+  `max_tp_shards=1`: every tensor-parallel rank holds the whole latent. transformers' cache and llama.cpp's MLA
+  keep the same latent.
 - vLLM pages it (`PagedKvCache`, its accounting as vLLM 0.32 does it, checked against vLLM's own figures by
   tests/placement/test_vllm_kv.py): pages of b tokens (16; 128 on the CPU) of one layer, 2·kv·e·b bytes each; the
   layers in groups that share a block table (one group of every layer, or for full and sliding layers mixed,
@@ -37,8 +46,21 @@ def _attention(s: ShapeRecord) -> int | None:
     heads, h = s.num_attention_heads, s.hidden_size
     if heads is None or h is None:
         return None
+    if s.is_mla:
+        return _latent_attention(s, heads, h)
     q, kv = heads * s.head_dim, s.num_kv_heads * s.head_dim
     return h * q + 2 * h * kv + q * h + 2 * h
+
+
+def _latent_attention(s: ShapeRecord, heads: int, h: int) -> int | None:
+    """Multi-head latent attention's parameters and the layer's two norms (the module's notation)."""
+    r_kv, d_r, d_v, r_q = s.kv_lora_rank, s.qk_rope_head_dim, s.v_head_dim, s.q_lora_rank
+    if r_kv is None or d_r is None or d_v is None:
+        return None
+    d_qk = s.head_dim
+    query = h * r_q + r_q + r_q * heads * d_qk if r_q is not None else h * heads * d_qk
+    latent = h * (r_kv + d_r) + r_kv + r_kv * heads * (d_qk - d_r + d_v)
+    return query + latent + heads * d_v * h + 2 * h
 
 
 def sparse_layers(s: ShapeRecord) -> int:
@@ -118,6 +140,15 @@ def kv_heads_per_device(s: ShapeRecord, tp: int = 1) -> int:
     return max(s.num_kv_heads // tp, 1)
 
 
+def kv_elements_per_token_layer(s: ShapeRecord, tp: int = 1) -> int:
+    """The cache elements one token keeps in one layer on one of `tp` devices: its keys and values, 2 × the KV heads
+    each device keeps × head_dim; multi-head latent attention's latent and rope key, kv_lora_rank +
+    qk_rope_head_dim, whole on every device."""
+    if s.is_mla:
+        return s.kv_lora_rank + s.qk_rope_head_dim  # type: ignore[operator]
+    return 2 * kv_heads_per_device(s, tp) * s.head_dim
+
+
 def kv_cache_bytes(
     s: ShapeRecord,
     tokens: int,
@@ -130,7 +161,7 @@ def kv_cache_bytes(
     """Keys and values of every layer for `concurrency` sequences of `tokens` each, on one of `tp` devices, in
     `kv_dtype` (or `element_bytes` per element: a runtime's float32 cache)."""
     element = element_bytes if element_bytes is not None else kv_element_bytes(kv_dtype)
-    per_token_layer = 2 * kv_heads_per_device(s, tp) * s.head_dim * element
+    per_token_layer = kv_elements_per_token_layer(s, tp) * element
     return per_token_layer * kv_layer_tokens(s, tokens) * concurrency
 
 
@@ -138,7 +169,7 @@ def kv_bytes_per_token(s: ShapeRecord, kv_dtype: str = "bf16", tp: int = 1, *, e
     """One token's keys and values over every layer (the sliding layers' included: a token within the window), on
     one of `tp` devices, in `kv_dtype` (or `element_bytes` per element)."""
     element = element_bytes if element_bytes is not None else kv_element_bytes(kv_dtype)
-    return 2 * s.num_layers * kv_heads_per_device(s, tp) * s.head_dim * element
+    return s.num_layers * kv_elements_per_token_layer(s, tp) * element
 
 
 def sliding_layer_count(s: ShapeRecord) -> int:
@@ -251,7 +282,7 @@ def paged_kv_cache(
     layers mixed, groups of the fewer kind's count (the larger where under 1.5 times it), each kind's last group
     padded."""
     element = element_bytes if element_bytes is not None else kv_element_bytes(kv_dtype)
-    page = 2 * kv_heads_per_device(s, tp) * s.head_dim * element * block_size
+    page = kv_elements_per_token_layer(s, tp) * element * block_size
     sliding = sliding_layer_count(s)
     full = s.num_layers - sliding
     if not sliding or not full:

@@ -1,6 +1,12 @@
 """An artifact's weight bytes, from the model's shape alone: a GGUF file's tensors for llama.cpp, a scheme's
 checkpoint (`quant.footprint`) for the HF-format targets, else the source's.
 
+A source may be released quantized (config.json's `quantization_config`): its bytes are its tensors as it stores
+them (`ModelShape.stored_tensors`), FP8 E4M3 weights with a float32 scale per 128 x 128 block (DeepSeek-V3, 690 GB
+with its multi-token-prediction layer), MXFP4 experts at 17 bytes per 32 weights (gpt-oss-120b, 65 GB), not the
+config's dtype for every weight. An artifact in the scheme the source is stored in (DeepSeek-V3's fp8-block) is the
+source's tensors as they are, less the layers kiln builds nothing from.
+
 A file llama.cpp's own quantizer writes (`llama_ftype`: Q4_K_M, Q6_K) takes llama.cpp's per-tensor mix, as
 `llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp chooses it (`llama_tensor_types`). For Llama-3-70B's
 Q4_K_M that is 42.5 GB, not the 40.0 GB every weight at Q4_K would take: the output tensor at Q6_K, half the
@@ -9,6 +15,7 @@ layers' ffn_down (`use_more_bits`) at Q6_K, attn_v at Q6_K or Q5_K.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -17,6 +24,7 @@ from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from formats.gguf.constants import F32_KINDS, TYPE_TRAITS, FileType, TensorType, tensor_nbytes
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
+from formats.safetensors import DTYPES
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes
 
@@ -115,6 +123,8 @@ def artifact_bytes(shape: ModelShape, config: Mapping[str, Any], weight_bytes: i
     shape does not fit it."""
     if runtime == "llama.cpp" and quant in GGUF_QUANTS:
         return gguf_bytes(shape, quant)
+    if keeps_source(shape, quant):
+        return source_bytes(shape, weight_bytes, extras=False)
     if quant in SCHEMES:
         try:
             return checkpoint_bytes(config, quant)
@@ -124,6 +134,26 @@ def artifact_bytes(shape: ModelShape, config: Mapping[str, Any], weight_bytes: i
     return source_bytes(shape, weight_bytes)
 
 
-def source_bytes(shape: ModelShape, weight_bytes: int) -> int:
-    """The source checkpoint's tensor bytes: every tensor at `weight_bytes` per element."""
-    return weight_bytes * sum(t.elements for t in shape.tensors())
+def keeps_source(shape: ModelShape, quant: str) -> bool:
+    """Whether an artifact of catalog scheme `quant` stores the weights as the pre-quantized source does, so it keeps
+    the source's tensors: FP8 weights in the source's 2-D blocks (DeepSeek-V3's 128 x 128 is `fp8-block`'s). gpt-oss's
+    MXFP4 experts beside bf16 attention are no catalog scheme (`mxfp4-w4a4` quantizes every Linear)."""
+    q, scheme = shape.source_quant, SCHEMES.get(quant)
+    if q is None or q.method != "fp8-block" or scheme is None or scheme.weights is None:
+        return False
+    w = scheme.weights
+    return w.type == "float" and w.num_bits == 8 and w.block_structure == q.block
+
+
+def source_bytes(shape: ModelShape, weight_bytes: int, *, extras: bool = True) -> int:
+    """The source checkpoint's tensor bytes: each tensor as the release stores it (`ModelShape.stored_tensors`:
+    FP8 weights and their block scales, MXFP4 blocks and scales, where config.json's `quantization_config` says
+    so), the rest at `weight_bytes` per element; with `extras`, the layers a release carries that kiln builds nothing
+    from (`ModelShape.extra_tensors`: DeepSeek-V3's multi-token-prediction layer; a checkpoint that leaves them
+    out holds that much less)."""
+    if shape.source_quant is None and not (extras and shape.prediction_layers):
+        return weight_bytes * sum(t.elements for t in shape.tensors())
+    return sum(
+        (DTYPES[t.dtype].itemsize if t.dtype is not None else weight_bytes) * math.prod(t.shape)
+        for t in shape.stored_tensors(extras=extras)
+    )

@@ -24,6 +24,8 @@ FAMILIES = {
     "mixtral": "MixtralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # The families of 2025-26 the tests build beside the first three, and what each one's tiny model sets beyond the
 # shared sizes: experts (Qwen3-MoE: more experts than tokens route to in a short text, so some see none;
@@ -33,7 +35,27 @@ FAMILY_CONFIG: dict[str, dict[str, object]] = {
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "gemma3": {"sliding_window": 16, "query_pre_attn_scalar": 16},
+    # DeepSeek-V3 in miniature: MLA with a query latent, one dense layer then 8 experts top-2 in 2 groups (the best
+    # one chosen) beside a shared expert.
+    "deepseek_v3": {
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+    },
+    # gpt-oss in miniature: 4 experts top-2 of width 32 (a whole MXFP4 block of inputs), a 16-token window.
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "head_dim": 16},
 }
+# Families whose attention has as many KV heads as query heads (MLA expands its latent to every head).
+KV_HEADS_ARE_HEADS = ("deepseek_v3",)
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 HEAD_DIM_DEFAULTS = ("qwen3", "qwen3_moe", "gemma3")
 TIED_FAMILIES = ("gemma3",)
@@ -101,6 +123,8 @@ def make_model(
         extra.setdefault("head_dim", hidden_size // num_heads)
     if tie_word_embeddings is None:
         tie_word_embeddings = family in TIED_FAMILIES
+    if family in KV_HEADS_ARE_HEADS:
+        num_kv_heads = num_heads
     model_config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

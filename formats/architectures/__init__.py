@@ -12,10 +12,21 @@ from typing import Final
 
 from core.errors import SourceInvalid
 from core.untrusted import short_repr
-from formats.architectures import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from formats.architectures import (
+    deepseek_v3,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from formats.architectures.record import Architecture
 
-FAMILY_MODULES: Final = (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma3, phi3)
+FAMILY_MODULES: Final = (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma3, phi3, deepseek_v3, gpt_oss)
 
 
 def _registry() -> dict[str, Architecture]:
@@ -64,16 +75,17 @@ def get_family(family: str) -> Architecture:
 
 def _linear_weight_pattern() -> re.Pattern[str]:
     """Every family's decoder-layer Linear weights (what a scheme may quantize), built from the records' names:
-    attention q/k/v/o (or fused qkv), the MLP's projections (or fused gate_up), every expert's and a shared
-    expert's. Routers, norms, embeddings and the head never match."""
+    attention q/k/v/o (or fused qkv; MLA's latent projections), the MLP's projections (or fused gate_up), every
+    expert's and a shared expert's. Routers, norms, embeddings, the head and experts stacked in one 3-D tensor
+    never match."""
     names: set[str] = set()
     for a in ARCHITECTURES.values():
         attn = re.escape(a.attention.prefix)
-        names.add(f"{attn}\\.(qkv_proj|[qkvo]_proj)")
+        names.add(f"{attn}\\.({'|'.join(re.escape(p) for p in a.attention.linears())})")
         mlp, proj = re.escape(a.mlp.prefix), a.mlp.projections
         gated = "|".join(re.escape(p) for p in (proj.gate, proj.up, proj.down, "gate_up_proj"))
         names.add(f"{mlp}\\.({gated})")
-        if a.mlp.experts is not None:
+        if a.mlp.experts is not None and a.mlp.experts.layout == "per_expert":
             x = a.mlp.experts
             block, ep = re.escape(x.block), x.projections
             routed = "|".join(re.escape(p) for p in (ep.gate, ep.up, ep.down))

@@ -11,8 +11,9 @@ layer type's rope) is computed by the methods below, as transformers' own config
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Final, cast
+from typing import Annotated, Any, ClassVar, Final, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,6 +36,9 @@ CONFIG_LIMITS: Final[dict[str, int]] = {
     "num_experts_per_tok": 4096,
     "moe_intermediate_size": 2**18,
     "decoder_sparse_step": 1024,
+    "lora_rank": 2**16,  # MLA's q_lora_rank and kv_lora_rank (DeepSeek-V3: 1,536 and 512)
+    "shared_experts": 64,
+    "prediction_layers": 16,
 }
 MAX_TOKEN_ID: Final = 2**31 - 1
 
@@ -80,7 +84,11 @@ class RopeSpec:
 class MoeShape:
     """A mixture of experts as a config makes it: `experts` routed experts of `intermediate_size` each, of
     which `experts_per_token` run per token (renormalised over the chosen when `norm_topk_prob`), a shared
-    expert of `shared_intermediate_size` (0: none), in the layers `sparse_layers` (the others dense)."""
+    expert of `shared_intermediate_size` (0: none), in the layers `sparse_layers` (the others dense).
+
+    Group-limited routing (DeepSeek-V3): the experts in `groups` groups, of which the `topk_groups` best are
+    chosen from; the chosen experts' weights multiplied by `routed_scaling_factor` (the record's `Experts` says
+    how the scores are made)."""
 
     experts: int
     experts_per_token: int
@@ -88,6 +96,96 @@ class MoeShape:
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
+    groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention as a config makes it (the record's `Attention` "mla"): queries through a
+    `q_lora_rank` latent (None: one q_proj), keys and values through a `kv_lora_rank` latent, each head's query
+    and key `qk_nope_head_dim` without rope and `qk_rope_head_dim` with it (the rope part of the key one for every
+    head), each head's value `v_head_dim`; `rope_interleave`: the rope rotates interleaved pairs (x0, x1), (x2, x3),
+    ... of the rope part (transformers' default for DeepSeek-V3), else its halves."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """The elements one token keeps in one layer's cache: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class SourceQuant:
+    """How a release stores its weights where config.json's `quantization_config` says they are quantized:
+    "fp8-block" (DeepSeek-V3: every decoder Linear's weight in FP8 E4M3 with a float32 `weight_scale_inv` per
+    `block` of rows x columns, the rest in the config's dtype) or "mxfp4" (gpt-oss: every expert's weights as
+    MXFP4, 4-bit E2M1 values in blocks of 32 under an E8M0 scale byte, stored as `<name>_blocks` [..., rows,
+    columns / 32, 16] and `<name>_scales` [..., rows, columns / 32] uint8; the rest in the config's dtype).
+    `not_converted`: the modules `modules_to_not_convert` leaves unquantized (transformers' patterns: a module
+    named by one, under one, or ending with one; `*` any run of characters)."""
+
+    method: Literal["fp8-block", "mxfp4"]
+    block: tuple[int, int] | None = None
+    not_converted: tuple[str, ...] = ()
+
+    def converts(self, module: str) -> bool:
+        """Whether the quantization covers `module` (a tensor's name without `.weight`)."""
+        for pattern in self.not_converted:
+            regex = ".*".join(re.escape(part) for part in pattern.split("*"))
+            if re.match(f"{regex}(\\.|$)", module) or module.endswith(pattern):
+                return False
+        return True
+
+
+_Pattern = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class QuantizationConfig(BaseModel):
+    """config.json's `quantization_config` where it says how the release's weights are stored: the keys kiln reads
+    of transformers' FineGrainedFP8Config (`quant_method` "fp8": `fmt`, `weight_block_size`, `activation_scheme`)
+    and Mxfp4Config (`quant_method` "mxfp4": `modules_to_not_convert`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    quant_method: str = Field(max_length=64)
+    fmt: str | None = Field(default=None, max_length=16)
+    weight_block_size: list[Annotated[int, Field(gt=0, le=2**16)]] | None = Field(
+        default=None, min_length=2, max_length=2
+    )
+    activation_scheme: str | None = Field(default=None, max_length=32)
+    modules_to_not_convert: list[_Pattern] | None = Field(default=None, max_length=1024)
+
+    @model_validator(mode="after")
+    def _fp8_blocks(self) -> QuantizationConfig:
+        if self.quant_method == "fp8":
+            if self.weight_block_size is None:
+                raise ValueError("quant_method 'fp8' without weight_block_size: kiln reads FP8 in 2-D blocks only")
+            if self.fmt not in (None, "e4m3"):
+                raise ValueError(f"fmt must be 'e4m3' (FP8 E4M3 weights), got {self.fmt!r}")
+        return self
+
+    def source_quant(self) -> SourceQuant | None:
+        """What this says of the stored weights: FP8 in 2-D blocks, MXFP4, or None for another method (stored as
+        the safetensors headers say)."""
+        skip = tuple(self.modules_to_not_convert or ())
+        if self.quant_method == "fp8" and self.weight_block_size is not None:
+            rows, cols = self.weight_block_size
+            return SourceQuant("fp8-block", (rows, cols), skip)
+        if self.quant_method == "mxfp4":
+            return SourceQuant("mxfp4", None, skip)
+        return None
 
 
 _NOT_NULL: Final = (
@@ -136,6 +234,7 @@ class FamilyConfig(BaseModel):
     eos_token_id: _TokenId | list[_TokenId] | None = None
     pad_token_id: _TokenId | None = None
     unk_token_id: _TokenId | None = None
+    quantization_config: QuantizationConfig | None = None
 
     @field_validator(*_NOT_NULL, mode="before", check_fields=False)
     @classmethod
@@ -200,6 +299,18 @@ class FamilyConfig(BaseModel):
 
     def moe(self) -> MoeShape | None:
         return None
+
+    def mla(self) -> MlaShape | None:
+        """Multi-head latent attention's sizes (None: the family's attention is grouped-query)."""
+        return None
+
+    def prediction_layers(self) -> int:
+        """The multi-token-prediction layers the release's checkpoint may carry after the decoder's (0: none)."""
+        return 0
+
+    def source_quant(self) -> SourceQuant | None:
+        """How the release stores its weights where `quantization_config` says they are quantized."""
+        return self.quantization_config.source_quant() if self.quantization_config is not None else None
 
     def rope(self) -> dict[LayerType, RopeSpec]:
         """Each layer type's rope: `rope_scaling` where given (transformers' `convert_rope_params_to_dict` lets it

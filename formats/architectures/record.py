@@ -57,6 +57,32 @@ class TensorKind(StrEnum):
     FFN_UP_SHEXP = "ffn_up_shexp"
     FFN_DOWN_SHEXP = "ffn_down_shexp"
     FFN_GATE_INP_SHEXP = "ffn_gate_inp_shexp"  # the shared expert's sigmoid gate: [1, hidden]
+    # Multi-head latent attention (DeepSeek-V2/V3, llama.cpp's `deepseek2`): queries through a low-rank latent
+    # (q_a, its norm, q_b; one q_proj where the config has no q_lora_rank), keys and values through one compressed
+    # latent with a shared rope key (kv_a_mqa: [kv_lora_rank + qk_rope_head_dim, hidden]), its norm, and its
+    # up-projection to every head's no-rope key and value (kv_b).
+    ATTN_Q_A = "attn_q_a"
+    ATTN_Q_A_NORM = "attn_q_a_norm"
+    ATTN_Q_B = "attn_q_b"
+    ATTN_KV_A_MQA = "attn_kv_a_mqa"
+    ATTN_KV_A_NORM = "attn_kv_a_norm"
+    ATTN_KV_B = "attn_kv_b"
+    # What llama.cpp's converter splits attn_kv_b into for its absorbed MLA (each head's key rows transposed, and
+    # its value rows): GGUF names only, no checkpoint tensor has these kinds.
+    ATTN_K_B = "attn_k_b"
+    ATTN_V_B = "attn_v_b"
+    ATTN_SINKS = "attn_sinks"  # one learned logit per head, a softmax column no value is read from (gpt-oss)
+    FFN_EXP_PROBS_B = "exp_probs_b"  # the router's score-correction bias, added for the choice only (DeepSeek-V3)
+    # Every expert's gate and up in one stacked tensor (gpt-oss: [experts, hidden, 2 x intermediate], interleaved).
+    FFN_GATE_UP_EXPS = "ffn_gate_up_exps"
+    # A multi-token-prediction layer's own tensors (DeepSeek-V3's layer 61, llama.cpp's `nextn`): its embedding,
+    # the norms of the embedding and of the previous hidden state, their projection, its head and the head's norm.
+    NEXTN_EMBED_TOKENS = "nextn.embed_tokens"
+    NEXTN_ENORM = "nextn.enorm"
+    NEXTN_HNORM = "nextn.hnorm"
+    NEXTN_EH_PROJ = "nextn.eh_proj"
+    NEXTN_SHARED_HEAD_NORM = "nextn.shared_head_norm"
+    NEXTN_SHARED_HEAD_HEAD = "nextn.shared_head_head"
 
 
 # The kinds that are Linear weights a quantization scheme may quantize (the router, norms and embeddings never).
@@ -67,6 +93,10 @@ LINEAR_KINDS: Final = frozenset(
         TensorKind.ATTN_V,
         TensorKind.ATTN_QKV,
         TensorKind.ATTN_OUTPUT,
+        TensorKind.ATTN_Q_A,
+        TensorKind.ATTN_Q_B,
+        TensorKind.ATTN_KV_A_MQA,
+        TensorKind.ATTN_KV_B,
         TensorKind.FFN_GATE,
         TensorKind.FFN_UP,
         TensorKind.FFN_GATE_UP,
@@ -74,12 +104,15 @@ LINEAR_KINDS: Final = frozenset(
         TensorKind.FFN_GATE_EXPS,
         TensorKind.FFN_UP_EXPS,
         TensorKind.FFN_DOWN_EXPS,
+        TensorKind.FFN_GATE_UP_EXPS,
         TensorKind.FFN_GATE_SHEXP,
         TensorKind.FFN_UP_SHEXP,
         TensorKind.FFN_DOWN_SHEXP,
     }
 )
-EXPERT_KINDS: Final = frozenset({TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS, TensorKind.FFN_DOWN_EXPS})
+EXPERT_KINDS: Final = frozenset(
+    {TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS, TensorKind.FFN_DOWN_EXPS, TensorKind.FFN_GATE_UP_EXPS}
+)
 NORM_KINDS: Final = frozenset(
     {
         TensorKind.OUTPUT_NORM,
@@ -89,6 +122,11 @@ NORM_KINDS: Final = frozenset(
         TensorKind.ATTN_POST_NORM,
         TensorKind.FFN_NORM,
         TensorKind.FFN_POST_NORM,
+        TensorKind.ATTN_Q_A_NORM,
+        TensorKind.ATTN_KV_A_NORM,
+        TensorKind.NEXTN_ENORM,
+        TensorKind.NEXTN_HNORM,
+        TensorKind.NEXTN_SHARED_HEAD_NORM,
     }
 )
 
@@ -113,7 +151,8 @@ class TensorSpec:
 
     @property
     def quantizable(self) -> bool:
-        """A Linear weight a scheme may quantize (never a bias, norm, embedding or router)."""
+        """A Linear weight a scheme may quantize (never a bias, norm, embedding or router; nor a stack of every
+        expert's weights in one 3-D tensor, which kiln's schemes do not write)."""
         return self.kind in LINEAR_KINDS and not self.bias and len(self.shape) == 2
 
 
@@ -129,7 +168,18 @@ class Attention:
     the first `partial_rotary_factor` of each head's dimensions (Phi-3; families without it rotate every
     dimension whatever config.json says); `sliding`: where sliding-window layers come from ("none": every
     layer is full; "all": every layer slides when config.json gives a window; "layer_types": config.json's
-    `layer_types`, or the family's pattern)."""
+    `layer_types`, or the family's pattern); `output_bias`: o_proj has a bias too where the q/k/v projections
+    have theirs (gpt-oss; Qwen2's has none); `sinks`: one learned logit per head (`<prefix>.sinks` [heads]) joins
+    each row's softmax and is dropped after it, so attention may attend to nothing (gpt-oss; the KV cache holds
+    nothing for it).
+
+    `kind` "mla": multi-head latent attention (DeepSeek-V2/V3), which config.json's MLA keys shape
+    (`config.MlaShape`): `q_a_proj` [q_lora_rank, hidden], `q_a_layernorm`, `q_b_proj` [heads x (qk_nope_head_dim +
+    qk_rope_head_dim), q_lora_rank] (one `q_proj` [heads x that, hidden] where q_lora_rank is null),
+    `kv_a_proj_with_mqa` [kv_lora_rank + qk_rope_head_dim, hidden] (the compressed latent and one rope key every
+    head shares), `kv_a_layernorm` [kv_lora_rank], `kv_b_proj` [heads x (qk_nope_head_dim + v_head_dim),
+    kv_lora_rank] and `o_proj` [hidden, heads x v_head_dim]. A runtime caches the latent and the rope key, not
+    every head's keys and values."""
 
     bias: bool = False
     qk_norm: bool = False
@@ -137,6 +187,15 @@ class Attention:
     partial_rotary: bool = False
     sliding: Literal["none", "all", "layer_types"] = "none"
     prefix: str = "self_attn"
+    kind: Literal["gqa", "mla"] = "gqa"
+    output_bias: bool = False
+    sinks: bool = False
+
+    def linears(self) -> tuple[str, ...]:
+        """The names of the attention's Linears (any a config may choose: q_proj where MLA's q_lora_rank is null)."""
+        if self.kind == "mla":
+            return ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        return ("qkv_proj", "o_proj") if self.fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -155,8 +214,23 @@ class Experts:
     `block` is the MLP module's name in a layer (`mlp`, Mixtral's `block_sparse_moe`); the router is
     `<block>.<router>.weight` [experts, hidden] and expert e's Linears `<block>.<experts>.<e>.<proj>.weight`.
     `softmax_then_topk`: the router's softmax runs over every expert before the top-k are kept (Qwen3-MoE,
-    Mixtral, as transformers computes them); `shared`: the name of a shared expert module beside the routed
-    ones (None: none) and `shared_gate` its sigmoid gate's (None: the shared expert is added ungated)."""
+    Mixtral, as transformers computes them; False: a softmax over the chosen experts' logits, gpt-oss);
+    `shared`: the name of a shared expert module beside the routed ones (None: none) and `shared_gate` its
+    sigmoid gate's (None: the shared expert is added ungated). `router_bias`: the router has a bias
+    (`<block>.<router>.bias` [experts]).
+
+    `scoring` "sigmoid" (DeepSeek-V3): each expert's score is the sigmoid of its logit; the choice adds the
+    router's `e_score_correction_bias` [experts] (`score_correction_bias`) to the scores, keeps the best
+    `topk_group` of `n_group` groups of experts (a group ranked by its two best), then the top k of those; the
+    chosen experts' weights are their uncorrected scores, renormalised where `norm_topk_prob`, times
+    `routed_scaling_factor` (transformers' DeepseekV3TopkRouter).
+
+    `layout` "fused": the checkpoint stacks every expert in one tensor per projection, as transformers' GptOssExperts
+    holds them, inputs first: `<block>.<experts>.gate_up_proj` [experts, hidden, 2 x intermediate] with gate and up
+    interleaved along its last axis (gate the even columns, up the odd), `down_proj` [experts, intermediate,
+    hidden], and where `bias` their biases `gate_up_proj_bias` [experts, 2 x intermediate] and `down_proj_bias`
+    [experts, hidden]. `activation` "clamped_swiglu" (gpt-oss): the gate clamped to at most `swiglu_limit`, up to
+    [-swiglu_limit, swiglu_limit], and gate · sigmoid(1.702 · gate) · (up + 1)."""
 
     block: str = "mlp"
     router: str = "gate"
@@ -165,6 +239,12 @@ class Experts:
     softmax_then_topk: bool = True
     shared: str | None = None
     shared_gate: str | None = None
+    router_bias: bool = False
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_correction_bias: bool = False
+    layout: Literal["per_expert", "fused"] = "per_expert"
+    bias: bool = False
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
 
 
 @dataclass(frozen=True)
@@ -188,6 +268,18 @@ class Norms:
     offset: float = 0.0
     sandwich: bool = False
     embedding_scale: Literal["none", "sqrt_hidden"] = "none"
+
+
+@dataclass(frozen=True)
+class PredictionLayers:
+    """Multi-token-prediction layers a release's checkpoint carries after the decoder's (`model.layers.<L + i>.*`
+    for the config's `num_nextn_predict_layers` of them, DeepSeek-V3): each one a decoder layer with experts and
+    its own embedding, two norms, a projection of both to the hidden size and a head (`nextn.*` kinds).
+
+    kiln recognises them (ingest checks their names and shapes; a checkpoint may leave them out), keeps them in the
+    source it holds and builds nothing from them: `reason` says why."""
+
+    reason: str
 
 
 # What a TensorRT-LLM model class may assume of a config (`TargetMapping.trtllm_assumes`): every layer routes to
@@ -240,6 +332,7 @@ class Architecture:
     tied_default: bool = False
     # Layer-by-layer streaming through transformers' own decoder layers (`eval.runtimes.layer_stream`).
     streams: bool = True
+    prediction_layers: PredictionLayers | None = None
     targets: dict[str, TargetMapping] = field(default_factory=dict)
     description: str = ""
 

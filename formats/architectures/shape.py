@@ -10,9 +10,10 @@ read of the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -20,8 +21,11 @@ from core.errors import SourceInvalid
 from core.shape import ShapeRecord
 from core.untrusted import short_repr
 from formats.architectures import FAMILIES, get_architecture
-from formats.architectures.config import FamilyConfig, MoeShape, RopeSpec
-from formats.architectures.record import Architecture, LayerType, TensorKind, TensorSpec
+from formats.architectures.config import FamilyConfig, MlaShape, MoeShape, RopeSpec, SourceQuant
+from formats.architectures.record import EXPERT_KINDS, Architecture, LayerType, TensorKind, TensorSpec
+
+# MXFP4 (OCP MX): 32 values under one E8M0 scale byte, two 4-bit values a byte.
+MXFP4_BLOCK: Final = 32
 
 
 def _config_error(e: ValidationError) -> SourceInvalid:
@@ -45,6 +49,17 @@ def _config_error(e: ValidationError) -> SourceInvalid:
 
 def _invalid(field: str, message: str) -> SourceInvalid:
     return SourceInvalid(f"config.json: {message}", details={"file": "config.json", "field": field})
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a release's checkpoint stores it (`ModelShape.stored_tensors`): its name, SafeTensors dtype
+    (None: the source's own float type, config.json's `torch_dtype`) and shape, and the weight it holds or scales."""
+
+    name: str
+    dtype: str | None
+    shape: tuple[int, ...]
+    of: TensorSpec
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,10 @@ class ModelShape:
     query_pre_attn_scalar: float | None = None  # attention scaled by its ^-1/2 (else head_dim's)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    mla: MlaShape | None = None  # multi-head latent attention's sizes (head_dim is then each query's and key's)
+    swiglu_limit: float | None = None  # the clamped SwiGLU's limit (gpt-oss)
+    prediction_layers: int = 0  # multi-token-prediction layers a checkpoint may carry (`extra_tensors`)
+    source_quant: SourceQuant | None = None  # how the release stores its weights, from `quantization_config`
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -90,7 +109,10 @@ class ModelShape:
     def from_family_config(cls, arch: Architecture, c: FamilyConfig) -> ModelShape:
         heads = c.num_attention_heads
         kv_heads = c.num_key_value_heads if c.num_key_value_heads is not None else heads
-        if c.head_dim is not None:
+        mla = c.mla()
+        if mla is not None:  # every head's query and key: its no-rope and rope parts
+            head_dim = mla.qk_head_dim
+        elif c.head_dim is not None:
             head_dim = c.head_dim
         elif c.hidden_size % heads == 0:
             head_dim = c.hidden_size // heads
@@ -151,6 +173,10 @@ class ModelShape:
             query_pre_attn_scalar=getattr(c, "query_pre_attn_scalar", None),
             attn_logit_softcapping=getattr(c, "attn_logit_softcapping", None),
             final_logit_softcapping=getattr(c, "final_logit_softcapping", None),
+            mla=mla,
+            swiglu_limit=getattr(c, "swiglu_limit", None),
+            prediction_layers=c.prediction_layers() if arch.prediction_layers is not None else 0,
+            source_quant=c.source_quant(),
         )
 
     # -- the record and what it derives ----------------------------------------------------------------------
@@ -183,6 +209,12 @@ class ModelShape:
 
     def tensors(self) -> list[TensorSpec]:
         """Every weight tensor the checkpoint must contain: the embedding, final norm, head, then each layer."""
+        return list(self._tensors)
+
+    @cached_property
+    def _tensors(self) -> tuple[TensorSpec, ...]:
+        """`tensors()`, built once: a plan sizes its stages from them many times, and a mixture of experts has
+        ~10^5 of them (DeepSeek-V3: 45,395)."""
         h, v = self.hidden_size, self.vocab_size
         out = [
             TensorSpec("model.embed_tokens.weight", (v, h), TensorKind.TOKEN_EMBD),
@@ -192,7 +224,7 @@ class ModelShape:
             out.append(TensorSpec("lm_head.weight", (v, h), TensorKind.OUTPUT))
         for i in range(self.num_layers):
             out += layer_tensors(self, i)
-        return out
+        return tuple(out)
 
     @cached_property
     def _layer_counts(self) -> tuple[int, int]:
@@ -216,6 +248,54 @@ class ModelShape:
         """Every weight tensor name the checkpoint must contain, with its shape."""
         return {t.name: t.shape for t in self.tensors()}
 
+    def extra_tensors(self) -> list[TensorSpec]:
+        """The tensors a release's checkpoint may carry beyond `tensors()`, which kiln recognises and builds nothing
+        from (the record's `prediction_layers`, and why): each multi-token-prediction layer after the decoder's, a
+        decoder layer with experts and its own embedding, norms, projection and head. Empty for other families."""
+        out: list[TensorSpec] = []
+        h, v = self.hidden_size, self.vocab_size
+        for i in range(self.num_layers, self.num_layers + self.prediction_layers):
+            p = f"model.layers.{i}."
+            out += [
+                TensorSpec(p + "embed_tokens.weight", (v, h), TensorKind.NEXTN_EMBED_TOKENS, layer=i),
+                TensorSpec(p + "enorm.weight", (h,), TensorKind.NEXTN_ENORM, layer=i),
+                TensorSpec(p + "hnorm.weight", (h,), TensorKind.NEXTN_HNORM, layer=i),
+                TensorSpec(p + "eh_proj.weight", (h, 2 * h), TensorKind.NEXTN_EH_PROJ, layer=i),
+                TensorSpec(p + "shared_head.norm.weight", (h,), TensorKind.NEXTN_SHARED_HEAD_NORM, layer=i),
+                TensorSpec(p + "shared_head.head.weight", (v, h), TensorKind.NEXTN_SHARED_HEAD_HEAD, layer=i),
+            ]
+            out += layer_tensors(self, i, sparse=True)
+        return out
+
+    def stored_tensors(self, *, extras: bool = False) -> Iterator[StoredTensor]:
+        """Every tensor of `tensors()` (and `extra_tensors()` with `extras`) as the release stores it
+        (`source_quant`, from config.json's `quantization_config`): FP8 block-scaled Linears as the weight in
+        F8_E4M3 and its float32 `weight_scale_inv` [rows / block, columns / block, rounded up]; MXFP4 experts as
+        `<name>_blocks` [experts, rows, columns / 32, 16] and `<name>_scales` [experts, rows, columns / 32] (uint8;
+        rows the outputs: a stacked `[experts, in, out]` tensor's last axis); everything else as `tensors()` names
+        it, in the source's own float type (`dtype` None)."""
+        q = self.source_quant
+        for t in [*self.tensors(), *(self.extra_tensors() if extras else [])]:
+            module = t.name.removesuffix(".weight")
+            if q is None or not q.converts(module):
+                yield StoredTensor(t.name, None, t.shape, t)
+            elif q.method == "fp8-block" and q.block is not None and t.quantizable:
+                (rows, cols), (br, bc) = t.shape, q.block
+                yield StoredTensor(t.name, "F8_E4M3", t.shape, t)
+                yield StoredTensor(f"{module}.weight_scale_inv", "F32", (-(-rows // br), -(-cols // bc)), t)
+            elif q.method == "mxfp4" and t.kind in EXPERT_KINDS and not t.bias and len(t.shape) == 3:
+                experts, cols, rows = t.shape
+                if cols % MXFP4_BLOCK:
+                    raise _invalid(
+                        "quantization_config",
+                        f"{t.name} has {cols} inputs, not a whole number of MXFP4 blocks of {MXFP4_BLOCK}",
+                    )
+                blocks = cols // MXFP4_BLOCK
+                yield StoredTensor(f"{t.name}_blocks", "U8", (experts, rows, blocks, MXFP4_BLOCK // 2), t)
+                yield StoredTensor(f"{t.name}_scales", "U8", (experts, rows, blocks), t)
+            else:
+                yield StoredTensor(t.name, None, t.shape, t)
+
     def record(self) -> ShapeRecord:
         """What the registry keeps about the model (a release's `model_config`): sizing (`placement`) reads KV
         caches, tensor-parallel degrees, parameters total and active and prefill FLOPs from it."""
@@ -238,13 +318,18 @@ class ModelShape:
             sparse_layers=len(moe.sparse_layers) if moe else None,
             sliding_window=self.sliding_window,
             sliding_layers=sum(t == "sliding_attention" for t in self.layer_types) or None,
+            q_lora_rank=self.mla.q_lora_rank if self.mla else None,
+            kv_lora_rank=self.mla.kv_lora_rank if self.mla else None,
+            qk_rope_head_dim=self.mla.qk_rope_head_dim if self.mla else None,
+            v_head_dim=self.mla.v_head_dim if self.mla else None,
         )
 
 
-def layer_tensors(shape: ModelShape, i: int) -> list[TensorSpec]:
+def layer_tensors(shape: ModelShape, i: int, *, sparse: bool | None = None) -> list[TensorSpec]:
     """Decoder layer `i`'s tensors from the record's building blocks: the norms, attention (separate or fused
-    q/k/v, biases, q/k norms), then a dense MLP (separate or fused gate/up) or a mixture of experts (router,
-    every expert's three Linears, a shared expert)."""
+    q/k/v, biases, q/k norms, sinks; or MLA's latent projections), then a dense MLP (separate or fused gate/up) or
+    a mixture of experts (router, every expert's three Linears or the stacked experts, a shared expert). `sparse`:
+    the layer has experts whatever the config's sparse layers say (a multi-token-prediction layer's)."""
     arch = shape.arch
     h, q, kv, hd = shape.hidden_size, shape.q_size, shape.kv_size, shape.head_dim
     p = f"model.layers.{i}."
@@ -263,33 +348,53 @@ def layer_tensors(shape: ModelShape, i: int) -> list[TensorSpec]:
     else:
         add("post_attention_layernorm.weight", (h,), TensorKind.FFN_NORM)
     a = f"{arch.attention.prefix}."
-    if arch.attention.fused_qkv:
+    if shape.mla is not None:
+        _mla_tensors(shape, shape.mla, a, add)
+    elif arch.attention.fused_qkv:
         add(a + "qkv_proj.weight", (q + 2 * kv, h), TensorKind.ATTN_QKV)
     else:
         add(a + "q_proj.weight", (q, h), TensorKind.ATTN_Q)
         add(a + "k_proj.weight", (kv, h), TensorKind.ATTN_K)
         add(a + "v_proj.weight", (kv, h), TensorKind.ATTN_V)
-    add(a + "o_proj.weight", (h, q), TensorKind.ATTN_OUTPUT)
-    if shape.attention_bias:
+    if shape.mla is None:
+        add(a + "o_proj.weight", (h, q), TensorKind.ATTN_OUTPUT)
+    if shape.attention_bias and shape.mla is None:
         if arch.attention.fused_qkv:
             add(a + "qkv_proj.bias", (q + 2 * kv,), TensorKind.ATTN_QKV, bias=True)
         else:
             add(a + "q_proj.bias", (q,), TensorKind.ATTN_Q, bias=True)
             add(a + "k_proj.bias", (kv,), TensorKind.ATTN_K, bias=True)
             add(a + "v_proj.bias", (kv,), TensorKind.ATTN_V, bias=True)
+        if arch.attention.output_bias:
+            add(a + "o_proj.bias", (h,), TensorKind.ATTN_OUTPUT, bias=True)
     if arch.attention.qk_norm:
         add(a + "q_norm.weight", (hd,), TensorKind.ATTN_Q_NORM)
         add(a + "k_norm.weight", (hd,), TensorKind.ATTN_K_NORM)
+    if arch.attention.sinks:
+        add(a + "sinks", (shape.num_heads,), TensorKind.ATTN_SINKS)
     experts = arch.mlp.experts
-    if shape.moe is not None and experts is not None and shape.is_sparse(i):
+    if shape.moe is not None and experts is not None and (shape.is_sparse(i) if sparse is None else sparse):
         moe, b = shape.moe, f"{experts.block}."
-        proj, ff = experts.projections, moe.intermediate_size
-        add(b + f"{experts.router}.weight", (moe.experts, h), TensorKind.FFN_GATE_INP)
-        for e in range(moe.experts):
-            x = f"{b}{experts.experts}.{e}."
-            add(x + f"{proj.gate}.weight", (ff, h), TensorKind.FFN_GATE_EXPS, expert=e)
-            add(x + f"{proj.up}.weight", (ff, h), TensorKind.FFN_UP_EXPS, expert=e)
-            add(x + f"{proj.down}.weight", (h, ff), TensorKind.FFN_DOWN_EXPS, expert=e)
+        proj, ff, e_count = experts.projections, moe.intermediate_size, moe.experts
+        r = f"{b}{experts.router}."
+        add(r + "weight", (e_count, h), TensorKind.FFN_GATE_INP)
+        if experts.router_bias:
+            add(r + "bias", (e_count,), TensorKind.FFN_GATE_INP, bias=True)
+        if experts.score_correction_bias:
+            add(r + "e_score_correction_bias", (e_count,), TensorKind.FFN_EXP_PROBS_B)
+        x = f"{b}{experts.experts}."
+        if experts.layout == "fused":  # every expert in one tensor per projection, inputs first
+            add(x + "gate_up_proj", (e_count, h, 2 * ff), TensorKind.FFN_GATE_UP_EXPS)
+            if experts.bias:
+                add(x + "gate_up_proj_bias", (e_count, 2 * ff), TensorKind.FFN_GATE_UP_EXPS, bias=True)
+            add(x + "down_proj", (e_count, ff, h), TensorKind.FFN_DOWN_EXPS)
+            if experts.bias:
+                add(x + "down_proj_bias", (e_count, h), TensorKind.FFN_DOWN_EXPS, bias=True)
+        else:
+            for e in range(e_count):
+                add(f"{x}{e}.{proj.gate}.weight", (ff, h), TensorKind.FFN_GATE_EXPS, expert=e)
+                add(f"{x}{e}.{proj.up}.weight", (ff, h), TensorKind.FFN_UP_EXPS, expert=e)
+                add(f"{x}{e}.{proj.down}.weight", (h, ff), TensorKind.FFN_DOWN_EXPS, expert=e)
         if experts.shared is not None and moe.shared_intermediate_size:
             s, sff = f"{b}{experts.shared}.", moe.shared_intermediate_size
             add(s + "gate_proj.weight", (sff, h), TensorKind.FFN_GATE_SHEXP)
@@ -306,3 +411,30 @@ def layer_tensors(shape: ModelShape, i: int) -> list[TensorSpec]:
         add(m + f"{proj.up}.weight", (ff, h), TensorKind.FFN_UP)
     add(m + f"{proj.down}.weight", (h, ff), TensorKind.FFN_DOWN)
     return out
+
+
+def _mla_tensors(shape: ModelShape, mla: MlaShape, a: str, add: Callable[..., None]) -> None:
+    """Multi-head latent attention's tensors, as transformers' DeepseekV3Attention names them (the record's
+    `Attention` "mla"): the query through its latent (or one q_proj), the compressed key-value latent with the shared
+    rope key, its norm and up-projection, the output projection; biases on q_a, kv_a and o where `attention_bias`."""
+    h, heads = shape.hidden_size, shape.num_heads
+    if mla.q_lora_rank is None:
+        add(a + "q_proj.weight", (heads * mla.qk_head_dim, h), TensorKind.ATTN_Q)
+    else:
+        add(a + "q_a_proj.weight", (mla.q_lora_rank, h), TensorKind.ATTN_Q_A)
+        if shape.attention_bias:
+            add(a + "q_a_proj.bias", (mla.q_lora_rank,), TensorKind.ATTN_Q_A, bias=True)
+        add(a + "q_a_layernorm.weight", (mla.q_lora_rank,), TensorKind.ATTN_Q_A_NORM)
+        add(a + "q_b_proj.weight", (heads * mla.qk_head_dim, mla.q_lora_rank), TensorKind.ATTN_Q_B)
+    add(a + "kv_a_proj_with_mqa.weight", (mla.cache_width, h), TensorKind.ATTN_KV_A_MQA)
+    if shape.attention_bias:
+        add(a + "kv_a_proj_with_mqa.bias", (mla.cache_width,), TensorKind.ATTN_KV_A_MQA, bias=True)
+    add(a + "kv_a_layernorm.weight", (mla.kv_lora_rank,), TensorKind.ATTN_KV_A_NORM)
+    add(
+        a + "kv_b_proj.weight",
+        (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        TensorKind.ATTN_KV_B,
+    )
+    add(a + "o_proj.weight", (h, heads * mla.v_head_dim), TensorKind.ATTN_OUTPUT)
+    if shape.attention_bias:
+        add(a + "o_proj.bias", (h,), TensorKind.ATTN_OUTPUT, bias=True)

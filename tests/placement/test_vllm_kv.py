@@ -191,3 +191,69 @@ def test_the_cpu_eval_reserves_the_kv_cache_of_one_sequence_which_vllm_needs(tmp
                     worker.request({**request, "kv_cache_bytes": memory})
         finally:
             worker.close()
+
+
+# DeepSeek-V3 and gpt-oss, from their released config.json (examples/): vLLM's accounting as vLLM 0.32's source writes
+# it, worked out here (kiln's vLLM evals do not load these families yet: their records refuse vLLM, and the CPU build
+# would take them only through CPU_MLA and its MXFP4 experts, unchecked).
+#
+# - MLA: vllm/model_executor/layers/attention/mla_attention.py `MLAAttention.get_kv_cache_spec` makes every layer an
+#   `MLAAttentionSpec` of num_kv_heads=1, head_size = kv_lora_rank + qk_rope_head_dim and max_tp_shards=1 (every TP
+#   rank holds the whole latent); vllm/v1/kv_cache_interface.py `MLAAttentionSpec.head_size_v = 0` and
+#   `AttentionSpec.page_size_bytes` = heads x block_size x (head_size + head_size_v) x dtype bytes.
+# - gpt-oss: vllm/model_executor/models/gpt_oss.py `OAIAttention` builds `Attention(num_kv_heads / tp, head_dim,
+#   per_layer_sliding_window=sliding_window on even layers, sinks=...)`: a `SlidingWindowSpec` or `FullAttentionSpec`
+#   of head_size = head_size_v = head_dim (vllm/model_executor/layers/attention/attention.py `get_kv_cache_spec`);
+#   the sinks are a parameter of the attention, no part of the spec. A sliding layer's admission is
+#   cdiv(min(window - 1 + in-flight tokens, max_model_len), block_size) + 1 blocks
+#   (`SlidingWindowSpec.max_admission_blocks_per_request`).
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def released(example: str) -> Any:
+    return ModelShape.from_config(json.loads((EXAMPLES / example / "config.json").read_text())).record()
+
+
+def test_mla_caches_one_latent_a_token_and_layer_as_vllm_counts_it() -> None:
+    shape = released("deepseek-v3")
+    layers, latent, rope = 61, 512, 64  # num_hidden_layers, kv_lora_rank, qk_rope_head_dim
+    head_size = latent + rope  # MLAAttentionSpec's one KV head: 576
+    for dtype, element in (("bf16", 2), ("fp8", 1)):
+        assert kv_bytes_per_token(shape, dtype) == layers * head_size * element  # 70,272 bytes in bf16
+        for tp in (1, 8):  # max_tp_shards=1: each rank keeps all of it
+            paged = paged_kv_cache(shape, block_size=16, kv_dtype=dtype, tp=tp)
+            assert paged.page_bytes == 1 * 16 * (head_size + 0) * element  # 18,432 bytes in bf16
+            assert (paged.group_size, paged.full_groups, paged.sliding_groups) == (layers, 1, 0)
+            assert kv_cache_bytes(shape, 4096, kv_dtype=dtype, tp=tp) == 4096 * layers * head_size * element
+    # Not every head's keys and values: 128 heads of 192-wide keys and 128-wide values would be 4,997,120 bytes a
+    # token, 71 times as much.
+    assert (shape.num_kv_heads, shape.head_dim, shape.v_head_dim) == (128, 192, 128)
+    assert 71 * kv_bytes_per_token(shape) < layers * 128 * (192 + 128) * 2 == 4_997_120 < 72 * kv_bytes_per_token(shape)
+    # A pool of MEMORY bytes: whole blocks of a page of each of the 61 layers; a sequence of MAX_MODEL_LEN takes
+    # cdiv(5000, 16) = 313 of them.
+    paged = paged_kv_cache(shape, block_size=16)
+    assert paged.blocks(MEMORY) == MEMORY // (61 * 18_432) == 44
+    assert paged.blocks_per_sequence(MAX_MODEL_LEN) == 313
+
+
+@pytest.mark.parametrize(("example", "layers"), [("gpt-oss-120b", 36), ("gpt-oss-20b", 24)])
+def test_gpt_oss_keeps_a_window_in_its_sliding_layers_and_nothing_for_its_sinks(example: str, layers: int) -> None:
+    shape = released(example)
+    kv_heads, head_dim, window = 8, 64, 128
+    sliding = full = layers // 2  # even layers slide
+    assert (shape.sliding_layers, shape.sliding_window) == (sliding, window)
+    per_layer = 2 * kv_heads * head_dim * 2  # keys and values, bf16: 2,048 bytes a token
+    assert kv_bytes_per_token(shape) == layers * per_layer  # 73,728 (120b), 49,152 (20b)
+    # A runtime holding exactly its tokens: every token in the full layers, the last 128 in the sliding ones.
+    assert kv_cache_bytes(shape, 32768) == per_layer * (full * 32768 + sliding * window)
+    # vLLM on an H100 (16-token pages, 8,192 tokens a step, 2 steps in flight): as many sliding as full layers, so
+    # one group of each, of all of them; a sliding group admits cdiv(min(127 + 16,384, T), 16) + 1 blocks.
+    in_flight = 2 * 8192
+    for tp in (1, 2, 8):
+        paged = paged_kv_cache(shape, block_size=16, in_flight_tokens=in_flight, tp=tp)
+        page = 16 * (kv_heads // tp) * (head_dim + head_dim) * 2
+        assert (paged.page_bytes, paged.group_size, paged.full_groups, paged.sliding_groups) == (page, full, 1, 1)
+        for tokens in (1000, 131072):
+            held = min(window - 1 + in_flight, tokens)
+            blocks = -(-tokens // 16) + (-(-held // 16) + 1)
+            assert paged.bytes(tokens) == blocks * full * page
