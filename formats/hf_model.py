@@ -33,6 +33,7 @@ from formats.prequantized import (
     QuantizationRecord,
     QuantizedPlan,
     StoredQuantized,
+    check_scale,
     dequantize_stream,
     plan_quantized,
     read_quantization,
@@ -119,6 +120,13 @@ class SourceModel:
                 f"{info.file}: tensor {info.name!r} loaded as {tuple(t.shape)}, header said {info.shape}"
             )
         return t
+
+    def check_scales(self) -> None:
+        """Read and check every quantized tensor's scales (`formats.prequantized.check_scale`), one at a time."""
+        if self.quantized is None:
+            return
+        for qt in self.quantized.tensors.values():
+            check_scale(self.quantized.quantization, qt, self._read(qt.scale))
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names if names is not None else self.tensors:
