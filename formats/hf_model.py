@@ -34,6 +34,7 @@ from formats.prequantized import (
     QuantizedPlan,
     StoredQuantized,
     check_scale,
+    declares_prequantized,
     dequantize_stream,
     plan_quantized,
     read_quantization,
@@ -249,6 +250,21 @@ def open_source(
         allowed_roots=roots[1:],
         quantized=quantized,
     )
+
+
+def quantized_plan(root: str | Path) -> QuantizedPlan | None:
+    """A model directory's pre-quantized tensors (`formats.prequantized`), planned from config.json and the
+    SafeTensors headers alone (nothing hashed, no tensor read; `open_source` checks the rest): None for a
+    plain checkpoint, or one whose `quantization_config` is not a release layout (a compressed-tensors bundle)."""
+    root = Path(root)
+    config = _read_json(root, "config.json", MAX_CONFIG_BYTES)
+    if not declares_prequantized(config):
+        return None
+    quantization = read_quantization(config)
+    assert quantization is not None
+    weight_files, _ = _weight_files(root, {p.name for p in root.iterdir()})
+    tensors = {t.name: t for wf in weight_files for t in read_header(root / wf, wf)[0]}
+    return plan_quantized(quantization, tensors)
 
 
 def is_shape_only(root: str | Path) -> bool:

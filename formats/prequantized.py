@@ -201,6 +201,13 @@ def _matches(pattern: str, module: str) -> bool:
     return at >= 0 or module.endswith(pattern)
 
 
+def declares_prequantized(config: Mapping[str, Any]) -> bool:
+    """Whether config.json declares one of the release layouts here (`read_quantization` checks it); a
+    compressed-tensors bundle, kiln's own artifacts' layout, does not."""
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") in LAYOUTS
+
+
 def read_quantization(config: Mapping[str, Any]) -> SourceQuantization | None:
     """The source's quantization as config.json declares it (None: not quantized), or an error naming the field."""
     qc = config.get("quantization_config")

@@ -75,6 +75,17 @@ class ReferenceRecord(Record):
     windows: int
     tokens: int
     dtype: str = "float32"  # what the reference computed in
+    dequantized: str | None = Field(
+        default=None, description="the layout a pre-quantized source's weights were dequantized from (fp8-block)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _plain_sources_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `dequantized` key for a plain source's reference: its digest and every eval's key stay as they were."""
+        data: dict[str, Any] = handler(self)
+        if data.get("dequantized") is None:
+            data.pop("dequantized", None)
+        return data
 
 
 class QuantizeRecord(Record):
