@@ -34,6 +34,7 @@ from formats.prequantized import (
     QuantizedPlan,
     StoredQuantized,
     check_scale,
+    check_undeclared,
     declares_prequantized,
     dequantize_stream,
     plan_quantized,
@@ -228,6 +229,8 @@ def open_source(
         _check_index(root, tensors)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_TENSOR_SUFFIXES)}
     quantization = read_quantization(config)
+    if quantization is None:
+        check_undeclared(tensors)
     quantized = plan_quantized(quantization, tensors) if quantization is not None else None
     if quantized is not None:  # each quantized tensor by its released name and shape, its scales paired with it
         tensors = quantized.released(tensors)

@@ -141,7 +141,7 @@ _REFUSED_METHODS: Final = {
     "`weight_packed`) is not read as a source yet",
 }
 MAX_BLOCK: Final = 4096  # one side of an FP8 block: released ones are 128
-MAX_PATTERNS: Final = 4096
+MAX_PATTERNS: Final = 256  # modules_to_not_convert: released lists name a handful
 _PATTERN: Final = re.compile(r"^[A-Za-z0-9_.*\-]{1,256}$")
 
 
@@ -334,6 +334,20 @@ class QuantizedPlan:
             stored_bytes=sum(qt.nbytes for qt in self.tensors.values()),
             modules_to_not_convert=list(q.not_converted),
         )
+
+
+def check_undeclared(tensors: Mapping[str, TensorInfo]) -> None:
+    """A source that declares no quantization holds none: a tensor stored as a layout's values or scales is
+    refused naming it and the layout, rather than as a count or dtype that config.json does not explain."""
+    for name, t in tensors.items():
+        for layout in LAYOUTS.values():
+            scale = name.endswith(layout.scale_suffix)
+            if scale or (t.dtype in layout.values_dtypes and name.endswith(layout.values_suffix)):
+                raise _tensor_invalid(
+                    t,
+                    f"is stored as {layout.name} {'scales' if scale else 'values'}, but config.json declares no "
+                    f"quantization_config (a {layout.name} release declares quant_method {layout.quant_method!r})",
+                )
 
 
 def plan_quantized(quantization: SourceQuantization, tensors: Mapping[str, TensorInfo]) -> QuantizedPlan:

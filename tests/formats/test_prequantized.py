@@ -355,6 +355,13 @@ def test_a_declared_quantization_with_nothing_quantized_is_refused(tmp_path: Pat
         open_source(src)
 
 
+def test_quantized_tensors_without_a_declared_quantization_are_refused_naming_it(fp8_dir: Path, tmp_path: Path) -> None:
+    src = _copy(fp8_dir, tmp_path / "m")
+    _edit_config(src, lambda c: c.pop("quantization_config"))
+    with pytest.raises(QuantizedSourceInvalid, match="stored as fp8-block .* declares no quantization_config"):
+        open_source(src)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
