@@ -7,6 +7,12 @@ headers, every tensor's name and shape against what config.json implies) without
 data; `SourceModel.tensor(name)` then materialises one tensor at a time through a memory-mapped
 `safe_open`, so peak memory is bounded by the largest tensor. The ingest stage
 (`pipeline.stages.ingest`) links what this checked into the content-addressed store.
+
+A pre-quantized release (config.json's `quantization_config`: FP8 block, MXFP4; `formats.prequantized`) is
+planned by its released tensors: each quantized weight and its scales are paired and checked from the headers,
+and stand, under the released name and shape, for the tensor config.json implies. Reading one of them is
+explicit: `dequantized` (the float weight, with what that means recorded by the caller) or `stored` (its
+bytes as released); `tensor` refuses it (SOURCE_STORED_QUANTIZED), so no stage upcasts it without saying so.
 """
 
 from __future__ import annotations
@@ -23,6 +29,17 @@ from core.errors import SourceInvalid, UnsafeCheckpoint
 from core.manifest import FileEntry, check_relative_path
 from core.untrusted import InvalidJSON, loads_json, short_repr
 from formats.architectures.shape import ModelShape
+from formats.prequantized import (
+    QuantizationRecord,
+    QuantizedPlan,
+    StoredQuantized,
+    check_scale,
+    check_undeclared,
+    declares_prequantized,
+    dequantize_stream,
+    plan_quantized,
+    read_quantization,
+)
 from formats.safetensors import TensorInfo, read_header
 
 if TYPE_CHECKING:
@@ -56,6 +73,8 @@ class SourceModel:
     # Tensors the checkpoint carries that its record recognises and kiln builds nothing from (DeepSeek-V3's
     # multi-token-prediction layer), and why: checked by name and shape, kept in the source, never read.
     unused_tensors: list[tuple[str, str]] = field(default_factory=list)
+    # A pre-quantized release's quantized tensors (by released name; in `tensors` under that name and shape).
+    quantized: QuantizedPlan | None = None
 
     @property
     def digest(self) -> str:
@@ -64,7 +83,16 @@ class SourceModel:
 
     @property
     def weight_files(self) -> list[str]:
-        return sorted({t.file for t in self.tensors.values()})
+        scales = [qt.scale.file for qt in self.quantized.tensors.values()] if self.quantized else []
+        return sorted({*(t.file for t in self.tensors.values()), *scales})
+
+    @property
+    def quantization(self) -> QuantizationRecord | None:
+        """The source's quantization as checked (None: its weights are plain floats)."""
+        return self.quantized.record() if self.quantized is not None else None
+
+    def is_quantized(self, name: str) -> bool:
+        return self.quantized is not None and name in self.quantized.tensors
 
     @property
     def tokenizer_files(self) -> list[str]:
@@ -75,20 +103,72 @@ class SourceModel:
 
         Each call opens its own `safe_open` handle: the returned tensor may be a view of that
         handle's memory map, which is released when the tensor is, so resident memory is bounded
-        by the tensors the caller still holds, not by the files read so far.
+        by the tensors the caller still holds, not by the files read so far. A tensor the release
+        stores quantized is refused (SOURCE_STORED_QUANTIZED): read it with `dequantized` or `stored`.
         """
+        if self.is_quantized(name):
+            assert self.quantized is not None
+            raise StoredQuantized(
+                f"{name} is stored {self.quantized.quantization.layout.name} in the source: read it dequantized "
+                "(and record that) or as its stored tensors",
+                details={"tensor": name, "layout": self.quantized.quantization.layout.name},
+            )
+        return self._read(self.tensors[name])
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
         from safetensors import safe_open
 
-        info = self.tensors[name]
         with safe_open(str(self.root / info.file), framework="pt") as handle:
-            t = handle.get_tensor(name)
+            t = handle.get_tensor(info.name)
         if tuple(t.shape) != info.shape:
-            raise SourceInvalid(f"{info.file}: tensor {name!r} loaded as {tuple(t.shape)}, header said {info.shape}")
+            raise SourceInvalid(
+                f"{info.file}: tensor {info.name!r} loaded as {tuple(t.shape)}, header said {info.shape}"
+            )
         return t
+
+    def check_scales(self) -> None:
+        """Read and check every quantized tensor's scales (`formats.prequantized.check_scale`), one at a time."""
+        if self.quantized is None:
+            return
+        for qt in self.quantized.tensors.values():
+            check_scale(self.quantized.quantization, qt, self._read(qt.scale))
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names if names is not None else self.tensors:
             yield name, self.tensor(name)
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors the release stores for `name`, by their stored names: a quantized tensor's values and
+        scales, as they are (what a target that keeps the source's format writes), or the tensor itself."""
+        if not self.is_quantized(name):
+            return {name: self.tensor(name)}
+        assert self.quantized is not None
+        return {p.name: self._read(p) for p in self.quantized.tensors[name].parts}
+
+    def dequantized(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`name` as a float tensor: a quantized one dequantized into `dtype` (float32 when None) after its
+        scales and values are checked (`formats.prequantized.dequantize`), any other as stored."""
+        ((_, t),) = self.iter_dequantized([name], dtype)
+        return t
+
+    def iter_dequantized(
+        self, names: Iterable[str] | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(released name, tensor)` one tensor at a time (`formats.prequantized.dequantize_stream`): each
+        quantized tensor dequantized into `dtype` (float32 when None), every other as stored (not cast)."""
+        wanted = list(names if names is not None else self.tensors)
+        if self.quantized is None:
+            yield from self.iter_tensors(wanted)
+            return
+        plan = self.quantized
+
+        def stored() -> Iterator[tuple[str, torch.Tensor]]:
+            for name in wanted:
+                parts = plan.tensors[name].parts if name in plan.tensors else (self.tensors[name],)
+                for p in parts:  # values next to their scales: the stream holds one tensor's parts at a time
+                    yield p.name, self._read(p)
+
+        yield from dequantize_stream(plan, stored(), dtype)
 
     def close(self) -> None:
         """Kept for callers that scope a source with try/finally; tensors hold their own mappings."""
@@ -151,9 +231,15 @@ def open_source(
     if INDEX_FILE in present:
         _check_index(root, tensors)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_TENSOR_SUFFIXES)}
-    unused = _recognised_extras(shape, tensors)
+    quantization = read_quantization(config)
+    if quantization is None:
+        check_undeclared(tensors)
+    quantized = plan_quantized(quantization, tensors) if quantization is not None else None
+    if quantized is not None:  # each quantized tensor by its released name and shape, its scales paired with it
+        tensors = quantized.released(tensors)
+    unused = _recognised_extras(shape, tensors)  # by released name: a release quantizes its prediction layer too
     tensors = {n: t for n, t in tensors.items() if n not in unused}
-    _check_against_config(shape, tensors)
+    _check_against_config(shape, tensors, set(quantized.tensors) - set(unused) if quantized else set())
 
     known = {f.path: f for f in known_files or []}
     files = [
@@ -171,7 +257,23 @@ def open_source(
         ignored=ignored,
         allowed_roots=roots[1:],
         unused_tensors=[(n, reason) for n, reason in unused.items()],
+        quantized=quantized,
     )
+
+
+def quantized_plan(root: str | Path) -> QuantizedPlan | None:
+    """A model directory's pre-quantized tensors (`formats.prequantized`), planned from config.json and the
+    SafeTensors headers alone (nothing hashed, no tensor read; `open_source` checks the rest): None for a
+    plain checkpoint, or one whose `quantization_config` is not a release layout (a compressed-tensors bundle)."""
+    root = Path(root)
+    config = _read_json(root, "config.json", MAX_CONFIG_BYTES)
+    if not declares_prequantized(config):
+        return None
+    quantization = read_quantization(config)
+    assert quantization is not None
+    weight_files, _ = _weight_files(root, {p.name for p in root.iterdir()})
+    tensors = {t.name: t for wf in weight_files for t in read_header(root / wf, wf)[0]}
+    return plan_quantized(quantization, tensors)
 
 
 def is_shape_only(root: str | Path) -> bool:
@@ -317,7 +419,9 @@ def _recognised_extras(shape: ModelShape, tensors: dict[str, TensorInfo]) -> dic
     return dict.fromkeys(present, reason)
 
 
-def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> None:
+def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo], quantized: set[str]) -> None:
+    """The tensors (by released name) are exactly those config.json implies, with its shapes; the plain ones
+    in a float dtype (the `quantized` ones' dtypes were checked against their layout)."""
     # Count first: the expected names are only built for a config the headers can satisfy.
     if shape.tensor_count != len(tensors):
         experts = f", {shape.moe.experts} experts in {len(shape.moe.sparse_layers)} layers" if shape.moe else ""
@@ -348,7 +452,7 @@ def _check_against_config(shape: ModelShape, tensors: dict[str, TensorInfo]) -> 
                 f"{t.file}: tensor {name!r} has shape {list(t.shape)}, config.json implies {list(want)}",
                 details={"tensor": name, "shape": list(t.shape), "expected": list(want)},
             )
-        if t.dtype not in ("F32", "F16", "BF16"):
+        if t.dtype not in ("F32", "F16", "BF16") and name not in quantized:
             raise SourceInvalid(
                 f"{t.file}: tensor {name!r} has dtype {t.dtype}; source weights must be F32, F16 or BF16"
             )

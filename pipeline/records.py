@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from core.manifest import FileEntry
 from core.shape import ShapeRecord
 from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from formats.prequantized import QuantizationRecord
 
 
 class Record(BaseModel):
@@ -39,6 +40,18 @@ class IngestRecord(Record):
     tensors: int
     parameters: int
     ignored: list[IgnoredFile] = Field(description="files left alone (pickles beside SafeTensors, ...)")
+    quantization: QuantizationRecord | None = Field(
+        default=None, description="a pre-quantized release's layout, checked (formats.prequantized); None: plain"
+    )
+
+    @model_serializer(mode="wrap")
+    def _plain_sources_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `quantization` key for a plain source: its record, and so its output's digest and every cache key
+        downstream, stay what they were before sources could be quantized."""
+        data: dict[str, Any] = handler(self)
+        if data.get("quantization") is None:
+            data.pop("quantization", None)
+        return data
 
 
 class ReferenceParams(Record):
@@ -62,6 +75,17 @@ class ReferenceRecord(Record):
     windows: int
     tokens: int
     dtype: str = "float32"  # what the reference computed in
+    dequantized: str | None = Field(
+        default=None, description="the layout a pre-quantized source's weights were dequantized from (fp8-block)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _plain_sources_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `dequantized` key for a plain source's reference: its digest and every eval's key stay as they were."""
+        data: dict[str, Any] = handler(self)
+        if data.get("dequantized") is None:
+            data.pop("dequantized", None)
+        return data
 
 
 class QuantizeRecord(Record):

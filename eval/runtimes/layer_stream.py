@@ -46,6 +46,12 @@ test_layer_stream.py checks every scheme), with one layer decompressed at a time
 an FP8 Llama-3-70B bundle evaluates on one GPU. A bundle's experts are one quantized Linear per expert
 projection (`eval.runtimes.experts`), as in the whole-model load. ROCm's float8_e4m3fnuz weights are read as e4m3fn with
 the scale halved (exact; `transformers_runtime._load_e4m3fnuz_exactly` does the same for the whole model).
+
+A pre-quantized source (FP8 block, MXFP4 experts: `formats.prequantized`) is computed from its dequantized
+weights, always here, whole or streamed: its model is built plain (transformers' own FP8 loading would either
+run its FP8 kernels, quantizing the activations too, or dequantize a block that overhangs the matrix with the
+wrong block), and each quantized tensor is dequantized into float32 as its layer is read (`dequantized`
+names the layout; the reference stage records it).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,6 +86,8 @@ from eval.runtimes.transformers_runtime import (
 )
 from formats.architectures import ARCHITECTURES
 from formats.architectures.record import Architecture
+from formats.hf_model import quantized_plan
+from formats.prequantized import QuantizedPlan, declares_prequantized, dequantize
 
 # The families whose causal-LM forward is embed -> decoder layers (one mask and rotary embedding per layer type)
 # -> norm -> head, by config.json's model_type: every record that says it streams.
@@ -92,8 +101,15 @@ class LayerStream:
     name = "transformers"
 
     def __init__(
-        self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, resident_bytes: int = 0
+        self,
+        model_dir: str | Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        resident_bytes: int = 0,
+        whole: bool = False,
     ) -> None:
+        """`whole`: keep every layer once read (a pre-quantized source planned whole), `resident_bytes` aside."""
         torch, transformers = import_torch_transformers()
         self._torch = torch
         self.model_dir = Path(model_dir)
@@ -116,6 +132,11 @@ class LayerStream:
             )
         from transformers.conversion_mapping import get_model_conversion_mapping
 
+        plan = quantized_plan(self.model_dir)
+        # The layout a pre-quantized source is read dequantized from (None: a plain checkpoint or a bundle).
+        self.dequantized: str | None = plan.quantization.layout.name if plan is not None else None
+        if plan is not None:  # built plain: its quantized tensors are dequantized as they are read
+            del config.quantization_config
         quantizer = compressed_tensors_quantizer(config, self.model_dir)
         with loading_experts(config):  # a bundle's experts as one quantized Linear each, as the whole load
             with torch.device("meta"):
@@ -147,7 +168,10 @@ class LayerStream:
                 code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
-        self._weights = _WeightIndex(self.model_dir)
+        weights = _WeightIndex(self.model_dir)
+        self._weights: _WeightIndex | _DequantizedIndex = weights if plan is None else _DequantizedIndex(weights, plan)
+        if whole:
+            resident_bytes = self._weights.elements() * self.dtype.itemsize
         # The head's cast blocks and modules (by path) kept on the device after their first use, within
         # `resident_bytes` (`_claim`); none by default, so memory stays one layer.
         self._resident: dict[str, Any] = {}
@@ -183,7 +207,7 @@ class LayerStream:
             self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
         # The whole model's version: the same computation, whichever way the plan had the stage hold it.
         self.version = runtime_version(quantizer is not None, self._fp4)
-        held = Residency(whole=False, resident_bytes=resident_bytes)
+        held = Residency(whole=whole, resident_bytes=0 if whole else resident_bytes)
         weights_opened(checkpoint_bytes(self.model_dir), held.describe(), resident_bytes)
 
     # -- the Runtime protocol -------------------------------------------------------------------------------
@@ -464,14 +488,24 @@ def open_transformers(
     """The transformers runtime for a model directory, holding it as the plan decided (`residency`,
     `eval.runtimes.residency.hold`): the whole model, or one layer at a time (an architecture of
     `STREAMED_MODEL_TYPES`, a plain checkpoint or a compressed-tensors bundle, in a given dtype) keeping
-    `resident_bytes` of cast layers; the same logits, bit for bit (tests/eval/test_layer_stream.py)."""
-    if residency.whole:
-        return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
+    `resident_bytes` of cast layers; the same logits, bit for bit (tests/eval/test_layer_stream.py). A
+    pre-quantized source is always the layer stream, dequantizing as it reads, keeping every layer when whole."""
     config = Path(model_dir) / "config.json"
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        declared = json.loads(config.read_text())
+        model_type = declared.get("model_type")
     except (OSError, ValueError, AttributeError):
-        model_type = None  # LayerStream says what is wrong with it
+        declared, model_type = {}, None  # LayerStream says what is wrong with it
+    prequantized = isinstance(declared, dict) and declares_prequantized(declared)
+    if residency.whole and not prequantized:
+        return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
+    if prequantized and (model_type not in STREAMED_MODEL_TYPES or dtype == "auto"):
+        raise StageFailed(
+            f"{str(model_dir)!r} is a pre-quantized source, read dequantized by the layer stream, which covers "
+            f"{sorted(STREAMED_MODEL_TYPES)} in a given dtype, not {model_type!r} in {dtype!r}",
+            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            details={"model_type": model_type, "dtype": dtype},
+        )
     if model_type is not None and model_type not in STREAMED_MODEL_TYPES or dtype == "auto":
         raise StageFailed(
             f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)} in a "
@@ -479,7 +513,7 @@ def open_transformers(
             code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             details={"model_type": model_type, "dtype": dtype},
         )
-    return LayerStream(model_dir, dtype, device, resident_bytes=residency.resident_bytes)
+    return LayerStream(model_dir, dtype, device, resident_bytes=residency.resident_bytes, whole=residency.whole)
 
 
 class _WeightIndex:
@@ -522,6 +556,10 @@ class _WeightIndex:
     def shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
 
+    def elements(self) -> int:
+        """Every tensor's elements (what the model holds cast)."""
+        return sum(math.prod(self.shape(name)) for name in self._where)
+
     def block(self, name: str, lo: int, hi: int) -> Any:
         """Rows lo..hi of a 2-D tensor, read alone."""
         rows = self._handle(name).get_slice(name)[lo:hi]
@@ -539,3 +577,53 @@ class _WeightIndex:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+class _DequantizedIndex:
+    """A pre-quantized source's tensors by their released names: each quantized one dequantized into float32 as
+    it is read (`formats.prequantized.dequantize`, its scales and values checked), every other as stored."""
+
+    def __init__(self, index: _WeightIndex, plan: QuantizedPlan) -> None:
+        self._index, self._plan = index, plan
+        self._parts = plan.stored_names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._plan.tensors or (name in self._index and name not in self._parts)
+
+    def names(self, prefix: str) -> list[str]:
+        plain = [n for n in self._index.names(prefix) if n not in self._parts]
+        return plain + [n for n in self._plan.tensors if n.startswith(prefix)]
+
+    def tensor(self, name: str) -> Any:
+        qt = self._plan.tensors.get(name)
+        if qt is None:
+            return self._index.tensor(name)
+        values, scale = self._index.tensor(qt.values.name), self._index.tensor(qt.scale.name)
+        return dequantize(self._plan.quantization, qt, values, scale)
+
+    def shape(self, name: str) -> list[int]:
+        qt = self._plan.tensors.get(name)
+        return list(qt.shape) if qt is not None else self._index.shape(name)
+
+    def elements(self) -> int:
+        stored = sum(math.prod(p.shape) for qt in self._plan.tensors.values() for p in qt.parts)
+        return self._index.elements() - stored + sum(qt.numel for qt in self._plan.tensors.values())
+
+    def block(self, name: str, lo: int, hi: int) -> Any:
+        self._plain(name)
+        return self._index.block(name, lo, hi)
+
+    def rows(self, name: str, ids: Sequence[int]) -> Any:
+        self._plain(name)
+        return self._index.rows(name, ids)
+
+    def _plain(self, name: str) -> None:
+        if name in self._plan.tensors:  # no release quantizes them (modules_to_not_convert)
+            raise StageFailed(
+                f"{name} is stored {self._plan.quantization.layout.name}: a quantized embedding or output head is "
+                "not streamed",
+                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            )
+
+    def close(self) -> None:
+        self._index.close()

@@ -5,6 +5,13 @@ earlier ingest hashed is not read again) and each file it uses is placed in the 
 link or a symbolic link to it (`storage.links`): never a copy, unless the recipe says `source_copy: true`.
 The store verifies those files like any other (size, sha256 re-read only after a file's stat changed), so a
 source edited in place after ingest is noticed, never served as what was hashed.
+
+A pre-quantized release (FP8 block, MXFP4: `formats.prequantized`) is checked like any other tensor data:
+its quantized tensors are paired with their scales from the headers as it is opened, and every scale is read
+and checked here (finite and > 0, valid E8M0), a small part of the weights (1/4,096 of an FP8 block release's
+with float32 scales, 1/17 of MXFP4 experts'); the values themselves are checked as they are dequantized, by
+the stages that read them. Its quantization is recorded (`IngestRecord.quantization`): part of the source's
+identity, as config.json and the weights already are of its digest.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ def run(ctx: StageContext) -> IngestRecord:
     source = _download(ctx) if "source_url" in ctx.node.args else _place_local(ctx)
     if "origin" in ctx.node.args:  # where the source came from (a hub repo at its pinned commit)
         ctx.notes["source"] = ctx.node.args["origin"]
+    source.check_scales()
     return IngestRecord(
         source_digest=source.digest,
         source_files=source.files,
@@ -40,6 +48,7 @@ def run(ctx: StageContext) -> IngestRecord:
         parameters=sum(t.numel for t in source.tensors.values()),
         # Files left alone (pickle checkpoints beside SafeTensors, ...): in the build report, and warned about.
         ignored=[IgnoredFile(path=path, reason=reason) for path, reason in source.ignored],
+        quantization=source.quantization,
     )
 
 

@@ -13,6 +13,10 @@ records the passes over the weights (`resources.weights`). Each window's logits 
 rows of `eval.reference_rows` (most likely tokens, the rest as one mass, with a bound on the KL they
 can give) before the next window's are made: at a 128,256-token vocabulary and 4,096 tokens the full
 float32 logits would be 2.1 GB per release, the rows at most `max_entries` x 12 bytes per position.
+
+A pre-quantized source's reference is the source as released: computed from its dequantized weights (each FP8
+block or MXFP4 tensor dequantized into float32 as its layer is read, `eval.runtimes.layer_stream`), and its
+record says so (`dequantized`: the layout), so nothing downstream takes it for a bf16 model's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from core.errors import StageFailed
 from eval.reference_rows import ReferenceStore, reference_rows
 from eval.runtimes.layer_stream import open_transformers
 from eval.runtimes.residency import WHOLE
@@ -64,6 +69,15 @@ def run(ctx: StageContext) -> ReferenceRecord:
     device = stage_device(ctx.node)
     residency = ctx.node.requires.weights or WHOLE  # a node planned without sizing: the model as transformers loads it
     runtime = open_transformers(ingest.files_dir, REFERENCE_DTYPE, device.torch, residency=residency)
+    quantization = ingest.record(IngestRecord).quantization
+    dequantized = getattr(runtime, "dequantized", None)
+    if dequantized != (quantization.layout if quantization is not None else None):
+        runtime.close()
+        raise StageFailed(
+            f"the ingested source is {quantization.layout if quantization else 'plain'}, but the reference runtime "
+            f"read it as {dequantized or 'plain'}",
+            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+        )
     store = ReferenceStore(ctx.out_dir, identity=source_digest)
     try:
         for window, logits in zip(text.windows, runtime.logits_many(text.windows), strict=True):
@@ -90,6 +104,7 @@ def run(ctx: StageContext) -> ReferenceRecord:
         windows=len(text.windows),
         tokens=text.tokens,
         dtype=REFERENCE_DTYPE,
+        dequantized=dequantized,
     )
 
 
