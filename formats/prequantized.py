@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -89,27 +89,90 @@ E8M0_BIAS: Final = 127
 E8M0_NAN: Final = 0xFF
 
 
+Shape = tuple[int, ...]
+# One of a layout's shape rules: a shape and the block (FP8: rows x columns of one scale; MXFP4: values per scale).
+ShapeRule = Callable[[Shape, Shape], Shape]
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """One of the two tensors a quantized released tensor is stored as: its name, SafeTensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: Shape
+
+
 @dataclass(frozen=True)
 class QuantLayout:
-    """One released layout: how its quantized tensors are named and typed in the SafeTensors files.
+    """One released layout, as data: how its quantized tensors are named, typed and shaped in the SafeTensors files.
 
     A quantized tensor is stored as two: its values (`<prefix><values_suffix>`) and their scales
-    (`<prefix><scale_suffix>`); the released tensor, dequantized, is `<prefix><released_suffix>`."""
+    (`<prefix><scale_suffix>`); the released tensor, dequantized, is `<prefix><released_suffix>`. Their shapes
+    follow from one another by the layout's rules, each of a shape and the block: the values' from the released
+    tensor's (`values_shape`) and back (`released_shape`), the scales' from the values' (`scale_shape`).
+    `plan_quantized` checks a release's headers by these rules, and `ModelShape.stored_tensors` names and sizes a
+    release from config.json alone by them (`SourceQuantization.stored`)."""
 
     name: str  # kiln's name for it
     quant_method: str  # config.json's quantization_config.quant_method
     values_suffix: str
     scale_suffix: str
     released_suffix: str
-    values_dtypes: tuple[str, ...]  # SafeTensors dtypes of the values
+    values_dtypes: tuple[str, ...]  # SafeTensors dtypes of the values; the first is the one written
+    # SafeTensors dtypes of the scales; the first is its reference release's, which sizing from config.json assumes
     scale_dtypes: tuple[str, ...]
     values_ndim: int
+    values_note: str  # how the values hold the released tensor's numbers, for messages
+    released_ndim: int
+    values_shape: ShapeRule
+    released_shape: ShapeRule
+    scale_shape: ShapeRule
 
     def released_name(self, values_name: str) -> str:
         return values_name.removesuffix(self.values_suffix) + self.released_suffix
 
+    def values_name(self, released_name: str) -> str:
+        return released_name.removesuffix(self.released_suffix) + self.values_suffix
+
     def scale_name(self, values_name: str) -> str:
         return values_name.removesuffix(self.values_suffix) + self.scale_suffix
+
+    def module(self, released_name: str) -> str:
+        """The module a released tensor belongs to, as `modules_to_not_convert` names it: `model.layers.0.self_attn.
+        q_proj` for its `.weight`, `model.layers.0.mlp.experts` for `...experts.down_proj`."""
+        return released_name.rsplit(".", 1)[0]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _same_shape(shape: Shape, block: Shape) -> Shape:
+    return shape  # FP8's values are the released matrix (named functions, not lambdas: a layout pickles)
+
+
+def _fp8_scales(values: Shape, block: Shape) -> Shape:
+    """[ceil(rows / block rows), ceil(columns / block columns)]: one scale per block, the last ones overhanging."""
+    (rows, cols), (br, bc) = values, block
+    return (_ceil_div(rows, br), _ceil_div(cols, bc))
+
+
+def _mxfp4_values(released: Shape, block: Shape) -> Shape:
+    """[E, in, out] as released (transformers' orientation) -> [E, out, in / 32, 16]: each row of the projection's
+    `out x in` matrix in blocks of 32 values, two a byte (an `in` that is no whole number of blocks is cut short,
+    and `released_shape` then does not give `released` back)."""
+    experts, cols, rows = released
+    return (experts, rows, cols // block[0], block[0] // 2)
+
+
+def _mxfp4_released(values: Shape, block: Shape) -> Shape:
+    experts, rows, groups, _ = values
+    return (experts, groups * block[0], rows)
+
+
+def _mxfp4_scales(values: Shape, block: Shape) -> Shape:
+    return values[:-1]  # one E8M0 byte per block of values
 
 
 FP8_BLOCK: Final = QuantLayout(
@@ -121,6 +184,11 @@ FP8_BLOCK: Final = QuantLayout(
     values_dtypes=("F8_E4M3",),
     scale_dtypes=("F32", "BF16", "F16"),
     values_ndim=2,
+    values_note="one float8_e4m3fn a value",
+    released_ndim=2,
+    values_shape=_same_shape,
+    released_shape=_same_shape,
+    scale_shape=_fp8_scales,
 )
 MXFP4: Final = QuantLayout(
     name="mxfp4",
@@ -131,6 +199,11 @@ MXFP4: Final = QuantLayout(
     values_dtypes=("U8",),
     scale_dtypes=("U8",),
     values_ndim=4,
+    values_note=f"{MX_BLOCK} values in {MX_BLOCK_BYTES} bytes a block",
+    released_ndim=3,
+    values_shape=_mxfp4_values,
+    released_shape=_mxfp4_released,
+    scale_shape=_mxfp4_scales,
 )
 LAYOUTS: Final[dict[str, QuantLayout]] = {layout.quant_method: layout for layout in (FP8_BLOCK, MXFP4)}
 # Other 8-bit floats an FP8 release might hold: not e4m3fn, which `fmt: e4m3` (float8_e4m3fn) declares.
@@ -140,6 +213,7 @@ _REFUSED_METHODS: Final = {
     "compressed-tensors": "a compressed-tensors source (its own spelling: config groups, `weight_scale`, "
     "`weight_packed`) is not read as a source yet",
 }
+FP8_DEFAULT_BLOCK: Final = (128, 128)  # FineGrainedFP8Config's, where config.json gives no weight_block_size
 MAX_BLOCK: Final = 4096  # one side of an FP8 block: released ones are 128
 MAX_PATTERNS: Final = 256  # modules_to_not_convert: released lists name a handful
 _PATTERN: Final = re.compile(r"^[A-Za-z0-9_.*\-]{1,256}$")
@@ -156,7 +230,7 @@ class _Fp8BlockConfig(BaseModel):
     quant_method: Literal["fp8"]
     fmt: Literal["e4m3"] = "e4m3"
     activation_scheme: Literal["dynamic"] = "dynamic"
-    weight_block_size: list[int] = Field(default=[128, 128], min_length=2, max_length=2)
+    weight_block_size: list[int] = Field(default=list(FP8_DEFAULT_BLOCK), min_length=2, max_length=2)
     modules_to_not_convert: list[str] | None = Field(default=None, max_length=MAX_PATTERNS)
     scale_fmt: Literal["float", "ue8m0"] = "float"
 
@@ -187,6 +261,25 @@ class SourceQuantization:
         ending with it), `*` standing for any characters and every other character for itself."""
         return any(_matches(pattern, module) for pattern in self.not_converted)
 
+    def stored(self, name: str, shape: Shape) -> tuple[StoredPart, StoredPart]:
+        """How the layout stores released tensor `name` of `shape`: its values and its scales, named, typed (the
+        layout's first dtypes: DeepSeek-V3's float32 FP8 scales) and shaped by the layout's rules, which
+        `plan_quantized` checks a release's headers by. A shape the layout cannot store (MXFP4 inputs that are
+        no whole number of 32-value blocks) is refused."""
+        layout = self.layout
+        values_shape = layout.values_shape(shape, self.block) if len(shape) == layout.released_ndim else ()
+        if not values_shape or layout.released_shape(values_shape, self.block) != shape:
+            raise QuantizedSourceInvalid(
+                f"config.json: quantization_config: {layout.name} cannot store {name!r} {list(shape)} in blocks "
+                f"of {' x '.join(map(str, self.block))}",
+                details={"file": "config.json", "field": "quantization_config", "tensor": name},
+            )
+        values = StoredPart(layout.values_name(name), layout.values_dtypes[0], values_shape)
+        scale = StoredPart(
+            layout.scale_name(values.name), layout.scale_dtypes[0], layout.scale_shape(values_shape, self.block)
+        )
+        return values, scale
+
 
 def _matches(pattern: str, module: str) -> bool:
     """`pattern` matches a prefix of `module` (its `*` any characters), or `module` ends with it; in one pass
@@ -201,24 +294,38 @@ def _matches(pattern: str, module: str) -> bool:
     return at >= 0 or module.endswith(pattern)
 
 
+def _is_layout(method: object) -> bool:
+    return isinstance(method, str) and method in LAYOUTS
+
+
 def declares_prequantized(config: Mapping[str, Any]) -> bool:
     """Whether config.json declares one of the release layouts here (`read_quantization` checks it); a
     compressed-tensors bundle, kiln's own artifacts' layout, does not."""
     qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") in LAYOUTS
+    return isinstance(qc, dict) and _is_layout(qc.get("quant_method"))
 
 
 def read_quantization(config: Mapping[str, Any]) -> SourceQuantization | None:
-    """The source's quantization as config.json declares it (None: not quantized), or an error naming the field."""
-    qc = config.get("quantization_config")
+    """A source's quantization as config.json declares it (None: not quantized), or an error naming the field: a
+    `quant_method` that is no release layout here (compressed-tensors, GPTQ) is refused."""
+    return read_quantization_config(config.get("quantization_config"))
+
+
+def read_quantization_config(qc: object, *, other_methods: bool = False) -> SourceQuantization | None:
+    """config.json's `quantization_config` (`qc`), the one reader of it: None where absent; a release layout's,
+    checked (`SOURCE_QUANTIZATION_INVALID` naming the field); another method's refused, or None with
+    `other_methods` (the architecture schema reads kiln's own compressed-tensors bundles too, whose tensors this
+    module does not plan)."""
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise _config_invalid("quantization_config", f"must be an object, got {short_repr(qc)}")
     method = qc.get("quant_method")
-    if method in _REFUSED_METHODS:
+    if not _is_layout(method) and other_methods:
+        return None
+    if isinstance(method, str) and method in _REFUSED_METHODS:
         raise _config_invalid("quantization_config.quant_method", f"{method!r}: {_REFUSED_METHODS[method]}")
-    if method not in LAYOUTS:
+    if not _is_layout(method):
         raise _config_invalid(
             "quantization_config.quant_method",
             f"{short_repr(method)} is not a layout kiln reads; it reads {', '.join(map(repr, LAYOUTS))} "
@@ -368,8 +475,8 @@ def plan_quantized(quantization: SourceQuantization, tensors: Mapping[str, Tenso
             raise _tensor_invalid(
                 scale, f"has dtype {scale.dtype}; {layout.name} scales are {' or '.join(layout.scale_dtypes)}"
             )
-        shape = (_fp8_shapes if layout is FP8_BLOCK else _mxfp4_shapes)(quantization, t, scale)
-        module = _module(layout, name)
+        shape = _released_shape(quantization, t, scale)
+        module = layout.module(layout.released_name(name))
         if quantization.keeps_unquantized(module):
             raise _tensor_invalid(
                 t,
@@ -413,38 +520,28 @@ def _is_values(layout: QuantLayout, t: TensorInfo) -> bool:
     return True
 
 
-def _fp8_shapes(q: SourceQuantization, t: TensorInfo, scale: TensorInfo) -> tuple[int, ...]:
-    (rows, cols), (br, bc) = t.shape, q.block
-    want = (-(-rows // br), -(-cols // bc))
-    if scale.shape != want:
-        raise _tensor_invalid(
-            scale,
-            f"has shape {list(scale.shape)}; weight {list(t.shape)} in {br} x {bc} blocks "
-            f"(quantization_config.weight_block_size) needs [{want[0]}, {want[1]}]",
-        )
-    return t.shape
-
-
-def _mxfp4_shapes(q: SourceQuantization, t: TensorInfo, scale: TensorInfo) -> tuple[int, ...]:
-    experts, rows, groups, per_block = t.shape
-    if per_block != MX_BLOCK_BYTES:
+def _released_shape(q: SourceQuantization, t: TensorInfo, scale: TensorInfo) -> Shape:
+    """The released shape of values `t`, once `t` and its scales are what the layout's rules make of it: the
+    values as the layout stores a tensor of that shape (only MXFP4's can differ, in its bytes a block), one scale
+    per block."""
+    layout, block = q.layout, q.block
+    released = layout.released_shape(t.shape, block)
+    want = layout.values_shape(released, block)
+    if t.shape != want:
         raise _tensor_invalid(
             t,
-            f"has shape {list(t.shape)}; MXFP4 blocks hold {MX_BLOCK} values in {MX_BLOCK_BYTES} bytes, "
-            f"so its last dimension must be {MX_BLOCK_BYTES}",
+            f"has shape {list(t.shape)}; {layout.name} holds {layout.values_note}, so its last dimension must be "
+            f"{want[-1]}",
         )
-    if scale.shape != (experts, rows, groups):
-        raise _tensor_invalid(
-            scale,
-            f"has shape {list(scale.shape)}; blocks {list(t.shape)} need one scale each: {[experts, rows, groups]}",
-        )
-    return (experts, groups * MX_BLOCK, rows)  # the decoded [E, rows, cols], transposed as released
-
-
-def _module(layout: QuantLayout, values_name: str) -> str:
-    """The module a stored tensor belongs to: `model.layers.0.mlp.experts` for `...experts.down_proj_blocks`."""
-    released = layout.released_name(values_name)
-    return released.rsplit(".", 1)[0]
+    want = layout.scale_shape(t.shape, block)
+    if scale.shape != want:
+        if layout is FP8_BLOCK:
+            blocks = f"{block[0]} x {block[1]} blocks (quantization_config.weight_block_size)"
+            rule = f"weight {list(t.shape)} in {blocks} needs"
+        else:
+            rule = f"blocks {list(t.shape)} need one scale each:"
+        raise _tensor_invalid(scale, f"has shape {list(scale.shape)}; {rule} {list(want)}")
+    return released
 
 
 def _tensor_invalid(t: TensorInfo, message: str) -> QuantizedSourceInvalid:

@@ -24,6 +24,7 @@ from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from formats.gguf.constants import F32_KINDS, TYPE_TRAITS, FileType, TensorType, tensor_nbytes
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
+from formats.prequantized import FP8_BLOCK
 from formats.safetensors import DTYPES
 from quant.catalog import SCHEMES
 from quant.footprint import checkpoint_bytes
@@ -139,7 +140,7 @@ def keeps_source(shape: ModelShape, quant: str) -> bool:
     the source's tensors: FP8 weights in the source's 2-D blocks (DeepSeek-V3's 128 x 128 is `fp8-block`'s). gpt-oss's
     MXFP4 experts beside bf16 attention are no catalog scheme (`mxfp4-w4a4` quantizes every Linear)."""
     q, scheme = shape.source_quant, SCHEMES.get(quant)
-    if q is None or q.method != "fp8-block" or scheme is None or scheme.weights is None:
+    if q is None or q.layout is not FP8_BLOCK or scheme is None or scheme.weights is None:
         return False
     w = scheme.weights
     return w.type == "float" and w.num_bits == 8 and w.block_structure == q.block

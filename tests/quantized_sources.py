@@ -148,6 +148,7 @@ def make_mxfp4_source(out: Path, *, experts: int = 4, hidden_size: int = 64, int
         else:
             stored[name] = t.to(torch.bfloat16).contiguous()
     save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    model.config.architectures = ["GptOssForCausalLM"]  # as released, so its architecture record reads it
     model.config.save_pretrained(out)
     _set_quantization(out, MXFP4_CONFIG)
     return out

@@ -11,13 +11,13 @@ layer type's rope) is computed by the methods below, as transformers' own config
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Final, Literal, cast
+from typing import Annotated, Any, ClassVar, Final, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator, model_validator
 
 from formats.architectures.record import LAYER_TYPES, LayerType
+from formats.prequantized import SourceQuantization, read_quantization_config
 
 # Upper bounds on config.json's sizes: several times the largest public models (vocab 262,144, hidden 16,384,
 # intermediate 53,248, 126 layers, 128 heads, head_dim 256, 384 experts, context 10M), so a real model never
@@ -126,66 +126,11 @@ class MlaShape:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-@dataclass(frozen=True)
-class SourceQuant:
-    """How a release stores its weights where config.json's `quantization_config` says they are quantized:
-    "fp8-block" (DeepSeek-V3: every decoder Linear's weight in FP8 E4M3 with a float32 `weight_scale_inv` per
-    `block` of rows x columns, the rest in the config's dtype) or "mxfp4" (gpt-oss: every expert's weights as
-    MXFP4, 4-bit E2M1 values in blocks of 32 under an E8M0 scale byte, stored as `<name>_blocks` [..., rows,
-    columns / 32, 16] and `<name>_scales` [..., rows, columns / 32] uint8; the rest in the config's dtype).
-    `not_converted`: the modules `modules_to_not_convert` leaves unquantized (transformers' patterns: a module
-    named by one, under one, or ending with one; `*` any run of characters)."""
-
-    method: Literal["fp8-block", "mxfp4"]
-    block: tuple[int, int] | None = None
-    not_converted: tuple[str, ...] = ()
-
-    def converts(self, module: str) -> bool:
-        """Whether the quantization covers `module` (a tensor's name without `.weight`)."""
-        for pattern in self.not_converted:
-            regex = ".*".join(re.escape(part) for part in pattern.split("*"))
-            if re.match(f"{regex}(\\.|$)", module) or module.endswith(pattern):
-                return False
-        return True
-
-
-_Pattern = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class QuantizationConfig(BaseModel):
-    """config.json's `quantization_config` where it says how the release's weights are stored: the keys kiln reads
-    of transformers' FineGrainedFP8Config (`quant_method` "fp8": `fmt`, `weight_block_size`, `activation_scheme`)
-    and Mxfp4Config (`quant_method` "mxfp4": `modules_to_not_convert`)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
-
-    quant_method: str = Field(max_length=64)
-    fmt: str | None = Field(default=None, max_length=16)
-    weight_block_size: list[Annotated[int, Field(gt=0, le=2**16)]] | None = Field(
-        default=None, min_length=2, max_length=2
-    )
-    activation_scheme: str | None = Field(default=None, max_length=32)
-    modules_to_not_convert: list[_Pattern] | None = Field(default=None, max_length=1024)
-
-    @model_validator(mode="after")
-    def _fp8_blocks(self) -> QuantizationConfig:
-        if self.quant_method == "fp8":
-            if self.weight_block_size is None:
-                raise ValueError("quant_method 'fp8' without weight_block_size: kiln reads FP8 in 2-D blocks only")
-            if self.fmt not in (None, "e4m3"):
-                raise ValueError(f"fmt must be 'e4m3' (FP8 E4M3 weights), got {self.fmt!r}")
-        return self
-
-    def source_quant(self) -> SourceQuant | None:
-        """What this says of the stored weights: FP8 in 2-D blocks, MXFP4, or None for another method (stored as
-        the safetensors headers say)."""
-        skip = tuple(self.modules_to_not_convert or ())
-        if self.quant_method == "fp8" and self.weight_block_size is not None:
-            rows, cols = self.weight_block_size
-            return SourceQuant("fp8-block", (rows, cols), skip)
-        if self.quant_method == "mxfp4":
-            return SourceQuant("mxfp4", None, skip)
-        return None
+def _release_quantization(qc: object) -> SourceQuantization | None:
+    """`quantization_config` read by `formats.prequantized`, the one reader of it: a release layout's (FP8 block,
+    MXFP4) checked, another method's (a compressed-tensors bundle) None. Its errors (SOURCE_QUANTIZATION_INVALID,
+    naming the field) reach the caller as they are: pydantic wraps only a ValueError or an AssertionError."""
+    return read_quantization_config(qc, other_methods=True)
 
 
 _NOT_NULL: Final = (
@@ -234,7 +179,8 @@ class FamilyConfig(BaseModel):
     eos_token_id: _TokenId | list[_TokenId] | None = None
     pad_token_id: _TokenId | None = None
     unk_token_id: _TokenId | None = None
-    quantization_config: QuantizationConfig | None = None
+    # How the release stores its weights (None: as the SafeTensors headers say).
+    quantization_config: Annotated[SourceQuantization | None, PlainValidator(_release_quantization)] = None
 
     @field_validator(*_NOT_NULL, mode="before", check_fields=False)
     @classmethod
@@ -307,10 +253,6 @@ class FamilyConfig(BaseModel):
     def prediction_layers(self) -> int:
         """The multi-token-prediction layers the release's checkpoint may carry after the decoder's (0: none)."""
         return 0
-
-    def source_quant(self) -> SourceQuant | None:
-        """How the release stores its weights where `quantization_config` says they are quantized."""
-        return self.quantization_config.source_quant() if self.quantization_config is not None else None
 
     def rope(self) -> dict[LayerType, RopeSpec]:
         """Each layer type's rope: `rope_scaling` where given (transformers' `convert_rope_params_to_dict` lets it

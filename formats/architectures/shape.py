@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Final
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -21,11 +21,9 @@ from core.errors import SourceInvalid
 from core.shape import ShapeRecord
 from core.untrusted import short_repr
 from formats.architectures import FAMILIES, get_architecture
-from formats.architectures.config import FamilyConfig, MlaShape, MoeShape, RopeSpec, SourceQuant
-from formats.architectures.record import EXPERT_KINDS, Architecture, LayerType, TensorKind, TensorSpec
-
-# MXFP4 (OCP MX): 32 values under one E8M0 scale byte, two 4-bit values a byte.
-MXFP4_BLOCK: Final = 32
+from formats.architectures.config import FamilyConfig, MlaShape, MoeShape, RopeSpec
+from formats.architectures.record import LINEAR_KINDS, Architecture, LayerType, TensorKind, TensorSpec
+from formats.prequantized import SourceQuantization
 
 
 def _config_error(e: ValidationError) -> SourceInvalid:
@@ -94,7 +92,8 @@ class ModelShape:
     mla: MlaShape | None = None  # multi-head latent attention's sizes (head_dim is then each query's and key's)
     swiglu_limit: float | None = None  # the clamped SwiGLU's limit (gpt-oss)
     prediction_layers: int = 0  # multi-token-prediction layers a checkpoint may carry (`extra_tensors`)
-    source_quant: SourceQuant | None = None  # how the release stores its weights, from `quantization_config`
+    # How the release stores its weights: config.json's `quantization_config` as `formats.prequantized` reads it.
+    source_quant: SourceQuantization | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -176,7 +175,7 @@ class ModelShape:
             mla=mla,
             swiglu_limit=getattr(c, "swiglu_limit", None),
             prediction_layers=c.prediction_layers() if arch.prediction_layers is not None else 0,
-            source_quant=c.source_quant(),
+            source_quant=c.quantization_config,
         )
 
     # -- the record and what it derives ----------------------------------------------------------------------
@@ -269,32 +268,20 @@ class ModelShape:
 
     def stored_tensors(self, *, extras: bool = False) -> Iterator[StoredTensor]:
         """Every tensor of `tensors()` (and `extra_tensors()` with `extras`) as the release stores it
-        (`source_quant`, from config.json's `quantization_config`): FP8 block-scaled Linears as the weight in
+        (`source_quant`, config.json's `quantization_config`): each one its layout quantizes (`stores_quantized`) as
+        the layout's values and scales (`SourceQuantization.stored`: FP8 block-scaled Linears as the weight in
         F8_E4M3 and its float32 `weight_scale_inv` [rows / block, columns / block, rounded up]; MXFP4 experts as
-        `<name>_blocks` [experts, rows, columns / 32, 16] and `<name>_scales` [experts, rows, columns / 32] (uint8;
-        rows the outputs: a stacked `[experts, in, out]` tensor's last axis); everything else as `tensors()` names
-        it, in the source's own float type (`dtype` None)."""
+        `<name>_blocks` [experts, rows, columns / 32, 16] and `<name>_scales` [experts, rows, columns / 32], uint8,
+        rows the outputs: a stacked `[experts, in, out]` tensor's last axis), by the rules `plan_quantized` checks
+        a release's headers by; everything else as `tensors()` names it, in the source's own float type (`dtype`
+        None)."""
         q = self.source_quant
         for t in [*self.tensors(), *(self.extra_tensors() if extras else [])]:
-            module = t.name.removesuffix(".weight")
-            if q is None or not q.converts(module):
+            if q is None or not stores_quantized(q, t):
                 yield StoredTensor(t.name, None, t.shape, t)
-            elif q.method == "fp8-block" and q.block is not None and t.quantizable:
-                (rows, cols), (br, bc) = t.shape, q.block
-                yield StoredTensor(t.name, "F8_E4M3", t.shape, t)
-                yield StoredTensor(f"{module}.weight_scale_inv", "F32", (-(-rows // br), -(-cols // bc)), t)
-            elif q.method == "mxfp4" and t.kind in EXPERT_KINDS and not t.bias and len(t.shape) == 3:
-                experts, cols, rows = t.shape
-                if cols % MXFP4_BLOCK:
-                    raise _invalid(
-                        "quantization_config",
-                        f"{t.name} has {cols} inputs, not a whole number of MXFP4 blocks of {MXFP4_BLOCK}",
-                    )
-                blocks = cols // MXFP4_BLOCK
-                yield StoredTensor(f"{t.name}_blocks", "U8", (experts, rows, blocks, MXFP4_BLOCK // 2), t)
-                yield StoredTensor(f"{t.name}_scales", "U8", (experts, rows, blocks), t)
-            else:
-                yield StoredTensor(t.name, None, t.shape, t)
+                continue
+            for part in q.stored(t.name, t.shape):
+                yield StoredTensor(part.name, part.dtype, part.shape, t)
 
     def record(self) -> ShapeRecord:
         """What the registry keeps about the model (a release's `model_config`): sizing (`placement`) reads KV
@@ -323,6 +310,20 @@ class ModelShape:
             qk_rope_head_dim=self.mla.qk_rope_head_dim if self.mla else None,
             v_head_dim=self.mla.v_head_dim if self.mla else None,
         )
+
+
+def stores_quantized(q: SourceQuantization, t: TensorSpec) -> bool:
+    """Whether a release in `q`'s layout stores `t` quantized: a Linear's weight (never a bias, norm, embedding,
+    router or head) of the layout's rank (FP8 block: a 2-D Linear; MXFP4: a stack of every expert's), in a module
+    `modules_to_not_convert` does not keep."""
+    layout = q.layout
+    return (
+        t.kind in LINEAR_KINDS
+        and not t.bias
+        and len(t.shape) == layout.released_ndim
+        and t.name.endswith(layout.released_suffix)
+        and not q.keeps_unquantized(layout.module(t.name))
+    )
 
 
 def layer_tensors(shape: ModelShape, i: int, *, sparse: bool | None = None) -> list[TensorSpec]:

@@ -198,18 +198,6 @@ def _base(family: str) -> dict[str, Any]:
         ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq", "1"),
         ("deepseek_v3", {"num_mtp_layers": 2, "num_nextn_predict_layers": 1}, "config", "disagree"),
         ("deepseek_v3", {"kv_lora_rank": 0}, "kv_lora_rank", "greater than 0"),
-        (
-            "deepseek_v3",
-            {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
-            "quantization_config",
-            "without weight_block_size",
-        ),
-        (
-            "deepseek_v3",
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
-            "quantization_config.weight_block_size",
-            "at least 2",
-        ),
         ("gpt_oss", {"swiglu_limit": 5.0}, "config", "clamps at 7.0"),
         ("gpt_oss", {"num_experts": 8}, "config", "disagree"),
         ("gpt_oss", {"num_experts_per_tok": 5}, "config", "exceeds"),
@@ -224,6 +212,46 @@ def test_a_bad_family_config_is_refused_naming_the_field(
         ModelShape.from_config(config)
     assert e.value.code == "SOURCE_INVALID"
     assert e.value.details["field"] == field and says in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "field", "says"),
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "quantization_config.weight_block_size", "at least 2"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt", "'e4m3'"),
+        ({"quant_method": "mxfp4", "group_size": 16}, "quantization_config.group_size", "not a key"),
+        ("fp8", "quantization_config", "must be an object"),
+    ],
+)
+def test_a_bad_quantization_config_is_refused_by_the_one_reader_of_it(
+    quantization_config: Any, field: str, says: str
+) -> None:
+    """A family's schema reads `quantization_config` through `formats.prequantized`, so a release's config and
+    its headers are held to the same layout, with that module's code and messages."""
+    with pytest.raises(SourceInvalid) as e:
+        ModelShape.from_config({**_base("deepseek_v3"), "quantization_config": quantization_config})
+    assert e.value.code == "SOURCE_QUANTIZATION_INVALID"
+    assert e.value.details["field"] == field and says in e.value.message, e.value.message
+
+
+def test_a_quantization_config_is_read_as_transformers_reads_it() -> None:
+    """FP8 without `weight_block_size` is FineGrainedFP8Config's 128 x 128 blocks; a method that is no release
+    layout (kiln's own compressed-tensors bundles) leaves the stored tensors to the headers."""
+    base = _base("deepseek_v3")
+    fp8 = ModelShape.from_config({**base, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})
+    assert fp8.source_quant is not None and fp8.source_quant.block == (128, 128)
+    bundle = ModelShape.from_config({**base, "quantization_config": {"quant_method": "compressed-tensors"}})
+    assert bundle.source_quant is None
+
+
+def test_a_shape_its_layout_cannot_store_is_refused_as_its_sizes_are_read() -> None:
+    """MXFP4 blocks 32 inputs: experts of 48 are no whole number of blocks, which the layout's own rules find."""
+    oss = ModelShape.from_config(
+        {**_base("gpt_oss"), "intermediate_size": 48, "quantization_config": {"quant_method": "mxfp4"}}
+    )
+    with pytest.raises(SourceInvalid, match=r"mxfp4 cannot store '.*experts.down_proj' \[4, 48, 64\]") as e:
+        list(oss.stored_tensors())
+    assert e.value.code == "SOURCE_QUANTIZATION_INVALID" and e.value.details["field"] == "quantization_config"
 
 
 def test_an_unknown_architecture_names_every_supported_one() -> None:

@@ -68,7 +68,7 @@ def _edit_config(model_dir: Path, edit: Any) -> None:
 
 
 def _plan(model_dir: Path) -> Any:
-    """The quantized plan of a source from its headers alone (gpt-oss has no architecture record here)."""
+    """The quantized plan of a source from its config.json's quantization_config and its headers alone."""
     infos, _ = read_header(model_dir / "model.safetensors", "model.safetensors")
     quantization = read_quantization(json.loads((model_dir / "config.json").read_text()))
     assert quantization is not None
@@ -436,3 +436,22 @@ def test_layouts_are_data() -> None:
     assert FP8_BLOCK.scale_name("m.q_proj.weight") == "m.q_proj.weight_scale_inv"
     assert MXFP4.released_name("m.experts.down_proj_blocks") == "m.experts.down_proj"
     assert read_quantization({}) is None
+
+
+@pytest.mark.parametrize("layout", ["fp8", "mxfp4"])
+def test_the_tensors_config_json_implies_are_the_headers_a_release_writes(
+    fp8_dir: Path, mxfp4_dir: Path, layout: str
+) -> None:
+    """`ModelShape.stored_tensors`, from config.json alone, names, types and shapes every stored tensor as the
+    release's headers hold it (the rest in its own float type, bf16 here), by the layout rules `plan_quantized`
+    checks the headers by; and sizing from config.json alone (`placement.weights.source_bytes`) is their bytes."""
+    from formats.architectures.shape import ModelShape
+    from placement.weights import source_bytes
+
+    src = fp8_dir if layout == "fp8" else mxfp4_dir
+    shape = ModelShape.from_config(json.loads((src / "config.json").read_text()))
+    infos, _ = read_header(src / "model.safetensors", "model.safetensors")
+    assert shape.source_quant is not None and shape.source_quant == _plan(src)[0]
+    implied = {s.name: (s.dtype or "BF16", s.shape) for s in shape.stored_tensors()}
+    assert implied == {t.name: (t.dtype, t.shape) for t in infos}
+    assert source_bytes(shape, 2) == sum(t.nbytes for t in infos)
