@@ -303,8 +303,19 @@ class Sizing:
     def of_source(
         cls, source: SourceModel, *, max_tokens: int, window: int, greedy_tokens: int, greedy_prompts: int = 4
     ) -> Sizing:
-        """From a checked source: the weights' bytes per element from its SafeTensors headers (the widest)."""
-        itemsize = max((DTYPES[t.dtype].itemsize for t in source.tensors.values()), default=2)
+        """From a checked source: s, the bytes of one weight, those of the dtype most of its plain tensors'
+        elements are stored in (bf16 for a bf16 model, whatever float32 norms or router biases it keeps; ties to the
+        wider). A pre-quantized source's quantized tensors are not plain: their bytes are their layout's
+        (`placement.weights.source_bytes`, from `ModelShape.stored_tensors`), and its plain tensors are what
+        dequantized weights compute beside (DeepSeek-V3's and gpt-oss's bf16, beside DeepSeek's float32 correction
+        biases)."""
+        quantized = source.quantized.tensors if source.quantized is not None else {}
+        elements: dict[int, int] = {}
+        for name, t in source.tensors.items():
+            if name not in quantized:
+                size = DTYPES[t.dtype].itemsize
+                elements[size] = elements.get(size, 0) + math.prod(t.shape)
+        itemsize = max(elements, key=lambda size: (elements[size], size), default=2)
         return cls(
             source.shape, source.config, itemsize, max_tokens, window, greedy_tokens, greedy_prompts=greedy_prompts
         )

@@ -90,6 +90,29 @@ def test_a_bad_scale_fails_the_ingest_naming_it(tmp_path: Path, bad: float, what
     assert not list((tmp_path / "work" / "ingest").glob("*/stage.json"))  # nothing that looks done
 
 
+def test_a_prequantized_source_is_sized_by_its_layout_and_its_plain_weights_dtype(tmp_path: Path) -> None:
+    """DeepSeek-V3 as released: FP8 Linears with float32 scales, bf16 weights beside them and its routers'
+    correction biases in float32. A weight is sized as bf16, the dtype most of its plain weights are in (not the
+    widest the headers hold), and the source's bytes as its layout stores them."""
+    from formats.safetensors import read_header
+    from pipeline.requirements import Sizing
+    from placement.weights import source_bytes
+
+    src = make_fp8_block_source(tmp_path / "m", "deepseek_v3")
+    tensors = load_file(src / "model.safetensors")
+    biases = [n for n in tensors if n.endswith("e_score_correction_bias")]
+    assert biases
+    tensors.update({n: tensors[n].float() for n in biases})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+    sizing = Sizing.of_source(open_source(src), max_tokens=64, window=32, greedy_tokens=4)
+    assert sizing.weight_bytes == 2
+    infos, _ = read_header(src / "model.safetensors", "model.safetensors")
+    stored = sum(t.nbytes for t in infos)
+    as_bf16 = sum(t.nbytes // 2 for t in infos if t.name in biases)  # the one thing sized narrower than stored
+    assert source_bytes(sizing.shape, sizing.weight_bytes, extras=False) == stored - as_bf16
+
+
 # --- the reference: the source as released, computed from its dequantized weights ---------------------------
 
 
