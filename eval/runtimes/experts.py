@@ -33,7 +33,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from core.errors import StageFailed
 from formats.architectures import ARCHITECTURES
@@ -41,6 +41,15 @@ from formats.architectures.record import Architecture, Projections
 
 # transformers' patch and conversion mappings are process-wide: one model is built under ours at a time.
 _LOCK = threading.Lock()
+COMPRESSED_TENSORS: Final = "compressed-tensors"  # the quant_method of kiln's quantized bundles
+
+
+def is_compressed_tensors(config: Any) -> bool:
+    """Whether a transformers config's `quantization_config` (config.json's object, or transformers' own config
+    class) is compressed-tensors'."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return bool(method == COMPRESSED_TENSORS)  # transformers' QuantizationMethod is a str enum
 
 
 def fused_experts(model: Any) -> dict[str, Any]:
@@ -55,8 +64,9 @@ def fused_experts(model: Any) -> dict[str, Any]:
 
 def loading_experts(config: Any) -> AbstractContextManager[None]:
     """How transformers builds and loads `config`'s model: a compressed-tensors bundle of a family with experts
-    under `experts_as_linears`, anything else as transformers does alone."""
-    if getattr(config, "quantization_config", None) is None:
+    under `experts_as_linears`, anything else (a plain checkpoint, a release's FP8 block or MXFP4 experts, which
+    transformers' own integrations read) as transformers does alone."""
+    if not is_compressed_tensors(config):
         return nullcontext()
     record = ARCHITECTURES.get(next(iter(getattr(config, "architectures", None) or []), ""))
     if record is None or record.mlp.experts is None:
