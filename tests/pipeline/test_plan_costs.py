@@ -1,7 +1,8 @@
 """What a plan says a build costs, and what it refuses: `examples/llama-3-70b` (config.json alone) planned on the CPU,
 each stage's memory, disk written and read, and time (its floor, and the estimate: the line measured for its
-kind of work over that floor) equal a hand calculation written here from the config's numbers; a machine too small for a stage gets it flagged with the numbers and what would hold it; and
-`kiln build` refuses, before any stage runs, a build whose disk need exceeds what is free, unless forced.
+kind of work over that floor) equal a hand calculation written here from the config's numbers; a machine too small
+for a stage gets it flagged with the numbers and what would hold it; and `kiln build` refuses, before any stage
+runs, a build whose disk need exceeds what is free, unless forced.
 
 The machine is given to the planner (`pipeline.machine.Machine`), never read from this one.
 """
