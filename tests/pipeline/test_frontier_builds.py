@@ -89,7 +89,7 @@ def _artifacts(built: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for a in built["artifacts"]:
         assert a["eval"] == "passed", (a["artifact"], a["failures"])
         first = a["evals"][0]
-        assert first["runtime"] == "transformers" and first["status"] == "passed"
+        assert first["runtime"] in ("transformers", "jax") and first["status"] == "passed"
         record = json.loads((Path(a["path"]).parent / "stage.json").read_text())["result"]
         out[a["artifact"]] = {**a, "record": record, "first": first}
     return out
@@ -250,3 +250,17 @@ def test_fp8_blocks_whose_columns_overhang_are_refused(tmp_path: Path) -> None:
     e = _refusal(tmp_path, [{"target": "rocm-bundle", "quants": ["fp8-block"], "params": GFX942}])
     assert e.code == "QUANT_SHAPE" and e.details["layer"] == "model.layers.0.self_attn.q_b_proj.weight"
     assert "vLLM quantizes its activations in groups of 128 input columns" in e.message
+
+
+def test_an_fp8_release_of_a_streamed_family_builds_orbax_and_trtllm(tmp_path: Path) -> None:
+    """A Qwen3-"FP8"-style release of a family the layer stream covers: orbax bf16 and TensorRT-LLM bf16
+    dequantize it, TensorRT-LLM's fp8-block keeps its bytes and scores KL ~ 0 streamed or whole."""
+    make_fp8_block_source(tmp_path / "model", hidden_size=128, intermediate_size=256, num_kv_heads=4)
+    recipe = _recipe(
+        tmp_path, [{"target": "orbax", "quants": ["bf16"]}, {"target": "trtllm", "quants": ["bf16", "fp8-block"]}]
+    )
+    artifacts = _artifacts(_build(recipe, tmp_path / "work"))
+    for name in ("orbax-bf16", "trtllm-bf16"):
+        assert artifacts[name]["record"]["dequantized"] == "fp8-block", name
+    kept = artifacts["trtllm-fp8-block"]
+    assert kept["record"]["passed_through"] == "fp8-block" and kept["metrics"]["kl"] <= KL_ZERO
