@@ -305,8 +305,10 @@ def plan_tensors(
         dtype = dtypes.pop() if len(dtypes) == 1 else "F32"
         kept = names[0] in mxfp4
         if quant.llama_ftype is not None and not kept:
-            # llama.cpp's quantizer picks the final types from a lossless file (a dequantized tensor: F32)
-            lossless = LOSSLESS_TYPES.get(dtype, TensorType.F32)
+            # llama.cpp's quantizer picks the final types from a lossless file; a dequantized FP8 tensor has no
+            # lossless type but F32 (twice the model's bf16 bytes on disk, 2.7 TB at DeepSeek-V3's size): BF16, the
+            # release's own float type, one rounding before the quantizer's own
+            lossless = LOSSLESS_TYPES.get(dtype, TensorType.BF16)
             ttype = TensorType.F32 if unquantized(first.kind, dims, bias=first.bias) else lossless
         else:
             ttype = kiln_type(first.kind, dims, quant, tied=shape.tie_word_embeddings, mxfp4=kept, bias=first.bias)

@@ -1,10 +1,16 @@
 """The `gguf` target: a SafeTensors release of any family whose record maps `gguf` -> one GGUF v3 file llama.cpp
-loads (llama, mistral and mixtral as `llama`, qwen2, qwen3, qwen3moe, gemma3, phi3).
+loads (llama, mistral and mixtral as `llama`, qwen2, qwen3, qwen3moe, gemma3, phi3, DeepSeek-V3 as `deepseek2`,
+gpt-oss).
 
 F16, BF16, Q8_0, Q4_0, MXFP4 and NVFP4 are written by kiln in one streaming pass (NVFP4 encoded by
 ggml's quantizer). Q4_K_M and Q6_K are produced by llama.cpp's own quantizer (`llama_model_quantize`
 through llama-cpp-python) from a lossless intermediate GGUF that kiln writes first and removes
 afterwards, so their per-tensor type mix is exactly llama-quantize's.
+
+A pre-quantized release: its MXFP4 experts (gpt-oss) are written as they are stored, in every type kiln writes
+(a bf16 file of gpt-oss is its release as llama.cpp's converter makes it: MXFP4 experts, bf16 elsewhere), and
+refused for the K-quants, whose quantizer would requantize them; its FP8 blocks (DeepSeek-V3) are dequantized,
+GGUF having no FP8 type. The export's details say which.
 """
 
 from __future__ import annotations
@@ -213,6 +219,21 @@ def _check_rope(shape: ModelShape, arch: LlamaCppArch) -> None:
             raise _unsupported(
                 shape, arch, f"rope would rotate {dims} dimensions per head (llama.cpp needs an even count)"
             )
+
+
+def llama_cpp_differences(shape: ModelShape) -> list[str]:
+    """What llama.cpp computes differently from transformers that kiln writes anyway, as llama.cpp's converter does:
+    the file is the model, the difference is llama.cpp's arithmetic (recorded in the export's details; the eval
+    measures it). YaRN's correction range left unrounded (gpt-oss's `truncate: false`): ggml's rope rounds it out
+    to whole dimensions (`ggml_rope_yarn_corr_dims`) for every model."""
+    out = []
+    for kind, spec in shape.rope:
+        if spec.scaling == "yarn" and dict(spec.params).get("truncate") is False:
+            out.append(
+                f"YaRN on its {kind} layers: transformers keeps the correction range unrounded (truncate false), "
+                "llama.cpp rounds it out to whole dimensions, which moves a few rope frequencies"
+            )
+    return out
 
 
 def _check_yarn(shape: ModelShape, arch: LlamaCppArch, params: dict[str, Any]) -> None:
@@ -643,6 +664,9 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         details["fallbacks"] = fallbacks
     if source.quantization is not None:
         details["source_quantization"] = _source_quantization(source, plans)
+    computes = llama_cpp_differences(source.shape)
+    if computes:
+        details["llama_cpp_computes"] = computes
     return ExportResult(files=[final.name], runtime=dict(RUNTIME), details=details)
 
 

@@ -446,7 +446,8 @@ def test_gpt_oss_yarn_is_llama_cpps(exported: Callable[..., tuple[Path, ExportRe
     truncates, as llama.cpp does)."""
     ids, rounded = reference("gpt_oss", yarn_truncate=True)
     _, configured = reference("gpt_oss")
-    path, _ = exported("gpt_oss", "f16")
+    path, res = exported("gpt_oss", "f16")
+    assert "rounds it out to whole dimensions" in res.details["llama_cpp_computes"][0]
     assert _kl(rounded, path, ids)[0].mean() <= 1e-6
     assert 1e-5 < _kl(configured, path, ids)[0].mean() <= 1e-3
 
@@ -573,3 +574,19 @@ def test_the_released_configs_are_written() -> None:
     examples = Path(__file__).parents[2] / "examples"
     for name in ("deepseek-v3", "gpt-oss-120b", "gpt-oss-20b"):
         check_supported(ModelShape.from_config(json.loads((examples / name / "config.json").read_text())))
+
+
+@pytest.mark.parametrize(("example", "layers", "experts"), [("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32)])
+def test_gpt_oss_as_released_is_its_release_in_gguf(example: str, layers: int, experts: int) -> None:
+    """gpt-oss's bf16 GGUF is its release (examples/<example>/config.json, sized from the shape alone): the MXFP4
+    experts' 17 bytes per 32 weights and every bf16 tensor as released, but for what llama.cpp keeps in F32 (norms,
+    biases, sinks, the router), 2 bytes more per element. By hand: hidden 2880, 64 heads and 8 KV heads of 64,
+    experts of 2880."""
+    from placement.weights import source_bytes
+
+    h, q, kv, ff = 2880, 64 * 64, 8 * 64, 2880
+    per_layer = 2 * h + q + 2 * kv + h + 64 + experts * h + experts + experts * 2 * ff + experts * h
+    f32_elements = layers * per_layer + h  # and the final norm
+    config = json.loads((Path(__file__).parents[2] / "examples" / example / "config.json").read_text())
+    shape = ModelShape.from_config(config)
+    assert gguf_bytes(shape, "bf16") == source_bytes(shape, 2, extras=False) + 2 * f32_elements
