@@ -182,16 +182,16 @@ class StoredMxfp4:
 @dataclass(frozen=True)
 class GgmlBytes:
     """A GGUF tensor's bytes, already in its ggml type's block layout (an MXFP4 tensor repacked from the release's
-    blocks): written as they are."""
+    blocks), in chunks (one expert's at a time): written as they are."""
 
-    data: np.ndarray
+    chunks: Iterable[np.ndarray]
 
 
 def take_stored_piece(stored: StoredMxfp4, p: Placement) -> GgmlBytes:
-    """The part `p` of a tensor the release stores as MXFP4, as ggml's block_mxfp4 bytes: gate_up's gate (even
-    output rows) or up (odd), or a stack whose stored rows are already llama.cpp's (down_proj: the release stores
-    it outputs first, so its transposition is the stored layout itself). The blocks' values and exponents are
-    moved, never recomputed (`formats.gguf.quants.mxfp4_from_ocp`)."""
+    """The part `p` of a stack of experts the release stores as MXFP4, as ggml's block_mxfp4 bytes, one expert at a
+    time: gate_up's gate (even output rows) or up (odd), or a stack whose stored rows are already llama.cpp's
+    (down_proj: the release stores it outputs first, so its transposition is the stored layout itself). The
+    blocks' values and exponents are moved, never recomputed (`formats.gguf.quants.mxfp4_from_ocp`)."""
     from formats.gguf.quants import mxfp4_from_ocp
 
     blocks, scales = stored.blocks, stored.scales
@@ -200,7 +200,7 @@ def take_stored_piece(stored: StoredMxfp4, p: Placement) -> GgmlBytes:
         blocks, scales = blocks[:, start::2], scales[:, start::2]
     elif p.piece is not Piece.TRANSPOSED:
         raise ValueError(f"GGUF tensor {p.name!r}: a {p.piece.value} part of an MXFP4-stored tensor is not written")
-    return GgmlBytes(mxfp4_from_ocp(blocks.numpy(), scales.numpy()))
+    return GgmlBytes(mxfp4_from_ocp(b.numpy(), s.numpy()) for b, s in zip(blocks, scales, strict=True))
 
 
 def convert_tensors(

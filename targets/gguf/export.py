@@ -504,7 +504,7 @@ def write_gguf(
         converted = convert_tensors(plans, _reader(source, plans), source.shape)
         for plan, (gname, tensor) in zip(plans, converted, strict=True):
             try:
-                data = tensor.data if isinstance(tensor, GgmlBytes) else encoder.encode(tensor, plan.ttype)
+                data = tensor.chunks if isinstance(tensor, GgmlBytes) else encoder.encode(tensor, plan.ttype)
                 writer.write_tensor(gname, data)
             except F16Overflow as e:
                 raise InvalidInput(
