@@ -279,7 +279,7 @@ def plan_tensors(
     """
     places = layout(shape)
     mxfp4 = stored_mxfp4(shape)
-    quantized = shape.source_quant.method if shape.source_quant is not None else None
+    quantized = shape.source_quant.layout.name if shape.source_quant is not None else None
     groups: dict[str, list[tuple[str, Placement]]] = {}
     for hf_name in tensors:
         placed = places.get(hf_name)
