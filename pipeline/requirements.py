@@ -107,7 +107,7 @@ from formats.safetensors import DTYPES
 from placement.cost import StageWork
 from placement.fit import MEMORY_UTILIZATION
 from placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
-from placement.weights import artifact_bytes, gguf_repacked_bytes, source_bytes
+from placement.weights import artifact_bytes, gguf_bytes, gguf_repacked_bytes, source_bytes
 from quant.footprint import quantized_bytes
 from quant.schemes import Scheme
 
@@ -896,7 +896,14 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
         spec = get_target(p["target"])
         written = sizing.weights_bytes(p["quant"], spec.runtime)
         gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
-        scratch = source_bytes(sizing.shape, sizing.weight_bytes) if gguf is not None and gguf.llama_ftype else 0
+        scratch = 0
+        if gguf is not None and gguf.llama_ftype:  # the lossless intermediate: the source's floats (a release's
+            # pre-quantized weights dequantized into bf16: targets.gguf.convert.plan_tensors)
+            scratch = (
+                gguf_bytes(sizing.shape, "bf16")
+                if sizing.shape.source_quant is not None
+                else source_bytes(sizing.shape, sizing.weight_bytes)
+            )
         return StageWork(read_bytes, written, scratch)
     if stage == "eval":
         return StageWork(read_bytes, flops=2 * params * sizing.max_tokens)

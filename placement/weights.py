@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Final
 
 from core.errors import KilnError
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
-from formats.gguf.constants import F32_KINDS, TYPE_TRAITS, FileType, TensorType, tensor_nbytes
 from formats.gguf.constants import QUANTS as GGUF_QUANTS
+from formats.gguf.constants import TYPE_TRAITS, FileType, TensorType, tensor_nbytes
+from formats.gguf.layout import kiln_type, pieces, stored_mxfp4, unquantized
 from formats.prequantized import FP8_BLOCK
 from formats.safetensors import DTYPES
 from quant.catalog import SCHEMES
@@ -84,26 +86,31 @@ def _llama_type(shape: ModelShape, t: TensorSpec, ftype: FileType, output: Tenso
 
 
 def gguf_tensor_types(shape: ModelShape, quant: str) -> Iterator[tuple[TensorSpec, TensorType]]:
-    """Each tensor of a GGUF file for `quant` and its type: 1-D tensors and routers F32; 2-D weights the quant's type
+    """Each tensor of a GGUF file for `quant` and its type, as GGUF tensors (`formats.gguf.layout.pieces`: MLA's
+    kv_b and gpt-oss's gate_up split in two, shapes in GGUF's orientation; a layer's experts, stored one by one,
+    one spec each): norms, biases and routers F32; a release's MXFP4 experts MXFP4; other weights the quant's type
     (the output tensor its output type), F16 where a row does not fill whole blocks; a file llama.cpp quantizes,
     llama.cpp's mix and its fallbacks."""
     spec = GGUF_QUANTS[quant]
     output = TensorKind.TOKEN_EMBD if shape.tie_word_embeddings else TensorKind.OUTPUT
-    for t in shape.tensors():
-        if len(t.shape) == 1 or t.kind in F32_KINDS:  # norms, biases and routers stay F32 (llama.cpp's rule)
-            yield t, TensorType.F32
-            continue
-        if spec.llama_ftype is not None:
-            ttype = _llama_type(shape, t, spec.llama_ftype, output)
-            for fallback in (LLAMA_FALLBACK.get(ttype), TensorType.F16):
-                if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 or fallback is None:
-                    break
-                ttype = fallback
-            yield t, ttype
-            continue
-        assert spec.tensor_type is not None
-        ttype = spec.output_type if t.kind == output and spec.output_type is not None else spec.tensor_type
-        yield t, ttype if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 else spec.fallback_type
+    mxfp4 = stored_mxfp4(shape)
+    for source in shape.tensors():
+        for piece in pieces(shape, source):
+            t = replace(source, shape=piece.shape, kind=piece.kind)
+            kept = source.name in mxfp4
+            if spec.llama_ftype is not None and not kept:
+                if unquantized(t.kind, t.shape, bias=t.bias):
+                    yield t, TensorType.F32
+                    continue
+                ttype = _llama_type(shape, t, spec.llama_ftype, output)
+                for fallback in (LLAMA_FALLBACK.get(ttype), TensorType.F16):
+                    if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 or fallback is None:
+                        break
+                    ttype = fallback
+                yield t, ttype
+                continue
+            ttype = kiln_type(t.kind, t.shape, spec, tied=shape.tie_word_embeddings, mxfp4=kept, bias=t.bias)
+            yield t, ttype if t.shape[-1] % TYPE_TRAITS[ttype].block_size == 0 else spec.fallback_type
 
 
 def gguf_bytes(shape: ModelShape, quant: str) -> int:

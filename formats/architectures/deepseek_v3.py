@@ -38,6 +38,7 @@ from formats.architectures.record import (
     Experts,
     Mlp,
     PredictionLayers,
+    TargetMapping,
     refused,
 )
 
@@ -173,12 +174,10 @@ RECORD = Architecture(
     streams=False,  # transformers' DeepseekV3DecoderLayer is not yet checked in the layer-streamed forward
     prediction_layers=PREDICTION_LAYERS,
     targets={
-        "gguf": refused(
-            "kiln's GGUF writer has no `deepseek2` mapping yet: llama.cpp's converter (conversion/deepseek.py, "
-            "DeepseekV2Model) writes MLA as attn_q_a / attn_q_a_norm / attn_q_b / attn_kv_a_mqa / attn_kv_a_norm, "
-            "splits kv_b_proj into attn_k_b (transposed) and attn_v_b, writes the router's correction bias as "
-            f"exp_probs_b and the MLA key and value lengths, none of which kiln writes {_LATER}"
-        ),
+        # llama.cpp's deepseek2: MLA's tensors under their own kinds' names, kv_b split into attn_k_b / attn_v_b
+        # (formats.gguf.layout), the correction bias as exp_probs_b; the prediction layer left out, as its converter
+        # does (skip_mtp).
+        "gguf": TargetMapping(gguf_arch="deepseek2"),
         "orbax": refused(
             "kiln's JAX forward computes grouped-query attention and softmax routing: multi-head latent attention "
             "(query and key-value latents, a rope key shared by every head, YaRN's attention scale) and sigmoid "

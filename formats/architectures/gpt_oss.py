@@ -32,7 +32,16 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from formats.architectures.config import FamilyConfig, MoeShape, RopeParameters, RopeSpec, rope_spec, size
-from formats.architectures.record import Architecture, Attention, Experts, LayerType, Mlp, refused
+from formats.architectures.record import (
+    Architecture,
+    Attention,
+    Experts,
+    LayerType,
+    Mlp,
+    TargetMapping,
+    TensorKind,
+    refused,
+)
 
 _LATER = "(a later step of issue 39)"
 # transformers' GptOssConfig: `default_theta` and the rope parameters its __post_init__ sets where none are given.
@@ -125,12 +134,9 @@ RECORD = Architecture(
     ),
     streams=False,  # transformers' GptOssDecoderLayer is not yet checked in the layer-streamed forward
     targets={
-        "gguf": refused(
-            "kiln's GGUF writer has no `gpt-oss` mapping yet: llama.cpp's converter (conversion/gpt_oss.py, "
-            "GptOssModel) writes attn_sinks, de-interleaves the stacked gate_up experts into ffn_gate_exps and "
-            "ffn_up_exps with their biases and repacks the MXFP4 blocks, none of which kiln writes "
-            f"{_LATER}"
-        ),
+        # llama.cpp's gpt-oss: the norm before the experts is its post_attention_norm; the stacked gate_up split
+        # into ffn_gate_exps / ffn_up_exps and down_proj transposed (formats.gguf.layout); MXFP4 experts kept.
+        "gguf": TargetMapping(gguf_arch="gpt-oss", names=((TensorKind.FFN_NORM, "post_attention_norm"),)),
         "orbax": refused(
             "kiln's JAX forward computes none of gpt-oss's own blocks: attention sinks, the clamped SwiGLU with "
             "biases over stacked interleaved experts, a router with a bias and a softmax after the top-k, YaRN rope "

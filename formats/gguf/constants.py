@@ -3,7 +3,8 @@
 Sources: ggml-org/llama.cpp `gguf-py/gguf/constants.py` (GGUF_MAGIC, GGMLQuantizationType,
 GGML_QUANT_SIZES, Keys, TokenType, LlamaFileType), `src/llama-vocab.cpp` (pre-tokenizer names and
 the regexes llama.cpp runs for them) and `convert_hf_to_gguf.py` / `conversion/llama.py`,
-`conversion/qwen.py`, `conversion/gemma.py`, `conversion/phi.py` (tensor names, metadata keys) and
+`conversion/qwen.py`, `conversion/gemma.py`, `conversion/phi.py`, `conversion/deepseek.py`, `conversion/gpt_oss.py`
+(tensor names, metadata keys) and
 `src/models/*.cpp` (what each architecture's graph computes). Nothing here imports numpy or torch: recipe checks
 and `kiln plan` import `targets`, which imports this.
 """
@@ -125,6 +126,14 @@ class FileType(IntEnum):
     MOSTLY_NVFP4 = 39
 
 
+class ExpertGatingFunc(IntEnum):
+    """{arch}.expert_gating_func values (llama_expert_gating_func_type; gguf-py's ExpertGatingFuncType): how an
+    expert's score is made from its router logit. A deepseek2 file without the key is computed with SOFTMAX."""
+
+    SOFTMAX = 1
+    SIGMOID = 2
+
+
 class TokenType(IntEnum):
     """tokenizer.ggml.token_type values (llama_token_type)."""
 
@@ -165,7 +174,26 @@ class Keys:
     EXPERT_COUNT: Final = "{arch}.expert_count"
     EXPERT_USED_COUNT: Final = "{arch}.expert_used_count"
     EXPERT_FEED_FORWARD_LENGTH: Final = "{arch}.expert_feed_forward_length"
+    EXPERT_SHARED_COUNT: Final = "{arch}.expert_shared_count"
+    EXPERT_WEIGHTS_SCALE: Final = "{arch}.expert_weights_scale"
+    EXPERT_WEIGHTS_NORM: Final = "{arch}.expert_weights_norm"
+    EXPERT_GATING_FUNC: Final = "{arch}.expert_gating_func"
+    EXPERT_GROUP_COUNT: Final = "{arch}.expert_group_count"
+    EXPERT_GROUP_USED_COUNT: Final = "{arch}.expert_group_used_count"
+    LEADING_DENSE_BLOCK_COUNT: Final = "{arch}.leading_dense_block_count"
     VOCAB_SIZE: Final = "{arch}.vocab_size"
+    # Multi-head latent attention (deepseek2): the latents' ranks and each head's key and value as the graph
+    # decompresses them (key_length / value_length are then the cached latent's: kv_lora_rank + rope, kv_lora_rank).
+    Q_LORA_RANK: Final = "{arch}.attention.q_lora_rank"
+    KV_LORA_RANK: Final = "{arch}.attention.kv_lora_rank"
+    KEY_LENGTH_MLA: Final = "{arch}.attention.key_length_mla"
+    VALUE_LENGTH_MLA: Final = "{arch}.attention.value_length_mla"
+    ROPE_SCALING_ORIG_CTX_LEN: Final = "{arch}.rope.scaling.original_context_length"
+    ROPE_SCALING_YARN_BETA_FAST: Final = "{arch}.rope.scaling.yarn_beta_fast"
+    ROPE_SCALING_YARN_BETA_SLOW: Final = "{arch}.rope.scaling.yarn_beta_slow"
+    ROPE_SCALING_YARN_EXT_FACTOR: Final = "{arch}.rope.scaling.yarn_ext_factor"
+    ROPE_SCALING_YARN_ATTN_FACTOR: Final = "{arch}.rope.scaling.yarn_attn_factor"
+    ROPE_SCALING_YARN_LOG_MUL: Final = "{arch}.rope.scaling.yarn_log_multiplier"
 
     TOKENIZER_MODEL: Final = "tokenizer.ggml.model"
     TOKENIZER_PRE: Final = "tokenizer.ggml.pre"
@@ -210,7 +238,18 @@ TENSOR_NAMES: Final[dict[TensorKind, str]] = {
     TensorKind.FFN_UP_SHEXP: "ffn_up_shexp",
     TensorKind.FFN_DOWN_SHEXP: "ffn_down_shexp",
     TensorKind.FFN_GATE_INP_SHEXP: "ffn_gate_inp_shexp",
+    TensorKind.ATTN_Q_A: "attn_q_a",
+    TensorKind.ATTN_Q_A_NORM: "attn_q_a_norm",
+    TensorKind.ATTN_Q_B: "attn_q_b",
+    TensorKind.ATTN_KV_A_MQA: "attn_kv_a_mqa",
+    TensorKind.ATTN_KV_A_NORM: "attn_kv_a_norm",
+    TensorKind.ATTN_K_B: "attn_k_b",
+    TensorKind.ATTN_V_B: "attn_v_b",
+    TensorKind.ATTN_SINKS: "attn_sinks",
+    TensorKind.FFN_EXP_PROBS_B: "exp_probs_b",
 }
+# Kinds llama.cpp names `.bias` that are no Linear's bias (DeepSeek's router correction, exp_probs_b.bias).
+BIAS_NAMED_KINDS: Final = frozenset({TensorKind.FFN_EXP_PROBS_B})
 # Kinds llama.cpp keeps in F32 whatever the file type: its converter writes them F32 and llama-quantize never
 # quantizes them (the routers: a token's choice of experts is too sensitive to round).
 F32_KINDS: Final = frozenset({TensorKind.FFN_GATE_INP, TensorKind.FFN_GATE_INP_SHEXP})
@@ -220,26 +259,48 @@ F32_KINDS: Final = frozenset({TensorKind.FFN_GATE_INP, TensorKind.FFN_GATE_INP_S
 class LlamaCppArch:
     """One llama.cpp architecture (`general.architecture`): what its graph computes, where families differ, and
     the optional keys its converter writes. kiln refuses a model the graph would compute differently from
-    transformers (`targets.gguf.convert.check_supported`), and writes the keys the converter writes.
+    transformers (`targets.gguf.export.check_supported`), and writes the keys the converter writes.
 
     `sliding`: "none" (every layer attends to every earlier token), "per_layer" (a window on the layers
-    `{arch}.attention.sliding_window_pattern` marks, each layer type with its own rope base) or "disabled"
-    (reads a window and ignores it: Phi-3). `experts`: routes every layer to experts when `expert_count` is set
-    (softmax over all experts, top-k, the k weights renormalised to sum to 1). `scale_by_embd_per_head_at`:
-    layer counts at which the graph scales attention by (hidden / heads)^-1/2 instead of head_dim^-1/2 (Gemma 3
-    27B). The keys: `vocab_size` and `rope_dimension_count` written or not; `head_dim_keys` key/value_length
-    "always" or only where head_dim is not hidden / heads; `expert_feed_forward_length` for the experts' size.
+    `{arch}.attention.sliding_window_pattern` marks) or "disabled" (reads a window and ignores it: Phi-3);
+    `swa_rope`: the sliding layers' rope, "own_base" (a base of their own, `rope.freq_base_swa`, unscaled: Gemma 3)
+    or "shared" (the full layers' rope, scaling included: gpt-oss); `swa_default_period`: the pattern the graph
+    assumes where the file gives none, every n-th layer full and the others sliding (gpt-oss: 2), so the pattern is
+    written only where the model's layers differ from it (0: always written). `experts`: routes to experts when
+    `expert_count` is set; `routing` how: "softmax" (a softmax over every expert, the top k, renormalised to sum to
+    1), "softmax_weight" (the top k logits, a softmax over them: gpt-oss's), "sigmoid" (sigmoid scores plus the
+    router's correction bias `exp_probs_b` to choose, group-limited by `expert_group_count` / `_used_count`, the
+    chosen scores renormalised where `expert_weights_norm`, times `expert_weights_scale`: deepseek2);
+    `shared_experts` and `leading_dense`: a shared expert beside the routed ones, dense layers before the first
+    sparse one (`leading_dense_block_count`); `expert_activation` "clamped_swiglu": the experts compute
+    ggml_swiglu_oai with llama.cpp's constants (alpha 1.702, limit 7: gpt-oss's). `attention` "mla": deepseek2's
+    absorbed multi-head latent attention (the latent and one rope key cached; attn_k_b / attn_v_b per head);
+    `sinks`: one learned sink logit per head. `rope_scalings`: the rope scalings its graph computes (YaRN as
+    ggml's rope does, its correction range rounded out to whole dimensions). `scale_by_embd_per_head_at`: layer
+    counts at which the graph scales attention by (hidden / heads)^-1/2 instead of head_dim^-1/2 (Gemma 3 27B).
+    The keys: `vocab_size` and `rope_dimension_count` written or not; `head_dim_keys` key/value_length "always" or
+    only where head_dim is not hidden / heads; `expert_feed_forward_length` for the experts' size.
 
-    Sources: llama.cpp `src/models/<arch>.cpp` (load_arch_hparams and the graph) and `conversion/*.py`
+    Sources: llama.cpp `src/models/<arch>.cpp` (load_arch_hparams and the graph), `src/llama-graph.cpp`
+    (`build_moe_ffn`), `src/llama-model.cpp` (`llama_model_rope_type`) and `conversion/*.py`
     (`set_gguf_parameters`) of the pinned llama-cpp-python's vendored llama.cpp.
     """
 
     name: str
     activation: str = "silu"
     sliding: Literal["none", "per_layer", "disabled"] = "none"
+    swa_rope: Literal["own_base", "shared"] = "own_base"
+    swa_default_period: int = 0
     partial_rotary: bool = False
     embedding_scale: Literal["none", "sqrt_hidden"] = "none"
     experts: bool = False
+    routing: Literal["softmax", "softmax_weight", "sigmoid"] = "softmax"
+    shared_experts: bool = False
+    leading_dense: bool = False
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    attention: Literal["gqa", "mla"] = "gqa"
+    sinks: bool = False
+    rope_scalings: frozenset[str] = frozenset({"default", "linear"})
     final_logit_softcapping: bool = False
     scale_by_embd_per_head_at: frozenset[int] = frozenset()
     vocab_size_key: bool = False
@@ -265,6 +326,37 @@ LLAMA_CPP_ARCHS: Final[dict[str, LlamaCppArch]] = {
             head_dim_keys="always",
         ),
         LlamaCppArch("phi3", sliding="disabled", partial_rotary=True, rope_dimension_key=True),
+        # DeepSeek-V2/V3 (src/models/deepseek2.cpp): MLA in its absorbed form, interleaved-pair rope (NORM) on the
+        # rope part only, sigmoid group-limited routing with a correction bias, shared experts, dense leading
+        # layers; YaRN with DeepSeek's attention scale (`yarn_log_multiplier`).
+        LlamaCppArch(
+            "deepseek2",
+            experts=True,
+            routing="sigmoid",
+            shared_experts=True,
+            leading_dense=True,
+            attention="mla",
+            rope_scalings=frozenset({"default", "yarn"}),
+            vocab_size_key=True,
+            rope_dimension_key=True,
+            expert_feed_forward_key=True,
+        ),
+        # gpt-oss (src/models/openai-moe.cpp): biased GQA with sinks, sliding and full layers (default: every
+        # second layer full), one YaRN rope for both, the top-k router logits softmaxed, biased experts computing
+        # ggml_swiglu_oai; rope on halves (NEOX), as transformers computes it.
+        LlamaCppArch(
+            "gpt-oss",
+            sliding="per_layer",
+            swa_rope="shared",
+            swa_default_period=2,
+            experts=True,
+            routing="softmax_weight",
+            expert_activation="clamped_swiglu",
+            sinks=True,
+            rope_scalings=frozenset({"default", "yarn"}),
+            head_dim_keys="always",
+            expert_feed_forward_key=True,
+        ),
     )
 }
 

@@ -109,6 +109,27 @@ def quantize_mxfp4(x: torch.Tensor) -> np.ndarray:
     return out.numpy().reshape(rows, -1)
 
 
+def mxfp4_from_ocp(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks as a release stores them (OCP MX, gpt-oss: `blocks` uint8 [..., groups, 16], value 2k of a
+    block in byte k's low nibble and 2k + 1 in its high one; `scales` uint8 [..., groups], E8M0 exponents) as
+    ggml's block_mxfp4 rows, uint8 [..., groups x 17]: each block's exponent byte, then byte j holding value j in
+    its low nibble and value j + 16 in its high one.
+
+    Only bits move: a nibble is the same code in both (ggml's `kvalues_mxfp4` are OCP's E2M1 values doubled, and
+    ggml halves the exponent's power of two: `GGML_E8M0_TO_FP32_HALF`), and the exponent byte is the same byte.
+    llama.cpp's converter does the same (conversion/gpt_oss.py `transform_nibble_layout`, base.py
+    `repack_mxfp4_blocks`)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., 16], got {blocks.dtype} {list(blocks.shape)}")
+    if scales.shape != blocks.shape[:-1]:
+        raise ValueError(f"MXFP4 scales {list(scales.shape)} do not match blocks {list(blocks.shape)}")
+    values = np.stack((blocks & 0x0F, blocks >> 4), axis=-1).reshape(*blocks.shape[:-1], 32)
+    out = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)
+    out[..., 0] = scales
+    np.bitwise_or(values[..., :16], values[..., 16:] << 4, out=out[..., 1:])
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+
+
 def quantize_nvfp4(x: torch.Tensor) -> np.ndarray:
     """NVFP4 of float rows (last dim a multiple of 64), as llama.cpp stores it: per 16 values an unsigned E4M3
     scale and 16 E2M1 nibbles, four such groups to a 36-byte block. Encoded by ggml's own reference quantizer

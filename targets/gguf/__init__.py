@@ -10,6 +10,7 @@ and `kiln plan` import `targets` and load neither numpy nor torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from core.hardware import PROFILES
@@ -18,6 +19,7 @@ from targets.base import TargetSpec, register
 from targets.lint import lint_gguf
 
 if TYPE_CHECKING:
+    from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
 
@@ -30,6 +32,12 @@ def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
     from .export import export
 
     return export(source, req)
+
+
+def _check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: dict[str, Any]) -> None:
+    from .export import check_model
+
+    check_model(shape, config, quant, params)
 
 
 def _prepare(source: SourceModel) -> dict[str, Any]:
@@ -49,12 +57,13 @@ SPEC = register(
         code_version=CODE_VERSION,
         export=_export,
         prepare=_prepare,
+        check_model_fn=_check_model,
         lint=lint_gguf,
         # kiln's writer encodes a tensor at a time (at 8B: 0.03-0.15 GiB over the stage's start, a fraction of the
         # 1.05 GB embedding); llama.cpp's quantizer converts each tensor to float32 (twice its bf16 bytes) and
         # writes its quantized copy besides (at 8B, Q4_K_M: 2.4-2.6 GiB over the start, 2.5-2.6 copies).
         export_tensor_copies={"*": 1.0, **{q: 3.0 for q, spec in QUANTS.items() if spec.llama_ftype is not None}},
         description="GGUF v3 for llama.cpp: F16/BF16/Q8_0/Q4_0/MXFP4/NVFP4 written by kiln, Q4_K_M/Q6_K by llama.cpp's "
-        "quantizer",
+        "quantizer; a release's MXFP4 experts kept as MXFP4",
     )
 )

@@ -1,17 +1,23 @@
 """The `gguf` target: a SafeTensors release of any family whose record maps `gguf` -> one GGUF v3 file llama.cpp
-loads (llama, mistral and mixtral as `llama`, qwen2, qwen3, qwen3moe, gemma3, phi3).
+loads (llama, mistral and mixtral as `llama`, qwen2, qwen3, qwen3moe, gemma3, phi3, DeepSeek-V3 as `deepseek2`,
+gpt-oss).
 
 F16, BF16, Q8_0, Q4_0, MXFP4 and NVFP4 are written by kiln in one streaming pass (NVFP4 encoded by
 ggml's quantizer). Q4_K_M and Q6_K are produced by llama.cpp's own quantizer (`llama_model_quantize`
 through llama-cpp-python) from a lossless intermediate GGUF that kiln writes first and removes
 afterwards, so their per-tensor type mix is exactly llama-quantize's.
+
+A pre-quantized release: its MXFP4 experts (gpt-oss) are written as they are stored, in every type kiln writes
+(a bf16 file of gpt-oss is its release as llama.cpp's converter makes it: MXFP4 experts, bf16 elsewhere), and
+refused for the K-quants, whose quantizer would requantize them; its FP8 blocks (DeepSeek-V3) are dequantized,
+GGUF having no FP8 type. The export's details say which.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +30,7 @@ from formats.gguf.constants import (
     QK_K,
     QUANTS,
     RUNTIME,
+    ExpertGatingFunc,
     FileType,
     Keys,
     LlamaCppArch,
@@ -31,15 +38,25 @@ from formats.gguf.constants import (
     TensorType,
     ValueType,
 )
+from formats.gguf.layout import gguf_file_type, stored_mxfp4
 from formats.gguf.reader import read_header
 from formats.gguf.writer import GGUFWriter, Metadata
 
-from .convert import TensorPlan, convert_tensors, gguf_mapping, llama_cpp_arch, plan_tensors
+from .convert import (
+    GgmlBytes,
+    StoredMxfp4,
+    TensorPlan,
+    convert_tensors,
+    gguf_mapping,
+    llama_cpp_arch,
+    plan_tensors,
+)
 from .tokenizer import VocabMetadata, predict_vocab, read_vocab
 
 if TYPE_CHECKING:
     import torch
 
+    from formats.architectures.config import MlaShape
     from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from targets.base import ExportRequest, ExportResult
@@ -75,6 +92,7 @@ def check_supported(shape: ModelShape) -> None:
             arch,
             f"the embedding scale {record.norms.embedding_scale!r} is not llama.cpp's {arch.embedding_scale!r}",
         )
+    _check_attention(shape, arch)
     _check_rope(shape, arch)
     sliding = sum(t == "sliding_attention" for t in shape.layer_types)
     window = shape.sliding_window
@@ -88,6 +106,8 @@ def check_supported(shape: ModelShape) -> None:
         )
     if shape.moe is not None:
         _check_experts(shape, arch)
+    elif arch.experts and arch.routing != "softmax":
+        raise _unsupported(shape, arch, "the model has no experts; llama.cpp's graph routes to them")
     scale_dim = (
         shape.hidden_size / shape.num_heads if shape.num_layers in arch.scale_by_embd_per_head_at else shape.head_dim
     )
@@ -105,21 +125,86 @@ def check_supported(shape: ModelShape) -> None:
         raise _unsupported(shape, arch, "final_logit_softcapping is set; llama.cpp's graph does not cap the logits")
 
 
+def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: Mapping[str, Any]) -> None:
+    """`TargetSpec.check_model_fn`, at plan time: GGUF_UNSUPPORTED for a model llama.cpp would compute differently
+    (`check_supported`) or a quant that would requantize what the release stores quantized (`check_quant`), before
+    any stage runs; both are checked again at export."""
+    check_supported(shape)
+    spec = QUANTS.get(quant)
+    if spec is not None:  # an unknown quant is the recipe check's to name
+        check_quant(shape, spec)
+
+
+def check_quant(shape: ModelShape, quant: QuantSpec) -> None:
+    """Refuse (GGUF_UNSUPPORTED) a quant that would requantize what the release stores quantized: llama.cpp's
+    quantizer (Q4_K_M, Q6_K) would decode a release's MXFP4 experts and quantize them again, losing what the
+    4-bit values were; kiln's own types keep them (`formats.gguf.layout.stored_mxfp4`)."""
+    if quant.llama_ftype is not None and stored_mxfp4(shape):
+        arch = llama_cpp_arch(shape)
+        raise _unsupported(
+            shape,
+            arch,
+            f"{quant.name} is made by llama.cpp's quantizer, which would requantize the release's MXFP4 experts "
+            "(decoded, then quantized again to K-quants: lossy); bf16 or f16 keep them as released, mxfp4 too",
+            quant=quant.name,
+        )
+
+
+def _check_attention(shape: ModelShape, arch: LlamaCppArch) -> None:
+    """The attention llama.cpp's graph computes: grouped-query or deepseek2's latent (MLA), sinks or none."""
+    attention = shape.arch.attention
+    if (attention.kind == "mla") != (arch.attention == "mla"):
+        kinds = {"mla": "multi-head latent attention", "gqa": "grouped-query attention"}
+        raise _unsupported(
+            shape, arch, f"its attention is {kinds[attention.kind]}; llama.cpp's graph computes {kinds[arch.attention]}"
+        )
+    if attention.sinks != arch.sinks:
+        have = "has attention sinks, which" if attention.sinks else "has no attention sinks, which"
+        raise _unsupported(shape, arch, f"it {have} llama.cpp's graph {'lacks' if attention.sinks else 'reads'}")
+    mla = shape.mla
+    if mla is None:
+        return
+    if mla.q_lora_rank is None:
+        raise _unsupported(
+            shape,
+            arch,
+            "q_lora_rank is null (one q_proj): llama.cpp reads a model of DeepSeek-V3's layer counts with a query "
+            "latent and refuses a file without attention.q_lora_rank",
+        )
+    if not mla.rope_interleave:
+        raise _unsupported(
+            shape,
+            arch,
+            "rope_interleave is false (rope on each head's halves); llama.cpp's deepseek2 rotates interleaved pairs",
+        )
+    if shape.attention_bias:
+        raise _unsupported(shape, arch, "attention_bias is set; llama.cpp's deepseek2 reads no attention biases")
+
+
+# YaRN parameters llama.cpp reads (`rope.scaling.*`), beside its factor; deepseek2 also reads mscale_all_dim.
+_YARN_PARAMS = frozenset({"original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"})
+
+
 def _check_rope(shape: ModelShape, arch: LlamaCppArch) -> None:
-    """llama.cpp's rope: one base and one linear scale for the full-attention layers (for every layer where the
-    graph has no sliding layers); a base of their own, unscaled, for the sliding layers where it has them."""
+    """llama.cpp's rope: one base and one scaling (the architecture's: linear, or YaRN for deepseek2 and gpt-oss)
+    for the full-attention layers (for every layer where the graph has no sliding layers); for the sliding layers a
+    base of their own, unscaled (Gemma 3), or the full layers' rope (gpt-oss)."""
     ropes = dict(shape.rope)
+    own_swa = arch.sliding == "per_layer" and arch.swa_rope == "own_base"
     for kind, spec in ropes.items():
-        scaled_ok = kind == "full_attention" or arch.sliding != "per_layer"
-        if spec.scaling not in ("default", "linear") or (spec.scaling == "linear" and not scaled_ok):
+        scaled_ok = kind == "full_attention" or not own_swa
+        if spec.scaling not in arch.rope_scalings or (spec.scaling != "default" and not scaled_ok):
+            computes = ", ".join(sorted(arch.rope_scalings - {"default"}))
             raise _unsupported(
                 shape,
                 arch,
-                f"rope scaling {spec.scaling!r} on its {kind} layers is not supported (llama.cpp computes plain "
-                "rope, and linear scaling on full-attention layers)",
+                f"rope scaling {spec.scaling!r} on its {kind} layers is not supported (llama.cpp's {arch.name} "
+                f"computes plain rope, and {computes} scaling on full-attention layers)",
                 rope_type=spec.scaling,
             )
-    if arch.sliding != "per_layer" and len({(s.theta, s.scaling, s.factor) for s in ropes.values()}) > 1:
+        if spec.scaling == "yarn":
+            _check_yarn(shape, arch, dict(spec.params))
+    if not own_swa and len({(s.theta, s.scaling, s.factor, s.params) for s in ropes.values()}) > 1:
         raise _unsupported(shape, arch, "its layer types have different ropes; llama.cpp's graph has one for all")
     if shape.rotary_fraction != 1.0:
         dims = rope_dimensions(shape)
@@ -136,26 +221,102 @@ def _check_rope(shape: ModelShape, arch: LlamaCppArch) -> None:
             )
 
 
+def llama_cpp_differences(shape: ModelShape) -> list[str]:
+    """What llama.cpp computes differently from transformers that kiln writes anyway, as llama.cpp's converter does:
+    the file is the model, the difference is llama.cpp's arithmetic (recorded in the export's details; the eval
+    measures it). YaRN's correction range left unrounded (gpt-oss's `truncate: false`): ggml's rope rounds it out
+    to whole dimensions (`ggml_rope_yarn_corr_dims`) for every model."""
+    out = []
+    for kind, spec in shape.rope:
+        if spec.scaling == "yarn" and dict(spec.params).get("truncate") is False:
+            out.append(
+                f"YaRN on its {kind} layers: transformers keeps the correction range unrounded (truncate false), "
+                "llama.cpp rounds it out to whole dimensions, which moves a few rope frequencies"
+            )
+    return out
+
+
+def _check_yarn(shape: ModelShape, arch: LlamaCppArch, params: dict[str, Any]) -> None:
+    """YaRN as llama.cpp computes it: the parameters it reads; DeepSeek's attention scale where mscale equals
+    mscale_all_dim (the release's: transformers' rope then scales nothing and the softmax by mscale squared, which
+    deepseek2 computes from `yarn_log_multiplier`)."""
+    allowed = _YARN_PARAMS | ({"mscale", "mscale_all_dim"} if arch.attention == "mla" else set())
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise _unsupported(
+            shape,
+            arch,
+            f"its YaRN rope sets {', '.join(unknown)}, which kiln does not write for llama.cpp (it writes "
+            f"{', '.join(sorted(allowed))})",
+            rope_params=unknown,
+        )
+    if arch.attention == "mla" and params.get("mscale") != params.get("mscale_all_dim"):
+        raise _unsupported(
+            shape,
+            arch,
+            f"YaRN's mscale={params.get('mscale')} differs from mscale_all_dim={params.get('mscale_all_dim')}: "
+            "kiln writes llama.cpp's DeepSeek YaRN only where they are equal (as released), its rope then unscaled",
+        )
+    if arch.attention == "mla" and params.get("truncate", True) is not True:
+        raise _unsupported(shape, arch, "YaRN's truncate is false; llama.cpp rounds its correction range")
+
+
 def _check_experts(shape: ModelShape, arch: LlamaCppArch) -> None:
-    """llama.cpp's mixture of experts: in every layer, a softmax over all experts, the top k, their weights
-    renormalised to sum to 1; no shared expert."""
+    """llama.cpp's mixture of experts, as its architecture routes (`LlamaCppArch.routing`): "softmax", in every
+    layer a softmax over all experts, the top k, their weights renormalised to sum to 1, no shared expert;
+    "softmax_weight", the top k router logits (with the router's bias) and a softmax over them, biased experts;
+    "sigmoid", sigmoid scores with a correction bias for the choice, group-limited, shared experts and leading
+    dense layers."""
     moe, experts = shape.moe, shape.arch.mlp.experts
-    assert moe is not None
+    assert moe is not None and experts is not None
     if not arch.experts:
         raise _unsupported(shape, arch, "the model routes to experts; llama.cpp's graph has none")
-    if not moe.norm_topk_prob:
+    if experts.activation != arch.expert_activation:
+        raise _unsupported(
+            shape,
+            arch,
+            f"its experts compute {experts.activation}; llama.cpp's {arch.name} computes {arch.expert_activation}",
+        )
+    scoring = {"softmax": "softmax", "softmax_weight": "softmax", "sigmoid": "sigmoid"}[arch.routing]
+    if experts.scoring != scoring:
+        raise _unsupported(shape, arch, f"its router scores by {experts.scoring}; llama.cpp's by {scoring}")
+    biased = arch.routing == "softmax_weight"  # gpt-oss: its graph reads the router's and the experts' biases
+    if experts.router_bias != biased or experts.bias != biased:
+        have = "has" if experts.router_bias or experts.bias else "has no"
+        raise _unsupported(
+            shape,
+            arch,
+            f"its router or experts {have} biases; llama.cpp's {arch.name} {'reads' if biased else 'has'} "
+            f"{'them' if biased else 'none'}",
+        )
+    if arch.routing == "softmax" and not moe.norm_topk_prob:
         raise _unsupported(
             shape, arch, "norm_topk_prob is false; llama.cpp renormalises the chosen experts' weights to sum to 1"
         )
-    if experts is not None and not experts.softmax_then_topk:
-        raise _unsupported(shape, arch, "its router does not take a softmax over every expert before the top k")
-    dense = shape.num_layers - len(moe.sparse_layers)
-    if dense:
+    if (arch.routing == "softmax") != experts.softmax_then_topk:
+        does = "takes" if experts.softmax_then_topk else "does not take"
         raise _unsupported(
-            shape, arch, f"{dense} of its layers are dense; llama.cpp routes every layer to experts", dense_layers=dense
+            shape,
+            arch,
+            f"its router {does} a softmax over every expert before the top k; llama.cpp's {arch.name} "
+            f"{'does' if arch.routing == 'softmax' else 'does not'}",
         )
-    if moe.shared_intermediate_size:
+    dense = shape.num_layers - len(moe.sparse_layers)
+    leading = tuple(range(dense, shape.num_layers))
+    if dense and not (arch.leading_dense and moe.sparse_layers == leading):
+        where = "leading dense layers only" if arch.leading_dense else "every layer to experts"
+        raise _unsupported(
+            shape, arch, f"{dense} of its layers are dense; llama.cpp routes {where}", dense_layers=dense
+        )
+    if moe.shared_intermediate_size and not arch.shared_experts:
         raise _unsupported(shape, arch, "it has a shared expert, which llama.cpp's graph does not compute")
+    if moe.shared_intermediate_size and moe.shared_intermediate_size % moe.intermediate_size:
+        raise _unsupported(
+            shape,
+            arch,
+            f"its shared expert is {moe.shared_intermediate_size} wide, not a whole number of experts of "
+            f"{moe.intermediate_size} (llama.cpp's expert_shared_count)",
+        )
 
 
 def check_name(name: str, vocab: VocabMetadata) -> None:
@@ -177,8 +338,20 @@ def check_name(name: str, vocab: VocabMetadata) -> None:
 
 
 def rope_dimensions(shape: ModelShape) -> int:
-    """The dimensions of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
+    """The dimensions of each head rope rotates (transformers' `int(head_dim * partial_rotary_factor)`; MLA's
+    qk_rope_head_dim)."""
+    if shape.mla is not None:
+        return shape.mla.qk_rope_head_dim
     return int(shape.head_dim * shape.rotary_fraction)
+
+
+def _default_swa_pattern(arch: LlamaCppArch, layers: int) -> tuple[str, ...] | None:
+    """The layer kinds llama.cpp assumes where a file gives no sliding_window_pattern (`set_swa_pattern`: every
+    n-th layer full, the others sliding); None where the architecture has no default kiln relies on."""
+    n = arch.swa_default_period
+    if not n:
+        return None
+    return tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
 
 
 def model_metadata(meta: Metadata, source: SourceModel, name: str, file_type: FileType) -> None:
@@ -197,12 +370,15 @@ def model_metadata(meta: Metadata, source: SourceModel, name: str, file_type: Fi
     meta.add_uint32(k(Keys.BLOCK_COUNT), s.num_layers)
     meta.add_uint32(k(Keys.FEED_FORWARD_LENGTH), s.intermediate_size)
     meta.add_uint32(k(Keys.HEAD_COUNT), s.num_heads)
-    meta.add_uint32(k(Keys.HEAD_COUNT_KV), s.num_kv_heads)
+    # MLA is computed as multi-query attention over the one cached latent (the converter's num_key_value_heads 1)
+    meta.add_uint32(k(Keys.HEAD_COUNT_KV), 1 if s.mla is not None else s.num_kv_heads)
     meta.add_float32(k(Keys.ROPE_FREQ_BASE), s.rope_theta)
     meta.add_float32(k(Keys.LAYERNORM_RMS_EPS), s.rms_norm_eps)
     if arch.rope_dimension_key:
         meta.add_uint32(k(Keys.ROPE_DIMENSION_COUNT), rope_dimensions(s))
-    if arch.head_dim_keys == "always" or s.head_dim != s.hidden_size // s.num_heads:
+    if s.mla is not None:
+        _mla_metadata(meta, k, s.mla)
+    elif arch.head_dim_keys == "always" or s.head_dim != s.hidden_size // s.num_heads:
         meta.add_uint32(k(Keys.KEY_LENGTH), s.head_dim)
         meta.add_uint32(k(Keys.VALUE_LENGTH), s.head_dim)
     if arch.vocab_size_key:
@@ -212,23 +388,77 @@ def model_metadata(meta: Metadata, source: SourceModel, name: str, file_type: Fi
     if main is not None and main.scaling == "linear" and main.factor is not None:
         meta.add_string(k(Keys.ROPE_SCALING_TYPE), "linear")
         meta.add_float32(k(Keys.ROPE_SCALING_FACTOR), main.factor)
+    elif main is not None and main.scaling == "yarn" and main.factor is not None:
+        _yarn_metadata(meta, k, main.factor, dict(main.params), s.max_position_embeddings, mla=s.mla is not None)
     kinds = s.layer_types
     if arch.sliding == "per_layer" and "sliding_attention" in kinds and s.sliding_window is not None:
-        # llama.cpp's default pattern is 5 sliding layers to 1 global: say each layer's kind
         meta.add_uint32(k(Keys.SLIDING_WINDOW), s.sliding_window)
-        meta.add_array(k(Keys.SLIDING_WINDOW_PATTERN), [t == "sliding_attention" for t in kinds], ValueType.BOOL)
-        meta.add_float32(k(Keys.ROPE_FREQ_BASE_SWA), s.rope_for("sliding_attention").theta)
+        if kinds != _default_swa_pattern(arch, s.num_layers):  # say each layer's kind where the default is wrong
+            meta.add_array(k(Keys.SLIDING_WINDOW_PATTERN), [t == "sliding_attention" for t in kinds], ValueType.BOOL)
+        if arch.swa_rope == "own_base":
+            meta.add_float32(k(Keys.ROPE_FREQ_BASE_SWA), s.rope_for("sliding_attention").theta)
     elif arch.sliding == "disabled":  # read, and ignored: check_supported refused a window shorter than the context
         meta.add_uint32(k(Keys.SLIDING_WINDOW), s.sliding_window or 0)
     if s.final_logit_softcapping is not None:
         meta.add_float32(k(Keys.FINAL_LOGIT_SOFTCAPPING), s.final_logit_softcapping)
     if s.moe is not None:
-        meta.add_uint32(k(Keys.EXPERT_COUNT), s.moe.experts)
-        meta.add_uint32(k(Keys.EXPERT_USED_COUNT), s.moe.experts_per_token)
-        if arch.expert_feed_forward_key:
-            meta.add_uint32(k(Keys.EXPERT_FEED_FORWARD_LENGTH), s.moe.intermediate_size)
+        _expert_metadata(meta, k, arch, s)
     meta.add_uint32(Keys.FILE_TYPE, file_type)
     meta.add_uint32(Keys.QUANTIZATION_VERSION, GGML_QUANT_VERSION)
+
+
+def _mla_metadata(meta: Metadata, k: Callable[[str], str], mla: MlaShape) -> None:
+    """deepseek2's MLA keys (conversion/deepseek.py): the latents' ranks; key and value lengths of the cached
+    latent (kv_lora_rank + the shared rope key; kv_lora_rank) and, `_mla`, of each head decompressed."""
+    assert mla.q_lora_rank is not None  # check_supported refused a model without a query latent
+    meta.add_uint32(k(Keys.Q_LORA_RANK), mla.q_lora_rank)
+    meta.add_uint32(k(Keys.KV_LORA_RANK), mla.kv_lora_rank)
+    meta.add_uint32(k(Keys.KEY_LENGTH), mla.cache_width)
+    meta.add_uint32(k(Keys.VALUE_LENGTH), mla.kv_lora_rank)
+    meta.add_uint32(k(Keys.KEY_LENGTH_MLA), mla.qk_head_dim)
+    meta.add_uint32(k(Keys.VALUE_LENGTH_MLA), mla.v_head_dim)
+
+
+def _yarn_metadata(
+    meta: Metadata, k: Callable[[str], str], factor: float, params: dict[str, Any], context: int, *, mla: bool
+) -> None:
+    """YaRN's keys as the converter writes them (conversion/base.py `set_gguf_parameters`), and deepseek2's
+    attention scale (0.1 x mscale_all_dim: deepseek.py, "TAG_DEEPSEEK2_YARN_LOG_MUL_FIX")."""
+    meta.add_string(k(Keys.ROPE_SCALING_TYPE), "yarn")
+    meta.add_float32(k(Keys.ROPE_SCALING_FACTOR), factor)
+    # transformers' default for a config without it: the model's own context
+    meta.add_uint32(k(Keys.ROPE_SCALING_ORIG_CTX_LEN), int(params.get("original_max_position_embeddings", context)))
+    if "beta_fast" in params:
+        meta.add_float32(k(Keys.ROPE_SCALING_YARN_BETA_FAST), float(params["beta_fast"]))
+    if "beta_slow" in params:
+        meta.add_float32(k(Keys.ROPE_SCALING_YARN_BETA_SLOW), float(params["beta_slow"]))
+    if mla and params.get("mscale_all_dim") is not None:
+        meta.add_float32(k(Keys.ROPE_SCALING_YARN_LOG_MUL), 0.1 * float(params["mscale_all_dim"]))
+
+
+def _expert_metadata(meta: Metadata, k: Callable[[str], str], arch: LlamaCppArch, s: ModelShape) -> None:
+    """The experts' keys: their count, how many a token uses and their width; deepseek2's routing (sigmoid
+    scores, groups, shared experts, leading dense layers, the weights' normalisation and scale)."""
+    moe = s.moe
+    assert moe is not None
+    meta.add_uint32(k(Keys.EXPERT_COUNT), moe.experts)
+    meta.add_uint32(k(Keys.EXPERT_USED_COUNT), moe.experts_per_token)
+    if arch.expert_feed_forward_key:
+        meta.add_uint32(k(Keys.EXPERT_FEED_FORWARD_LENGTH), moe.intermediate_size)
+    if arch.routing != "sigmoid":
+        return
+    # llama.cpp asserts fewer groups used than there are; using every group limits nothing: then no groups at all
+    if moe.topk_groups < moe.groups:
+        meta.add_uint32(k(Keys.EXPERT_GROUP_COUNT), moe.groups)
+        meta.add_uint32(k(Keys.EXPERT_GROUP_USED_COUNT), moe.topk_groups)
+    # without the key llama.cpp takes a softmax (DeepSeek-V2's), and the converter writes it only from a config's
+    # `scoring_func`, which transformers' DeepseekV3Config does not keep
+    meta.add_uint32(k(Keys.EXPERT_GATING_FUNC), ExpertGatingFunc.SIGMOID)
+    meta.add_uint32(k(Keys.LEADING_DENSE_BLOCK_COUNT), s.num_layers - len(moe.sparse_layers))
+    meta.add_uint32(k(Keys.EXPERT_SHARED_COUNT), moe.shared_intermediate_size // moe.intermediate_size)
+    meta.add_float32(k(Keys.EXPERT_WEIGHTS_SCALE), moe.routed_scaling_factor)
+    if moe.norm_topk_prob:  # llama.cpp's default is false; the converter writes the key only when true
+        meta.add_bool(k(Keys.EXPERT_WEIGHTS_NORM), True)
 
 
 @dataclass(frozen=True)
@@ -271,10 +501,11 @@ def write_gguf(
         for p in plans:
             writer.plan_tensor(p.name, p.shape, p.ttype)
         writer.begin()
-        converted = convert_tensors(_source_tensors(source, plans), source.shape)
+        converted = convert_tensors(plans, _reader(source, plans), source.shape)
         for plan, (gname, tensor) in zip(plans, converted, strict=True):
             try:
-                writer.write_tensor(gname, encoder.encode(tensor, plan.ttype))
+                data = tensor.chunks if isinstance(tensor, GgmlBytes) else encoder.encode(tensor, plan.ttype)
+                writer.write_tensor(gname, data)
             except F16Overflow as e:
                 raise InvalidInput(
                     f"GGUF: tensor {plan.source!r} cannot be stored as F16: {e}; export bf16 (or q8_0) instead",
@@ -291,10 +522,33 @@ def write_gguf(
     return reference, settled
 
 
-def _source_tensors(source: SourceModel, plans: list[TensorPlan]) -> Iterator[tuple[str, torch.Tensor]]:
-    for p in plans:
-        for name in p.sources:  # a stacked tensor's parts one after another: one stack is held at a time
-            yield name, source.tensor(name)
+def _reader(source: SourceModel, plans: list[TensorPlan]) -> Callable[[str], torch.Tensor | StoredMxfp4]:
+    """Read one source tensor at a time: as the release stores it where the plan keeps its MXFP4 blocks (its
+    scales checked again), dequantized where it is stored in another pre-quantized layout (FP8 block), else as it
+    is. The last one read is kept: a tensor llama.cpp stores split is read once for both parts."""
+    from formats.prequantized import check_scale
+
+    kept = {n for p in plans if p.stored is not None for n in p.sources}
+    last: list[tuple[str, torch.Tensor | StoredMxfp4]] = []
+
+    def read(name: str) -> torch.Tensor | StoredMxfp4:
+        if last and last[0][0] == name:
+            return last[0][1]
+        tensor: torch.Tensor | StoredMxfp4
+        if name in kept:
+            assert source.quantized is not None
+            qt = source.quantized.tensors[name]
+            stored = source.stored(name)
+            check_scale(source.quantized.quantization, qt, stored[qt.scale.name])
+            tensor = StoredMxfp4(stored[qt.values.name], stored[qt.scale.name])
+        elif source.is_quantized(name):
+            tensor = source.dequantized(name)
+        else:
+            tensor = source.tensor(name)
+        last[:] = [(name, tensor)]
+        return tensor
+
+    return read
 
 
 def llama_quantize(src: Path, dst: Path, ftype: FileType, *, threads: int = 0) -> None:
@@ -344,6 +598,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     strict = bool(req.params.get("strict_types", False))
     name = str(req.params.get("name") or req.model_name or source.root.name)
     check_supported(source.shape)
+    check_quant(source.shape, quant)
     plans = plan_tensors(source.tensors, source.shape, quant, strict=strict)
     expected_fallbacks = _k_quant_fallbacks(plans, quant, strict)
 
@@ -364,8 +619,9 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
                 predicted = None  # the reference decides: it may load fine, or it raises the error to report
             tokenizer = TokenizerSource(predicted, reference.result)
         if quant.llama_ftype is None:
+            file_type = gguf_file_type(source.shape, quant)
             vocab, settled = write_gguf(
-                source, plans, final, tokenizer, name=name, file_type=quant.file_type, on_progress=req.on_progress
+                source, plans, final, tokenizer, name=name, file_type=file_type, on_progress=req.on_progress
             )
             fallbacks = {p.name: p.fallback for p in plans if p.fallback}
             types = Counter(p.ttype.name for p in plans)
@@ -406,7 +662,30 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         details["notes"] = vocab.notes
     if fallbacks:
         details["fallbacks"] = fallbacks
+    if source.quantization is not None:
+        details["source_quantization"] = _source_quantization(source, plans)
+    computes = llama_cpp_differences(source.shape)
+    if computes:
+        details["llama_cpp_computes"] = computes
     return ExportResult(files=[final.name], runtime=dict(RUNTIME), details=details)
+
+
+def _source_quantization(source: SourceModel, plans: list[TensorPlan]) -> dict[str, Any]:
+    """What became of a pre-quantized release's stored tensors: the GGUF tensors written from their stored blocks
+    as they are (repacked, not recomputed), and those made from their dequantized values (FP8 block: GGUF has no
+    FP8 type)."""
+    assert source.quantization is not None
+    kept = sorted(p.name for p in plans if p.stored is not None)
+    dequantized = sorted(p.name for p in plans if p.dequantized is not None)
+    out: dict[str, Any] = {"layout": source.quantization.layout}
+    if kept:
+        out["kept"] = {"tensors": len(kept), "as": "MXFP4", "how": "the release's blocks and exponents, repacked"}
+    if dequantized:
+        out["dequantized"] = {
+            "tensors": len(dequantized),
+            "how": f"{source.quantization.layout} dequantized in float32, then written as the quant says",
+        }
+    return out
 
 
 def _k_quant_fallbacks(plans: list[TensorPlan], quant: QuantSpec, strict: bool) -> dict[str, str]:

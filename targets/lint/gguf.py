@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 from core.errors import KilnError
 from formats.architectures import FAMILIES
-from formats.architectures.config import MoeShape
+from formats.architectures.config import MlaShape, MoeShape
 from formats.architectures.record import Architecture
 from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS, TYPE_TRAITS, Keys, TensorType
+from formats.gguf.constants import QUANTS, TYPE_TRAITS, FileType, Keys, TensorType
+from formats.gguf.layout import FLOAT_FILE_TYPES, gguf_file_type
 from formats.gguf.reader import GGUFHeader, TensorEntry, read_header
 from targets.gguf.convert import layout, llama_cpp_arch
+from targets.gguf.export import rope_dimensions
 from targets.lint.findings import Finding, LintReport, LintRequest, finding
 from targets.lint.values import ScaleCounts
 
@@ -101,7 +103,7 @@ def lint_file(path: Path, req: LintRequest, report: LintReport) -> None:
         report.add(finding("GGUF_KEY_MISSING", Keys.ARCHITECTURE, "llama.cpp picks the model's graph by it", file))
         return
     keys = _Keys(arch, header.metadata)
-    report.extend(_check_types(header, keys, file, req.quant))
+    report.extend(_check_types(header, keys, file, req.quant, req.shape))
     shape, found = _shape_from_keys(keys, tensors, file)
     report.extend(found)
     if shape is not None:
@@ -124,9 +126,12 @@ def _family(arch: str) -> Architecture | None:
     return next((a for a in FAMILIES.values() if a.target("gguf").gguf_arch == arch), None)
 
 
-def _check_types(header: GGUFHeader, keys: _Keys, file: str, quant: str | None) -> list[Finding]:
+def _check_types(
+    header: GGUFHeader, keys: _Keys, file: str, quant: str | None, source: ModelShape | None
+) -> list[Finding]:
     out = []
     quantized = False
+    mxfp4 = False
     for t in header.tensors:
         try:
             ttype = TensorType(t.type_id)
@@ -134,6 +139,7 @@ def _check_types(header: GGUFHeader, keys: _Keys, file: str, quant: str | None) 
             out.append(finding("GGUF_TYPE_UNCHECKED", t.name, f"type id {t.type_id}: its scales are not read", file))
             continue
         quantized |= ttype not in UNQUANTIZED
+        mxfp4 |= ttype is TensorType.MXFP4
         block = TYPE_TRAITS[ttype].block_size
         if t.shape and t.shape[-1] % block:
             msg = f"rows of {t.shape[-1]} values do not fill whole {ttype.name} blocks of {block}"
@@ -142,8 +148,16 @@ def _check_types(header: GGUFHeader, keys: _Keys, file: str, quant: str | None) 
         msg = "a file with quantized tensors must say its quantization version (llama.cpp refuses it otherwise)"
         out.append(finding("GGUF_KEY_MISSING", Keys.QUANTIZATION_VERSION, msg, file))
     spec = QUANTS.get(quant or "")
-    if spec is not None and header.metadata.get(Keys.FILE_TYPE) != int(spec.file_type):
-        msg = f"is {header.metadata.get(Keys.FILE_TYPE)!r}; {quant} is {spec.file_type.name} ({int(spec.file_type)})"
+    if spec is None:
+        return out
+    # A float file that keeps a release's MXFP4 experts is llama.cpp's "MXFP4 MoE" (`gguf_file_type`); without
+    # the source, its MXFP4 tensors say so.
+    if source is not None:
+        want = gguf_file_type(source, spec)
+    else:
+        want = FileType.MOSTLY_MXFP4_MOE if mxfp4 and spec.file_type in FLOAT_FILE_TYPES else spec.file_type
+    if header.metadata.get(Keys.FILE_TYPE) != int(want):
+        msg = f"is {header.metadata.get(Keys.FILE_TYPE)!r}; {quant} is {want.name} ({int(want)})"
         out.append(finding("CONFIG_MISMATCH", Keys.FILE_TYPE, msg, file))
     return out
 
@@ -183,15 +197,18 @@ def _shape_from_keys(
     embd = tensors.get("token_embd.weight")
     vocab = embd.shape[0] if embd is not None and len(embd.shape) == 2 else len(keys.meta.get(Keys.TOKENS) or [])
     moe = None
+    mla = _mla_from_keys(keys, file, out)
     if experts:
         sparse = tuple(sorted({int(m.group(1)) for n in tensors if (m := _BLOCK.match(n)) and ".ffn_gate_inp." in n}))
+        expert_ff = keys.get(EXPERT_FF) or ff or 0
+        shared = keys.get(EXPERT_SHARED_FF) or (keys.get(Keys.EXPERT_SHARED_COUNT) or 0) * expert_ff
         moe = MoeShape(
             experts=experts,
             experts_per_token=keys.get(EXPERT_USED_COUNT) or 0,
-            intermediate_size=keys.get(EXPERT_FF) or ff or 0,
+            intermediate_size=expert_ff,
             norm_topk_prob=False,
             sparse_layers=sparse,
-            shared_intermediate_size=keys.get(EXPERT_SHARED_FF) or 0,
+            shared_intermediate_size=shared,
         )
     window = keys.get(SLIDING_WINDOW) or None
     shape = ModelShape(
@@ -202,8 +219,8 @@ def _shape_from_keys(
         intermediate_size=ff or 0,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=kv_heads or heads,
-        head_dim=key_length or hidden // heads,
+        num_kv_heads=heads if mla is not None else kv_heads or heads,
+        head_dim=mla.qk_head_dim if mla is not None else key_length or hidden // heads,
         rope_theta=float(keys.get(Keys.ROPE_FREQ_BASE) or 10000.0),
         rms_norm_eps=float(keys.get(Keys.LAYERNORM_RMS_EPS) or 1e-6),
         max_position_embeddings=context,
@@ -214,8 +231,24 @@ def _shape_from_keys(
         layer_types=_pattern(keys, layers) or (),
         sliding_window=window,
         moe=moe,
+        mla=mla,
     )
     return shape, out
+
+
+def _mla_from_keys(keys: _Keys, file: str, out: list[Finding]) -> MlaShape | None:
+    """deepseek2's latent attention from its keys (`attention.kv_lora_rank` present), each head's no-rope part the
+    decompressed key length less the rope's dimensions; None for a file without it."""
+    kv_lora = _uint(keys, Keys.KV_LORA_RANK, file, out, required=False)
+    if kv_lora is None:
+        return None
+    q_lora = _uint(keys, Keys.Q_LORA_RANK, file, out, required=False)
+    key_mla = _uint(keys, Keys.KEY_LENGTH_MLA, file, out)
+    value_mla = _uint(keys, Keys.VALUE_LENGTH_MLA, file, out)
+    rope = _uint(keys, Keys.ROPE_DIMENSION_COUNT, file, out)
+    if key_mla is None or value_mla is None or rope is None or not 0 < rope < key_mla:
+        return None
+    return MlaShape(q_lora or None, kv_lora, key_mla - rope, rope, value_mla)
 
 
 def _pattern(keys: _Keys, layers: int) -> tuple[Any, ...] | None:
@@ -294,9 +327,22 @@ def _check_keys_against_config(keys: _Keys, s: ModelShape, tensors: dict[str, Te
         (Keys.BLOCK_COUNT, s.num_layers, "num_hidden_layers"),
         (Keys.EMBEDDING_LENGTH, s.hidden_size, "hidden_size"),
         (Keys.HEAD_COUNT, s.num_heads, "num_attention_heads"),
-        (Keys.HEAD_COUNT_KV, s.num_kv_heads, "num_key_value_heads"),
         (Keys.CONTEXT_LENGTH, s.max_position_embeddings, "max_position_embeddings"),
     ]
+    if s.mla is None:
+        exact.append((Keys.HEAD_COUNT_KV, s.num_kv_heads, "num_key_value_heads"))
+    else:  # MLA: one cached latent every head reads (multi-query), each head decompressed from it
+        mla = s.mla
+        exact += [
+            (Keys.HEAD_COUNT_KV, 1, "MLA's one latent"),
+            (Keys.KEY_LENGTH, mla.cache_width, "kv_lora_rank + qk_rope_head_dim"),
+            (Keys.VALUE_LENGTH, mla.kv_lora_rank, "kv_lora_rank"),
+            (Keys.KV_LORA_RANK, mla.kv_lora_rank, "kv_lora_rank"),
+            (Keys.KEY_LENGTH_MLA, mla.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim"),
+            (Keys.VALUE_LENGTH_MLA, mla.v_head_dim, "v_head_dim"),
+        ]
+        if mla.q_lora_rank is not None:
+            exact.append((Keys.Q_LORA_RANK, mla.q_lora_rank, "q_lora_rank"))
     if s.moe is None or len(s.moe.sparse_layers) < s.num_layers:
         exact.append((Keys.FEED_FORWARD_LENGTH, s.intermediate_size, "intermediate_size"))
     for template, want, name in exact:
@@ -304,7 +350,7 @@ def _check_keys_against_config(keys: _Keys, s: ModelShape, tensors: dict[str, Te
         if have is not None and have != want:
             differs("CONFIG_MISMATCH", template, have, want, f" ({name})")
     key_length = keys.get(Keys.KEY_LENGTH) or (s.hidden_size // s.num_heads)
-    if key_length != s.head_dim:
+    if s.mla is None and key_length != s.head_dim:
         differs("CONFIG_MISMATCH", Keys.KEY_LENGTH, key_length, s.head_dim, " (head_dim)")
     eps = keys.get(Keys.LAYERNORM_RMS_EPS)
     if eps is not None and not math.isclose(float(eps), s.rms_norm_eps, rel_tol=1e-5):
@@ -323,9 +369,10 @@ def _check_keys_against_config(keys: _Keys, s: ModelShape, tensors: dict[str, Te
     ):
         differs("CONFIG_ROPE", ROPE_BASE_SWA, swa_base, s.rope_for("sliding_attention").theta)
     rot = keys.get(Keys.ROPE_DIMENSION_COUNT)
-    want_rot = int(s.head_dim * s.rotary_fraction)
+    want_rot = rope_dimensions(s)
     if rot is not None and rot != want_rot:
-        differs("CONFIG_ROPE", Keys.ROPE_DIMENSION_COUNT, rot, want_rot, " (head_dim x partial_rotary_factor)")
+        why = " (qk_rope_head_dim)" if s.mla is not None else " (head_dim x partial_rotary_factor)"
+        differs("CONFIG_ROPE", Keys.ROPE_DIMENSION_COUNT, rot, want_rot, why)
     if main.scaling != "default" and keys.get(ROPE_SCALING_TYPE) is None and "rope_freqs.weight" not in tensors:
         msg = f"is absent (and no rope_freqs.weight); config.json scales rope by {main.scaling!r}"
         out.append(finding("CONFIG_ROPE", keys.key(ROPE_SCALING_TYPE), msg, file))
@@ -388,17 +435,9 @@ def _ranges(xs: list[int]) -> str:
 
 def expected_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor llama.cpp loads for `shape`, named as the GGUF target writes it (`targets.gguf.convert.layout`:
-    one naming for writer and lint), with its shape (numpy order, as the reader gives it; experts stacked)."""
-    placements = layout(shape)
-    out: dict[str, tuple[int, ...]] = {}
-    for spec in shape.tensors():
-        p = placements[spec.name]
-        if p.expert is not None:
-            if p.expert == 0:
-                out[p.name] = (p.experts, *spec.shape)
-            continue
-        out[p.name] = spec.shape
-    return out
+    one naming for writer and lint), with its shape (numpy order, as the reader gives it; experts stacked, MLA's
+    kv_b and gpt-oss's gate_up split)."""
+    return {p.name: p.shape for placed in layout(shape).values() for p in placed}
 
 
 def _check_tensors(

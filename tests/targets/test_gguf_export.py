@@ -273,7 +273,7 @@ def dequantized_state(path: Path, model_dir: Path, family: str, n_layers: int = 
         ]
     state = {}
     for name in names:
-        t = tensors[places[name].name]
+        t = tensors[places[name][0].name]
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if family != "qwen2" and "q_proj" in name:
