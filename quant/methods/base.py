@@ -117,8 +117,8 @@ def refuses(reason: str) -> SourceRoute:
 EXPERTS_LEFT_BF16: Final = refuses(
     "the release stores only its experts quantized, as stacked 3-D MXFP4 tensors, and the catalog's schemes quantize "
     "2-D Linears: the experts would be written in bf16, four times their released bytes, to quantize the attention "
-    "alone; build bf16 (the experts dequantized, for runtimes without MXFP4 kernels) or GGUF mxfp4 (the release's own "
-    "blocks, for llama.cpp)"
+    "alone; build bf16 (the experts dequantized, for runtimes without MXFP4 kernels) or GGUF (every type kiln writes "
+    "keeps the release's MXFP4 expert blocks, for llama.cpp)"
 )
 ANOTHER_8BIT: Final = refuses(
     "it quantizes the release's FP8 weights again into another 8-bit format: a second rounding for the same bytes; "
