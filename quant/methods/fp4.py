@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Literal
 
 from core.hardware import Fp4Format, HardwareProfile
-from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes
+from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, refuses
 from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 # W4A4 rounds activations too, so it gets the widest gate; weight-only FP4 sits with round-to-nearest int4.
@@ -73,6 +73,18 @@ _FROM_FP8: dict[str, SourceRoute] = {
 }
 
 
+# MXFP4 is the release's own number format, not its layout: compressed-tensors' MXFP4 W4A4 quantizes 2-D Linears and
+# their activations, gpt-oss stores stacked experts weight-only under `quant_method: mxfp4`.
+_FROM_MXFP4: dict[str, SourceRoute] = {
+    "mxfp4-pack-quantized": refuses(
+        "the release's MXFP4 is weight-only, on its stacked 3-D experts, under its own quant_method (mxfp4); "
+        "compressed-tensors' MXFP4 W4A4 quantizes 2-D Linears and their activations, so it would requantize the "
+        "attention and write the experts in bf16, four times their released bytes; no catalog method writes the "
+        "release's own layout as it is (GGUF does: every type kiln writes keeps its expert blocks)"
+    ),
+}
+
+
 def _fp4(
     name: str,
     description: str,
@@ -96,7 +108,10 @@ def _fp4(
         gate=gate,
         on_cuda=_on_cuda,
         on_rocm=_on_rocm,
-        from_sources={"fp8-block": _FROM_FP8[scheme.format], "mxfp4": EXPERTS_LEFT_BF16},
+        from_sources={
+            "fp8-block": _FROM_FP8[scheme.format],
+            "mxfp4": _FROM_MXFP4.get(scheme.format, EXPERTS_LEFT_BF16),
+        },
     )
 
 
