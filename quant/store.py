@@ -79,8 +79,10 @@ def write_quantized(
     # The head's choice beside the scheme's name, only when it is not the preset's (stored outputs keep their bytes).
     head = {"lm_head": scheme.lm_head} if scheme.lm_head != "kept" else {}
     layout = released.quantization.layout.name if released is not None else None
+    # `passed_through` only where every tensor the scheme stores is the release's as stored (a module the release
+    # left unquantized, quantized here, makes the output kiln's own quantization like any other).
     provenance = {
-        **({"passed_through": layout} if kept_stored and layout else {}),
+        **({"passed_through": layout} if kept_stored and len(kept_stored) == len(replaced) and layout else {}),
         **({"dequantized": layout} if dequantized and layout else {}),
     }
     writer = SafeTensorsWriter(
