@@ -261,6 +261,45 @@ def open_source(
     )
 
 
+def write_dequantized(source: SourceModel, out: Path, dtype: str) -> Path:
+    """A plain copy of a pre-quantized source in `out` (a new directory): its config.json without
+    `quantization_config`, its tokenizer and generation config, and one SafeTensors file of every tensor kiln builds
+    from (`source.tensors`, the prediction layers left out) in `dtype` ("bfloat16" or "float32"), each quantized one
+    dequantized (`SourceModel.dequantized`), written one tensor at a time. For a library that can read only a plain
+    checkpoint from disk (llm-compressor's calibration, through transformers' disk offload): what it reads is the
+    release's dequantized weights, rounded to `dtype`, and the caller records that it dequantized."""
+    import json
+
+    import torch
+
+    from formats.safetensors import SafeTensorsWriter
+
+    if source.quantized is None:
+        raise ValueError(f"{source.root} is not a pre-quantized source")
+    names = {"bfloat16": "BF16", "float32": "F32"}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    out.mkdir(parents=True)
+    config = {k: v for k, v in source.config.items() if k != "quantization_config"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("generation_config.json", *source.tokenizer_files):
+        if (source.root / name).is_file():
+            (out / name).write_bytes((source.root / name).read_bytes())
+    writer = SafeTensorsWriter(out / SINGLE_FILE, metadata={"format": "pt"})
+    for name, info in source.tensors.items():
+        writer.add(name, names[dtype], info.shape)
+    writer.begin()
+    try:
+        for name in source.tensors:
+            t = source.dequantized(name).to(getattr(torch, dtype)).contiguous()
+            writer.write(name, t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return out
+
+
 def quantized_plan(root: str | Path) -> QuantizedPlan | None:
     """A model directory's pre-quantized tensors (`formats.prequantized`), planned from config.json and the
     SafeTensors headers alone (nothing hashed, no tensor read; `open_source` checks the rest): None for a

@@ -53,7 +53,7 @@ from pipeline.store import StageInputMissing, StageStore, require_input
 from placement.cost import Rates, StageWork, build_host_rates, device_rates, estimate, seconds
 from placement.weights import source_bytes
 from quant.calibrated import calibration_dtype
-from quant.catalog import get_scheme
+from quant.catalog import SCHEMES, get_method, get_scheme, source_route
 from quant.rtn import HeadTied, check_shapes
 from targets.base import get_target
 
@@ -251,6 +251,9 @@ def _build_graph(
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
         spec.check_model(sizing.shape, sizing.config, quant, entry.params)
+        if sizing.shape.source_quant is not None and quant in SCHEMES:
+            # A pre-quantized source: the catalog says whether the scheme keeps its bytes, dequantizes it, or not.
+            source_route(get_method(quant), sizing.shape.source_quant)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
             if spec.name not in prepared:

@@ -98,6 +98,17 @@ class QuantizeRecord(Record):
     stored_bytes: int
     source_bytes: int
     calibration: dict[str, Any] | None = None
+    passed_through: str | None = Field(
+        default=None, description="the layout of a pre-quantized source whose stored tensors are kept as they are"
+    )
+    dequantized: str | None = Field(
+        default=None, description="the layout of a pre-quantized source whose tensors were dequantized first"
+    )
+
+    @model_serializer(mode="wrap")
+    def _plain_sources_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No provenance keys for a plain source's output: its record and digest stay as they were."""
+        return _without_none(handler(self), ("passed_through", "dequantized"))
 
     @property
     def scheme_name(self) -> str:
@@ -127,6 +138,26 @@ class ArtifactRecord(Record):
         return self.eval_runtimes or [self.runtime_name]
 
     details: dict[str, Any] = Field(default_factory=dict)
+    passed_through: str | None = Field(
+        default=None, description="the layout of a pre-quantized source whose stored bytes the artifact keeps"
+    )
+    dequantized: str | None = Field(
+        default=None,
+        description="the layout of a pre-quantized source whose tensors the artifact holds dequantized (in bf16, or "
+        "quantized again into its scheme)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _plain_sources_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No provenance keys for an artifact of a plain source: its record and digest stay as they were."""
+        return _without_none(handler(self), ("passed_through", "dequantized"))
+
+
+def _without_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
 
 
 class PreparedRecord(Record):

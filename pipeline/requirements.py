@@ -502,11 +502,15 @@ def layer_streamed(sizing: Sizing, tokens: int) -> Footprint:
 
 def held_whole(sizing: Sizing, kind: DeviceKind) -> Footprint:
     """The model loaded whole in float32 (`TransformersRuntime`: read on the host, then moved to a GPU), one
-    window through it and its logits."""
+    window through it and its logits. A pre-quantized source is dequantized as it loads, one layer's experts
+    twice for a moment: DeepSeek-V3's per-expert tensors dequantized then stacked by transformers' loader, a
+    gpt-oss MXFP4 stack decoded then transposed (`formats.prequantized.dequantize`)."""
     w = sizing.window
     weights = 4 * sizing.params
+    loading = 4 * sizing.layer_expert_params if sizing.shape.source_quant is not None else 0
     return Footprint(
-        weights + sizing.activations(w) + 4 * w * sizing.shape.vocab_size, weights if kind == "cuda" else 0
+        weights + max(loading, sizing.activations(w) + 4 * w * sizing.shape.vocab_size),
+        weights if kind == "cuda" else 0,
     )
 
 
@@ -883,7 +887,11 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
             written = quantized_bytes(sizing.config, scheme.name, scheme.lm_head)
         except KilnError:  # a scheme quant.catalog does not name (a test's): sized as its whole checkpoint
             written = sizing.weights_bytes(scheme.name, "transformers")
-        return StageWork(read_bytes, written, flops=2 * params * tokens)
+        # llm-compressor calibrates a pre-quantized source from a dequantized copy in its compute dtype
+        # (`formats.hf_model.write_dequantized`), removed when the stage ends.
+        copy = scheme.by_llmcompressor and sizing.shape.source_quant is not None
+        element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
+        return StageWork(read_bytes, written, element * params if copy else 0, flops=2 * params * tokens)
     if stage == "export":
         spec = get_target(p["target"])
         written = sizing.weights_bytes(p["quant"], spec.runtime)

@@ -9,17 +9,24 @@ method is its family module (or a new one listed in `FAMILIES`), and its rows in
 method runs there and why: the same for every method on a CPU (transformers + compressed-tensors decompress
 the weights on x86_64; other CPUs are served GGUF), on TPUs and on NVIDIA GPUs older than sm80 (vLLM's
 floor); otherwise the method's own `on_cuda` / `on_rocm`.
+
+`source_route(method, quantization)` says what a method does with a pre-quantized source's quantized tensors
+(`Method.from_sources`: keep the release's bytes, dequantize first, or refuse with the reason); `kiln plan`
+refuses a recipe asking for a refused one (QUANT_SOURCE_REFUSED).
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, HardwareProfile
 from quant.methods import dense, fp4, fp8, int4, int8
-from quant.methods.base import Method
+from quant.methods.base import Method, SourceRoute
 from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme, Verdict
+
+if TYPE_CHECKING:
+    from formats.prequantized import SourceQuantization
 
 FAMILIES: Final = (dense, fp8, int8, int4, fp4)
 METHODS: Final[dict[str, Method]] = {m.name: m for family in FAMILIES for m in family.METHODS}
@@ -84,3 +91,36 @@ def compatibility(scheme: Scheme, profiles: dict[str, HardwareProfile] | None = 
 def compatible_hardware(scheme: Scheme) -> dict[str, str]:
     """Hardware a bundle of `scheme` runs on, with the reason for each."""
     return {name: v.reason for name, v in compatibility(scheme).items() if v.compatible}
+
+
+class QuantSourceRefused(InvalidInput):
+    """A method the catalog does not build from a source released in this quantized layout (`Method.from_sources`)."""
+
+    code = "QUANT_SOURCE_REFUSED"
+
+
+def source_route(method: Method, quantization: SourceQuantization) -> SourceRoute:
+    """What `method` does with the quantized tensors of a source released as `quantization`: its route for the
+    layout (`Method.from_sources`), refused here with the reason where it refuses. Keeping the release's bytes also
+    needs its blocks to be the method's (a 64 x 64 FP8 release is not 128 x 128 fp8-block)."""
+    layout = quantization.layout.name
+    route = method.from_sources.get(layout)
+    if route is None:  # every method declares every layout (tests/quant/test_catalog.py)
+        raise QuantSourceRefused(
+            f"{method.name} declares nothing for a {layout} source", details={"quant": method.name}
+        )
+    w = method.scheme.weights
+    if route.action == "keep" and (w is None or w.block_structure != quantization.block):
+        block = "x".join(map(str, quantization.block))
+        mine = "x".join(map(str, w.block_structure)) if w is not None and w.block_structure else "none"
+        route = SourceRoute(
+            "refuse",
+            f"the release's blocks are {block} and {method.name}'s {mine}: its bytes cannot be kept, and quantizing "
+            "them into other blocks rounds them a second time",
+        )
+    if route.action == "refuse":
+        raise QuantSourceRefused(
+            f"{method.name} from a source released {layout}: {route.reason}",
+            details={"quant": method.name, "layout": layout, "reason": route.reason},
+        )
+    return route

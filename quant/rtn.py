@@ -93,11 +93,13 @@ def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
         if len(shape) != 2:
             raise QuantShapeError(f"{scheme.name}: layer {name!r} has shape {list(shape)}; a Linear weight is 2-D")
         rows, cols = shape
-        if w.block_structure is not None and (rows % w.block_structure[0] or cols % w.block_structure[1]):
+        if w.block_structure is not None and cols % w.block_structure[1]:
             br, bc = w.block_structure
             raise QuantShapeError(
-                f"{scheme.name}: layer {name!r} has shape {list(shape)}, not a whole number of {br}x{bc} blocks; "
-                "use a per-channel scheme (fp8) for this model",
+                f"{scheme.name}: layer {name!r} has {cols} input columns, not a whole number of {br}x{bc} blocks' "
+                f"{bc}: vLLM quantizes its activations in groups of {bc} input columns and its block-FP8 kernels "
+                "read whole column blocks (only a last block of rows may overhang, zero-padded, as DeepSeek-V3's "
+                "kv_a_proj_with_mqa); use a per-channel scheme (fp8) for this model",
                 details={"layer": name, "shape": list(shape), "block_structure": [br, bc]},
             )
         if w.group_size is not None and cols % w.group_size:
@@ -123,8 +125,8 @@ def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[t
     assert w is not None and len(shape) == 2
     module = name.removesuffix(".weight")
     rows, cols = shape
-    if w.block_structure is not None:
-        scale = (rows // w.block_structure[0], cols // w.block_structure[1])
+    if w.block_structure is not None:  # a last block of rows may overhang (`check_shapes`)
+        scale = (-(-rows // w.block_structure[0]), -(-cols // w.block_structure[1]))
     elif w.group_size is not None:
         scale = (rows, cols // w.group_size)
     else:
@@ -160,6 +162,10 @@ def weight_scale(weight: torch.Tensor, w: WeightQuant) -> torch.Tensor:
     if w.strategy == "block":
         assert w.block_structure is not None
         br, bc = w.block_structure
+        # A last block of rows that overhangs the matrix is zero-padded (DeepSeek's `weight_quant_kernel`,
+        # compressed-tensors' `_process_block`): its scale is the amax of the rows it has.
+        pad = -x.shape[0] % br
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         absmax = x.abs().unflatten(-1, (-1, bc)).unflatten(0, (-1, br)).amax(dim=(1, 3))
     elif w.strategy == "group":
         assert w.group_size is not None

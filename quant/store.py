@@ -3,6 +3,12 @@
     out_dir/quantized.safetensors       every tensor the scheme stores quantized (compressed-tensors names)
     out_dir/quantization_config.json    the config.json block, as compressed-tensors writes it
 
+A pre-quantized source's quantized tensors are read as the catalog's route for the scheme says
+(`quant.catalog.source_route`): kept as stored (fp8-block from an FP8-block release: its FP8 values' bytes, and
+its `weight_scale_inv` as `weight_scale`, in the dtype it is stored in), or dequantized into float32 first and
+quantized as a bf16 source's weights are. The file's metadata and the stage's record say which
+(`passed_through`, `dequantized`: the layout), so nothing downstream takes them for a bf16 source's.
+
 Only the tensors the scheme changes are stored; everything else is the ingested source's own bf16
 tensor, so a consumer merges the two (`QuantizedWeights.replaces` says which source tensors are
 replaced). Besides the quantized Linear weights that can be a few bf16 tensors under their source
@@ -20,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
-from quant.catalog import get_scheme
+from quant.catalog import get_method, get_scheme, source_route
 from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes, router_modules
 from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme
 
@@ -59,6 +65,11 @@ def write_quantized(
         )
     check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})
     replaced = [n for n in source.tensors if quantizes(scheme, n)]
+    released = source.quantized
+    route = source_route(get_method(scheme.name), released.quantization) if released is not None else None
+    # The release's quantized tensors the scheme keeps as stored, and those it dequantizes first.
+    kept_stored = [n for n in replaced if route is not None and route.action == "keep" and source.is_quantized(n)]
+    dequantized = [n for n in replaced if source.is_quantized(n) and n not in kept_stored]
     changed = dict(calibrated.changed) if calibrated is not None else {}
     for n, t in changed.items():
         if n not in source.tensors or quantizes(scheme, n) or tuple(t.shape) != source.tensors[n].shape:
@@ -67,10 +78,19 @@ def write_quantized(
             )
     # The head's choice beside the scheme's name, only when it is not the preset's (stored outputs keep their bytes).
     head = {"lm_head": scheme.lm_head} if scheme.lm_head != "kept" else {}
-    writer = SafeTensorsWriter(out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name, **head})
+    layout = released.quantization.layout.name if released is not None else None
+    # `passed_through` only where every tensor the scheme stores is the release's as stored (a module the release
+    # left unquantized, quantized here, makes the output kiln's own quantization like any other).
+    provenance = {
+        **({"passed_through": layout} if kept_stored and len(kept_stored) == len(replaced) and layout else {}),
+        **({"dequantized": layout} if dequantized and layout else {}),
+    }
+    writer = SafeTensorsWriter(
+        out_dir / TENSORS_FILE, metadata={"format": "pt", "scheme": scheme.name, **head, **provenance}
+    )
     plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
     for n in replaced:
-        plan[n] = planned_tensors(scheme, n, source.tensors[n].shape)
+        plan[n] = _kept_planned(source, n) if n in kept_stored else planned_tensors(scheme, n, source.tensors[n].shape)
         for out_name, dtype, shape in plan[n]:
             writer.add(out_name, dtype, shape)
     kept = [n for n in source.tensors if n in changed]
@@ -87,8 +107,10 @@ def write_quantized(
     stored = 0
     try:
         for n in replaced:
-            if calibrated is None or n not in calibrated.scales:  # round-to-nearest (beside a calibrated KV cache)
-                produced = list(quantize_weight(n, source.tensor(n), scheme))
+            if n in kept_stored:
+                produced = _kept(source, n)
+            elif calibrated is None or n not in calibrated.scales:  # round-to-nearest (beside a calibrated KV cache)
+                produced = list(quantize_weight(n, source.dequantized(n), scheme))
             else:
                 produced = list(
                     quantize_weight(
@@ -122,11 +144,41 @@ def write_quantized(
     return {
         "scheme": scheme.model_dump(mode="json"),
         "format": scheme.format,
+        **provenance,
         "replaced": len(replaced),
         "changed_bf16": kept,
         "stored_bytes": stored,
         "source_bytes": sum(source.tensors[n].nbytes for n in replaced),
     }
+
+
+def _kept_planned(source: SourceModel, name: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """What `_kept` yields for a released FP8-block weight: its values and scales as stored, under compressed-tensors'
+    names (`<module>.weight`, `<module>.weight_scale`)."""
+    assert source.quantized is not None
+    qt = source.quantized.tensors[name]
+    module = name.removesuffix(".weight")
+    return [
+        (f"{module}.weight", qt.values.dtype, qt.values.shape),
+        (f"{module}.weight_scale", qt.scale.dtype, qt.scale.shape),
+    ]
+
+
+def _kept(source: SourceModel, name: str) -> list[tuple[str, torch.Tensor]]:
+    """A released FP8-block weight as it is stored, its scales checked (finite, > 0) and its values (no NaN):
+    compressed-tensors' block strategy is the release's, `fp8 x scale` per 128 x 128 block, the last one zero-padded
+    where it overhangs (compressed-tensors `_process_block`, DeepSeek's `weight_dequant`), so `weight_scale_inv` is
+    `weight_scale` renamed."""
+    from formats.prequantized import check_scale, check_values
+
+    assert source.quantized is not None
+    qt = source.quantized.tensors[name]
+    stored = source.stored(name)
+    values, scale = stored[qt.values.name], stored[qt.scale.name]
+    check_scale(source.quantized.quantization, qt, scale)
+    check_values(source.quantized.quantization, qt, values)
+    module = name.removesuffix(".weight")
+    return [(f"{module}.weight", values), (f"{module}.weight_scale", scale)]
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -143,6 +195,10 @@ class QuantizedWeights:
     scheme: Scheme
     config: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    # A pre-quantized source's layout whose stored tensors this output keeps as they are, and the one it
+    # dequantized tensors of before quantizing them (None: none).
+    passed_through: str | None = None
+    dequantized: str | None = None
 
     def replaces(self, source_name: str) -> bool:
         """Whether the source tensor `source_name` is stored here (quantized, or changed by calibration)."""
@@ -191,4 +247,11 @@ def open_quantized(root: Path, scheme_name: str) -> QuantizedWeights:
         raise StageFailed(f"{root / TENSORS_FILE}: lm_head {head!r} is none of {', '.join(HEAD_CHOICES)}")
     scheme = get_scheme(scheme_name, cast("HeadChoice", head))
     config = json.loads((root / CONFIG_FILE).read_text())
-    return QuantizedWeights(root=root, scheme=scheme, config=config, tensors={t.name: t for t in infos})
+    return QuantizedWeights(
+        root=root,
+        scheme=scheme,
+        config=config,
+        tensors={t.name: t for t in infos},
+        passed_through=meta.get("passed_through"),
+        dequantized=meta.get("dequantized"),
+    )

@@ -53,6 +53,10 @@ class ExportResult:
     # with; None: the target's `runtimes_for(quant)`. (A trtllm int4 checkpoint is read by tensorrt_llm
     # only, while its FP8 ones are compressed-tensors that transformers and vLLM read.)
     eval_runtimes: tuple[str, ...] | None = None
+    # A pre-quantized source's layout whose stored bytes the artifact keeps, and the one it dequantized tensors of
+    # (into bf16, or before quantizing them again); None where it did neither (`SourceUse`).
+    passed_through: str | None = None
+    dequantized: str | None = None
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,11 @@ class LayerStream:
         *,
         resident_bytes: int = 0,
         whole: bool = False,
+        quantize_activations: bool = True,
     ) -> None:
-        """`whole`: keep every layer once read (a pre-quantized source planned whole), `resident_bytes` aside."""
+        """`whole`: keep every layer once read (a pre-quantized source planned whole), `resident_bytes` aside;
+        `quantize_activations` False: a bundle's Linears take their inputs as the reference does
+        (`transformers_runtime.leave_activations`)."""
         torch, transformers = import_torch_transformers()
         self._torch = torch
         self.model_dir = Path(model_dir)
@@ -206,7 +209,8 @@ class LayerStream:
 
             self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
         # The whole model's version: the same computation, whichever way the plan had the stage hold it.
-        self.version = runtime_version(quantizer is not None, self._fp4)
+        self._unquantized = not quantize_activations and quantizer is not None
+        self.version = runtime_version(quantizer is not None, self._fp4, self._unquantized)
         held = Residency(whole=whole, resident_bytes=0 if whole else resident_bytes)
         weights_opened(checkpoint_bytes(self.model_dir), held.describe(), resident_bytes)
 
@@ -442,7 +446,7 @@ class LayerStream:
         from compressed_tensors.compressors.base import decompress_module
         from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
-        from eval.runtimes.transformers_runtime import upcast_linear_weights
+        from eval.runtimes.transformers_runtime import leave_activations, upcast_linear_weights
 
         fmt = self._quantizer.compressor.force_compression_format
         for sub in module.modules():
@@ -450,6 +454,8 @@ class LayerStream:
                 decompress_module(sub, fmt)
         if self._fp4:  # FP4 decompresses into bfloat16: upcast, as the whole-model load does
             upcast_linear_weights(module, self.dtype)
+        if self._unquantized:
+            leave_activations(module)
 
 
 def _copy_layer(module: Any) -> Any:
@@ -483,13 +489,19 @@ def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
 
 
 def open_transformers(
-    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", *, residency: Residency = WHOLE
+    model_dir: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    residency: Residency = WHOLE,
+    quantize_activations: bool = True,
 ) -> TransformersRuntime | LayerStream:
     """The transformers runtime for a model directory, holding it as the plan decided (`residency`,
     `eval.runtimes.residency.hold`): the whole model, or one layer at a time (an architecture of
     `STREAMED_MODEL_TYPES`, a plain checkpoint or a compressed-tensors bundle, in a given dtype) keeping
     `resident_bytes` of cast layers; the same logits, bit for bit (tests/eval/test_layer_stream.py). A
-    pre-quantized source is always the layer stream, dequantizing as it reads, keeping every layer when whole."""
+    pre-quantized source is the layer stream, dequantizing as it reads, keeping every layer when whole; one of a
+    family that does not stream (DeepSeek-V3, gpt-oss), the whole model, its tensors dequantized as they load."""
     config = Path(model_dir) / "config.json"
     try:
         declared = json.loads(config.read_text())
@@ -498,14 +510,23 @@ def open_transformers(
         declared, model_type = {}, None  # LayerStream says what is wrong with it
     prequantized = isinstance(declared, dict) and declares_prequantized(declared)
     if residency.whole and not prequantized:
-        return TransformersRuntime(model_dir, dtype, device)  # type: ignore[arg-type]
-    if prequantized and (model_type not in STREAMED_MODEL_TYPES or dtype == "auto"):
+        return TransformersRuntime(model_dir, dtype, device, quantize_activations=quantize_activations)  # type: ignore[arg-type]
+    if prequantized and dtype == "auto":
         raise StageFailed(
-            f"{str(model_dir)!r} is a pre-quantized source, read dequantized by the layer stream, which covers "
-            f"{sorted(STREAMED_MODEL_TYPES)} in a given dtype, not {model_type!r} in {dtype!r}",
+            f"{str(model_dir)!r} is a pre-quantized source, read dequantized into a given dtype, not 'auto'",
             code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             details={"model_type": model_type, "dtype": dtype},
         )
+    if prequantized and model_type not in STREAMED_MODEL_TYPES:
+        if not residency.whole:  # the plan holds a family that does not stream whole (`residency.hold`)
+            raise StageFailed(
+                f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)}, not "
+                f"{model_type!r}",
+                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                details={"model_type": model_type, "dtype": dtype},
+            )
+        # Held whole, dequantized as transformers' loader reads each tensor.
+        return TransformersRuntime(model_dir, dtype, device, prequantized=quantized_plan(model_dir))  # type: ignore[arg-type]
     if model_type is not None and model_type not in STREAMED_MODEL_TYPES or dtype == "auto":
         raise StageFailed(
             f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)} in a "
@@ -513,7 +534,14 @@ def open_transformers(
             code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
             details={"model_type": model_type, "dtype": dtype},
         )
-    return LayerStream(model_dir, dtype, device, resident_bytes=residency.resident_bytes, whole=residency.whole)
+    return LayerStream(
+        model_dir,
+        dtype,
+        device,
+        resident_bytes=residency.resident_bytes,
+        whole=residency.whole,
+        quantize_activations=quantize_activations,
+    )
 
 
 class _WeightIndex:

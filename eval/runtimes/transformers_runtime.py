@@ -8,6 +8,12 @@ whose kernels need it). A compressed-tensors bundle's experts load as one quanti
 projection (`eval.runtimes.experts`: transformers alone would dequantize them into its fused experts),
 and tensors its loader renamed keep the dtype the model declares (`as_declared`).
 
+A pre-quantized source (FP8 block, MXFP4 experts: `formats.prequantized`) of a family the layer stream does not
+cover (`Architecture.streams` False: DeepSeek-V3, gpt-oss) is held whole here: its model built plain (config.json
+without `quantization_config`, so none of transformers' FP8 or MXFP4 kernels run) and loaded by transformers'
+own loader from its tensors as released, each quantized one dequantized into float32 only when the loader
+reaches it (`dequantized` names the layout; the reference stage records it).
+
 `device` is a torch device string (`cpu`, `cuda:0`; the stage's, `pipeline.placement`). On a CUDA
 device the model is moved there after loading; each window's ids go there and its logits come back
 as float32 numpy, one window at a time. float32 matmuls on CUDA stay IEEE float32 (torch's default:
@@ -26,6 +32,7 @@ from core.errors import Deferred, InvalidInput, StageFailed
 from core.usage import weights_opened, weights_read
 from eval.runtimes.base import check_ids, checkpoint_bytes, greedy_by_length, import_torch_transformers
 from eval.runtimes.experts import loading_experts
+from formats.prequantized import QuantizedPlan, dequantize
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -35,7 +42,18 @@ class TransformersRuntime:
 
     name = "transformers"
 
-    def __init__(self, model_dir: str | Path, dtype: TorchDtype = "float32", device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: TorchDtype = "float32",
+        device: str = "cpu",
+        *,
+        prequantized: QuantizedPlan | None = None,
+        quantize_activations: bool = True,
+    ) -> None:
+        """`prequantized`: the source's quantized tensors (`formats.hf_model.quantized_plan`), read dequantized.
+        `quantize_activations` False: a bundle's Linears take their inputs as the reference does
+        (`leave_activations`)."""
         torch, transformers = import_torch_transformers()
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise InvalidInput(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
@@ -44,12 +62,31 @@ class TransformersRuntime:
         self.dtype = dtype
         self.device = torch.device(device)  # a malformed string raises here, before the model loads
         torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
+        # The layout a pre-quantized source is read dequantized from (None: a plain checkpoint or a bundle).
+        self.dequantized: str | None = prequantized.quantization.layout.name if prequantized is not None else None
+        if prequantized is not None and dtype == "auto":
+            raise InvalidInput("a pre-quantized source is read dequantized into a given dtype, not 'auto'")
         try:
             config = transformers.AutoConfig.from_pretrained(str(self.model_dir))
-            with loading_experts(config):  # a bundle's experts as one quantized Linear each (eval.runtimes.experts)
-                model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
-                if dtype != "auto" and getattr(model, "hf_quantizer", None) is not None:
-                    as_declared(model, declared_dtypes(config, self.model_dir, torch_dtype))
+            if prequantized is not None:
+                del config.quantization_config  # built plain: its weights are the dequantized ones
+                from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+                with _ReleasedTensors(self.model_dir, prequantized) as released:
+                    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+                    model, info = model_class.from_pretrained(
+                        None,
+                        config=config,
+                        state_dict=released.state_dict(),
+                        dtype=torch_dtype,
+                        output_loading_info=True,
+                    )
+                _check_loaded(self.model_dir, info)
+            else:
+                with loading_experts(config):  # a bundle's experts as one quantized Linear each (eval.runtimes.experts)
+                    model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
+                    if dtype != "auto" and getattr(model, "hf_quantizer", None) is not None:
+                        as_declared(model, declared_dtypes(config, self.model_dir, torch_dtype))
         except ImportError as e:  # e.g. a quantized bundle whose kernels package is missing here
             raise Deferred(
                 f"transformers cannot load {str(self.model_dir)!r} on this machine: {e}",
@@ -68,11 +105,12 @@ class TransformersRuntime:
         weights_opened(loaded, "whole")
         weights_read(loaded)
         emulated = dtype != "auto" and decompress_fp4(model, getattr(torch, dtype))
+        unquantized = not quantize_activations and leave_activations(model)
         if self.device.type != "cpu":
             model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a dtype cast; it moves in place
         self._model: Any = model.eval()
         self.vocab_size = int(model.config.vocab_size)
-        self.version = runtime_version(getattr(model, "hf_quantizer", None) is not None, emulated)
+        self.version = runtime_version(getattr(model, "hf_quantizer", None) is not None, emulated, unquantized)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = check_ids(token_ids, self.vocab_size, self.name)
@@ -112,9 +150,30 @@ class TransformersRuntime:
 FP4_EMULATED = ", FP4 emulated (weights decompressed by compressed-tensors, activations fake-quantized)"
 
 
-def runtime_version(compressed: bool, fp4: bool) -> str:
+# What a bundle of a release's own quantized weights is evaluated with (`leave_activations`).
+ACTIVATIONS_AS_REFERENCE = (
+    ", activations unquantized as in the reference (the weights are the release's own, its activation scheme too)"
+)
+
+
+def leave_activations(model: Any) -> bool:
+    """Let a compressed-tensors bundle's Linears take their inputs unquantized, as the reference computes them;
+    returns whether any quantized one was there. For an artifact that keeps a release's own quantized weights
+    (fp8-block from an FP8-block release): the release's dynamic FP8 activations are its own scheme, which the
+    reference of the release, computed from its dequantized weights, leaves out, so the eval compares the weights
+    alone, and KL ~ 0 says they are the release's. The weights stay as compressed-tensors decompressed them."""
+    changed = False
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            module.quantization_enabled = False
+            changed = True
+    return changed
+
+
+def runtime_version(compressed: bool, fp4: bool, activations_unquantized: bool = False) -> str:
     """What the transformers forward records as its version, held whole or streamed by layer alike: transformers
-    and torch, compressed-tensors for a compressed-tensors bundle, and FP4's emulation."""
+    and torch, compressed-tensors for a compressed-tensors bundle, FP4's emulation, and activations left
+    unquantized (`leave_activations`)."""
     import torch
     import transformers
 
@@ -123,7 +182,7 @@ def runtime_version(compressed: bool, fp4: bool) -> str:
         import compressed_tensors
 
         version += f", compressed-tensors {compressed_tensors.__version__}"
-    return version + (FP4_EMULATED if fp4 else "")
+    return version + (FP4_EMULATED if fp4 else "") + (ACTIVATIONS_AS_REFERENCE if activations_unquantized else "")
 
 
 def decompress_fp4(model: Any, dtype: Any) -> bool:
@@ -231,6 +290,71 @@ def as_declared(model: Any, declared: dict[str, Any]) -> None:
         module = model.get_submodule(owner)
         delattr(module, attr)  # removed, then a new Parameter (as `upcast_linear_weights`)
         setattr(module, attr, torch.nn.Parameter(param.data.to(want), requires_grad=False))
+
+
+class _ReleasedTensors:
+    """A pre-quantized source's tensors by their released names, for transformers' loader: plain ones as its own
+    lazy SafeTensors slices, each quantized one as `_Dequantized`, read and dequantized when the loader gets to
+    it, so the loader holds one dequantized tensor beside the model it fills, never the whole source twice."""
+
+    def __init__(self, model_dir: Path, plan: QuantizedPlan) -> None:
+        self._dir, self._plan = model_dir, plan
+        self._handles: dict[Path, Any] = {}
+        self._where: dict[str, Path] = {}
+
+    def __enter__(self) -> _ReleasedTensors:
+        from safetensors import safe_open
+
+        for f in sorted(self._dir.glob("*.safetensors")):
+            handle = safe_open(str(f), framework="pt")
+            self._handles[f] = handle
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                self._where[name] = f
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handles.clear()
+
+    def tensor(self, name: str) -> Any:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = self._plan.stored_names
+        out: dict[str, Any] = {n: self._handles[f].get_slice(n) for n, f in self._where.items() if n not in parts}
+        for name in self._plan.tensors:
+            out[name] = _Dequantized(self, self._plan, name)
+        return out
+
+
+class _Dequantized:
+    """One quantized tensor as transformers' loader reads a lazy slice (`tensor[...]`): dequantized in float32
+    when read (`formats.prequantized.dequantize`, its scales and values checked first)."""
+
+    def __init__(self, released: _ReleasedTensors, plan: QuantizedPlan, name: str) -> None:
+        self._released, self._plan, self._name = released, plan, name
+
+    def __getitem__(self, key: object) -> Any:
+        if key is not Ellipsis:
+            raise TypeError(f"{self._name} is read whole (dequantized), not sliced by {key!r}")
+        qt = self._plan.tensors[self._name]
+        values, scale = self._released.tensor(qt.values.name), self._released.tensor(qt.scale.name)
+        return dequantize(self._plan.quantization, qt, values, scale)
+
+
+def _check_loaded(model_dir: Path, info: dict[str, Any]) -> None:
+    """A model loaded from a dequantized state dict holds every tensor it declares, of its shape: a tensor the
+    loader left initialised at random would be scored as if it were the release's."""
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    errors = info.get("conversion_errors") or {}
+    if missing or mismatched or errors:
+        first = (missing or [m[0] for m in mismatched] or sorted(errors))[0]
+        raise StageFailed(
+            f"{model_dir}: the dequantized source does not load whole into its model: {first} "
+            f"({len(missing)} missing, {len(mismatched)} of another shape, {len(errors)} not converted)",
+            code="SOURCE_INVALID",
+            details={"missing": missing[:8], "mismatched": [m[0] for m in mismatched[:8]]},
+        )
 
 
 def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:

@@ -38,6 +38,11 @@ def run(ctx: StageContext) -> EvalReport:
     options: dict[str, object] = {"device": str(stage_device(ctx.node))} if computes_on_device(ctx.node) else {}
     if runtime == "transformers" and ctx.node.requires.weights is not None:
         options["residency"] = ctx.node.requires.weights  # whole or streamed, as the plan sized the stage
+    record = export.record(ArtifactRecord)
+    if runtime == "transformers" and record.passed_through is not None and record.dequantized is None:
+        # Every quantized weight is the release's own, stored as released: its activation scheme is the release's
+        # too, which the reference leaves out; the eval compares the weights (`leave_activations`).
+        options["quantize_activations"] = False
     report = evaluate_artifact(
         stored_reference(ctx.input("reference")),
         runtime,

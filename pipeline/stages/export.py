@@ -73,6 +73,8 @@ def run(ctx: StageContext) -> ArtifactRecord:
         runtime_name=(result.eval_runtimes or spec.runtimes_for(p["quant"]))[0],
         eval_runtimes=list(result.eval_runtimes or spec.runtimes_for(p["quant"])),
         details=details,
+        passed_through=result.passed_through,
+        dequantized=result.dequantized,
     )
 
 

@@ -46,8 +46,14 @@ def manifest_for(artifact: StageOutput) -> ArtifactManifest:
         unsupported=r.unsupported,
         runtime=r.runtime,
         files=artifact.files,
-        provenance={**artifact.provenance, "details": r.details},
+        provenance={**artifact.provenance, "details": r.details, **_source_use(r)},
     )
+
+
+def _source_use(r: ArtifactRecord) -> dict[str, str]:
+    """What the artifact holds of a pre-quantized source: the release's own bytes, dequantized tensors (none for a
+    plain source's artifact, whose manifest stays as it was)."""
+    return {k: v for k, v in (("passed_through", r.passed_through), ("dequantized", r.dequantized)) if v is not None}
 
 
 def run(ctx: StageContext) -> PublishRecord:

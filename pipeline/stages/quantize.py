@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING
 
+from formats.hf_model import open_source, write_dequantized
 from pipeline.placement import stage_device
 from pipeline.records import QuantizeRecord
 from pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
@@ -54,8 +55,14 @@ def run(ctx: StageContext) -> QuantizeRecord:
         # killed run leaves them inside the work dir's `.tmp-*` (never mistaken for done), not in /tmp.
         offload = ctx.out_dir.parent / "calibration-offload"
         offload.mkdir()
+        calibrating = source
+        if source.quantized is not None:
+            # llm-compressor reads the model from disk through transformers: it gets the release dequantized, in the
+            # dtype it computes in (`pipeline.requirements.stage_work` plans the copy's disk).
+            plain = write_dequantized(source, offload / "dequantized-source", cal["compute_dtype"])
+            calibrating = open_source(plain, hasher=lambda p: "0" * 64)
         calibrated = calibrate(
-            source,
+            calibrating,
             scheme,
             samples,
             offload_dir=offload,

@@ -9,7 +9,11 @@ scheme's fields ("a float scheme means FP8"):
 - `kv_cache_dtype`: the KV cache its serving replicas assume (`core.shape.KV_DTYPES`);
 - `gate`: its default eval thresholds (`eval.gates` builds its `Gate` from them);
 - `on_cuda` / `on_rocm`: its verdict on an NVIDIA GPU of sm80+ and on an AMD GPU (`quant.catalog.compatibility`
-  answers the CPU, TPU and pre-sm80 cases the same way for every method first).
+  answers the CPU, TPU and pre-sm80 cases the same way for every method first);
+- `from_sources`: what it does with a pre-quantized source's quantized tensors, for each released layout
+  (`formats.prequantized.LAYOUTS`: fp8-block, mxfp4): `keep` them as stored (the release's own bytes),
+  `dequantize` them first and quantize the floats as from a bf16 source, or `refuse`, each with the reason
+  (`quant.catalog.source_route`; `kiln plan` gives the refusal).
 
 `Method.__post_init__` checks the dtypes against the scheme, so a method cannot say FP8 where its scheme
 stores int8. Plain data: no torch.
@@ -17,8 +21,8 @@ stores int8. Plain data: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from core.hardware import Fp4Format, HardwareProfile, MatmulDtype
@@ -84,6 +88,42 @@ class GateDefaults:
 
 
 Judge = Callable[["Method", HardwareProfile], Verdict]
+SourceAction = Literal["keep", "dequantize", "refuse"]
+
+
+@dataclass(frozen=True)
+class SourceRoute:
+    """What a method does with the quantized tensors of a source released in one layout, and why."""
+
+    action: SourceAction
+    reason: str
+
+
+def keeps(reason: str) -> SourceRoute:
+    """The release's quantized tensors are written as they are stored: its values' bytes, its scales renamed."""
+    return SourceRoute("keep", reason)
+
+
+def dequantizes(reason: str) -> SourceRoute:
+    """The release's quantized tensors are dequantized (float32) and quantized again by the method's quantizer."""
+    return SourceRoute("dequantize", reason)
+
+
+def refuses(reason: str) -> SourceRoute:
+    return SourceRoute("refuse", reason)
+
+
+# The refusals several methods share, one per class of reason.
+EXPERTS_LEFT_BF16: Final = refuses(
+    "the release stores only its experts quantized, as stacked 3-D MXFP4 tensors, and the catalog's schemes quantize "
+    "2-D Linears: the experts would be written in bf16, four times their released bytes, to quantize the attention "
+    "alone; build bf16 (the experts dequantized, for runtimes without MXFP4 kernels) or GGUF (every type kiln writes "
+    "keeps the release's MXFP4 expert blocks, for llama.cpp)"
+)
+ANOTHER_8BIT: Final = refuses(
+    "it quantizes the release's FP8 weights again into another 8-bit format: a second rounding for the same bytes; "
+    "fp8-block writes the release's own blocks (and bf16 dequantizes them for hardware without FP8 units)"
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +137,8 @@ class Method:
     on_cuda: Judge
     on_rocm: Judge
     kv_cache_dtype: KvCacheDtype = "bf16"
+    # By released layout (`formats.prequantized.LAYOUTS`, by name): every one (tests/quant/test_catalog.py).
+    from_sources: Mapping[str, SourceRoute] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         w, a = self.scheme.weights, self.scheme.input_activations

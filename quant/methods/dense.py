@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.hardware import HardwareProfile
-from quant.methods.base import GateDefaults, Method
+from quant.methods.base import GateDefaults, Method, dequantizes
 from quant.schemes import Scheme, Verdict
 
 # Lossless up to the runtime's arithmetic order.
@@ -21,6 +21,16 @@ BF16 = Method(
     gate=LOSSLESS,
     on_cuda=_anywhere,
     on_rocm=_anywhere,
+    from_sources={
+        "fp8-block": dequantizes(
+            "for hardware without FP8 units (NVIDIA before sm89, CPUs): the release's weights dequantized into bf16, "
+            "twice its bytes"
+        ),
+        "mxfp4": dequantizes(
+            "for runtimes without MXFP4 expert kernels: the experts dequantized into bf16, about four times their "
+            "released bytes"
+        ),
+    },
 )
 
 METHODS = (BF16,)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Literal
 
 from core.hardware import Fp4Format, HardwareProfile
-from quant.methods.base import GateDefaults, Method
+from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, refuses
 from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 # W4A4 rounds activations too, so it gets the widest gate; weight-only FP4 sits with round-to-nearest int4.
@@ -62,6 +62,29 @@ def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
     return Verdict(compatible=False, reason=f"MXFP4 needs FP4 units (gfx950); {hw.name} ({hw.arch}) only emulates it")
 
 
+# An FP8 release for the GPUs whose FP4 units take the format: the release dequantized, then FP4 at half its bytes.
+_FROM_FP8: dict[str, SourceRoute] = {
+    "nvfp4-pack-quantized": dequantizes(
+        "NVFP4 for Blackwell (sm100, FP4 tensor cores): the release dequantized, then FP4 at about half its bytes"
+    ),
+    "mxfp4-pack-quantized": dequantizes(
+        "MXFP4 for MI350X/MI355X (gfx950, FP4 units): the release dequantized, then FP4 at about half its bytes"
+    ),
+}
+
+
+# MXFP4 is the release's own number format, not its layout: compressed-tensors' MXFP4 W4A4 quantizes 2-D Linears and
+# their activations, gpt-oss stores stacked experts weight-only under `quant_method: mxfp4`.
+_FROM_MXFP4: dict[str, SourceRoute] = {
+    "mxfp4-pack-quantized": refuses(
+        "the release's MXFP4 is weight-only, on its stacked 3-D experts, under its own quant_method (mxfp4); "
+        "compressed-tensors' MXFP4 W4A4 quantizes 2-D Linears and their activations, so it would requantize the "
+        "attention and write the experts in bf16, four times their released bytes; no catalog method writes the "
+        "release's own layout as it is (GGUF does: every type kiln writes keeps its expert blocks)"
+    ),
+}
+
+
 def _fp4(
     name: str,
     description: str,
@@ -85,6 +108,10 @@ def _fp4(
         gate=gate,
         on_cuda=_on_cuda,
         on_rocm=_on_rocm,
+        from_sources={
+            "fp8-block": _FROM_FP8[scheme.format],
+            "mxfp4": _FROM_MXFP4.get(scheme.format, EXPERTS_LEFT_BF16),
+        },
     )
 
 

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from core.hardware import HardwareProfile
-from quant.methods.base import GateDefaults, Method
+from quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, keeps
 from quant.schemes import ActivationQuant, KvCacheQuant, Scheme, Verdict, WeightQuant
 
 GATE = GateDefaults(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03)
@@ -44,10 +44,16 @@ def _on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
 
 
 def _w8a8(
-    name: str, description: str, weights: WeightQuant, activations: ActivationQuant, kv_cache: bool = False
+    name: str,
+    description: str,
+    weights: WeightQuant,
+    activations: ActivationQuant,
+    kv_cache: bool = False,
+    from_fp8_block: SourceRoute = ANOTHER_8BIT,
 ) -> Method:
     """An FP8 W8A8 method: E4M3 weights and dynamic E4M3 activations, how they are scaled is the scheme's;
-    `kv_cache`: and an FP8 KV cache with calibrated per-layer K and V scales."""
+    `kv_cache`: and an FP8 KV cache with calibrated per-layer K and V scales; `from_fp8_block`: what it does with
+    an FP8-block release (by default refuses it: FP8 requantized into FP8)."""
     return Method(
         Scheme(
             name=name,
@@ -64,6 +70,7 @@ def _w8a8(
         on_cuda=_on_cuda,
         on_rocm=_on_rocm,
         kv_cache_dtype="fp8" if kv_cache else "bf16",
+        from_sources={"fp8-block": from_fp8_block, "mxfp4": EXPERTS_LEFT_BF16},
     )
 
 
@@ -78,6 +85,12 @@ FP8_BLOCK = _w8a8(
     "FP8 E4M3 weights with one scale per 128x128 block, dynamic FP8 activations per token and 128 columns",
     WeightQuant(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
     ActivationQuant(num_bits=8, type="float", strategy="group", group_size=128),
+    # DeepSeek-V3's own format: compressed-tensors' block strategy is the release's, the scale a multiplier in both
+    # (`weight_scale_inv` is `weight_scale`), so the release's FP8 values and scales are the bundle's.
+    from_fp8_block=keeps(
+        "the release's FP8 values and 128x128 block scales as they are stored (its `weight_scale_inv` is "
+        "compressed-tensors' `weight_scale`, a multiplier in both): DeepSeek-V3's own format, for Hopper and later"
+    ),
 )
 
 # FP8 with an FP8 KV cache: the same weights as `fp8` (round-to-nearest), and one static scale per layer for K

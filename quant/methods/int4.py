@@ -9,7 +9,7 @@ AWQ kernels (no Marlin there).
 from __future__ import annotations
 
 from core.hardware import HardwareProfile
-from quant.methods.base import GateDefaults, Method
+from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, dequantizes
 from quant.methods.int8 import weight_only_on_cuda, weight_only_on_rocm
 from quant.schemes import QuantMethod, Scheme, Verdict, WeightQuant
 
@@ -18,6 +18,13 @@ ROUNDED = GateDefaults(max_kl=0.15, min_top1=0.80, max_ppl_increase=0.15)
 
 # The int4 weight layout shared by round-to-nearest, GPTQ and AWQ: only how scales are chosen differs.
 _W4_GROUPED = WeightQuant(num_bits=4, type="int", strategy="group", group_size=128)
+
+
+# An FP8 release for GPUs without FP8 tensor cores (Ampere, sm80): int4 weights through Marlin, half its bytes.
+_W4A16_FROM_FP8 = dequantizes(
+    "W4A16 for Ampere (sm80, no FP8 tensor cores): the release dequantized, then int4 weights through vLLM's Marlin "
+    "kernels at half its bytes"
+)
 
 
 def _awq_on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
@@ -32,6 +39,10 @@ def _w4a16(name: str, description: str, how: QuantMethod, gate: GateDefaults) ->
         gate=gate,
         on_cuda=weight_only_on_cuda,
         on_rocm=_awq_on_rocm if how == "awq" else weight_only_on_rocm,
+        from_sources={
+            "fp8-block": _W4A16_FROM_FP8,
+            "mxfp4": EXPERTS_LEFT_BF16,
+        },
     )
 
 

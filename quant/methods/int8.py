@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from core.hardware import HardwareProfile
-from quant.methods.base import GateDefaults, Method
+from quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method
 from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 GATE = GateDefaults(max_kl=0.015, min_top1=0.93, max_ppl_increase=0.02)
 _PER_CHANNEL = WeightQuant(num_bits=8, type="int", strategy="channel")
+_FROM_SOURCES = {"fp8-block": ANOTHER_8BIT, "mxfp4": EXPERTS_LEFT_BF16}
 
 
 def weight_only_on_cuda(method: Method, hw: HardwareProfile) -> Verdict:
@@ -44,6 +45,7 @@ INT8_W8A8 = Method(
     on_rocm=lambda m, hw: Verdict(
         compatible=True, reason=f"int8 W8A8 through vLLM's Triton int8 scaled-mm on ROCm ({hw.arch})"
     ),
+    from_sources=_FROM_SOURCES,
 )
 INT8_W8A16 = Method(
     Scheme(
@@ -58,6 +60,7 @@ INT8_W8A16 = Method(
     gate=GATE,
     on_cuda=weight_only_on_cuda,
     on_rocm=weight_only_on_rocm,
+    from_sources=_FROM_SOURCES,
 )
 
 METHODS = (INT8_W8A8, INT8_W8A16)

@@ -2,8 +2,11 @@
 
 For a quantized scheme the Linear weights come from the shared quantize stage's output (already in
 compressed-tensors' layout) and config.json gets its `quantization_config`; every other tensor is
-the source's, in bf16. Tensors keep the source's canonical order (a module's compressed tensors
-take its weight's place), so shards are planned from headers before anything is read.
+the source's, in bf16. A pre-quantized source's quantized tensors that no quantize output replaces are
+dequantized into bf16 (gpt-oss's MXFP4 experts, every FP8 weight of a bf16 bundle), and the artifact's record
+says so (`dequantized`), as it says which release's bytes the quantize output kept (`passed_through`).
+Tensors keep the source's canonical order (a module's compressed tensors take its weight's place), so shards
+are planned from headers before anything is read.
 """
 
 from __future__ import annotations
@@ -85,9 +88,34 @@ def plan_tensors(source: SourceModel, quantized: Any, on_progress: Callable[[int
 
 
 def _bf16(source: SourceModel, name: str) -> torch.Tensor:
+    """A source tensor in bf16: as stored, or a pre-quantized release's dequantized (float32, then rounded)."""
     import torch
 
-    return source.tensor(name).to(torch.bfloat16)
+    return source.dequantized(name).to(torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SourceUse:
+    """How a bundle holds a pre-quantized source's quantized tensors: the layout whose stored bytes it keeps,
+    and the one it holds tensors of dequantized (in bf16, or quantized again by the quantize stage)."""
+
+    passed_through: str | None = None
+    dequantized: str | None = None
+
+
+def source_use(source: SourceModel, quantized: Any) -> SourceUse:
+    """What `plan_tensors` makes of the source's quantized tensors (none for a plain source)."""
+    if source.quantized is None:
+        return SourceUse()
+    layout = source.quantized.quantization.layout.name
+    upcast = any(
+        quantized is None or not quantized.replaces(n) for n in source.quantized.tensors if n in source.tensors
+    )
+    dequantized = upcast or (quantized is not None and quantized.dequantized is not None)
+    return SourceUse(
+        passed_through=quantized.passed_through if quantized is not None else None,
+        dequantized=layout if dequantized else None,
+    )
 
 
 def checked_inputs(target: str, req: ExportRequest) -> tuple[Scheme, Any]:
@@ -181,6 +209,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
     planned = plan_tensors(source, quantized, req.on_progress)
     files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, max_shard)
+    use = source_use(source, quantized)
     return ExportResult(
         files=files,
         runtime=bundle_runtime(source, scheme),
@@ -189,6 +218,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             "hardware": {hw: v.model_dump() for hw, v in compatibility(scheme).items()},
         },
         hardware=compatible_hardware(scheme),
+        passed_through=use.passed_through,
+        dequantized=use.dequantized,
     )
 
 

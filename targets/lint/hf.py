@@ -277,8 +277,8 @@ def _stacked_experts(
     loads a layer's experts one way), TENSOR_UNEXPECTED where the whole layer is stacked (the family's
     checkpoints are per expert). Returns {name: (the layer's expert prefix, rest)}."""
     experts = shape.arch.mlp.experts
-    if shape.moe is None or experts is None:
-        return {}
+    if shape.moe is None or experts is None or experts.layout == "fused":
+        return {}  # a family whose checkpoints stack their experts (gpt-oss): `shape.tensors()` names the stacks
     found: dict[str, tuple[str, str]] = {}
     for layer in shape.moe.sparse_layers:
         prefix = f"model.layers.{layer}.{experts.block}.{experts.experts}."

@@ -134,7 +134,7 @@ def _converted(
         return int8_arrays(name, dequantize(quantized.scheme, module, stored), stored[f"{module}.weight_scale"])
     if quantized is not None and quantized.replaces(name):  # a tensor calibration changed
         return bf16_array(quantized.tensor(name)), None
-    return bf16_array(source.tensor(name)), None
+    return bf16_array(source.dequantized(name)), None  # a pre-quantized release's dequantized, then bf16
 
 
 def export(source: SourceModel, req: ExportRequest) -> ExportResult:
@@ -207,4 +207,6 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         },
         details={"tensors": len(planned), "sharding_notes": notes},
         hardware={hw: v.reason for hw, v in compatibility(req.quant, req.params).items() if v.compatible},
+        # The catalog lets orbax build only bf16 from a pre-quantized release (its int8 would round it twice).
+        dequantized=source.quantized.quantization.layout.name if source.quantized is not None else None,
     )

@@ -32,6 +32,7 @@ from targets.hf_bundle.export import (
     bundle_runtime,
     checked_inputs,
     plan_tensors,
+    source_use,
     write_bundle,
 )
 from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
@@ -184,6 +185,7 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
         # else an emulation (which needs the amd-quark package): serving needs the former.
         runtime["fp4"] = {"format": fp4, "kernels": "vLLM's AITER MXFP4 kernels (the aiter package, gfx950)"}
     verdicts = rocm_compatibility(scheme.name, req.params)
+    use = source_use(source, quantized)
     return ExportResult(
         files=files,
         runtime=runtime,
@@ -197,4 +199,6 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
             },
         },
         hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
+        passed_through=use.passed_through,
+        dequantized=use.dequantized,
     )

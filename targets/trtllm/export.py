@@ -28,7 +28,7 @@ from core import __version__
 from core.errors import InvalidInput, StageFailed
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
-from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, write_bundle
+from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, source_use, write_bundle
 from targets.trtllm.engines import check_converter, check_skus, parse_params, runner
 from targets.trtllm.formats import ENGINE_SKUS, FORMATS, MIN_PYTORCH_BACKEND, scheme_verdicts
 from targets.trtllm.schema import (
@@ -208,6 +208,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     check_model(source.shape, source.config, req.quant, req.params)
     scheme, quantized = checked_inputs("trtllm", req)
     planned = plan_tensors(source, quantized, req.on_progress)
+    use = source_use(source, quantized)
     inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
     if fmt.quant_algo == "W4A16_AWQ":
         planned = to_modelopt_int4(planned)
@@ -268,6 +269,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         details=details,
         hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
         eval_runtimes=fmt.eval_runtimes,
+        passed_through=use.passed_through,
+        dequantized=use.dequantized,
     )
 
 

@@ -97,6 +97,8 @@ DS_FP8_SOURCE = ds_bytes(fp8_block)  # the release less its prediction layer
 DS_MTP_BYTES = fp8_block(ATTENTION + SPARSE_MLP) + 2 * (NORMS + ROUTER) + 2 * (2 * V * h + 2 * h * h + 3 * h)
 DS_BUNDLES = {
     "bf16": 2 * (DS_PARAMS + SPARSE * E),
+    # The release's own FP8 blocks and float32 scales, kept as they are (the prediction layer left out).
+    "fp8-block": DS_FP8_SOURCE,
     # kiln's FP8: a byte per weight and a bf16 scale per output row.
     "fp8": ds_bytes(lambda ls: sum(r * c + 2 * r for r, c in ls)),
     # NVFP4: E2M1 weights two a byte, an E4M3 scale per 16, float32 weight and input tensor scales.
@@ -116,7 +118,6 @@ def test_deepseek_v3_parameters_source_bytes_and_kv_per_token() -> None:
     assert source_bytes(shape, 2, extras=False) == DS_FP8_SOURCE == 673_150_582_112
     # An fp8-block artifact keeps the source's tensors; the others change its format.
     config = config_of("deepseek-v3")
-    assert artifact_bytes(shape, config, 2, "fp8-block", "vllm") == DS_FP8_SOURCE
     for quant, expected in DS_BUNDLES.items():
         assert artifact_bytes(shape, config, 2, quant, "vllm") == expected, quant
     assert kv_bytes_per_token(record) == DS_KV_TOKEN == 70_272
@@ -200,9 +201,9 @@ def weights(example: str, quant: str) -> int:
 
 # The TP each vLLM eval takes on each GPU, None where 8 of them do not hold it (worked out below).
 TP: dict[tuple[str, str], dict[str, int | None]] = {
-    ("deepseek-v3", "h100"): {"bf16": None, "fp8": None, "nvfp4-w4a4": 8},
-    ("deepseek-v3", "h200"): {"bf16": None, "fp8": 8, "nvfp4-w4a4": 4},
-    ("deepseek-v3", "b200"): {"bf16": 8, "fp8": 4, "nvfp4-w4a4": 4},
+    ("deepseek-v3", "h100"): {"bf16": None, "fp8-block": None, "nvfp4-w4a4": 8},
+    ("deepseek-v3", "h200"): {"bf16": None, "fp8-block": 8, "nvfp4-w4a4": 4},
+    ("deepseek-v3", "b200"): {"bf16": 8, "fp8-block": 4, "nvfp4-w4a4": 4},
     ("gpt-oss-120b", "h100"): {"bf16": 4},
     ("gpt-oss-120b", "h200"): {"bf16": 2},
     ("gpt-oss-120b", "b200"): {"bf16": 2},

@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from core.digest import HashCache
+from core.errors import StageFailed
 from formats.hf_model import open_source
 from formats.prequantized import QuantizedSourceInvalid
 from pipeline import build
@@ -127,7 +128,8 @@ def _plain_copy(src: Path, out: Path) -> Path:
         metadata={"format": "pt"},
     )
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        (out / name).write_bytes((src / name).read_bytes())
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
@@ -184,3 +186,27 @@ def test_an_fp8_source_streamed_by_layer_computes_what_it_does_whole(tmp_path: P
     assert whole.dequantized == streamed.dequantized == "fp8-block"
     expected = TransformersRuntime(plain).logits(ids)
     assert (whole.logits(ids) == expected).all() and (streamed.logits(ids) == expected).all()
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "mxfp4"])
+def test_a_family_that_does_not_stream_is_held_whole_and_dequantized(layout: str, tmp_path: Path) -> None:
+    """DeepSeek-V3 in FP8 blocks and gpt-oss with MXFP4 experts: the whole model, loaded by transformers' loader
+    from the released tensors dequantized one at a time, computes what a plain float32 copy of them does."""
+    from eval.runtimes.layer_stream import open_transformers
+    from eval.runtimes.residency import STREAMED, WHOLE
+    from eval.runtimes.transformers_runtime import TransformersRuntime
+    from tests.quantized_sources import make_mxfp4_source
+
+    if layout == "fp8-block":
+        src = make_fp8_block_source(tmp_path / "release", "deepseek_v3")
+    else:
+        src = make_mxfp4_source(tmp_path / "release")
+    plain = _plain_copy(src, tmp_path / "plain")
+    ids = list(range(1, 40))
+    whole = open_transformers(src, residency=WHOLE)
+    assert isinstance(whole, TransformersRuntime) and whole.dequantized == layout
+    assert (whole.logits(ids) == TransformersRuntime(plain).logits(ids)).all()
+    assert whole.greedy([ids[:8]], 4) == TransformersRuntime(plain).greedy([ids[:8]], 4)
+    with pytest.raises(StageFailed) as e:  # neither family streams by layer: a plan never asks it to
+        open_transformers(src, residency=STREAMED)
+    assert e.value.code == "REFERENCE_ARCHITECTURE_UNSUPPORTED"

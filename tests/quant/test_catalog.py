@@ -135,3 +135,29 @@ def test_fp4_matmul_rates() -> None:
     b200, h100 = PROFILES["b200"], PROFILES["h100"]
     assert b200.matmul_tflops("fp4") == (b200.tflops.fp4, "fp4")
     assert h100.matmul_tflops("fp4")[1] == "bf16"  # no FP4 units: weight-only, at the bf16 rate
+
+
+def test_every_method_says_what_it_does_with_each_released_layout() -> None:
+    """FP8-block releases: fp8-block keeps their bytes; bf16, W4A16 (Ampere) and the FP4 methods (Blackwell, gfx950)
+    dequantize first; the other 8-bit methods are refused. MXFP4 experts: bf16 dequantizes them, every scheme is
+    refused (it would leave them bf16)."""
+    from formats.prequantized import FP8_BLOCK, LAYOUTS, SourceQuantization
+    from quant.catalog import QuantSourceRefused, source_route
+    from quant.methods.base import SourceRoute
+
+    layouts = {layout.name: layout for layout in LAYOUTS.values()}
+    routes = {name: {layout: m.from_sources[layout].action for layout in layouts} for name, m in METHODS.items()}
+    assert all(set(METHODS[name].from_sources) == set(layouts) for name in METHODS)
+    assert {n for n, r in routes.items() if r["fp8-block"] == "keep"} == {"fp8-block"}
+    assert {n for n, r in routes.items() if r["fp8-block"] == "refuse"} == {"fp8", "fp8-kv8", "int8-w8a8", "int8-w8a16"}
+    assert {n for n, r in routes.items() if r["mxfp4"] != "refuse"} == {"bf16"}
+    declared = [m.from_sources[layout] for m in METHODS.values() for layout in layouts]
+    assert all(isinstance(route, SourceRoute) and route.reason for route in declared)
+
+    release = SourceQuantization(FP8_BLOCK, (128, 128), "float")
+    assert source_route(get_method("fp8-block"), release).action == "keep"
+    with pytest.raises(QuantSourceRefused, match="blocks are 64x128"):
+        source_route(get_method("fp8-block"), SourceQuantization(FP8_BLOCK, (64, 128), "float"))
+    with pytest.raises(QuantSourceRefused) as e:
+        source_route(get_method("int8-w8a16"), release)
+    assert e.value.code == "QUANT_SOURCE_REFUSED" and e.value.details["layout"] == "fp8-block"

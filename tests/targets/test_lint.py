@@ -493,3 +493,19 @@ def test_artifact_from_another_model_than_its_source(artifact: Callable[[str], P
     """With the source's config (as the export stage lints), a bundle of another model is refused."""
     report = lint(artifact("gemma3-hf-bf16"), shape_of(artifact, "llama-hf-fp8"))
     assert ("CONFIG_MISMATCH", "family") in errors(report)
+
+
+def test_an_artifact_of_a_prequantized_source_is_compared_with_its_shape_deliberately() -> None:
+    """A release's own quantized layout (`source_quant`) is the source's: an artifact that dequantized it, or holds
+    compressed-tensors (config.json without a release layout), is not a mismatch; one that declares another is."""
+    from targets.lint.config import compare_shapes
+
+    released = json.loads((Path(__file__).parents[2] / "examples" / "deepseek-v3" / "config.json").read_text())
+    source = ModelShape.from_config(released)
+    assert source.source_quant is not None
+    plain = {k: v for k, v in released.items() if k != "quantization_config"}
+    assert compare_shapes(ModelShape.from_config(plain), source, "config.json") == []
+    assert compare_shapes(ModelShape.from_config(released), source, "config.json") == []
+    other = {**released, "quantization_config": {**released["quantization_config"], "weight_block_size": [64, 64]}}
+    (finding,) = compare_shapes(ModelShape.from_config(other), source, "config.json")
+    assert (finding.code, finding.subject) == ("CONFIG_MISMATCH", "source_quant")
