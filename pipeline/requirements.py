@@ -841,21 +841,24 @@ def reference_rows_bytes(sizing: Sizing, max_entries: int) -> int:
 
 
 def stage_kind(node: Any) -> str:
-    """The kind of work `node` does, as its time is measured (`placement.cost.BUILD_HOST_TIMES`): its stage, and
-    what does the work where that differs within a stage: a calibrated quantize (`quantize:calibrated`, a forward
-    of its samples), the target an export writes (`export:gguf`; `export:gguf-llama.cpp` for a type llama.cpp's
-    quantizer makes), the runtime an eval runs in (`eval:vllm`)."""
+    """The kind of work `node` does, as its time is measured (`placement.cost.BUILD_HOST_TIMES`), most general first:
+    its stage; for a quantize whether it calibrates (`quantize:calibrated`, a forward of its samples) and its
+    scheme; for an export the target it writes (`export:gguf`; `export:gguf-llama.cpp` for a type llama.cpp's
+    quantizer makes) and its quant; for an eval the runtime it runs in and the artifact's quant
+    (`eval:vllm:fp8`). An estimate takes the most specific kind measured (`placement.cost.estimate`)."""
     from targets.base import get_target
 
     p, stage = node.params, node.stage.name
     if stage == "quantize":
-        return "quantize:calibrated" if Scheme.model_validate(p["scheme"]).calibrated else "quantize"
+        scheme = Scheme.model_validate(p["scheme"])
+        return f"quantize{':calibrated' if scheme.calibrated else ''}:{scheme.name}"
     if stage == "export":
         spec = get_target(p["target"])
         gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
-        return f"export:{p['target']}" + ("-llama.cpp" if gguf is not None and gguf.llama_ftype else "")
+        writer = f"export:{p['target']}" + ("-llama.cpp" if gguf is not None and gguf.llama_ftype else "")
+        return f"{writer}:{p['quant']}"
     if stage == "eval":
-        return f"eval:{p['runtime']}"
+        return f"eval:{p['runtime']}:{p['quant']}"
     return str(stage)
 
 

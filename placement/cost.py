@@ -1,18 +1,18 @@
 """What a stage costs besides memory: the disk it writes and reads, and an estimate of its time on its device.
 
 Pure functions over a stage's work (`StageWork`: bytes read, bytes written and kept, bytes written and removed
-before it ends, FLOPs) and a device's rates (`Rates`); the pipeline counts each stage's work from the model's
-shape (`pipeline.requirements.stage_work`).
+before it ends, FLOPs) and a device's rates (`Rates`); the pipeline counts each stage's work from the model's shape
+(`pipeline.requirements.stage_work`).
 
-Time is a roofline plus the disk: bytes through memory (read + written) at the device's measured memory-read
-share of its bandwidth, or FLOPs at its measured large-M matmul share of its bf16 peak, whichever takes longer
-(`placement.fit.shares`, the catalog's `measured` record; the data sheet's peak where there is none), and every
-byte read or written on disk at `HOST_DISK_BYTES_S` besides (a scratch file twice: written, then read back).
-That is a floor, not a forecast: it counts no Python overhead or process start, float32 compute where a CPU
-lacks bf16, nor a quantizer's search (llama.cpp's K-quants). On a device where kiln has measured its stages
-(`Rates.times`: the build host, `BUILD_HOST_TIMES`), the estimate is each kind of stage's measured line over
-its floor, `fixed_s + per_floor x floor`, fitted to one run of the whole recipe at two sizes; elsewhere (a
-catalog GPU) it is the floor, and says so.
+Time is a roofline plus the disk: bytes through memory (read + written) at the device's measured memory-read share
+of its bandwidth, or FLOPs at its measured large-M matmul share of its bf16 peak, whichever takes longer
+(`placement.fit.shares`, the catalog's `measured` record; the data sheet's peak where there is none), and every byte
+read or written on disk at `HOST_DISK_BYTES_S` besides (a scratch file twice: written, then read back). That is a
+bound, not a forecast: it counts no Python overhead or process start, float32 compute where a CPU lacks bf16, nor a
+quantizer's search (llama.cpp's K-quants), and the page cache can beat its disk term. On a device where kiln has
+measured its stages (`Rates.times`: the build host, `BUILD_HOST_TIMES`), the estimate is each kind of stage's
+measured line over its floor, `fixed_s + per_floor x floor`, fitted to one run of the whole recipe at two sizes;
+elsewhere (a catalog GPU) it is the floor, and says so.
 """
 
 from __future__ import annotations
@@ -53,7 +53,42 @@ class StageTime:
 # Each kind of stage (`pipeline.requirements.stage_kind`) on the build host: fitted (`bench/fit_times.py`) to the
 # 1B and 8B rows of one `bench/scale.py --sizes 1b,8b --split --small-eval` run (bench/results/scale.jsonl).
 BUILD_HOST_TIMES_SOURCE = "bench/scale.py --sizes 1b,8b --split --small-eval, 2026-11-29 (bench/results/scale.jsonl)"
-BUILD_HOST_TIMES: dict[str, StageTime] = {}
+BUILD_HOST_TIMES: dict[str, StageTime] = {
+    "eval:jax": StageTime(5.5, 3.41),
+    "eval:jax:bf16": StageTime(5.5, 3.41),
+    "eval:llama.cpp": StageTime(2.7, 1.13),
+    "eval:llama.cpp:f16": StageTime(0.0, 1.93),
+    "eval:llama.cpp:mxfp4": StageTime(3.9, 0.97),
+    "eval:llama.cpp:q4_k_m": StageTime(3.0, 0.86),
+    "eval:llama.cpp:q8_0": StageTime(0.0, 2.2),
+    "eval:transformers": StageTime(0.0, 4.78),
+    "eval:transformers:fp8": StageTime(0.0, 4.46),
+    "eval:transformers:int4-rtn": StageTime(18.0, 6.34),
+    "eval:transformers:int8-w8a8": StageTime(0.0, 4.43),
+    "eval:vllm": StageTime(41.5, 2.56),
+    "eval:vllm:fp8": StageTime(0.0, 16.24),
+    "eval:vllm:int4-rtn": StageTime(32.4, 3.87),
+    "eval:vllm:int8-w8a8": StageTime(34.9, 1.79),
+    "export:gguf": StageTime(0.0, 0.77),
+    "export:gguf-llama.cpp": StageTime(0.0, 7.79),
+    "export:gguf-llama.cpp:q4_k_m": StageTime(0.0, 7.79),
+    "export:gguf:f16": StageTime(0.0, 0.62),
+    "export:gguf:mxfp4": StageTime(0.0, 9.24),
+    "export:gguf:q8_0": StageTime(0.0, 1.14),
+    "export:hf-bundle": StageTime(1.7, 0.36),
+    "export:hf-bundle:fp8": StageTime(1.1, 0.57),
+    "export:hf-bundle:int4-rtn": StageTime(2.0, 0.24),
+    "export:hf-bundle:int8-w8a8": StageTime(1.4, 0.52),
+    "export:orbax": StageTime(0.0, 2.12),
+    "export:orbax:bf16": StageTime(0.0, 2.12),
+    "export:trtllm": StageTime(0.0, 0.51),
+    "export:trtllm:fp8": StageTime(0.0, 0.51),
+    "prepare": StageTime(1.9, 0.0),
+    "quantize:fp8": StageTime(0.0, 7.5),
+    "quantize:int4-rtn": StageTime(0.0, 10.35),
+    "quantize:int8-w8a8": StageTime(0.0, 6.59),
+    "reference": StageTime(0.0, 3.4),
+}
 
 
 @dataclass(frozen=True)
@@ -109,8 +144,13 @@ def seconds(work: StageWork, rates: Rates) -> float:
 
 
 def estimate(work: StageWork, rates: Rates, kind: str) -> tuple[float, bool]:
-    """The seconds a stage of `kind` doing `work` takes on the device of `rates`, and whether that was measured
-    (the kind's line over its floor) or is the floor alone (a device or kind kiln has not timed)."""
+    """The seconds a stage of `kind` (`eval:vllm:fp8`) doing `work` takes on the device of `rates`, and whether that
+    was measured: the line of the most specific kind measured there (`eval:vllm:fp8`, else `eval:vllm`, else
+    `eval`) over its floor, or the floor alone (a device or kind kiln has not timed)."""
     floor = seconds(work, rates)
-    line = rates.times.get(kind)
-    return (floor, False) if line is None else (max(floor, line(floor)), True)
+    parts = kind.split(":")
+    for n in range(len(parts), 0, -1):
+        line = rates.times.get(":".join(parts[:n]))
+        if line is not None:
+            return line(floor), True
+    return floor, False
