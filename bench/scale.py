@@ -385,14 +385,14 @@ def holds_transformers(row: dict[str, Any]) -> bool:
     return weights is not None and (row["node"].startswith("reference/") or row.get("eval_status") != "not_evaluated")
 
 
-def whole_fits(size: Size, host_memory: float | None) -> bool:
-    """Whether the model whole in float32 (what the ceiling holds) fits the plan's memory budget on this host:
-    where it does not (8B here: 32 GB), there is no whole-model time to compare with, only a process killed
-    for its memory."""
+def whole_fits(size: Size) -> bool:
+    """Whether the model whole in float32 (what the ceiling holds) fits this machine's memory budget (whatever
+    `--host-memory` made the build plan for): where it does not (8B here: 32 GB), there is no whole-model time to
+    compare with, only a process killed for its memory."""
     from core.device import host_memory_bytes
     from pipeline.requirements import HOLD_UTILIZATION
 
-    memory = host_memory * GIB if host_memory is not None else host_memory_bytes()
+    memory = host_memory_bytes()
     return memory is not None and 2 * size.model_bytes <= HOLD_UTILIZATION * memory
 
 
@@ -483,7 +483,7 @@ def run_size(size: Size, args: argparse.Namespace, artifacts: list[tuple[str, st
         planned = plan_rows(recipe, work, args.device, args.host_memory)
         group_rows = stage_rows(work, size, [r for r in planned if r["node"] in built])
         for row in group_rows:  # each against the same work with the model whole, before --split prunes it
-            if holds_transformers(row) and whole_fits(size, args.host_memory):
+            if holds_transformers(row) and whole_fits(size):
                 print(f"  {size.name}: {row['node']} with the model whole ...", file=sys.stderr)
                 timed = measure_ceiling(Path(row["stage_json"]), args.device, log)
                 row["ceiling_s"], row["ceiling_cpu_s"] = round(timed["wall_s"], 3), round(timed["cpu_s"], 3)
