@@ -662,12 +662,18 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         details["notes"] = vocab.notes
     if fallbacks:
         details["fallbacks"] = fallbacks
+    kept = dequantized = None
     if source.quantization is not None:
         details["source_quantization"] = _source_quantization(source, plans)
+        layout = source.quantization.layout
+        kept = layout if any(p.stored is not None for p in plans) else None
+        dequantized = layout if any(p.dequantized is not None for p in plans) else None
     computes = llama_cpp_differences(source.shape)
     if computes:
         details["llama_cpp_computes"] = computes
-    return ExportResult(files=[final.name], runtime=dict(RUNTIME), details=details)
+    return ExportResult(
+        files=[final.name], runtime=dict(RUNTIME), details=details, passed_through=kept, dequantized=dequantized
+    )
 
 
 def _source_quantization(source: SourceModel, plans: list[TensorPlan]) -> dict[str, Any]:

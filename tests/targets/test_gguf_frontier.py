@@ -257,8 +257,12 @@ def test_kiln_writes_what_llama_cpp_converter_writes(
     if model == "gpt_oss_mxfp4":
         assert ours["blk.0.ffn_gate_exps.weight"].tensor_type.name == "MXFP4"
         assert res.details["source_quantization"]["kept"]["tensors"] == 6
+        assert (res.passed_through, res.dequantized) == ("mxfp4", None)  # the record's typed fields say the same
     if model == "deepseek_fp8":
         assert res.details["source_quantization"]["dequantized"]["tensors"] > 0
+        assert (res.passed_through, res.dequantized) == (None, "fp8-block")
+    if model in ("deepseek_v3", "gpt_oss"):
+        assert (res.passed_through, res.dequantized) == (None, None)  # a plain source: nothing to say
 
 
 def _decode_ocp(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
