@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 # Where the unpacked converter is kept between runs (`KILN_CONVERTER_CACHE` overrides it).
 DEFAULT_CACHE = Path.home() / ".cache" / "kiln" / "converters"
@@ -85,4 +86,28 @@ def convert(vendored: Path, jobs: list[tuple[Path, Path, str]], results: Path) -
     if proc.returncode != 0 or not results.is_file():
         raise RuntimeError(f"llama.cpp's converter exited {proc.returncode}: {proc.stderr[-2000:]}")
     out: dict[str, str] = json.loads(results.read_text())
+    return out
+
+
+# Metadata the converter derives from the model directory's name, which a comparison leaves out.
+NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune")
+
+
+def gguf_tensors(path: Path) -> dict[str, Any]:
+    """A GGUF file's tensors by name (gguf-py's reader)."""
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def gguf_fields(path: Path) -> dict[str, tuple[Any, str]]:
+    """A GGUF file's metadata as {key: (value, its GGUF type)}, without the header's, the tokenizer's (the converter
+    skips the test models' vocabularies) and the naming keys."""
+    import gguf
+
+    out = {}
+    for key, field in gguf.GGUFReader(path).fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key in NAMING:
+            continue
+        out[key] = (field.contents(), field.types[0].name)
     return out

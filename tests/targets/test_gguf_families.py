@@ -34,7 +34,7 @@ from placement.weights import gguf_bytes
 from targets.base import ExportRequest, ExportResult
 from targets.gguf.convert import plan_tensors
 from targets.gguf.export import check_supported, export, llama_quantize
-from tests.llama_cpp_converter import convert, vendored_llama_cpp
+from tests.llama_cpp_converter import convert, gguf_fields, gguf_tensors, vendored_llama_cpp
 from tests.model_factory import NEW_FAMILIES, make_model
 
 # Rows of 256 and 512 values, whole K-quant super-blocks; Gemma 3's query_pre_attn_scalar is its head_dim (as in
@@ -77,7 +77,6 @@ DIFFERENCES["phi3"]["phi3.rope.scaling.original_context_length"] = (
     "llama.cpp reads it only for YaRN and LongRoPE scaling, which kiln refuses; kiln's config schema does not "
     "read original_max_position_embeddings"
 )
-NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune")
 
 TEXT = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[2000:2500]
 
@@ -145,20 +144,6 @@ def converted(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return get
 
 
-def _tensors(path: Path) -> dict[str, Any]:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
-
-
-def _fields(path: Path) -> dict[str, Any]:
-    out = {}
-    for key, field in gguf.GGUFReader(path).fields.items():
-        if key.startswith(("GGUF.", "tokenizer.")) or key in NAMING:
-            continue
-        value = field.contents()
-        out[key] = (value, field.types[0].name)  # the value and its GGUF type
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_kiln_writes_what_llama_cpp_converter_writes(
@@ -166,13 +151,13 @@ def test_kiln_writes_what_llama_cpp_converter_writes(
 ) -> None:
     path, res = exported(family, "f16")
     peer = converted(family)
-    ours, theirs = _tensors(path), _tensors(peer)
+    ours, theirs = gguf_tensors(path), gguf_tensors(peer)
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         p = theirs[name]
         assert (t.tensor_type.name, list(t.shape)) == (p.tensor_type.name, list(p.shape)), name
         assert bytes(t.data) == bytes(p.data), f"{name}: F16 bytes differ"
-    a, b = _fields(path), _fields(peer)
+    a, b = gguf_fields(path), gguf_fields(peer)
     allowed = DIFFERENCES[family]
     differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
     assert differ == set(allowed) & (set(a) | set(b)), {k: (a.get(k), b.get(k)) for k in differ}
@@ -189,9 +174,9 @@ def test_q8_0_is_what_llama_cpp_quantizer_makes_of_the_f16_file(
     converted: Callable[[str], Path],
     tmp_path: Path,
 ) -> None:
-    ours = _tensors(exported(family, "q8_0")[0])
+    ours = gguf_tensors(exported(family, "q8_0")[0])
     llama_quantize(converted(family), tmp_path / "q8_0.gguf", FileType.MOSTLY_Q8_0)
-    theirs = _tensors(tmp_path / "q8_0.gguf")
+    theirs = gguf_tensors(tmp_path / "q8_0.gguf")
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         p = theirs[name]

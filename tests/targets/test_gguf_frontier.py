@@ -42,7 +42,7 @@ from placement.weights import gguf_bytes
 from targets.base import ExportRequest, ExportResult, get_target
 from targets.gguf.convert import plan_tensors
 from targets.gguf.export import check_supported, export
-from tests.llama_cpp_converter import convert, vendored_llama_cpp
+from tests.llama_cpp_converter import convert, gguf_fields, gguf_tensors, vendored_llama_cpp
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source, make_mxfp4_source
 
@@ -96,7 +96,6 @@ DIFFERENCES = {
     "a model",
     "general.alignment": "kiln writes the default alignment (32) explicitly; the converter leaves it implicit",
 }
-NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune")
 
 TEXT = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[2000:2500]
 
@@ -212,19 +211,6 @@ def converted(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return get
 
 
-def _tensors(path: Path) -> dict[str, Any]:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
-
-
-def _fields(path: Path) -> dict[str, Any]:
-    out = {}
-    for key, field in gguf.GGUFReader(path).fields.items():
-        if key.startswith(("GGUF.", "tokenizer.")) or key in NAMING:
-            continue
-        out[key] = (field.contents(), field.types[0].name)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "quant"), CONVERTED)
 def test_kiln_writes_what_llama_cpp_converter_writes(
@@ -238,13 +224,13 @@ def test_kiln_writes_what_llama_cpp_converter_writes(
     its metadata keys and values but `DIFFERENCES`."""
     path, res = exported(model, quant)
     peer = converted(model, quant)
-    ours, theirs = _tensors(path), _tensors(peer)
+    ours, theirs = gguf_tensors(path), gguf_tensors(peer)
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         p = theirs[name]
         assert (t.tensor_type.name, list(t.shape)) == (p.tensor_type.name, list(p.shape)), name
         assert bytes(t.data) == bytes(p.data), f"{name}: {t.tensor_type.name} bytes differ"
-    a, b = _fields(path), _fields(peer)
+    a, b = gguf_fields(path), gguf_fields(peer)
     differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
     assert differ == set(DIFFERENCES), {k: (a.get(k), b.get(k)) for k in differ}
     assert a["general.architecture"][0] == ARCH[model] == res.details["architecture"]
@@ -284,7 +270,7 @@ def test_the_releases_mxfp4_experts_go_through_as_they_are(
 
     path, res = exported("gpt_oss_mxfp4", quant)
     assert res.details["source_quantization"]["kept"]["tensors"] == 6
-    tensors = _tensors(path)
+    tensors = gguf_tensors(path)
     with safe_open(str(models["gpt_oss_mxfp4"] / "model.safetensors"), "np") as f:
         for layer in range(2):
             p = f"model.layers.{layer}.mlp.experts."
