@@ -284,8 +284,12 @@ class PredictionLayers:
 
 # What a TensorRT-LLM model class may assume of a config (`TargetMapping.trtllm_assumes`): every layer routes to
 # experts; the router renormalises over the chosen experts; no logit softcapping; no window shorter than the
-# context (the class passes no attention window).
-TrtllmAssumption = Literal["every_layer_sparse", "norm_topk_prob", "no_softcapping", "no_binding_window"]
+# context (the class passes no attention window); the even layers slide and the odd ones attend to everything
+# (the class sets each layer's window by its parity); under FP8 block scales, every width the loader cuts into
+# 128-wide blocks is whole blocks (checked for FP8_BLOCK_SCALES only).
+TrtllmAssumption = Literal[
+    "every_layer_sparse", "norm_topk_prob", "no_softcapping", "no_binding_window", "even_layers_slide", "blocks_of_128"
+]
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,13 @@ class TargetMapping:
     # (None) why no release kiln pins converts the family.
     trtllm_converter: str | None = None
     trtllm_no_converter: str | None = None
+    # TensorRT-LLM: release layouts (`formats.prequantized.LAYOUTS` names) its model class reads as the release stores
+    # them, which the checkpoint is then written in (its `quantization_config` and stored tensor names, the release's
+    # bytes kept): "fp8-block" (the fp8-block scheme as `quant_method: fp8` with `weight_scale_inv`), "mxfp4" (a
+    # release's MXFP4 experts kept as `*_blocks` / `*_scales` beside the bf16 rest).
+    trtllm_release_layouts: tuple[str, ...] = ()
+    # TensorRT-LLM: config.json keys the checkpoint is written with (the model class reads them; see the record).
+    trtllm_config: tuple[tuple[str, int], ...] = ()
 
     @property
     def supported(self) -> bool:

@@ -91,13 +91,25 @@ MOE_REFUSED: dict[str, str] = {
     "TRTLLMGenFusedMoE._SUPPORTED_QUANT_ALGOS; PR #17433's review: 'there's no FP8-rowwise MoE method')",
     "FP8_BLOCK_SCALES": "TensorRT-LLM's FP8 block-scale fused MoE (DeepSeekFP8BlockScalesFusedMoEMethod) reads each "
     "expert's scales as <e>.w1/w2/w3.weight_scale_inv, and the Qwen3-MoE and Mixtral weight mappers pass "
-    "compressed-tensors' weight_scale through unrenamed: the experts' scales would not load",
+    "compressed-tensors' weight_scale through unrenamed: the experts' scales would not load (a family whose model "
+    "class reads DeepSeek's own FP8 spelling, `TargetMapping.trtllm_release_layouts`, is written in it instead)",
     "W4A16_AWQ": "no TensorRT-LLM fused-MoE backend runs per-group int4 weight-only experts: "
     "CutlassFusedMoE._QUANT_SUPPORT_TABLE has W4A8_AWQ (FP8 activations) and per-channel W4A16 only, the others "
     "NVFP4, FP8 block scaling and MXFP4",
 }
 
-# QuantAlgo -> the NVIDIA architectures TensorRT-LLM documents it on (None: bf16, sm80+).
+# Release layouts a family's TensorRT-LLM model class reads as released (`TargetMapping.trtllm_release_layouts`), by
+# the QuantAlgo TensorRT-LLM reads each as (`ModelConfig.load_hf_quant_config`, tensorrt_llm/_torch/model_config.py):
+# `quant_method: fp8` with `weight_block_size` [128, 128] is FP8_BLOCK_SCALES; `quant_method: mxfp4` is chosen per GPU
+# by `ModelConfig.get_mxfp4_quant_algo` (W4A16_MXFP4 below sm100, W4A8_MXFP4_MXFP8 or, on the Triton MoE backend,
+# W4A8_MXFP4_FP8 from sm100), named "MXFP4" here.
+RELEASE_ALGOS: dict[str, str] = {"fp8-block": "FP8_BLOCK_SCALES", "mxfp4": "MXFP4"}
+
+# QuantAlgo -> the NVIDIA architectures TensorRT-LLM documents it on (None: bf16, sm80+). MXFP4 experts (gpt-oss's
+# release) follow the fused MoE's backends rather than the docs' matrix: `ModelConfig.resolve_moe_backend` runs
+# gpt-oss on TRITON on Hopper (W4A16_MXFP4), TRTLLM on sm100/103 and CUTLASS on sm120 (W4A8_MXFP4_MXFP8:
+# CutlassFusedMoE._QUANT_SUPPORT_TABLE, sm100/103/120/121); below sm90 the algo is W4A16_MXFP4, which CUTLASS runs
+# on sm90 alone.
 ALGO_ARCHES: dict[str | None, tuple[str, ...]] = {
     None: ("sm80", "sm89", "sm90", "sm100"),
     "FP8": ("sm89", "sm90", "sm100"),
@@ -106,6 +118,7 @@ ALGO_ARCHES: dict[str | None, tuple[str, ...]] = {
     "W4A16_AWQ": ("sm80", "sm89", "sm90"),
     "W4A16_GPTQ": ("sm80", "sm89", "sm90"),
     "NVFP4": ("sm100",),
+    "MXFP4": ("sm90", "sm100", "sm103", "sm120"),
 }
 # Hard floors behind the matrix, stated first when they are the reason.
 ALGO_MIN_CC: dict[str, tuple[int, str]] = {
@@ -113,6 +126,7 @@ ALGO_MIN_CC: dict[str, tuple[int, str]] = {
     "FP8_PER_CHANNEL_PER_TOKEN": (89, "FP8 needs sm89+ (Ada/Hopper)"),
     "FP8_BLOCK_SCALES": (89, "FP8 needs sm89+ (Ada/Hopper)"),
     "NVFP4": (100, "NVFP4 needs sm100 (Blackwell)"),
+    "MXFP4": (90, "TensorRT-LLM's MXFP4 experts need sm90+ (W4A16_MXFP4 runs on Hopper alone, W4A8 on Blackwell)"),
 }
 ALGO_LABEL: dict[str | None, str] = {
     None: "bf16",
@@ -122,6 +136,7 @@ ALGO_LABEL: dict[str | None, str] = {
     "W4A16_AWQ": "W4A16 AWQ",
     "W4A16_GPTQ": "W4A16 GPTQ",
     "NVFP4": "NVFP4",
+    "MXFP4": "MXFP4 experts (W4A16_MXFP4 on Hopper, W4A8_MXFP4_MXFP8 on Blackwell)",
 }
 
 

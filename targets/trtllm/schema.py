@@ -44,7 +44,7 @@ from core.errors import InvalidInput
 from formats.architectures.record import TensorKind, TrtllmAssumption
 from formats.architectures.shape import ModelShape
 from formats.safetensors import TensorInfo, read_header
-from targets.trtllm.formats import MOE_REFUSED
+from targets.trtllm.formats import MOE_REFUSED, RELEASE_ALGOS
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # A layer's KV-cache scales, beside its attention's projections (compressed-tensors' kv_cache_scheme).
@@ -216,9 +216,32 @@ def _excluded(module: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) or module.endswith("." + p) or module == p for p in patterns)
 
 
-def _broken(shape: ModelShape, assumption: TrtllmAssumption) -> str | None:
-    """What in this config breaks one of a TensorRT-LLM model class's assumptions (None: nothing)."""
+# FP8 block scales' block: TensorRT-LLM reads 128 x 128 only (`load_hf_quant_config` asserts it).
+FP8_BLOCK = 128
+
+
+def _broken(shape: ModelShape, assumption: TrtllmAssumption, algo: str | None) -> str | None:
+    """What in this config breaks one of a TensorRT-LLM model class's assumptions, for a checkpoint of `algo`
+    (None: nothing)."""
     moe = shape.moe
+    if assumption == "even_layers_slide":
+        kinds = [shape.layer_type(i) for i in range(shape.num_layers)]
+        odd = [i for i, kind in enumerate(kinds) if (kind == "sliding_attention") != (i % 2 == 0)]
+        if odd and shape.layer_types:
+            return f"this config's layer_types make layers {odd[:8]} the other kind"
+    if assumption == "blocks_of_128" and algo == "FP8_BLOCK_SCALES":
+        widths = {"intermediate_size": shape.intermediate_size}
+        if moe is not None:
+            widths["moe_intermediate_size"] = moe.intermediate_size
+            if moe.shared_intermediate_size:
+                widths["the shared experts' width"] = moe.shared_intermediate_size
+        if shape.mla is not None and shape.mla.q_lora_rank is not None:
+            widths["q_lora_rank"] = shape.mla.q_lora_rank
+        cut = {k: v for k, v in widths.items() if v % FP8_BLOCK}
+        if cut:
+            return (
+                "this config has " + ", ".join(f"{k}={v}" for k, v in cut.items()) + f", not a multiple of {FP8_BLOCK}"
+            )
     if assumption == "every_layer_sparse" and moe is not None and len(moe.sparse_layers) < shape.num_layers:
         dense = sorted(set(range(shape.num_layers)) - set(moe.sparse_layers))
         return f"this config makes layers {dense[:8]} dense"
@@ -246,17 +269,53 @@ def model_refusal(shape: ModelShape, algo: str | None) -> tuple[str, str] | None
     if mapping.refused is not None:
         return "TARGET_ARCHITECTURE_UNSUPPORTED", mapping.refused
     for assumption, why in mapping.trtllm_assumes:
-        broken = _broken(shape, assumption)
+        broken = _broken(shape, assumption, algo)
         if broken is not None:
-            return "TARGET_ARCHITECTURE_UNSUPPORTED", f"{why}; {broken}"
+            code = "QUANT_UNSUPPORTED" if assumption == "blocks_of_128" else "TARGET_ARCHITECTURE_UNSUPPORTED"
+            return code, f"{why}; {broken}"
     if algo is None:
         return None
     refused = dict(mapping.trtllm_refused).get(algo)
     if refused is not None:
         return "QUANT_UNSUPPORTED", refused
-    if shape.moe is not None and algo in MOE_REFUSED:
+    # The fused MoE's limits as kiln writes other families; a release layout the family's class reads is not them.
+    released = {RELEASE_ALGOS[layout] for layout in mapping.trtllm_release_layouts}
+    if shape.moe is not None and algo in MOE_REFUSED and algo not in released:
         return "QUANT_UNSUPPORTED", MOE_REFUSED[algo]
     return None
+
+
+def release_layout(shape: ModelShape, scheme: str) -> str | None:
+    """The release layout (`formats.prequantized.LAYOUTS` name) a trtllm checkpoint of `scheme` is written in, for this
+    model as its source stores it (None: kiln's own spelling, plain or compressed-tensors / ModelOpt): the fp8-block
+    scheme in DeepSeek's spelling where the family's class reads that (`TargetMapping.trtllm_release_layouts`), and
+    bf16 from a release whose MXFP4 experts the class reads as released (they are kept, not dequantized)."""
+    layouts = shape.arch.target("trtllm").trtllm_release_layouts
+    if scheme == "fp8-block" and "fp8-block" in layouts:
+        return "fp8-block"
+    source = shape.source_quant
+    if scheme == "bf16" and source is not None and source.layout.name == "mxfp4" and "mxfp4" in layouts:
+        return "mxfp4"
+    return None
+
+
+def release_tensors(shape: ModelShape) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Every tensor of a checkpoint written in its release's layout (config.json's `quantization_config`, read into
+    `shape.source_quant`), with its allowed dtypes and shape: the architecture record's tensors as the release stores
+    them (`ModelShape.stored_tensors`: each quantized one as its values and scales, the rest bf16)."""
+    q = shape.source_quant
+    assert q is not None
+    layout = q.layout
+    out: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    for s in shape.stored_tensors():
+        if s.dtype is None:
+            dtypes: tuple[str, ...] = ("BF16",)
+        elif s.name.endswith(layout.scale_suffix):
+            dtypes = layout.scale_dtypes
+        else:
+            dtypes = layout.values_dtypes
+        out[s.name] = (dtypes, s.shape)
+    return out
 
 
 def expected_tensors(
@@ -352,13 +411,29 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
         kv_algo = q.kv_cache_quant_algo
         if q.has_zero_point:
             raise InvalidInput("kiln writes symmetric int4 only (has_zero_point false)", code="TRTLLM_CHECKPOINT")
+    elif shape.source_quant is not None:  # a release's own layout (`quant_method` fp8 or mxfp4)
+        release, source = shape.source_quant, "config.json"
+        algo, group = RELEASE_ALGOS[release.layout.name], release.block[0]
+        if release.layout.name not in shape.arch.target("trtllm").trtllm_release_layouts:
+            raise InvalidInput(
+                f"{shape.architecture}: kiln writes no {release.layout.name} release layout for TensorRT-LLM "
+                f"(quantization_config.quant_method {release.layout.quant_method})",
+                code="TRTLLM_CHECKPOINT",
+            )
+        if release.layout.name == "fp8-block" and release.block != (FP8_BLOCK, FP8_BLOCK):
+            raise InvalidInput(
+                f"config.json: weight_block_size {list(release.block)}; TensorRT-LLM reads FP8_BLOCK_SCALES in "
+                f"{FP8_BLOCK} x {FP8_BLOCK} blocks only (load_hf_quant_config)",
+                code="TRTLLM_CHECKPOINT",
+            )
     elif "quantization_config" in config:
         qc = config["quantization_config"]
         algo, source, exclude = compressed_tensors_algo(qc), "config.json", tuple(qc.get("ignore") or ())
         kv_algo = compressed_tensors_kv_algo(qc)
     else:
         algo, source = None, "none"
-    if algo not in LINEAR_TENSORS:
+    released = shape.source_quant is not None and source == "config.json"
+    if algo not in LINEAR_TENSORS and not released:
         raise InvalidInput(f"kiln has no tensor layout for quant_algo {algo}", code="TRTLLM_CHECKPOINT")
     refusal = model_refusal(shape, algo)
     if refusal is not None:
@@ -377,7 +452,7 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
                 details={"missing": kept},
             )
     tensors = _headers(root)
-    expected = expected_tensors(shape, algo, group, exclude)
+    expected = release_tensors(shape) if released else expected_tensors(shape, algo, group, exclude)
     for name, (dtypes, dims) in expected.items():
         t = tensors.get(name)
         if t is None or t.dtype not in dtypes or t.shape != dims:
