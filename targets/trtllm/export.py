@@ -13,6 +13,14 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
   the largest calibrated scale: above 1, K or V exceed E4M3's 448 somewhere and would clip there.
 - NVFP4: compressed-tensors' tensors under ModelOpt's names, the tensor scales inverted (`to_modelopt_nvfp4`),
   and hf_quant_config.json the same way.
+- A family whose model class reads a release's own layout (`TargetMapping.trtllm_release_layouts`,
+  `schema.release_layout`): DeepSeek-V3's fp8-block in DeepSeek's spelling (the quantize output's FP8 values and
+  scales, the release's bytes where it kept them, each `weight_scale` named `weight_scale_inv`, config.json's
+  `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss bf16 from its MXFP4 release
+  with the experts' stored `*_blocks` / `*_scales` kept as released (`keep_released`), the record saying
+  `passed_through` where hf-bundle says `dequantized`.
+- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: no prediction layer, and
+  `moe_layer_freq`).
 
 The written directory is checked against `schema.check_checkpoint` before export returns.
 """
@@ -26,28 +34,48 @@ from typing import TYPE_CHECKING, Any
 
 from core import __version__
 from core.errors import InvalidInput, StageFailed
+from core.hardware import PROFILES
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
-from targets.hf_bundle.export import Planned, bundle_runtime, checked_inputs, plan_tensors, source_use, write_bundle
+from targets.hf_bundle.export import (
+    Planned,
+    SourceUse,
+    bundle_runtime,
+    checked_inputs,
+    plan_tensors,
+    source_use,
+    write_bundle,
+)
 from targets.trtllm.engines import check_converter, check_skus, parse_params, runner
-from targets.trtllm.formats import ENGINE_SKUS, FORMATS, MIN_PYTORCH_BACKEND, scheme_verdicts
+from targets.trtllm.formats import (
+    ENGINE_SKUS,
+    FORMATS,
+    MIN_PYTORCH_BACKEND,
+    RELEASE_ALGOS,
+    algo_verdict,
+    scheme_verdicts,
+)
 from targets.trtllm.schema import (
+    FP8_BLOCK,
     HF_QUANT_CONFIG,
     HfQuantConfig,
     check_checkpoint,
     fused_groups,
     model_refusal,
+    release_layout,
     router_modules,
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from formats.architectures.shape import ModelShape
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
-CODE_VERSION = "3"
+CODE_VERSION = "4"
 QUANTS = tuple(FORMATS)
 QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
 HARDWARE = tuple(ENGINE_SKUS)
@@ -166,6 +194,63 @@ def to_modelopt_nvfp4(planned: list[Planned], fused: dict[str, tuple[str, ...]])
     return out
 
 
+# DeepSeek's FP8 block `quantization_config` (deepseek-ai/DeepSeek-V3 config.json; `formats.prequantized` FP8 block),
+# written where the source was not released so.
+FP8_RELEASE_CONFIG: dict[str, Any] = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
+
+
+def to_release_fp8(planned: list[Planned]) -> list[Planned]:
+    """The plan with every compressed-tensors block-FP8 scale (`<m>.weight_scale`) under DeepSeek's name,
+    `<m>.weight_scale_inv`: the same bytes (DeepSeek's scale multiplies the FP8 block, as compressed-tensors' does;
+    `FP8BlockScalesLinearMethod._get_scale_name`: "they hold identical values")."""
+    return [replace(p, name=p.name + "_inv") if p.name.endswith(".weight_scale") else p for p in planned]
+
+
+def keep_released(source: SourceModel, planned: list[Planned]) -> list[Planned]:
+    """The plan with each tensor the source stores quantized as its stored values and scales, as released (their
+    bytes, read once for both), in place of its dequantized bf16."""
+    if source.quantized is None:
+        return planned
+    out = []
+    for p in planned:
+        qt = source.quantized.tensors.get(p.name)
+        if qt is None:
+            out.append(p)
+            continue
+        read = _stored_pair(source, p.name, qt.values.name, qt.scale.name)
+        for part, consumed in ((qt.values, 0), (qt.scale, p.source_bytes)):
+            out.append(Planned(part.name, part.dtype, part.shape, part.nbytes, read[part.name], consumed, p.progress))
+    return out
+
+
+def _stored_pair(source: SourceModel, name: str, values: str, scale: str) -> dict[str, Any]:
+    """Readers of one quantized tensor's two stored parts that read the release once: the values first (the plan's
+    order), the scales kept until their turn."""
+    held: dict[str, torch.Tensor] = {}
+
+    def read_values() -> torch.Tensor:
+        stored = source.stored(name)
+        held[scale] = stored[scale]
+        return stored[values]
+
+    def read_scale() -> torch.Tensor:
+        return held.pop(scale) if scale in held else source.stored(name)[scale]
+
+    return {values: read_values, scale: read_scale}
+
+
+def written_algo(shape: ModelShape, quant: str) -> str | None:
+    """The QuantAlgo TensorRT-LLM reads a trtllm checkpoint of `quant` for this model as (`formats.FORMATS`, or the
+    release layout it is written in: `schema.release_layout`)."""
+    layout = release_layout(shape, quant)
+    return RELEASE_ALGOS[layout] if layout is not None else FORMATS[quant].quant_algo
+
+
 def unit_scale_kv(quantized: QuantizedWeights) -> dict[str, Any]:
     """What TensorRT-LLM's unit-scale FP8 KV cache means for these calibrated scales (amax / 448 per layer)."""
     scales = {name: float(quantized.tensor(name).float().max()) for name in quantized.kv_scales()}
@@ -210,11 +295,21 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     planned = plan_tensors(source, quantized, req.on_progress)
     use = source_use(source, quantized)
     inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
-    if fmt.quant_algo == "W4A16_AWQ":
+    layout = release_layout(source.shape, req.quant)
+    released = source.config.get("quantization_config") if source.quantized is not None else None
+    if layout == "fp8-block":
+        planned = to_release_fp8(planned)
+        kept = source.shape.source_quant is not None and source.shape.source_quant.layout.name == layout
+        inline = released if kept else dict(FP8_RELEASE_CONFIG)
+    elif layout == "mxfp4":
+        planned, inline = keep_released(source, planned), released
+        use = SourceUse(passed_through="mxfp4")
+    elif fmt.quant_algo == "W4A16_AWQ":
         planned = to_modelopt_int4(planned)
     elif fmt.quant_algo == "NVFP4":
         planned = to_modelopt_nvfp4(planned, fused_groups(source.shape))
     files = write_bundle(source, req.out_dir, planned, inline, params.max_shard_bytes)
+    _write_config_keys(req.out_dir, source.shape)
     if fmt.layout == "modelopt":
         # quantized_layers belongs to MIXED_PRECISION only; the other keys are written even when null, as ModelOpt does.
         config = hf_quant_config(scheme, source.shape).model_dump(
@@ -223,35 +318,39 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         (req.out_dir / HF_QUANT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         files = sorted([*files, HF_QUANT_CONFIG])
     checked = check_checkpoint(req.out_dir)
-    if checked.quant_algo != fmt.quant_algo:
-        raise InvalidInput(f"trtllm-{scheme.name}: wrote {checked.quant_algo}, planned {fmt.quant_algo}")
+    algo = written_algo(source.shape, req.quant)
+    if checked.quant_algo != algo:
+        raise InvalidInput(f"trtllm-{scheme.name}: wrote {checked.quant_algo}, planned {algo}")
     kv_algo = "FP8" if scheme.kv_cache is not None else None
     if checked.kv_cache_quant_algo != kv_algo:
         raise InvalidInput(f"trtllm-{scheme.name}: wrote KV cache {checked.kv_cache_quant_algo}, planned {kv_algo}")
 
     runtime = bundle_runtime(source, scheme)
     # Checked against TensorRT-LLM's source, not loaded by any release here; a floor where one is known.
-    floor = MIN_PYTORCH_BACKEND.get(fmt.quant_algo)
+    # A floor is known for kiln's own spellings; a release layout is read as the release is.
+    floor = MIN_PYTORCH_BACKEND.get(algo) if layout is None else None
     runtime["loaders"] = {"tensorrt_llm": f">={floor[0]} (PyTorch backend)" if floor else "PyTorch backend"}
     if floor is not None:
         runtime["tensorrt_llm_minimum"] = {"version": floor[0], "why": floor[1]}
-    if fmt.quant_algo is not None:
+    if algo is not None:
         runtime["quantization"] = {
-            "quant_algo": fmt.quant_algo,
+            "quant_algo": algo,
             "read_from": checked.source,
             "scheme": scheme.name,
             "method": scheme.method,
         }
+        if layout is not None:
+            runtime["quantization"]["release_layout"] = layout
         if kv_algo is not None:
             runtime["quantization"]["kv_cache_quant_algo"] = kv_algo
-    verdicts = scheme_verdicts(scheme.name)
+    verdicts = {name: algo_verdict(algo, hw) for name, hw in PROFILES.items()}
     details: dict[str, Any] = {
         "architecture": source.shape.architecture,
         "shards": sum(f.endswith(".safetensors") for f in files),
-        "layout": fmt.layout,
+        "layout": fmt.layout if layout is None else f"release ({layout})",
         "hardware": {hw: v.model_dump() for hw, v in verdicts.items()},
         "validation": {
-            "schema": f"TensorRT-LLM {fmt.quant_algo or 'bf16'} tensors and {checked.source} checked",
+            "schema": f"TensorRT-LLM {algo or 'bf16'} tensors and {checked.source} checked",
             "numerics": "transformers and vLLM on CPU" if "transformers" in fmt.eval_runtimes else "not evaluated here",
             "not_run_here": "TensorRT-LLM on an NVIDIA GPU",
         },
@@ -272,6 +371,18 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         passed_through=use.passed_through,
         dequantized=use.dequantized,
     )
+
+
+def _write_config_keys(out: Path, shape: ModelShape) -> None:
+    """config.json with the family's `trtllm_config` keys (what its TensorRT-LLM model class reads; the record says
+    why each)."""
+    keys = dict(shape.arch.target("trtllm").trtllm_config)
+    if not keys:
+        return
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config.update(keys)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def trtllm_compatibility(quant: str, params: dict[str, Any]) -> dict[str, Verdict]:
@@ -295,7 +406,7 @@ def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params
     this model as `quant` (`schema.model_refusal`: the family's record, the fused MoE's limits; config.json is
     read through `shape`), and a legacy engine needs a release that converts the family
     (`engines.check_converter`)."""
-    algo = FORMATS[quant].quant_algo
+    algo = written_algo(shape, quant)
     refusal = model_refusal(shape, algo)
     if refusal is not None:
         code, reason = refusal
@@ -304,4 +415,14 @@ def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params
             code=code,
             details={"target": "trtllm", "quant": quant, "architecture": shape.architecture, "reason": reason},
         )
-    check_converter(shape, quant, parse_params(params))
+    parsed = parse_params(params)
+    if algo != FORMATS[quant].quant_algo and parsed.gpus is not None:  # a release layout: its algo's SKUs
+        for sku in parsed.gpus.skus:
+            verdict = algo_verdict(algo, PROFILES[sku])
+            if not verdict.compatible:
+                raise InvalidInput(
+                    f"trtllm-{quant} of {shape.architecture} on {sku}: {verdict.reason}",
+                    code="ENGINE_SKU_INCOMPATIBLE",
+                    details={"quant": quant, "sku": sku, "reason": verdict.reason},
+                )
+    check_converter(shape, quant, parsed)
