@@ -183,10 +183,50 @@ RECORD = Architecture(
             "(query and key-value latents, a rope key shared by every head, YaRN's attention scale) and sigmoid "
             f"group-limited routing with a correction bias are not in it {_LATER}"
         ),
-        "trtllm": refused(
-            "kiln writes no TensorRT-LLM checkpoint for DeepseekV3ForCausalLM yet: its PyTorch backend "
-            "(tensorrt_llm/_torch/models/modeling_deepseekv3.py) loads the MLA projections, FP8 block scales and the "
-            f"prediction layer through its own weight mapping, which kiln's writer does not produce {_LATER}"
+        # TensorRT-LLM's PyTorch backend (tensorrt_llm/_torch/models/modeling_deepseekv3.py,
+        # `DeepseekV3WeightLoader.load_weights`) reads transformers' names: q_a_proj and kv_a_proj_with_mqa fused
+        # (their weights and `weight_scale_inv` concatenated by rows), kv_b_proj split into k_b / v_b per head (from
+        # the weights dequantized with `weight_scale_inv` under FP8 block scales: model_config.py's
+        # `load_hf_quant_config` excludes `*kv_b_proj*`), each expert's gate/up/down as w1/w3/w2 with
+        # `<e>.w1.weight_scale_inv` (DeepSeekFP8BlockScalesFusedMoEMethod), `mlp.gate.weight` and its
+        # `e_score_correction_bias` (DeepseekV3Gate.load_weights). Its FP8 block checkpoints are DeepSeek's own
+        # (`quant_method: fp8`, 128 x 128 `weight_block_size`): the fp8-block scheme is written so.
+        "trtllm": TargetMapping(
+            trtllm_architecture="DeepseekV3ForCausalLM",
+            trtllm_release_layouts=("fp8-block",),
+            # The prediction layer is left out (`PREDICTION_LAYERS`): TensorRT-LLM builds its MTP modules only for
+            # MTP speculative decoding, and asserts then that the checkpoint has them (`DeepseekV3ForCausalLM.
+            # __init__`: "There is not MTP modules in the checkpoint"), which a count of 0 makes it say at once
+            # instead of failing on a missing weight. `moe_layer_freq` is read by every decoder layer
+            # (`layer_idx % config.moe_layer_freq`); the config schema admits 1 alone, which a config written by
+            # transformers leaves out.
+            trtllm_config=(("num_nextn_predict_layers", 0), ("moe_layer_freq", 1)),
+            trtllm_assumes=(
+                (
+                    "norm_topk_prob",
+                    "TensorRT-LLM's Deepseekv3RoutingImpl.noaux_tc (modeling_deepseekv3.py) always renormalises the "
+                    "chosen experts' scores before routed_scaling_factor, which computes norm_topk_prob true",
+                ),
+                (
+                    "blocks_of_128",
+                    "TensorRT-LLM's DeepSeek-V3 under FP8 block scales needs whole 128-wide blocks: intermediate_size "
+                    "and the shared experts' width (`_compute_mlp_tp_size`, `_compute_shared_expert_tp_size` assert "
+                    "it), moe_intermediate_size (DeepSeekFP8BlockScalesFusedMoEMethod asserts it) and q_lora_rank "
+                    "(DeepseekV3WeightLoader concatenates q_a_proj's block scales above kv_a_proj_with_mqa's)",
+                ),
+            ),
+            trtllm_refused=(
+                (
+                    "NVFP4",
+                    "TensorRT-LLM's DeepseekV3WeightLoader reads q_a_proj and kv_a_proj_with_mqa as one fused Linear "
+                    "from their `weight` and `weight_scale_inv` alone, and kv_b_proj's scales as `weight_scale_inv`: "
+                    "NVFP4's weight_scale, weight_scale_2 and input_scale for them are never loaded (NVIDIA's own "
+                    "DeepSeek NVFP4 checkpoints keep attention out of NVFP4)",
+                ),
+            ),
+            trtllm_no_converter="kiln pins no TensorRT-backend converter for DeepseekV3ForCausalLM (no "
+            "examples/models/core/<converter>/convert_checkpoint.py kiln knows writes it): the checkpoint serves the "
+            "PyTorch backend",
         ),
         "vllm": refused(
             "kiln has not yet checked vLLM 0.32 on DeepseekV3ForCausalLM: vLLM computes MLA through its own "

@@ -44,6 +44,13 @@ from formats.architectures.record import (
 )
 
 _LATER = "(a later step of issue 39)"
+# Why no quantized scheme of kiln's serves gpt-oss in TensorRT-LLM: its MLPBlock builds the fused MoE with the
+# checkpoint's quant config (`create_moe(model_config=...)`, modeling_gpt_oss.py), and kiln's schemes quantize 2-D
+# Linears only.
+_EXPERTS_STAY_BF16 = (
+    "kiln's schemes leave the stacked experts in bf16, and TensorRT-LLM's gpt-oss MLPBlock builds its fused MoE with "
+    "the checkpoint's quantization (create_moe(model_config=...)), so the experts would be read as quantized"
+)
 # transformers' GptOssConfig: `default_theta` and the rope parameters its __post_init__ sets where none are given.
 DEFAULT_THETA = 150_000.0
 DEFAULT_ROPE: dict[str, Any] = {
@@ -142,10 +149,38 @@ RECORD = Architecture(
             "biases over stacked interleaved experts, a router with a bias and a softmax after the top-k, YaRN rope "
             f"{_LATER}"
         ),
-        "trtllm": refused(
-            "kiln writes no TensorRT-LLM checkpoint for GptOssForCausalLM yet: its PyTorch backend "
-            "(tensorrt_llm/_torch/models/modeling_gpt_oss.py) reads sinks, biased stacked experts and MXFP4 expert "
-            f"weights through its own weight mapping, which kiln's writer does not produce {_LATER}"
+        # TensorRT-LLM's PyTorch backend (tensorrt_llm/_torch/models/modeling_gpt_oss.py, `GptOssForCausalLM.
+        # load_hf_weights`) reads transformers' names (`hf_params_map`: attn -> self_attn, gate -> router): q/k/v and
+        # o with their biases, `self_attn.sinks` (cast to float32, AttentionBlock.load_weights), the router's weight
+        # and bias, and the stacked experts either in bf16 (`gate_up_proj` [E, hidden, 2I] de-interleaved, `down_proj`,
+        # their biases) or as the release stores them (`gate_up_proj_blocks` / `_scales`, `down_proj_blocks` /
+        # `_scales`, config.json's `quant_method: mxfp4`: `ModelConfig.load_hf_quant_config`), so a release's MXFP4
+        # experts are kept as released.
+        "trtllm": TargetMapping(
+            trtllm_architecture="GptOssForCausalLM",
+            trtllm_release_layouts=("mxfp4",),
+            trtllm_assumes=(
+                (
+                    "even_layers_slide",
+                    "TensorRT-LLM's gpt-oss AttentionBlock (modeling_gpt_oss.py) slides the even layers and lets the "
+                    "odd ones attend to everything (`sliding_window if layer_idx % 2 == 0 else None`), whatever "
+                    "layer_types says",
+                ),
+            ),
+            trtllm_refused=tuple(
+                (algo, f"{why}; {_EXPERTS_STAY_BF16}")
+                for algo, why in (
+                    ("FP8_PER_CHANNEL_PER_TOKEN", "TensorRT-LLM's fused MoE has no FP8 rowwise method"),
+                    ("FP8_BLOCK_SCALES", "TensorRT-LLM's fused MoE would read FP8 block-scaled experts"),
+                    ("W4A16_AWQ", "TensorRT-LLM's fused MoE has no per-group int4 weight-only method"),
+                    (
+                        "NVFP4",
+                        "CutlassFusedMoE's NVFP4 cannot load gpt-oss's 1-D expert biases (its `can_implement`)",
+                    ),
+                )
+            ),
+            trtllm_no_converter="kiln pins no TensorRT-backend converter for GptOssForCausalLM: the checkpoint serves "
+            "the PyTorch backend",
         ),
         "vllm": refused(
             "kiln has not yet checked vLLM 0.32 on GptOssForCausalLM: vLLM computes sinks in its own attention "
