@@ -194,13 +194,13 @@ RECORD = Architecture(
         "trtllm": TargetMapping(
             trtllm_architecture="DeepseekV3ForCausalLM",
             trtllm_release_layouts=("fp8-block",),
-            # The prediction layer is left out (`PREDICTION_LAYERS`): TensorRT-LLM builds its MTP modules only for
-            # MTP speculative decoding, and asserts then that the checkpoint has them (`DeepseekV3ForCausalLM.
-            # __init__`: "There is not MTP modules in the checkpoint"), which a count of 0 makes it say at once
-            # instead of failing on a missing weight. `moe_layer_freq` is read by every decoder layer
-            # (`layer_idx % config.moe_layer_freq`); the config schema admits 1 alone, which a config written by
-            # transformers leaves out.
-            trtllm_config=(("num_nextn_predict_layers", 0), ("moe_layer_freq", 1)),
+            # The prediction layer is left out, as from every artifact (`PREDICTION_LAYERS`): TensorRT-LLM builds its
+            # MTP modules only for MTP speculative decoding (`DeepseekV3ForCausalLM.__init__`, spec_config's
+            # `is_mtp`), so the checkpoint serves without it; MTP speculative decoding would look for
+            # `model.layers.<L>.*` and not find them. config.json keeps the source's count, as kiln's lint compares.
+            # `moe_layer_freq` is read by every decoder layer (`layer_idx % config.moe_layer_freq`); the config
+            # schema admits 1 alone, which a config written by transformers leaves out.
+            trtllm_config=(("moe_layer_freq", 1),),
             trtllm_assumes=(
                 (
                     "norm_topk_prob",

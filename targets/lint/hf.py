@@ -178,7 +178,7 @@ def _check_tensors(
     """Every tensor the runtime loads against the checkpoint's: present, dtype, shape; nothing else there."""
     expected: dict[str, Expected] = {}
     settled: set[str] = set()  # tensors a module-level finding already covers
-    for module, specs in _modules(shape):
+    for module, specs in [] if layout.kind == "release" else _modules(shape):
         weight = next((s for s in specs if not s.bias), None)
         linear = weight is not None and weight.kind in RUNTIME_LINEAR and len(weight.shape) == 2
         want = linear and layout.quantizes(module)
@@ -210,6 +210,8 @@ def _check_tensors(
             for p in layout.params(module, out, inp):
                 name = f"{module}.{p.local}"
                 expected[name] = Expected(name, p.dtypes, p.shapes, module, p)
+    if layout.kind == "release":
+        expected = _released(shape)
     if layout.kv_scales:
         for i in range(shape.num_layers):
             for kv in ("k_scale", "v_scale"):
@@ -247,6 +249,23 @@ def _check_tensors(
                 )
             )
     return expected
+
+
+def _released(shape: ModelShape) -> dict[str, Expected]:
+    """Every tensor of a checkpoint in its release's layout (`shape.source_quant`, from config.json), as the release
+    stores it: each quantized one as its values and scales in the layout's dtypes, the rest in a float type."""
+    q = shape.source_quant
+    assert q is not None
+    out = {}
+    for s in shape.stored_tensors():
+        module = s.of.name.rsplit(".", 1)[0]
+        dtypes: tuple[str, ...]
+        if s.dtype is None:
+            dtypes = FLOATS
+        else:
+            dtypes = q.layout.scale_dtypes if s.name.endswith(q.layout.scale_suffix) else q.layout.values_dtypes
+        out[s.name] = Expected(s.name, dtypes, (s.shape,), module)
+    return out
 
 
 def _declared(layout: Layout, module: str) -> str:
@@ -325,12 +344,12 @@ def _shapes(e: Expected) -> str:
 
 
 def _quant_findings(layout: Layout, quant: str) -> list[Any]:
-    """The artifact's quantization against the recipe's scheme (compressed-tensors only; ModelOpt is the
-    trtllm target's own mapping of a scheme)."""
+    """The artifact's quantization against the recipe's scheme (compressed-tensors only; ModelOpt and a release's
+    own layout are the trtllm target's own mapping of a scheme)."""
     from quant.catalog import SCHEMES
 
     scheme = SCHEMES.get(quant)
-    if scheme is None or layout.kind == "modelopt":
+    if scheme is None or layout.kind in ("modelopt", "release"):
         return []
     if scheme.weights is None:
         if layout.quantized:

@@ -23,6 +23,9 @@ Three layouts, read from the artifact itself:
   `weight_zero_point` of the scale's shape. A `kv_cache_scheme` adds `k_scale` / `v_scale` to every attention.
 - ModelOpt (hf_quant_config.json, what TensorRT-LLM's PyTorch backend loads): `targets.trtllm.schema`'s
   `LINEAR_TENSORS` per QuantAlgo, every Linear not matched by `exclude_modules` (fnmatch patterns).
+- release: a release's own layout (config.json `quant_method` fp8 or mxfp4, `formats.prequantized`), which trtllm
+  writes for the families whose TensorRT-LLM class reads it: every tensor as the release stores it
+  (`ModelShape.stored_tensors`).
 
 `parse_layout` turns the artifact's config into one of these, or findings saying why it cannot.
 """
@@ -35,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from formats.prequantized import declares_prequantized
 from targets.lint.findings import Finding, finding
 
 FLOATS: Final = ("BF16", "F16", "F32")
@@ -211,6 +215,8 @@ def parse_layout(config: dict[str, Any], hf_quant_config: Any | None, file: str)
     qc = config.get("quantization_config")
     if qc is None:
         return Layout("dense", "unquantized"), []
+    if declares_prequantized(config):  # checked with config.json (`targets.lint.config`)
+        return Layout("release", f"{qc['quant_method']} as released"), []
     return _compressed_tensors(qc, file)
 
 

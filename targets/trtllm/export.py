@@ -19,8 +19,7 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
   `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss bf16 from its MXFP4 release
   with the experts' stored `*_blocks` / `*_scales` kept as released (`keep_released`), the record saying
   `passed_through` where hf-bundle says `dequantized`.
-- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: no prediction layer, and
-  `moe_layer_freq`).
+- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: `moe_layer_freq`).
 
 The written directory is checked against `schema.check_checkpoint` before export returns.
 """

@@ -264,3 +264,42 @@ def test_an_fp8_release_of_a_streamed_family_builds_orbax_and_trtllm(tmp_path: P
         assert artifacts[name]["record"]["dequantized"] == "fp8-block", name
     kept = artifacts["trtllm-fp8-block"]
     assert kept["record"]["passed_through"] == "fp8-block" and kept["metrics"]["kl"] <= KL_ZERO
+
+
+def test_an_fp8_release_of_deepseek_builds_trtllm_in_its_own_spelling(tmp_path: Path) -> None:
+    """TensorRT-LLM reads DeepSeek-V3's FP8 as released: fp8-block keeps the release's values and scales under their
+    names (`weight_scale_inv`, `quant_method: fp8`) and scores KL ~ 0; bf16 dequantizes it and says so."""
+    source = make_fp8_block_source(tmp_path / "model", "deepseek_v3", **DEEPSEEK_BLOCKS)
+    recipe = _recipe(tmp_path, [{"target": "trtllm", "quants": ["bf16", "fp8-block"]}])
+    artifacts = _artifacts(_build(recipe, tmp_path / "work"))
+    assert artifacts["trtllm-bf16"]["record"]["dequantized"] == "fp8-block"
+    kept = artifacts["trtllm-fp8-block"]
+    assert kept["record"]["passed_through"] == "fp8-block" and "dequantized" not in kept["record"]
+    assert kept["metrics"]["kl"] <= KL_ZERO and kept["metrics"]["top1"] == 1.0
+    released = _tensors(source / "model.safetensors")
+    stored = _tensors(Path(kept["path"]) / "model.safetensors")
+    scales = [n for n in released if n.endswith(".weight_scale_inv")]
+    assert scales and sorted(scales) == sorted(n for n in stored if n.endswith("_scale_inv"))
+    for scale in scales:
+        weight = scale.removesuffix("_scale_inv")
+        assert _raw(stored[weight]) == _raw(released[weight]) and _raw(stored[scale]) == _raw(released[scale]), scale
+    config = json.loads((Path(kept["path"]) / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8" and config["moe_layer_freq"] == 1
+
+
+def test_an_mxfp4_release_builds_trtllm_with_its_experts_kept(tmp_path: Path) -> None:
+    """TensorRT-LLM reads gpt-oss's MXFP4 experts as released: trtllm-bf16 keeps their blocks and scales byte for
+    byte (where hf-bundle dequantizes them) and scores KL ~ 0 against the reference (the release dequantized)."""
+    source = make_mxfp4_source(tmp_path / "model", hidden_size=64, intermediate_size=64)
+    recipe = _recipe(tmp_path, [{"target": "trtllm", "quants": ["bf16"]}])
+    artifacts = _artifacts(_build(recipe, tmp_path / "work"))
+    kept = artifacts["trtllm-bf16"]
+    assert kept["record"]["passed_through"] == "mxfp4" and "dequantized" not in kept["record"]
+    assert kept["metrics"]["kl"] <= KL_ZERO
+    released = _tensors(source / "model.safetensors")
+    stored = _tensors(Path(kept["path"]) / "model.safetensors")
+    blocks = [n for n in released if n.endswith(("_blocks", "_scales"))]
+    assert len(blocks) == 2 * 2 * 2  # two layers, gate_up and down, blocks and scales
+    for name in blocks:
+        assert _raw(stored[name]) == _raw(released[name]), name
+    assert not {"a100", "l40s"} & set(kept["record"]["hardware"]) and "h100" in kept["record"]["hardware"]

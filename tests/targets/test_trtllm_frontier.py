@@ -4,7 +4,7 @@ On tiny random models made by transformers' own classes, plain (bf16) and in the
 (`tests/quantized_sources.py`: DeepSeek's FP8 with 128 x 128 block scales, gpt-oss's MXFP4 experts):
 - DeepSeek-V3 bf16 (from a bf16 source, or dequantized from the FP8 release: its record says so) and fp8-block in
   DeepSeek's own spelling (`quant_method: fp8`, `weight_scale_inv`; the release's bytes where it kept them), with no
-  prediction layer and `num_nextn_predict_layers: 0`;
+  prediction layer and `moe_layer_freq` written;
 - gpt-oss bf16, and from its MXFP4 release with the experts' `*_blocks` / `*_scales` kept byte for byte;
 - every checkpoint checked by `schema.check_checkpoint` against the record's tensors as released (MLA's, every
   expert's, the shared expert's, the router's correction bias, sinks, biases): one missing is refused by name;
@@ -109,7 +109,7 @@ def test_deepseek_bf16_holds_the_records_tensors_and_no_prediction_layer(
         want = source.dequantized(name).to(torch.bfloat16)
         assert stored[name].dtype == torch.bfloat16 and torch.equal(stored[name], want), name
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 0 and config["moe_layer_freq"] == 1
+    assert config["moe_layer_freq"] == 1 and not any(".layers.2." in n for n in stored)  # no prediction layer
     assert "quantization_config" not in config
     if model == "deepseek_fp8":
         assert result.dequantized == "fp8-block" and result.passed_through is None
