@@ -23,6 +23,9 @@ llama.cpp writes the family as `deepseek2` (gguf-py/gguf/constants.py `MODEL_ARC
 attn_q_a, attn_q_a_norm, attn_q_b, attn_kv_a_mqa, attn_kv_a_norm, attn_kv_b, attn_k_b, attn_v_b, exp_probs_b and
 the `nextn.*` tensors; its converter, conversion/deepseek.py `DeepseekV2Model`, splits kv_b_proj into attn_k_b
 (each head's key rows, transposed) and attn_v_b, stacks the experts and skips the prediction layer: `skip_mtp`).
+
+TensorRT-LLM's PyTorch backend reads transformers' names and DeepSeek's own FP8 spelling (`weight_scale_inv`,
+`quant_method: fp8`), which its trtllm fp8-block checkpoint is written in (the record's `trtllm` mapping).
 """
 
 from __future__ import annotations

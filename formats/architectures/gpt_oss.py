@@ -23,6 +23,8 @@ everything else in bf16 (`modules_to_not_convert`: attention, router, embeddings
 llama.cpp writes the family as `gpt-oss` (gguf-py/gguf/constants.py `MODEL_ARCH.GPT_OSS`: attn_sinks, the
 post-attention norm as attn_post_norm, the experts as ffn_gate_exps / ffn_up_exps / ffn_down_exps with biases;
 its converter, conversion/gpt_oss.py `GptOssModel`, de-interleaves gate_up and repacks MXFP4 blocks as they are).
+TensorRT-LLM's PyTorch backend reads transformers' names and the release's MXFP4 experts as stored, which trtllm keeps
+(the record's `trtllm` mapping).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ sources, `targets.trtllm.engines` for the per-SKU jobs' params, commands and run
 Families: each architecture record's `trtllm` mapping (`formats.architectures`) names the architecture TensorRT-LLM's
 PyTorch backend registers, the QuantAlgos its model's loader cannot read, what its model class assumes of the config
 and the legacy converter; the fused MoE's limits (`formats.MOE_REFUSED`) apply to every family with experts. A model
-the backend would not load or would compute differently is refused at plan time (`check_model`).
+the backend would not load or would compute differently is refused at plan time (`check_model`). A family whose model
+class reads a release's own layout (`trtllm_release_layouts`: DeepSeek-V3's FP8 block scales, gpt-oss's MXFP4
+experts) is written in it, the release's bytes kept (docs/targets.md, "DeepSeek-V3 and gpt-oss").
 """
 
 from targets.base import TargetSpec, register
