@@ -168,6 +168,12 @@ RECORD = Architecture(
                     "odd ones attend to everything (`sliding_window if layer_idx % 2 == 0 else None`), whatever "
                     "layer_types says",
                 ),
+                (
+                    "yarn_rope_scaling",
+                    "TensorRT-LLM's gpt-oss AttentionBlock (modeling_gpt_oss.py) computes YaRN rope whatever the "
+                    "config's rope_type, from `rope_theta` and `rope_scaling`'s factor, "
+                    "original_max_position_embeddings, beta_fast and beta_slow, read by key",
+                ),
             ),
             trtllm_refused=tuple(
                 (algo, f"{why}; {_EXPERTS_STAY_BF16}")

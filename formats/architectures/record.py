@@ -286,9 +286,16 @@ class PredictionLayers:
 # experts; the router renormalises over the chosen experts; no logit softcapping; no window shorter than the
 # context (the class passes no attention window); the even layers slide and the odd ones attend to everything
 # (the class sets each layer's window by its parity); under FP8 block scales, every width the loader cuts into
-# 128-wide blocks is whole blocks (checked for FP8_BLOCK_SCALES only).
+# 128-wide blocks is whole blocks (checked for FP8_BLOCK_SCALES only); every layer's rope is YaRN with the parameters
+# the class reads from config.json's `rope_scaling` by key (which the checkpoint is then written with).
 TrtllmAssumption = Literal[
-    "every_layer_sparse", "norm_topk_prob", "no_softcapping", "no_binding_window", "even_layers_slide", "blocks_of_128"
+    "every_layer_sparse",
+    "norm_topk_prob",
+    "no_softcapping",
+    "no_binding_window",
+    "even_layers_slide",
+    "blocks_of_128",
+    "yarn_rope_scaling",
 ]
 
 

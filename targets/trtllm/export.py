@@ -19,7 +19,9 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
   `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss bf16 from its MXFP4 release
   with the experts' stored `*_blocks` / `*_scales` kept as released (`keep_released`), the record saying
   `passed_through` where hf-bundle says `dequantized`.
-- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: `moe_layer_freq`).
+- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: `moe_layer_freq`), and for a class
+  that reads its YaRN rope by key (gpt-oss) `rope_theta` and `rope_scaling` from the parsed rope
+  (`schema.rope_scaling_config`), which a transformers 5 source spells `rope_parameters`.
 
 The written directory is checked against `schema.check_checkpoint` before export returns.
 """
@@ -62,6 +64,7 @@ from targets.trtllm.schema import (
     fused_groups,
     model_refusal,
     release_layout,
+    rope_scaling_config,
     router_modules,
 )
 
@@ -74,7 +77,7 @@ if TYPE_CHECKING:
     from formats.hf_model import SourceModel
     from quant.store import QuantizedWeights
 
-CODE_VERSION = "4"
+CODE_VERSION = "5"  # 5: gpt-oss config.json carries rope_theta and rope_scaling
 QUANTS = tuple(FORMATS)
 QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
 HARDWARE = tuple(ENGINE_SKUS)
@@ -374,8 +377,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
 
 def _write_config_keys(out: Path, shape: ModelShape) -> None:
     """config.json with the family's `trtllm_config` keys (what its TensorRT-LLM model class reads; the record says
-    why each)."""
-    keys = dict(shape.arch.target("trtllm").trtllm_config)
+    why each) and the rope keys it reads by name (`schema.rope_scaling_config`)."""
+    keys: dict[str, Any] = {**dict(shape.arch.target("trtllm").trtllm_config), **rope_scaling_config(shape)}
     if not keys:
         return
     path = out / "config.json"

@@ -219,6 +219,60 @@ def _excluded(module: str, patterns: tuple[str, ...]) -> bool:
 # FP8 block scales' block: TensorRT-LLM reads 128 x 128 only (`load_hf_quant_config` asserts it).
 FP8_BLOCK = 128
 
+# tensorrt_llm/_torch/models/modeling_gpt_oss.py, `AttentionBlock.__init__`: the YaRN rope it builds from the HF
+# config, `rope_theta` as an attribute and these from `rope_scaling` by key (a KeyError where one is missing; it
+# never reads transformers 5's `rope_parameters`). Its scale_type is yarn whatever `rope_type` says.
+YARN_SCALING_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def _yarn(shape: ModelShape) -> dict[str, Any] | str:
+    """The one YaRN rope every layer of this model has (`ModelShape.rope`, parsed from `rope_scaling` or
+    `rope_parameters`) as {theta, factor, its other parameters}, or what keeps it from being that."""
+    specs = {spec for _, spec in shape.rope}
+    if len(specs) != 1:
+        return f"this config gives {len(specs)} ropes, not one for every layer"
+    (spec,) = specs
+    if spec.scaling != "yarn":
+        return f"this config's rope is {spec.scaling!r}, not 'yarn'"
+    params = {"factor": spec.factor, **dict(spec.params)}
+    missing = [k for k in YARN_SCALING_KEYS if params.get(k) is None]
+    if missing:
+        return f"this config's rope gives no {', '.join(missing)}"
+    return {"theta": spec.theta, **params}
+
+
+def rope_scaling_config(shape: ModelShape) -> dict[str, Any]:
+    """config.json's keys for a family whose TensorRT-LLM class reads its YaRN rope as `rope_scaling[...]`
+    (`TrtllmAssumption` "yarn_rope_scaling"; `YARN_SCALING_KEYS`, from modeling_gpt_oss.py `AttentionBlock`):
+    `rope_theta` and `rope_scaling` (rope_type yarn, the factor, and every other parameter the source gives),
+    from the model's parsed rope, which a transformers 5 source writes as `rope_parameters` only. Empty for every
+    other family."""
+    assumed = dict(shape.arch.target("trtllm").trtllm_assumes)
+    if "yarn_rope_scaling" not in assumed:
+        return {}
+    yarn = _yarn(shape)
+    if isinstance(yarn, str):
+        raise InvalidInput(f"{shape.architecture}: {assumed['yarn_rope_scaling']}; {yarn}", code="TRTLLM_CHECKPOINT")
+    theta = yarn.pop("theta")
+    return {"rope_theta": theta, "rope_scaling": {"rope_type": "yarn", **yarn}}
+
+
+def _check_rope_scaling(shape: ModelShape, config: dict[str, Any]) -> None:
+    """Refuse a config.json that lacks a key a "yarn_rope_scaling" class reads (`rope_scaling_config`), naming it."""
+    why = dict(shape.arch.target("trtllm").trtllm_assumes).get("yarn_rope_scaling")
+    if why is None:
+        return
+    scaling = config.get("rope_scaling")
+    present = {"rope_theta": config.get("rope_theta")}
+    present.update({f"rope_scaling.{k}": (scaling or {}).get(k) for k in YARN_SCALING_KEYS})
+    missing = [k for k, v in present.items() if not isinstance(v, int | float) or isinstance(v, bool)]
+    if missing:
+        raise InvalidInput(
+            f"config.json: {shape.architecture} needs {', '.join(missing)}: {why}",
+            code="TRTLLM_CHECKPOINT",
+            details={"missing": missing},
+        )
+
 
 def _broken(shape: ModelShape, assumption: TrtllmAssumption, algo: str | None) -> str | None:
     """What in this config breaks one of a TensorRT-LLM model class's assumptions, for a checkpoint of `algo`
@@ -242,6 +296,10 @@ def _broken(shape: ModelShape, assumption: TrtllmAssumption, algo: str | None) -
             return (
                 "this config has " + ", ".join(f"{k}={v}" for k, v in cut.items()) + f", not a multiple of {FP8_BLOCK}"
             )
+    if assumption == "yarn_rope_scaling":
+        yarn = _yarn(shape)
+        if isinstance(yarn, str):
+            return yarn
     if assumption == "every_layer_sparse" and moe is not None and len(moe.sparse_layers) < shape.num_layers:
         dense = sorted(set(range(shape.num_layers)) - set(moe.sparse_layers))
         return f"this config makes layers {dense[:8]} dense"
@@ -396,10 +454,12 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
     serves with that algo (`model_refusal`), and the checkpoint must hold exactly the tensors `expected_tensors`
     lists (each quantized Linear, every expert's included, with the tensors its algo loads), with those dtypes and
     shapes, plus a KV-cache scale pair per layer where a KV-cache algo is set; a ModelOpt checkpoint of a model with
-    experts lists every router in exclude_modules.
+    experts lists every router in exclude_modules; a family whose class reads its YaRN rope by key has those keys in
+    config.json (`rope_scaling_config`).
     """
     config = json.loads((root / "config.json").read_text())
     shape = ModelShape.from_config(config)
+    _check_rope_scaling(shape, config)
     algo: str | None
     source: Literal["none", "hf_quant_config.json", "config.json"]
     group: int | None = None

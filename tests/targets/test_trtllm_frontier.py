@@ -188,6 +188,50 @@ def test_gpt_oss_bf16_keeps_a_releases_mxfp4_experts_as_released(
     assert {"h100", "h200", "b200"} <= set(result.hardware or {}) and not {"a100", "l40s"} & set(result.hardware or {})
 
 
+@pytest.mark.parametrize("model", ["gpt_oss", "gpt_oss_mxfp4"])
+def test_gpt_oss_config_has_the_rope_keys_tensorrt_llm_reads(
+    model: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """TensorRT-LLM's gpt-oss AttentionBlock reads `rope_theta` and `rope_scaling[...]` by key; transformers 5 writes
+    `rope_parameters` only, so the checkpoint carries both, with the source's values."""
+    source = json.loads((sources[model] / "config.json").read_text())
+    assert "rope_scaling" not in source and "rope_theta" not in source  # as transformers 5 writes it
+    _export(open_source(sources[model]), "bf16", tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    rope = source["rope_parameters"]
+    assert config["rope_theta"] == rope["rope_theta"] == 150_000.0
+    assert config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        assert isinstance(config["rope_scaling"][key], int | float), key
+
+
+@pytest.mark.parametrize(
+    ("drop", "named"),
+    [
+        ("rope_scaling", "rope_scaling.factor"),
+        ("rope_scaling.beta_fast", "rope_scaling.beta_fast"),
+        ("rope_scaling.original_max_position_embeddings", "rope_scaling.original_max_position_embeddings"),
+        ("rope_theta", "rope_theta"),
+    ],
+)
+def test_a_gpt_oss_config_without_a_rope_key_is_refused_naming_it(
+    drop: str, named: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    _export(open_source(sources["gpt_oss"]), "bf16", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    if "." in drop:
+        key, sub = drop.split(".")
+        del config[key][sub]
+    else:
+        del config[drop]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidInput) as e:
+        check_checkpoint(ckpt)
+    assert e.value.code == "TRTLLM_CHECKPOINT" and named in e.value.details["missing"], e.value.message
+    assert named in e.value.message and "rope_scaling" in e.value.message
+
+
 # -- a checkpoint missing one tensor is refused by name -------------------------------------------------------
 
 
@@ -283,6 +327,20 @@ def test_schemes_tensorrt_llm_cannot_load_are_refused_with_the_reason(
             {"layer_types": ["full_attention", "sliding_attention"]},
             "TARGET_ARCHITECTURE_UNSUPPORTED",
             "layer_idx % 2 == 0",
+        ),
+        (
+            "gpt_oss",
+            "bf16",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}},
+            "TARGET_ARCHITECTURE_UNSUPPORTED",
+            "rope is 'default', not 'yarn'",
+        ),
+        (
+            "gpt_oss",
+            "bf16",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10_000.0}},
+            "TARGET_ARCHITECTURE_UNSUPPORTED",
+            "gives no original_max_position_embeddings, beta_fast, beta_slow",
         ),
     ],
 )
