@@ -49,6 +49,11 @@ class ExportResult:
     details: dict[str, Any] = field(default_factory=dict)  # extra provenance (e.g. fallbacks taken)
     # Hardware this artifact runs on, with the reason for each; None: the target's `hardware` as declared.
     hardware: dict[str, str] | None = None
+    # Every hardware profile's verdict for this artifact as written, where it is not the target's source-independent
+    # `compatibility` (trtllm: a release's MXFP4 experts narrow its scheme's hardware): the one decision the export
+    # stage takes both the hardware (the compatible) and the `unsupported` reasons (the rest) from. Given instead of
+    # `hardware`, never with it.
+    verdicts: dict[str, Verdict] | None = None
     # The runtimes that serve this artifact and evaluate it, the first the one it was always evaluated
     # with; None: the target's `runtimes_for(quant)`. (A trtllm int4 checkpoint is read by tensorrt_llm
     # only, while its FP8 ones are compressed-tensors that transformers and vLLM read.)
@@ -57,6 +62,17 @@ class ExportResult:
     # (into bf16, or before quantizing them again); None where it did neither (`SourceUse`).
     passed_through: str | None = None
     dequantized: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdicts is not None and self.hardware is not None:
+            raise ValueError("ExportResult: give verdicts or hardware, not both (hardware is the compatible verdicts)")
+
+    def served(self) -> dict[str, str] | None:
+        """The hardware this artifact runs on, with the reason for each (`hardware`, or the compatible `verdicts`);
+        None: the target's `hardware` as declared."""
+        if self.verdicts is not None:
+            return {hw: v.reason for hw, v in self.verdicts.items() if v.compatible}
+        return self.hardware
 
 
 @dataclass(frozen=True)

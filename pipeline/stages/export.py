@@ -52,11 +52,13 @@ def run(ctx: StageContext) -> ArtifactRecord:
         report = spec.lint(LintRequest(ctx.out_dir, shape=shape, quant=p["quant"]))
         report.raise_for_errors(ctx.node.id)
         details = {**details, "lint": report.summary()}
-    # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+); the recipe may narrow it.
-    hardware = list(result.hardware) if result.hardware is not None else list(spec.hardware)
+    # Per artifact: a target's schemes may run on different hardware (fp8 needs sm89+), and a source may narrow them
+    # (the export's own verdicts, which then give the reasons too); the recipe may narrow it further.
+    served = result.served()
+    hardware = list(served) if served is not None else list(spec.hardware)
     if p.get("hardware") is not None:
         hardware = [hw for hw in hardware if hw in p["hardware"]]
-    verdicts = spec.compatibility(p["quant"], p["params"])
+    verdicts = result.verdicts if result.verdicts is not None else spec.compatibility(p["quant"], p["params"])
     unsupported = {
         hw: v.reason if not v.compatible else "not among the hardware the recipe builds this artifact for"
         for hw, v in verdicts.items()

@@ -345,6 +345,8 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
             runtime["quantization"]["release_layout"] = layout
         if kv_algo is not None:
             runtime["quantization"]["kv_cache_quant_algo"] = kv_algo
+    # The algo as written (a release layout's, not the scheme's): where it runs and, for the record's `unsupported`,
+    # why not elsewhere.
     verdicts = {name: algo_verdict(algo, hw) for name, hw in PROFILES.items()}
     details: dict[str, Any] = {
         "architecture": source.shape.architecture,
@@ -368,7 +370,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         files=files,
         runtime=runtime,
         details=details,
-        hardware={hw: v.reason for hw, v in verdicts.items() if v.compatible},
+        verdicts=verdicts,
         eval_runtimes=fmt.eval_runtimes,
         passed_through=use.passed_through,
         dequantized=use.dequantized,

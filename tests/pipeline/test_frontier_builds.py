@@ -21,6 +21,7 @@ import yaml
 from safetensors import safe_open
 
 from core.errors import KilnError
+from core.hardware import PROFILES
 from pipeline import build
 from pipeline.recipe import load_recipe
 from pipeline.store import WorkDir
@@ -303,3 +304,8 @@ def test_an_mxfp4_release_builds_trtllm_with_its_experts_kept(tmp_path: Path) ->
     for name in blocks:
         assert _raw(stored[name]) == _raw(released[name]), name
     assert not {"a100", "l40s"} & set(kept["record"]["hardware"]) and "h100" in kept["record"]["hardware"]
+    # Why not on Ampere and Ada: the decision that chose the hardware (the MXFP4 experts), not the bf16 scheme's.
+    unsupported = kept["record"]["unsupported"]
+    for sku in ("a100", "l40s"):
+        assert "MXFP4 experts need sm90+" in unsupported[sku], unsupported[sku]
+    assert set(unsupported) == set(PROFILES) - set(kept["record"]["hardware"])

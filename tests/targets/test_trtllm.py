@@ -309,7 +309,7 @@ def test_checkpoints_are_offered_only_where_tensorrt_llm_documents_their_algo(
     spec = get_target("trtllm")
     for quant, hardware in expect.items():
         result = _export(source, quant, tmp_path / quant, quantized.get(quant))
-        assert set(result.hardware or {}) == hardware, quant
+        assert set(result.served() or {}) == hardware, quant
         verdicts = spec.compatibility(quant, {})
         assert {hw for hw, v in verdicts.items() if v.compatible} == hardware
     verdicts = spec.compatibility("fp8", {})

@@ -116,7 +116,7 @@ def test_deepseek_bf16_holds_the_records_tensors_and_no_prediction_layer(
     else:
         assert result.dequantized is None and result.passed_through is None
     assert result.runtime["architecture"] == "DeepseekV3ForCausalLM"
-    assert set(result.hardware or {}) >= {"a100", "h100", "b200"}
+    assert set(result.served() or {}) >= {"a100", "h100", "b200"}
 
 
 @pytest.mark.parametrize("model", ["deepseek_v3", "deepseek_fp8"])
@@ -139,7 +139,7 @@ def test_deepseek_fp8_block_is_deepseeks_own_spelling_with_the_releases_bytes(
     assert len(scales) == 2 * 5 + 3 + 3 * (8 + 1)
     assert any(".mlp.experts.7.down_proj." in n for n in scales) and any(".shared_experts." in n for n in scales)
     assert result.runtime["quantization"]["release_layout"] == "fp8-block"
-    assert {"h100", "h200", "b200"} <= set(result.hardware or {}) and not {"a100", "l40s"} & set(result.hardware or {})
+    assert {"h100", "h200", "b200"} <= set(result.served() or {}) and not {"a100", "l40s"} & set(result.served() or {})
     if model == "deepseek_v3":
         assert result.passed_through is None and result.dequantized is None
         return
@@ -171,7 +171,7 @@ def test_gpt_oss_bf16_keeps_a_releases_mxfp4_experts_as_released(
     if model == "gpt_oss":
         assert checked.quant_algo is None and set(checked.tensors) == set(source.shape.expected_tensors())
         assert result.passed_through is None and result.dequantized is None
-        assert set(result.hardware or {}) >= {"a100", "h100", "b200"}
+        assert set(result.served() or {}) >= {"a100", "h100", "b200"}
         return
     assert checked.quant_algo == "MXFP4" and checked.source == "config.json" and checked.group_size == 32
     assert json.loads((ckpt / "config.json").read_text())["quantization_config"] == MXFP4_CONFIG
@@ -185,7 +185,7 @@ def test_gpt_oss_bf16_keeps_a_releases_mxfp4_experts_as_released(
     assert result.passed_through == "mxfp4" and result.dequantized is None
     assert result.runtime["quantization"]["quant_algo"] == "MXFP4"
     # TensorRT-LLM's MXFP4 experts: W4A16_MXFP4 on Hopper (Triton), W4A8 on Blackwell; not on Ampere or Ada.
-    assert {"h100", "h200", "b200"} <= set(result.hardware or {}) and not {"a100", "l40s"} & set(result.hardware or {})
+    assert {"h100", "h200", "b200"} <= set(result.served() or {}) and not {"a100", "l40s"} & set(result.served() or {})
 
 
 @pytest.mark.parametrize("model", ["gpt_oss", "gpt_oss_mxfp4"])
