@@ -147,11 +147,9 @@ RECORD = Architecture(
             "(tensorrt_llm/_torch/models/modeling_gpt_oss.py) reads sinks, biased stacked experts and MXFP4 expert "
             f"weights through its own weight mapping, which kiln's writer does not produce {_LATER}"
         ),
-        "vllm": refused(
-            "kiln has not yet checked vLLM 0.32 on GptOssForCausalLM: vLLM computes sinks in its own attention "
-            "backends and the experts in its MXFP4 fused-MoE kernels; until a tiny model's vLLM scores are compared "
-            f"with transformers', a bundle's vLLM eval is recorded not evaluated {_LATER}"
-        ),
+        # vLLM 0.32 (GptOssForCausalLM: sinks in its CPU attention, the experts in its CPU fused MoE), scored against
+        # transformers in tests/eval/test_vllm_frontier.py.
+        "vllm": TargetMapping(),
     },
     description="GQA with biases and sinks, 128-token sliding and full layers alternating, experts top-4 with "
     "biases and a clamped SwiGLU, YaRN",
