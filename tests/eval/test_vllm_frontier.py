@@ -32,7 +32,12 @@ YARN = {
     "mscale_all_dim": 1.0,
     "original_max_position_embeddings": 128,
 }
-DEEPSEEK_LATENT: dict[str, Any] = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
+DEEPSEEK_LATENT: dict[str, Any] = {
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+}
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # Two dense-then-sparse layers: 8 experts top-2 in 2 groups beside a shared expert, every width a multiple of 32
     # (vLLM's CPU experts kernels).
