@@ -289,7 +289,9 @@ def plan_replica(
     allocatable = share.allocatable_bytes
     held = min(memory, allocatable) if allocatable is not None else memory  # what a server can take
     usable = round(MEMORY_UTILIZATION * held)
-    serving = vllm_defaults(profile.family, memory_gib, profile.name)
+    serving = vllm_defaults(
+        profile.family, memory_gib, profile.name, mla=isinstance(shape, ShapeRecord) and shape.is_mla
+    )
 
     def paged(tp: int) -> PagedKvCache | None:
         if not isinstance(shape, ShapeRecord):

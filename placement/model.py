@@ -187,6 +187,9 @@ def sliding_layer_count(s: ShapeRecord) -> int:
 # it off).
 VLLM_BLOCK_SIZE = 16
 VLLM_CPU_BLOCK_SIZE = 128
+# MLA on the CPU: platforms/cpu.py sets every MLA model's block size to 16 whatever was asked (the CPU MLA decode
+# kernel, csrc/cpu/mla_decode.cpp, compiles for 16 only), but where its AMX MLA backend runs (an x86 CPU with AMX).
+VLLM_CPU_MLA_BLOCK_SIZE = 16
 VLLM_TPU_BATCHED_TOKENS = {"v6e": 1024, "v5e": 512, "v5p": 256}
 # The blocks vLLM's block pool keeps back for itself (v1/core/block_pool.py, its null block), which its memory
 # check reserves before it admits a sequence (v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`).
@@ -207,15 +210,16 @@ class VllmDefaults:
         return self.max_num_batched_tokens * self.concurrent_batches
 
 
-def vllm_defaults(family: str, memory_gib: float, name: str = "") -> VllmDefaults:
-    """`vllm serve`'s defaults on a device of `family` (cuda, rocm, tpu, cpu) with `memory_gib` per device."""
+def vllm_defaults(family: str, memory_gib: float, name: str = "", *, mla: bool = False) -> VllmDefaults:
+    """`vllm serve`'s defaults on a device of `family` (cuda, rocm, tpu, cpu) with `memory_gib` per device, for a
+    model with multi-head latent attention where `mla` (its own page on the CPU)."""
     if family in ("cuda", "rocm"):
         batched = 16384 if memory_gib >= 160 else 8192 if memory_gib >= 70 and "a100" not in name.lower() else 2048
         return VllmDefaults(VLLM_BLOCK_SIZE, batched, 2)
     if family == "tpu":
         batched = next((n for chip, n in VLLM_TPU_BATCHED_TOKENS.items() if chip in name.lower()), 2048)
         return VllmDefaults(VLLM_BLOCK_SIZE, batched, 1)
-    return VllmDefaults(VLLM_CPU_BLOCK_SIZE, 2048, 1)
+    return VllmDefaults(VLLM_CPU_MLA_BLOCK_SIZE if mla else VLLM_CPU_BLOCK_SIZE, 2048, 1)
 
 
 def _cdiv(a: int, b: int) -> int:

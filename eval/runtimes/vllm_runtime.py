@@ -73,10 +73,11 @@ from eval.runtimes.vllm_support import (
     experts_stand_ins,
     fp8_kv_cache,
     head_size,
+    mla_cpu_limitation,
 )
 from eval.runtimes.vllm_worker import PROTOCOL
 from formats.architectures.shape import ModelShape
-from placement.model import NULL_BLOCKS, VLLM_CPU_BLOCK_SIZE, paged_kv_cache, tp_degrees
+from placement.model import NULL_BLOCKS, paged_kv_cache, tp_degrees, vllm_defaults
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768
@@ -94,12 +95,16 @@ CPU_IN_FLIGHT_TOKENS = 4096
 
 def kv_cache_reservation(shape: ShapeRecord | None, max_model_len: int, element_bytes: int) -> int:
     """The KV cache the CPU runtime asks vLLM for: a sequence of `max_model_len` tokens as vLLM pages it on the
-    CPU (`placement.model.PagedKvCache`: 128-token pages of `element_bytes` elements) and the block vLLM keeps back
+    CPU (`placement.model.PagedKvCache`: pages of `element_bytes` elements, as `vllm_defaults` sizes them on a CPU
+    without AMX; MLA's are smaller, so AMX's pages never outgrow the reservation) and the block vLLM keeps back
     (it refuses to start with less), and at least KV_CACHE_BYTES; KV_CACHE_BYTES where the shape is unknown."""
     if shape is None:
         return KV_CACHE_BYTES
     paged = paged_kv_cache(
-        shape, block_size=VLLM_CPU_BLOCK_SIZE, in_flight_tokens=CPU_IN_FLIGHT_TOKENS, element_bytes=element_bytes
+        shape,
+        block_size=vllm_defaults("cpu", 0.0, mla=shape.is_mla).block_size,
+        in_flight_tokens=CPU_IN_FLIGHT_TOKENS,
+        element_bytes=element_bytes,
     )
     return max(KV_CACHE_BYTES, paged.bytes(max_model_len) + NULL_BLOCKS * paged.block_bytes)
 
@@ -311,7 +316,7 @@ class VllmRuntime:
         if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
             raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
         experts = bundle_experts(config)
-        why = cpu_limitation(
+        why = mla_cpu_limitation(config) or cpu_limitation(
             schemes, here, hello, head_size(config), fp8_kv_cache=fp8_kv_cache(config), experts=experts
         )
         if why is not None:

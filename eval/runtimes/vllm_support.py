@@ -433,6 +433,38 @@ def head_size(config: dict[str, Any]) -> int | None:
     return None
 
 
+# vllm 0.32.0 v1/attention/backends/mla/cpu_mla.py `CPUMLABackend.get_supported_head_sizes`: the CPU MLA decode
+# kernel (csrc/cpu/mla_decode.cpp) takes DeepSeek's latent only, kv_lora_rank 512 + qk_rope_head_dim 64.
+CPU_MLA_LATENT = 576
+
+
+def mla_cpu_limitation(config: dict[str, Any]) -> str | None:
+    """Why vLLM's CPU build cannot evaluate a bundle of this config.json with multi-head latent attention, or None
+    (None too where it has no MLA, or kiln cannot read the config: vLLM's own load then decides). Two limits: the
+    latent its CPU kernel takes (`CPU_MLA_LATENT`), and a rope without scaling, which vLLM 0.32's CPU build computes
+    unlike transformers (measured on a tiny DeepSeek-V3 of DeepSeek's latent: mean KL 2.2 against transformers'
+    float32 logits with the queries made sharp, 6e-10 with the rope half of every query zeroed, 9e-9 with YaRN as
+    DeepSeek's releases set it), so kiln does not score it there."""
+    try:
+        shape = ModelShape.from_config(config)
+    except KilnError:
+        return None
+    if shape.mla is None:
+        return None
+    latent = shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim
+    if latent != CPU_MLA_LATENT:
+        return (
+            f"MLA: vLLM's CPU MLA kernel takes a latent of {CPU_MLA_LATENT} (kv_lora_rank 512 + qk_rope_head_dim 64, "
+            f"DeepSeek's); this model's is {latent} ({shape.mla.kv_lora_rank} + {shape.mla.qk_rope_head_dim})"
+        )
+    if all(spec.scaling == "default" for _, spec in shape.rope):
+        return (
+            "MLA with an unscaled rope: vLLM 0.32's CPU build rotates it unlike transformers (measured: mean KL 2.2 "
+            "on a tiny DeepSeek-V3 whose attention follows the rope; 9e-9 with YaRN, as DeepSeek's releases set it)"
+        )
+    return None
+
+
 def cpu_limitation(
     schemes: Sequence[WeightScheme],
     capabilities: VllmCapabilities,

@@ -176,6 +176,11 @@ RECORD = Architecture(
     ),
     streams=False,  # transformers' DeepseekV3DecoderLayer is not yet checked in the layer-streamed forward
     prediction_layers=PREDICTION_LAYERS,
+    # transformers' DeepseekV3 hard-codes sigmoid scores, the correction bias and every layer past the dense ones
+    # sparse; vLLM's DeepseekV2MoE reads `scoring_func` (softmax when absent) and builds the correction bias only
+    # for `topk_method: noaux_tc` (model_executor/models/deepseek_v2.py), and TensorRT-LLM's decoder layers read
+    # `moe_layer_freq`: the release's config.json has all three, one transformers writes none.
+    implied_config=(("moe_layer_freq", 1), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")),
     targets={
         # llama.cpp's deepseek2: MLA's tensors under their own kinds' names, kv_b split into attn_k_b / attn_v_b
         # (formats.gguf.layout), the correction bias as exp_probs_b; the prediction layer left out, as its converter
@@ -231,12 +236,10 @@ RECORD = Architecture(
             "examples/models/core/<converter>/convert_checkpoint.py kiln knows writes it): the checkpoint serves the "
             "PyTorch backend",
         ),
-        "vllm": refused(
-            "kiln has not yet checked vLLM 0.32 on DeepseekV3ForCausalLM: vLLM computes MLA through its own "
-            "backends (CPU_MLA on the CPU build kiln evaluates with) and loads FP8 block weights with its block-FP8 "
-            "kernels; until a tiny model's vLLM scores are compared with transformers', a bundle's vLLM eval is "
-            f"recorded not evaluated {_LATER}"
-        ),
+        # vLLM 0.32 (DeepseekV3ForCausalLM through deepseek_v2.py; its CPU build: MLA of DeepSeek's latent only,
+        # eval.runtimes.vllm_support.mla_cpu_limitation), scored against transformers in
+        # tests/eval/test_vllm_frontier.py.
+        "vllm": TargetMapping(),
     },
     description="MLA (latent q and kv, shared rope key), 3 dense then 256 experts top-8 with a shared expert, "
     "sigmoid group-limited routing, YaRN",

@@ -190,11 +190,9 @@ RECORD = Architecture(
             trtllm_no_converter="kiln pins no TensorRT-backend converter for GptOssForCausalLM: the checkpoint serves "
             "the PyTorch backend",
         ),
-        "vllm": refused(
-            "kiln has not yet checked vLLM 0.32 on GptOssForCausalLM: vLLM computes sinks in its own attention "
-            "backends and the experts in its MXFP4 fused-MoE kernels; until a tiny model's vLLM scores are compared "
-            f"with transformers', a bundle's vLLM eval is recorded not evaluated {_LATER}"
-        ),
+        # vLLM 0.32 (GptOssForCausalLM: sinks in its CPU attention, the experts in its CPU fused MoE), scored against
+        # transformers in tests/eval/test_vllm_frontier.py.
+        "vllm": TargetMapping(),
     },
     description="GQA with biases and sinks, 128-token sliding and full layers alternating, experts top-4 with "
     "biases and a clamped SwiGLU, YaRN",

@@ -351,6 +351,10 @@ class Architecture:
     # Layer-by-layer streaming through transformers' own decoder layers (`eval.runtimes.layer_stream`).
     streams: bool = True
     prediction_layers: PredictionLayers | None = None
+    # config.json keys transformers computes without reading them (what its class hard-codes) but other runtimes
+    # read, with the value transformers computes: every artifact's config.json is written with them where the
+    # source's config leaves them out, so vLLM and TensorRT-LLM compute what the reference computed.
+    implied_config: tuple[tuple[str, str | int], ...] = ()
     targets: dict[str, TargetMapping] = field(default_factory=dict)
     description: str = ""
 

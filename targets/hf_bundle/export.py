@@ -175,6 +175,8 @@ def write_bundle(
     if "torch_dtype" not in config and "dtype" not in config:
         config["dtype"] = "bfloat16"
     config.pop("quantization_config", None)
+    for key, value in source.shape.arch.implied_config:
+        config.setdefault(key, value)
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

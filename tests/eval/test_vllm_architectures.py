@@ -1,7 +1,7 @@
 """Which architectures vLLM serves: every family's record admits it (vLLM 0.32's CPU build loads and scores each
-one's tiny model, tests/placement/test_vllm_kv.py loads them all) but DeepSeek-V3's and gpt-oss's, not yet checked
-in it; a record that refuses it makes the vLLM eval record "not evaluated" with the record's reason, and so does a
-layout vLLM's model of the family refuses."""
+one's tiny model, tests/placement/test_vllm_kv.py loads them all; DeepSeek-V3 and gpt-oss in
+tests/eval/test_vllm_frontier.py); a record that refuses it makes the vLLM eval record "not evaluated" with the
+record's reason, and so does a layout vLLM's model of the family refuses."""
 
 from __future__ import annotations
 
@@ -20,18 +20,11 @@ from formats.architectures.record import refused
 from tests.model_factory import FAMILIES as FACTORY_FAMILIES
 from tests.model_factory import make_model
 
-NOT_YET = ("deepseek_v3", "gpt_oss")  # their records refuse vLLM until a tiny model's scores are compared
-
 
 @pytest.mark.parametrize("family", list(FACTORY_FAMILIES))
 def test_vllm_serves_every_family_kiln_builds(tmp_path: Path, family: str) -> None:
     config = json.loads((make_model(tmp_path / family, family) / "config.json").read_text())
     record = FAMILIES[family]
-    if family in NOT_YET:
-        reason = record.target("vllm").refused
-        assert reason is not None and "not yet checked vLLM 0.32" in reason
-        assert architecture_limitation(config) == f"{record.hf_class} ({family}): {reason}"
-        return
     assert record.target("vllm").supported
     assert architecture_limitation(config) is None
 

@@ -21,6 +21,7 @@ from eval.runtimes.vllm_runtime import (
     WorkerProcess,
     kv_cache_reservation,
 )
+from formats.architectures import FAMILIES
 from formats.architectures.shape import ModelShape
 from placement.model import (
     NULL_BLOCKS,
@@ -61,6 +62,33 @@ CASES: dict[str, tuple[str, dict[str, Any], str, int | None]] = {
     # (7 sliding, 1 global: groups of 1), at pages of 32 tokens too (vLLM's CPU
     # attention takes multiples of 32: `CPUAttentionBackend.get_supported_kernel_block_sizes`).
     "gemma3": ("gemma3", {"num_layers": 7, "sliding_window": 256, "layer_types": alternating(7, 2)}, "bfloat16", None),
+    # gpt-oss: sliding (16 tokens, FAMILY_CONFIG) and full layers alternating, sinks (which keep no cache).
+    "gpt_oss": ("gpt_oss", {"head_dim": 64, "intermediate_size": 128}, "bfloat16", None),
+    # DeepSeek-V3: MLA's one latent per layer, of DeepSeek's size (the only one vLLM's CPU MLA kernel takes), with
+    # YaRN as released; vLLM's CPU build pages it 16 tokens a page whatever is asked.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "q_lora_rank": 64,
+            "moe_intermediate_size": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        "bfloat16",
+        None,
+    ),
     "gemma3-5to1": (
         "gemma3",
         {"num_layers": 8, "sliding_window": 256, "layer_types": alternating(8, 6)},
@@ -84,9 +112,11 @@ def tiny(root: Path, name: str) -> Path:
     family, extra, _, _ = CASES[name]
     config: dict[str, Any] = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "num_layers": 4, **extra}
     out = make_model(root / name, family, vocab_size=512, **config)
-    # make_model writes 512 positions; vLLM refuses a max_model_len past the config's.
+    # make_model writes 512 positions; vLLM refuses a max_model_len past the config's. The keys every kiln artifact
+    # adds to the config (`implied_config`: DeepSeek-V3's routing, which vLLM reads) as a bundle of it would have.
     path = out / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": 8192}))
+    implied = dict(FAMILIES[family].implied_config)
+    path.write_text(json.dumps({**implied, **json.loads(path.read_text()), "max_position_embeddings": 8192}))
     return out
 
 
@@ -107,16 +137,17 @@ def test_kiln_counts_the_kv_cache_as_vllm_pages_it(
     }
     if block_size is not None:
         request["block_size"] = block_size
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text())).record()
     worker.request(request)
     try:
         vllm = worker.request({"op": "kv_cache"})[0]
     finally:
         worker.request({"op": "unload"})
-    shape = ModelShape.from_config(json.loads((model / "config.json").read_text())).record()
     element = ELEMENT[dtype]
 
     # vLLM's own defaults and budget on the CPU: the page kiln assumes there, the in-flight tokens it reported.
-    assert vllm["block_size"] == (block_size or VLLM_CPU_BLOCK_SIZE) and vllm_defaults("cpu", 64).block_size == 128
+    page = vllm_defaults("cpu", 64, mla=shape.is_mla).block_size
+    assert vllm["block_size"] == (block_size or page) and vllm_defaults("cpu", 64).block_size == VLLM_CPU_BLOCK_SIZE
     assert vllm["max_model_len"] == MAX_MODEL_LEN and vllm["kv_cache_memory_bytes"] == MEMORY
     paged = paged_kv_cache(
         shape, block_size=vllm["block_size"], in_flight_tokens=vllm["max_in_flight_tokens"], element_bytes=element
@@ -132,7 +163,9 @@ def test_kiln_counts_the_kv_cache_as_vllm_pages_it(
 
     # The groups: how many of each kind, and the layers in each (a block holds a page of each).
     kinds = [g["kind"] for g in vllm["groups"]]
-    assert kinds.count("FullAttentionSpec") == paged.full_groups
+    # MLA's layers attend to everything: vLLM's MLAAttentionSpec is a FullAttentionSpec of one latent "head".
+    full = ("MLAAttentionSpec",) if shape.is_mla else ("FullAttentionSpec",)
+    assert sum(kind in full for kind in kinds) == paged.full_groups
     assert kinds.count("SlidingWindowSpec") == paged.sliding_groups
     assert max(g["layers"] for g in vllm["groups"]) == paged.group_size
     windows = {g["sliding_window"] for g in vllm["groups"] if g["kind"] == "SlidingWindowSpec"}
