@@ -179,7 +179,8 @@ RECORD = Architecture(
     # transformers' DeepseekV3 hard-codes sigmoid scores, the correction bias and every layer past the dense ones
     # sparse; vLLM's DeepseekV2MoE reads `scoring_func` (softmax when absent) and builds the correction bias only
     # for `topk_method: noaux_tc` (model_executor/models/deepseek_v2.py), and TensorRT-LLM's decoder layers read
-    # `moe_layer_freq`: the release's config.json has all three, one transformers writes none.
+    # `moe_layer_freq` (the config schema admits 1 alone): the release's config.json has all three, one transformers
+    # writes none.
     implied_config=(("moe_layer_freq", 1), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")),
     targets={
         # llama.cpp's deepseek2: MLA's tensors under their own kinds' names, kv_b split into attn_k_b / attn_v_b
@@ -206,9 +207,7 @@ RECORD = Architecture(
             # MTP modules only for MTP speculative decoding (`DeepseekV3ForCausalLM.__init__`, spec_config's
             # `is_mtp`), so the checkpoint serves without it; MTP speculative decoding would look for
             # `model.layers.<L>.*` and not find them. config.json keeps the source's count, as kiln's lint compares.
-            # `moe_layer_freq` is read by every decoder layer (`layer_idx % config.moe_layer_freq`); the config
-            # schema admits 1 alone, which a config written by transformers leaves out.
-            trtllm_config=(("moe_layer_freq", 1),),
+            # Every decoder layer reads `moe_layer_freq` (`layer_idx % config.moe_layer_freq`): `implied_config`.
             trtllm_assumes=(
                 (
                     "norm_topk_prob",

@@ -324,8 +324,6 @@ class TargetMapping:
     # bytes kept): "fp8-block" (the fp8-block scheme as `quant_method: fp8` with `weight_scale_inv`), "mxfp4" (a
     # release's MXFP4 experts kept as `*_blocks` / `*_scales` beside the bf16 rest).
     trtllm_release_layouts: tuple[str, ...] = ()
-    # TensorRT-LLM: config.json keys the checkpoint is written with (the model class reads them; see the record).
-    trtllm_config: tuple[tuple[str, int], ...] = ()
 
     @property
     def supported(self) -> bool:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from formats.hf_model import SourceModel
 
-CODE_VERSION = "2"
+CODE_VERSION = "3"  # 3: config.json carries the family's implied_config keys
 QUANTS = tuple(SCHEMES)
 QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
 # Every hardware profile some scheme runs on; each artifact records its own list (see quant.catalog).

@@ -37,7 +37,7 @@ from targets.hf_bundle.export import (
 )
 from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
 
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: config.json carries the family's implied_config keys (hf-bundle 3)
 QUANTS = tuple(SCHEMES)
 QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
 

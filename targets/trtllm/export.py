@@ -19,7 +19,7 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
   `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss bf16 from its MXFP4 release
   with the experts' stored `*_blocks` / `*_scales` kept as released (`keep_released`), the record saying
   `passed_through` where hf-bundle says `dequantized`.
-- The family's `trtllm_config` keys are written into config.json (DeepSeek-V3: `moe_layer_freq`), and for a class
+- config.json has the family's `implied_config` keys, as every bundle's (DeepSeek-V3: `moe_layer_freq`); for a class
   that reads its YaRN rope by key (gpt-oss) `rope_theta` and `rope_scaling` from the parsed rope
   (`schema.rope_scaling_config`), which a transformers 5 source spells `rope_parameters`.
 
@@ -378,9 +378,9 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
 
 
 def _write_config_keys(out: Path, shape: ModelShape) -> None:
-    """config.json with the family's `trtllm_config` keys (what its TensorRT-LLM model class reads; the record says
-    why each) and the rope keys it reads by name (`schema.rope_scaling_config`)."""
-    keys: dict[str, Any] = {**dict(shape.arch.target("trtllm").trtllm_config), **rope_scaling_config(shape)}
+    """config.json with the rope keys the family's TensorRT-LLM model class reads by name
+    (`schema.rope_scaling_config`)."""
+    keys: dict[str, Any] = rope_scaling_config(shape)
     if not keys:
         return
     path = out / "config.json"
