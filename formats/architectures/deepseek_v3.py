@@ -178,11 +178,10 @@ RECORD = Architecture(
         # (formats.gguf.layout), the correction bias as exp_probs_b; the prediction layer left out, as its converter
         # does (skip_mtp).
         "gguf": TargetMapping(gguf_arch="deepseek2"),
-        "orbax": refused(
-            "kiln's JAX forward computes grouped-query attention and softmax routing: multi-head latent attention "
-            "(query and key-value latents, a rope key shared by every head, YaRN's attention scale) and sigmoid "
-            f"group-limited routing with a correction bias are not in it {_LATER}"
-        ),
+        # orbax: MLA's tensors as stored (their latents replicated on the mesh), the experts stacked; kiln's JAX
+        # forward computes MLA non-absorbed on a cache of latents, and the sigmoid group-limited router
+        # (targets.orbax.forward).
+        "orbax": TargetMapping(),
         "trtllm": refused(
             "kiln writes no TensorRT-LLM checkpoint for DeepseekV3ForCausalLM yet: its PyTorch backend "
             "(tensorrt_llm/_torch/models/modeling_deepseekv3.py) loads the MLA projections, FP8 block scales and the "

@@ -137,11 +137,10 @@ RECORD = Architecture(
         # llama.cpp's gpt-oss: the norm before the experts is its post_attention_norm; the stacked gate_up split
         # into ffn_gate_exps / ffn_up_exps and down_proj transposed (formats.gguf.layout); MXFP4 experts kept.
         "gguf": TargetMapping(gguf_arch="gpt-oss", names=((TensorKind.FFN_NORM, "post_attention_norm"),)),
-        "orbax": refused(
-            "kiln's JAX forward computes none of gpt-oss's own blocks: attention sinks, the clamped SwiGLU with "
-            "biases over stacked interleaved experts, a router with a bias and a softmax after the top-k, YaRN rope "
-            f"{_LATER}"
-        ),
+        # orbax: the stacked experts as [experts, out, in] gate, up and down stacks (gate_up de-interleaved), with
+        # their biases; kiln's JAX forward computes sinks, the top-k-then-softmax router with its bias, the clamped
+        # SwiGLU and YaRN (targets.orbax.forward).
+        "orbax": TargetMapping(),
         "trtllm": refused(
             "kiln writes no TensorRT-LLM checkpoint for GptOssForCausalLM yet: its PyTorch backend "
             "(tensorrt_llm/_torch/models/modeling_gpt_oss.py) reads sinks, biased stacked experts and MXFP4 expert "

@@ -261,10 +261,10 @@ def test_an_unknown_architecture_names_every_supported_one() -> None:
 
 
 # The targets and runtimes each record refuses, for now (the families of issue 39: their writers come later; GGUF
-# writes both, tests/targets/test_gguf_frontier.py).
+# writes both, tests/targets/test_gguf_frontier.py; orbax both, tests/eval/test_jax_frontier.py).
 REFUSED = {
-    "deepseek_v3": {"orbax", "trtllm", "vllm"},
-    "gpt_oss": {"orbax", "trtllm", "vllm"},
+    "deepseek_v3": {"trtllm", "vllm"},
+    "gpt_oss": {"trtllm", "vllm"},
 }
 
 
