@@ -51,8 +51,14 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, dict[str, Any]]]] = {
             "correction_bias": {"tensors": "e_score_correction_bias"},
         },
     ),
-    # The query without its latent (one q_proj), the rope on halves.
-    "deepseek_v3_q_proj": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}, {}),
+    # The query without its latent (one q_proj), the rope on halves, biases on kv_a and o.
+    "deepseek_v3_q_proj": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True}, {}),
+    # YaRN is no family's own: a grouped-query model with q/k norms scales its rope the same way.
+    "qwen3_yarn": (
+        "qwen3",
+        {"rope_parameters": {**DEEPSEEK_YARN, "factor": 4.0, "mscale": None, "mscale_all_dim": None}},
+        {"yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
     "gpt_oss": (
         "gpt_oss",
         {},
@@ -272,3 +278,43 @@ def test_the_sharding_plan_splits_experts_heads_and_sinks_and_replicates_latents
     for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_proj.bias", "down_proj.bias"):
         assert specs[x + name][0] == "model", name  # 4 experts: one per device
     assert specs["model.layers.0.mlp.router.bias"] == (None,)
+
+
+def test_the_jax_eval_of_mla_is_planned_with_every_heads_keys_and_values() -> None:
+    """Sizing (`pipeline.requirements.jax_forward`) at DeepSeek-V3's shape: a wider value head costs its kv_b and o
+    rows (restored in bf16, used in float32) and the expanded values of the context, [context, heads, v], to the
+    byte; the latent cache does not grow."""
+    from pipeline.requirements import Sizing, eval_requirements
+    from tests.pipeline.test_frontier_plans import config_of
+
+    memory, context = {}, 0
+    for v in (128, 256):
+        config = {**config_of("deepseek-v3"), "v_head_dim": v}
+        shape = ModelShape.from_config(config)
+        sizing = Sizing.of_config(config, shape, max_tokens=512, window=128, greedy_tokens=8)
+        memory[v], context = eval_requirements(sizing, "jax", "bf16").memory_bytes, sizing.context
+    heads, rank, hidden, extra = 128, 512, 7168, 128
+    restored = (2 + 4) * heads * extra * (rank + hidden)  # kv_b_proj's and o_proj's rows
+    assert memory[256] - memory[128] == restored + 4 * context * heads * extra
+
+
+@pytest.mark.parametrize(
+    ("name", "rope"),
+    [
+        ("deepseek_v3", {"type": "dynamic", "factor": 2.0}),
+        ("gpt_oss", {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}),
+    ],
+)
+def test_what_the_forward_does_not_compute_is_refused_at_plan_time(
+    name: str, rope: dict[str, Any], models: dict[str, Path]
+) -> None:
+    """The target's model check (`kiln plan`): ORBAX_UNSUPPORTED with the reason, before anything is built."""
+    from core.errors import InvalidInput
+    from targets.orbax.layout import check_model
+
+    config = {**json.loads((models[name] / "config.json").read_text()), "rope_scaling": rope}
+    with pytest.raises(InvalidInput) as e:
+        check_model(ModelShape.from_config(config), config, "bf16", {})
+    assert (
+        e.value.code == "ORBAX_UNSUPPORTED" and "is not implemented (known: default, linear, yarn)" in e.value.message
+    )
