@@ -1,4 +1,4 @@
-"""JAX: the runtime of the orbax target, a Llama-family forward pass written in JAX and run under `jax.jit`.
+"""JAX: the runtime of the orbax target, a decoder forward pass written in JAX and run under `jax.jit`.
 
 The artifact's orbax checkpoint (`targets.orbax.layout` describes it) is restored one piece at a time with
 orbax's partial load (every other tensor a placeholder it does not read): the embedding table, to gather
@@ -18,16 +18,19 @@ The device is explicit, never JAX's default backend: `device` is the stage's (`c
 a mesh), so with jax[cuda] installed a CPU stage still computes on the CPU and a GPU stage on its
 GPU, with the same code path. The platform is recorded in `version` (and so in the eval report).
 
-The forward is transformers' computation of every family the orbax target maps (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3), configured from the family's record and the model's shape
-(`targets.orbax.layout.forward_config`), never by family name: RMSNorm (scaling by 1 + w for Gemma; also
+The forward (`eval.runtimes.jax_forward`, with `jax_attention`, `jax_mixture` and `jax_ops`) is transformers'
+computation of every family the orbax target maps (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 3,
+Phi-3, DeepSeek-V3, gpt-oss), configured from the family's record and the model's shape
+(`targets.orbax.forward.forward_config`), never by family name: RMSNorm (scaling by 1 + w for Gemma; also
 after attention and after the MLP where the record has sandwich norms), per-head q/k RMSNorm before rope
-(Qwen3, Gemma 3), rotary embeddings with each layer type's base (linear scaling where configured; partial
-rotary for Phi-3), grouped-query attention with a causal mask and each sliding layer's window, attention
-scaled by head_dim^-1/2 or Gemma's query_pre_attn_scalar^-1/2, a gated MLP (SiLU or GELU-tanh) or, in a
-sparse layer, a softmax top-k mixture of experts (`_moe`), q/k/v biases where stored, the embedding scaled
-by sqrt(hidden) for Gemma, a tied or untied head, and Gemma's final logit soft-capping. The layer's tensors
-are read by their role (`attn_q`, `ffn_gate_exps`), as the layout names them. int8 weights are
+(Qwen3, Gemma 3), rotary embeddings with each layer type's base (linear scaling or YaRN where configured; partial
+rotary for Phi-3), grouped-query attention with a causal mask, each sliding layer's window and per-head sinks
+(gpt-oss), or multi-head latent attention (DeepSeek-V3, non-absorbed, on a cache of latents), attention scaled by
+head_dim^-1/2, Gemma's query_pre_attn_scalar^-1/2 or MLA's with YaRN's mscale, a gated MLP (SiLU or GELU-tanh) or,
+in a sparse layer, a mixture of experts with its family's router (softmax then top-k, top-k then softmax, or
+DeepSeek-V3's sigmoid group-limited choice), shared experts and gpt-oss's clamped SwiGLU, biases where stored, the
+embedding scaled by sqrt(hidden) for Gemma, a tied or untied head, and Gemma's final logit soft-capping. The
+layer's tensors are read by their role (`attn_q`, `ffn_gate_exps`), as the layout names them. int8 weights are
 dequantized inside the program: a Linear layer's weight is q * scale with one scale per output
 channel, so x @ (q * scale)^T is computed as (x @ q^T) * scale, the form weight-only int8 kernels use.
 
@@ -38,7 +41,7 @@ TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
 Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
 mask keeps it from influencing), so one compiled program serves every window of a bucket, and every
 layer of a kind: the programs are one decoder layer each, one per distinct `LayerConfig` (window, rope,
-dense or experts). `greedy` decodes every prompt together on per-prompt KV caches: one prefill pass (a
+dense or experts). `greedy` decodes every prompt together on per-prompt KV caches (MLA's: latents and rope keys): one prefill pass (a
 window program: the prompts padded to the cache's length, so the program already compiled for the eval's
 windows serves it), then one pass over the layers per token, a jitted step at a traced position; an eval
 does not call it (its greedy agreement is teacher-forced, scored with its windows: `eval.run.measure`). The

@@ -1,5 +1,5 @@
-"""The orbax artifact as data: its files, the checkpoint's tensors, their dtype per quant, and the model
-features its forward serves.
+"""The orbax artifact as data: its files, the checkpoint's tensors and their dtype per quant (the model features
+its forward serves are `targets.orbax.forward`'s).
 
     <artifact>/
       checkpoint/        orbax checkpoint (v1 layout): the weights as a PyTree of arrays, one per
