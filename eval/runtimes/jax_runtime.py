@@ -41,12 +41,12 @@ TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
 Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
 mask keeps it from influencing), so one compiled program serves every window of a bucket, and every
 layer of a kind: the programs are one decoder layer each, one per distinct `LayerConfig` (window, rope,
-dense or experts). `greedy` decodes every prompt together on per-prompt KV caches (MLA's: latents and rope keys): one prefill pass (a
-window program: the prompts padded to the cache's length, so the program already compiled for the eval's
-windows serves it), then one pass over the layers per token, a jitted step at a traced position; an eval
-does not call it (its greedy agreement is teacher-forced, scored with its windows: `eval.run.measure`). The
-programs are jitted once per process (static: the config, the layer's and the compute dtype), so
-artifacts of the same shapes share their compilations.
+dense or experts). `greedy` decodes every prompt together on per-prompt KV caches (MLA's: latents and rope
+keys): one prefill pass (a window program: the prompts padded to the cache's length, so the program already
+compiled for the eval's windows serves it), then one pass over the layers per token, a jitted step at a traced
+position; an eval does not call it (its greedy agreement is teacher-forced, scored with its windows:
+`eval.run.measure`). The programs are jitted once per process (static: the config, the layer's and the compute
+dtype), so artifacts of the same shapes share their compilations.
 """
 
 from __future__ import annotations
