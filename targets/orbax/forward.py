@@ -144,8 +144,10 @@ def _attention_scale(shape: ModelShape) -> float:
     YaRN's mscale(factor, mscale_all_dim) squared where the rope is scaled (DeepseekV3Attention)."""
     scalar = shape.query_pre_attn_scalar
     scale = float((scalar if scalar is not None else shape.head_dim) ** -0.5)
-    rope = shape.rope_for("full_attention")
-    if shape.mla is not None and rope.scaling != "default":
+    if shape.mla is None:
+        return scale
+    rope = shape.rope_for(shape.layer_type(0))  # MLA's one rope (DeepSeek-V3's layers are all full)
+    if rope.scaling != "default":
         mscale_all = dict(rope.params).get("mscale_all_dim", 0)
         if mscale_all:
             if rope.factor is None:
