@@ -10,7 +10,10 @@ plan (experts stacked and expert-parallel, MLA's per-head tensors split by heads
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -318,3 +321,40 @@ def test_what_the_forward_does_not_compute_is_refused_at_plan_time(
     assert (
         e.value.code == "ORBAX_UNSUPPORTED" and "is not implemented (known: default, linear, yarn)" in e.value.message
     )
+
+
+MESH_CHECK = """
+import json, sys
+import numpy as np
+from eval.runtimes import JaxRuntime
+
+out = {}
+for art in sys.argv[1:]:
+    rt = JaxRuntime(art, mesh=True, resident_bytes=0)
+    out[art] = float(np.abs(rt.logits(list(range(3, 500, 7))) - np.load(art + "-expected.npy")).max())
+print(json.dumps(out))
+"""
+
+
+def test_both_compute_the_same_on_an_8_device_mesh(exported: Callable[[str, str], Path]) -> None:
+    """A fresh process with 8 CPU devices restores DeepSeek-V3 (MLA split by heads, latents replicated, experts
+    expert-parallel) and gpt-oss (sinks with their heads) onto the 2 x 4 mesh and computes the single device's
+    logits."""
+    arts = [exported(name, "bf16") for name in ("deepseek_v3", "gpt_oss")]
+    for art in arts:
+        rt = JaxRuntime(art)
+        np.save(f"{art}-expected.npy", rt.logits(IDS))
+        rt.close()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_CHECK, *map(str, arts)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(d < 1e-3 for d in diffs.values()), diffs
