@@ -596,7 +596,9 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     """The JAX forward (`eval.runtimes.jax_runtime`): the checkpoint restored one decoder layer at a time (a
     checkpoint of at most `RESIDENT_BYTES` whole), each weight cast to float32 as used. A sparse layer is
     restored with every expert (the orbax layout stacks them per layer), so P_L counts them all, and its mixture
-    runs densely: every expert on every token of a window, [W, experts, ...] float32 activations besides A(W)."""
+    runs densely: every expert on every token of a window, [W, experts, ...] float32 activations besides A(W).
+    Multi-head latent attention caches latents (the KV cache's MLA width) and expands them on every call to each
+    head's keys and values over the context, [context, heads, qk_head_dim + v_head_dim] in float32."""
     from eval.runtimes.base import RESIDENT_BYTES
 
     sh = sizing.shape
@@ -605,6 +607,7 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     restored = checkpoint if checkpoint <= RESIDENT_BYTES else sizing.weight_bytes * (sizing.layer_params + v * h)
     # The dense mixture's gate, up and their product [W, E, f_e], and each expert's output [W, E, h].
     experts = 4 * w * sh.moe.experts * (3 * sh.moe.intermediate_size + h) if sh.moe is not None else 0
+    mla = 4 * sizing.context * sh.num_heads * (sh.head_dim + sh.mla.v_head_dim) if sh.mla is not None else 0
     working = (
         restored
         + 4 * sizing.layer_params
@@ -613,6 +616,7 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
         + sizing.kv_cache_bytes(sizing.context, element=4)
         + sizing.activations(w)
         + experts
+        + mla
         + 4 * w * v
     )
     return Footprint(working, sizing.compare_bytes)

@@ -180,7 +180,10 @@ def sharpen(model_dir: Path, strength: float = 1.0) -> None:
         kind, x = kinds[name], t.float()
         if kind in (TensorKind.ATTN_Q_NORM, TensorKind.ATTN_K_NORM):
             x = (offset + x) * 4.0 - offset
-        elif kind in (TensorKind.ATTN_Q, TensorKind.ATTN_K) and not shape.arch.attention.qk_norm:
+        elif (kind in (TensorKind.ATTN_Q, TensorKind.ATTN_K) and not shape.arch.attention.qk_norm) or kind in (
+            TensorKind.ATTN_Q_B,  # MLA: the query, and the rope key every head shares
+            TensorKind.ATTN_KV_A_MQA,
+        ):
             x = x * 10.0
         elif kind == TensorKind.ATTN_QKV:  # Phi-3: q and k rows (v's scale only scales the attention output)
             x = x * 6.0

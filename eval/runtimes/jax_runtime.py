@@ -1,4 +1,4 @@
-"""JAX: the runtime of the orbax target, a Llama-family forward pass written in JAX and run under `jax.jit`.
+"""JAX: the runtime of the orbax target, a decoder forward pass written in JAX and run under `jax.jit`.
 
 The artifact's orbax checkpoint (`targets.orbax.layout` describes it) is restored one piece at a time with
 orbax's partial load (every other tensor a placeholder it does not read): the embedding table, to gather
@@ -18,16 +18,19 @@ The device is explicit, never JAX's default backend: `device` is the stage's (`c
 a mesh), so with jax[cuda] installed a CPU stage still computes on the CPU and a GPU stage on its
 GPU, with the same code path. The platform is recorded in `version` (and so in the eval report).
 
-The forward is transformers' computation of every family the orbax target maps (Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3), configured from the family's record and the model's shape
-(`targets.orbax.layout.forward_config`), never by family name: RMSNorm (scaling by 1 + w for Gemma; also
+The forward (`eval.runtimes.jax_forward`, with `jax_attention`, `jax_mixture` and `jax_ops`) is transformers'
+computation of every family the orbax target maps (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 3,
+Phi-3, DeepSeek-V3, gpt-oss), configured from the family's record and the model's shape
+(`targets.orbax.forward.forward_config`), never by family name: RMSNorm (scaling by 1 + w for Gemma; also
 after attention and after the MLP where the record has sandwich norms), per-head q/k RMSNorm before rope
-(Qwen3, Gemma 3), rotary embeddings with each layer type's base (linear scaling where configured; partial
-rotary for Phi-3), grouped-query attention with a causal mask and each sliding layer's window, attention
-scaled by head_dim^-1/2 or Gemma's query_pre_attn_scalar^-1/2, a gated MLP (SiLU or GELU-tanh) or, in a
-sparse layer, a softmax top-k mixture of experts (`_moe`), q/k/v biases where stored, the embedding scaled
-by sqrt(hidden) for Gemma, a tied or untied head, and Gemma's final logit soft-capping. The layer's tensors
-are read by their role (`attn_q`, `ffn_gate_exps`), as the layout names them. int8 weights are
+(Qwen3, Gemma 3), rotary embeddings with each layer type's base (linear scaling or YaRN where configured; partial
+rotary for Phi-3), grouped-query attention with a causal mask, each sliding layer's window and per-head sinks
+(gpt-oss), or multi-head latent attention (DeepSeek-V3, non-absorbed, on a cache of latents), attention scaled by
+head_dim^-1/2, Gemma's query_pre_attn_scalar^-1/2 or MLA's with YaRN's mscale, a gated MLP (SiLU or GELU-tanh) or,
+in a sparse layer, a mixture of experts with its family's router (softmax then top-k, top-k then softmax, or
+DeepSeek-V3's sigmoid group-limited choice), shared experts and gpt-oss's clamped SwiGLU, biases where stored, the
+embedding scaled by sqrt(hidden) for Gemma, a tied or untied head, and Gemma's final logit soft-capping. The
+layer's tensors are read by their role (`attn_q`, `ffn_gate_exps`), as the layout names them. int8 weights are
 dequantized inside the program: a Linear layer's weight is q * scale with one scale per output
 channel, so x @ (q * scale)^T is computed as (x @ q^T) * scale, the form weight-only int8 kernels use.
 
@@ -38,12 +41,12 @@ TPUs otherwise round to bf16); bfloat16 computes as a TPU serving stack does.
 Sequences are padded to power-of-two buckets (padding sits after the real tokens, which the causal
 mask keeps it from influencing), so one compiled program serves every window of a bucket, and every
 layer of a kind: the programs are one decoder layer each, one per distinct `LayerConfig` (window, rope,
-dense or experts). `greedy` decodes every prompt together on per-prompt KV caches: one prefill pass (a
-window program: the prompts padded to the cache's length, so the program already compiled for the eval's
-windows serves it), then one pass over the layers per token, a jitted step at a traced position; an eval
-does not call it (its greedy agreement is teacher-forced, scored with its windows: `eval.run.measure`). The
-programs are jitted once per process (static: the config, the layer's and the compute dtype), so
-artifacts of the same shapes share their compilations.
+dense or experts). `greedy` decodes every prompt together on per-prompt KV caches (MLA's: latents and rope
+keys): one prefill pass (a window program: the prompts padded to the cache's length, so the program already
+compiled for the eval's windows serves it), then one pass over the layers per token, a jitted step at a traced
+position; an eval does not call it (its greedy agreement is teacher-forced, scored with its windows:
+`eval.run.measure`). The programs are jitted once per process (static: the config, the layer's and the compute
+dtype), so artifacts of the same shapes share their compilations.
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
 from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES, check_ids, import_runtime
+from eval.runtimes.jax_forward import DECODE, HEAD, NORM, PREFILL
+from eval.runtimes.jax_ops import ComputeDtype
 
-ComputeDtype = Literal["float32", "bfloat16"]
 MIN_BUCKET = 16
 
 
@@ -87,14 +91,8 @@ class JaxRuntime:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         jax, orbax_checkpoint = import_runtime(("jax", "orbax.checkpoint"), "jax")
         from formats.architectures.shape import ModelShape
-        from targets.orbax.layout import (
-            FORMAT,
-            FORMAT_VERSION,
-            QUANTS,
-            checkpoint_tensors,
-            forward_config,
-            plan_checkpoint,
-        )
+        from targets.orbax.forward import forward_config
+        from targets.orbax.layout import FORMAT, FORMAT_VERSION, QUANTS, checkpoint_tensors, plan_checkpoint
 
         if compute_dtype not in ("float32", "bfloat16"):
             raise InvalidInput(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
@@ -193,11 +191,11 @@ class JaxRuntime:
         static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
         for names, spec in zip(self._layers, self.config.layers, strict=True):
             layer = self._restore_layer(names)
-            hidden = _done([_PREFILL(layer, x, layer=spec, **static)[0] for x in hidden])
+            hidden = _done([PREFILL(layer, x, layer=spec, **static)[0] for x in hidden])
             del layer
         norm, head = self._restore_output()
         for ids, x in zip(checked, hidden, strict=True):
-            yield self._head(_NORM(x[: len(ids)], norm, **static), head)
+            yield self._head(NORM(x[: len(ids)], norm, **static), head)
 
     def greedy(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
         """Argmax continuations of every prompt, decoded together on per-prompt KV caches: one prefill pass over
@@ -215,7 +213,7 @@ class JaxRuntime:
         caches: list[list[Any]] = []
         for names, spec in zip(self._layers, self.config.layers, strict=True):
             layer = self._restore_layer(names)
-            outs = _done([_PREFILL(layer, x, layer=spec, **static) for x in hidden])
+            outs = _done([PREFILL(layer, x, layer=spec, **static) for x in hidden])
             del layer
             hidden = [x for x, _ in outs]
             caches.append([kv for _, kv in outs])
@@ -230,7 +228,7 @@ class JaxRuntime:
             for li, (names, spec) in enumerate(zip(self._layers, self.config.layers, strict=True)):
                 layer = self._restore_layer(names)
                 for j, (x, pos) in enumerate(zip(hidden, positions, strict=True)):
-                    hidden[j], caches[li][j] = _DECODE(layer, x, pos, caches[li][j], layer=spec, **static)
+                    hidden[j], caches[li][j] = DECODE(layer, x, pos, caches[li][j], layer=spec, **static)
                 _done(hidden)
                 del layer
             tokens = self._next_tokens(hidden)
@@ -297,7 +295,7 @@ class JaxRuntime:
         for lo in range(0, vocab, HEAD_BLOCK):
             size = min(HEAD_BLOCK, vocab - lo)
             # Sliced outside the program: inside it, XLA's first run held a second copy of the whole head.
-            block = _HEAD(
+            block = HEAD(
                 h, head[lo : lo + size], compute_dtype=self.compute_dtype, softcap=self.config.final_logit_softcapping
             )
             out[:, lo : lo + size] = np.asarray(block)
@@ -307,7 +305,7 @@ class JaxRuntime:
         """The argmax token after each prompt's last hidden state [1, hidden]."""
         static = {"cfg": self.config, "compute_dtype": self.compute_dtype}
         norm, head = self._restore_output()
-        return [int(np.argmax(self._head(_NORM(x, norm, **static), head)[0])) for x in last]
+        return [int(np.argmax(self._head(NORM(x, norm, **static), head)[0])) for x in last]
 
 
 def _done(outputs: Any) -> Any:
@@ -418,234 +416,3 @@ def _check_stored(checkpoint: Path, abstract: dict[str, Any]) -> None:
                 code="EVAL_RUNTIME_LOAD_FAILED",
                 details={"tensor": name},
             )
-
-
-# --- the forward pass, one decoder layer per call (pure functions; traced once per padded shape) -----------
-
-
-# The layer's tensors by role (`formats.architectures.record.TensorKind`), as `JaxRuntime._restore_layer` keys them.
-_ATTN_NORM, _FFN_NORM = "attn_norm", "ffn_norm"
-_ATTN_POST_NORM, _FFN_POST_NORM = "attn_post_norm", "ffn_post_norm"
-
-
-def _linear(params: dict[str, Any], kind: str, x: Any, dtype: Any, precision: Any) -> Any:
-    import jax.numpy as jnp
-
-    w = params[kind]
-    y = jnp.einsum("ti,oi->to", x, w.astype(dtype), precision=precision)
-    scale = params.get(kind + ".scale")
-    if scale is not None:  # int8: x @ (q * s)^T == (x @ q^T) * s, s per output channel
-        y = y * scale.astype(dtype)
-    bias = params.get(kind + ".bias")
-    if bias is not None:
-        y = y + bias.astype(dtype)
-    return y
-
-
-def _rms_norm(x: Any, weight: Any, eps: float, offset: float, dtype: Any) -> Any:
-    """RMSNorm over the last axis in float32, scaled by (offset + w): Gemma's norms store w around 0 (offset 1)."""
-    import jax
-    import jax.numpy as jnp
-
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return ((offset + weight.astype(jnp.float32)) * normed).astype(dtype)
-
-
-def _activation(name: str, x: Any) -> Any:
-    import jax
-
-    return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
-
-
-def _rope(x: Any, positions: Any, rotary_dim: int, theta: float, factor: float) -> Any:
-    """Rotary embedding, transformers' layout: the two halves of the first `rotary_dim` dimensions of each head are
-    rotated as (x1, x2) pairs, the rest pass through (Phi-3's partial rotary); linear scaling divides the
-    frequencies by `factor`."""
-    import jax.numpy as jnp
-
-    d = rotary_dim
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if factor != 1.0:
-        inv_freq = inv_freq / factor
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos = jnp.cos(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
-    sin = jnp.sin(jnp.concatenate([freqs, freqs], axis=-1))[:, None, :]
-    rot = x[..., :d]
-    x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = (rot.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
-    return out if d == x.shape[-1] else jnp.concatenate([out, x[..., d:]], axis=-1)
-
-
-def _mlp(params: dict[str, Any], h: Any, *, cfg: Any, dtype: Any, precision: Any) -> Any:
-    """The gated MLP: down(act(gate(h)) * up(h))."""
-    gate = _linear(params, "ffn_gate", h, dtype, precision)
-    up = _linear(params, "ffn_up", h, dtype, precision)
-    return _linear(params, "ffn_down", _activation(cfg.activation, gate) * up, dtype, precision)
-
-
-def _experts(params: dict[str, Any], kind: str, spec: str, x: Any, dtype: Any, precision: Any) -> Any:
-    """Every expert's Linear of `kind` ([experts, out, in], int8 scales [experts, out]) applied by einsum `spec`."""
-    import jax.numpy as jnp
-
-    y = jnp.einsum(spec, x, params[kind].astype(dtype), precision=precision)
-    scale = params.get(kind + ".scale")
-    return y if scale is None else y * scale.astype(dtype)[None]
-
-
-def _moe(params: dict[str, Any], h: Any, *, cfg: Any, dtype: Any, precision: Any) -> Any:
-    """A mixture of experts as transformers' Qwen3-MoE and Mixtral blocks compute it: a softmax over every expert's
-    router logit (float32), the top k kept, renormalised to sum to 1 when `norm_topk_prob`; each chosen expert's
-    SwiGLU output weighted by its probability and summed.
-
-    Computed densely: every expert runs on every token and the experts not chosen weigh 0, so one program with no
-    data-dependent shapes serves every call, and a mesh that splits the expert axis reduces the weighted sum over
-    it. That costs experts / k times the routed FLOPs and holds [tokens, experts, moe_intermediate] activations:
-    right for an evaluation's few thousand tokens, not for serving (which gathers each expert's tokens)."""
-    import jax
-    import jax.numpy as jnp
-
-    logits = jnp.einsum("th,eh->te", h, params["ffn_gate_inp"].astype(dtype), precision=precision)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, chosen = jax.lax.top_k(probs, cfg.experts_per_token)
-    if cfg.norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-    # [tokens, experts]: each chosen expert's weight, 0 for the others (one-hot rows sum exactly: k distinct experts).
-    weights = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(chosen, cfg.experts, dtype=jnp.float32)).astype(dtype)
-    gate = _experts(params, "ffn_gate_exps", "th,efh->tef", h, dtype, precision)
-    up = _experts(params, "ffn_up_exps", "th,efh->tef", h, dtype, precision)
-    out = _experts(params, "ffn_down_exps", "tef,ehf->teh", _activation(cfg.activation, gate) * up, dtype, precision)
-    return jnp.einsum("te,teh->th", weights, out, precision=precision)
-
-
-def _layer(
-    params: dict[str, Any],
-    x: Any,
-    start: Any,
-    cache: tuple[Any, Any],
-    *,
-    cfg: Any,
-    layer: Any,
-    dtype: Any,
-    precision: Any,
-) -> tuple[Any, tuple[Any, Any]]:
-    """One decoder layer over hidden states `x` [T, hidden] at positions start..start+T-1, and its KV cache
-    (keys, values) of [S, kv_heads, head_dim] with them written; a query attends to the cached keys at
-    positions up to its own (within the layer's sliding window, if any). `params` are the layer's, by role
-    (`attn_q`); `layer` is what this layer's computation has of its own (`LayerConfig`: window, rope, experts)."""
-    import jax
-    import jax.numpy as jnp
-
-    t = x.shape[0]
-    s = cache[0].shape[0]
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    positions = start + jnp.arange(t, dtype=jnp.int32)
-    keys_at = jnp.arange(s, dtype=jnp.int32)
-    visible = keys_at[None, :] <= positions[:, None]
-    if layer.window is not None:
-        visible &= positions[:, None] - keys_at[None, :] < layer.window
-
-    def norm(v: Any, kind: str) -> Any:
-        return _rms_norm(v, params[kind], cfg.rms_norm_eps, cfg.norm_offset, dtype)
-
-    h = norm(x, _ATTN_NORM)
-    q = _linear(params, "attn_q", h, dtype, precision).reshape(t, nh, hd)
-    k = _linear(params, "attn_k", h, dtype, precision).reshape(t, nkv, hd)
-    v = _linear(params, "attn_v", h, dtype, precision).reshape(t, nkv, hd)
-    if cfg.qk_norm:  # per head, before rope
-        q, k = norm(q, "attn_q_norm"), norm(k, "attn_k_norm")
-    q = _rope(q, positions, cfg.rotary_dim, layer.rope_theta, layer.rope_factor)
-    k = _rope(k, positions, cfg.rotary_dim, layer.rope_theta, layer.rope_factor)
-    ck = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (start, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (start, 0, 0))
-    # Grouped-query attention: query head j reads kv head j // (nh / nkv).
-    qg = q.reshape(t, nkv, nh // nkv, hd)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, ck, precision=precision).astype(jnp.float32) * cfg.attention_scale
-    scores = jnp.where(visible[None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    attn = jnp.einsum("kgts,skd->tkgd", probs, cv, precision=precision).reshape(t, nh * hd)
-    attn = _linear(params, "attn_output", attn, dtype, precision)
-    if cfg.sandwich_norms:
-        attn = norm(attn, _ATTN_POST_NORM)
-    x = x + attn
-    h = norm(x, _FFN_NORM)
-    mlp = (_moe if layer.sparse else _mlp)(params, h, cfg=cfg, dtype=dtype, precision=precision)
-    if cfg.sandwich_norms:
-        mlp = norm(mlp, _FFN_POST_NORM)
-    return x + mlp, (ck, cv)
-
-
-def _arithmetic(compute_dtype: ComputeDtype) -> tuple[Any, Any]:
-    """(dtype, matmul precision) of `compute_dtype`: float32 at HIGHEST, which TPUs otherwise round to bf16."""
-    import jax
-
-    precision = jax.lax.Precision.HIGHEST if compute_dtype == "float32" else jax.lax.Precision.DEFAULT
-    return jax.numpy.dtype(compute_dtype), precision
-
-
-def _prefill(
-    params: dict[str, Any], x: Any, *, cfg: Any, layer: Any, compute_dtype: ComputeDtype
-) -> tuple[Any, tuple[Any, Any]]:
-    """One layer over `x` from position 0, on an empty cache of as many positions."""
-    import jax.numpy as jnp
-
-    dtype, precision = _arithmetic(compute_dtype)
-    shape = (x.shape[0], cfg.num_kv_heads, cfg.head_dim)
-    cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    return _layer(params, x, 0, cache, cfg=cfg, layer=layer, dtype=dtype, precision=precision)
-
-
-def _decode(
-    params: dict[str, Any],
-    x: Any,
-    start: Any,
-    cache: tuple[Any, Any],
-    *,
-    cfg: Any,
-    layer: Any,
-    compute_dtype: ComputeDtype,
-) -> tuple[Any, tuple[Any, Any]]:
-    """One layer over `x` at positions from `start` (traced: one program serves every step)."""
-    dtype, precision = _arithmetic(compute_dtype)
-    return _layer(params, x, start, cache, cfg=cfg, layer=layer, dtype=dtype, precision=precision)
-
-
-def _norm(x: Any, weight: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> Any:
-    """The final RMSNorm."""
-    dtype, _ = _arithmetic(compute_dtype)
-    return _rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset, dtype)
-
-
-def _head_block(h: Any, block: Any, *, compute_dtype: ComputeDtype, softcap: float | None) -> Any:
-    """Logits [T, rows] (float32) of a block of the output head's vocabulary rows, soft-capped to (-cap, cap) as
-    cap * tanh(logits / cap) where the model caps them (Gemma's final_logit_softcapping)."""
-    import jax.numpy as jnp
-
-    dtype, precision = _arithmetic(compute_dtype)
-    logits = jnp.einsum("th,vh->tv", h, block.astype(dtype), precision=precision).astype(jnp.float32)
-    return logits if softcap is None else jnp.tanh(logits / softcap) * softcap
-
-
-class _Jitted:
-    """`jax.jit(fn)` made on first use (importing jax is not free); shared by every runtime in the process, so
-    artifacts of the same config, dtypes and shapes reuse one another's compiled programs (every layer of a
-    model shares one)."""
-
-    def __init__(self, fn: Any, static: tuple[str, ...] = ("cfg", "compute_dtype")) -> None:
-        self._fn = fn
-        self._static = static
-        self._jitted: Any = None
-
-    def __call__(self, *args: Any, **static: Any) -> Any:
-        if self._jitted is None:
-            import jax
-
-            self._jitted = jax.jit(self._fn, static_argnames=self._static)
-        return self._jitted(*args, **static)
-
-
-_PREFILL = _Jitted(_prefill, ("cfg", "layer", "compute_dtype"))
-_DECODE = _Jitted(_decode, ("cfg", "layer", "compute_dtype"))
-_NORM = _Jitted(_norm)
-_HEAD = _Jitted(_head_block, ("compute_dtype", "softcap"))

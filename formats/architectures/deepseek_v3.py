@@ -42,10 +42,7 @@ from formats.architectures.record import (
     Mlp,
     PredictionLayers,
     TargetMapping,
-    refused,
 )
-
-_LATER = "(a later step of issue 39)"
 
 
 class DeepseekV3Config(FamilyConfig):
@@ -187,11 +184,10 @@ RECORD = Architecture(
         # (formats.gguf.layout), the correction bias as exp_probs_b; the prediction layer left out, as its converter
         # does (skip_mtp).
         "gguf": TargetMapping(gguf_arch="deepseek2"),
-        "orbax": refused(
-            "kiln's JAX forward computes grouped-query attention and softmax routing: multi-head latent attention "
-            "(query and key-value latents, a rope key shared by every head, YaRN's attention scale) and sigmoid "
-            f"group-limited routing with a correction bias are not in it {_LATER}"
-        ),
+        # orbax: MLA's tensors as stored (their latents replicated on the mesh), the experts stacked; kiln's JAX
+        # forward computes MLA non-absorbed on a cache of latents, and the sigmoid group-limited router
+        # (targets.orbax.forward).
+        "orbax": TargetMapping(),
         # TensorRT-LLM's PyTorch backend (tensorrt_llm/_torch/models/modeling_deepseekv3.py,
         # `DeepseekV3WeightLoader.load_weights`) reads transformers' names: q_a_proj and kv_a_proj_with_mqa fused
         # (their weights and `weight_scale_inv` concatenated by rows), kv_b_proj split into k_b / v_b per head (from

@@ -42,10 +42,8 @@ from formats.architectures.record import (
     Mlp,
     TargetMapping,
     TensorKind,
-    refused,
 )
 
-_LATER = "(a later step of issue 39)"
 # Why no quantized scheme of kiln's serves gpt-oss in TensorRT-LLM: its MLPBlock builds the fused MoE with the
 # checkpoint's quant config (`create_moe(model_config=...)`, modeling_gpt_oss.py), and kiln's schemes quantize 2-D
 # Linears only.
@@ -146,11 +144,10 @@ RECORD = Architecture(
         # llama.cpp's gpt-oss: the norm before the experts is its post_attention_norm; the stacked gate_up split
         # into ffn_gate_exps / ffn_up_exps and down_proj transposed (formats.gguf.layout); MXFP4 experts kept.
         "gguf": TargetMapping(gguf_arch="gpt-oss", names=((TensorKind.FFN_NORM, "post_attention_norm"),)),
-        "orbax": refused(
-            "kiln's JAX forward computes none of gpt-oss's own blocks: attention sinks, the clamped SwiGLU with "
-            "biases over stacked interleaved experts, a router with a bias and a softmax after the top-k, YaRN rope "
-            f"{_LATER}"
-        ),
+        # orbax: the stacked experts as [experts, out, in] gate, up and down stacks (gate_up de-interleaved), with
+        # their biases; kiln's JAX forward computes sinks, the top-k-then-softmax router with its bias, the clamped
+        # SwiGLU and YaRN (targets.orbax.forward).
+        "orbax": TargetMapping(),
         # TensorRT-LLM's PyTorch backend (tensorrt_llm/_torch/models/modeling_gpt_oss.py, `GptOssForCausalLM.
         # load_hf_weights`) reads transformers' names (`hf_params_map`: attn -> self_attn, gate -> router): q/k/v and
         # o with their biases, `self_attn.sinks` (cast to float32, AttentionBlock.load_weights), the router's weight

@@ -1,6 +1,7 @@
 """The `orbax` target: the weights as an orbax checkpoint of JAX arrays, with a sharding plan for a TPU mesh.
 
-Layout: `layout` (the artifact's files, quants and the model features served, as data), `sharding`
+Layout: `layout` (the artifact's files, quants and tensors, as data), `forward` (the model features its JAX
+forward computes, and the refusals of what it does not), `sharding`
 (the tensor-parallel plan on a mesh), `writer` (streaming orbax checkpoint writer, a state machine),
 `export` (the stage function). Served by kiln's JAX forward (`eval.runtimes.jax_runtime`), which
 restores the checkpoint with orbax, on CPU in tests and on TPU v5e/v5p in production (a design target: nothing

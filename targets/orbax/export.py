@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import InvalidInput, StageFailed, UnknownName
 from targets.base import ExportRequest, ExportResult
+from targets.orbax.forward import forward_config
 from targets.orbax.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -36,7 +37,6 @@ from targets.orbax.layout import (
     SourceGroup,
     checkpoint_tensors,
     compatibility,
-    forward_config,
     plan_checkpoint,
 )
 from targets.orbax.sharding import TENSOR_AXIS, HeadLayout, mesh_from_params, plan_sharding
@@ -101,7 +101,8 @@ def checkpoint_arrays(
 def _group_arrays(
     source: SourceModel, quantized: QuantizedWeights | None, group: SourceGroup
 ) -> list[tuple[str, np.ndarray]]:
-    """A group's arrays: its source tensors converted (bf16, or int8 with scales), then copied, split or stacked."""
+    """A group's arrays: its source tensors converted (bf16, or int8 with scales), then copied, split, stacked or
+    deinterleaved, and transposed where stored inputs first."""
     import numpy as np
 
     converted = [_converted(source, quantized, name) for name in group.sources]
@@ -113,8 +114,15 @@ def _group_arrays(
         bounds = np.cumsum([p.shape[0] for p in group.parts])[:-1]
         parts = np.split(values[0], bounds)
         part_scales = np.split(scales[0], bounds) if scales else []
+    elif group.how == "deinterleave":
+        n = len(group.parts)
+        parts, part_scales = [values[0][..., i::n] for i in range(n)], []
     else:
         parts, part_scales = values, scales
+    if group.transposed:  # a stack stored inputs first: [experts, in, out] -> [experts, out, in]
+        parts = [np.ascontiguousarray(np.swapaxes(p, -1, -2)) for p in parts]
+    elif group.how == "deinterleave":
+        parts = [np.ascontiguousarray(p) for p in parts]
     return [
         *((t.name, a) for t, a in zip(group.parts, parts, strict=True)),
         *((t.name, a) for t, a in zip(group.scales, part_scales, strict=True)),

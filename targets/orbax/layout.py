@@ -1,5 +1,5 @@
-"""The orbax artifact as data: its files, the checkpoint's tensors, their dtype per quant, and the model
-features its forward serves.
+"""The orbax artifact as data: its files, the checkpoint's tensors and their dtype per quant (the model features
+its forward serves are `targets.orbax.forward`'s).
 
     <artifact>/
       checkpoint/        orbax checkpoint (v1 layout): the weights as a PyTree of arrays, one per
@@ -11,7 +11,8 @@ features its forward serves.
 
 Tensors keep the source's names and `[out, in]` orientation, except where the layout is the one a TPU
 serving stack computes with (`plan_checkpoint`): a mixture of experts' Linears are stacked per layer and
-projection, `[experts, out, in]`, and fused Linears (Phi-3's `qkv_proj`, `gate_up_proj`) are split into
+projection, `[experts, out, in]` (experts a checkpoint already stacks inputs first, gpt-oss's, transposed to it,
+their interleaved gate and up split), and fused Linears (Phi-3's `qkv_proj`, `gate_up_proj`) are split into
 their parts. The forward contracts over `in`. Quant `int8` stores each Linear weight as int8 `weight` plus
 a float32 `weight_scale` per output channel (`[experts, out]` for a stack), and the weight is
 `weight * weight_scale[..., None]`; everything else (embeddings, norms, routers, biases, lm_head) is
@@ -28,11 +29,11 @@ from typing import Any, Final, Literal
 
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
-from formats.architectures.config import sqrt_hidden
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
 from quant.catalog import SCHEMES
 from quant.schemes import Verdict
+from targets.orbax.forward import forward_config
 from targets.orbax.sharding import HeadLayout, mesh_from_params, plan_sharding
 
 FORMAT: Final = "orbax-checkpoint"
@@ -156,12 +157,15 @@ class CheckpointTensor:
 class SourceGroup:
     """Source tensors read together and the checkpoint arrays made of them (`parts`, with one `scales` entry each
     where the Linear is quantized): `copy` one source as it is; `split` one fused source's rows into `parts`, in
-    order; `stack` one source per expert on a new first axis, in expert order."""
+    order; `stack` one source per expert on a new first axis, in expert order; `deinterleave` one source's last
+    axis, whose columns alternate between `parts` (column j belongs to part j mod len(parts)). `transposed`: the
+    source is a stack stored inputs first (`[experts, in, out]`), whose last two axes are swapped after."""
 
-    how: Literal["copy", "split", "stack"]
+    how: Literal["copy", "split", "stack", "deinterleave"]
     sources: tuple[str, ...]
     parts: tuple[CheckpointTensor, ...]
     scales: tuple[CheckpointTensor, ...] = ()
+    transposed: bool = False
 
     @property
     def outputs(self) -> tuple[CheckpointTensor, ...]:
@@ -178,7 +182,12 @@ def plan_checkpoint(
     `<block>.<experts>.<proj>.weight` [experts, out, in]. Fused Linears are split: Phi-3's `qkv_proj` into
     `q_proj`, `k_proj`, `v_proj` (and its bias likewise), `gate_up_proj` into the MLP's gate and up projections,
     so the tensor-parallel plan splits each by whole heads and the forward reads one layout for every family.
-    Every other tensor keeps its source name."""
+    Experts the source already stacks inputs first (the record's "fused" layout, gpt-oss: `<experts>.gate_up_proj`
+    [experts, hidden, 2 x intermediate], gate and up interleaved, `<experts>.down_proj` [experts, intermediate,
+    hidden], and their biases) become the same stacks as everyone's: `<experts>.gate_proj.weight` and
+    `up_proj.weight` [experts, intermediate, hidden] (the even and odd columns, transposed), `down_proj.weight`
+    [experts, hidden, intermediate], and `gate_proj.bias`, `up_proj.bias` [experts, intermediate] and
+    `down_proj.bias` [experts, hidden]. Every other tensor keeps its source name."""
     arch = shape.arch
     specs = shape.tensors()
     experts: dict[tuple[int | None, TensorKind], list[TensorSpec]] = {}
@@ -204,6 +213,8 @@ def plan_checkpoint(
             name = spec.name.replace(f".{arch.mlp.experts.experts}.0.", f".{arch.mlp.experts.experts}.", 1)
             stacked = CheckpointTensor(name, dtype, (len(members), *spec.shape), spec.kind, part, spec.layer)
             groups.append(SourceGroup("stack", tuple(m.name for m in members), (stacked,), _scales(q, stacked)))
+        elif spec.kind in STACKED_INPUTS_FIRST:
+            groups.append(_inputs_first(shape, spec, dtype, part))
         elif spec.kind in FUSED:
             parts = tuple(
                 CheckpointTensor(_split_name(shape, spec, kind), dtype, (rows, *spec.shape[1:]), kind, part, spec.layer)
@@ -218,9 +229,42 @@ def plan_checkpoint(
     return groups
 
 
+def _inputs_first(shape: ModelShape, spec: TensorSpec, dtype: str, part: Part) -> SourceGroup:
+    """A stack of every expert stored inputs first (the record's "fused" experts), as `[experts, out, in]` stacks
+    named by the record's projections: gate_up split into its interleaved gate and up, down transposed; their
+    biases ([experts, out]) split or renamed alike. Never quantized (kiln's schemes write no 3-D weights)."""
+    experts = shape.arch.mlp.experts
+    assert experts is not None  # a stacked expert tensor comes from the record's experts
+    stem = f"model.layers.{spec.layer}.{experts.block}.{experts.experts}."
+    leaf = "bias" if spec.bias else "weight"
+    kinds = STACKED_INPUTS_FIRST[spec.kind]
+    names = {
+        TensorKind.FFN_GATE_EXPS: experts.projections.gate,
+        TensorKind.FFN_UP_EXPS: experts.projections.up,
+        TensorKind.FFN_DOWN_EXPS: experts.projections.down,
+    }
+    e, *rest = spec.shape
+    dims: tuple[int, ...] = (e, rest[0] // len(kinds)) if spec.bias else (e, rest[1] // len(kinds), rest[0])
+    parts = tuple(
+        CheckpointTensor(f"{stem}{names[kind]}.{leaf}", dtype, dims, kind, part, spec.layer) for kind in kinds
+    )
+    if sum(p.shape[-2 if not spec.bias else -1] for p in parts) != spec.shape[-1]:
+        raise InvalidInput(f"orbax: {spec.name!r} does not split into its parts", details={"tensor": spec.name})
+    how: Literal["copy", "deinterleave"] = "deinterleave" if len(kinds) > 1 else "copy"
+    return SourceGroup(how, (spec.name,), parts, transposed=not spec.bias)
+
+
 def checkpoint_tensors(groups: Sequence[SourceGroup]) -> dict[str, CheckpointTensor]:
     """`{name: tensor}` of every array the groups write, in write order."""
     return {t.name: t for g in groups for t in g.outputs}
+
+
+# Stacked expert tensors a checkpoint stores inputs first (`[experts, in, out]`), and the kinds the checkpoint
+# stores them as: gate_up's interleaved columns split into gate and up.
+STACKED_INPUTS_FIRST: Final[dict[TensorKind, tuple[TensorKind, ...]]] = {
+    TensorKind.FFN_GATE_UP_EXPS: (TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS),
+    TensorKind.FFN_DOWN_EXPS: (TensorKind.FFN_DOWN_EXPS,),
+}
 
 
 def _scales(quantized: bool, weight: CheckpointTensor) -> tuple[CheckpointTensor, ...]:
@@ -248,134 +292,6 @@ def _split_name(shape: ModelShape, spec: TensorSpec, kind: TensorKind) -> str:
         TensorKind.FFN_UP: f"{arch.mlp.prefix}.{arch.mlp.projections.up}",
     }[kind]
     return f"{layer}{module}.{leaf}"
-
-
-# -- the forward's configuration -------------------------------------------------------------------------------
-
-# config.json's activation -> the forward's (transformers' ACT2FN names).
-ACTIVATIONS: Final[dict[str, str]] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-ROPE_SCALINGS: Final = ("default", "linear")  # linear: positions divided by `factor`
-
-
-@dataclass(frozen=True)
-class LayerConfig:
-    """What differs between decoder layers: the window its queries see (None: every earlier key), its rope's base
-    and linear scaling factor (1: none), and whether its MLP routes to experts."""
-
-    window: int | None
-    rope_theta: float
-    rope_factor: float = 1.0
-    sparse: bool = False
-
-
-@dataclass(frozen=True)
-class ForwardConfig:
-    """The hyper-parameters of the JAX forward (hashable: it is a static argument of `jax.jit`), from the model's
-    `ModelShape` and its family's record."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    rotary_dim: int  # the leading dimensions of each head rope rotates (Phi-3's partial rotary: fewer)
-    attention_scale: float  # head_dim^-1/2, or Gemma's query_pre_attn_scalar^-1/2
-    activation: str = "silu"  # of the gated MLP and the experts: silu or gelu_tanh
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
-    norm_offset: float = 0.0  # RMSNorms scale by (offset + w) (Gemma: 1)
-    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
-    embedding_scale: float | None = None  # the embedding's rows times this, in the compute dtype (Gemma)
-    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    experts: int = 0  # routed experts of a sparse layer (0: none)
-    experts_per_token: int = 0
-    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
-    layers: tuple[LayerConfig, ...] = ()
-
-
-def _unsupported(message: str, **details: Any) -> InvalidInput:
-    return InvalidInput(f"orbax: {message}", code="ORBAX_UNSUPPORTED", details=details)
-
-
-def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfig:
-    """The forward's config from a model's checked shape (and config.json, for the keys the shape does not carry);
-    refuses, with ORBAX_UNSUPPORTED and the reason, what the JAX forward would compute differently from
-    transformers.
-
-    Everything family-specific comes from the family's record (`shape.arch`) and the shape: q/k norms, norm
-    offset and sandwich norms, the embedding scale, activation, attention scale, each layer's window and rope
-    (`ModelShape.rope_for` of its type), partial rotary, experts. `kiln plan` calls this (through the target's
-    model check) and the export again before writing anything, so an artifact is only planned for models its
-    runtime serves exactly."""
-    arch = shape.arch
-    activation = ACTIVATIONS.get(shape.hidden_act)
-    if activation is None:
-        raise _unsupported(
-            f"activation {shape.hidden_act!r} is not computed (known: {', '.join(ACTIVATIONS)})",
-            activation=shape.hidden_act,
-        )
-    if config.get("mlp_bias"):
-        raise _unsupported("MLP biases are not computed")
-    if shape.rotary_fraction != 1.0 and not arch.attention.partial_rotary:
-        raise _unsupported(
-            f"partial_rotary_factor={shape.rotary_fraction} on {shape.architecture}, whose transformers class "
-            "rotates every dimension",
-            partial_rotary_factor=shape.rotary_fraction,
-        )
-    rotary_dim = int(shape.head_dim * shape.rotary_fraction)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise _unsupported(f"rope would rotate {rotary_dim} dimensions of each head; it rotates pairs")
-    if shape.attn_logit_softcapping is not None:
-        # transformers 5.17's Gemma 3 attention does not pass it on (Gemma 2's does): no reference to match.
-        raise _unsupported("attn_logit_softcapping is set; transformers' Gemma 3 does not apply it")
-    moe = shape.moe
-    experts = arch.mlp.experts
-    if moe is not None and experts is not None:
-        if moe.shared_intermediate_size or experts.shared is not None:
-            raise _unsupported("a shared expert is not computed")
-        if not experts.softmax_then_topk:
-            raise _unsupported("routers other than softmax over every expert, then top-k, are not computed")
-    layers = []
-    for i in range(shape.num_layers):
-        kind = shape.layer_type(i)
-        rope = shape.rope_for(kind)
-        if rope.scaling not in ROPE_SCALINGS:
-            raise _unsupported(
-                f"rope scaling {rope.scaling!r} ({kind} layers) is not implemented (known: {', '.join(ROPE_SCALINGS)})",
-                rope_type=rope.scaling,
-            )
-        if rope.scaling == "linear" and rope.factor is None:
-            raise _unsupported(f"linear rope scaling without a factor ({kind} layers)", rope_type=rope.scaling)
-        factor = rope.factor if rope.scaling == "linear" and rope.factor is not None else 1.0
-        window = shape.sliding_window if kind == "sliding_attention" else None
-        layers.append(LayerConfig(window, rope.theta, factor, shape.is_sparse(i)))
-    scalar = shape.query_pre_attn_scalar
-    return ForwardConfig(
-        architecture=shape.architecture,
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rms_norm_eps=shape.rms_norm_eps,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        rotary_dim=rotary_dim,
-        attention_scale=(scalar if scalar is not None else shape.head_dim) ** -0.5,
-        activation=activation,
-        qk_norm=arch.attention.qk_norm,
-        norm_offset=arch.norms.offset,
-        sandwich_norms=arch.norms.sandwich,
-        embedding_scale=sqrt_hidden(shape.hidden_size) if arch.norms.embedding_scale == "sqrt_hidden" else None,
-        final_logit_softcapping=shape.final_logit_softcapping,
-        experts=moe.experts if moe is not None else 0,
-        experts_per_token=moe.experts_per_token if moe is not None else 0,
-        norm_topk_prob=moe.norm_topk_prob if moe is not None else False,
-        layers=tuple(layers),
-    )
 
 
 def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: Mapping[str, Any]) -> None:

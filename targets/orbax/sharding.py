@@ -12,7 +12,12 @@ Megatron-style tensor parallelism over the mesh axis `model` (`TENSOR_AXIS`); ev
 - a mixture of experts' stacked Linears ([experts, out, in]) split their expert axis when the experts
   divide the axis (expert parallelism: each device holds whole experts, and the routed sum is reduced
   over the axis); otherwise each expert splits as a dense MLP does (gate/up on out, down on in);
-- norms and routers are replicated.
+- norms and routers are replicated;
+- attention sinks (one logit per query head) split with their heads;
+- multi-head latent attention (DeepSeek-V3) splits what is per head: q_b_proj (or q_proj) and kv_b_proj on their
+  outputs, o_proj on its inputs, by whole heads; the query latent's q_a_proj and the key-value latent's
+  kv_a_proj_with_mqa (the latent and the one rope key every head reads), with their norms and biases, are
+  replicated: every device's heads read all of them, and they are small (DeepSeek-V3: 1536 + 576 rows of 7168).
 
 Tensors are told apart by their role (`TensorKind`), not their names. Attention projections are split
 by whole heads. Key/value heads fewer than the axis size are replicated, as Megatron and vLLM do, when
@@ -131,11 +136,26 @@ _COLUMN: Final = frozenset(
         TensorKind.FFN_UP,
         TensorKind.FFN_GATE_SHEXP,
         TensorKind.FFN_UP_SHEXP,
+        TensorKind.ATTN_SINKS,
+        TensorKind.ATTN_Q_B,
+        TensorKind.ATTN_KV_B,
     }
 )
+# Multi-head latent attention's latents, which every head reads: replicated (`plan_sharding` notes why).
+_LATENT: Final = frozenset({TensorKind.ATTN_Q_A, TensorKind.ATTN_KV_A_MQA})
 _ROW: Final = frozenset({TensorKind.ATTN_OUTPUT, TensorKind.FFN_DOWN, TensorKind.FFN_DOWN_SHEXP})
 _KV: Final = frozenset({TensorKind.ATTN_K, TensorKind.ATTN_V})
-_ATTENTION: Final = frozenset({TensorKind.ATTN_Q, TensorKind.ATTN_K, TensorKind.ATTN_V, TensorKind.ATTN_OUTPUT})
+_ATTENTION: Final = frozenset(
+    {
+        TensorKind.ATTN_Q,
+        TensorKind.ATTN_K,
+        TensorKind.ATTN_V,
+        TensorKind.ATTN_OUTPUT,
+        TensorKind.ATTN_SINKS,
+        TensorKind.ATTN_Q_B,
+        TensorKind.ATTN_KV_B,
+    }
+)
 _VOCAB: Final = frozenset({TensorKind.TOKEN_EMBD, TensorKind.OUTPUT})
 _EXPERT_COLUMN: Final = frozenset({TensorKind.FFN_GATE_EXPS, TensorKind.FFN_UP_EXPS})
 
@@ -165,6 +185,8 @@ def plan_sharding(
             spec[dim] = TENSOR_AXIS
             if dim == 1:
                 notes[name] = f"vocabulary {shape[0]} does not divide {tp}: split on hidden size"
+        elif kind in _LATENT:
+            notes[name] = "a latent every head reads: replicated"
         elif kind in EXPERT_KINDS:
             split = _expert_dim(name, t, tp)
             if split is not None:

@@ -340,7 +340,19 @@ def test_expert_parallel_artifact_computes_the_same_on_an_8_device_mesh(exported
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "'yarn'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 10000.0,
+                }
+            },
+            "'llama3'",
+        ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
     ],
 )

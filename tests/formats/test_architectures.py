@@ -260,12 +260,10 @@ def test_an_unknown_architecture_names_every_supported_one() -> None:
     assert e.value.details["supported"] == list(ARCHITECTURES)
 
 
-# The targets and runtimes each record refuses, for now (the families of issue 39: their writers come later; GGUF
-# writes both, tests/targets/test_gguf_frontier.py; trtllm too, tests/targets/test_trtllm_frontier.py).
-REFUSED = {
-    "deepseek_v3": {"orbax", "vllm"},
-    "gpt_oss": {"orbax", "vllm"},
-}
+# The targets and runtimes each record refuses: none (the families of issue 39 map every target: GGUF
+# tests/targets/test_gguf_frontier.py, orbax tests/eval/test_jax_frontier.py, trtllm
+# tests/targets/test_trtllm_frontier.py, vLLM tests/eval/test_vllm_frontier.py).
+REFUSED: dict[str, set[str]] = {}
 
 
 def test_a_target_a_record_refuses_is_refused_with_its_reason() -> None:

@@ -309,3 +309,26 @@ def test_an_mxfp4_release_builds_trtllm_with_its_experts_kept(tmp_path: Path) ->
     for sku in ("a100", "l40s"):
         assert "MXFP4 experts need sm90+" in unsupported[sku], unsupported[sku]
     assert set(unsupported) == set(PROFILES) - set(kept["record"]["hardware"])
+
+
+def test_fp8_and_mxfp4_releases_build_orbax_from_their_dequantized_weights(tmp_path: Path) -> None:
+    """DeepSeek-V3 as released (FP8 128 x 128 blocks) and gpt-oss as released (MXFP4 experts): orbax bf16 is built
+    from the release dequantized, says so, and its JAX eval (MLA, sinks, both routers) passes against the reference
+    (the same dequantized weights, rounded to bf16 for the checkpoint)."""
+    for family in ("deepseek_v3", "gpt_oss"):
+        root = tmp_path / family
+        if family == "deepseek_v3":
+            make_fp8_block_source(root / "model", "deepseek_v3", **DEEPSEEK_BLOCKS)
+        else:
+            make_mxfp4_source(root / "model", hidden_size=64, intermediate_size=64)
+        recipe = _recipe(root, [{"target": "orbax", "quants": ["bf16"]}])
+        artifacts = _artifacts(_build(recipe, root / "work"))
+        orbax = artifacts["orbax-bf16"]
+        layout = "fp8-block" if family == "deepseek_v3" else "mxfp4"
+        assert orbax["record"]["dequantized"] == layout and "passed_through" not in orbax["record"], family
+        assert orbax["first"]["runtime"] == "jax", family
+        print(f"\norbax-bf16 of the {layout} {family} release: {json.dumps(orbax['metrics'])}")
+        assert orbax["metrics"]["kl"] <= 1e-4, (family, orbax["metrics"])
+        weights = json.loads((Path(orbax["path"]) / "weights.json").read_text())["tensors"]
+        assert all(w["dtype"] == "bfloat16" for w in weights.values()), family
+        assert not any(n.endswith(("_scale_inv", "_blocks", "_scales")) for n in weights), family
