@@ -331,7 +331,8 @@ ONE_LAYER_TYPE_FAMILIES = ("qwen2", "qwen3")
 
 def architecture_limitation(config: dict[str, Any], records: dict[str, Architecture] = ARCHITECTURES) -> str | None:
     """Why vLLM cannot serve a bundle of this config.json: its family record refuses the `vllm` runtime (the
-    record's reason), or its layers mix sliding and full attention in a family whose vLLM model takes one kind.
+    record's reason), its stacked experts stayed bf16 in a quantized bundle, or its layers mix sliding and full
+    attention in a family whose vLLM model takes one kind.
     None where it can, and where kiln has no record of the architecture or cannot read the config (vLLM's own
     load then decides)."""
     listed = config.get("architectures")
@@ -342,6 +343,16 @@ def architecture_limitation(config: dict[str, Any], records: dict[str, Architect
     mapping = record.target("vllm")
     if mapping.refused is not None:
         return f"{record.hf_class} ({record.family}): {mapping.refused}"
+    experts, quant = record.mlp.experts, config.get("quantization_config")
+    if experts is not None and experts.layout == "fused" and isinstance(quant, dict) and quant:
+        # kiln's schemes quantize no stacked experts (gpt-oss's stay bf16 beside the quantized Linears); vLLM 0.32's
+        # GptOssForCausalLM, given a compressed-tensors config, builds its experts without their biases (measured:
+        # its load fails with KeyError 'layers.0.mlp.experts.w2_bias').
+        return (
+            f"{record.hf_class}: its stacked experts stay bf16 beside quantized Linears, and vLLM's model of the "
+            "family, given the bundle's quantization_config, builds them without their biases (its load fails: "
+            "KeyError 'layers.0.mlp.experts.w2_bias')"
+        )
     if record.family in ONE_LAYER_TYPE_FAMILIES:
         try:
             kinds = set(ModelShape.from_config(config).layer_types)

@@ -18,7 +18,7 @@ import pytest
 from eval.gates import gate_for
 from eval.run import evaluate_artifact
 from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.runtimes.vllm_support import bundle_config, mla_cpu_limitation
+from eval.runtimes.vllm_support import architecture_limitation, bundle_config, mla_cpu_limitation
 from eval.text import EvalText, tokenize_text
 from tests.model_factory import make_bundle, make_model, sharpen
 
@@ -127,3 +127,16 @@ def test_mla_that_vllms_cpu_build_does_not_run_is_not_evaluated(tmp_path: Path, 
     why = mla_cpu_limitation(bundle_config(unscaled))
     assert why is not None and "unscaled rope" in why
     assert mla_cpu_limitation({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": "x"}) is None  # vLLM decides
+
+
+def test_a_quantized_gpt_oss_bundle_is_not_evaluated_in_vllm(
+    models: Callable[[str], Path], references: Callable[[str], CachedRuntime], text: EvalText, tmp_path: Path
+) -> None:
+    # Its attention FP8, its stacked experts bf16 (no scheme quantizes them): vLLM's gpt-oss model, given the
+    # compressed-tensors config, builds experts without their biases and its load fails.
+    bundle = make_bundle(models("gpt_oss"), tmp_path, "fp8")
+    why = architecture_limitation(bundle_config(bundle))
+    assert why is not None and "w2_bias" in why
+    report = evaluate_artifact(references("gpt_oss"), "vllm", bundle, text, gate_for("fp8"))
+    assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
+    assert report.reason is not None and "stacked experts stay bf16" in report.reason
