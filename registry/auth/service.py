@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -25,12 +26,36 @@ def hash_token(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def token_expiry(expires_at: datetime | None, max_lifetime: timedelta | None, now: datetime) -> datetime | None:
+    """When a token asked to expire at `expires_at` (None: as late as allowed) expires: refused
+    (TOKEN_EXPIRY_INVALID) when that is not in the future or beyond `max_lifetime` (None: no maximum)."""
+    latest = None if max_lifetime is None else now + max_lifetime
+    if expires_at is None:
+        return latest
+    if expires_at.tzinfo is None or expires_at <= now or (latest is not None and expires_at > latest):
+        limit = "" if latest is None else f" and no later than {latest.isoformat(timespec='seconds')}"
+        raise InvalidInput(
+            f"a token's expiry must be a time with its zone, in the future{limit}; got {expires_at.isoformat()}",
+            code="TOKEN_EXPIRY_INVALID",
+            details={"latest": None if latest is None else latest.isoformat()},
+        )
+    return expires_at
+
+
 def create_token(
-    session: Session, name: str, scopes: list[str], models: list[str], actor: Principal
+    session: Session,
+    name: str,
+    scopes: list[str],
+    models: list[str],
+    actor: Principal,
+    expires_at: datetime | None = None,
+    max_lifetime: timedelta | None = None,
 ) -> tuple[Token, str]:
     """A new token and its secret (shown once; only its hash is stored). Audited.
 
     `actor` may grant only what it holds: its scopes, within its model patterns (Forbidden otherwise).
+    The token expires at `expires_at`, which `max_lifetime` (the server's setting) bounds; without
+    one it expires after `max_lifetime`, or never when there is no maximum.
     """
     unknown = [s for s in scopes if s not in SCOPES]
     if not scopes or unknown:
@@ -46,6 +71,7 @@ def create_token(
     for pattern in models:
         check_pattern(pattern)
     actor.check_grant(scopes, models)
+    expires_at = token_expiry(expires_at, max_lifetime, utcnow())
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = Token(
         name=name,
@@ -54,6 +80,7 @@ def create_token(
         scopes=sorted(set(scopes)),
         models=list(models),
         created_by=actor.name,
+        expires_at=expires_at,
     )
     session.add(token)
     session.flush()
@@ -62,7 +89,15 @@ def create_token(
         action="token.create",
         target=f"token:{token.id}",
         actor=actor.name,
-        details={"before": None, "after": {"name": name, "scopes": token.scopes, "models": token.models}},
+        details={
+            "before": None,
+            "after": {
+                "name": name,
+                "scopes": token.scopes,
+                "models": token.models,
+                "expires_at": None if expires_at is None else expires_at.isoformat(),
+            },
+        },
     )
     return token, secret
 
@@ -91,11 +126,14 @@ def revoke_token(session: Session, token_id: int, actor: Principal, reason: str 
 
 
 def principal_for(session: Session, secret: str) -> Principal | None:
-    """The principal a bearer secret stands for, or None if it is unknown, malformed or revoked."""
+    """The principal a bearer secret stands for, or None if it is unknown, malformed, revoked or expired."""
     if not _TOKEN.fullmatch(secret):
         return None
     token = session.scalars(select(Token).where(Token.token_hash == hash_token(secret))).one_or_none()
     if token is None or token.revoked_at is not None:
         return None
     scopes: frozenset[Scope] = frozenset(s for s in SCOPES if s in token.scopes)
-    return Principal(f"token:{token.name}", scopes, tuple(token.models), token_id=token.id)
+    principal = Principal(
+        f"token:{token.name}", scopes, tuple(token.models), token_id=token.id, expires_at=token.expires_at
+    )
+    return None if principal.expired(utcnow()) else principal
