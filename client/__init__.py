@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -421,9 +422,14 @@ class RegistryClient:
 
     # -- access control and audit ----------------------------------------------------------------
 
-    def create_token(self, name: str, scopes: list[str], models: list[str] | None = None) -> dict[str, Any]:
-        """A new API token; the response holds its secret (shown once)."""
-        body = {"name": name, "scopes": scopes, "models": models or []}
+    def create_token(
+        self, name: str, scopes: list[str], models: list[str] | None = None, expires_at: datetime | None = None
+    ) -> dict[str, Any]:
+        """A new API token; the response holds its secret (shown once). `expires_at` (aware) None: the
+        server's longest token lifetime."""
+        body: dict[str, Any] = {"name": name, "scopes": scopes, "models": models or []}
+        if expires_at is not None:
+            body["expires_at"] = expires_at.isoformat()
         result: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
         return result
 

@@ -74,7 +74,7 @@ def authenticate(request: Request) -> Principal:
         raise Unauthorized("the Authorization header must be 'Bearer <token>'", code="INVALID_TOKEN")
     principal: Principal | None = request.app.state.token_cache.lookup(secret.strip())
     if principal is None:
-        raise Unauthorized("the token is unknown or revoked", code="INVALID_TOKEN")
+        raise Unauthorized("the token is unknown, revoked or expired", code="INVALID_TOKEN")
     return principal
 
 

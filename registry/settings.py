@@ -68,6 +68,13 @@ class RegistrySettings(BaseSettings):
         description="requests need API tokens with scopes; off only for the in-process embedded registry",
     )
     anonymous_read: bool = Field(default=True, description="reads (list, resolve, download) without a token")
+    token_max_lifetime_days: float | None = Field(
+        default=365.0,
+        gt=0,
+        le=36_500,
+        description="the longest an API token may live; a token created without an expiry gets this one "
+        "(null: tokens may be made to never expire)",
+    )
     opentelemetry: bool = Field(
         default=False,
         description="FastAPI's own OpenTelemetry spans, metrics and logs for every request, to the process's "

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,21 @@ def test_tokens_yank_and_audit_from_the_cli(tmp_path: Path) -> None:
     events = json.loads(kiln("audit", "--registry", registry, "--json").stdout)
     assert [e["action"] for e in events] == ["token.revoke", "token.create"]
     assert events[0]["reason"] == "rotated" and events[0]["actor"] == "local"
+
+
+def test_token_create_takes_an_expiry_and_the_listing_shows_it(tmp_path: Path) -> None:
+    registry = str(tmp_path / "registry")
+    made = kiln("token", "create", "ci", "--scopes", "read", "--expires", "30d", "--registry", registry)
+    assert made.returncode == 0, made.stderr
+    assert "expires" in made.stderr
+    listed = json.loads(kiln("token", "list", "--registry", registry, "--json").stdout)
+    lifetime = datetime.fromisoformat(listed[0]["expires_at"]) - datetime.now(UTC)
+    assert timedelta(days=29) < lifetime <= timedelta(days=30)
+    assert "expires 20" in kiln("token", "list", "--registry", registry).stdout
+    for bad in ("2020-01-01", "soon", "0d", "2099-01-01T00:00:00"):
+        refused = kiln("token", "create", "x", "--scopes", "read", "--expires", bad, "--registry", registry)
+        assert refused.returncode == 2 and "TOKEN_EXPIRY_INVALID" in refused.stderr, (bad, refused.stderr)
+        _clean(refused)
 
 
 # --- untrusted files and data: clean errors, text printed as text -------------------------------------------

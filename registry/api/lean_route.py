@@ -13,8 +13,11 @@ the endpoint as usual, and FastAPI documents it. `LeanLane`, a middleware inside
 path and method, with only what such an endpoint needs:
 
 - the query parameters are validated against the endpoint's declared fields in one call (the same
-  rules, the same 422); a query string seen before is not parsed or validated again (routers ask
-  the same few questions over and over: the answer to a query string is a pure function of it);
+  rules, the same 422); a query asked before is not validated again (routers ask the same few
+  questions over and over). What is kept is keyed on the declared parameters' values, so parameters
+  the route does not declare are neither kept nor able to make a query look new, and a query string
+  longer than `MAX_QUERY_BYTES` is refused (QUERY_TOO_LONG) before it is parsed: what the lane keeps
+  is bounded by `_MAX_QUERIES` x `MAX_QUERY_BYTES`;
 - the route's dependencies (its own and its router's) must be `require(scope)` checks, which run
   as `authenticate` and `check_models` on the query's models, the calls the dependency itself
   makes; any other dependency is refused when the lane is built, so no check is ever skipped.
@@ -38,11 +41,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from core.errors import InvalidInput
 from registry.auth.principal import Scope
 from registry.deps import authenticate, check_models, required_scope
 
 Handler = Callable[[Request], Awaitable[Response]]
-_MAX_QUERIES = 4096  # distinct valid query strings kept per lean route (dropped all at once when full)
+_MAX_QUERIES = 4096  # distinct valid queries kept per lean route (dropped all at once when full)
+# Resolve's longest valid query (1,000 characters of pools, a 256-character key, names) percent-encoded
+# is under 4 KiB; twice that leaves room for encodings without letting junk be kept.
+MAX_QUERY_BYTES = 8 * 1024
 
 
 class LeanRoute(APIRoute):
@@ -61,28 +68,37 @@ class LeanRoute(APIRoute):
         required: list[Scope] = [s for s in scopes if s is not None]
         query = _query_model(self.name, dependant.query_params)
         endpoint = self.endpoint
-        # query string -> (the models it names, its validated values); only valid queries are kept
-        seen: dict[bytes, tuple[list[str], dict[str, Any]]] = {}
+        declared = tuple(f.alias for f in dependant.query_params)
+        # the declared parameters' values -> their validated values; only valid queries are kept
+        seen: dict[tuple[tuple[str, ...], ...], dict[str, Any]] = {}
 
         async def handle(request: Request) -> Response:
             raw: bytes = request.scope["query_string"]
-            known = seen.get(raw)
-            models = request.query_params.getlist("model") if known is None else known[0]
+            if len(raw) > MAX_QUERY_BYTES:
+                raise InvalidInput(
+                    f"the query string is {len(raw)} bytes; at most {MAX_QUERY_BYTES}",
+                    code="QUERY_TOO_LONG",
+                    details={"max_bytes": MAX_QUERY_BYTES},
+                )
+            params = request.query_params
+            asked = tuple(tuple(params.getlist(name)) for name in declared)
+            known = seen.get(asked)
+            models = params.getlist("model")
             if required:
                 principal = authenticate(request)
                 for scope in required:
                     check_models(principal, scope, models)
             if known is None:
                 try:
-                    values = query.model_validate(dict(request.query_params)).__dict__
+                    values = query.model_validate(dict(params)).__dict__
                 except ValidationError as exc:
                     raise RequestValidationError(
                         [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
                     ) from None
                 if len(seen) >= _MAX_QUERIES:
                     seen.clear()
-                known = seen[raw] = (models, values)
-            response: Response = await endpoint(request=request, **known[1])
+                known = seen[asked] = values
+            response: Response = await endpoint(request=request, **known)
             return response
 
         return handle

@@ -14,7 +14,10 @@ from registry.deps import PrincipalDep, SessionDep
 router = APIRouter(prefix="/v1", tags=["audit"])
 
 
-@router.get("/audit", summary="Audit events about the models the caller may read, newest first")
+@router.get(
+    "/audit",
+    summary="Audit events about the models the caller may read (an admin of all models: every event)",
+)
 def list_audit_events(
     session: SessionDep,
     principal: PrincipalDep,

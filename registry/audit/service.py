@@ -39,11 +39,15 @@ def record(
 
 
 def list_events(session: Session, reader: Principal, model: str | None = None, limit: int = 100) -> list[AuditEvent]:
-    """The newest `limit` events `reader` may see: about models its token covers (a token limited to
-    model patterns sees no event that names no model, such as token changes)."""
+    """The newest `limit` events `reader` may see: about models it may read. An event that names no
+    model (tokens, keys, webhooks, the hardware catalog: who holds what access) is an administrator's,
+    seen only by an admin not limited to model patterns."""
     query = select(AuditEvent).order_by(AuditEvent.id.desc())
     if model is not None:
         query = query.where(AuditEvent.model == model)
+    if reader.unlimited_admin:
+        return list(session.scalars(query.limit(limit)))
+    query = query.where(AuditEvent.model.is_not(None))
     if not reader.models:
         return list(session.scalars(query.limit(limit)))
     # Patterns are fnmatch's, which SQL cannot express everywhere: filter here, a page at a time.

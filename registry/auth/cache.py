@@ -1,6 +1,7 @@
 """A short-lived cache of token lookups, so authenticated reads do not cost a database query each.
 
-A revocation is seen at once by the process that made it and within `ttl_s` by the others.
+A revocation is seen at once by the process that made it and within `ttl_s` by the others; an expiry
+is seen at once by every process (a cached principal carries it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from registry.auth.principal import Principal
 from registry.auth.service import hash_token, principal_for
+from registry.db import utcnow
 
 
 class TokenCache:
@@ -28,7 +30,8 @@ class TokenCache:
         now = time.monotonic()
         hit = self._entries.get(key)  # a dict read is atomic; the lock guards the writes
         if hit is not None and now - hit[0] < self._ttl_s:
-            return hit[1]
+            principal = hit[1]
+            return None if principal is None or principal.expired(utcnow()) else principal
         with self._session_factory() as session:
             principal = principal_for(session, secret)
         with self._lock:

@@ -23,3 +23,4 @@ class Token(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    expires_at: Mapped[datetime | None] = mapped_column(default=None)  # None: never (created before expiry)

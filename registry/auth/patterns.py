@@ -10,22 +10,32 @@ How: a pattern is a small automaton over its positions; the search walks both pa
 side by side, one model-name character at a time (characters no pattern tells apart are walked
 once), breadth first, so the first name found is a shortest one. Names are taken to be any string
 over the model-name alphabet (`MODEL_NAME_ALPHABET`): a superset of the valid names, so containment
-is never claimed where a valid name escapes. A search that would visit more than `MAX_STATES` states
-(a pattern built to blow up, such as `*a??????...`) answers "not contained": the safe side of an
-access check.
+is never claimed where a valid name escapes.
+
+Cost: a pattern's own automaton may have exponentially many states (`*a??????????` remembers the last
+ten characters). `check_pattern` refuses a pattern whose automaton has more than `MAX_PATTERN_STATES`,
+so two accepted patterns are compared in at most `MAX_STATES` (its square) states, decided exactly; a
+search that would visit more (a pattern stored before the bound) answers "not contained": the safe side
+of an access check. Answers are kept per pair of patterns, so a listing asks each pair once per process.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
+import re
 import string
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.errors import InvalidInput
+
 # The characters of a model name (core.manifest.MODEL_NAME_PATTERN).
 MODEL_NAME_ALPHABET = string.ascii_lowercase + string.digits + "._-"
-MAX_STATES = 20_000
+MAX_PATTERN_STATES = 64  # `llama-3-*-instruct` has 19, `*a?????` 64, `*a??????????0000` 6,144
+MAX_STATES = MAX_PATTERN_STATES**2
+_SYNTAX = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
 
 _ANY = "any"  # `?`
 _STAR = "star"  # `*`
@@ -94,6 +104,48 @@ def _step(atoms: tuple[_Atom, ...], states: frozenset[int], ch: str) -> frozense
     return _closure(atoms, after)
 
 
+def _letters(*patterns: tuple[_Atom, ...], alphabet: str) -> list[str]:
+    """One character of each kind the patterns tell apart (the others lead to the same states)."""
+    kinds: dict[tuple[bool, ...], str] = {}
+    for ch in alphabet:
+        kinds.setdefault(tuple(ch in atom.chars for atoms in patterns for atom in atoms if atom.kind == "set"), ch)
+    return list(kinds.values())
+
+
+def pattern_states(pattern: str, limit: int = MAX_PATTERN_STATES, alphabet: str = MODEL_NAME_ALPHABET) -> int:
+    """The states of `pattern`'s automaton over `alphabet` (what comparing it costs), counted up to `limit + 1`."""
+    atoms = _atoms(pattern, alphabet)
+    letters = _letters(atoms, alphabet=alphabet)
+    start = _closure(atoms, {0})
+    seen, todo = {start}, [start]
+    while todo and len(seen) <= limit:
+        state = todo.pop()
+        for ch in letters:
+            after = _step(atoms, state, ch)
+            if after not in seen:
+                seen.add(after)
+                todo.append(after)
+    return min(len(seen), limit + 1)
+
+
+def check_pattern(pattern: str) -> None:
+    """Refuse a model name pattern that is malformed (INVALID_PATTERN) or too costly to compare
+    (PATTERN_TOO_COMPLEX: more than `MAX_PATTERN_STATES` states)."""
+    if not _SYNTAX.fullmatch(pattern):
+        raise InvalidInput(
+            f"a model pattern is 1 to 64 lowercase name characters with * ? [ ]; got {pattern[:80]!r}",
+            code="INVALID_PATTERN",
+            details={"pattern": pattern[:80]},
+        )
+    if pattern_states(pattern) > MAX_PATTERN_STATES:
+        raise InvalidInput(
+            f"model pattern {pattern!r} is too costly to compare with others (more than {MAX_PATTERN_STATES} "
+            "states: fewer `?` or `[...]` after a `*`)",
+            code="PATTERN_TOO_COMPLEX",
+            details={"pattern": pattern, "max_states": MAX_PATTERN_STATES},
+        )
+
+
 class _TooComplex(Exception):
     pass
 
@@ -101,11 +153,7 @@ class _TooComplex(Exception):
 def _shortest_name(first: str, second: str, wanted: Callable[[bool, bool], bool], alphabet: str) -> str | None:
     """The shortest name over `alphabet` for which `wanted(first matches, second matches)`, or None."""
     a, b = _atoms(first, alphabet), _atoms(second, alphabet)
-    # Characters the two patterns cannot tell apart lead to the same states: walk one of each kind.
-    kinds: dict[tuple[bool, ...], str] = {}
-    for ch in alphabet:
-        kinds.setdefault(tuple(ch in atom.chars for atom in a + b if atom.kind == "set"), ch)
-    letters = list(kinds.values())
+    letters = _letters(a, b, alphabet=alphabet)
     start = (_closure(a, {0}), _closure(b, {0}))
     parent: dict[tuple[frozenset[int], frozenset[int]], tuple[tuple[frozenset[int], frozenset[int]], str] | None]
     parent = {start: None}
@@ -145,6 +193,7 @@ def name_outside(outer: str, inner: str, alphabet: str = MODEL_NAME_ALPHABET) ->
         raise ValueError(f"patterns {outer!r} and {inner!r} are too complex to compare") from None
 
 
+@functools.lru_cache(maxsize=8192)
 def pattern_contains(outer: str, inner: str) -> bool:
     """True when every model name `inner` matches is also matched by `outer` (`tiny-*` contains
     `tiny-a*` and `tiny-[ab]`, not `*`, `t*` or `tiny*`). Too complex to decide: False."""
@@ -165,6 +214,7 @@ def shared_name(first: str, second: str, alphabet: str = MODEL_NAME_ALPHABET) ->
         raise ValueError(f"patterns {first!r} and {second!r} are too complex to compare") from None
 
 
+@functools.lru_cache(maxsize=8192)
 def patterns_overlap(first: str, second: str) -> bool:
     """True when some model name matches both patterns. Too complex to decide: False (what a caller
     is shown is decided on the safe side too)."""

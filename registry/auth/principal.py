@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 from core.errors import Forbidden, Unauthorized
@@ -35,12 +36,16 @@ class Principal:
     models: tuple[str, ...] = ()  # patterns; empty: all models
     authenticated: bool = True
     token_id: int | None = None  # the token's row, for what the registry records per token (uploads)
+    expires_at: datetime | None = None  # the token's expiry (aware); None: never
 
     def __post_init__(self) -> None:
         # Asked on every request: what the scopes grant, and the answer per model, are kept.
         granted = frozenset(self.scopes).union(*(IMPLIES[s] for s in self.scopes if s in IMPLIES))
         object.__setattr__(self, "_granted", granted)
         object.__setattr__(self, "_models_allowed", {})
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
     def has(self, scope: Scope) -> bool:
         return scope in self._granted  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Request
@@ -11,15 +12,24 @@ from registry.api.params import RowId
 from registry.auth import service
 from registry.auth.principal import Principal
 from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
-from registry.deps import SessionDep, WriteSessionDep, require
+from registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
 Admin = Annotated[Principal, require("admin")]
 
 
 @router.post("/tokens", status_code=201, summary="Create an API token (its secret is returned once)")
-def create_token(spec: TokenCreate, session: WriteSessionDep, principal: Admin) -> TokenCreated:
-    token, secret = service.create_token(session, spec.name, list(spec.scopes), spec.models, principal)
+def create_token(spec: TokenCreate, session: WriteSessionDep, settings: SettingsDep, principal: Admin) -> TokenCreated:
+    days = settings.token_max_lifetime_days
+    token, secret = service.create_token(
+        session,
+        spec.name,
+        list(spec.scopes),
+        spec.models,
+        principal,
+        expires_at=spec.expires_at,
+        max_lifetime=None if days is None else timedelta(days=days),
+    )
     session.commit()
     return TokenCreated.of(token, token=secret)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from registry.api.rows import FromRow
 from registry.auth.principal import Scope
@@ -16,6 +16,11 @@ class TokenCreate(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     scopes: list[Scope] = Field(min_length=1)
     models: list[str] = Field(default_factory=list, description="model name patterns (fnmatch); empty: all models")
+    expires_at: AwareDatetime | None = Field(
+        default=None,
+        description="when the token stops working; default: the server's longest token lifetime from now "
+        "(never, where it sets none)",
+    )
 
 
 class TokenRevoke(BaseModel):
@@ -33,6 +38,7 @@ class TokenOut(FromRow):
     created_by: str
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None
 
 
 class TokenCreated(TokenOut):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -12,34 +13,65 @@ from sqlalchemy.orm import Session
 from core.errors import InvalidInput, NotFound
 from registry.audit import service as audit
 from registry.auth.models import Token
+from registry.auth.patterns import check_pattern
 from registry.auth.principal import SCOPES, Principal, Scope
 from registry.db import utcnow
 
 TOKEN_PREFIX = "kiln_"
 _TOKEN = re.compile(r"^kiln_[A-Za-z0-9_-]{43}$")
-_PATTERN = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
+MAX_TOKEN_PATTERNS = 8  # what a scoped admin's listing compares is (its patterns) x (each token's)
 
 
 def hash_token(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def token_expiry(expires_at: datetime | None, max_lifetime: timedelta | None, now: datetime) -> datetime | None:
+    """When a token asked to expire at `expires_at` (None: as late as allowed) expires: refused
+    (TOKEN_EXPIRY_INVALID) when that is not in the future or beyond `max_lifetime` (None: no maximum)."""
+    latest = None if max_lifetime is None else now + max_lifetime
+    if expires_at is None:
+        return latest
+    if expires_at.tzinfo is None or expires_at <= now or (latest is not None and expires_at > latest):
+        limit = "" if latest is None else f" and no later than {latest.isoformat(timespec='seconds')}"
+        raise InvalidInput(
+            f"a token's expiry must be a time with its zone, in the future{limit}; got {expires_at.isoformat()}",
+            code="TOKEN_EXPIRY_INVALID",
+            details={"latest": None if latest is None else latest.isoformat()},
+        )
+    return expires_at
+
+
 def create_token(
-    session: Session, name: str, scopes: list[str], models: list[str], actor: Principal
+    session: Session,
+    name: str,
+    scopes: list[str],
+    models: list[str],
+    actor: Principal,
+    expires_at: datetime | None = None,
+    max_lifetime: timedelta | None = None,
 ) -> tuple[Token, str]:
     """A new token and its secret (shown once; only its hash is stored). Audited.
 
     `actor` may grant only what it holds: its scopes, within its model patterns (Forbidden otherwise).
+    The token expires at `expires_at`, which `max_lifetime` (the server's setting) bounds; without
+    one it expires after `max_lifetime`, or never when there is no maximum.
     """
     unknown = [s for s in scopes if s not in SCOPES]
     if not scopes or unknown:
         raise InvalidInput(
             f"scopes must be some of {', '.join(SCOPES)}; got {scopes}", code="INVALID_SCOPE", details={"known": SCOPES}
         )
-    bad = [p for p in models if not _PATTERN.fullmatch(p)]
-    if bad:
-        raise InvalidInput(f"model patterns must be lowercase names with * ? [ ]; got {bad}", code="INVALID_PATTERN")
+    if len(models) > MAX_TOKEN_PATTERNS:
+        raise InvalidInput(
+            f"a token names at most {MAX_TOKEN_PATTERNS} model patterns; got {len(models)}",
+            code="TOO_MANY_PATTERNS",
+            details={"max": MAX_TOKEN_PATTERNS},
+        )
+    for pattern in models:
+        check_pattern(pattern)
     actor.check_grant(scopes, models)
+    expires_at = token_expiry(expires_at, max_lifetime, utcnow())
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = Token(
         name=name,
@@ -48,6 +80,7 @@ def create_token(
         scopes=sorted(set(scopes)),
         models=list(models),
         created_by=actor.name,
+        expires_at=expires_at,
     )
     session.add(token)
     session.flush()
@@ -56,7 +89,15 @@ def create_token(
         action="token.create",
         target=f"token:{token.id}",
         actor=actor.name,
-        details={"before": None, "after": {"name": name, "scopes": token.scopes, "models": token.models}},
+        details={
+            "before": None,
+            "after": {
+                "name": name,
+                "scopes": token.scopes,
+                "models": token.models,
+                "expires_at": None if expires_at is None else expires_at.isoformat(),
+            },
+        },
     )
     return token, secret
 
@@ -85,11 +126,14 @@ def revoke_token(session: Session, token_id: int, actor: Principal, reason: str 
 
 
 def principal_for(session: Session, secret: str) -> Principal | None:
-    """The principal a bearer secret stands for, or None if it is unknown, malformed or revoked."""
+    """The principal a bearer secret stands for, or None if it is unknown, malformed, revoked or expired."""
     if not _TOKEN.fullmatch(secret):
         return None
     token = session.scalars(select(Token).where(Token.token_hash == hash_token(secret))).one_or_none()
     if token is None or token.revoked_at is not None:
         return None
     scopes: frozenset[Scope] = frozenset(s for s in SCOPES if s in token.scopes)
-    return Principal(f"token:{token.name}", scopes, tuple(token.models), token_id=token.id)
+    principal = Principal(
+        f"token:{token.name}", scopes, tuple(token.models), token_id=token.id, expires_at=token.expires_at
+    )
+    return None if principal.expired(utcnow()) else principal

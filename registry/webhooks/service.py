@@ -6,22 +6,20 @@ it could otherwise subscribe to events about models it may not read.
 
 from __future__ import annotations
 
-import re
 import secrets
 from urllib.parse import urlsplit
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, selectinload
 
-from core.errors import Conflict, Forbidden, InvalidInput, NotFound, UnknownName
+from core.errors import Conflict, Forbidden, NotFound, UnknownName
 from registry.audit import service as audit
+from registry.auth.patterns import check_pattern
 from registry.auth.principal import Principal
 from registry.db import utcnow
 from registry.webhooks.destinations import DestinationPolicy, parse_url
 from registry.webhooks.models import Webhook, WebhookDelivery
 from registry.webhooks.outbox import EVENTS
-
-_PATTERN = re.compile(r"^[a-z0-9*?\[\]._-]{1,64}$")
 
 
 def check_events(events: list[str]) -> None:
@@ -58,10 +56,7 @@ def create_webhook(
     """
     parse_url(url)
     check_events(events)
-    if not _PATTERN.fullmatch(model_pattern):
-        raise InvalidInput(
-            f"a model pattern is a lowercase name with * ? [ ]; got {model_pattern!r}", code="INVALID_PATTERN"
-        )
+    check_pattern(model_pattern)
     if not actor.covers_patterns([model_pattern]):
         raise Forbidden(
             f"token {actor.name!r} is limited to {', '.join(actor.models)} and cannot subscribe to "
