@@ -25,6 +25,7 @@ from core.hardware import PROFILES
 from pipeline import build
 from pipeline.recipe import load_recipe
 from pipeline.store import WorkDir
+from quant.footprint import checkpoint_bytes
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source, make_mxfp4_source
 from tests.test_end_to_end import ROOT, kiln
@@ -323,6 +324,9 @@ def test_an_mxfp4_release_keeps_its_bytes_as_mxfp4_experts(tmp_path: Path) -> No
         assert all(str(t.dtype) == "torch.bfloat16" for n, t in stored.items() if n not in blocks), name
         config = json.loads((Path(kept["path"]) / "config.json").read_text())
         assert config["quantization_config"] == released_config, name
+        # Sized from config.json alone (`quant.footprint`): the release's layout, to the byte.
+        written = sum(t.numel() * t.element_size() for t in stored.values())
+        assert checkpoint_bytes(json.loads((source / "config.json").read_text()), "mxfp4-experts") == written
     bundle = artifacts["hf-bundle-mxfp4-experts"]["record"]
     assert bundle["runtime"]["quantization"] == {"method": "mxfp4", "scheme": "mxfp4-experts"}
     assert {"a100", "h100", "b200", "mi300x", "mi355x", "cpu"} <= set(bundle["hardware"])
@@ -357,6 +361,9 @@ def test_mxfp4_experts_is_refused_where_there_is_no_mxfp4_release(tmp_path: Path
     e = _refusal(fp8, [{"target": "hf-bundle", "quants": ["mxfp4-experts"]}])
     assert e.code == "QUANT_SOURCE_REFUSED" and e.details["layout"] == "fp8-block"
     assert "an FP8 release has no MXFP4 experts to keep" in e.message
+    # orbax writes no MXFP4: refused when the recipe is read, with the reason.
+    with pytest.raises(KilnError, match="refuses quant 'mxfp4-experts'.*XLA on the TPUs it targets has no MXFP4"):
+        load_recipe(_recipe(tmp_path, [{"target": "orbax", "quants": ["mxfp4-experts"]}]))
 
 
 def test_fp8_and_mxfp4_releases_build_orbax_from_their_dequantized_weights(tmp_path: Path) -> None:
