@@ -53,7 +53,7 @@ from pipeline.store import StageInputMissing, StageStore, require_input
 from placement.cost import Rates, StageWork, build_host_rates, device_rates, estimate, seconds
 from placement.weights import source_bytes
 from quant.calibrated import calibration_dtype
-from quant.catalog import SCHEMES, get_method, get_scheme, source_route
+from quant.catalog import SCHEMES, check_source, get_method, get_scheme
 from quant.rtn import HeadTied, check_shapes
 from targets.base import get_target
 
@@ -250,10 +250,11 @@ def _build_graph(
     prepared: dict[str, Node] = {}  # one prepare node per target that has one, shared by its exports
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
+        if quant in SCHEMES:
+            # The catalog says whether the scheme keeps a release's bytes, dequantizes them, or not, and refuses a
+            # release's own layout for a plain source.
+            check_source(get_method(quant), sizing.shape.source_quant)
         spec.check_model(sizing.shape, sizing.config, quant, entry.params)
-        if sizing.shape.source_quant is not None and quant in SCHEMES:
-            # A pre-quantized source: the catalog says whether the scheme keeps its bytes, dequantizes it, or not.
-            source_route(get_method(quant), sizing.shape.source_quant)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
             if spec.name not in prepared:

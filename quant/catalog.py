@@ -12,7 +12,8 @@ floor); otherwise the method's own `on_cuda` / `on_rocm`.
 
 `source_route(method, quantization)` says what a method does with a pre-quantized source's quantized tensors
 (`Method.from_sources`: keep the release's bytes, dequantize first, or refuse with the reason); `kiln plan`
-refuses a recipe asking for a refused one (QUANT_SOURCE_REFUSED).
+refuses a recipe asking for a refused one (QUANT_SOURCE_REFUSED), and a release-only method (`mxfp4-experts`, a
+release's own layout) for a plain source (QUANT_RELEASE_ONLY): `check_source`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def get_scheme(name: str, lm_head: HeadChoice = "kept") -> Scheme:
         raise HeadNotQuantizable(
             f"scheme {name!r} quantizes nothing, so it cannot quantize lm_head", details={"scheme": name}
         )
+    if lm_head == "quantized" and METHODS[name].release_only:
+        raise HeadNotQuantizable(
+            f"scheme {name!r} keeps a release's own tensors, lm_head in bf16 as released; it cannot quantize it",
+            details={"scheme": name},
+        )
     return scheme.with_lm_head(lm_head)
 
 
@@ -70,6 +76,8 @@ def _verdict(method: Method, hw: HardwareProfile) -> Verdict:
                 compatible=False,
                 reason=f"{hw.name} ({hw.arch}) is served GGUF by llama.cpp; bundles are tested on x86_64",
             )
+        if method.release_only:
+            return Verdict(compatible=True, reason="transformers dequantizes the release's quantized tensors at load")
         if method.scheme.quantized:
             return Verdict(compatible=True, reason="transformers + compressed-tensors decompress the weights on CPU")
         return Verdict(compatible=True, reason="transformers on CPU")
@@ -99,6 +107,37 @@ class QuantSourceRefused(InvalidInput):
     code = "QUANT_SOURCE_REFUSED"
 
 
+class QuantReleaseOnly(InvalidInput):
+    """A release-only method (a release's own layout, `Method.release_only`) asked of a plain source."""
+
+    code = "QUANT_RELEASE_ONLY"
+
+
+def _block(method: Method) -> tuple[int, ...] | None:
+    """The values one scale covers in the method's weights, as a release states it: FP8 blocks as rows x columns,
+    groups (MXFP4) as their length."""
+    w = method.scheme.weights
+    if w is None:
+        return None
+    return w.block_structure if w.block_structure is not None else (w.group_size,) if w.group_size else None
+
+
+def check_source(method: Method, quantization: SourceQuantization | None) -> SourceRoute | None:
+    """What `kiln plan` checks of a method and the source's quantization: a pre-quantized source's route
+    (`source_route`); for a plain source (None) nothing, unless the method is a release's own layout, which kiln
+    only keeps: refused (QUANT_RELEASE_ONLY) with the reason."""
+    if quantization is not None:
+        return source_route(method, quantization)
+    if method.release_only:
+        kept = sorted(layout for layout, route in method.from_sources.items() if route.action == "keep")
+        reason = (
+            f"{method.name} is a release's own layout, written only by keeping the bytes of a source released "
+            f"{' or '.join(kept)}; this source is plain (unquantized), and kiln quantizes no stacked experts"
+        )
+        raise QuantReleaseOnly(reason, details={"quant": method.name, "layouts": kept, "reason": reason})
+    return None
+
+
 def source_route(method: Method, quantization: SourceQuantization) -> SourceRoute:
     """What `method` does with the quantized tensors of a source released as `quantization`: its route for the
     layout (`Method.from_sources`), refused here with the reason where it refuses. Keeping the release's bytes also
@@ -109,10 +148,10 @@ def source_route(method: Method, quantization: SourceQuantization) -> SourceRout
         raise QuantSourceRefused(
             f"{method.name} declares nothing for a {layout} source", details={"quant": method.name}
         )
-    w = method.scheme.weights
-    if route.action == "keep" and (w is None or w.block_structure != quantization.block):
+    mine_block = _block(method)
+    if route.action == "keep" and mine_block != quantization.block:
         block = "x".join(map(str, quantization.block))
-        mine = "x".join(map(str, w.block_structure)) if w is not None and w.block_structure else "none"
+        mine = "x".join(map(str, mine_block)) if mine_block else "none"
         route = SourceRoute(
             "refuse",
             f"the release's blocks are {block} and {method.name}'s {mine}: its bytes cannot be kept, and quantizing "

@@ -9,6 +9,8 @@ group or block): every expert's projections one by one, as the checkpoint names 
 `lm_head` unless the recipe quantizes it) in bf16. GPTQ and AWQ store the same layout as round-to-nearest;
 AWQ's smoothed norms (and a mixture's routers, which read the smoothed norm's output) replace the source's in
 bf16, same size. The SafeTensors files hold exactly these bytes plus their headers (8 bytes + JSON each).
+A release-only method (mxfp4-experts) is the release's own layout: its tensors as the release stores them
+(`ModelShape.stored_tensors`), and a config that is no such release is refused (`quant.catalog.check_source`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from formats.architectures.shape import ModelShape
 from formats.safetensors import DTYPES
-from quant.catalog import get_scheme
+from quant.catalog import METHODS, check_source, get_scheme
 from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes
 from quant.schemes import HeadChoice
 
@@ -34,7 +36,13 @@ def checkpoint_tensors(
     layers do not fit the scheme (`QUANT_SHAPE`) or whose tied head it would quantize (`QUANT_HEAD_TIED`); an
     unknown scheme lists the known ones."""
     scheme = get_scheme(quant, lm_head)
-    expected = ModelShape.from_config(dict(config)).expected_tensors()
+    model = ModelShape.from_config(dict(config))
+    if METHODS[quant].release_only:  # the release's own layout: its tensors as it stores them
+        check_source(METHODS[quant], model.source_quant)
+        for t in model.stored_tensors():
+            yield t.name, t.dtype or "BF16", t.shape
+        return
+    expected = model.expected_tensors()
     check_shapes(scheme, expected)
     for name, shape in expected.items():
         if quantizes(scheme, name):
@@ -56,6 +64,8 @@ def quantized_bytes(config: Mapping[str, Any], quant: str, lm_head: HeadChoice =
     """The bytes of the Linears `quant` quantizes, as its quantize stage stores them (the rest of the checkpoint
     is the source's, copied by the export)."""
     scheme = get_scheme(quant, lm_head)
+    if METHODS[quant].release_only:  # kept by the export from the release: no quantize stage stores anything
+        return 0
     expected = ModelShape.from_config(dict(config)).expected_tensors()
     check_shapes(scheme, expected)
     return sum(

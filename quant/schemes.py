@@ -37,8 +37,9 @@ CompressionFormat = Literal[
 # Hessian-based error feedback, for int4 and NVFP4 weights; AWQ: activation-aware per-channel smoothing,
 # then round-to-nearest), or
 # `minmax`, its `QuantizationModifier`'s min-max observers (round-to-nearest for the weights, with the
-# tensor scales NVFP4 shares across fused q/k/v and gate/up; static activation scales observed on sample text).
-QuantMethod = Literal["none", "rtn", "gptq", "awq", "minmax"]
+# tensor scales NVFP4 shares across fused q/k/v and gate/up; static activation scales observed on sample text);
+# or `released`: a pre-quantized release's own values, kept as stored (kiln chooses none of them).
+QuantMethod = Literal["none", "rtn", "gptq", "awq", "minmax", "released"]
 CALIBRATED_METHODS: tuple[QuantMethod, ...] = ("gptq", "awq")
 LLMCOMPRESSOR_METHODS: tuple[QuantMethod, ...] = ("gptq", "awq", "minmax")
 # A 4-bit float group size -> its format: NVFP4 (E4M3 block scales times a tensor scale), or MXFP4 (E8M0).
@@ -195,8 +196,12 @@ class Scheme(_Frozen):
             raise ValueError(f"scheme {self.name!r}: gptq calibrates int weight-only (WnA16) or NVFP4 weights")
         if self.method == "minmax" and self.format not in FP4_FORMATS.values():
             raise ValueError(f"scheme {self.name!r}: llm-compressor's min-max quantization is for FP4 only")
-        if self.format in FP4_FORMATS.values() and self.method not in ("minmax", "gptq"):
-            raise ValueError(f"scheme {self.name!r}: FP4 weights are chosen by llm-compressor (minmax or gptq)")
+        if self.format in FP4_FORMATS.values() and self.method not in ("minmax", "gptq", "released"):
+            raise ValueError(
+                f"scheme {self.name!r}: FP4 weights are chosen by llm-compressor (minmax or gptq) or kept as released"
+            )
+        if self.method == "released" and self.lm_head == "quantized":
+            raise ValueError(f"scheme {self.name!r} keeps a release's own tensors; it cannot quantize {HEAD}")
         return self
 
     @property

@@ -59,6 +59,8 @@ def write_quantized(
 
     if not scheme.quantized:
         raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
+    if get_method(scheme.name).release_only:
+        raise ValueError(f"scheme {scheme.name!r} is a release's own layout, kept by the export: nothing to quantize")
     if scheme.by_llmcompressor != (calibrated is not None):
         raise ValueError(
             f"scheme {scheme.name!r} ({scheme.method}): llm-compressor's weights are given exactly for its methods"

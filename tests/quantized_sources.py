@@ -111,7 +111,9 @@ def make_fp8_block_source(
     return out
 
 
-def make_mxfp4_source(out: Path, *, experts: int = 4, hidden_size: int = 64, intermediate_size: int = 64) -> Path:
+def make_mxfp4_source(
+    out: Path, *, experts: int = 4, hidden_size: int = 64, intermediate_size: int = 64, head_dim: int = 16
+) -> Path:
     """A tiny gpt-oss (transformers' GptOssForCausalLM, random, bf16) with its experts stored MXFP4 as released:
     `gate_up_proj` [E, hidden, 2I] as `gate_up_proj_blocks` [E, 2I, hidden/32, 16] and `_scales`, `down_proj`
     [E, I, hidden] as `down_proj_blocks` [E, hidden, I/32, 16]: each the transpose of the held matrix, blocked
@@ -131,7 +133,7 @@ def make_mxfp4_source(out: Path, *, experts: int = 4, hidden_size: int = 64, int
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         num_local_experts=experts,
         num_experts_per_tok=2,
         sliding_window=16,

@@ -4,7 +4,8 @@ As the reference it loads the source release's bf16 SafeTensors and upcasts them
 every matmul runs in float32: the reference is the checkpoint's exact weights with as little
 rounding in the arithmetic as this machine offers. For an hf-bundle artifact it loads the bundle
 directory the same way (`dtype="auto"` keeps the checkpoint's dtype, e.g. for quantized bundles
-whose kernels need it). A compressed-tensors bundle's experts load as one quantized Linear per expert
+whose kernels need it); gpt-oss's MXFP4 release layout with its experts dequantized at load (`released_mxfp4`).
+A compressed-tensors bundle's experts load as one quantized Linear per expert
 projection (`eval.runtimes.experts`: transformers alone would dequantize them into its fused experts),
 and tensors its loader renamed keep the dtype the model declares (`as_declared`).
 
@@ -82,6 +83,14 @@ class TransformersRuntime:
                         output_loading_info=True,
                     )
                 _check_loaded(self.model_dir, info)
+            elif released_mxfp4(config):
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(self.model_dir),
+                    dtype=torch_dtype,
+                    quantization_config=transformers.Mxfp4Config(dequantize=True),
+                )
+                if dtype != "auto":  # the experts come out bfloat16 whatever the dtype: upcast (exact)
+                    as_declared(model, {name: torch_dtype for name, _ in model.named_parameters()})
             else:
                 with loading_experts(config):  # a bundle's experts as one quantized Linear each (eval.runtimes.experts)
                     model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype)
@@ -154,6 +163,18 @@ FP4_EMULATED = ", FP4 emulated (weights decompressed by compressed-tensors, acti
 ACTIVATIONS_AS_REFERENCE = (
     ", activations unquantized as in the reference (the weights are the release's own, its activation scheme too)"
 )
+
+
+def released_mxfp4(config: Any) -> bool:
+    """Whether a bundle is gpt-oss's MXFP4 release layout (`quant_method: mxfp4`, the catalog's mxfp4-experts).
+
+    transformers 5.17's `Mxfp4HfQuantizer` runs its experts with the `kernels` package's Triton kernels where those
+    and triton are installed, and dequantizes them into bfloat16 where not; kiln asks for the latter everywhere
+    (`Mxfp4Config(dequantize=True)`), so every machine computes the release's values, E2M1 times a power of two,
+    which bfloat16 holds exactly, and the eval upcasts them to its dtype."""
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method)) == "mxfp4"
 
 
 def leave_activations(model: Any) -> bool:

@@ -65,6 +65,7 @@ from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilit
 from eval.runtimes.vllm_support import (
     architecture_limitation,
     bundle_config,
+    bundle_expert_schemes,
     bundle_experts,
     bundle_schemes,
     compute_dtype,
@@ -316,15 +317,22 @@ class VllmRuntime:
         if bool(hello["amx"]["used"]) != here.amx.used:  # the worker's torch sees another CPU than cpuinfo
             raise _mismatch(here, here.model_copy(update={"amx": here.amx.model_copy(update=hello["amx"])}))
         experts = bundle_experts(config)
+        expert_schemes = bundle_expert_schemes(config)
         why = mla_cpu_limitation(config) or cpu_limitation(
-            schemes, here, hello, head_size(config), fp8_kv_cache=fp8_kv_cache(config), experts=experts
+            schemes,
+            here,
+            hello,
+            head_size(config),
+            fp8_kv_cache=fp8_kv_cache(config),
+            experts=experts,
+            expert_schemes=expert_schemes,
         )
         if why is not None:
             raise Deferred(
                 f"vLLM {hello['vllm']} on this CPU cannot run it: {why}",
                 details={"runtime_needed": "vllm"},
             )
-        dtype = compute_dtype(schemes, here.amx.used)
+        dtype = compute_dtype([*schemes, *expert_schemes], here.amx.used)
         length = max_model_len + 1  # a window's last row is one sampled token's
         try:
             loaded, _ = self._worker.request(
@@ -348,7 +356,7 @@ class VllmRuntime:
         self.load_seconds = float(loaded["load_s"])
         exact = hello.get("prompt_logprobs") == "engine arrays" or self.vocab_size <= FULL_VOCAB_LIMIT
         self.dtype = dtype
-        stand_ins = experts_stand_ins(schemes, hello) if experts is not None else ()
+        stand_ins = experts_stand_ins(expert_schemes, hello) if experts is not None else ()
         self.version = (
             (
                 f"vLLM {hello['vllm']} ({hello['build']}, a community CPU build), torch {hello['torch']}, "

@@ -344,10 +344,12 @@ def architecture_limitation(config: dict[str, Any], records: dict[str, Architect
     if mapping.refused is not None:
         return f"{record.hf_class} ({record.family}): {mapping.refused}"
     experts, quant = record.mlp.experts, config.get("quantization_config")
-    if experts is not None and experts.layout == "fused" and isinstance(quant, dict) and quant:
+    compressed = isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
+    if experts is not None and experts.layout == "fused" and compressed:
         # kiln's schemes quantize no stacked experts (gpt-oss's stay bf16 beside the quantized Linears); vLLM 0.32's
         # GptOssForCausalLM, given a compressed-tensors config, builds its experts without their biases (measured:
-        # its load fails with KeyError 'layers.0.mlp.experts.w2_bias').
+        # its load fails with KeyError 'layers.0.mlp.experts.w2_bias'). Given the release's own `quant_method:
+        # mxfp4` it loads them as released (`GptOssModel._load_weights_mxfp4`): the experts' limits then decide.
         return (
             f"{record.hf_class}: its stacked experts stay bf16 beside quantized Linears, and vLLM's model of the "
             "family, given the bundle's quantization_config, builds them without their biases (its load fails: "
@@ -390,8 +392,36 @@ def bundle_config(bundle_dir: Path) -> dict[str, Any]:
     return config
 
 
+# A release's own layout, by its quant_method: the schemes of its Linear layers and of its experts. gpt-oss's MXFP4
+# (the catalog's mxfp4-experts) quantizes its experts alone, weight-only, in groups of 32 (vLLM's
+# `GptOssMxfp4MoEMethod`: kMxfp4Static weights, bf16 activations).
+_MXFP4_EXPERTS = WeightScheme(
+    weight_type="float", weight_bits=4, weight_strategy="group", activations=False, group_size=32
+)
+RELEASE_SCHEMES: dict[str, tuple[tuple[WeightScheme, ...], tuple[WeightScheme, ...]]] = {
+    "mxfp4": ((), (_MXFP4_EXPERTS,)),
+}
+
+
+def _release(config: dict[str, Any]) -> tuple[tuple[WeightScheme, ...], tuple[WeightScheme, ...]] | None:
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return RELEASE_SCHEMES.get(method) if isinstance(method, str) else None
+
+
+def bundle_expert_schemes(config: dict[str, Any]) -> list[WeightScheme]:
+    """The weight schemes of a bundle's routed experts: a release layout's own (`RELEASE_SCHEMES`), else its Linear
+    layers' (kiln quantizes every expert as the Linears)."""
+    release = _release(config)
+    return list(release[1]) if release is not None else bundle_schemes(config)
+
+
 def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
-    """The weight schemes of a compressed-tensors bundle's config groups; [] for an unquantized one."""
+    """The weight schemes of a bundle's Linear layers: a compressed-tensors bundle's config groups, a release layout's
+    own (`RELEASE_SCHEMES`); [] for an unquantized one."""
+    release = _release(config)
+    if release is not None:
+        return list(release[0])
     quant = config.get("quantization_config") or {}
     groups = quant.get("config_groups") if isinstance(quant, dict) else None
     if quant and not isinstance(groups, dict):
@@ -483,12 +513,13 @@ def cpu_limitation(
     head: int | None = None,
     fp8_kv_cache: bool = False,
     experts: ExpertsShape | None = None,
+    expert_schemes: Sequence[WeightScheme] | None = None,
 ) -> str | None:
     """Why vLLM cannot run a bundle of `schemes` with attention heads of `head` (and an FP8 KV cache, and routed
     `experts`) here (given this machine's `capabilities` and the worker's `hello`), or None if it can. A mixture's
-    experts are quantized as its Linear layers are (kiln quantizes every expert): its experts' limits
-    (`CPU_EXPERTS_LIMITS`) apply to the bundle's schemes after the Linear layers' (`CPU_LIMITS`), which vLLM
-    meets first as it builds the model."""
+    experts are quantized as `expert_schemes` (None: as its Linear layers, kiln quantizing every expert; a release
+    layout's own: `bundle_expert_schemes`): the experts' limits (`CPU_EXPERTS_LIMITS`) apply to them after the Linear
+    layers' (`CPU_LIMITS`), which vLLM meets first as it builds the model."""
     sizes = hello.get("head_sizes")
     if head is not None and sizes and head not in sizes:
         return f"vLLM's CPU attention takes head sizes {', '.join(map(str, sizes))}; this model's is {head}"
@@ -509,7 +540,9 @@ def cpu_limitation(
         kernel = limit.needs.removeprefix("kernel:")
         if limit.needs.startswith("kernel:") and not hello["kernels"].get(kernel, False):
             return f"{limit.scheme}: {limit.reason}"
-    return None if experts is None else experts_limitation(schemes, capabilities, experts)
+    if experts is None:
+        return None
+    return experts_limitation(schemes if expert_schemes is None else expert_schemes, capabilities, experts)
 
 
 def experts_limitation(

@@ -13,7 +13,9 @@ scheme's fields ("a float scheme means FP8"):
 - `from_sources`: what it does with a pre-quantized source's quantized tensors, for each released layout
   (`formats.prequantized.LAYOUTS`: fp8-block, mxfp4): `keep` them as stored (the release's own bytes),
   `dequantize` them first and quantize the floats as from a bf16 source, or `refuse`, each with the reason
-  (`quant.catalog.source_route`; `kiln plan` gives the refusal).
+  (`quant.catalog.source_route`; `kiln plan` gives the refusal);
+- `release_only`: it is a release's own layout, built only by keeping a pre-quantized release's bytes (no quantize
+  stage: its scheme's method is `released`); `kiln plan` refuses it for a plain source (`quant.catalog.check_source`).
 
 `Method.__post_init__` checks the dtypes against the scheme, so a method cannot say FP8 where its scheme
 stores int8. Plain data: no torch.
@@ -117,8 +119,8 @@ def refuses(reason: str) -> SourceRoute:
 EXPERTS_LEFT_BF16: Final = refuses(
     "the release stores only its experts quantized, as stacked 3-D MXFP4 tensors, and the catalog's schemes quantize "
     "2-D Linears: the experts would be written in bf16, four times their released bytes, to quantize the attention "
-    "alone; build bf16 (the experts dequantized, for runtimes without MXFP4 kernels) or GGUF (every type kiln writes "
-    "keeps the release's MXFP4 expert blocks, for llama.cpp)"
+    "alone; build mxfp4-experts (the release's own layout, its bytes), bf16 (the experts dequantized, for runtimes "
+    "without MXFP4 kernels) or GGUF (every type kiln writes keeps the release's MXFP4 expert blocks, for llama.cpp)"
 )
 ANOTHER_8BIT: Final = refuses(
     "it quantizes the release's FP8 weights again into another 8-bit format: a second rounding for the same bytes; "
@@ -139,6 +141,7 @@ class Method:
     kv_cache_dtype: KvCacheDtype = "bf16"
     # By released layout (`formats.prequantized.LAYOUTS`, by name): every one (tests/quant/test_catalog.py).
     from_sources: Mapping[str, SourceRoute] = field(default_factory=dict)
+    release_only: bool = False
 
     def __post_init__(self) -> None:
         w, a = self.scheme.weights, self.scheme.input_activations
@@ -151,6 +154,10 @@ class Method:
             )
         if (self.kv_cache_dtype == "fp8") != (self.scheme.kv_cache is not None):
             raise ValueError(f"method {self.scheme.name!r}: an FP8 KV cache is exactly a scheme with kv_cache")
+        if self.release_only != (self.scheme.method == "released"):
+            raise ValueError(f"method {self.scheme.name!r}: a release-only method is exactly a `released` scheme")
+        if self.release_only and not any(r.action == "keep" for r in self.from_sources.values()):
+            raise ValueError(f"method {self.scheme.name!r}: a release-only method keeps some release's bytes")
 
     @property
     def name(self) -> str:

@@ -14,6 +14,18 @@
 Source: vLLM's compressed-tensors schemes (`CompressedTensorsW4A4Fp4`, `CompressedTensorsW4A4Mxfp4`) and their
 kernel choices (vLLM 0.33). GGUF's own `nvfp4` and `mxfp4` are llama.cpp types (`targets.gguf`).
 
+- `mxfp4-experts`: gpt-oss as OpenAI ships it, the release's own layout (`quant_method: mxfp4`): its stacked 3-D
+  experts in MXFP4 (`*_blocks`, `*_scales`), weight-only, everything else bf16. kiln writes it only by keeping an
+  MXFP4 release's bytes (`release_only`): it quantizes no stacked experts. vLLM 0.32 serves it with
+  `GptOssMxfp4MoEMethod` (model_executor/layers/quantization/mxfp4.py: `Mxfp4Config.get_min_capability` 80), whose
+  experts kernel `select_mxfp4_moe_backend` picks in the order of `_get_priority_backends_for_gpt_oss`
+  (model_executor/layers/fused_moe/oracle/mxfp4.py), each class's `_supports_current_device` deciding: FlashInfer's
+  TRT-LLM MoE on sm100/sm103 (fused_moe/experts/trtllm_mxfp4_moe.py: capability family 100), the OpenAI Triton
+  kernels on sm90 to sm12x (experts/gpt_oss_triton_kernels_moe.py, after Marlin on sm12x), FlashInfer's CUTLASS MoE
+  on sm90/sm100/sm120, Marlin from sm75 (experts/marlin_moe.py); on ROCm AITER's CK kernel on gfx950
+  (experts/rocm_aiter_moe.py: `on_gfx950`) and its Triton W4A16 kernel on gfx942 and gfx950
+  (experts/aiter_mxfp4_w4a16_moe.py), both with AITER enabled (`VLLM_ROCM_USE_AITER=1`), else an emulation.
+
 They are quantized by llm-compressor's `QuantizationModifier` (`minmax`: the weights' min-max scales,
 NVFP4's tensor scales shared across the fused q/k/v and gate/up projections, as vLLM fuses them), or, for
 `nvfp4-w4a4-gptq`, by its `GPTQModifier` (the same scales, each weight column rounded to make up for the
@@ -26,7 +38,8 @@ from __future__ import annotations
 from typing import Literal
 
 from core.hardware import Fp4Format, HardwareProfile
-from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, refuses
+from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, keeps, refuses
+from quant.methods.dense import LOSSLESS
 from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 # W4A4 rounds activations too, so it gets the widest gate; weight-only FP4 sits with round-to-nearest int4.
@@ -79,8 +92,8 @@ _FROM_MXFP4: dict[str, SourceRoute] = {
     "mxfp4-pack-quantized": refuses(
         "the release's MXFP4 is weight-only, on its stacked 3-D experts, under its own quant_method (mxfp4); "
         "compressed-tensors' MXFP4 W4A4 quantizes 2-D Linears and their activations, so it would requantize the "
-        "attention and write the experts in bf16, four times their released bytes; no catalog method writes the "
-        "release's own layout as it is (GGUF does: every type kiln writes keeps its expert blocks)"
+        "attention and write the experts in bf16, four times their released bytes; mxfp4-experts writes the "
+        "release's own layout as it is (and GGUF: every type kiln writes keeps its expert blocks)"
     ),
 }
 
@@ -115,6 +128,62 @@ def _fp4(
     )
 
 
+def _experts_on_cuda(method: Method, hw: HardwareProfile) -> Verdict:
+    cc = hw.compute_capability or 0
+    if cc // 10 == 10:
+        kernel = "FlashInfer's TRT-LLM MXFP4 MoE"
+    elif cc >= 120:
+        kernel = "vLLM's Marlin FP4 MoE (before the OpenAI Triton kernels on sm12x)"
+    elif cc >= 90:
+        kernel = "the OpenAI Triton MoE kernels (FlashInfer's CUTLASS MoE, then Marlin, without them)"
+    else:
+        kernel = "vLLM's Marlin FP4 MoE (dequantized to bf16 in the kernel)"
+    return Verdict(compatible=True, reason=f"MXFP4 experts through {kernel} on {hw.arch}, bf16 activations")
+
+
+def _experts_on_rocm(method: Method, hw: HardwareProfile) -> Verdict:
+    if "mxfp4" in hw.fp4:
+        kernel = "AITER's CK MXFP4 MoE (W4A16)"
+    elif hw.arch == "gfx942":
+        kernel = "AITER's Triton W4A16 MXFP4 MoE"
+    else:
+        return Verdict(
+            compatible=False, reason=f"vLLM has no MXFP4 MoE kernel for {hw.name} ({hw.arch}), only emulation"
+        )
+    return Verdict(
+        compatible=True, reason=f"MXFP4 experts through {kernel} on {hw.arch}, with AITER enabled (else emulated)"
+    )
+
+
+# gpt-oss's release layout: the experts' MXFP4 blocks and E8M0 scales as stored, nothing else quantized.
+MXFP4_EXPERTS = Method(
+    Scheme(
+        name="mxfp4-experts",
+        description="the release's MXFP4 experts (E2M1 in blocks of 32 under E8M0 scales, weight-only, stacked 3-D), "
+        "everything else bf16: gpt-oss as OpenAI ships it",
+        weights=_MXFP4_WEIGHTS,
+        format="mxfp4-pack-quantized",
+        method="released",
+    ),
+    weight_dtype="float4_e2m1",
+    activation_dtype="bfloat16",
+    gate=LOSSLESS,  # the release's own bytes: KL ~ 0 against the release dequantized, as bf16's
+    on_cuda=_experts_on_cuda,
+    on_rocm=_experts_on_rocm,
+    from_sources={
+        "mxfp4": keeps(
+            "the release's MXFP4 expert blocks and scales as stored, its quantization_config as released "
+            "(quant_method mxfp4): gpt-oss's own layout, a quarter of bf16's expert bytes"
+        ),
+        "fp8-block": refuses(
+            "mxfp4-experts is an MXFP4 release's own layout, kept as stored; an FP8 release has no MXFP4 experts to "
+            "keep, and kiln quantizes no stacked experts (fp8-block keeps this release's own bytes)"
+        ),
+    },
+    release_only=True,
+)
+
+
 METHODS = (
     _fp4(
         "nvfp4-w4a4",
@@ -147,4 +216,5 @@ METHODS = (
         _MXFP4_ACTIVATIONS,
         W4A4,
     ),
+    MXFP4_EXPERTS,
 )

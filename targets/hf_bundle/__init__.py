@@ -1,7 +1,8 @@
 """Target `hf-bundle`: an HF-format directory (config, tokenizer, SafeTensors shards) for vLLM and transformers.
 
 bf16 copies the checkpoint's weights; every other method of the catalog (`quant.catalog`) is written in the
-compressed-tensors format vLLM loads, from the shared quantize stage's output.
+compressed-tensors format vLLM loads, from the shared quantize stage's output, except a release's own layout
+(mxfp4-experts: gpt-oss's MXFP4 experts), written as the release stores it.
 """
 
 from targets.base import TargetSpec, register

@@ -5,6 +5,9 @@ compressed-tensors' layout) and config.json gets its `quantization_config`; ever
 the source's, in bf16. A pre-quantized source's quantized tensors that no quantize output replaces are
 dequantized into bf16 (gpt-oss's MXFP4 experts, every FP8 weight of a bf16 bundle), and the artifact's record
 says so (`dequantized`), as it says which release's bytes the quantize output kept (`passed_through`).
+A release-only method (`mxfp4-experts`: `quant.methods.base.Method.release_only`) has no quantize stage: the
+bundle is the release's own layout, its quantized tensors' stored values and scales byte for byte (`keep_released`)
+and config.json's `quantization_config` as released (`bundle_tensors`).
 Tensors keep the source's canonical order (a module's compressed tensors take its weight's place), so shards
 are planned from headers before anything is read.
 """
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidInput
 from formats.safetensors import SafeTensorsWriter
-from quant.catalog import SCHEMES, compatibility, compatible_hardware, get_scheme
+from quant.catalog import METHODS, SCHEMES, compatibility, compatible_hardware, get_scheme
 from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 
@@ -32,7 +35,8 @@ if TYPE_CHECKING:
 
 CODE_VERSION = "3"  # 3: config.json carries the family's implied_config keys
 QUANTS = tuple(SCHEMES)
-QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
+# The methods the shared quantize stage writes (a release-only one is the release's bytes, kept by the export).
+QUANTIZED = tuple(name for name, m in METHODS.items() if m.scheme.quantized and not m.release_only)
 # Every hardware profile some scheme runs on; each artifact records its own list (see quant.catalog).
 HARDWARE = tuple(dict.fromkeys(hw for s in SCHEMES.values() for hw in compatible_hardware(s)))
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -118,6 +122,73 @@ def source_use(source: SourceModel, quantized: Any) -> SourceUse:
     )
 
 
+def keep_released(source: SourceModel, planned: list[Planned]) -> list[Planned]:
+    """The plan with each tensor the source stores quantized as its stored values and scales, as released (their
+    bytes, read once for both), in place of its dequantized bf16."""
+    if source.quantized is None:
+        return planned
+    out = []
+    for p in planned:
+        qt = source.quantized.tensors.get(p.name)
+        if qt is None:
+            out.append(p)
+            continue
+        read = _stored_pair(source, p.name, qt.values.name, qt.scale.name)
+        for part, consumed in ((qt.values, 0), (qt.scale, p.source_bytes)):
+            out.append(Planned(part.name, part.dtype, part.shape, part.nbytes, read[part.name], consumed, p.progress))
+    return out
+
+
+def _stored_pair(source: SourceModel, name: str, values: str, scale: str) -> dict[str, Any]:
+    """Readers of one quantized tensor's two stored parts that read the release once: the values first (the plan's
+    order), the scales kept until their turn."""
+    held: dict[str, torch.Tensor] = {}
+
+    def read_values() -> torch.Tensor:
+        stored = source.stored(name)
+        held[scale] = stored[scale]
+        return stored[values]
+
+    def read_scale() -> torch.Tensor:
+        return held.pop(scale) if scale in held else source.stored(name)[scale]
+
+    return {values: read_values, scale: read_scale}
+
+
+@dataclass(frozen=True)
+class BundleTensors:
+    """What a bundle of one scheme holds: its tensors in order, config.json's `quantization_config` (None: none) and
+    how it holds a pre-quantized source's quantized tensors."""
+
+    planned: list[Planned]
+    quantization_config: dict[str, Any] | None
+    use: SourceUse
+
+
+def bundle_tensors(
+    source: SourceModel, scheme: Scheme, quantized: Any, on_progress: Callable[[int], None]
+) -> BundleTensors:
+    """The bundle of `scheme`: the quantize output's tensors and config over the source's bf16 (`plan_tensors`), or,
+    for a release-only method, the release's own layout (`keep_released`, its `quantization_config` as released)."""
+    if not METHODS[scheme.name].release_only:
+        planned = plan_tensors(source, quantized, on_progress)
+        return BundleTensors(
+            planned, quantized.config if quantized is not None else None, source_use(source, quantized)
+        )
+    released = source.quantized
+    route = METHODS[scheme.name].from_sources.get(released.quantization.layout.name) if released is not None else None
+    if released is None or route is None or route.action != "keep":
+        layout = released.quantization.layout.name if released is not None else "plain"
+        raise InvalidInput(
+            f"{scheme.name} is a release's own layout; this source is {layout}",
+            code="QUANT_SOURCE_REFUSED",
+            details={"quant": scheme.name, "layout": layout},
+        )
+    planned = keep_released(source, plan_tensors(source, None, on_progress))
+    config = dict(source.config["quantization_config"])
+    return BundleTensors(planned, config, SourceUse(passed_through=released.quantization.layout.name))
+
+
 def checked_inputs(target: str, req: ExportRequest) -> tuple[Scheme, Any]:
     """The scheme for `req.quant` (the preset) and the shared quantize output, checked to belong together."""
     scheme = get_scheme(req.quant) if req.quant in SCHEMES else None
@@ -125,10 +196,10 @@ def checked_inputs(target: str, req: ExportRequest) -> tuple[Scheme, Any]:
         raise InvalidInput(f"{target} builds {', '.join(QUANTS)}; got {req.quant!r}")
     quantized = req.quantized
     # The quantize output's scheme is the preset, its lm_head kept or quantized as the recipe chose.
-    if scheme.quantized != (quantized is not None) or (
+    if (req.quant in QUANTIZED) != (quantized is not None) or (
         quantized is not None and quantized.scheme.with_lm_head("kept") != scheme
     ):
-        want = f"the quantize stage output for {scheme.name}" if scheme.quantized else "no quantized input"
+        want = f"the quantize stage output for {scheme.name}" if req.quant in QUANTIZED else "no quantized input"
         raise InvalidInput(f"{target}-{scheme.name}: needs {want}")
     return scheme, quantized
 
@@ -194,7 +265,14 @@ def bundle_runtime(source: SourceModel, scheme: Scheme) -> dict[str, Any]:
         "loaders": {"vllm": ">=0.9", "transformers": ">=4.45"},
         "architecture": source.shape.architecture,
     }
-    if scheme.quantized:
+    if METHODS[scheme.name].release_only:
+        # The release's own layout, read by the loaders that read the release (gpt-oss: vLLM 0.10.1, transformers 4.55).
+        runtime["quantization"] = {
+            "method": source.config["quantization_config"]["quant_method"],
+            "scheme": scheme.name,
+        }
+        runtime["loaders"] = {"vllm": ">=0.10.1", "transformers": ">=4.55"}
+    elif scheme.quantized:
         runtime["quantization"] = {
             "method": "compressed-tensors",
             "format": scheme.format,
@@ -209,9 +287,9 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     scheme, quantized = checked_inputs("hf-bundle", req)
     scheme = quantized.scheme if quantized is not None else scheme
     max_shard = int(req.params.get("max_shard_bytes", DEFAULT_SHARD_BYTES))
-    planned = plan_tensors(source, quantized, req.on_progress)
-    files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, max_shard)
-    use = source_use(source, quantized)
+    made = bundle_tensors(source, scheme, quantized, req.on_progress)
+    files = write_bundle(source, req.out_dir, made.planned, made.quantization_config, max_shard)
+    use = made.use
     return ExportResult(
         files=files,
         runtime=bundle_runtime(source, scheme),

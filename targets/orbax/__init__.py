@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from targets.base import TargetSpec, register
 from targets.lint import lint_orbax
 
-from .layout import INT8, QUANTS, TPU_HARDWARE, check_model, compatibility
+from .layout import INT8, QUANTS, REFUSED, TPU_HARDWARE, check_model, compatibility
 from .sharding import mesh_from_params
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ SPEC = register(
         export_tensor_copies={"*": 3.0},
         description="orbax checkpoint of JAX arrays with a tensor-parallel sharding plan, for JAX/XLA on TPU",
         quantized_input=(INT8,),
+        unsupported_quants=REFUSED,
         compatibility_fn=compatibility,
         check_params=_check_params,
         check_model_fn=check_model,

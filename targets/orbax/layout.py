@@ -97,6 +97,13 @@ QUANTS: Final[dict[str, QuantLayout]] = {
 }
 
 
+# Catalog methods orbax does not write, and why.
+REFUSED: Final[dict[str, str]] = {
+    "mxfp4-experts": "kiln's JAX forward computes bf16 and int8 weight-only checkpoints, and XLA on the TPUs it "
+    "targets has no MXFP4 kernel: a release's MXFP4 experts are served as orbax bf16 (dequantized, and recorded so)",
+}
+
+
 # Where an orbax checkpoint is served: JAX/XLA on these TPUs (bf16 MXUs; int8 weights are dequantized
 # inside the XLA program, so no int8 kernel is needed).
 TPU_HARDWARE: Final = tuple(name for name, hw in PROFILES.items() if hw.family == "tpu")

@@ -5,10 +5,10 @@ in; for gfx942 it can carry FP8 weights pre-converted to float8_e4m3fnuz.
 """
 
 from targets.base import TargetSpec, register
+from targets.hf_bundle.export import QUANTIZED
 from targets.lint import lint_safetensors
 from targets.rocm_bundle.export import (
     CODE_VERSION,
-    QUANTIZED,
     QUANTS,
     ROCM_ARCHES,
     arch_hardware,

@@ -30,16 +30,14 @@ from targets.hf_bundle.export import (
     DEFAULT_SHARD_BYTES,
     Planned,
     bundle_runtime,
+    bundle_tensors,
     checked_inputs,
-    plan_tensors,
-    source_use,
     write_bundle,
 )
 from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
 
 CODE_VERSION = "2"  # 2: config.json carries the family's implied_config keys (hf-bundle 3)
 QUANTS = tuple(SCHEMES)
-QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
 
 
 @dataclass(frozen=True)
@@ -163,11 +161,12 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
     scheme, quantized = checked_inputs("rocm-bundle", req)
     scheme = quantized.scheme if quantized is not None else scheme
     arch = ROCM_ARCHES[params.gfx_arch]
-    planned = plan_tensors(source, quantized, req.on_progress)
+    made = bundle_tensors(source, scheme, quantized, req.on_progress)
+    planned = made.planned
     fp8 = get_method(scheme.name).weight_dtype == "float8_e4m3fn"
     if fp8 and params.fp8_dtype == "e4m3fnuz":
         planned = to_fnuz(planned)
-    files = write_bundle(source, req.out_dir, planned, quantized.config if quantized else None, params.max_shard_bytes)
+    files = write_bundle(source, req.out_dir, planned, made.quantization_config, params.max_shard_bytes)
     runtime = bundle_runtime(source, scheme)
     runtime["platform"] = "rocm"
     runtime["validated_for"] = {"vllm": params.vllm, "rocm": params.rocm, "gfx_arch": params.gfx_arch}
@@ -180,12 +179,19 @@ def export(source: Any, req: ExportRequest) -> ExportResult:
             else arch.conversion,
         }
     fp4 = get_method(scheme.name).fp4_format
-    if fp4 is not None:
+    if get_method(scheme.name).release_only:
+        # gpt-oss's MXFP4 experts on ROCm (quant.methods.fp4): AITER's MoE kernels, enabled by VLLM_ROCM_USE_AITER=1.
+        runtime["fp4"] = {
+            "format": fp4,
+            "kernels": "vLLM's AITER MXFP4 MoE kernels (the aiter package, VLLM_ROCM_USE_AITER=1): CK on gfx950, "
+            "Triton W4A16 on gfx942",
+        }
+    elif fp4 is not None:
         # vLLM's compressed-tensors MXFP4 scheme on ROCm: AITER's kernels where `aiter` is installed on a gfx950,
         # else an emulation (which needs the amd-quark package): serving needs the former.
         runtime["fp4"] = {"format": fp4, "kernels": "vLLM's AITER MXFP4 kernels (the aiter package, gfx950)"}
     verdicts = rocm_compatibility(scheme.name, req.params)
-    use = source_use(source, quantized)
+    use = made.use
     return ExportResult(
         files=files,
         runtime=runtime,

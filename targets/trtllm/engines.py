@@ -99,6 +99,9 @@ LEGACY_REFUSED: dict[str, str] = {
     "would not be this checkpoint; the PyTorch backend loads the checkpoint itself on Blackwell",
     "nvfp4-w4a4-gptq": "the pinned release's quantize.py has no GPTQ format and calibrates its own NVFP4 scales: "
     "an engine would not be this checkpoint; the PyTorch backend loads the checkpoint itself on Blackwell",
+    "mxfp4-experts": "a legacy engine is built from the bf16 source by convert_checkpoint.py or quantize.py's own "
+    "quantization, neither of which writes the release's MXFP4 experts: an engine would not be this checkpoint; the "
+    "PyTorch backend loads the release's own layout itself (Hopper and Blackwell)",
     **{q: f"{ENGINE_REFUSED[f.quant_algo]}" for q, f in FORMATS.items() if f.quant_algo in ENGINE_REFUSED},
 }
 

@@ -16,9 +16,9 @@ the shared quantize stage's output, one at a time, nothing is quantized again. W
 - A family whose model class reads a release's own layout (`TargetMapping.trtllm_release_layouts`,
   `schema.release_layout`): DeepSeek-V3's fp8-block in DeepSeek's spelling (the quantize output's FP8 values and
   scales, the release's bytes where it kept them, each `weight_scale` named `weight_scale_inv`, config.json's
-  `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss bf16 from its MXFP4 release
-  with the experts' stored `*_blocks` / `*_scales` kept as released (`keep_released`), the record saying
-  `passed_through` where hf-bundle says `dequantized`.
+  `quantization_config` the release's `quant_method: fp8`: `to_release_fp8`); gpt-oss's mxfp4-experts, its MXFP4
+  release's own layout as hf-bundle writes it (`bundle_tensors`: the experts' stored `*_blocks` / `*_scales` byte for
+  byte, `quant_method: mxfp4`). bf16 from that release dequantizes the experts, as hf-bundle's does.
 - config.json has the family's `implied_config` keys, as every bundle's (DeepSeek-V3: `moe_layer_freq`); for a class
   that reads its YaRN rope by key (gpt-oss) `rope_theta` and `rope_scaling` from the parsed rope
   (`schema.rope_scaling_config`), which a transformers 5 source spells `rope_parameters`.
@@ -40,11 +40,9 @@ from quant.schemes import Scheme, Verdict
 from targets.base import ExportRequest, ExportResult
 from targets.hf_bundle.export import (
     Planned,
-    SourceUse,
     bundle_runtime,
+    bundle_tensors,
     checked_inputs,
-    plan_tensors,
-    source_use,
     write_bundle,
 )
 from targets.trtllm.engines import check_converter, check_skus, parse_params, runner
@@ -79,7 +77,8 @@ if TYPE_CHECKING:
 
 CODE_VERSION = "5"  # 5: gpt-oss config.json carries rope_theta and rope_scaling
 QUANTS = tuple(FORMATS)
-QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None)
+# The schemes written from the shared quantize stage's output (a release layout is the release's bytes).
+QUANTIZED = tuple(q for q, f in FORMATS.items() if f.quant_algo is not None and f.layout != "release")
 HARDWARE = tuple(ENGINE_SKUS)
 
 
@@ -213,39 +212,6 @@ def to_release_fp8(planned: list[Planned]) -> list[Planned]:
     return [replace(p, name=p.name + "_inv") if p.name.endswith(".weight_scale") else p for p in planned]
 
 
-def keep_released(source: SourceModel, planned: list[Planned]) -> list[Planned]:
-    """The plan with each tensor the source stores quantized as its stored values and scales, as released (their
-    bytes, read once for both), in place of its dequantized bf16."""
-    if source.quantized is None:
-        return planned
-    out = []
-    for p in planned:
-        qt = source.quantized.tensors.get(p.name)
-        if qt is None:
-            out.append(p)
-            continue
-        read = _stored_pair(source, p.name, qt.values.name, qt.scale.name)
-        for part, consumed in ((qt.values, 0), (qt.scale, p.source_bytes)):
-            out.append(Planned(part.name, part.dtype, part.shape, part.nbytes, read[part.name], consumed, p.progress))
-    return out
-
-
-def _stored_pair(source: SourceModel, name: str, values: str, scale: str) -> dict[str, Any]:
-    """Readers of one quantized tensor's two stored parts that read the release once: the values first (the plan's
-    order), the scales kept until their turn."""
-    held: dict[str, torch.Tensor] = {}
-
-    def read_values() -> torch.Tensor:
-        stored = source.stored(name)
-        held[scale] = stored[scale]
-        return stored[values]
-
-    def read_scale() -> torch.Tensor:
-        return held.pop(scale) if scale in held else source.stored(name)[scale]
-
-    return {values: read_values, scale: read_scale}
-
-
 def written_algo(shape: ModelShape, quant: str) -> str | None:
     """The QuantAlgo TensorRT-LLM reads a trtllm checkpoint of `quant` for this model as (`formats.FORMATS`, or the
     release layout it is written in: `schema.release_layout`)."""
@@ -294,18 +260,15 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         raise InvalidInput(f"trtllm builds {', '.join(QUANTS)}; got {req.quant!r}")
     check_model(source.shape, source.config, req.quant, req.params)
     scheme, quantized = checked_inputs("trtllm", req)
-    planned = plan_tensors(source, quantized, req.on_progress)
-    use = source_use(source, quantized)
-    inline = quantized.config if quantized is not None and fmt.layout == "compressed-tensors" else None
+    made = bundle_tensors(source, scheme, quantized, req.on_progress)
+    planned, use = made.planned, made.use
+    inline = made.quantization_config if fmt.layout in ("compressed-tensors", "release") else None
     layout = release_layout(source.shape, req.quant)
     released = source.config.get("quantization_config") if source.quantized is not None else None
     if layout == "fp8-block":
         planned = to_release_fp8(planned)
         kept = source.shape.source_quant is not None and source.shape.source_quant.layout.name == layout
         inline = released if kept else dict(FP8_RELEASE_CONFIG)
-    elif layout == "mxfp4":
-        planned, inline = keep_released(source, planned), released
-        use = SourceUse(passed_through="mxfp4")
     elif fmt.quant_algo == "W4A16_AWQ":
         planned = to_modelopt_int4(planned)
     elif fmt.quant_algo == "NVFP4":
@@ -410,6 +373,13 @@ def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params
     this model as `quant` (`schema.model_refusal`: the family's record, the fused MoE's limits; config.json is
     read through `shape`), and a legacy engine needs a release that converts the family
     (`engines.check_converter`)."""
+    if FORMATS[quant].layout == "release" and shape.source_quant is not None and release_layout(shape, quant) is None:
+        reason = f"TensorRT-LLM's model class of the family reads no {shape.source_quant.layout.name} release layout"
+        raise InvalidInput(
+            f"trtllm-{quant} cannot serve {shape.architecture} ({shape.family}): {reason}",
+            code="TRTLLM_RELEASE_LAYOUT",
+            details={"target": "trtllm", "quant": quant, "architecture": shape.architecture, "reason": reason},
+        )
     algo = written_algo(shape, quant)
     refusal = model_refusal(shape, algo)
     if refusal is not None:

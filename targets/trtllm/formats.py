@@ -8,6 +8,10 @@
 | fp8-block                 | FP8_BLOCK_SCALES          | compressed-tensors in config.json | transformers, vLLM (CPU) |
 | int4-rtn, w4a16-gptq/-awq | W4A16_AWQ                 | hf_quant_config.json, ModelOpt    | deferred (GPU)           |
 | nvfp4-w4a4 (-gptq)        | NVFP4                     | hf_quant_config.json, ModelOpt    | deferred (GPU, sm100)    |
+| mxfp4-experts             | MXFP4 (by GPU, see below) | the release's own layout          | transformers, vLLM (CPU) |
+
+mxfp4-experts is gpt-oss's MXFP4 release as released (config.json's `quant_method: mxfp4`), which TensorRT-LLM reads
+as W4A16_MXFP4 below sm100 and W4A8_MXFP4_MXFP8 from sm100 (`RELEASE_ALGOS`, `ALGO_ARCHES`' MXFP4 row).
 
 Why W4A16_AWQ for all three int4 schemes: TensorRT-LLM's compressed-tensors reader has no weight-only
 int branch (`quant_config_utils.py`), and its PyTorch backend builds per-group int4 Linears only
@@ -37,7 +41,8 @@ from typing import Literal
 from core.hardware import PROFILES, HardwareProfile
 from quant.schemes import Verdict
 
-Layout = Literal["dense", "compressed-tensors", "modelopt"]
+# release: the pre-quantized release's own layout, its bytes and config.json's quantization_config as released.
+Layout = Literal["dense", "compressed-tensors", "modelopt", "release"]
 DOCS = "TensorRT-LLM docs/source/features/quantization.md"
 
 
@@ -62,6 +67,8 @@ FORMATS: dict[str, TrtllmFormat] = {
     "w4a16-awq": TrtllmFormat("W4A16_AWQ", "modelopt", ("tensorrt_llm",)),
     "nvfp4-w4a4": TrtllmFormat("NVFP4", "modelopt", ("tensorrt_llm",)),
     "nvfp4-w4a4-gptq": TrtllmFormat("NVFP4", "modelopt", ("tensorrt_llm",)),
+    # gpt-oss's MXFP4 experts as released (`quant_method: mxfp4`), which its model class reads (`RELEASE_ALGOS`).
+    "mxfp4-experts": TrtllmFormat("MXFP4", "release", ("transformers", "vllm")),
 }
 
 # Schemes TensorRT-LLM cannot load as kiln writes them, and why.

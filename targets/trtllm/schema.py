@@ -44,7 +44,7 @@ from core.errors import InvalidInput
 from formats.architectures.record import TensorKind, TrtllmAssumption
 from formats.architectures.shape import ModelShape
 from formats.safetensors import TensorInfo, read_header
-from targets.trtllm.formats import MOE_REFUSED, RELEASE_ALGOS
+from targets.trtllm.formats import FORMATS, MOE_REFUSED, RELEASE_ALGOS
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # A layer's KV-cache scales, beside its attention's projections (compressed-tensors' kv_cache_scheme).
@@ -347,13 +347,13 @@ def release_layout(shape: ModelShape, scheme: str) -> str | None:
     """The release layout (`formats.prequantized.LAYOUTS` name) a trtllm checkpoint of `scheme` is written in, for this
     model as its source stores it (None: kiln's own spelling, plain or compressed-tensors / ModelOpt): the fp8-block
     scheme in DeepSeek's spelling where the family's class reads that (`TargetMapping.trtllm_release_layouts`), and
-    bf16 from a release whose MXFP4 experts the class reads as released (they are kept, not dequantized)."""
+    mxfp4-experts (the release's own layout, `formats.FORMATS`) where the class reads its MXFP4 experts as released."""
     layouts = shape.arch.target("trtllm").trtllm_release_layouts
     if scheme == "fp8-block" and "fp8-block" in layouts:
         return "fp8-block"
     source = shape.source_quant
-    if scheme == "bf16" and source is not None and source.layout.name == "mxfp4" and "mxfp4" in layouts:
-        return "mxfp4"
+    if FORMATS[scheme].layout == "release" and source is not None and source.layout.name in layouts:
+        return source.layout.name
     return None
 
 

@@ -18,9 +18,17 @@ import pytest
 from eval.gates import gate_for
 from eval.run import evaluate_artifact
 from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.runtimes.vllm_support import architecture_limitation, bundle_config, mla_cpu_limitation
+from eval.runtimes.capabilities import vllm_capabilities
+from eval.runtimes.vllm_support import (
+    architecture_limitation,
+    bundle_config,
+    bundle_expert_schemes,
+    bundle_schemes,
+    mla_cpu_limitation,
+)
 from eval.text import EvalText, tokenize_text
 from tests.model_factory import make_bundle, make_model, sharpen
+from tests.quantized_sources import make_mxfp4_source
 
 YARN = {
     "rope_type": "yarn",
@@ -140,3 +148,23 @@ def test_a_quantized_gpt_oss_bundle_is_not_evaluated_in_vllm(
     report = evaluate_artifact(references("gpt_oss"), "vllm", bundle, text, gate_for("fp8"))
     assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
     assert report.reason is not None and "stacked experts stay bf16" in report.reason
+
+
+def test_an_mxfp4_experts_bundle_meets_vllms_cpu_experts_limit(tmp_path: Path, text: EvalText) -> None:
+    """gpt-oss in its release layout (hf-bundle-mxfp4-experts: `quant_method: mxfp4`) is no compressed-tensors
+    bundle: vLLM's gpt-oss loads its experts as released (`_load_weights_mxfp4`), its Linears are bf16, and what
+    decides on a CPU is its MXFP4 experts kernel, which needs AMX (CPUExpertsMxfp4)."""
+    bundle = make_mxfp4_source(tmp_path / "bundle", hidden_size=64, intermediate_size=64, head_dim=32)
+    config = bundle_config(bundle)
+    assert architecture_limitation(config) is None
+    [experts] = bundle_expert_schemes(config)
+    assert bundle_schemes(config) == [] and (experts.weight_bits, experts.group_size, experts.activations) == (
+        4,
+        32,
+        False,
+    )
+    if vllm_capabilities().amx.used:
+        pytest.skip("this CPU has AMX: vLLM's CPUExpertsMxfp4 runs the bundle")
+    report = evaluate_artifact(None, "vllm", bundle, text, gate_for("mxfp4-experts"))  # type: ignore[arg-type]
+    assert report.status == "not_evaluated" and report.runtime_needed == "vllm"
+    assert report.reason is not None and "MXFP4 experts: vLLM runs MXFP4 experts on CPU with AMX only" in report.reason

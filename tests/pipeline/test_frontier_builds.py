@@ -25,6 +25,7 @@ from core.hardware import PROFILES
 from pipeline import build
 from pipeline.recipe import load_recipe
 from pipeline.store import WorkDir
+from quant.footprint import checkpoint_bytes
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source, make_mxfp4_source
 from tests.test_end_to_end import ROOT, kiln
@@ -288,27 +289,81 @@ def test_an_fp8_release_of_deepseek_builds_trtllm_in_its_own_spelling(tmp_path: 
     assert config["quantization_config"]["quant_method"] == "fp8" and config["moe_layer_freq"] == 1
 
 
-def test_an_mxfp4_release_builds_trtllm_with_its_experts_kept(tmp_path: Path) -> None:
-    """TensorRT-LLM reads gpt-oss's MXFP4 experts as released: trtllm-bf16 keeps their blocks and scales byte for
-    byte (where hf-bundle dequantizes them) and scores KL ~ 0 against the reference (the release dequantized)."""
+def test_an_mxfp4_release_keeps_its_bytes_as_mxfp4_experts(tmp_path: Path) -> None:
+    """gpt-oss as released, built in its own layout (mxfp4-experts) by hf-bundle, rocm-bundle (gfx950) and
+    TensorRT-LLM: the experts' blocks and scales byte for byte, config.json's quantization_config as released, the rest
+    bf16, KL ~ 0 against the reference (the release dequantized). trtllm-bf16 dequantizes the experts, as hf-bundle's
+    bf16 does, and says so."""
     source = make_mxfp4_source(tmp_path / "model", hidden_size=64, intermediate_size=64)
-    recipe = _recipe(tmp_path, [{"target": "trtllm", "quants": ["bf16"]}])
-    artifacts = _artifacts(_build(recipe, tmp_path / "work"))
-    kept = artifacts["trtllm-bf16"]
-    assert kept["record"]["passed_through"] == "mxfp4" and "dequantized" not in kept["record"]
-    assert kept["metrics"]["kl"] <= KL_ZERO
+    gfx950 = {"gfx_arch": "gfx950", "vllm": "0.11.2", "rocm": "7.0.2"}
+    recipe = _recipe(
+        tmp_path,
+        [
+            {"target": "hf-bundle", "quants": ["mxfp4-experts"]},
+            {"target": "rocm-bundle", "quants": ["mxfp4-experts"], "params": gfx950},
+            {"target": "trtllm", "quants": ["bf16", "mxfp4-experts"]},
+        ],
+    )
+    work = tmp_path / "work"
+    artifacts = _artifacts(_build(recipe, work))
+    assert _stage_records(work, "quantize") == []  # the release's bytes: nothing quantized
     released = _tensors(source / "model.safetensors")
-    stored = _tensors(Path(kept["path"]) / "model.safetensors")
+    released_config = json.loads((source / "config.json").read_text())["quantization_config"]
     blocks = [n for n in released if n.endswith(("_blocks", "_scales"))]
     assert len(blocks) == 2 * 2 * 2  # two layers, gate_up and down, blocks and scales
-    for name in blocks:
-        assert _raw(stored[name]) == _raw(released[name]), name
-    assert not {"a100", "l40s"} & set(kept["record"]["hardware"]) and "h100" in kept["record"]["hardware"]
-    # Why not on Ampere and Ada: the decision that chose the hardware (the MXFP4 experts), not the bf16 scheme's.
-    unsupported = kept["record"]["unsupported"]
+    for name in ("hf-bundle-mxfp4-experts", "rocm-bundle-mxfp4-experts", "trtllm-mxfp4-experts"):
+        kept = artifacts[name]
+        assert kept["record"]["passed_through"] == "mxfp4" and "dequantized" not in kept["record"], name
+        print(f"\n{name} of the MXFP4 gpt-oss release: {json.dumps(kept['metrics'])}")
+        assert kept["metrics"]["kl"] <= KL_ZERO and kept["metrics"]["top1"] == 1.0, (name, kept["metrics"])
+        stored = _tensors(Path(kept["path"]) / "model.safetensors")
+        for tensor in blocks:
+            assert stored[tensor].dtype == released[tensor].dtype, (name, tensor)
+            assert _raw(stored[tensor]) == _raw(released[tensor]), (name, tensor)
+        assert {n for n, t in stored.items() if n not in blocks} == {n for n in released if n not in blocks}
+        assert all(str(t.dtype) == "torch.bfloat16" for n, t in stored.items() if n not in blocks), name
+        config = json.loads((Path(kept["path"]) / "config.json").read_text())
+        assert config["quantization_config"] == released_config, name
+        # Sized from config.json alone (`quant.footprint`): the release's layout, to the byte.
+        written = sum(t.numel() * t.element_size() for t in stored.values())
+        assert checkpoint_bytes(json.loads((source / "config.json").read_text()), "mxfp4-experts") == written
+    bundle = artifacts["hf-bundle-mxfp4-experts"]["record"]
+    assert bundle["runtime"]["quantization"] == {"method": "mxfp4", "scheme": "mxfp4-experts"}
+    assert {"a100", "h100", "b200", "mi300x", "mi355x", "cpu"} <= set(bundle["hardware"])
+    assert "AITER" in artifacts["rocm-bundle-mxfp4-experts"]["record"]["runtime"]["fp4"]["kernels"]
+
+    # TensorRT-LLM: the release's MXFP4 experts on Hopper and Blackwell, not on Ampere and Ada (the decision that
+    # chose the hardware: the MXFP4 experts, not a bf16 scheme's).
+    trt = artifacts["trtllm-mxfp4-experts"]["record"]
+    assert not {"a100", "l40s"} & set(trt["hardware"]) and {"h100", "b200"} <= set(trt["hardware"])
     for sku in ("a100", "l40s"):
-        assert "MXFP4 experts need sm90+" in unsupported[sku], unsupported[sku]
-    assert set(unsupported) == set(PROFILES) - set(kept["record"]["hardware"])
+        assert "MXFP4 experts need sm90+" in trt["unsupported"][sku], trt["unsupported"][sku]
+    assert set(trt["unsupported"]) == set(PROFILES) - set(trt["hardware"])
+    # trtllm-bf16 is bf16: the experts dequantized, on every NVIDIA GPU from Ampere.
+    bf16 = artifacts["trtllm-bf16"]
+    assert bf16["record"]["dequantized"] == "mxfp4" and "passed_through" not in bf16["record"]
+    assert bf16["metrics"]["kl"] <= KL_ZERO and "a100" in bf16["record"]["hardware"]
+    stored = _tensors(Path(bf16["path"]) / "model.safetensors")
+    assert not any(n.endswith(("_blocks", "_scales")) for n in stored)
+    assert "quantization_config" not in json.loads((Path(bf16["path"]) / "config.json").read_text())
+
+
+def test_mxfp4_experts_is_refused_where_there_is_no_mxfp4_release(tmp_path: Path) -> None:
+    """A release's own layout is only kept, never made: refused at plan for a plain gpt-oss (kiln quantizes no stacked
+    experts) and for DeepSeek-V3's FP8 release (no MXFP4 experts to keep), each with its code and reason."""
+    make_model(tmp_path / "model", "gpt_oss")
+    for target in ("hf-bundle", "trtllm"):
+        e = _refusal(tmp_path, [{"target": target, "quants": ["mxfp4-experts"]}])
+        assert e.code == "QUANT_RELEASE_ONLY" and e.details["quant"] == "mxfp4-experts", target
+        assert "this source is plain (unquantized), and kiln quantizes no stacked experts" in e.message, target
+    fp8 = tmp_path / "fp8"
+    make_fp8_block_source(fp8 / "model", "deepseek_v3", **DEEPSEEK_BLOCKS)
+    e = _refusal(fp8, [{"target": "hf-bundle", "quants": ["mxfp4-experts"]}])
+    assert e.code == "QUANT_SOURCE_REFUSED" and e.details["layout"] == "fp8-block"
+    assert "an FP8 release has no MXFP4 experts to keep" in e.message
+    # orbax writes no MXFP4: refused when the recipe is read, with the reason.
+    with pytest.raises(KilnError, match="refuses quant 'mxfp4-experts'.*XLA on the TPUs it targets has no MXFP4"):
+        load_recipe(_recipe(tmp_path, [{"target": "orbax", "quants": ["mxfp4-experts"]}]))
 
 
 def test_fp8_and_mxfp4_releases_build_orbax_from_their_dequantized_weights(tmp_path: Path) -> None:

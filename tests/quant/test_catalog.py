@@ -17,10 +17,12 @@ from quant.methods.base import FLOAT_FORMATS, Method
 from quant.methods.fp8 import FP8
 from quant.rtn import planned_tensors
 from quant.schemes import Scheme
+from targets.hf_bundle.export import QUANTIZED as HF_BUNDLE_QUANTIZED
 from targets.hf_bundle.export import QUANTS as HF_BUNDLE_QUANTS
 from targets.orbax.layout import QUANTS as ORBAX_QUANTS
 from targets.rocm_bundle.export import QUANTS as ROCM_BUNDLE_QUANTS
 from targets.trtllm.engines import LEGACY_QFORMATS, LEGACY_REFUSED
+from targets.trtllm.export import QUANTIZED as TRTLLM_QUANTIZED
 from targets.trtllm.formats import FORMATS, REFUSED
 
 
@@ -139,8 +141,8 @@ def test_fp4_matmul_rates() -> None:
 
 def test_every_method_says_what_it_does_with_each_released_layout() -> None:
     """FP8-block releases: fp8-block keeps their bytes; bf16, W4A16 (Ampere) and the FP4 methods (Blackwell, gfx950)
-    dequantize first; the other 8-bit methods are refused. MXFP4 experts: bf16 dequantizes them, every scheme is
-    refused (it would leave them bf16)."""
+    dequantize first; the other 8-bit methods and mxfp4-experts are refused. MXFP4 experts: mxfp4-experts keeps
+    them, bf16 dequantizes them, every other scheme is refused (it would leave them bf16)."""
     from formats.prequantized import FP8_BLOCK, LAYOUTS, SourceQuantization
     from quant.catalog import QuantSourceRefused, source_route
     from quant.methods.base import SourceRoute
@@ -149,8 +151,15 @@ def test_every_method_says_what_it_does_with_each_released_layout() -> None:
     routes = {name: {layout: m.from_sources[layout].action for layout in layouts} for name, m in METHODS.items()}
     assert all(set(METHODS[name].from_sources) == set(layouts) for name in METHODS)
     assert {n for n, r in routes.items() if r["fp8-block"] == "keep"} == {"fp8-block"}
-    assert {n for n, r in routes.items() if r["fp8-block"] == "refuse"} == {"fp8", "fp8-kv8", "int8-w8a8", "int8-w8a16"}
-    assert {n for n, r in routes.items() if r["mxfp4"] != "refuse"} == {"bf16"}
+    assert {n for n, r in routes.items() if r["fp8-block"] == "refuse"} == {
+        "fp8",
+        "fp8-kv8",
+        "int8-w8a8",
+        "int8-w8a16",
+        "mxfp4-experts",
+    }
+    assert {n for n, r in routes.items() if r["mxfp4"] == "keep"} == {"mxfp4-experts"}
+    assert {n for n, r in routes.items() if r["mxfp4"] == "dequantize"} == {"bf16"}
     declared = [m.from_sources[layout] for m in METHODS.values() for layout in layouts]
     assert all(isinstance(route, SourceRoute) and route.reason for route in declared)
 
@@ -161,3 +170,48 @@ def test_every_method_says_what_it_does_with_each_released_layout() -> None:
     with pytest.raises(QuantSourceRefused) as e:
         source_route(get_method("int8-w8a16"), release)
     assert e.value.code == "QUANT_SOURCE_REFUSED" and e.value.details["layout"] == "fp8-block"
+
+
+def test_a_release_only_method_is_kept_from_its_release_and_refused_elsewhere() -> None:
+    """mxfp4-experts is gpt-oss's release layout: kept from an MXFP4 release (its 32-value blocks), refused for a plain
+    source with its own code and for an FP8 release; it has no quantize stage and cannot quantize lm_head."""
+    from core.errors import InvalidInput
+    from formats.prequantized import FP8_BLOCK, MXFP4, SourceQuantization
+    from quant.catalog import QuantReleaseOnly, QuantSourceRefused, check_source, get_scheme
+
+    method = get_method("mxfp4-experts")
+    assert method.release_only and method.scheme.method == "released" and method.matmul_dtype == "bf16"
+    assert [n for n, m in METHODS.items() if m.release_only] == ["mxfp4-experts"]
+    assert check_source(method, SourceQuantization(MXFP4, (32,), "e8m0")).action == "keep"  # type: ignore[union-attr]
+    assert check_source(get_method("int4-rtn"), None) is None
+    with pytest.raises(QuantReleaseOnly) as e:
+        check_source(method, None)
+    assert e.value.code == "QUANT_RELEASE_ONLY" and e.value.details["layouts"] == ["mxfp4"]
+    assert "kiln quantizes no stacked experts" in e.value.message
+    with pytest.raises(QuantSourceRefused, match="an FP8 release has no MXFP4 experts"):
+        check_source(method, SourceQuantization(FP8_BLOCK, (128, 128), "float"))
+    with pytest.raises(InvalidInput, match="cannot quantize it"):
+        get_scheme("mxfp4-experts", "quantized")
+    assert "mxfp4-experts" not in HF_BUNDLE_QUANTIZED and "mxfp4-experts" in HF_BUNDLE_QUANTS
+    assert "mxfp4-experts" in FORMATS and "mxfp4-experts" not in TRTLLM_QUANTIZED
+
+
+# mxfp4-experts as vLLM 0.32 serves gpt-oss's release (quant.methods.fp4's sources): every NVIDIA GPU from sm80, the
+# kernel by generation; AITER on both AMD generations.
+@pytest.mark.parametrize(
+    ("hardware", "says"),
+    [
+        ("a100", "Marlin"),
+        ("l40s", "Marlin"),
+        ("h100", "OpenAI Triton"),
+        ("b200", "FlashInfer's TRT-LLM MXFP4 MoE"),
+        ("b300", "FlashInfer's TRT-LLM MXFP4 MoE"),
+        ("rtx-pro-6000", "Marlin"),
+        ("mi355x", "AITER's CK"),
+        ("mi300x", "AITER's Triton W4A16"),
+        ("cpu", "transformers dequantizes"),
+    ],
+)
+def test_mxfp4_experts_verdicts(hardware: str, says: str) -> None:
+    verdict = compatibility(METHODS["mxfp4-experts"].scheme)[hardware]
+    assert verdict.compatible and says in verdict.reason, verdict

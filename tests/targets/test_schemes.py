@@ -26,6 +26,7 @@ def test_presets_are_the_issue_schemes() -> None:
         "nvfp4-w4a4-gptq",
         "nvfp4-w4a16",
         "mxfp4-w4a4",
+        "mxfp4-experts",
     ]
     fp8, int8, int4 = get_scheme("fp8"), get_scheme("int8-w8a16"), get_scheme("int4-rtn")
     assert fp8.weights is not None and fp8.weights.type == "float" and fp8.weights.strategy == "channel"

@@ -5,7 +5,8 @@ On tiny random models made by transformers' own classes, plain (bf16) and in the
 - DeepSeek-V3 bf16 (from a bf16 source, or dequantized from the FP8 release: its record says so) and fp8-block in
   DeepSeek's own spelling (`quant_method: fp8`, `weight_scale_inv`; the release's bytes where it kept them), with no
   prediction layer and `moe_layer_freq` written;
-- gpt-oss bf16, and from its MXFP4 release with the experts' `*_blocks` / `*_scales` kept byte for byte;
+- gpt-oss bf16 (from its MXFP4 release: the experts dequantized, as hf-bundle's), and mxfp4-experts, the release's
+  own layout, with the experts' `*_blocks` / `*_scales` kept byte for byte;
 - every checkpoint checked by `schema.check_checkpoint` against the record's tensors as released (MLA's, every
   expert's, the shared expert's, the router's correction bias, sinks, biases): one missing is refused by name;
 - what TensorRT-LLM cannot load is refused at plan time with the reason; GPU evals are planned per SKU, MXFP4's on
@@ -26,7 +27,7 @@ from formats.hf_model import SourceModel, open_source
 from quant.catalog import get_scheme
 from quant.store import QuantizedWeights, open_quantized, write_quantized
 from targets.base import ExportRequest, ExportResult, get_target
-from targets.trtllm.export import FP8_RELEASE_CONFIG, export
+from targets.trtllm.export import FP8_RELEASE_CONFIG, QUANTIZED, export
 from targets.trtllm.formats import MOE_REFUSED
 from targets.trtllm.schema import check_checkpoint
 from tests.model_factory import make_model
@@ -64,7 +65,7 @@ def _quantized(source: SourceModel, quant: str, root: Path) -> QuantizedWeights:
 
 
 def _export(source: SourceModel, quant: str, out: Path, **params: object) -> ExportResult:
-    q = _quantized(source, quant, out.parent / f"q-{quant}") if quant != "bf16" else None
+    q = _quantized(source, quant, out.parent / f"q-{quant}") if quant in QUANTIZED else None
     out.mkdir(parents=True)
     return export(source, ExportRequest(quant=quant, out_dir=out, params=dict(params), quantized=q))
 
@@ -153,14 +154,16 @@ def test_deepseek_fp8_block_is_deepseeks_own_spelling_with_the_releases_bytes(
     assert result.passed_through == "fp8-block" and result.dequantized is None
 
 
-@pytest.mark.parametrize("model", ["gpt_oss", "gpt_oss_mxfp4"])
-def test_gpt_oss_bf16_keeps_a_releases_mxfp4_experts_as_released(
-    model: str, sources: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("model", "quant"), [("gpt_oss", "bf16"), ("gpt_oss_mxfp4", "bf16"), ("gpt_oss_mxfp4", "mxfp4-experts")]
+)
+def test_gpt_oss_mxfp4_experts_keeps_a_releases_experts_as_released(
+    model: str, quant: str, sources: dict[str, Path], tmp_path: Path
 ) -> None:
     import torch
 
     source = open_source(sources[model])
-    result = _export(source, "bf16", tmp_path / "ckpt", max_shard_bytes=100_000)
+    result = _export(source, quant, tmp_path / "ckpt", max_shard_bytes=100_000)
     ckpt = tmp_path / "ckpt"
     checked = check_checkpoint(ckpt)
     stored = _tensors(ckpt)
@@ -168,9 +171,11 @@ def test_gpt_oss_bf16_keeps_a_releases_mxfp4_experts_as_released(
     # Sinks, attention and router biases, the stacked experts' biases: the record's, in bf16.
     for part in ("self_attn.sinks", "self_attn.o_proj.bias", "mlp.router.bias", "mlp.experts.down_proj_bias"):
         assert f"model.layers.1.{part}" in names, part
-    if model == "gpt_oss":
+    if quant == "bf16":  # bf16 is bf16: a release's experts dequantized (exact), as hf-bundle's bf16 holds them
         assert checked.quant_algo is None and set(checked.tensors) == set(source.shape.expected_tensors())
-        assert result.passed_through is None and result.dequantized is None
+        assert result.passed_through is None
+        assert result.dequantized == ("mxfp4" if model == "gpt_oss_mxfp4" else None)
+        assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
         assert set(result.served() or {}) >= {"a100", "h100", "b200"}
         return
     assert checked.quant_algo == "MXFP4" and checked.source == "config.json" and checked.group_size == 32
@@ -257,9 +262,9 @@ def _without(ckpt: Path, drop: str) -> None:
         ("deepseek_v3", "bf16", "model.layers.1.mlp.gate.e_score_correction_bias"),
         ("deepseek_v3", "bf16", "model.layers.1.mlp.shared_experts.down_proj.weight"),
         ("gpt_oss", "bf16", "model.layers.0.self_attn.sinks"),
-        ("gpt_oss_mxfp4", "bf16", "model.layers.1.self_attn.sinks"),
-        ("gpt_oss_mxfp4", "bf16", "model.layers.0.mlp.experts.down_proj_scales"),
-        ("gpt_oss_mxfp4", "bf16", "model.layers.1.mlp.experts.gate_up_proj_bias"),
+        ("gpt_oss_mxfp4", "mxfp4-experts", "model.layers.1.self_attn.sinks"),
+        ("gpt_oss_mxfp4", "mxfp4-experts", "model.layers.0.mlp.experts.down_proj_scales"),
+        ("gpt_oss_mxfp4", "mxfp4-experts", "model.layers.1.mlp.experts.gate_up_proj_bias"),
     ],
 )
 def test_a_checkpoint_missing_one_tensor_is_refused_naming_it(
@@ -385,7 +390,8 @@ def _plan(tmp_path: Path, model_dir: Path, entry: dict[str, Any]) -> list[Any]:
         ("deepseek_v3", ["bf16"], ["a100", "h100", "b200"]),
         ("deepseek_fp8", ["bf16", "fp8-block"], ["h100", "h200", "b200"]),
         ("gpt_oss", ["bf16"], ["a100", "h200"]),
-        ("gpt_oss_mxfp4", ["bf16"], ["h100", "b200"]),
+        ("gpt_oss_mxfp4", ["bf16"], ["a100", "h200"]),
+        ("gpt_oss_mxfp4", ["mxfp4-experts"], ["h100", "b200"]),
     ],
 )
 def test_gpu_evals_are_planned_per_sku_and_deferred(
@@ -402,10 +408,11 @@ def test_gpu_evals_are_planned_per_sku_and_deferred(
 def test_a_sku_that_cannot_run_mxfp4_experts_is_refused_at_plan(
     sku: str, sources: dict[str, Path], tmp_path: Path
 ) -> None:
-    """bf16 from the MXFP4 release keeps its experts: TensorRT-LLM reads them as W4A16_MXFP4 below sm100, which its
+    """mxfp4-experts keeps the release's experts: TensorRT-LLM reads them as W4A16_MXFP4 below sm100, which its
     fused MoE runs on Hopper alone (CutlassFusedMoE._QUANT_SUPPORT_TABLE), so Ampere and Ada are refused by name."""
-    entry = {"target": "trtllm", "quants": ["bf16"], "params": {"gpus": {"skus": ["h100", sku]}}}
+    entry = {"target": "trtllm", "quants": ["mxfp4-experts"], "params": {"gpus": {"skus": ["h100", sku]}}}
     with pytest.raises(KilnError) as e:
         _plan(tmp_path, sources["gpt_oss_mxfp4"], entry)
-    assert e.value.code == "ENGINE_SKU_INCOMPATIBLE" and f"trtllm-bf16 of GptOssForCausalLM on {sku}" in e.value.message
+    # Refused when the recipe is read (the scheme's own SKUs: `engines.check_skus`).
+    assert e.value.code == "RECIPE_INVALID" and f"trtllm-mxfp4-experts on {sku}" in e.value.message
     assert "MXFP4 experts need sm90+" in e.value.message, e.value.message
