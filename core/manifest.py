@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from core.digest import sha256_json
+from core.untrusted import JSONObject
 
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")
@@ -74,9 +75,9 @@ class ArtifactManifest(BaseModel):
         max_length=1000,
         description="hardware profile names it does not run on, each with the reason",
     )
-    runtime: dict[str, Any] = Field(default_factory=dict, description="runtime requirements")
+    runtime: JSONObject = Field(default_factory=dict, description="runtime requirements")
     files: list[FileEntry] = Field(max_length=MAX_FILES)
-    provenance: dict[str, Any] = Field(default_factory=dict)
+    provenance: JSONObject = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
