@@ -16,6 +16,15 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def same_json(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are one JSON value: their canonical JSON is equal. Python's `==` is not that: it
+    finds `True == 1` and `1.0 == 1`. A value JSON cannot hold is the same as nothing."""
+    try:
+        return canonical_json(a) == canonical_json(b)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
 def sha256_json(value: Any) -> str:
     return hashlib.sha256(canonical_json(value)).hexdigest()
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from core.digest import sha256_json
+from core.untrusted import JSONObject
 
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")
@@ -19,15 +20,26 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$"
 _KIND = r"^[A-Za-z0-9][A-Za-z0-9._+\-]{0,63}$"
 HARDWARE_NAME = r"^[a-z0-9][a-z0-9._\-]{0,63}$"
 MAX_FILES = 100_000
+MAX_PATH_CHARS = 512
+# The longest file or directory name ext4, XFS, APFS and NTFS keep: a longer one could not be downloaded
+# into a directory as the artifact names it (segments are ASCII, so characters are bytes).
+MAX_NAME_CHARS = 255
 
 
 def check_relative_path(path: str) -> str:
-    """Reject absolute paths, traversal and odd characters in a file path inside an artifact."""
-    if not path or path.startswith("/") or "\\" in path or len(path) > 512:
-        raise ValueError(f"invalid file path {path!r}: must be a relative POSIX path")
+    """Reject absolute paths, traversal, odd characters and over-long names in a file path inside an artifact."""
+    if not path or path.startswith("/") or "\\" in path or len(path) > MAX_PATH_CHARS:
+        raise ValueError(
+            f"invalid file path {path[:100]!r}: must be a relative POSIX path of at most {MAX_PATH_CHARS} characters"
+        )
     for seg in path.split("/"):
         if seg in ("", ".", "..") or not _SEGMENT.fullmatch(seg):
-            raise ValueError(f"invalid file path {path!r}: bad segment {seg!r}")
+            raise ValueError(f"invalid file path {path[:100]!r}: bad segment {seg[:100]!r}")
+        if len(seg) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"invalid file path {path[:100]!r}: the name {seg[:40]!r}… is {len(seg)} characters, "
+                f"more than a file system keeps ({MAX_NAME_CHARS})"
+            )
     return path
 
 
@@ -74,9 +86,9 @@ class ArtifactManifest(BaseModel):
         max_length=1000,
         description="hardware profile names it does not run on, each with the reason",
     )
-    runtime: dict[str, Any] = Field(default_factory=dict, description="runtime requirements")
+    runtime: JSONObject = Field(default_factory=dict, description="runtime requirements")
     files: list[FileEntry] = Field(max_length=MAX_FILES)
-    provenance: dict[str, Any] = Field(default_factory=dict)
+    provenance: JSONObject = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod

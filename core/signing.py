@@ -60,7 +60,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from model_signing._signing import sign_ec_key as ms_ec_key
 from model_signing._signing import sign_sigstore_pb as ms_bundle
 
-from core.digest import canonical_json
+from core.digest import canonical_json, same_json
 from core.errors import DigestMismatch, InvalidInput
 from core.untrusted import InvalidJSON, loads_json, short_repr
 
@@ -241,9 +241,11 @@ class ArtifactClaims:
 
 def check_claims(got: ArtifactClaims, expected: Mapping[str, Any], what: str) -> None:
     """ATTESTATION_CLAIM_MISMATCH unless every field of `expected` (a subset of the claims' fields, as
-    `ArtifactClaims.as_dict` writes them) equals the signed one; names the first field that differs."""
+    `ArtifactClaims.as_dict` writes them) is the signed one, compared as canonical JSON: Python's equality
+    would take `true` for `1` and `1.0` for `1`, claims the signer did not make. Names the first field
+    that differs."""
     signed = got.as_dict()
-    wrong = [f for f in ArtifactClaims.FIELDS if f in expected and _normal(f, expected[f]) != signed[f]]
+    wrong = [f for f in ArtifactClaims.FIELDS if f in expected and not same_json(_normal(f, expected[f]), signed[f])]
     if wrong:
         field = wrong[0]
         raise AttestationClaimMismatch(

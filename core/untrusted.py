@@ -9,6 +9,10 @@ the interpreter's recursion limit. `loads_json` refuses all of them with one err
 saying what, before anything else sees the document. `short_repr` bounds what an error message
 quotes from such data.
 
+`check_json_value` holds a value that no parser read (built in code, or read back from storage) to the
+same bounds, and `JSONObject` applies it at the model layer: a pydantic field of that type stores only
+what `loads_json` could have returned, whichever way the value arrived.
+
 The time it takes is linear in the size of the input, whatever the input holds: the text is read once,
 by `json.loads`' C scanner (its hooks refuse numbers and repeated keys as they come; its nesting is
 bounded by the interpreter's recursion limit, a RecursionError being one more refusal), and the parsed
@@ -22,7 +26,9 @@ from __future__ import annotations
 import json
 import math
 import reprlib
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 from core.errors import InvalidInput
 
@@ -86,29 +92,67 @@ def check_text(value: str, where: str = "a string") -> str:
     return value
 
 
-def _check_tree(value: Any, limit: int) -> None:
+def _check_tree(value: Any, limit: int, *, numbers: bool = False) -> None:
     """Refuse nesting deeper than `limit` and strings that cannot be stored, in one walk of the parsed
     value (no recursion: parallel stacks of containers and their depths, so the walk allocates no
-    tracked objects for the collector to chase)."""
-    if isinstance(value, str):
-        check_text(value)
-        return
-    items: list[Any] = [value]
-    depths: list[int] = [1]
+    tracked objects for the collector to chase). With `numbers`, also refuse what `loads_json`'s hooks
+    refuse as it parses (non-finite floats, integers out of the 64-bit range) and anything that is not
+    a JSON value (a key that is not a string, a tuple, a set, bytes): for a value not parsed from text."""
+    items: list[Any] = [[value]]
+    depths: list[int] = [0]
     while items:
         item, depth = items.pop(), depths.pop()
         if depth > limit:
             raise InvalidJSON(f"nests deeper than {limit} levels", details={"max_depth": limit})
-        subs = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict):
             for key in item:
+                if not isinstance(key, str):
+                    raise InvalidJSON(f"an object key is not a string ({type(key).__name__})")
                 check_text(key, "an object key")
-        for sub in subs:
+        for sub in item.values() if isinstance(item, dict) else item:
             if isinstance(sub, str):
                 check_text(sub)
             elif isinstance(sub, (dict, list)):
                 items.append(sub)
                 depths.append(depth + 1)
+            elif numbers:
+                _check_scalar(sub)
+
+
+def _check_scalar(value: Any) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise InvalidJSON(f"integer {short_repr(value)} is out of the 64-bit range")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidJSON(f"number {value} is out of range")
+    else:
+        raise InvalidJSON(f"a {type(value).__name__} is not a JSON value")
+
+
+def check_json_value(value: Any, *, what: str = "value", max_depth: int = MAX_DEPTH) -> Any:
+    """`value` itself if it is a value `loads_json` could have returned (nesting at most `max_depth`, numbers
+    in range, strings storable, only JSON types); InvalidJSON says what is wrong otherwise. For values built
+    in code or read back from storage, which no parser checked."""
+    try:
+        _check_tree(value, max_depth, numbers=True)
+    except InvalidJSON as e:
+        raise InvalidJSON(f"{what}: {e.message}", details=e.details) from None
+    return value
+
+
+def _storable(value: Any) -> Any:
+    try:
+        return check_json_value(value, what="JSON value")
+    except InvalidJSON as e:
+        raise ValueError(e.message) from None  # pydantic reports a ValueError as a validation error
+
+
+# A JSON object a request may carry and the registry stores: `check_json_value` at the model layer, so a
+# value that did not come through `loads_json` (built in code, or by another route) meets the same bounds.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_storable)]
 
 
 def loads_json(

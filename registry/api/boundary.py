@@ -18,10 +18,19 @@ One pure-ASGI middleware, in front of the routes:
   at most 64 KiB a request. `max_body_bytes` also caps every other limit. Signature and provenance
   bundles are blobs: a blob upload (`PUT /v1/blobs/{sha256}`) streams to the store under its own
   limit (`max_upload_bytes`) and is not read here.
-- A JSON body is parsed once by `core.untrusted.loads_json` (no NaN, no out-of-range numbers, no NUL or
-  unpaired surrogates, no duplicate keys, bounded nesting) and refused with 422 INVALID_JSON
-  otherwise; the route then reads the same bytes. So no route and no database column ever sees
-  a value it cannot store, whatever the route's own schema says. The parse is linear in the body's
+- Every body read here is JSON, whatever its `Content-Type` says (`parses_body`): it is parsed once by
+  `core.untrusted.loads_json` (no NaN, no out-of-range numbers, no NUL or unpaired surrogates, no
+  duplicate keys, bounded nesting) and refused with 422 INVALID_JSON otherwise; the route then reads
+  the same bytes. The header is not consulted because two readers of it disagree: FastAPI decides
+  whether to `json.loads` a body from the header as `str.strip()` cuts it (which also strips U+0085
+  and U+00A0), so any reading of the header here that differed by one character would let a body
+  reach `json.loads` unchecked. Deciding without the header leaves FastAPI's parse only text this
+  parser accepted, which both parse to the same value (`loads_json` takes UTF-8 JSON only: no BOM,
+  no other encoding `json.loads` would guess); a body FastAPI does not take as JSON is then refused
+  by the route's schema. So no route and no database column ever sees a value it cannot store,
+  whatever the route's own schema says (and `core.untrusted.JSONObject` bounds the free-form ones at
+  the model layer as well). The routes under /v2/ (OCI: pulls) take no body; a push there is
+  answered by its route, in the spec's error shape. The parse is linear in the body's
   size; a body over `INLINE_PARSE_BYTES` is parsed in a thread of its own (`PARSE_THREADS`), so the
   event loop keeps answering other requests (`/healthz` among them) meanwhile and a flood of large
   bodies queues there instead of taking the threads the routes run in.
@@ -49,7 +58,11 @@ from registry.auth.principal import Scope
 from registry.deps import authenticate
 
 # Blob uploads stream their bodies to the store (limited by settings.max_upload_bytes there).
-_STREAMED_BODY = re.compile(r"^/v1/blobs/[^/]+$")
+STREAMED_BODY = re.compile(r"^/v1/blobs/[^/]+$")
+# Methods whose bodies no route reads (and the boundary passes on unread).
+BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The OCI routes take no body: a push is refused by its route, in the spec's error shape.
+_NO_BODY = re.compile(r"^/v2(/.*)?$")
 JSON_BODY_BYTES: Final = 64 * 1024
 
 
@@ -136,12 +149,12 @@ class RequestBoundaryMiddleware:
             await self.app(scope, receive, send)
             return
 
-        if scope["method"] in ("GET", "HEAD", "OPTIONS") or _STREAMED_BODY.fullmatch(scope["path"]):
+        if scope["method"] in BODILESS_METHODS or STREAMED_BODY.fullmatch(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:
             body = await self._read_body(scope, receive)
-            if body and _is_json(scope):
+            if body and parses_body(scope["method"], scope["path"]):
                 await _check_json(body)
         except KilnError as exc:
             await error_response(exc)(scope, _replay(b""), send)
@@ -198,13 +211,10 @@ def _parse_request_body(body: bytes) -> None:
     loads_json(body, what="request body")
 
 
-def _is_json(scope: Any) -> bool:
-    """Bodies FastAPI would parse as JSON: a JSON content type, or none at all."""
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            media = value.split(b";", 1)[0].strip().lower()
-            return media == b"application/json" or media.endswith(b"+json")
-    return True
+def parses_body(method: str, path: str) -> bool:
+    """Whether a body sent with `method` to `path` is parsed here as JSON: every body read here, whatever its
+    Content-Type, bar the OCI routes' (which take none). Every route that takes a body must answer True."""
+    return method not in BODILESS_METHODS and not STREAMED_BODY.fullmatch(path) and not _NO_BODY.fullmatch(path)
 
 
 def _replay(body: bytes) -> Any:

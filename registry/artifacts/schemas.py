@@ -9,7 +9,7 @@ from pydantic import ConfigDict, Field, computed_field, field_validator
 
 from core.evals import EvalMetrics, PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest, FileOut
-from registry.api.rows import FromRow
+from registry.api.rows import FromRow, StoredJSON
 from registry.artifacts.evals import EvalStatus, eval_status
 
 # A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
@@ -67,7 +67,7 @@ class ArtifactSummary(FromRow):
     quant: str
     hardware: list[str]
     unsupported: dict[str, str] = Field(description="hardware it does not run on, with the reason")
-    runtime: dict[str, Any]
+    runtime: StoredJSON
     manifest_digest: str
     total_size: int
     created_at: datetime

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from pydantic import Field
 
-from registry.api.rows import FromRow
+from registry.api.rows import FromRow, StoredJSON
 
 
 class AuditEventOut(FromRow):
@@ -16,6 +15,6 @@ class AuditEventOut(FromRow):
     action: str = Field(examples=["channel.promote", "channel.promote.forced"])
     model: str | None
     target: str = Field(examples=["tiny-llama/prod"])
-    details: dict[str, Any] = Field(description="what changed, as {before, after, ...}")
+    details: StoredJSON = Field(description="what changed, as {before, after, ...}")
     reason: str | None
     at: datetime

@@ -60,8 +60,8 @@ class Repository:
 
 def model_name(repository: str) -> str:
     """The model a repository name names: `<model>`, `kiln/<model>` or `modelcar/<model>`; NAME_INVALID otherwise."""
-    namespace, _, name = repository.rpartition("/")
-    if namespace not in ("", NAMESPACE, MODELCAR_NAMESPACE) or not _MODEL.fullmatch(name):
+    namespace, slash, name = repository.rpartition("/")
+    if (slash and namespace not in (NAMESPACE, MODELCAR_NAMESPACE)) or not _MODEL.fullmatch(name):
         raise InvalidInput(
             f"repository {repository!r} is not '<model>', '{NAMESPACE}/<model>' or '{MODELCAR_NAMESPACE}/<model>'",
             code="NAME_INVALID",

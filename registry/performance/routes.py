@@ -25,7 +25,7 @@ def _out(row: PerformanceRecord, artifact: str) -> PerformanceOut:
     dependencies=[require("publish")],
     status_code=201,
     summary="Record a measured serving performance of an artifact on one SKU (resolve prefers it to estimates)",
-    responses=error_responses(404, 422),
+    responses=error_responses(404, 409, 422),
 )
 def post_performance(
     model: ModelName,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.errors import InvalidInput
+from core.errors import Conflict, InvalidInput
 from registry.artifacts.service import get_artifact
 from registry.hardware.service import effective_catalog
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate
+from registry.releases.service import lock_release
 from registry.resolve.service import bump_routing_revision
 
 
@@ -17,7 +18,17 @@ def post_record(
     session: Session, model: str, version: str, artifact: str, spec: PerformanceCreate, actor: str
 ) -> PerformanceRecord:
     """Record one measurement; the SKU must be in the catalog and run the artifact (as resolve judges it:
-    built for it, or of the same architecture as an SKU it was built for)."""
+    built for it, or of the same architecture as an SKU it was built for), and the release must not be
+    yanked (RELEASE_YANKED: it is never served, so nothing routes by what it measured)."""
+    # Shared, as publishers hold it: a yank (exclusive) lands before this or after it is recorded.
+    release = lock_release(session, model, version, shared=True)
+    if release.yanked_at is not None:
+        raise Conflict(
+            f"release {model}@{version} is yanked ({release.yank_reason}): it is never served, so it takes no "
+            "performance records",
+            code="RELEASE_YANKED",
+            details={"model": model, "version": version},
+        )
     row = get_artifact(session, model, version, artifact)
     catalog = effective_catalog(session)
     profile = catalog.get(spec.hardware)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from core.shape import ShapeRecord
+from core.untrusted import JSONObject
 from registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
+from registry.api.rows import StoredJSON
 from registry.artifacts.schemas import ArtifactSummary
 from registry.releases.models import ReleaseStatus
 
@@ -51,8 +53,8 @@ class ReleaseCreate(BaseModel):
         description="every artifact the build will publish; sealing checks each arrived with an eval",
         examples=[["gguf-q4_k_m", "hf-bundle-fp8"]],
     )
-    lineage: dict[str, Any] = Field(default_factory=dict, description="where the source came from")
-    architecture: dict[str, Any] = Field(
+    lineage: JSONObject = Field(default_factory=dict, description="where the source came from")
+    architecture: JSONObject = Field(
         default_factory=dict, alias="model_config", description=MODEL_CONFIG_DOC, examples=[MODEL_CONFIG_EXAMPLE]
     )
 
@@ -76,8 +78,8 @@ class ReleaseOut(BaseModel):
     )
     source_digest: str
     planned_artifacts: list[str]
-    lineage: dict[str, Any]
-    architecture: dict[str, Any] = Field(alias="model_config", description=MODEL_CONFIG_DOC)
+    lineage: StoredJSON
+    architecture: StoredJSON = Field(alias="model_config", description=MODEL_CONFIG_DOC)
     created_at: datetime
     sealed_at: datetime | None = None
     abandoned_at: datetime | None = None

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import ScalarSelect, Select, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
+from core.digest import same_json
 from core.errors import Conflict, NotFound
 from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
@@ -100,7 +101,7 @@ def _differences(release: Release, spec: ReleaseCreate) -> list[str]:
         "lineage": spec.lineage,
         "model_config": spec.architecture,
     }
-    return [key for key in stored if stored[key] != sent[key]]
+    return [key for key in stored if not same_json(stored[key], sent[key])]
 
 
 def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[Release, bool]:

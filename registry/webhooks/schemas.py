@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from registry.api.rows import FromRow
+from registry.api.rows import FromRow, StoredJSON
 from registry.webhooks.delivery import ERROR_CLASSES
 from registry.webhooks.outbox import EVENTS
 
@@ -57,7 +56,7 @@ class DeliveryOut(FromRow):
     webhook_id: int
     audit_event_id: int
     event: str
-    payload: dict[str, Any]
+    payload: StoredJSON
     state: str = Field(examples=["pending", "delivered", "failed"])
     attempts: int
     next_attempt_at: datetime

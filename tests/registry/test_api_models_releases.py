@@ -82,6 +82,18 @@ def test_release_is_immutable(client: TestClient) -> None:
     assert stored["model_config"] == LLAMA_CONFIG
 
 
+def test_a_release_is_the_same_only_as_the_same_json(client: TestClient) -> None:
+    """`true` is not `1`, nor `1.0`: a replay that differs so is a conflict, not the stored release."""
+    client.post("/v1/models", json={"name": "m"})
+    assert client.post("/v1/models/m/releases", json={**RELEASE, "lineage": {"flag": 1}}).status_code == 201
+    for lineage in ({"flag": True}, {"flag": 1.0}):
+        error = assert_error(
+            client.post("/v1/models/m/releases", json={**RELEASE, "lineage": lineage}), 409, "CONFLICT"
+        )
+        assert error["details"]["differing"] == ["lineage"]
+    assert client.post("/v1/models/m/releases", json={**RELEASE, "lineage": {"flag": 1}}).status_code == 200
+
+
 def test_release_fields_are_validated(client: TestClient) -> None:
     client.post("/v1/models", json={"name": "m"})
     for bad in [

@@ -197,3 +197,21 @@ def test_a_deeply_nested_bundle_is_refused_not_a_server_error(client: TestClient
     for kind in ("signature", "provenance"):
         error = assert_error(attach(client, "model-a", "1.0.0", "gguf-q8", kind, nested), 422, "INVALID_JSON")
         assert "nests deeper than" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("recorded", "claimed"),
+    [({"flag": 1}, {"flag": True}), ({"n": 1}, {"n": 1.0}), ({"n": 0}, {"n": False}), ({"n": [1]}, {"n": [True]})],
+)
+def test_claims_are_compared_as_json_not_python_values(
+    client: TestClient, key: SigningKey, tmp_path: Path, recorded: dict[str, Any], claimed: dict[str, Any]
+) -> None:
+    """`true` is not `1` and `1.0` is not `1` in a signed claim, though Python finds them equal."""
+    release(client, "model-a", "1.0.0", {"gguf-q8": {**GGUF_Q8, "runtime": recorded}})
+    for kind, data in signed(tmp_path, key, "model-a", "1.0.0", "gguf-q8", runtime=claimed).items():
+        error = assert_error(
+            attach(client, "model-a", "1.0.0", "gguf-q8", kind, data), 422, "ATTESTATION_CLAIM_MISMATCH"
+        )
+        assert (error["details"]["field"], error["details"]["expected"]) == ("runtime", recorded)
+    for kind, data in signed(tmp_path / "same", key, "model-a", "1.0.0", "gguf-q8", runtime=recorded).items():
+        assert attach(client, "model-a", "1.0.0", "gguf-q8", kind, data).status_code == 201

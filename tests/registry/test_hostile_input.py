@@ -148,6 +148,19 @@ def test_names_longer_than_their_columns_are_refused(client: TestClient) -> None
     assert_error(client.post(artifacts, json=body), 422, "INVALID_INPUT")
 
 
+def test_file_names_longer_than_a_file_system_keeps_are_refused(client: TestClient) -> None:
+    make_release(client, planned=["gguf-q8"])
+    upload(client, DATA)
+    artifacts = f"{RELEASE}/artifacts"
+    for path in ("m" * 404, "m" * 256, "d/" + "m" * 256 + ".gguf", "d" * 256 + "/model.gguf"):
+        error = assert_error(
+            client.post(artifacts, json=manifest("gguf-q8", {path: DATA}, ["cpu"])), 422, "INVALID_INPUT"
+        )
+        assert "more than a file system keeps (255)" in error["message"], error
+    assert client.get(f"{RELEASE}/artifacts").json() == []
+    assert client.post(artifacts, json=manifest("gguf-q8", {"d/" + "m" * 255: DATA}, ["cpu"])).status_code == 201
+
+
 def test_names_ending_in_a_newline_are_refused_everywhere(client: TestClient) -> None:
     make_release(client, planned=["gguf-q8"])
     upload(client, DATA)

@@ -148,3 +148,15 @@ def test_any_listing_request(probe: tuple[TestClient, dict[str, Any]], repositor
     client, _ = probe
     response = client.get(f"/v2/{repository}/{path}{query}")
     _check(response, "GET", digest_of_body=False)
+
+
+@pytest.mark.parametrize("name", [f"/{MODEL}", f"//{MODEL}", f"kiln//{MODEL}", f"/kiln/{MODEL}", f"{MODEL}/", "/"])
+def test_a_repository_name_with_an_empty_segment_names_nothing(
+    probe: tuple[TestClient, dict[str, Any]], name: str
+) -> None:
+    """`/v2//tiny-llama/...` is not `/v2/tiny-llama/...`: no client names a repository with an empty segment."""
+    client, known = probe
+    for path in ("tags/list", f"manifests/{TAG}", f"blobs/{known['digests'][0]}", f"referrers/{known['digests'][0]}"):
+        response = client.get(f"/v2/{name}/{path}")
+        assert response.status_code in (400, 404), (name, path, response.status_code, response.text[:200])
+        assert response.json()["errors"][0]["code"] in ("NAME_INVALID", "NAME_UNKNOWN"), (name, path)

@@ -283,6 +283,14 @@ def test_bad_performance_records_are_refused_with_a_code(fleet: TestClient) -> N
     assert fleet.get(PERF).json() == []
 
 
+def test_a_yanked_release_takes_no_performance_records(fleet: TestClient) -> None:
+    assert fleet.post(PERF, json=record()).status_code == 201
+    assert fleet.post("/v1/models/llama/releases/1.0/yank", json={"reason": "bad weights"}).status_code == 200
+    error = assert_error(fleet.post(PERF, json=record(tokens_per_s=99.0)), 409, "RELEASE_YANKED")
+    assert error["details"] == {"model": "llama", "version": "1.0"}
+    assert len(fleet.get(PERF).json()) == 1
+
+
 def test_a_read_token_cannot_post_performance(app: FastAPI, fleet: TestClient) -> None:
     with TestClient(app, headers={"Authorization": f"Bearer {make_token(app, ['read'], name='reader')}"}) as reader:
         assert_error(reader.post(PERF, json=record()), 403, "FORBIDDEN")
