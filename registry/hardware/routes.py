@@ -52,9 +52,10 @@ def put_hardware(
 ) -> HardwareOut:
     principal.require_unlimited_admin("changing the hardware catalog")
     entry = {k: v for k, v in entry.items() if k != "source"}
-    service.put_entry(session, name, entry, principal.name)
+    profile = service.put_entry(session, name, entry, principal.name)
     session.commit()
-    return get_hardware(name, session)
+    # What was committed, not a read-back: a DELETE committed in between must not turn this 200 into a 404.
+    return HardwareOut(**profile.model_dump(), source=service.registry_source(name))  # type: ignore[arg-type]
 
 
 @router.delete(
