@@ -16,7 +16,7 @@ path and method, with only what such an endpoint needs:
   rules, the same 422); a query string seen before is not parsed or validated again (routers ask
   the same few questions over and over: the answer to a query string is a pure function of it);
 - the route's dependencies (its own and its router's) must be `require(scope)` checks, which run
-  as `authenticate` and `check_models` on the query's models, the calls the dependency itself
+  as `authenticate_async` and `check_models` on the query's models, the calls the dependency itself
   makes; any other dependency is refused when the lane is built, so no check is ever skipped.
   Dependencies given to `include_router` do not reach the lane: a lean router declares its own;
 - the endpoint is `async`, takes `request` and query parameters only, and returns a Response;
@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from registry.auth.principal import Scope
-from registry.deps import authenticate, check_models, required_scope
+from registry.deps import authenticate_async, check_models, required_scope
 
 Handler = Callable[[Request], Awaitable[Response]]
 _MAX_QUERIES = 4096  # distinct valid query strings kept per lean route (dropped all at once when full)
@@ -69,7 +69,7 @@ class LeanRoute(APIRoute):
             known = seen.get(raw)
             models = request.query_params.getlist("model") if known is None else known[0]
             if required:
-                principal = authenticate(request)
+                principal = await authenticate_async(request)
                 for scope in required:
                     check_models(principal, scope, models)
             if known is None:
