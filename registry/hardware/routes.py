@@ -21,9 +21,7 @@ HardwareName = Annotated[str, Path(pattern=HARDWARE_NAME_PATTERN, description="S
 
 
 def _catalog(session: Session) -> list[HardwareOut]:
-    sources = service.catalog_sources(session)
-    catalog = service.effective_catalog(session)
-    return [HardwareOut(**p.model_dump(), source=sources[p.name]) for p in catalog]  # type: ignore[arg-type]
+    return [HardwareOut(**p.model_dump(), source=source) for p, source in service.catalog_entries(session)]  # type: ignore[arg-type]
 
 
 @router.get("/hardware", summary="The hardware catalog resolve sizes replicas with")

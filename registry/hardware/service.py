@@ -34,27 +34,27 @@ def effective_catalog(session: Session) -> HardwareCatalog:
 
 def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
     """One SKU of the effective catalog and where its entry comes from; HARDWARE_NOT_FOUND lists the known."""
-    catalog = effective_catalog(session)
-    if name not in catalog.profiles:
-        known = sorted(catalog.profiles)
+    entries = {p.name: (p, source) for p, source in catalog_entries(session)}
+    if name not in entries:
+        known = sorted(entries)
         raise NotFound(
             f"unknown hardware {name!r}; known: {', '.join(known)}",
             code="HARDWARE_NOT_FOUND",
             details={"hardware": name, "known": known},
         )
-    return catalog.profiles[name], catalog_sources(session)[name]
+    return entries[name]
 
 
-def catalog_sources(session: Session) -> dict[str, str]:
-    """Where each entry of the effective catalog comes from: builtin | registry | registry (overrides builtin)."""
-    sources = dict.fromkeys(builtin_catalog().profiles, "builtin")
-    for row in _rows(session):
-        sources[row.name] = registry_source(row.name)
-    return sources
+def catalog_entries(session: Session) -> list[tuple[HardwareProfile, str]]:
+    """The effective catalog, each entry with where it comes from (builtin | registry | registry (overrides
+    builtin)), from one read of the registry's entries: two reads could see a PUT committed between them."""
+    own = registry_entries(session)
+    names = {p.name for p in own}
+    return [(p, registry_source(p.name) if p.name in names else "builtin") for p in builtin_catalog().extended(own)]
 
 
 def registry_source(name: str) -> str:
-    """Where the registry's own entry for `name` comes from, as `catalog_sources` says it."""
+    """How `catalog_entries` names the source of the registry's own entry for `name`."""
     return "registry (overrides builtin)" if name in builtin_catalog().profiles else "registry"
 
 
