@@ -1,7 +1,10 @@
 """Typed dependencies: the only way routes reach the database, the blob store, the settings and caches.
 
 They are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread pool, and
-a thread hop per dependency per request is most of the cost of a fast route like resolve.
+a thread hop per dependency per request is most of the cost of a fast route like resolve. So each
+one keeps the event loop's rule (docs/registry.md, "The event loop"): it answers from memory on
+the loop, and hands anything that waits on the database to the thread pool (`get_principal` on a
+token the cache does not hold, closing a session that still has a transaction to roll back).
 """
 
 from __future__ import annotations
@@ -11,12 +14,23 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from core.errors import Unauthorized
+from registry.auth.cache import Missing
 from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
 from registry.resolve.cache import ResolveCache
 from registry.settings import RegistrySettings
 from storage.store import BlobStore
+
+
+async def _close(session: Session) -> None:
+    # A session still in a transaction closes with a ROLLBACK, a round trip to the database: in a
+    # thread. One without (committed, or never used) has nothing to say to it.
+    if session.in_transaction():
+        await run_in_threadpool(session.close)
+    else:
+        session.close()
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -24,7 +38,7 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     try:
         yield session
     finally:
-        session.close()
+        await _close(session)
 
 
 async def get_write_session(request: Request) -> AsyncIterator[Session]:
@@ -33,7 +47,7 @@ async def get_write_session(request: Request) -> AsyncIterator[Session]:
     try:
         yield session
     finally:
-        session.close()
+        await _close(session)
 
 
 async def get_blob_store(request: Request) -> BlobStore:
@@ -60,8 +74,8 @@ SettingsDep = Annotated[RegistrySettings, Depends(get_settings)]
 ResolveCacheDep = Annotated[ResolveCache, Depends(get_resolve_cache)]
 
 
-def authenticate(request: Request) -> Principal:
-    """The caller, from `Authorization: Bearer <token>`; anonymous without one; `local` when auth is off."""
+def _credentials(request: Request) -> Principal | str:
+    """The caller when the headers alone say who it is (auth off, no token); else the bearer token's secret."""
     settings: RegistrySettings = request.app.state.settings
     if not settings.auth_required:
         return LOCAL
@@ -72,10 +86,32 @@ def authenticate(request: Request) -> Principal:
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise Unauthorized("the Authorization header must be 'Bearer <token>'", code="INVALID_TOKEN")
-    principal: Principal | None = request.app.state.token_cache.lookup(secret.strip())
+    return secret.strip()
+
+
+def _known(principal: Principal | None) -> Principal:
     if principal is None:
         raise Unauthorized("the token is unknown, revoked or expired", code="INVALID_TOKEN")
     return principal
+
+
+def authenticate(request: Request) -> Principal:
+    """The caller, from `Authorization: Bearer <token>`; anonymous without one; `local` when auth is off.
+
+    Blocking (a token the cache does not hold is looked up in the database): for threads; on the
+    event loop, `authenticate_async`."""
+    found = _credentials(request)
+    return found if isinstance(found, Principal) else _known(request.app.state.token_cache.lookup(found))
+
+
+async def authenticate_async(request: Request) -> Principal:
+    """`authenticate` for the event loop: from the token cache on the loop, from the database in a thread."""
+    found = _credentials(request)
+    if isinstance(found, Principal):
+        return found
+    cache = request.app.state.token_cache
+    hit = cache.cached(found)
+    return _known(await run_in_threadpool(cache.lookup, found) if isinstance(hit, Missing) else hit)
 
 
 def check_access(request: Request, principal: Principal, scope: Scope) -> None:
@@ -95,7 +131,7 @@ def check_models(principal: Principal, scope: Scope, models: list[str]) -> None:
 
 
 async def get_principal(request: Request) -> Principal:
-    return authenticate(request)
+    return await authenticate_async(request)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

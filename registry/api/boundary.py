@@ -48,14 +48,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from core.errors import InvalidInput, KilnError
 from core.untrusted import loads_json
 from registry.api.errors import error_response
 from registry.auth.principal import Scope
-from registry.deps import authenticate
+from registry.deps import authenticate_async
 
 # Blob uploads stream their bodies to the store (limited by settings.max_upload_bytes there).
 STREAMED_BODY = re.compile(r"^/v1/blobs/[^/]+$")
@@ -195,7 +194,7 @@ async def _authorize(scope: Any, needed: Scope) -> None:
     """Refuse (401/403) a body over JSON_BODY_BYTES unless the caller's token has `needed`: anonymous
     clients make the registry read at most that much of a request. The token is looked up as routes do
     (a cache, else the database: in a thread)."""
-    principal = await run_in_threadpool(authenticate, Request(scope))
+    principal = await authenticate_async(Request(scope))
     principal.require(needed)
 
 

@@ -19,7 +19,7 @@ path and method, with only what such an endpoint needs:
   longer than `MAX_QUERY_BYTES` is refused (QUERY_TOO_LONG) before it is parsed: what the lane keeps
   is bounded by `_MAX_QUERIES` x `MAX_QUERY_BYTES`;
 - the route's dependencies (its own and its router's) must be `require(scope)` checks, which run
-  as `authenticate` and `check_models` on the query's models, the calls the dependency itself
+  as `authenticate_async` and `check_models` on the query's models, the calls the dependency itself
   makes; any other dependency is refused when the lane is built, so no check is ever skipped.
   Dependencies given to `include_router` do not reach the lane: a lean router declares its own;
 - the endpoint is `async`, takes `request` and query parameters only, and returns a Response;
@@ -43,7 +43,7 @@ from starlette.routing import BaseRoute
 
 from core.errors import InvalidInput
 from registry.auth.principal import Scope
-from registry.deps import authenticate, check_models, required_scope
+from registry.deps import authenticate_async, check_models, required_scope
 
 Handler = Callable[[Request], Awaitable[Response]]
 _MAX_QUERIES = 4096  # distinct valid queries kept per lean route (dropped all at once when full)
@@ -85,7 +85,7 @@ class LeanRoute(APIRoute):
             known = seen.get(asked)
             models = params.getlist("model")
             if required:
-                principal = authenticate(request)
+                principal = await authenticate_async(request)
                 for scope in required:
                     check_models(principal, scope, models)
             if known is None:

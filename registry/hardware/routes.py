@@ -21,9 +21,7 @@ HardwareName = Annotated[str, Path(pattern=HARDWARE_NAME_PATTERN, description="S
 
 
 def _catalog(session: Session) -> list[HardwareOut]:
-    sources = service.catalog_sources(session)
-    catalog = service.effective_catalog(session)
-    return [HardwareOut(**p.model_dump(), source=sources[p.name]) for p in catalog]  # type: ignore[arg-type]
+    return [HardwareOut(**p.model_dump(), source=source) for p, source in service.catalog_entries(session)]  # type: ignore[arg-type]
 
 
 @router.get("/hardware", summary="The hardware catalog resolve sizes replicas with")
@@ -52,9 +50,10 @@ def put_hardware(
 ) -> HardwareOut:
     principal.require_unlimited_admin("changing the hardware catalog")
     entry = {k: v for k, v in entry.items() if k != "source"}
-    service.put_entry(session, name, entry, principal.name)
+    profile = service.put_entry(session, name, entry, principal.name)
     session.commit()
-    return get_hardware(name, session)
+    # What was committed, not a read-back: a DELETE committed in between must not turn this 200 into a 404.
+    return HardwareOut(**profile.model_dump(), source=service.registry_source(name))  # type: ignore[arg-type]
 
 
 @router.delete(

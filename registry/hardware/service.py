@@ -34,24 +34,28 @@ def effective_catalog(session: Session) -> HardwareCatalog:
 
 def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
     """One SKU of the effective catalog and where its entry comes from; HARDWARE_NOT_FOUND lists the known."""
-    catalog = effective_catalog(session)
-    if name not in catalog.profiles:
-        known = sorted(catalog.profiles)
+    entries = {p.name: (p, source) for p, source in catalog_entries(session)}
+    if name not in entries:
+        known = sorted(entries)
         raise NotFound(
             f"unknown hardware {name!r}; known: {', '.join(known)}",
             code="HARDWARE_NOT_FOUND",
             details={"hardware": name, "known": known},
         )
-    return catalog.profiles[name], catalog_sources(session)[name]
+    return entries[name]
 
 
-def catalog_sources(session: Session) -> dict[str, str]:
-    """Where each entry of the effective catalog comes from: builtin | registry | registry (overrides builtin)."""
-    builtin = set(builtin_catalog().profiles)
-    sources = dict.fromkeys(builtin, "builtin")
-    for row in _rows(session):
-        sources[row.name] = "registry (overrides builtin)" if row.name in builtin else "registry"
-    return sources
+def catalog_entries(session: Session) -> list[tuple[HardwareProfile, str]]:
+    """The effective catalog, each entry with where it comes from (builtin | registry | registry (overrides
+    builtin)), from one read of the registry's entries: two reads could see a PUT committed between them."""
+    own = registry_entries(session)
+    names = {p.name for p in own}
+    return [(p, registry_source(p.name) if p.name in names else "builtin") for p in builtin_catalog().extended(own)]
+
+
+def registry_source(name: str) -> str:
+    """How `catalog_entries` names the source of the registry's own entry for `name`."""
+    return "registry (overrides builtin)" if name in builtin_catalog().profiles else "registry"
 
 
 def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> HardwareProfile:
@@ -63,6 +67,9 @@ def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> 
             code="HARDWARE_CATALOG_INVALID",
         )
     profile = parse_profile({**data, "name": name}, f"hardware entry {name!r}")
+    # First: the routing state's row lock serialises catalog writers (PostgreSQL; SQLite's write lock
+    # already does), so two first PUTs of one SKU do not both insert it, and `before` is what was there.
+    bump_routing_revision(session)
     row = session.scalars(select(HardwareEntry).where(HardwareEntry.name == name)).one_or_none()
     before = row.profile if row is not None else _builtin_dump(name)
     after = profile.model_dump(mode="json")
@@ -78,13 +85,13 @@ def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> 
         actor=actor,
         details={"before": before, "after": after},
     )
-    bump_routing_revision(session)
     session.flush()
     return profile
 
 
 def delete_entry(session: Session, name: str, actor: str) -> None:
     """Remove the registry's entry for `name`: an added SKU goes, an overridden built-in one returns; audited."""
+    bump_routing_revision(session)  # first, as in `put_entry`
     row = session.scalars(select(HardwareEntry).where(HardwareEntry.name == name)).one_or_none()
     if row is None:
         builtin = name in builtin_catalog().profiles
@@ -102,7 +109,6 @@ def delete_entry(session: Session, name: str, actor: str) -> None:
         details={"before": row.profile, "after": _builtin_dump(name)},
     )
     session.delete(row)
-    bump_routing_revision(session)
     session.flush()
 
 

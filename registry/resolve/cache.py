@@ -135,9 +135,10 @@ class ChannelFingerprints:
 
     A Session, a pooled checkout and SQLAlchemy's execution machinery cost several times what the
     indexed query does; this keeps one DBAPI connection (autocommit: every read sees the latest
-    promotion) and the statement compiled once for the dialect. Used from the event loop only (the
-    resolve route is `async`), so one connection per process serves it. A database error drops the
-    connection (the next request opens another) and is reported as Unavailable.
+    promotion) and the statement compiled once for the dialect. `lookup` blocks (it may ask the
+    database) and runs in the thread pool, one thread at a time on the one connection; `cached`, for
+    the event loop, answers from memory or not at all. A database error drops the connection (the next
+    request opens another) and is reported as Unavailable.
 
     On SQLite the rows are kept until another connection, in any process, commits (this one never
     writes): `WalIndexHeader` says so from shared memory, with no statement and no system call; where it
@@ -153,14 +154,34 @@ class ChannelFingerprints:
         self._connection: Any = None
         self._cursor: Any = None  # one per connection, reused
         self._versioned = engine.dialect.name == "sqlite"
-        self._data_version: object = None  # the WAL-index header's bytes, or ("pragma", data_version)
         self._wal_index: WalIndexHeader | None = None
         self._wal_index_looked = False  # once per connection: a database not in WAL mode has none
-        self._rows: dict[tuple[str, str], Any] = {}
+        # (the commit marker the rows were read at: the WAL-index header's bytes or ("pragma", data_version),
+        # the rows), replaced whole, so `cached` never pairs a marker with rows older than it
+        self._rows: tuple[object, dict[tuple[str, str], FingerprintRow | None]] = (None, {})
+        self._lock = threading.Lock()
         self.snapshots: dict[tuple[object, ...], ChannelSnapshot] = {}  # built once per fingerprint row
 
+    def cached(self, model: str, channel: str) -> FingerprintRow | None:
+        """`lookup`'s row when it is known to be current without asking the database (SQLite: nothing was
+        committed since it was read, as the WAL-index header says), else None: ask `lookup`, in a thread."""
+        wal_index, (marker, rows) = self._wal_index, self._rows
+        if wal_index is None:
+            return None
+        try:
+            header = wal_index.read()
+        except ValueError:  # closed by a thread that dropped the connection
+            return None
+        return rows.get((model, channel)) if header is not None and header == marker else None
+
     def lookup(self, model: str, channel: str) -> FingerprintRow | None:
-        """(release id, version, evals_through, yanked_at, split, routing revision) of `model`'s `channel`, or None."""
+        """(release id, version, evals_through, yanked_at, split, routing revision) of `model`'s `channel`, or None.
+
+        Blocking: for a thread (one at a time uses the connection)."""
+        with self._lock:
+            return self._lookup(model, channel)
+
+    def _lookup(self, model: str, channel: str) -> FingerprintRow | None:
         try:
             if self._connection is None:
                 self._connection = self._engine.raw_connection()
@@ -170,14 +191,12 @@ class ChannelFingerprints:
             if not self._versioned:
                 return self._query(model, channel)
             version = self._version()
-            if version != self._data_version or len(self._rows) >= MAX_FINGERPRINTS:
-                self._rows.clear()
-                self._data_version = version
-            key = (model, channel)
-            if key not in self._rows:
-                self._rows[key] = self._query(model, channel)
-            row: FingerprintRow | None = self._rows[key]
-            return row
+            if version != self._rows[0] or len(self._rows[1]) >= MAX_FINGERPRINTS:
+                self._rows = (version, {})
+            rows, key = self._rows[1], (model, channel)
+            if key not in rows:
+                rows[key] = self._query(model, channel)  # read after the marker: never older than it
+            return rows[key]
         except DBAPIError as exc:
             self.close()
             raise Unavailable(f"database unavailable ({type(exc).__name__})") from None
@@ -215,7 +234,7 @@ class ChannelFingerprints:
         wal_index, self._wal_index, self._wal_index_looked = self._wal_index, None, False
         if wal_index is not None:
             wal_index.close()
-        self._data_version = None
+        self._rows = (None, {})
         if self._connection is not None:
             connection, self._connection = self._connection, None
             with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from core.errors import InvalidInput
 from core.manifest import FileOut
@@ -26,11 +27,11 @@ from registry.api.params import (
 from registry.api.urls import artifact_file_url, base_url
 from registry.channels.buckets import BASIS_POINTS
 from registry.deps import require
-from registry.resolve.cache import Answer, ChannelSnapshot, ResolveCache
+from registry.resolve.cache import Answer, ChannelSnapshot, ResolveCache, SnapshotKey
 from registry.resolve.explain import explain_choice
 from registry.resolve.query import ResolveQuery
 from registry.resolve.ranking import Candidate, rank_candidates
-from registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view
+from registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view, snapshot_of
 from registry.settings import RegistrySettings
 
 # Lean: the hot path, answered by the app's LeanLane in front of FastAPI's per-request machinery
@@ -166,11 +167,13 @@ async def resolve(
         ),
     ] = 0,
 ) -> Response:
-    # async, and rendered here rather than by FastAPI: no thread hop and no second validation of
-    # the answer on the hot path. With warm caches the work is one indexed query (on the resolve
-    # cache's own connection, no session) and a dict lookup; a session is opened only on a miss.
-    # The query's own values (strings and numbers, cheap to hash) key the answer with the channel's
-    # fingerprint and the release the key lands on; the pools are parsed only on a miss.
+    # async, and rendered here rather than by FastAPI: no second validation of the answer on the hot
+    # path, and no thread hop where the answer is known from memory (SQLite's WAL-index header says
+    # nothing was committed since the channel was read, and the answer is cached). Anything that asks
+    # the database (the indexed query on the resolve cache's own connection, a session on a miss) runs
+    # in the thread pool: the event loop never waits on the database. The query's own values (strings
+    # and numbers, cheap to hash) key the answer with the channel's fingerprint and the release the
+    # key lands on; the pools are parsed only on a miss.
     if version is not None and key is not None:
         raise InvalidInput(
             "give `key` (the release a caller lands on) or `version` (a release of the channel), not both",
@@ -180,35 +183,60 @@ async def resolve(
     asked = ResolveQuery(hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     # The raw header list, not `request.headers` (built per request): this is the hot path.
     if_none_match = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"if-none-match"), None)
-    answer = _answer(request, model, channel, asked, key, version)
+    answer = await _answer(request, model, channel, asked, key, version)
     if wait and if_none_match is not None:
         deadline = time.monotonic() + wait
         while _matches(if_none_match, answer.etag) and time.monotonic() < deadline:
             await asyncio.sleep(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
-            answer = _answer(request, model, channel, asked, key, version)
+            answer = await _answer(request, model, channel, asked, key, version)
     if _matches(if_none_match, answer.etag):
         return Response(status_code=304, headers={"ETag": answer.etag, "Cache-Control": "no-cache"})
     return answer
 
 
-def _answer(
+async def _answer(
     request: Request, model: str, channel: str, query: ResolveQuery, key: str | None, version: str | None
 ) -> Answer:
-    """The rendered answer with its ETag, from the caches where nothing it depends on changed.
+    """The rendered answer with its ETag: from memory on the event loop where it can be, else in a thread.
 
     The answer is a function of the member it is for, however it was chosen (the key's, the one named by
     `version`, or the primary), so the member's release keys the cache, never the key or the version."""
-    state = request.app.state  # not dependencies: each one solved costs more than this route's own work
-    settings: RegistrySettings = state.settings
+    cache: ResolveCache = request.app.state.resolve_cache
+    row = cache.fingerprints.cached(model, channel)
+    if row is not None:
+        snapshot = snapshot_of(cache.fingerprints, model, channel, row)
+        member = _member(snapshot, model, channel, key, version)
+        hit = cache.answers.get(_answer_key(request, snapshot, member, model, channel, query))
+        if hit is not None:
+            return hit
+    return await run_in_threadpool(_answer_from_database, request, model, channel, query, key, version)
+
+
+def _member(snapshot: ChannelSnapshot, model: str, channel: str, key: str | None, version: str | None) -> SnapshotKey:
+    return snapshot.choose(model, channel, key) if version is None else snapshot.member(model, channel, version)
+
+
+def _answer_key(
+    request: Request, snapshot: ChannelSnapshot, member: SnapshotKey, model: str, channel: str, query: ResolveQuery
+) -> tuple[object, ...]:
+    settings: RegistrySettings = request.app.state.settings  # not a dependency: solving one costs more
+    return (snapshot.fingerprint, member.release_id, model, channel, query, base_url(request, settings))
+
+
+def _answer_from_database(
+    request: Request, model: str, channel: str, query: ResolveQuery, key: str | None, version: str | None
+) -> Answer:
+    """`_answer` where it must ask the database (blocking: in a thread): the channel, and on a miss the rest."""
+    state = request.app.state
     cache: ResolveCache = state.resolve_cache
     sessions = state.session_factory
     snapshot = channel_snapshot(cache.fingerprints, sessions, model, channel)
-    member = snapshot.choose(model, channel, key) if version is None else snapshot.member(model, channel, version)
-    base = base_url(request, settings)
-    answer_key = (snapshot.fingerprint, member.release_id, model, channel, query, base)
+    member = _member(snapshot, model, channel, key, version)
+    answer_key = _answer_key(request, snapshot, member, model, channel, query)
     hit = cache.answers.get(answer_key)
     if hit is not None:
         return hit
+    base = base_url(request, state.settings)
     query.pools  # noqa: B018 - parsed (and a bad one refused) before anything else is read
     catalog = load_catalog(sessions, snapshot.revision, cache)
     with sessions() as session:

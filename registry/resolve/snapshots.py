@@ -21,7 +21,14 @@ from registry.channels.service import channel_names
 from registry.models.service import get_model
 from registry.performance.service import records_of_artifacts
 from registry.releases.service import get_release, get_release_by_id, with_artifacts
-from registry.resolve.cache import MAX_FINGERPRINTS, ChannelFingerprints, ChannelSnapshot, ResolveCache, SnapshotKey
+from registry.resolve.cache import (
+    MAX_FINGERPRINTS,
+    ChannelFingerprints,
+    ChannelSnapshot,
+    FingerprintRow,
+    ResolveCache,
+    SnapshotKey,
+)
 from registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 
@@ -40,11 +47,16 @@ def channel_snapshot(
 ) -> ChannelSnapshot:
     """One indexed query: the release(s) `model`'s `channel` points at, with weights, and the routing revision.
 
-    Only a miss opens a session, to say precisely what is missing (the model, or its channel)."""
+    Only a miss opens a session, to say precisely what is missing (the model, or its channel). Blocking."""
     row = fingerprints.lookup(model, channel)
     if row is None:
         with session_factory() as session:
             raise _channel_not_found(session, model, channel)
+    return snapshot_of(fingerprints, model, channel, row)
+
+
+def snapshot_of(fingerprints: ChannelFingerprints, model: str, channel: str, row: FingerprintRow) -> ChannelSnapshot:
+    """The snapshot a fingerprint row describes (built once per row); CHANNEL_RELEASE_YANKED. No I/O."""
     release_id, version, evals_through, yanked_at, split, revision = row
     if yanked_at is not None:
         raise NotFound(
