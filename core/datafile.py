@@ -97,7 +97,7 @@ def _not_json(data: Any) -> str | None:
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
-        elif not isinstance(value, str | int | bool) and value is not None:
+        elif not isinstance(value, str | int | float | bool) and value is not None:
             return f"a {type(value).__name__} is not a JSON value"
     return None
 
