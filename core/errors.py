@@ -39,6 +39,19 @@ class RecipeInvalid(InvalidInput):
     code = "RECIPE_INVALID"
 
 
+class DataFileInvalid(InvalidInput):
+    """A file given on the command line is not what it must be: not a regular file, not UTF-8, not YAML or JSON,
+    or holding a value JSON cannot (a date, .inf, .nan, a number too long, nesting too deep)."""
+
+    code = "DATA_FILE_INVALID"
+
+
+class OutputPathInvalid(InvalidInput):
+    """A path given for kiln to write is not one it can write a file at (a directory, a FIFO, a device)."""
+
+    code = "OUTPUT_PATH_INVALID"
+
+
 class UnknownName(InvalidInput):
     """A name (target, scheme, hardware) that is not registered; the message lists the known ones."""
 

@@ -25,12 +25,12 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.device import Device, cpu_model
 from core.errors import InvalidInput
@@ -93,7 +93,19 @@ class ProbeRun(BaseModel):
     skipped: dict[str, str] = Field(default_factory=dict, description="reading key -> why it was not measured")
     allocatable_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     measured_on: str = Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
-    seconds: float = Field(ge=0)
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _readable(self) -> ProbeRun:
+        # What becomes the catalog record's `source` is printable text (MeasuredEfficiency requires it).
+        for field in ("device", "device_name", "runtime", "timer"):
+            if not getattr(self, field).isprintable():
+                raise ValueError(f"{field} holds a control character")
+        try:
+            date.fromisoformat(self.measured_on)
+        except ValueError:
+            raise ValueError(f"measured_on {self.measured_on!r} is not a date (YYYY-MM-DD)") from None
+        return self
 
     def source(self) -> str:
         """The catalog record's `source`: where and how."""

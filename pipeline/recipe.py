@@ -42,9 +42,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.datafile import parse_data
 from core.digest import sha256_json
 from core.errors import KilnError, RecipeInvalid
 from core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
@@ -295,14 +295,7 @@ def load_recipe(path: str | Path, allowed_roots: Iterable[str | Path] = ()) -> R
         raise RecipeInvalid(f"recipe {str(path)!r} cannot be read ({e.strerror or e})", details=where) from None
     if len(raw) > MAX_RECIPE_BYTES:
         raise RecipeInvalid(f"{path}: larger than the {MAX_RECIPE_BYTES}-byte limit of a recipe", details=where)
-    try:
-        data = yaml.safe_load(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise RecipeInvalid(f"{path}: not UTF-8 ({e.reason} at byte {e.start})", details=where) from None
-    except yaml.YAMLError as e:
-        raise RecipeInvalid(f"{path}: not valid YAML: {e}", details=where) from None
-    except RecursionError:
-        raise RecipeInvalid(f"{path}: YAML nested too deeply", details=where) from None
+    data = parse_data(raw, str(path), RecipeInvalid)
     return parse_recipe(data, base_dir=path.parent, origin=str(path), allowed_roots=allowed_roots)
 
 

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -196,15 +197,21 @@ class WorkDir:
     def _read(self, node: Node, key: str, *, verify: bool) -> StageOutput | None:
         path = self.final_path(node.stage.name, key)
         meta = path / STAGE_FILE
-        if not meta.is_file():
+        where = {"stage": node.id, "key": key, "path": str(meta)}
+        if not os.path.lexists(path):
             return None
+        # An output is renamed into place with its stage.json: one that is missing, or is a directory, a FIFO
+        # or a device, is corrupt (and is never opened: a FIFO would block).
+        if not meta.is_file():
+            why = "is not a regular file" if os.path.lexists(meta) else "is missing"
+            raise StageRecordCorrupt(f"{meta} {why}", details=where)
         try:
-            with open(meta, "rb") as f:
+            with os.fdopen(os.open(meta, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise StageRecordCorrupt(f"{meta} is not a regular file", details=where)
                 raw = f.read(MAX_STAGE_JSON + 1)
         except OSError as e:
-            raise StageRecordCorrupt(
-                f"{meta} cannot be read ({e.strerror})", details={"stage": node.id, "key": key, "path": str(meta)}
-            ) from None
+            raise StageRecordCorrupt(f"{meta} cannot be read ({e.strerror})", details=where) from None
         record = read_stage_record(node, key, raw, str(meta), check_node=False)
         if verify:
             self._verify_files(node, key, path, record.files)
@@ -304,9 +311,12 @@ class WorkDir:
         final = self.final_path(node.stage.name, key)
         try:
             os.rename(tmp, final)
-        except OSError:
+        except OSError as e:
             if not (final / STAGE_FILE).is_file():
-                raise
+                raise StageRecordCorrupt(
+                    f"{final} is in the way of the output just built ({e.strerror}): delete it to build it again",
+                    details={"stage": node.id, "key": key, "path": str(final)},
+                ) from None
             shutil.rmtree(tmp)  # another run finished the same key first; identical by construction
             out = self._read(node, key, verify=True)
         else:

@@ -6,27 +6,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from pydantic import ValidationError
 
 from client import RegistryClient
+from core.datafile import read_mapping
 from core.device import resolve_device
 from core.errors import InvalidInput
 from core.hardware import HardwareCatalog, builtin_catalog, parse_profile
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
 from kiln.console import err, safe_text, stdout
 from kiln.probe import ProbeRun, device_name, efficiency, identify, measure, table
-
-
-def _read_mapping(path: Path, what: str) -> dict[str, Any]:
-    """A YAML or JSON file holding one mapping."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise InvalidInput(f"{path}: cannot read {what}: {e}", code="INVALID_INPUT") from None
-    if not isinstance(data, dict):
-        raise InvalidInput(f"{path}: {what} must be a mapping of fields", code="INVALID_INPUT")
-    return data
 
 
 @hardware_app.command("list")
@@ -57,8 +46,9 @@ def hardware_set(
     as_json: JsonOpt = False,
 ) -> None:
     """Add an SKU to the registry's catalog, or override its entry (admin; audited)."""
+    spec = read_mapping(entry, "a hardware entry")
     with RegistryClient.connect(registry) as client:
-        out = client.put_hardware(name, _read_mapping(entry, "a hardware entry"))
+        out = client.put_hardware(name, spec)
     answer(out, as_json, f"hardware {name}: {out['source']}")
 
 
@@ -80,6 +70,16 @@ def _registry_catalog(client: RegistryClient) -> HardwareCatalog:
         parse_profile({k: v for k, v in e.items() if k != "source"}, f"registry hardware entry {e.get('name')!r}")
         for e in client.hardware()
     )
+
+
+def _saved_run(path: Path) -> ProbeRun:
+    """A run printed by `kiln hardware probe --json` (the whole document, or its `run`)."""
+    data = read_mapping(path, "a probe run (kiln hardware probe --json)")
+    try:
+        return ProbeRun.model_validate(data.get("run", data))
+    except ValidationError as e:
+        found = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'run'}: {err['msg']}" for err in e.errors())
+        raise InvalidInput(f"{path}: not a probe run: {found}", code="INVALID_INPUT") from None
 
 
 @hardware_app.command("probe")
@@ -113,17 +113,13 @@ def hardware_probe(
 ) -> None:
     """Measure the shares of an SKU's data-sheet peaks this node's device reaches: memory read, a decode chain and
     matmuls per type, allocatable memory. With --publish, resolve bounds that SKU by them."""
+    loaded = _saved_run(saved) if saved is not None else None  # a bad file is refused before the registry is opened
     client = RegistryClient.connect(registry) if publish else None
     try:
         # Against the peaks of the entry the shares are published to: the registry's where it has its own.
         catalog = _registry_catalog(client) if client is not None else builtin_catalog()
-        if saved is not None:
-            data = _read_mapping(saved, "a probe run (kiln hardware probe --json)")
-            try:
-                run = ProbeRun.model_validate(data.get("run", data))
-            except ValidationError as e:
-                found = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'run'}: {err['msg']}" for err in e.errors())
-                raise InvalidInput(f"{saved}: not a probe run: {found}", code="INVALID_INPUT") from None
+        if loaded is not None:
+            run = loaded
             profile = identify(run.device_name, run.device.startswith("cuda"), catalog, hardware)
         else:
             where = resolve_device(device)
@@ -177,8 +173,9 @@ def performance(
 ) -> None:
     """Record a measured serving performance of an artifact on one SKU (resolve prefers it to its estimates)."""
     model, version = split_ref(ref)
+    measured = read_mapping(record, "a performance record")
     with RegistryClient.connect(registry) as client:
-        out = client.post_performance(model, version, artifact, _read_mapping(record, "a performance record"))
+        out = client.post_performance(model, version, artifact, measured)
     answer(
         out,
         as_json,

@@ -11,7 +11,7 @@ import typer
 from client import RegistryClient
 from kiln.cli.common import DEFAULT_REGISTRY, RegistryOpt, routing_app
 from kiln.console import err, safe_text
-from kiln.routing import FORMATS, RenderOptions, Sizing, render_channel, write_atomically
+from kiln.routing import FORMATS, RenderOptions, Sizing, check_output, render_channel, write_atomically
 from kiln.routing.formats import get_format
 from kiln.routing.gather import parse_pool_options
 
@@ -50,6 +50,8 @@ def render(
 ) -> None:
     """MODEL's CHANNEL on each --pool as a router's objects, annotated with what kiln resolved and why."""
     get_format(format)  # bad input is refused before the registry is opened
+    if out is not None:
+        check_output(out)
     pools = pool or []
     parse_pool_options(pools)
     sizing = Sizing.of(context=context, concurrency=concurrency, policy=policy, kv_cache_dtype=kv_cache_dtype)

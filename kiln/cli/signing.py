@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from client import RegistryClient
+from core.datafile import read_data_bytes
 from core.errors import InvalidInput
 from core.signing import (
     PROVENANCE_FILE,
@@ -30,6 +31,7 @@ keys_app = typer.Typer(
 )
 app.add_typer(keys_app, name="keys")
 
+MAX_KEY_BYTES = 64 * 1024
 KeyOpt = Annotated[Path, typer.Option("--key", envvar="KILN_VERIFY_KEY", help="The publisher's PEM public key.")]
 
 
@@ -48,7 +50,7 @@ def verify(
     (model, version, name, target, quant, hardware, runtime) the registry lists, and no file may be a
     symbolic link. Exit 0 when they are; 2 naming each file that differs, the claim that differs, or
     when the registry downloaded from lists KEY as revoked."""
-    public = load_public_key(key.read_bytes())
+    public = load_public_key(read_data_bytes(key, "a PEM public key", MAX_KEY_BYTES))
     if Path(target).is_dir():
         _verify(Path(target), public, target, as_json)
         return
@@ -127,8 +129,10 @@ def keys_add(
     as_json: JsonOpt = False,
 ) -> None:
     """Trust a publisher key for models matching a pattern (admin, audited); signatures become required."""
+    pem = read_data_bytes(public_key, "a PEM public key", MAX_KEY_BYTES)
+    load_public_key(pem)  # refused here, before the registry is asked
     with RegistryClient.connect(registry) as client:
-        out = client.add_key(public_key.read_text(), model)
+        out = client.add_key(pem.decode("ascii"), model)
     answer(out, as_json, f"key {out['key_id']} trusted for {out['model_pattern']!r}")
 
 

@@ -17,12 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client import RegistryClient
+from core.errors import OutputPathInvalid
 from kiln.routing import gateway_api, kserve  # noqa: F401 - each registers its format
 from kiln.routing.formats import FORMATS, Document, get_format, to_yaml
 from kiln.routing.gather import gather_routing
 from kiln.routing.records import ChannelRouting, RenderOptions, Sizing
 
-__all__ = ["FORMATS", "ChannelRouting", "RenderOptions", "Rendered", "Sizing", "render_channel", "write_atomically"]
+__all__ = [
+    "FORMATS",
+    "ChannelRouting",
+    "RenderOptions",
+    "Rendered",
+    "Sizing",
+    "check_output",
+    "render_channel",
+    "write_atomically",
+]
 
 
 @dataclass(frozen=True)
@@ -51,9 +61,20 @@ def render_channel(
     return Rendered(routing, documents, to_yaml(fmt, routing, documents))
 
 
+def check_output(path: Path) -> None:
+    """OUTPUT_PATH_INVALID unless `path` is a regular file or nothing yet, in a directory or where one can be."""
+    where = {"path": str(path)}
+    if path.exists() and not path.is_file():
+        raise OutputPathInvalid(f"{path}: not a regular file, so it cannot be written", details=where)
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise OutputPathInvalid(f"{path}: {parent} is not a directory", details=where)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file beside it: a reader (kubectl, a GitOps agent) sees the
     old file or the new one, never half of one."""
+    check_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Path
+from fastapi import Path, Query
 
 from core.manifest import ARTIFACT_NAME
 from core.manifest import MODEL_NAME_PATTERN as MODEL_NAME_PATTERN  # recipes use the same
 from core.manifest import VERSION_PATTERN as VERSION_PATTERN
+from registry.paging import MAX_PAGE_LIMIT
 
 CHANNEL_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
 ARTIFACT_NAME_PATTERN = ARTIFACT_NAME.pattern
@@ -21,6 +22,8 @@ ArtifactName = Annotated[str, Path(pattern=ARTIFACT_NAME_PATTERN, description="a
 ChannelName = Annotated[str, Path(pattern=CHANNEL_PATTERN, description="channel name, e.g. prod")]
 # Row ids in paths: a 32-bit positive integer, as the database stores them.
 RowId = Annotated[int, Path(ge=1, le=2**31 - 1, description="id")]
+# How many rows a listing answers at once (registry.paging): the API and the pages alike.
+PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="rows per page")]
 Sha256 = Annotated[str, Path(pattern=SHA256_PATTERN, description="lowercase hex sha256 of the content")]
 
 # A serving workload, as resolve asks it (query) and a performance record states it (body): ranges far

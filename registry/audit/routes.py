@@ -6,10 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from registry.api.params import MODEL_NAME_PATTERN
+from registry.api.params import MODEL_NAME_PATTERN, PageLimit
 from registry.audit import service
 from registry.audit.schemas import AuditEventOut
 from registry.deps import PrincipalDep, SessionDep
+from registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["audit"])
 
@@ -22,6 +23,6 @@ def list_audit_events(
     session: SessionDep,
     principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: PageLimit = PAGE_LIMIT,
 ) -> list[AuditEventOut]:
     return [AuditEventOut.of(e) for e in service.list_events(session, principal, model, limit)]

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from registry.audit.models import AuditEvent
 from registry.auth.principal import Principal
+from registry.paging import Page, keyset_page
 from registry.webhooks import outbox as webhooks
 
 ANONYMOUS = "anonymous"
@@ -39,25 +40,27 @@ def record(
 
 
 def list_events(session: Session, reader: Principal, model: str | None = None, limit: int = 100) -> list[AuditEvent]:
-    """The newest `limit` events `reader` may see: about models it may read. An event that names no
-    model (tokens, keys, webhooks, the hardware catalog: who holds what access) is an administrator's,
-    seen only by an admin not limited to model patterns."""
-    query = select(AuditEvent).order_by(AuditEvent.id.desc())
-    if model is not None:
-        query = query.where(AuditEvent.model == model)
-    if reader.unlimited_admin:
-        return list(session.scalars(query.limit(limit)))
-    query = query.where(AuditEvent.model.is_not(None))
-    if not reader.models:
-        return list(session.scalars(query.limit(limit)))
-    # Patterns are fnmatch's, which SQL cannot express everywhere: filter here, a page at a time.
-    seen: list[AuditEvent] = []
-    before: int | None = None
-    while len(seen) < limit:
-        page_query = query if before is None else query.where(AuditEvent.id < before)
-        page = list(session.scalars(page_query.limit(max(limit, 200))))
-        if not page:
-            break
-        seen += [e for e in page if e.model is not None and reader.allows_model(e.model)]
-        before = page[-1].id
-    return seen[:limit]
+    """The newest `limit` events `reader` may see (see `events_page`)."""
+    return events_page(session, reader, model, None, limit).rows
+
+
+def events_page(
+    session: Session, reader: Principal, model: str | None, after: int | None, limit: int
+) -> Page[AuditEvent, int]:
+    """Up to `limit` events `reader` may see, newest first, older than the event `after`: about models it may
+    read. An event that names no model (tokens, keys, webhooks, the hardware catalog: who holds what access) is
+    an administrator's, seen only by an admin not limited to model patterns. Patterns are fnmatch's, which SQL
+    cannot express everywhere: they are applied here, a chunk at a time."""
+
+    def fetch(past: int | None, n: int) -> list[AuditEvent]:
+        query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(n)
+        if model is not None:
+            query = query.where(AuditEvent.model == model)
+        if not reader.unlimited_admin:
+            query = query.where(AuditEvent.model.is_not(None))
+        return list(session.scalars(query if past is None else query.where(AuditEvent.id < past)))
+
+    def readable(e: AuditEvent) -> bool:
+        return e.model is not None and reader.allows_model(e.model)
+
+    return keyset_page(fetch, lambda e: e.id, after, limit, keep=readable if reader.models else None)

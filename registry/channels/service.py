@@ -17,6 +17,7 @@ from registry.channels.models import Channel, ChannelEvent
 from registry.channels.schemas import PromoteRequest, SplitRequest
 from registry.db import utcnow
 from registry.models.service import get_model, lock_model
+from registry.paging import Page, keyset_page
 from registry.releases.service import Release, lock_release, model_id_of_release
 
 
@@ -40,14 +41,34 @@ def list_channels(session: Session, model: str) -> list[tuple[Channel, str]]:
 
 def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, list[ChannelEvent]]:
     """A channel, the version it points at, and its history (newest first)."""
-    model_row = get_model(session, model)
-    channel = find_channel(session, model_row.id, name)
-    if channel is None:
-        raise NotFound(f"model {model!r} has no channel {name!r}", details={"model": model, "channel": name})
+    channel = _channel(session, model, name)
     history = session.scalars(
         select(ChannelEvent).where(ChannelEvent.channel_id == channel.id).order_by(ChannelEvent.id.desc())
     )
     return channel, channel.release.version, list(history)
+
+
+def channel_history_page(
+    session: Session, model: str, name: str, after: int | None, limit: int
+) -> tuple[Channel, str, Page[ChannelEvent, int]]:
+    """A channel, the version it points at, and up to `limit` of its history's events, newest first, older
+    than the event `after`."""
+    channel = _channel(session, model, name)
+
+    def fetch(past: int | None, n: int) -> list[ChannelEvent]:
+        query = select(ChannelEvent).where(ChannelEvent.channel_id == channel.id)
+        query = query if past is None else query.where(ChannelEvent.id < past)
+        return list(session.scalars(query.order_by(ChannelEvent.id.desc()).limit(n)))
+
+    return channel, channel.release.version, keyset_page(fetch, lambda e: e.id, after, limit)
+
+
+def _channel(session: Session, model: str, name: str) -> Channel:
+    model_row = get_model(session, model)
+    channel = find_channel(session, model_row.id, name)
+    if channel is None:
+        raise NotFound(f"model {model!r} has no channel {name!r}", details={"model": model, "channel": name})
+    return channel
 
 
 def _gated_release(
@@ -292,6 +313,20 @@ def drop_from_splits(session: Session, model: str, release_id: int, version: str
 def model_channel_versions(session: Session, model_id: int) -> dict[str, str]:
     query = select(Channel).where(Channel.model_id == model_id).options(joinedload(Channel.release, innerjoin=True))
     return {c.name: c.release.version for c in session.scalars(query)}
+
+
+def channel_versions_of(session: Session, model_ids: list[int]) -> dict[int, list[tuple[str, str]]]:
+    """Per model of `model_ids`: (channel, version) of each of its channels, by name. One query."""
+    query = (
+        select(Channel)
+        .where(Channel.model_id.in_(model_ids))
+        .order_by(Channel.model_id, Channel.name)
+        .options(joinedload(Channel.release, innerjoin=True))
+    )
+    found: dict[int, list[tuple[str, str]]] = {}
+    for c in session.scalars(query):
+        found.setdefault(c.model_id, []).append((c.name, c.release.version))
+    return found
 
 
 def channel_release_ids(session: Session, model_id: int) -> list[tuple[str, int]]:

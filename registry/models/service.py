@@ -10,6 +10,7 @@ from registry.auth.principal import Principal
 from registry.db import insert_once, lock_row
 from registry.models.models import Model
 from registry.models.schemas import ModelCreate
+from registry.paging import Page, keyset_page
 
 
 def find_model(session: Session, name: str) -> Model | None:
@@ -36,6 +37,17 @@ def get_model(session: Session, name: str) -> Model:
 def list_models(session: Session, reader: Principal) -> list[Model]:
     """The models `reader` may read, by name."""
     return [m for m in session.scalars(select(Model).order_by(Model.name)) if reader.allows_model(m.name)]
+
+
+def models_page(session: Session, reader: Principal, after: str | None, limit: int) -> Page[Model, str]:
+    """Up to `limit` of the models `reader` may read, by name, past the name `after`."""
+
+    def fetch(past: str | None, n: int) -> list[Model]:
+        query = select(Model).order_by(Model.name).limit(n)
+        return list(session.scalars(query if past is None else query.where(Model.name > past)))
+
+    readable = None if not reader.models else (lambda m: reader.allows_model(m.name))
+    return keyset_page(fetch, lambda m: m.name, after, limit, keep=readable)
 
 
 def create_model(session: Session, spec: ModelCreate) -> tuple[Model, bool]:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import ScalarSelect, Select, or_, select
+from sqlalchemy import ScalarSelect, Select, case, func, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.digest import same_json
-from core.errors import Conflict, NotFound
+from core.errors import Conflict, InvalidInput, NotFound
 from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
 from registry.db import insert_once, lock_row, utcnow
 from registry.models.service import get_model, model_id_of
+from registry.paging import Page, keyset_page
 from registry.releases.models import Release
 from registry.releases.schemas import ReleaseCreate
 
@@ -86,6 +87,51 @@ def list_releases(session: Session, model: str) -> list[Release]:
     row = get_model(session, model)
     query = select(Release).where(Release.model_id == row.id).order_by(Release.created_at.desc(), Release.id.desc())
     return list(session.scalars(query))
+
+
+def releases_page(session: Session, model: str, after: str | None, limit: int) -> Page[Release, Release]:
+    """Up to `limit` of the model's releases, newest first (as `list_releases`), past the version `after`."""
+    row = get_model(session, model)
+    mark = None
+    if after is not None:
+        mark = session.scalars(
+            select(Release).where(Release.model_id == row.id, Release.version == after)
+        ).one_or_none()
+        if mark is None:
+            raise InvalidInput(
+                f"model {model!r} has no release {after!r} to list releases after",
+                code="PAGE_CURSOR_UNKNOWN",
+                details={"model": model, "after": after},
+            )
+
+    def fetch(past: Release | None, n: int) -> list[Release]:
+        query = select(Release).where(Release.model_id == row.id)
+        if past is not None:
+            older = (Release.created_at < past.created_at) | (
+                (Release.created_at == past.created_at) & (Release.id < past.id)
+            )
+            query = query.where(older)
+        return list(session.scalars(query.order_by(Release.created_at.desc(), Release.id.desc()).limit(n)))
+
+    return keyset_page(fetch, lambda r: r, mark, limit)
+
+
+def release_summaries(session: Session, model_ids: list[int]) -> dict[int, tuple[Release, int]]:
+    """Per model of `model_ids` that has releases: its newest sealed release (else its newest), and how many
+    it has. One query, whatever the number of models."""
+    sealed_first = case((Release.status == "sealed", 0), else_=1)
+    newest = Release.created_at.desc(), Release.id.desc()
+    ranked = (
+        select(
+            Release.id,
+            func.row_number().over(partition_by=Release.model_id, order_by=(sealed_first, *newest)).label("rank"),
+            func.count().over(partition_by=Release.model_id).label("releases"),
+        )
+        .where(Release.model_id.in_(model_ids))
+        .subquery()
+    )
+    query = select(Release, ranked.c.releases).join(ranked, ranked.c.id == Release.id).where(ranked.c.rank == 1)
+    return {release.model_id: (release, count) for release, count in session.execute(query)}
 
 
 def _differences(release: Release, spec: ReleaseCreate) -> list[str]:

@@ -30,8 +30,10 @@ from registry.api.params import (
     MODEL_NAME_PATTERN,
     TOKENS_PER_S,
     TTFT_MS,
+    VERSION_PATTERN,
     ChannelName,
     ModelName,
+    PageLimit,
     Version,
 )
 from registry.api.urls import artifact_file_url, base_url
@@ -41,6 +43,7 @@ from registry.channels import service as channels_service
 from registry.deps import PrincipalDep, SessionDep, SettingsDep
 from registry.hardware.service import effective_catalog
 from registry.models import service as models_service
+from registry.paging import PAGE_LIMIT
 from registry.releases import service as releases_service
 from registry.resolve.query import MAX_POOLS, ResolveQuery
 from registry.resolve.ranking import rank_release
@@ -161,35 +164,73 @@ def stylesheet() -> Response:
     return Response(_stylesheet(), media_type="text/css", headers={"Cache-Control": "public, max-age=3600"})
 
 
+def next_page(request: Request, after: str | int | None, limit: int) -> str | None:
+    """The URL of the page after this one (the same query, `after` the cursor), or None on the last page."""
+    if after is None:
+        return None
+    query = [(k, v) for k, v in request.query_params.multi_items() if k not in ("after", "limit")]
+    query += [("after", str(after))] + ([("limit", str(limit))] if limit != PAGE_LIMIT else [])
+    return f"{PageLinks(request).root}{request.url.path}?{urlencode(query)}"
+
+
 @router.get("/ui/")
-def models_page(request: Request, session: SessionDep, principal: PrincipalDep) -> HTMLResponse:
-    """The models the caller may read, each with its newest release and where its channels point."""
-    rows = []
-    for model in models_service.list_models(session, principal):
-        releases = releases_service.list_releases(session, model.name)
-        channels = channels_service.model_channel_versions(session, model.id)
-        rows.append(
-            {
-                "model": model,
-                # The newest sealed release (what is served), else the newest of any state.
-                "latest": next((r for r in releases if r.status == "sealed"), releases[0] if releases else None),
-                "releases": len(releases),
-                "channels": sorted(channels.items()),
-            }
-        )
-    return render(request, "models.html", title="Models", rows=rows)
+def models_page(
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: Annotated[
+        str | None, Query(pattern=MODEL_NAME_PATTERN, description="the last model of the page before")
+    ] = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> HTMLResponse:
+    """The models the caller may read, a page at a time by name, each with its newest release and where its
+    channels point: three queries a page, whatever the number of models."""
+    page = models_service.models_page(session, principal, after, limit)
+    ids = [m.id for m in page.rows]
+    summaries = releases_service.release_summaries(session, ids)
+    channels = channels_service.channel_versions_of(session, ids)
+    rows = [
+        {
+            "model": model,
+            # The newest sealed release (what is served), else the newest of any state.
+            "latest": summaries[model.id][0] if model.id in summaries else None,
+            "releases": summaries[model.id][1] if model.id in summaries else 0,
+            "channels": channels.get(model.id, []),
+        }
+        for model in page.rows
+    ]
+    return render(request, "models.html", title="Models", rows=rows, next=next_page(request, page.next, limit))
 
 
 @router.get("/ui/models/{model}")
-def model_page(model: ModelName, request: Request, session: SessionDep) -> HTMLResponse:
-    """A model: its releases (newest first, yanked ones marked) and its channels with their versions."""
+def model_page(
+    model: ModelName,
+    request: Request,
+    session: SessionDep,
+    after: Annotated[
+        str | None, Query(pattern=VERSION_PATTERN, description="the last release of the page before")
+    ] = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> HTMLResponse:
+    """A model: its releases a page at a time (newest first, yanked ones marked) and its channels with their
+    versions."""
     row = models_service.get_model(session, model)
-    releases = releases_service.list_releases(session, model)
+    page = releases_service.releases_page(session, model, after, limit)
     channels = channels_service.list_channels(session, model)
     pointed: dict[str, list[str]] = {}
     for channel, version in channels:
         pointed.setdefault(version, []).append(channel.name)
-    return render(request, "model.html", title=model, model=row, releases=releases, channels=channels, pointed=pointed)
+    last = page.next.version if page.next is not None else None
+    return render(
+        request,
+        "model.html",
+        title=model,
+        model=row,
+        releases=page.rows,
+        channels=channels,
+        pointed=pointed,
+        next=next_page(request, last, limit),
+    )
 
 
 @router.get("/ui/models/{model}/releases/{version}")
@@ -279,7 +320,9 @@ def fit_explorer(
         title=f"Fit of {model}@{version}",
         model=model,
         release=release,
-        releases=[r.version for r in releases_service.list_releases(session, model)],
+        releases=[
+            r.version for r in releases_service.releases_page(session, model, None, PAGE_LIMIT).rows
+        ],  # the newest
         query=query,
         pools=pool_texts,
         skus=[p.name for p in catalog],
@@ -291,11 +334,26 @@ def fit_explorer(
 
 
 @router.get("/ui/models/{model}/channels/{channel}")
-def channel_page(model: ModelName, channel: ChannelName, request: Request, session: SessionDep) -> HTMLResponse:
-    """A channel's current release and its promotion history: who, when, from → to, forced and why."""
-    row, version, history = channels_service.get_channel(session, model, channel)
+def channel_page(
+    model: ModelName,
+    channel: ChannelName,
+    request: Request,
+    session: SessionDep,
+    after: Annotated[int | None, Query(ge=1, le=2**63 - 1, description="the last event of the page before")] = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> HTMLResponse:
+    """A channel's current release and its promotion history, a page at a time: who, when, from → to, forced
+    and why."""
+    row, version, page = channels_service.channel_history_page(session, model, channel, after, limit)
     return render(
-        request, "channel.html", title=f"{model}/{channel}", model=model, channel=row, version=version, history=history
+        request,
+        "channel.html",
+        title=f"{model}/{channel}",
+        model=model,
+        channel=row,
+        version=version,
+        history=page.rows,
+        next=next_page(request, page.next, limit),
     )
 
 
@@ -305,11 +363,21 @@ def audit_page(
     session: SessionDep,
     principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[int | None, Query(ge=1, le=2**63 - 1, description="the last event of the page before")] = None,
+    limit: PageLimit = PAGE_LIMIT,
 ) -> HTMLResponse:
-    """The audit log, newest first: who did what, when, why, and the state before and after."""
-    events = [audit_row(e) for e in audit_service.list_events(session, principal, model, limit)]
-    return render(request, "audit.html", title="Audit log", events=events, model=model, limit=limit)
+    """The audit log, newest first, a page at a time: who did what, when, why, and the state before and after."""
+    page = audit_service.events_page(session, principal, model, after, limit)
+    events = [audit_row(e) for e in page.rows]
+    return render(
+        request,
+        "audit.html",
+        title="Audit log",
+        events=events,
+        model=model,
+        limit=limit,
+        next=next_page(request, page.next, limit),
+    )
 
 
 @not_found_router.get("/ui/{path:path}")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
 from registry.api.errors import error_responses
-from registry.api.params import RowId
+from registry.api.params import PageLimit, RowId
 from registry.auth.principal import Principal
 from registry.deps import SessionDep, WriteSessionDep, require
+from registry.paging import PAGE_LIMIT
 from registry.webhooks import service
 from registry.webhooks.destinations import DestinationPolicy
 from registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
@@ -77,7 +78,7 @@ def list_deliveries(
     webhook_id: RowId,
     session: SessionDep,
     principal: Admin,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: PageLimit = PAGE_LIMIT,
 ) -> list[DeliveryOut]:
     return [
         DeliveryOut.of(d, attempt_log=d.attempt_log)

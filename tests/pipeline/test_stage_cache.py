@@ -146,6 +146,29 @@ def test_a_corrupt_output_in_the_work_dir_is_moved_aside_and_built_again(
     assert LocalExecutor(WorkDir(tmp_path)).run(_graph())["write/a"].status == "cached"
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo", "missing"])
+def test_a_stage_json_that_is_not_a_regular_file_is_moved_aside_and_built_again(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls.clear()
+    first = LocalExecutor(WorkDir(tmp_path)).run(_graph())["write/a"].output
+    assert first is not None
+    meta = first.path / "stage.json"
+    meta.unlink()
+    if kind == "directory":
+        (meta / "inside").mkdir(parents=True)
+    elif kind == "fifo":
+        os.mkfifo(meta)  # never opened: a read would wait for a writer
+    with caplog.at_level("WARNING", logger="pipeline.stage"):
+        again = LocalExecutor(WorkDir(tmp_path)).run(_graph())
+    rebuilt = again["write/a"].output
+    assert [o.status for o in again.values()] == ["built", "cached"] and rebuilt is not None
+    assert rebuilt.digest == first.digest
+    (aside,) = (tmp_path / "corrupt").iterdir()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "write/a [STAGE_RECORD_CORRUPT]" in warning and str(meta) in warning
+
+
 def test_a_corrupt_output_that_cannot_be_moved_aside_stops_with_its_code(tmp_path: Path) -> None:
     first = LocalExecutor(WorkDir(tmp_path)).run(_graph())
     (first["write/a"].output.path / "stage.json").write_text("{")
