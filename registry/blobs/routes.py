@@ -127,6 +127,8 @@ async def upload_blob(
     if existing is not None:
         # Bytes someone else stored: the caller reads them back only once it has sent the same bytes.
         proven = await run_in_threadpool(_may_read, session, principal, sha256)
+        # End that read before the body streams: a write session's transaction holds SQLite's write lock.
+        await run_in_threadpool(session.commit)
         if proven:
             async for _ in request.stream():  # read what was sent, so the connection stays usable
                 pass
