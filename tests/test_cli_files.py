@@ -100,6 +100,7 @@ def _timeout(signum: int, frame: FrameType | None) -> None:
 
 def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str]:
     monkeypatch.setattr(sys, "argv", ["kiln", *args])
+    environment = dict(os.environ)  # a command sets variables for its stages (`publish`: KILN_SIGNING_KEY)
     previous = signal.signal(signal.SIGALRM, _timeout)
     signal.alarm(20)
     try:
@@ -110,6 +111,8 @@ def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], arg
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        os.environ.clear()  # none of them outlives the command in this process (a later test's publish read one)
+        os.environ.update(environment)
     return int(code or 0), capsys.readouterr().err
 
 
