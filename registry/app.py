@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -38,7 +39,7 @@ from registry.blobs.routes import router as blobs_router
 from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
 from registry.db import create_db_engine, create_session_factory
-from registry.deps import require
+from registry.deps import ENDING_THREADS, require
 from registry.hardware.routes import router as hardware_router
 from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
@@ -171,6 +172,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     app.state.engine = engine
     app.state.session_factory = storage.sessions()
     app.state.write_session_factory = storage.sessions(write=True)
+    app.state.ending_limiter = anyio.CapacityLimiter(ENDING_THREADS)
     app.state.blob_store = storage.blob_store
     app.state.modelcar = modelcar_base
     app.state.webhook_destinations = DestinationPolicy.from_settings(settings, webhook_resolver)

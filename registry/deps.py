@@ -9,9 +9,10 @@ token the cache does not hold, closing a session that still has a transaction to
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypeVar
 
+import anyio.to_thread
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -23,14 +24,41 @@ from registry.resolve.cache import ResolveCache
 from registry.settings import RegistrySettings
 from storage.store import BlobStore
 
+T = TypeVar("T")
 
-async def _close(session: Session) -> None:
+# Threads that end transactions, apart from the default pool's. A write transaction on SQLite holds the
+# database's write lock, and under load every thread of the default pool may be waiting for that lock in
+# SQLite's busy handler: a transaction that needed one of those threads to end would keep the lock until
+# they time out (503s after 10 s, every writer behind them stalled). So a transaction never waits for a
+# default thread while it is open: it begins, writes and commits in one thread (`transact`, or a plain
+# `def` route, which runs whole in one), and one still open when the route returns (it raised) is rolled
+# back on these threads. FastAPI ends plain `def` dependencies on a limiter of their own for the same reason.
+ENDING_THREADS = 8
+
+
+async def _close(request: Request, session: Session) -> None:
     # A session still in a transaction closes with a ROLLBACK, a round trip to the database: in a
-    # thread. One without (committed, or never used) has nothing to say to it.
+    # thread, of the limiter kept for it. One without (committed, or never used) has nothing to say to it.
     if session.in_transaction():
-        await run_in_threadpool(session.close)
+        await anyio.to_thread.run_sync(session.close, limiter=request.app.state.ending_limiter)
     else:
         session.close()
+
+
+async def transact(session: Session, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` and the commit after it in one thread (a rollback in the same thread if it raises), for
+    an `async def` route: its write transaction never spans two thread hops (see ENDING_THREADS)."""
+
+    def run() -> T:
+        try:
+            result = work(*args)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        return result
+
+    return await run_in_threadpool(run)
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -38,16 +66,18 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     try:
         yield session
     finally:
-        await _close(session)
+        await _close(request, session)
 
 
 async def get_write_session(request: Request) -> AsyncIterator[Session]:
-    """A session for a request that changes something: the route commits it (services only flush)."""
+    """A session for a request that changes something: the route commits it (services only flush), in the
+    thread that wrote (`transact` for an `async def` route), and reads what it answers before the commit:
+    on SQLite a read after it would take the write lock again."""
     session: Session = request.app.state.write_session_factory()
     try:
         yield session
     finally:
-        await _close(session)
+        await _close(request, session)
 
 
 async def get_blob_store(request: Request) -> BlobStore:

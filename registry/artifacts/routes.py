@@ -55,12 +55,13 @@ def publish_artifact(
     settings: SettingsDep,
 ) -> ArtifactDetail:
     _row, created = service.publish_artifact(session, model, version, manifest)
+    detail = _detail(request, settings, session, model, version, manifest.name)  # before the commit
     session.commit()
     if created:
         request.app.state.metrics.publishes.labels(manifest.target).inc()
     else:
         response.status_code = 200
-    return _detail(request, settings, session, model, version, manifest.name)
+    return detail
 
 
 @router.get(ARTIFACTS, summary="List a release's artifacts with their eval status", responses=error_responses(404))

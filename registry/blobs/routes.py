@@ -15,11 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio.from_thread
-import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from core.errors import DigestMismatch, InvalidInput, KilnError
 from registry.api.errors import error_responses
@@ -27,9 +25,10 @@ from registry.api.params import Sha256
 from registry.auth.principal import Principal
 from registry.blobs import service
 from registry.blobs.download import blob_response
+from registry.blobs.models import Blob
 from registry.blobs.schemas import BlobOut
-from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
-from storage.store import DEFAULT_CHUNK, BlobNotFound
+from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require, transact
+from storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["blobs"])
@@ -122,36 +121,37 @@ async def upload_blob(
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise _too_large(limit)
-    existing = await run_in_threadpool(service.confirm_stored, session, store, sha256)
-    await run_in_threadpool(session.commit)  # the touch: the blob is kept from collection from now on
+    # Each transaction begins and commits in one thread (`transact`); none is open while the body streams.
+    existing = await transact(session, service.confirm_stored, session, store, sha256)  # kept from collection
     if existing is not None:
         # Bytes someone else stored: the caller reads them back only once it has sent the same bytes.
-        proven = await run_in_threadpool(_may_read, session, principal, sha256)
-        # End that read before the body streams: a write session's transaction holds SQLite's write lock.
-        await run_in_threadpool(session.commit)
-        if proven:
+        if await transact(session, _may_read, session, principal, sha256):
             async for _ in request.stream():  # read what was sent, so the connection stays usable
                 pass
         else:
             await _check_digest(request, sha256, limit)
-            await run_in_threadpool(service.record_upload, session, principal, sha256)
-            await run_in_threadpool(session.commit)
+            await transact(session, service.record_upload, session, principal, sha256)
         response.status_code = 200
         return BlobOut(sha256=existing.sha256, size=existing.size, created_at=existing.created_at)
     send, receive = anyio.create_memory_object_stream[bytes | KilnError](max_buffer_size=READ_AHEAD_BLOCKS)
     try:
         async with anyio.create_task_group() as reading:
             reading.start_soon(_read_blocks, request.stream(), send, limit, DEFAULT_CHUNK)
-            row, created = await anyio.to_thread.run_sync(
-                service.put_blob, session, store, sha256, _blocking_chunks(receive)
-            )
+            row, created = await transact(session, _store, session, store, principal, sha256, _blocking_chunks(receive))
     except BaseExceptionGroup as group:  # the task group wraps what the store or the reader raised
         raise _first(group) from None
-    await run_in_threadpool(service.record_upload, session, principal, row.sha256)
-    await run_in_threadpool(session.commit)
     if not created:
         response.status_code = 200
     return BlobOut(sha256=row.sha256, size=row.size, created_at=row.created_at)
+
+
+def _store(
+    session: Session, store: BlobStore, principal: Principal, sha256: str, chunks: Iterator[bytes]
+) -> tuple[Blob, bool]:
+    """Store the streamed bytes and record the upload: its row and whether it is new (the caller commits)."""
+    row, created = service.put_blob(session, store, sha256, chunks)
+    service.record_upload(session, principal, row.sha256)
+    return row, created
 
 
 def _may_read(session: Session, principal: Principal, sha256: str) -> bool:

@@ -64,8 +64,9 @@ def promote(
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
     service.promote(session, model, channel, request, signed_only=channel in settings.signed_channels)
+    detail = _detail(session, model, channel)  # before the commit: what it committed (see get_write_session)
     session.commit()
-    return _detail(session, model, channel)
+    return detail
 
 
 def _actor(principal: Principal, given: str | None) -> str | None:
@@ -90,8 +91,9 @@ def set_split(
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
     service.set_split(session, model, channel, request, signed_only=channel in settings.signed_channels)
+    detail = _detail(session, model, channel)
     session.commit()
-    return _detail(session, model, channel)
+    return detail
 
 
 @router.get("/models/{model}/channels", summary="A model's channels", responses=error_responses(404))
