@@ -6,6 +6,8 @@ Nothing here connects at import time; `create_app` calls `create_db_engine` with
 from __future__ import annotations
 
 import json
+import threading
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -16,6 +18,8 @@ from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
+
+from core.errors import Unavailable
 
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
@@ -121,7 +125,7 @@ WRITE_OPTION = "kiln_write"
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     # The driver's own transaction handling begins lazily, only before DML, and never IMMEDIATE:
-    # switch it off and emit BEGIN ourselves (`_sqlite_begin`), as SQLAlchemy's docs recommend.
+    # switch it off and emit BEGIN ourselves (`_sqlite_transactions`), as SQLAlchemy's docs recommend.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
@@ -133,17 +137,89 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-def _sqlite_begin(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+class WriteTurns:
+    """SQLite's write lock, taken in this process in the order its writers asked for it.
+
+    SQLite's busy handler is not a queue: each waiter sleeps and retries, and one arriving late may take the
+    lock before one that has waited seconds; under load (the soak's 64 clients) the unluckiest waited past
+    the busy timeout and answered 503. So a write transaction first waits here for its turn, first come first
+    served, and only the head of this process's queue meets the other processes' in SQLite's handler. A
+    transaction's turn ends with it (COMMIT or ROLLBACK; a connection given back to the pool with its turn
+    still held gives it up there). Holding a turn never waits on anything this process's other writers hold:
+    a write transaction begins and ends in one thread (registry.deps.ENDING_THREADS).
+    """
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._held = False
+        self._waiting: deque[threading.Event] = deque()
+
+    def acquire(self) -> None:
+        """Wait for this writer's turn; Unavailable (503) after `timeout_s`."""
+        with self._lock:
+            if not self._held:
+                self._held = True
+                return
+            turn = threading.Event()
+            self._waiting.append(turn)
+        if turn.wait(self.timeout_s):
+            return
+        with self._lock:
+            if turn.is_set():  # handed over as it timed out: it is this writer's after all
+                return
+            self._waiting.remove(turn)
+        raise Unavailable(f"the database's write lock was not this request's turn within {self.timeout_s:.0f} s")
+
+    def release(self) -> None:
+        """End the current turn: the longest-waiting writer's begins (or the lock is free)."""
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()
+            else:
+                self._held = False
+
+
+_TURN = "kiln_write_turn"  # in a connection's info while its transaction holds this process's write turn
+
+
+def _sqlite_transactions(engine: Engine, turns: WriteTurns) -> None:
+    """BEGIN IMMEDIATE for write sessions, each in its turn (`WriteTurns`); plain BEGIN for reads."""
+
+    def begin(conn: Connection) -> None:
+        if not conn.get_execution_options().get(WRITE_OPTION):
+            conn.exec_driver_sql("BEGIN")
+            return
+        turns.acquire()
+        conn.info[_TURN] = True
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            end(conn)
+            raise
+
+    def end(conn: Connection) -> None:
+        if conn.info.pop(_TURN, False):
+            turns.release()
+
+    def checkin(_dbapi_connection: Any, record: Any) -> None:
+        if record.info.pop(_TURN, False):
+            turns.release()
+
+    event.listen(engine, "begin", begin)
+    event.listen(engine, "commit", end)
+    event.listen(engine, "rollback", end)
+    event.listen(engine.pool, "checkin", checkin)
 
 
 def create_db_engine(url: str | URL, **kwargs: Any) -> Engine:
-    """An engine for the registry database, with SQLite set up for foreign keys, WAL and real transactions."""
+    """An engine for the registry database, with SQLite set up for foreign keys, WAL and real transactions
+    (its writers taking the write lock in turn)."""
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
-        event.listen(engine, "begin", _sqlite_begin)
+        _sqlite_transactions(engine, WriteTurns())
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 10)

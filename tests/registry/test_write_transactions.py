@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 from sqlalchemy.engine import Connection
 from starlette.testclient import TestClient
 
-from core.errors import Conflict
-from registry.db import WRITE_OPTION
+from core.errors import Conflict, Unavailable
+from registry.db import WRITE_OPTION, WriteTurns, create_db_engine, create_session_factory
 from tests.registry.helpers import make_release, post_eval, promote, publish, seal, upload
 
 
@@ -114,3 +115,45 @@ def test_a_failed_write_is_rolled_back_without_waiting_for_a_pool_thread(
     assert answers["promote"][0] == 409
     status, seconds = answers["hardware"]
     assert status == 200 and seconds < 5, answers
+
+
+def test_writers_take_the_write_lock_in_the_order_they_asked(tmp_path: Path) -> None:
+    """Five writers queued behind a sixth get SQLite's write lock first come, first served, not as SQLite's
+    busy handler happens to wake them."""
+    engine = create_db_engine(f"sqlite:///{tmp_path / 'turns.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (writer INTEGER)")
+    writes = create_session_factory(engine, write=True)
+    order: list[int] = []
+
+    def write(n: int) -> None:
+        with writes() as session:
+            session.execute(text("INSERT INTO t VALUES (:n)"), {"n": n})
+            order.append(n)
+            session.commit()
+
+    first = writes()
+    first.execute(text("INSERT INTO t VALUES (0)"))  # holds the lock while the others queue
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(1, 6)]
+    for w in writers:
+        w.start()
+        time.sleep(0.1)
+    first.commit()
+    first.close()
+    for w in writers:
+        w.join(10)
+    assert order == [1, 2, 3, 4, 5]
+    engine.dispose()
+
+
+def test_a_writer_whose_turn_does_not_come_is_refused_and_leaves_the_queue() -> None:
+    turns = WriteTurns(timeout_s=0.2)
+    turns.acquire()
+    with pytest.raises(Unavailable) as refused:
+        turns.acquire()
+    assert refused.value.code == "UNAVAILABLE"
+    turns.release()
+    started = time.monotonic()
+    turns.acquire()  # free at once: the refused writer is no longer queued ahead
+    assert time.monotonic() - started < 0.1
+    turns.release()
