@@ -352,3 +352,43 @@ def test_gptq_single_hessian_matches_upstream_functions() -> None:
     assert len(lean) == len(upstream)
     for a, b in zip(lean, upstream, strict=True):
         assert torch.equal(a, b)
+
+
+def _tied_qwen2(root: Path) -> Path:
+    return make_model(root, "qwen2", tie_word_embeddings=True, hidden_size=128, vocab_size=384)
+
+
+def test_upstream_untie_still_breaks_a_disk_offloaded_tied_head(tmp_path: Path) -> None:
+    """The reason for `untie_offloaded_head`: llm-compressor 0.14 unties a tied head (whenever a modifier's targets
+    take in an embedding) by deleting and re-registering each weight, and on a disk-offloaded model the shared
+    weight's offload entry goes with the first, so the head's cannot be read. Untied by kiln first, there is
+    nothing left to break, and the head reads the embedding's values (from the source's file: nothing copied)."""
+    import torch
+    from compressed_tensors.offload import load_offloaded_model
+    from llmcompressor.utils import untie_word_embeddings
+    from transformers import AutoModelForCausalLM
+
+    from quant.calibrated import untie_offloaded_head
+
+    source = _tied_qwen2(tmp_path / "qwen2")
+
+    def load(folder: str) -> torch.nn.Module:
+        (tmp_path / folder).mkdir()
+        with load_offloaded_model(AutoModelForCausalLM):
+            return AutoModelForCausalLM.from_pretrained(
+                str(source), dtype=torch.bfloat16, device_map={"": "disk"}, offload_folder=str(tmp_path / folder)
+            )
+
+    upstream = load("upstream")
+    with pytest.raises(KeyError):  # `KeyError: Parameter containing: tensor(..., device='meta', ...)`
+        untie_word_embeddings(upstream)
+
+    model = load("kiln")
+    files = sorted(p.name for p in (tmp_path / "kiln").iterdir())
+    assert untie_offloaded_head(model) and not untie_offloaded_head(model)  # tied once, then no more
+    assert model.config.tie_word_embeddings is False
+    assert len(list((tmp_path / "kiln").iterdir())) == len(files) + 1  # one link more, no data written
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    untie_word_embeddings(model)
+    assert torch.equal(model.get_output_embeddings().weight, embedding)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
