@@ -116,7 +116,12 @@ def plan(
     node. Without `hash_source` (`kiln plan`) nothing is hashed: the graph is planned from config.json, the
     headers, the sizes and the digests an earlier build recorded; a source some of whose files none recorded
     gets an ingest node without a key (`pipeline.stages.ingest.unhashed_node`), and every stage after it
-    is to be built."""
+    is to be built.
+
+    While the graph is planned, before anything runs, what a stage would refuse of the model or the source is
+    refused with the stage's own error: a scheme the model's shape does not fit (`quant.rtn.check_shapes`), a
+    model a target cannot serve (`TargetSpec.check_model`), a source whose files (its tokenizer) a target cannot
+    write (`TargetSpec.check_source`)."""
     return _plan(recipe, store, registry=registry, device=device, gpu=gpu, hash_source=hash_source)[0]
 
 
@@ -202,6 +207,7 @@ def _build_graph(
         "greedy_tokens": ev.greedy_tokens,
         "greedy_prompts": ev.greedy_prompts,
     }
+    source: SourceModel | None = None  # None: a shape-only source, which has no files beyond config.json
     if recipe.is_shape_only:  # config.json alone: planned and sized, never built (`refuse_shape_only`)
         config, shape = open_shape(recipe.source_dir, allowed_roots=recipe.allowed_roots)
         sizing = Sizing.of_config(config, shape, **budget)
@@ -248,6 +254,7 @@ def _build_graph(
     artifacts: list[PlannedArtifact] = []
     quantized: dict[str, Node] = {}  # one quantize node per scheme, shared by every target that needs it
     prepared: dict[str, Node] = {}  # one prepare node per target that has one, shared by its exports
+    checked: set[str] = set()  # the targets that have checked the source's files
     for name, entry, quant in recipe.artifacts():
         spec = get_target(entry.target)
         if quant in SCHEMES:
@@ -255,6 +262,9 @@ def _build_graph(
             # release's own layout for a plain source.
             check_source(get_method(quant), sizing.shape.source_quant)
         spec.check_model(sizing.shape, sizing.config, quant, entry.params)
+        if source is not None and spec.name not in checked:  # its files (the tokenizer), once per target
+            spec.check_source(source)
+            checked.add(spec.name)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
             if spec.name not in prepared:

@@ -25,6 +25,7 @@ import platform
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,8 @@ class Stage:
     # What a node of this stage needs of the machine that runs it, for the model and device of `Sizing`;
     # None: `pipeline.requirements.requirements(name, sizing, node)`, the stage's row of the table.
     needs: Callable[[Node, Sizing], Requirements] | None = None
+    # What a user can try when a node of this stage fails unexpectedly (quoted in its STAGE_FAILED message).
+    hint: Callable[[Node], str] | None = None
 
     def requirements(self, node: Node, sizing: Sizing) -> Requirements:
         return self.needs(node, sizing) if self.needs is not None else requirements(self.name, sizing, node)
@@ -194,6 +197,56 @@ def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
         text = f.read().decode("utf-8", "replace")
     return [line.rsplit("\r", 1)[-1] for line in text.splitlines() if line.strip()][-lines:]
+
+
+def write_traceback(log: Path, error: BaseException) -> None:
+    """Append `error`'s traceback (its causes included) to a stage log, after what the stage's libraries printed."""
+    with open(log, "a", encoding="utf-8", errors="replace") as f:
+        f.write("\n" + "".join(traceback.format_exception(error)))
+
+
+# The directory holding kiln's top-level packages (a checkout, or the install's site-packages).
+_ROOT = Path(__file__).resolve().parents[1]
+_LIBRARIES = "/site-packages/"
+
+
+def _is_kiln(filename: str) -> bool:
+    """Whether a frame's file is kiln's own, in a checkout (an installed kiln's frames count as libraries')."""
+    return _LIBRARIES not in filename.replace(os.sep, "/") and Path(filename).resolve().is_relative_to(_ROOT)
+
+
+def _frame_path(filename: str) -> str:
+    path = filename.replace(os.sep, "/")
+    if _LIBRARIES in path:
+        return path.rsplit(_LIBRARIES, 1)[1]
+    if _is_kiln(filename):
+        return Path(filename).resolve().relative_to(_ROOT).as_posix()
+    return path
+
+
+def raised_at(error: BaseException) -> str:
+    """Where `error` was raised, as `path:line in function`; when that is a library's code, also the innermost
+    call from kiln's own (`..., from quant/calibrated.py:712 in calibrate`). Library paths are relative to
+    site-packages, kiln's to its root."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "an unknown place"
+
+    def where(frame: traceback.FrameSummary) -> str:
+        return f"{_frame_path(frame.filename)}:{frame.lineno} in {frame.name}"
+
+    if _is_kiln(frames[-1].filename):
+        return where(frames[-1])
+    ours = next((f for f in reversed(frames) if _is_kiln(f.filename)), None)
+    return where(frames[-1]) + (f", from {where(ours)}" if ours is not None else "")
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, at most `limit` characters of the message (a KeyError of a tensor spans several)."""
+    text = " ".join(str(error).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @functools.cache

@@ -61,6 +61,9 @@ compressed-tensors 0.19's, and seen in its logs):
 - AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid search, for
   faster host-to-device copies; torch refuses to pin memory without an accelerator, so AWQ fails
   on CPU. `cpu_pin_memory_workaround` is the one place that works around it.
+- A tied head (Gemma 3, the small Qwen models) shares the embedding's offloaded weight, which llm-compressor's own
+  untie breaks on disk offload (it drops the shared entry). `untie_offloaded_head` gives the head its own entry
+  linked to the same bytes before calibrating; kiln writes from the source's tensors, so the artifact stays tied.
 
 Measured with `python bench/calibration_memory.py --threads 1` (Llama-shaped, hidden 512, 5.9 MB
 of bf16 per layer; 4 samples of 64 tokens; 2 shared cores): peak RSS minus the ~506 MB that
@@ -237,6 +240,50 @@ def offset_norm_restore_workaround() -> Iterator[None]:
         CalibrationOffsetNorm.restore = original  # type: ignore[method-assign]
 
 
+def untie_offloaded_head(model: torch.nn.Module) -> bool:
+    """Give a tied model's head (`lm_head`, its output embedding) a weight of its own, reading the embedding's bytes
+    in the source's file; returns whether the head was tied.
+
+    transformers ties the head by sharing the embedding's Parameter, so disk offload holds one meta tensor for both,
+    under one entry of compressed-tensors' `DiskCache.index`. llm-compressor 0.14 unties the head whenever a
+    modifier's targets take in an embedding (`untie_word_embeddings`, from `QuantizationMixin.start_calibration`):
+    it deletes and re-registers the embedding's weight, which drops the shared entry, and reading the head's then
+    fails (`KeyError: Parameter containing: tensor(..., device='meta')`); anything calibration wrote to a tied head
+    would also have overwritten the embedding. Here the head gets its own meta tensor and index entry, a link to
+    the same tensor of the source's SafeTensors file (nothing read or copied), and the config says untied, as
+    llm-compressor's own untie leaves it. kiln writes its artifacts from the source's tensors, so a checkpoint that
+    has no `lm_head.weight` gets none: the artifact stays tied (`tie_word_embeddings` is the source's config's).
+    """
+    import torch
+    from compressed_tensors.offload import disable_onloading
+    from compressed_tensors.offload.cache.disk import DiskCache
+
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    embed = get_input() if callable(get_input) else None
+    head = get_output() if callable(get_output) else None
+    if embed is None or head is None:
+        return False
+    with disable_onloading():  # the offloaded (meta) tensors themselves
+        shared = embed.weight
+        if head.weight is not shared:
+            return False
+        params = head._parameters
+        if not isinstance(params, DiskCache) or shared not in DiskCache.index:
+            raise StageFailed(
+                f"the tied head of {type(model).__name__} is not offloaded to disk; calibration loads every weight so",
+                code="CALIBRATION_FAILED",
+            )
+        own = torch.nn.Parameter(torch.empty_like(shared, device="meta"), requires_grad=shared.requires_grad)
+        # The entry's file is a link into the offload folder; the new one links to what it resolves to, the source's.
+        DiskCache.create_checkpoint_symlink(own, DiskCache.index[shared], params.offload_dir)
+        params["weight"] = own  # with onloading disabled: stored as it is, nothing written
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "tie_word_embeddings"):
+        config.tie_word_embeddings = False  # nothing ties them again (transformers' `tie_weights` asks the config)
+    return True
+
+
 @contextlib.contextmanager
 def gptq_single_hessian() -> Iterator[None]:
     """Quantize each Linear with GPTQ holding one copy of its Hessian, not three (same numbers).
@@ -382,7 +429,7 @@ def _recipe(scheme: Scheme, ignore: list[str] | None = None, awq_mappings: list[
         from compressed_tensors.quantization import QuantizationArgs
 
         # The KV cache's scales only: the weights stay kiln's round-to-nearest (`quant.rtn`). `ignore` too: without
-        # it the modifier's default targets take in `lm_head`, and untying a tied head fails on disk-offloaded weights.
+        # it the modifier's default targets (every Linear) take in `lm_head`, which the scheme keeps in bf16.
         return [QuantizationModifier(kv_cache_scheme=QuantizationArgs(**scheme.kv_cache.model_dump()), ignore=ignore)]
     groups = {"group_0": ct_scheme(scheme).model_copy(update={"format": None})}
     if scheme.method == "gptq":
@@ -685,6 +732,7 @@ def calibrate(
         model = AutoModelForCausalLM.from_pretrained(
             str(source.root), dtype=getattr(torch, compute_dtype), device_map={"": "disk"}, offload_folder=folder.path
         )
+    untie_offloaded_head(model)  # a tied head (Gemma 3, small Qwen models) on its own weight: see its docstring
     experts = linearize_experts(model)
     names = model_tensor_names(source, model, experts)
     routers = [names[f"{r}.weight"].removesuffix(".weight") for r in router_modules(source.shape.tensors())]

@@ -191,6 +191,10 @@ class TargetSpec:
     # the model does not split over, an engine no pinned release converts): called with the model's shape, its
     # config.json, the quant and the recipe's params, raising KilnError with the reason. None: nothing to check.
     check_model_fn: Callable[[ModelShape, Mapping[str, Any], str, dict[str, Any]], None] | None = None
+    # Refuses, at plan time, a source whose own files beyond config.json (its tokenizer) this target cannot write:
+    # the check its prepare or export stage makes on them, called once per target with the source as the plan read
+    # it (a shape-only source has none), raising KilnError with the reason. None: nothing to check.
+    check_source_fn: Callable[[SourceModel], None] | None = None
     # Checks an artifact of this target against what its runtime loads, without running a model (`targets.lint`:
     # one checker per format); the export stage fails on an error it finds, and publish refuses the artifact.
     lint: LintFn | None = None
@@ -254,6 +258,11 @@ class TargetSpec:
         self.check_architecture(shape.arch)
         if self.check_model_fn is not None:
             self.check_model_fn(shape, config, quant, params)
+
+    def check_source(self, source: SourceModel) -> None:
+        """Refuse, at plan time, a source whose files this target cannot write (`check_source_fn`), with the reason."""
+        if self.check_source_fn is not None:
+            self.check_source_fn(source)
 
     def check_quant(self, quant: str) -> None:
         if quant in self.unsupported_quants:

@@ -27,8 +27,10 @@ def main() -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except KilnError as e:
         err.print(f"[red]error[/red] {safe_text(f'[{e.code}]')} {safe_text(e.message)}")
-        if "log" in e.details:  # a stage failed: what its libraries printed last, and where the rest is
-            err.print(f"[dim]last lines of {safe_text(e.details['log'])}:[/dim]")
+        if "log" in e.details:  # a stage failed: where its log is (ending with the traceback), what it printed last
+            err.print(f"[dim]its log, with the traceback: {safe_text(e.details['log'])}[/dim]")
+            if e.details.get("log_tail"):
+                err.print("[dim]what the stage printed last:[/dim]")
             for line in e.details.get("log_tail", []):
                 err.print(f"[dim]  {safe_text(line)}[/dim]")
         if json_requested():

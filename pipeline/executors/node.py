@@ -17,13 +17,25 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from core.device import describe, host_memory_bytes
 from core.errors import Deferred, KilnError, StageFailed
 from core.usage import UsageMeter, left_behind, measure_usage, release_memory
 from pipeline.placement import computes_on_device, stage_device
-from pipeline.stage import LOG_FILE, Node, StageContext, StageOutput, captured_output, log_tail, provenance
+from pipeline.stage import (
+    LOG_FILE,
+    Node,
+    StageContext,
+    StageOutput,
+    captured_output,
+    log_tail,
+    one_line,
+    provenance,
+    raised_at,
+    write_traceback,
+)
 from pipeline.store import StageStore
 
 # built: made now; cached: already in the store; ran: a stage with effects outside the store (publish);
@@ -96,6 +108,33 @@ def _host_memory_short(node: Node) -> tuple[str, dict[str, Any]] | None:
     }
 
 
+def _keep_failure_log(store: StageStore, node: Node, tmp: Path, error: BaseException) -> tuple[list[str], Path | None]:
+    """A failed stage's log, its traceback appended, kept under `<work>/logs/` (the temporary directory is about to
+    go); with what the stage's libraries printed last, before the traceback."""
+    log = tmp / LOG_FILE
+    tail = log_tail(log) if log.is_file() else []
+    try:
+        write_traceback(log, error)
+    except OSError:  # the temporary directory is gone (a full disk, a stage that removed it): nothing to keep
+        return tail, None
+    return tail, store.keep_log(node, tmp)
+
+
+def _unexpected(node: Node, error: BaseException, log: Path | None, tail: list[str]) -> StageFailed:
+    """STAGE_FAILED for an error that is not kiln's own: what failed and where, where its traceback is, and what to
+    try (the stage's hint, and running the stage alone)."""
+    details: dict[str, object] = {"stage": node.id, "error": type(error).__name__, "raised_at": raised_at(error)}
+    if log is not None:
+        details.update(log=str(log), log_tail=tail)
+    traceback_in = f"; its traceback is in {log}" if log is not None else ""
+    hint = node.stage.hint(node) + "; " if node.stage.hint is not None else ""
+    message = (
+        f"{node.id} failed: {one_line(error)} (raised in {details['raised_at']}){traceback_in}. "
+        f"To try: {hint}`kiln run-stage RECIPE {node.id}` runs it alone"
+    )
+    return StageFailed(message, details=details)
+
+
 def run_node(
     store: StageStore,
     node: Node,
@@ -132,22 +171,17 @@ def run_node(
     except Deferred as e:
         store.discard(tmp)
         return NodeOutcome(node, "deferred", key, reason=e.message, details=e.details)
-    except KilnError as e:
-        log = store.keep_log(node, tmp)
-        store.discard(tmp)
-        e.details.setdefault("stage", node.id)
-        if log is not None:
-            e.details.update(log=str(log), log_tail=log_tail(log))
-        raise
     except BaseException as e:
-        log = store.keep_log(node, tmp)
+        tail, log = _keep_failure_log(store, node, tmp, e)
         store.discard(tmp)
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
-        details: dict[str, object] = {"stage": node.id}
-        if log is not None:
-            details.update(log=str(log), log_tail=log_tail(log))
-        raise StageFailed(f"{node.id} failed: {type(e).__name__}: {e}", details=details) from e
+        if isinstance(e, KilnError):  # kiln's own error says what failed; the log keeps how it got there
+            e.details.setdefault("stage", node.id)
+            if log is not None:
+                e.details.update(log=str(log), log_tail=tail)
+            raise
+        raise _unexpected(node, e, log, tail) from e
     finally:
         # What the stage dropped goes back before the next one runs in this process (`core.usage`).
         if meter is not None and meter.usage is not None and left_behind(meter.usage):

@@ -87,4 +87,9 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
     return streamed_requirements("export", sizing, spec.export_copies(node.params["quant"]))
 
 
-STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant", needs=needs)
+def hint(node: Node) -> str:
+    """What to try when an export fails: the target's other quants, and other targets, build without this one."""
+    return f"without {node.params['quant']} in {node.params['target']}'s quants, the recipe's other artifacts build"
+
+
+STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant", needs=needs, hint=hint)

@@ -95,6 +95,12 @@ def needs(node: Node, sizing: Sizing) -> Requirements:
     return calibrated_requirements(sizing, node.params["calibration"], scheme.method, placed_kind(node))
 
 
+def hint(node: Node) -> str:
+    """What to try when quantizing fails: the recipe's other quants build without this one."""
+    name = node.params["scheme"]["name"]
+    return f"without {name} in the recipe's targets, its other quants build"
+
+
 STAGE = Stage(
     "quantize",
     # 4: a GPTQ scheme's quantization_config records its static column order (actorder); 5: every expert of a
@@ -104,4 +110,5 @@ STAGE = Stage(
     QuantizeRecord,
     "quantize the Linear weights once per scheme (compressed-tensors layout)",
     needs=needs,
+    hint=hint,
 )

@@ -40,6 +40,15 @@ def _check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, param
     check_model(shape, config, quant, params)
 
 
+def _check_source(source: SourceModel) -> None:
+    """The prepare stage's check of the tokenizer's special tokens (`tokenizer.check_special_tokens`), at plan time;
+    a source without tokenizer.json is left to the stage."""
+    from .tokenizer import check_special_tokens
+
+    if "tokenizer.json" in source.tokenizer_files:
+        check_special_tokens(source.root, source.shape.vocab_size)
+
+
 def _prepare(source: SourceModel) -> dict[str, Any]:
     from .export import prepare
 
@@ -58,6 +67,7 @@ SPEC = register(
         export=_export,
         prepare=_prepare,
         check_model_fn=_check_model,
+        check_source_fn=_check_source,
         lint=lint_gguf,
         # kiln's writer encodes a tensor at a time (at 8B: 0.03-0.15 GiB over the stage's start, a fraction of the
         # 1.05 GB embedding); llama.cpp's quantizer converts each tensor to float32 (twice its bf16 bytes) and

@@ -182,6 +182,14 @@ def read_vocab(root: Path, vocab_size: int, config: dict[str, Any]) -> VocabMeta
     return _vocab(tok, specials, vocab_size)
 
 
+def check_special_tokens(root: Path, vocab_size: int) -> None:
+    """The tokenizer's check that needs only its files: GGUF_VOCAB_MISMATCH where transformers adds special tokens
+    past the model's vocab (`_check_library_additions`). `kiln plan` calls it (the target's `check_source_fn`), so
+    a build is refused before ingest; `read_vocab` runs the same check on the tokenizer it loads, in the stage."""
+    hf, tok = _effective_tokenizer(root)
+    _check_library_additions(hf, tok, root, vocab_size)
+
+
 def _check_library_additions(hf: Any, tok: dict[str, Any], root: Path, vocab_size: int) -> None:
     """Refuse, naming transformers as the cause, tokens its tokenizer class added past the model's vocab.
 

@@ -352,3 +352,94 @@ def test_gptq_single_hessian_matches_upstream_functions() -> None:
     assert len(lean) == len(upstream)
     for a, b in zip(lean, upstream, strict=True):
         assert torch.equal(a, b)
+
+
+def _tied_qwen2(root: Path) -> Path:
+    return make_model(root, "qwen2", tie_word_embeddings=True, hidden_size=128, vocab_size=384)
+
+
+def test_upstream_untie_still_breaks_a_disk_offloaded_tied_head(tmp_path: Path) -> None:
+    """The reason for `untie_offloaded_head`: llm-compressor 0.14 unties a tied head (whenever a modifier's targets
+    take in an embedding) by deleting and re-registering each weight, and on a disk-offloaded model the shared
+    weight's offload entry goes with the first, so the head's cannot be read. Untied by kiln first, there is
+    nothing left to break, and the head reads the embedding's values (from the source's file: nothing copied)."""
+    import torch
+    from compressed_tensors.offload import load_offloaded_model
+    from llmcompressor.utils import untie_word_embeddings
+    from transformers import AutoModelForCausalLM
+
+    from quant.calibrated import untie_offloaded_head
+
+    source = _tied_qwen2(tmp_path / "qwen2")
+
+    def load(folder: str) -> torch.nn.Module:
+        (tmp_path / folder).mkdir()
+        with load_offloaded_model(AutoModelForCausalLM):
+            return AutoModelForCausalLM.from_pretrained(
+                str(source), dtype=torch.bfloat16, device_map={"": "disk"}, offload_folder=str(tmp_path / folder)
+            )
+
+    upstream = load("upstream")
+    with pytest.raises(KeyError):  # `KeyError: Parameter containing: tensor(..., device='meta', ...)`
+        untie_word_embeddings(upstream)
+
+    model = load("kiln")
+    files = sorted(p.name for p in (tmp_path / "kiln").iterdir())
+    assert untie_offloaded_head(model) and not untie_offloaded_head(model)  # tied once, then no more
+    assert model.config.tie_word_embeddings is False
+    assert len(list((tmp_path / "kiln").iterdir())) == len(files) + 1  # one link more, no data written
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    untie_word_embeddings(model)
+    assert torch.equal(model.get_output_embeddings().weight, embedding)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+
+
+def test_a_quantize_stage_that_fails_says_what_failed_and_keeps_the_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure a tied head once met in `fp8-kv8` (llm-compressor's untie on disk-offloaded weights), restored:
+    the STAGE_FAILED message names the stage, the error, the library's frame and kiln's call into it, where the
+    traceback is, and what to try; the kept log ends with the traceback."""
+    import quant.calibrated
+    from core.errors import StageFailed
+    from pipeline.executors.local import LocalExecutor
+    from pipeline.stage import Node
+    from pipeline.stages import ingest as ingest_stage
+    from pipeline.stages import quantize as quantize_stage
+    from pipeline.store import WorkDir
+
+    recipe = quant.calibrated._recipe
+    monkeypatch.setattr(quant.calibrated, "untie_offloaded_head", lambda model: False)
+    monkeypatch.setattr(quant.calibrated, "_recipe", lambda scheme, ignore=None, awq_mappings=None: recipe(scheme, []))
+    source = _tied_qwen2(tmp_path / "qwen2")
+    text = tmp_path / "calibration.txt"
+    text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")
+    work = WorkDir(tmp_path / "work")
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()
+    work.put_external(text, digest)
+    ingest = ingest_stage.node(open_source(source), source, tmp_path / "hashes.json")
+    quantize = Node(
+        "quantize/fp8-kv8",
+        quantize_stage.STAGE,
+        params={
+            "scheme": get_scheme("fp8-kv8").model_dump(mode="json"),
+            "calibration": {"samples": 2, "seq_len": 32, "skip_tokens": 0, "compute_dtype": "float32"},
+        },
+        inputs={"ingest": ingest.id},
+        external={"calibration_text": digest},
+    )
+    with pytest.raises(StageFailed) as failed:
+        LocalExecutor(work).run([ingest, quantize])
+    e = failed.value
+    assert e.code == "STAGE_FAILED" and e.message.startswith(
+        "quantize/fp8-kv8 failed: KeyError: Parameter containing: tensor(..., device='meta'"
+    ), e.message
+    assert e.details["raised_at"].startswith("compressed_tensors/offload/cache/disk.py:")
+    assert ", from quant/calibrated.py:" in e.details["raised_at"] and e.details["raised_at"] in e.message
+    assert f"its traceback is in {e.details['log']}" in e.message
+    assert "To try: without fp8-kv8 in the recipe's targets, its other quants build" in e.message
+    assert "`kiln run-stage RECIPE quantize/fp8-kv8`" in e.message
+    log = Path(e.details["log"]).read_text()
+    assert "Traceback (most recent call last)" in log and "in untie_word_embeddings" in log
+    assert "KeyError: Parameter containing:" in log.split("Traceback (most recent call last)")[-1]
+    assert not [line for line in e.details["log_tail"] if "Traceback" in line]  # the tail: what was printed before

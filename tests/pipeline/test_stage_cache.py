@@ -293,9 +293,47 @@ def test_what_a_stage_prints_goes_to_its_log_and_a_failure_quotes_it(
         LocalExecutor(WorkDir(tmp_path)).run([Node("failing/a", Stage("failing", "1", failing, Written), params={})])
     assert "the last thing it said" not in capfd.readouterr().err
     assert failed.value.details["log_tail"] == ["loading weights", "the last thing it said"]
-    assert Path(failed.value.details["log"]).read_text().endswith("the last thing it said\n")
+    printed_then_traceback = Path(failed.value.details["log"]).read_text().split("the last thing it said\n")[1]
+    assert "Traceback (most recent call last)" in printed_then_traceback
+    assert printed_then_traceback.endswith('raise ValueError("boom")\nValueError: boom\n')
     print("the terminal is back")
     assert capfd.readouterr().out == "the terminal is back\n"
+
+
+def test_a_failure_names_what_failed_where_its_traceback_is_and_what_to_try(tmp_path: Path) -> None:
+    """An error that is not kiln's own: STAGE_FAILED names the stage, the error on one line, the library frame that
+    raised it and the stage's own call into it, the kept log (ending with the traceback), and what to try."""
+
+    def parsing(ctx: StageContext) -> Written:
+        json.loads('{"n": 1,\n')  # raises inside the json module, not in the stage
+        return Written(n=1)
+
+    stage = Stage("parse", "1", parsing, Written, hint=lambda node: f"give {node.id} valid JSON")
+    with pytest.raises(StageFailed) as failed:
+        LocalExecutor(WorkDir(tmp_path)).run([Node("parse/a", stage, params={})])
+    e = failed.value
+    where = e.details["raised_at"]
+    assert e.details["error"] == "JSONDecodeError" and "json/decoder.py:" in where
+    assert where.endswith("in parsing") and ", from tests/pipeline/test_stage_cache.py:" in where
+    assert e.message == (
+        f"parse/a failed: JSONDecodeError: Expecting property name enclosed in double quotes: line 2 column 1 "
+        f"(char 9) (raised in {where}); its traceback is in {e.details['log']}. "
+        "To try: give parse/a valid JSON; `kiln run-stage RECIPE parse/a` runs it alone"
+    )
+    log = Path(e.details["log"]).read_text()
+    assert e.details["log_tail"] == [] and log.lstrip().startswith("Traceback (most recent call last)")
+    assert "in parsing" in log and log.endswith("(char 9)\n")
+
+
+def test_a_kiln_error_keeps_its_message_and_leaves_its_traceback_in_the_log(tmp_path: Path) -> None:
+    def refusing(ctx: StageContext) -> Written:
+        raise KilnError("the model is refused, and why", code="MODEL_REFUSED")
+
+    with pytest.raises(KilnError) as failed:
+        LocalExecutor(WorkDir(tmp_path)).run([Node("refuse/a", Stage("refuse", "1", refusing, Written), params={})])
+    assert failed.value.code == "MODEL_REFUSED" and failed.value.message == "the model is refused, and why"
+    assert failed.value.details["stage"] == "refuse/a"
+    assert "in refusing" in Path(failed.value.details["log"]).read_text()
 
 
 def small_recipe(root: Path) -> Path:
