@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
+from core.hardware import HARDWARE_NAME_PATTERN
 from core.manifest import ARTIFACT_NAME
 from core.manifest import MODEL_NAME_PATTERN as MODEL_NAME_PATTERN  # recipes use the same
 from core.manifest import VERSION_PATTERN as VERSION_PATTERN
@@ -24,6 +25,22 @@ ChannelName = Annotated[str, Path(pattern=CHANNEL_PATTERN, description="channel 
 RowId = Annotated[int, Path(ge=1, le=2**31 - 1, description="id")]
 # How many rows a listing answers at once (registry.paging): the API and the pages alike.
 PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="rows per page")]
+# Where a listing's page before ended: its last row, by the key the listing is ordered by (a name, a
+# version, an id). A page names the next in its `Link` header (the API) or its next link (the pages).
+MAX_CURSOR_ID = 2**63 - 1
+AfterModel = Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN, description="the last model of the page before")]
+AfterVersion = Annotated[str | None, Query(pattern=VERSION_PATTERN, description="the last release of the page before")]
+AfterArtifact = Annotated[
+    str | None, Query(pattern=ARTIFACT_NAME_PATTERN, description="the last artifact of the page before")
+]
+AfterChannel = Annotated[str | None, Query(pattern=CHANNEL_PATTERN, description="the last channel of the page before")]
+AfterHardware = Annotated[
+    str | None, Query(pattern=HARDWARE_NAME_PATTERN, description="the last SKU of the page before")
+]
+AfterKey = Annotated[
+    str | None, Query(pattern=SHA256_PATTERN, description="the key_id of the last key of the page before")
+]
+AfterId = Annotated[int | None, Query(ge=1, le=MAX_CURSOR_ID, description="the id of the last row of the page before")]
 Sha256 = Annotated[str, Path(pattern=SHA256_PATTERN, description="lowercase hex sha256 of the content")]
 
 # A serving workload, as resolve asks it (query) and a performance record states it (body): ranges far
