@@ -16,6 +16,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
+from client import RegistryClient
 from core.hardware import builtin_catalog
 from registry.artifacts.models import Artifact
 from registry.attestations.models import TrustedKey
@@ -367,6 +368,32 @@ def test_a_limited_token_pages_through_what_it_may_see(app: FastAPI, client: Tes
             rows = sum(pages, [])
             assert len(rows) == len(set(rows)) == expected, url
             assert all(len(p) <= 5 for p in pages) and max(counts) <= 10, (url, counts)
+
+
+def test_the_client_follows_the_pages(app: FastAPI, client: TestClient) -> None:
+    base = seed_base(app, client)
+    with app.state.session_factory() as session:
+        releases = seed_releases(session, base)
+        hardware = seed_hardware(session, base)
+        keys = seed_keys(session, base)
+        tokens = seed_tokens(session, base)
+        session.execute(
+            insert(AuditEvent),
+            [{"actor": "bench", "action": "model.touch", "target": "tiny", "model": "tiny", "details": {}}]
+            * (MAX_PAGE_LIMIT + 10),
+        )
+        session.commit()
+    registry = RegistryClient(client, "test", on_close=lambda: None)
+    assert [r["version"] for r in registry.list_releases("tiny")] == ["1.0", *releases]
+    assert [m["name"] for m in registry.list_models()] == ["tiny"]
+    listed = [h["name"] for h in registry.hardware()]
+    assert listed == sorted({*hardware, *builtin_catalog().profiles}) and len(listed) > PAGE_LIMIT
+    assert [k["key_id"] for k in registry.list_keys()] == keys
+    assert [str(t["id"]) for t in registry.list_tokens()][-EXTRA:] == tokens
+    events = registry.audit("tiny", limit=MAX_PAGE_LIMIT + 5)
+    assert len(events) == MAX_PAGE_LIMIT + 5 and len({e["id"] for e in events}) == len(events)
+    assert [e["id"] for e in events] == sorted((e["id"] for e in events), reverse=True)
+    assert len(registry.audit(limit=3)) == 3
 
 
 def test_hardware_pages_merge_the_registrys_entries_with_the_builtin_ones(app: FastAPI, client: TestClient) -> None:
