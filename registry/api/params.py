@@ -21,13 +21,14 @@ ModelName = Annotated[str, Path(pattern=MODEL_NAME_PATTERN, description="model n
 Version = Annotated[str, Path(pattern=VERSION_PATTERN, description="release version")]
 ArtifactName = Annotated[str, Path(pattern=ARTIFACT_NAME_PATTERN, description="artifact name")]
 ChannelName = Annotated[str, Path(pattern=CHANNEL_PATTERN, description="channel name, e.g. prod")]
-# Row ids in paths: a 32-bit positive integer, as the database stores them.
-RowId = Annotated[int, Path(ge=1, le=2**31 - 1, description="id")]
+# Row ids in paths and cursors: a 32-bit positive integer, as the database stores them (PostgreSQL refuses to
+# compare an integer column with a larger one: a server error, not an empty answer).
+MAX_ROW_ID = 2**31 - 1
+RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID, description="id")]
 # How many rows a listing answers at once (registry.paging): the API and the pages alike.
 PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="rows per page")]
 # Where a listing's page before ended: its last row, by the key the listing is ordered by (a name, a
 # version, an id). A page names the next in its `Link` header (the API) or its next link (the pages).
-MAX_CURSOR_ID = 2**63 - 1
 AfterModel = Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN, description="the last model of the page before")]
 AfterVersion = Annotated[str | None, Query(pattern=VERSION_PATTERN, description="the last release of the page before")]
 AfterArtifact = Annotated[
@@ -40,7 +41,7 @@ AfterHardware = Annotated[
 AfterKey = Annotated[
     str | None, Query(pattern=SHA256_PATTERN, description="the key_id of the last key of the page before")
 ]
-AfterId = Annotated[int | None, Query(ge=1, le=MAX_CURSOR_ID, description="the id of the last row of the page before")]
+AfterId = Annotated[int | None, Query(ge=1, le=MAX_ROW_ID, description="the id of the last row of the page before")]
 Sha256 = Annotated[str, Path(pattern=SHA256_PATTERN, description="lowercase hex sha256 of the content")]
 
 # A serving workload, as resolve asks it (query) and a performance record states it (body): ranges far
