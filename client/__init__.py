@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urljoin
 
 import httpx2
 
@@ -30,6 +30,7 @@ from core.evals import PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest, check_relative_path
 from core.resolve import ResolveOut
 from core.signing import ATTESTATION_FILES
+from registry.paging import MAX_PAGE_LIMIT
 
 _ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
     400: errors.InvalidInput,
@@ -117,6 +118,12 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
+def _next_page(response: httpx2.Response) -> str | None:
+    """The URL of the next page a listing's answer names in its `Link` header (relative to the answer's), or None."""
+    url = response.links.get("next", {}).get("url")
+    return urljoin(str(response.url), url) if url else None
+
+
 EMBEDDED_PUBLIC_URL = "http://127.0.0.1:8000"
 
 
@@ -192,6 +199,24 @@ class RegistryClient:
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._send(method, path, **kwargs).json()
 
+    def _pages(self, path: str, params: dict[str, Any] | None = None) -> Iterator[httpx2.Response]:
+        """Every page of a listing: `path`, then each page the one before names in its `Link: <url>; rel="next"`
+        (the URL holds the query, `params` included)."""
+        response = self._send("GET", path, params=params)
+        yield response
+        while (url := _next_page(response)) is not None:
+            response = self._send("GET", url)
+            yield response
+
+    def _list(self, path: str, params: dict[str, Any] | None = None, most: int | None = None) -> list[dict[str, Any]]:
+        """The rows of a listing, page after page: all of them, or the first `most`."""
+        rows: list[dict[str, Any]] = []
+        for response in self._pages(path, params):
+            rows.extend(response.json())
+            if most is not None and len(rows) >= most:
+                return rows[:most]
+        return rows
+
     # -- models and releases --------------------------------------------------------------------
 
     def ensure_model(self, name: str, description: str | None = None) -> dict[str, Any]:
@@ -235,10 +260,13 @@ class RegistryClient:
         result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
         return result
 
+    def list_models(self) -> list[dict[str, Any]]:
+        """The models the caller may read, by name."""
+        return self._list("/v1/models")
+
     def list_releases(self, model: str) -> list[dict[str, Any]]:
         """A model's releases, newest first, with their status (open, sealed, abandoned)."""
-        result: list[dict[str, Any]] = self._json("GET", f"/v1/models/{_seg(model)}/releases")
-        return result
+        return self._list(f"/v1/models/{_seg(model)}/releases")
 
     def get_release(self, model: str, version: str) -> dict[str, Any]:
         """The release with its artifacts, their eval results and gate status."""
@@ -385,20 +413,15 @@ class RegistryClient:
         """Every tag of one of the registry's OCI repositories (`<model>`, `modelcar/<model>`): its
         `/v2/<repository>/tags/list`. Errors carry the OCI codes (NAME_UNKNOWN, NAME_INVALID, DENIED)."""
         tags: list[str] = []
-        path: str | None = f"/v2/{repository}/tags/list"
-        while path is not None:
-            response = self._send("GET", path)
+        for response in self._pages(f"/v2/{repository}/tags/list"):
             tags.extend(response.json()["tags"] or [])
-            link = response.headers.get("Link", "")
-            path = link[link.index("<") + 1 : link.index(">")] if 'rel="next"' in link else None
         return tags
 
     # -- hardware catalog and measured performance -----------------------------------------------
 
     def hardware(self) -> list[dict[str, Any]]:
-        """The registry's hardware catalog (built-in entries and the registry's own)."""
-        result: list[dict[str, Any]] = self._json("GET", "/v1/hardware")
-        return result
+        """The registry's hardware catalog (built-in entries and the registry's own), by name."""
+        return self._list("/v1/hardware")
 
     def hardware_entry(self, name: str) -> dict[str, Any]:
         """One SKU of the registry's catalog, with where its entry comes from."""
@@ -434,8 +457,7 @@ class RegistryClient:
         return result
 
     def list_tokens(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", "/v1/tokens")
-        return result
+        return self._list("/v1/tokens")
 
     def revoke_token(self, token_id: int, reason: str | None = None) -> dict[str, Any]:
         result: dict[str, Any] = self._json("POST", f"/v1/tokens/{token_id}/revoke", json={"reason": reason})
@@ -448,9 +470,9 @@ class RegistryClient:
         return result
 
     def audit(self, model: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"limit": limit} | ({"model": model} if model else {})
-        result: list[dict[str, Any]] = self._json("GET", "/v1/audit", params=params)
-        return result
+        """The newest `limit` audit events (about `model`), newest first, over as many pages as that takes."""
+        params: dict[str, Any] = {"limit": min(limit, MAX_PAGE_LIMIT)} | ({"model": model} if model else {})
+        return self._list("/v1/audit", params, most=limit)
 
     # -- signatures, provenance and trusted keys ---------------------------------------------------
 
@@ -466,8 +488,7 @@ class RegistryClient:
         return result
 
     def list_attestations(self, model: str, version: str, artifact: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", f"{_artifact_path(model, version, artifact)}/attestations")
-        return result
+        return self._list(f"{_artifact_path(model, version, artifact)}/attestations")
 
     def get_artifact(self, model: str, version: str, artifact: str) -> dict[str, Any]:
         """An artifact's manifest, files (with download URLs) and evals."""
@@ -510,8 +531,7 @@ class RegistryClient:
         return result
 
     def list_keys(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", "/v1/keys")
-        return result
+        return self._list("/v1/keys")
 
     def revoke_key(self, key_id: str, reason: str | None = None) -> dict[str, Any]:
         result: dict[str, Any] = self._json("POST", f"/v1/keys/{_seg(key_id)}/revoke", json={"reason": reason})

@@ -17,10 +17,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
+from core.datafile import read_data_file
 from core.errors import InvalidInput, UnknownName
 
 CATALOG_FILE = Path(__file__).with_name("hardware.yaml")
@@ -259,9 +259,11 @@ def parse_profile(data: Mapping[str, Any], where: str = "hardware entry") -> Har
         raise InvalidInput(f"{where}: {problems}", code="HARDWARE_CATALOG_INVALID") from None
 
 
-def load_catalog(path: Path = CATALOG_FILE) -> HardwareCatalog:
-    """Read a catalog file (`schema: 1`, `hardware: [entries]`)."""
-    data = yaml.safe_load(path.read_text())
+def load_catalog(path: Path = CATALOG_FILE, what: str = "a hardware catalog") -> HardwareCatalog:
+    """Read a catalog file (`schema: 1`, `hardware: [entries]`) with the one data-file reader: a file that is not
+    a regular one, not UTF-8 or not YAML or JSON is DATA_FILE_INVALID; a catalog of the wrong shape or with a
+    bad entry, HARDWARE_CATALOG_INVALID."""
+    data = read_data_file(path, what)
     if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("hardware"), list):
         raise InvalidInput(f"{path}: expected `schema: 1` and a `hardware` list", code="HARDWARE_CATALOG_INVALID")
     return HardwareCatalog(
@@ -282,10 +284,7 @@ def builtin_catalog() -> HardwareCatalog:
     catalog = load_catalog()
     extra = os.environ.get(CATALOG_ENV)
     if extra:
-        path = Path(extra)
-        if not path.is_file():
-            raise InvalidInput(f"{CATALOG_ENV}={extra}: no such file", code="HARDWARE_CATALOG_INVALID")
-        catalog = catalog.extended(load_catalog(path))
+        catalog = catalog.extended(load_catalog(Path(extra), f"the hardware catalog {CATALOG_ENV} names"))
     return catalog
 
 

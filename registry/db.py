@@ -17,6 +17,7 @@ from sqlalchemy import JSON, Connection, DateTime, Engine, MetaData, create_engi
 from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.sql.elements import SQLColumnExpression
 from sqlalchemy.types import TypeDecorator
 
 from core.errors import Unavailable
@@ -246,6 +247,12 @@ def lock_row(session: Session, key: Any, value: object, *, shared: bool = False)
     SQLite needs nothing: a write session already holds the database's write lock.
     """
     session.execute(select(key).where(key == value).with_for_update(read=shared, key_share=not shared))
+
+
+def bytewise(session: Session, column: SQLColumnExpression[str]) -> SQLColumnExpression[str]:
+    """`column` as Python compares str, by code point: PostgreSQL's "C" collation (a database's own may order
+    `h100-sxm` after `h1000`), SQLite's default. For a listing that merges rows with a list sorted in Python."""
+    return column.collate("C") if session.get_bind().dialect.name == "postgresql" else column
 
 
 def insert_once(session: Session, row: T, find: Callable[[], T | None]) -> tuple[T, bool]:

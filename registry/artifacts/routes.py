@@ -9,12 +9,14 @@ from sqlalchemy.orm import Session
 
 from core.manifest import ArtifactManifest, FileOut
 from registry.api.errors import error_responses
-from registry.api.params import ArtifactName, ModelName, Version
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterArtifact, ArtifactName, ModelName, PageLimit, Version
 from registry.api.urls import artifact_file_url, base_url
 from registry.artifacts import service
 from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
+from registry.paging import PAGE_LIMIT
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
@@ -64,9 +66,22 @@ def publish_artifact(
     return detail
 
 
-@router.get(ARTIFACTS, summary="List a release's artifacts with their eval status", responses=error_responses(404))
-def list_artifacts(model: ModelName, version: Version, session: SessionDep) -> list[ArtifactSummary]:
-    return [ArtifactSummary.of(a) for a in service.list_artifacts(session, model, version)]
+@router.get(
+    ARTIFACTS,
+    summary="List a release's artifacts with their eval status, by name, a page at a time",
+    responses={**PAGED, **error_responses(404)},
+)
+def list_artifacts(
+    model: ModelName,
+    version: Version,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterArtifact = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[ArtifactSummary]:
+    page = service.artifacts_page(session, model, version, after, limit)
+    return [ArtifactSummary.of(a) for a in page_rows(request, response, page, limit)]
 
 
 @router.get(

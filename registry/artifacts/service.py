@@ -17,6 +17,7 @@ from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
 from registry.artifacts.schemas import EvalCreate
 from registry.blobs.service import stored_sizes
 from registry.db import insert_once
+from registry.paging import Page, keyset_page
 from registry.releases.service import (
     check_open,
     check_served,
@@ -68,9 +69,16 @@ def get_artifact(session: Session, model: str, version: str, name: str) -> Artif
     return artifact
 
 
-def list_artifacts(session: Session, model: str, version: str) -> list[Artifact]:
+def artifacts_page(session: Session, model: str, version: str, after: str | None, limit: int) -> Page[Artifact, str]:
+    """Up to `limit` of the release's artifacts, by name past `after`, each with its evals."""
     release = get_release(session, model, version)
-    return release_artifacts(session, release.id, *WITH_EVALS)
+
+    def fetch(past: str | None, n: int) -> list[Artifact]:
+        query = select(Artifact).where(Artifact.release_id == release.id)
+        query = query if past is None else query.where(Artifact.name > past)
+        return list(session.scalars(query.order_by(Artifact.name).limit(n).options(*WITH_EVALS)))
+
+    return keyset_page(fetch, lambda a: a.name, after, limit)
 
 
 def release_artifacts(session: Session, release_id: int, *options: Any) -> list[Artifact]:

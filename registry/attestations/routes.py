@@ -14,7 +14,8 @@ from fastapi import APIRouter, Path, Request, Response
 
 from core.errors import Forbidden, NotFound
 from registry.api.errors import error_responses
-from registry.api.params import ArtifactName, ModelName, Version
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterKey, ArtifactName, ModelName, PageLimit, Version
 from registry.api.urls import base_url
 from registry.attestations import service
 from registry.attestations.models import Attestation
@@ -29,6 +30,7 @@ from registry.attestations.schemas import (
 from registry.auth.principal import Principal
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
+from registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["attestations"])
 Admin = Annotated[Principal, require("admin")]
@@ -118,16 +120,29 @@ def add_key(spec: TrustedKeyCreate, session: WriteSessionDep, principal: Admin, 
     return TrustedKeyOut.of(row)
 
 
-@router.get("/keys", summary="Trusted publisher keys for models the caller may read, revoked ones included")
-def list_keys(session: SessionDep, principal: PrincipalDep) -> list[TrustedKeyOut]:
-    return [TrustedKeyOut.of(k) for k in service.list_keys(session) if principal.sees_pattern(k.model_pattern)]
+@router.get(
+    "/keys",
+    summary="Trusted publisher keys for models the caller may read, revoked ones included, oldest first, a page at "
+    "a time",
+    responses=PAGED,
+)
+def list_keys(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: AfterKey = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[TrustedKeyOut]:
+    page = service.keys_page(session, principal, after, limit)
+    return [TrustedKeyOut.of(k) for k in page_rows(request, response, page, limit, lambda k: k.key_id)]
 
 
 @router.post("/keys/{key_id}/revoke", summary="Revoke a trusted key (admin, audited)", responses=error_responses(404))
 def revoke_key(
     key_id: KeyId, session: WriteSessionDep, principal: Admin, body: KeyRevoke | None = None
 ) -> TrustedKeyOut:
-    key = next((k for k in service.list_keys(session) if k.key_id == key_id), None)
+    key = service.find_key(session, key_id)
     if key is not None and not principal.sees_pattern(key.model_pattern):
         raise NotFound(f"no trusted key {key_id}", details={"key_id": key_id})
     if key is not None:

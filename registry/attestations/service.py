@@ -33,15 +33,17 @@ from registry.attestations.models import Attestation, TrustedKey
 from registry.attestations.policy import keys_for
 from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
 from registry.audit import service as audit
+from registry.auth.principal import Principal
 from registry.blobs.service import get_blob
 from registry.db import insert_once, utcnow
+from registry.paging import Page, keyset_page
 from registry.releases.service import check_open, check_served, get_release, lock_release
 from storage.store import BlobNotFound, BlobStore
 
 # -- trusted keys -------------------------------------------------------------------------------
 
 
-def _find_key(session: Session, kid: str) -> TrustedKey | None:
+def find_key(session: Session, kid: str) -> TrustedKey | None:
     return session.scalars(select(TrustedKey).where(TrustedKey.key_id == kid)).one_or_none()
 
 
@@ -65,13 +67,13 @@ def add_key(session: Session, spec: TrustedKeyCreate, actor: str) -> tuple[Trust
             )
         return existing
 
-    existing = _find_key(session, kid)
+    existing = find_key(session, kid)
     if existing is not None:
         return same(existing), False
     row = TrustedKey(
         key_id=kid, model_pattern=spec.model_pattern, public_key_pem=public_key_pem_text(spec), created_by=actor
     )
-    row, created = insert_once(session, row, lambda: _find_key(session, kid))
+    row, created = insert_once(session, row, lambda: find_key(session, kid))
     if not created:
         return same(row), False
     audit.record(
@@ -89,14 +91,30 @@ def public_key_pem_text(spec: TrustedKeyCreate) -> str:
     return spec.public_key_pem.strip() + "\n"
 
 
-def list_keys(session: Session) -> list[TrustedKey]:
-    return list(session.scalars(select(TrustedKey).order_by(TrustedKey.id)))
+def keys_page(session: Session, reader: Principal, after: str | None, limit: int) -> Page[TrustedKey, TrustedKey]:
+    """Up to `limit` of the trusted keys for models `reader` may read, revoked ones included, oldest first, past
+    the key `after` (a key_id; PAGE_CURSOR_UNKNOWN when there is no such key). Patterns are applied here, a
+    chunk at a time."""
+    mark = None
+    if after is not None:
+        mark = find_key(session, after)
+        if mark is None or not reader.sees_pattern(mark.model_pattern):  # one it may not see is unknown to it
+            raise InvalidInput(
+                f"no trusted key {after} to list keys after", code="PAGE_CURSOR_UNKNOWN", details={"after": after}
+            )
+
+    def fetch(past: TrustedKey | None, n: int) -> list[TrustedKey]:
+        query = select(TrustedKey).order_by(TrustedKey.id).limit(n)
+        return list(session.scalars(query if past is None else query.where(TrustedKey.id > past.id)))
+
+    visible = (lambda k: reader.sees_pattern(k.model_pattern)) if reader.models else None
+    return keyset_page(fetch, lambda k: k, mark, limit, keep=visible)
 
 
 def revoke_key(session: Session, kid: str, actor: str, reason: str | None) -> TrustedKey:
     """Revoke a trusted key (idempotent, audited `key.revoke`): from now on nothing it signed counts as
     signed, for new uploads, sealing and promotion alike."""
-    row = _find_key(session, kid)
+    row = find_key(session, kid)
     if row is None:
         raise NotFound(f"no trusted key {kid}", details={"key_id": kid})
     if row.revoked_at is None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 
-from registry.api.params import MODEL_NAME_PATTERN, PageLimit
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import MODEL_NAME_PATTERN, AfterId, PageLimit
 from registry.audit import service
 from registry.audit.schemas import AuditEventOut
 from registry.deps import PrincipalDep, SessionDep
@@ -17,12 +18,18 @@ router = APIRouter(prefix="/v1", tags=["audit"])
 
 @router.get(
     "/audit",
-    summary="Audit events about the models the caller may read (an admin of all models: every event)",
+    summary="Audit events about the models the caller may read (an admin of all models: every event), newest "
+    "first, a page at a time",
+    responses=PAGED,
 )
 def list_audit_events(
+    request: Request,
+    response: Response,
     session: SessionDep,
     principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
+    after: AfterId = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> list[AuditEventOut]:
-    return [AuditEventOut.of(e) for e in service.list_events(session, principal, model, limit)]
+    page = service.events_page(session, principal, model, after, limit)
+    return [AuditEventOut.of(e) for e in page_rows(request, response, page, limit)]

@@ -39,11 +39,6 @@ def record(
     return event
 
 
-def list_events(session: Session, reader: Principal, model: str | None = None, limit: int = 100) -> list[AuditEvent]:
-    """The newest `limit` events `reader` may see (see `events_page`)."""
-    return events_page(session, reader, model, None, limit).rows
-
-
 def events_page(
     session: Session, reader: Principal, model: str | None, after: int | None, limit: int
 ) -> Page[AuditEvent, int]:

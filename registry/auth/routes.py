@@ -5,14 +5,16 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from registry.api.errors import error_responses
-from registry.api.params import RowId
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterId, PageLimit, RowId
 from registry.auth import service
 from registry.auth.principal import Principal
 from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
 from registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
+from registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
 Admin = Annotated[Principal, require("admin")]
@@ -34,9 +36,17 @@ def create_token(spec: TokenCreate, session: WriteSessionDep, settings: Settings
     return TokenCreated.of(token, token=secret)
 
 
-@router.get("/tokens", summary="List API tokens (never their secrets)")
-def list_tokens(session: SessionDep, principal: Admin) -> list[TokenOut]:
-    return [TokenOut.of(t) for t in service.list_tokens(session, principal)]
+@router.get("/tokens", summary="List API tokens (never their secrets), oldest first, a page at a time", responses=PAGED)
+def list_tokens(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: Admin,
+    after: AfterId = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[TokenOut]:
+    page = service.tokens_page(session, principal, after, limit)
+    return [TokenOut.of(t) for t in page_rows(request, response, page, limit)]
 
 
 @router.post("/tokens/{token_id}/revoke", summary="Revoke an API token", responses=error_responses(404))

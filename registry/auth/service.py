@@ -16,6 +16,7 @@ from registry.auth.models import Token
 from registry.auth.patterns import check_pattern
 from registry.auth.principal import SCOPES, Principal, Scope
 from registry.db import utcnow
+from registry.paging import Page, keyset_page
 
 TOKEN_PREFIX = "kiln_"
 _TOKEN = re.compile(r"^kiln_[A-Za-z0-9_-]{43}$")
@@ -102,9 +103,16 @@ def create_token(
     return token, secret
 
 
-def list_tokens(session: Session, actor: Principal) -> list[Token]:
-    """The tokens `actor` may see: those within its model patterns (all of them for an unlimited admin)."""
-    return [t for t in session.scalars(select(Token).order_by(Token.id)) if actor.covers_patterns(t.models)]
+def tokens_page(session: Session, actor: Principal, after: int | None, limit: int) -> Page[Token, int]:
+    """Up to `limit` of the tokens `actor` may see, oldest first, past the token `after`: those within its model
+    patterns (all of them for an unlimited admin). Patterns are applied here, a chunk at a time."""
+
+    def fetch(past: int | None, n: int) -> list[Token]:
+        query = select(Token).order_by(Token.id).limit(n)
+        return list(session.scalars(query if past is None else query.where(Token.id > past)))
+
+    visible = (lambda t: actor.covers_patterns(t.models)) if actor.models else None
+    return keyset_page(fetch, lambda t: t.id, after, limit, keep=visible)
 
 
 def revoke_token(session: Session, token_id: int, actor: Principal, reason: str | None = None) -> Token:

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
 from registry.api.errors import error_responses
-from registry.api.params import ChannelName, ModelName
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterChannel, AfterId, ChannelName, ModelName, PageLimit
 from registry.auth.principal import Principal
 from registry.channels import service
+from registry.channels.models import Channel, ChannelEvent
 from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest, SplitRequest
 from registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["channels"])
 
 
-def _detail(session: Session, model: str, channel: str) -> ChannelDetail:
-    row, version, history = service.get_channel(session, model, channel)
+def _detail(model: str, row: Channel, version: str, history: list[ChannelEvent]) -> ChannelDetail:
+    """The channel, the version it points at and `history`, a page of its history."""
     return ChannelDetail(
         model=model,
         name=row.name,
@@ -38,6 +41,12 @@ def _detail(session: Session, model: str, channel: str) -> ChannelDetail:
             for e in history
         ],
     )
+
+
+def _newest(session: Session, model: str, channel: str) -> ChannelDetail:
+    """The channel with the newest page of its history: what a change of it answers."""
+    row, version, page = service.channel_history_page(session, model, channel, None, PAGE_LIMIT)
+    return _detail(model, row, version, page.rows)
 
 
 async def may_promote(request: Request, principal: PrincipalDep, settings: SettingsDep) -> Principal:
@@ -64,7 +73,7 @@ def promote(
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
     service.promote(session, model, channel, request, signed_only=channel in settings.signed_channels)
-    detail = _detail(session, model, channel)  # before the commit: what it committed (see get_write_session)
+    detail = _newest(session, model, channel)  # before the commit: what it committed (see get_write_session)
     session.commit()
     return detail
 
@@ -91,13 +100,25 @@ def set_split(
 ) -> ChannelDetail:
     request = request.model_copy(update={"actor": _actor(principal, request.actor)})
     service.set_split(session, model, channel, request, signed_only=channel in settings.signed_channels)
-    detail = _detail(session, model, channel)
+    detail = _newest(session, model, channel)
     session.commit()
     return detail
 
 
-@router.get("/models/{model}/channels", summary="A model's channels", responses=error_responses(404))
-def list_channels(model: ModelName, session: SessionDep) -> list[ChannelOut]:
+@router.get(
+    "/models/{model}/channels",
+    summary="A model's channels, by name, a page at a time",
+    responses={**PAGED, **error_responses(404)},
+)
+def list_channels(
+    model: ModelName,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterChannel = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[ChannelOut]:
+    page = service.channels_page(session, model, after, limit)
     return [
         ChannelOut(
             model=model,
@@ -106,14 +127,23 @@ def list_channels(model: ModelName, session: SessionDep) -> list[ChannelOut]:
             split=service.public_split(c.split) if c.split else None,  # type: ignore[arg-type]
             updated_at=c.updated_at,
         )
-        for c, v in service.list_channels(session, model)
+        for c, v in page_rows(request, response, page, limit)
     ]
 
 
 @router.get(
     "/models/{model}/channels/{channel}",
-    summary="A channel: its current release and promotion history",
-    responses=error_responses(404),
+    summary="A channel: its current release and its promotion history, newest first, a page at a time",
+    responses={**PAGED, **error_responses(404)},
 )
-def get_channel(model: ModelName, channel: ChannelName, session: SessionDep) -> ChannelDetail:
-    return _detail(session, model, channel)
+def get_channel(
+    model: ModelName,
+    channel: ChannelName,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterId = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> ChannelDetail:
+    row, version, page = service.channel_history_page(session, model, channel, after, limit)
+    return _detail(model, row, version, page_rows(request, response, page, limit))

@@ -100,4 +100,6 @@ class ChannelOut(BaseModel):
 
 
 class ChannelDetail(ChannelOut):
-    history: list[ChannelEventOut] = Field(description="promotions, newest first")
+    history: list[ChannelEventOut] = Field(
+        description="promotions, newest first: a page of them (`limit`; the next page is the answer's `Link`)"
+    )

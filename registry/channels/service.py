@@ -39,13 +39,17 @@ def list_channels(session: Session, model: str) -> list[tuple[Channel, str]]:
     return [(c, c.release.version) for c in session.scalars(query)]
 
 
-def get_channel(session: Session, model: str, name: str) -> tuple[Channel, str, list[ChannelEvent]]:
-    """A channel, the version it points at, and its history (newest first)."""
-    channel = _channel(session, model, name)
-    history = session.scalars(
-        select(ChannelEvent).where(ChannelEvent.channel_id == channel.id).order_by(ChannelEvent.id.desc())
-    )
-    return channel, channel.release.version, list(history)
+def channels_page(session: Session, model: str, after: str | None, limit: int) -> Page[tuple[Channel, str], str]:
+    """Up to `limit` (channel, version) pairs of a model, by name past `after`."""
+    model_row = get_model(session, model)
+
+    def fetch(past: str | None, n: int) -> list[tuple[Channel, str]]:
+        query = select(Channel).where(Channel.model_id == model_row.id)
+        query = query if past is None else query.where(Channel.name > past)
+        query = query.order_by(Channel.name).limit(n).options(joinedload(Channel.release, innerjoin=True))
+        return [(c, c.release.version) for c in session.scalars(query)]
+
+    return keyset_page(fetch, lambda pair: pair[0].name, after, limit)
 
 
 def channel_history_page(

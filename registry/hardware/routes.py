@@ -6,27 +6,34 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path
-from sqlalchemy.orm import Session
+from fastapi import APIRouter, Body, Path, Request, Response
 
 from core.hardware import HARDWARE_NAME_PATTERN
 from registry.api.errors import error_responses
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterHardware, PageLimit
 from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from registry.hardware import service
 from registry.hardware.schemas import HardwareOut, entry_request_schema
+from registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["hardware"])
 
 HardwareName = Annotated[str, Path(pattern=HARDWARE_NAME_PATTERN, description="SKU name, e.g. h100")]
 
 
-def _catalog(session: Session) -> list[HardwareOut]:
-    return [HardwareOut(**p.model_dump(), source=source) for p, source in service.catalog_entries(session)]  # type: ignore[arg-type]
-
-
-@router.get("/hardware", summary="The hardware catalog resolve sizes replicas with")
-def list_hardware(session: SessionDep) -> list[HardwareOut]:
-    return _catalog(session)
+@router.get(
+    "/hardware", summary="The hardware catalog resolve sizes replicas with, by name, a page at a time", responses=PAGED
+)
+def list_hardware(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterHardware = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[HardwareOut]:
+    page = service.catalog_page(session, after, limit)
+    return [HardwareOut(**p.model_dump(), source=source) for p, source in page_rows(request, response, page, limit)]  # type: ignore[arg-type]
 
 
 @router.get("/hardware/{name}", summary="One SKU of the hardware catalog", responses=error_responses(404))

@@ -14,7 +14,9 @@ from sqlalchemy.orm import Session
 from core.errors import InvalidInput, NotFound
 from core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
 from registry.audit import service as audit
+from registry.db import bytewise
 from registry.hardware.models import HardwareEntry
+from registry.paging import Page, keyset_page
 from registry.resolve.service import bump_routing_revision
 
 
@@ -51,6 +53,23 @@ def catalog_entries(session: Session) -> list[tuple[HardwareProfile, str]]:
     own = registry_entries(session)
     names = {p.name for p in own}
     return [(p, registry_source(p.name) if p.name in names else "builtin") for p in builtin_catalog().extended(own)]
+
+
+def catalog_page(session: Session, after: str | None, limit: int) -> Page[tuple[HardwareProfile, str], str]:
+    """Up to `limit` entries of the effective catalog, by name past `after`, each with where it comes from (as
+    `catalog_entries`). The built-in entries are merged with a page of the registry's own: of the names past
+    a cursor, the first `n` are among the first `n` of each, so `n` registry rows are all a page reads."""
+    builtin = builtin_catalog().profiles
+
+    def fetch(past: str | None, n: int) -> list[tuple[HardwareProfile, str]]:
+        name = bytewise(session, HardwareEntry.name)
+        query = select(HardwareEntry).order_by(name).limit(n)
+        rows = session.scalars(query if past is None else query.where(name > past))
+        own = {row.name: parse_profile(row.profile, f"registry hardware entry {row.name!r}") for row in rows}
+        names = sorted({*own, *(b for b in builtin if past is None or b > past)})[:n]
+        return [(own[k], registry_source(k)) if k in own else (builtin[k], "builtin") for k in names]
+
+    return keyset_page(fetch, lambda entry: entry[0].name, after, limit)
 
 
 def registry_source(name: str) -> str:

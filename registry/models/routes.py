@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from registry.api.errors import error_responses
-from registry.api.params import ModelName
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterModel, AfterVersion, ModelName, PageLimit
 from registry.auth.principal import Principal
 from registry.channels.service import model_channel_versions
 from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from registry.models import service
 from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
-from registry.releases.service import list_releases
+from registry.paging import PAGE_LIMIT
+from registry.releases.service import releases_page
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["models"])
@@ -36,16 +38,36 @@ def create_model(
     return ModelOut.of(row)
 
 
-@router.get("/models", summary="List the models the caller may read")
-def list_models(session: SessionDep, principal: PrincipalDep) -> list[ModelOut]:
-    return [ModelOut.of(m) for m in service.list_models(session, principal)]
+@router.get("/models", summary="List the models the caller may read, by name, a page at a time", responses=PAGED)
+def list_models(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: AfterModel = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[ModelOut]:
+    page = service.models_page(session, principal, after, limit)
+    return [ModelOut.of(m) for m in page_rows(request, response, page, limit)]
 
 
-@router.get("/models/{model}", summary="A model with its releases and channels", responses=error_responses(404))
-def get_model(model: ModelName, session: SessionDep) -> ModelDetail:
+@router.get(
+    "/models/{model}",
+    summary="A model with its channels and its releases' versions, newest first, a page at a time",
+    responses={**PAGED, **error_responses(404)},
+)
+def get_model(
+    model: ModelName,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterVersion = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> ModelDetail:
     row = service.get_model(session, model)
+    page = releases_page(session, model, after, limit)
     return ModelDetail.of(
         row,
-        releases=[r.version for r in list_releases(session, model)],
+        releases=[r.version for r in page_rows(request, response, page, limit, lambda r: r.version)],
         channels=model_channel_versions(session, row.id),
     )

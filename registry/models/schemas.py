@@ -26,5 +26,5 @@ class ModelOut(FromRow):
 
 
 class ModelDetail(ModelOut):
-    releases: list[str] = Field(description="versions, newest first")
+    releases: list[str] = Field(description="versions, newest first: a page of them (`after`, `limit`, `Link`)")
     channels: dict[str, str] = Field(description="channel name -> version it points to")

@@ -34,11 +34,6 @@ def get_model(session: Session, name: str) -> Model:
     return model
 
 
-def list_models(session: Session, reader: Principal) -> list[Model]:
-    """The models `reader` may read, by name."""
-    return [m for m in session.scalars(select(Model).order_by(Model.name)) if reader.allows_model(m.name)]
-
-
 def models_page(session: Session, reader: Principal, after: str | None, limit: int) -> Page[Model, str]:
     """Up to `limit` of the models `reader` may read, by name, past the name `after`."""
 

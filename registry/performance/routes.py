@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 
 from registry.api.errors import error_responses
-from registry.api.params import ArtifactName, ModelName, Version
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterId, ArtifactName, ModelName, PageLimit, Version
 from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from registry.paging import PAGE_LIMIT
 from registry.performance import service
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate, PerformanceOut
@@ -40,8 +42,20 @@ def post_performance(
     return _out(row, name)
 
 
-@router.get(PATH, summary="An artifact's measured performance records, newest first", responses=error_responses(404))
+@router.get(
+    PATH,
+    summary="An artifact's measured performance records, newest first, a page at a time",
+    responses={**PAGED, **error_responses(404)},
+)
 def list_performance(
-    model: ModelName, version: Version, name: ArtifactName, session: SessionDep
+    model: ModelName,
+    version: Version,
+    name: ArtifactName,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterId = None,
+    limit: PageLimit = PAGE_LIMIT,
 ) -> list[PerformanceOut]:
-    return [_out(r, name) for r in service.list_records(session, model, version, name)]
+    page = service.records_page(session, model, version, name, after, limit)
+    return [_out(r, name) for r in page_rows(request, response, page, limit)]

@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 from core.errors import Conflict, InvalidInput
 from registry.artifacts.service import get_artifact
 from registry.hardware.service import effective_catalog
+from registry.paging import Page, keyset_page
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate
 from registry.releases.service import lock_release
@@ -59,10 +60,18 @@ def post_record(
     return record
 
 
-def list_records(session: Session, model: str, version: str, artifact: str) -> list[PerformanceRecord]:
+def records_page(
+    session: Session, model: str, version: str, artifact: str, after: int | None, limit: int
+) -> Page[PerformanceRecord, int]:
+    """Up to `limit` of the artifact's records, newest first, older than the record `after`."""
     row = get_artifact(session, model, version, artifact)
-    query = select(PerformanceRecord).where(PerformanceRecord.artifact_id == row.id)
-    return list(session.scalars(query.order_by(PerformanceRecord.id.desc())))
+
+    def fetch(past: int | None, n: int) -> list[PerformanceRecord]:
+        query = select(PerformanceRecord).where(PerformanceRecord.artifact_id == row.id)
+        query = query if past is None else query.where(PerformanceRecord.id < past)
+        return list(session.scalars(query.order_by(PerformanceRecord.id.desc()).limit(n)))
+
+    return keyset_page(fetch, lambda r: r.id, after, limit)
 
 
 def records_of_artifacts(session: Session, artifact_ids: list[int]) -> list[PerformanceRecord]:

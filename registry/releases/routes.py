@@ -7,13 +7,15 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Request, Response
 
 from registry.api.errors import error_responses
-from registry.api.params import ModelName, Version
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterVersion, ModelName, PageLimit, Version
 from registry.artifacts.schemas import ArtifactSummary
 from registry.artifacts.service import WITH_EVALS
 from registry.auth.principal import Principal
 from registry.channels.service import channels_of_release, drop_from_splits
 from registry.deps import BlobStoreDep, SessionDep, WriteSessionDep, require
 from registry.oci.modelcar import record_release_layers
+from registry.paging import PAGE_LIMIT
 from registry.releases import service
 from registry.releases.models import Release
 from registry.releases.schemas import ReasonRequest, ReleaseCreate, ReleaseDetail, ReleaseOut
@@ -63,9 +65,21 @@ def create_release(model: ModelName, spec: ReleaseCreate, session: WriteSessionD
     return _out(row, model)
 
 
-@router.get("/models/{model}/releases", summary="List a model's releases, newest first", responses=error_responses(404))
-def list_releases(model: ModelName, session: SessionDep) -> list[ReleaseOut]:
-    return [_out(r, model) for r in service.list_releases(session, model)]
+@router.get(
+    "/models/{model}/releases",
+    summary="List a model's releases, newest first, a page at a time",
+    responses={**PAGED, **error_responses(404)},
+)
+def list_releases(
+    model: ModelName,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    after: AfterVersion = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[ReleaseOut]:
+    page = service.releases_page(session, model, after, limit)
+    return [_out(r, model) for r in page_rows(request, response, page, limit, lambda r: r.version)]
 
 
 @router.get(

@@ -83,14 +83,9 @@ def lock_release(session: Session, model: str, version: str, *, shared: bool) ->
     return release
 
 
-def list_releases(session: Session, model: str) -> list[Release]:
-    row = get_model(session, model)
-    query = select(Release).where(Release.model_id == row.id).order_by(Release.created_at.desc(), Release.id.desc())
-    return list(session.scalars(query))
-
-
 def releases_page(session: Session, model: str, after: str | None, limit: int) -> Page[Release, Release]:
-    """Up to `limit` of the model's releases, newest first (as `list_releases`), past the version `after`."""
+    """Up to `limit` of the model's releases, newest first, past the version `after` (PAGE_CURSOR_UNKNOWN when
+    the model has no such release)."""
     row = get_model(session, model)
     mark = None
     if after is not None:

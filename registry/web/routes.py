@@ -24,13 +24,16 @@ from core.errors import InvalidInput, KilnError, NotFound
 from core.hardware import HardwareCatalog
 from placement.fit import MEMORY_UTILIZATION
 from registry.api.errors import http_status
+from registry.api.pages import next_page_url
 from registry.api.params import (
     MAX_CONCURRENCY,
     MAX_CONTEXT,
     MODEL_NAME_PATTERN,
     TOKENS_PER_S,
     TTFT_MS,
-    VERSION_PATTERN,
+    AfterId,
+    AfterModel,
+    AfterVersion,
     ChannelName,
     ModelName,
     PageLimit,
@@ -164,23 +167,12 @@ def stylesheet() -> Response:
     return Response(_stylesheet(), media_type="text/css", headers={"Cache-Control": "public, max-age=3600"})
 
 
-def next_page(request: Request, after: str | int | None, limit: int) -> str | None:
-    """The URL of the page after this one (the same query, `after` the cursor), or None on the last page."""
-    if after is None:
-        return None
-    query = [(k, v) for k, v in request.query_params.multi_items() if k not in ("after", "limit")]
-    query += [("after", str(after))] + ([("limit", str(limit))] if limit != PAGE_LIMIT else [])
-    return f"{PageLinks(request).root}{request.url.path}?{urlencode(query)}"
-
-
 @router.get("/ui/")
 def models_page(
     request: Request,
     session: SessionDep,
     principal: PrincipalDep,
-    after: Annotated[
-        str | None, Query(pattern=MODEL_NAME_PATTERN, description="the last model of the page before")
-    ] = None,
+    after: AfterModel = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> HTMLResponse:
     """The models the caller may read, a page at a time by name, each with its newest release and where its
@@ -199,7 +191,7 @@ def models_page(
         }
         for model in page.rows
     ]
-    return render(request, "models.html", title="Models", rows=rows, next=next_page(request, page.next, limit))
+    return render(request, "models.html", title="Models", rows=rows, next=next_page_url(request, page.next, limit))
 
 
 @router.get("/ui/models/{model}")
@@ -207,9 +199,7 @@ def model_page(
     model: ModelName,
     request: Request,
     session: SessionDep,
-    after: Annotated[
-        str | None, Query(pattern=VERSION_PATTERN, description="the last release of the page before")
-    ] = None,
+    after: AfterVersion = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> HTMLResponse:
     """A model: its releases a page at a time (newest first, yanked ones marked) and its channels with their
@@ -229,7 +219,7 @@ def model_page(
         releases=page.rows,
         channels=channels,
         pointed=pointed,
-        next=next_page(request, last, limit),
+        next=next_page_url(request, last, limit),
     )
 
 
@@ -339,7 +329,7 @@ def channel_page(
     channel: ChannelName,
     request: Request,
     session: SessionDep,
-    after: Annotated[int | None, Query(ge=1, le=2**63 - 1, description="the last event of the page before")] = None,
+    after: AfterId = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> HTMLResponse:
     """A channel's current release and its promotion history, a page at a time: who, when, from → to, forced
@@ -353,7 +343,7 @@ def channel_page(
         channel=row,
         version=version,
         history=page.rows,
-        next=next_page(request, page.next, limit),
+        next=next_page_url(request, page.next, limit),
     )
 
 
@@ -363,7 +353,7 @@ def audit_page(
     session: SessionDep,
     principal: PrincipalDep,
     model: Annotated[str | None, Query(pattern=MODEL_NAME_PATTERN)] = None,
-    after: Annotated[int | None, Query(ge=1, le=2**63 - 1, description="the last event of the page before")] = None,
+    after: AfterId = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> HTMLResponse:
     """The audit log, newest first, a page at a time: who did what, when, why, and the state before and after."""
@@ -376,7 +366,7 @@ def audit_page(
         events=events,
         model=model,
         limit=limit,
-        next=next_page(request, page.next, limit),
+        next=next_page_url(request, page.next, limit),
     )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from registry.api.errors import error_responses
-from registry.api.params import PageLimit, RowId
+from registry.api.pages import PAGED, page_rows
+from registry.api.params import AfterId, PageLimit, RowId
 from registry.auth.principal import Principal
 from registry.deps import SessionDep, WriteSessionDep, require
 from registry.paging import PAGE_LIMIT
@@ -48,9 +49,21 @@ def create_webhook(
     return WebhookCreated.of(webhook, secret=secret)
 
 
-@router.get("/webhooks", summary="List webhooks, active or deleted (never their secrets)")
-def list_webhooks(session: SessionDep, principal: Admin) -> list[WebhookOut]:
-    return [WebhookOut.of(w) for w in service.list_webhooks(session, principal)]
+@router.get(
+    "/webhooks",
+    summary="List webhooks, active or deleted (never their secrets), oldest first, a page at a time",
+    responses=PAGED,
+)
+def list_webhooks(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: Admin,
+    after: AfterId = None,
+    limit: PageLimit = PAGE_LIMIT,
+) -> list[WebhookOut]:
+    page = service.webhooks_page(session, principal, after, limit)
+    return [WebhookOut.of(w) for w in page_rows(request, response, page, limit)]
 
 
 @router.get("/webhooks/{webhook_id}", summary="A webhook (never its secret)", responses=error_responses(404))
@@ -71,19 +84,20 @@ def delete_webhook(webhook_id: RowId, session: WriteSessionDep, principal: Admin
 
 @router.get(
     "/webhooks/{webhook_id}/deliveries",
-    summary="A webhook's delivery log, newest first, with every attempt",
-    responses=error_responses(404),
+    summary="A webhook's delivery log, newest first, with every attempt, a page at a time",
+    responses={**PAGED, **error_responses(404)},
 )
 def list_deliveries(
     webhook_id: RowId,
+    request: Request,
+    response: Response,
     session: SessionDep,
     principal: Admin,
+    after: AfterId = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> list[DeliveryOut]:
-    return [
-        DeliveryOut.of(d, attempt_log=d.attempt_log)
-        for d in service.list_deliveries(session, principal, webhook_id, limit)
-    ]
+    page = service.deliveries_page(session, principal, webhook_id, after, limit)
+    return [DeliveryOut.of(d, attempt_log=d.attempt_log) for d in page_rows(request, response, page, limit)]
 
 
 @router.post(

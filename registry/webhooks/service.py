@@ -17,6 +17,7 @@ from registry.audit import service as audit
 from registry.auth.patterns import check_pattern
 from registry.auth.principal import Principal
 from registry.db import utcnow
+from registry.paging import Page, keyset_page
 from registry.webhooks.destinations import DestinationPolicy, parse_url
 from registry.webhooks.models import Webhook, WebhookDelivery
 from registry.webhooks.outbox import EVENTS
@@ -89,11 +90,16 @@ def create_webhook(
     return webhook, secret
 
 
-def list_webhooks(session: Session, actor: Principal) -> list[Webhook]:
-    """The webhooks `actor` may manage, active or not, oldest first."""
-    return [
-        w for w in session.scalars(select(Webhook).order_by(Webhook.id)) if actor.covers_patterns([w.model_pattern])
-    ]
+def webhooks_page(session: Session, actor: Principal, after: int | None, limit: int) -> Page[Webhook, int]:
+    """Up to `limit` of the webhooks `actor` may manage, active or not, oldest first, past the webhook `after`.
+    Patterns are applied here, a chunk at a time."""
+
+    def fetch(past: int | None, n: int) -> list[Webhook]:
+        query = select(Webhook).order_by(Webhook.id).limit(n)
+        return list(session.scalars(query if past is None else query.where(Webhook.id > past)))
+
+    managed = (lambda w: actor.covers_patterns([w.model_pattern])) if actor.models else None
+    return keyset_page(fetch, lambda w: w.id, after, limit, keep=managed)
 
 
 def get_webhook(session: Session, actor: Principal, webhook_id: int) -> Webhook:
@@ -127,17 +133,20 @@ def deactivate_webhook(session: Session, actor: Principal, webhook_id: int) -> W
     return webhook
 
 
-def list_deliveries(session: Session, actor: Principal, webhook_id: int, limit: int = 100) -> list[WebhookDelivery]:
-    """A webhook's newest `limit` deliveries, newest first, each with its attempts."""
+def deliveries_page(
+    session: Session, actor: Principal, webhook_id: int, after: int | None, limit: int
+) -> Page[WebhookDelivery, int]:
+    """Up to `limit` of a webhook's deliveries, newest first, older than the delivery `after`, each with its
+    attempts."""
     webhook = get_webhook(session, actor, webhook_id)
-    query = (
-        select(WebhookDelivery)
-        .where(WebhookDelivery.webhook_id == webhook.id)
-        .order_by(WebhookDelivery.id.desc())
-        .limit(limit)
-        .options(selectinload(WebhookDelivery.attempt_log))
-    )
-    return list(session.scalars(query))
+
+    def fetch(past: int | None, n: int) -> list[WebhookDelivery]:
+        query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook.id)
+        query = query if past is None else query.where(WebhookDelivery.id < past)
+        query = query.order_by(WebhookDelivery.id.desc()).limit(n)
+        return list(session.scalars(query.options(selectinload(WebhookDelivery.attempt_log))))
+
+    return keyset_page(fetch, lambda d: d.id, after, limit)
 
 
 def redeliver(session: Session, actor: Principal, webhook_id: int, delivery_id: int) -> WebhookDelivery:

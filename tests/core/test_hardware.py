@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from core.errors import InvalidInput, UnknownName
+from core.datafile import MAX_DATA_FILE_BYTES
+from core.errors import DataFileInvalid, InvalidInput, UnknownName
 from core.hardware import CATALOG_FILE, PROFILES, builtin_catalog, load_catalog, parse_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,4 +168,36 @@ def test_a_missing_extension_file_is_a_clear_error(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", "import core.hardware"], env=env, capture_output=True, text=True, cwd=ROOT
     )
-    assert out.returncode != 0 and "KILN_HARDWARE_CATALOG" in out.stderr and "no such file" in out.stderr
+    assert out.returncode != 0 and "KILN_HARDWARE_CATALOG" in out.stderr and "no such file" in out.stderr.lower()
+    assert "DataFileInvalid" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: p.mkdir(), "regular file"),
+        (lambda p: p.write_bytes(b"schema: 1\nhardware: [\xff]\n"), "not UTF-8"),
+        (lambda p: p.write_text("schema: 1\nhardware: [{name: x, memory_gib: .nan}]\n"), "JSON"),
+        (lambda p: p.write_text("schema: 1\nhardware: [\n"), "not valid YAML"),
+        (lambda p: p.write_bytes(b"#" * (MAX_DATA_FILE_BYTES + 1)), "larger than"),
+    ],
+    ids=["directory", "not-utf8", "nan", "not-yaml", "too-large"],
+)
+def test_a_catalog_file_is_read_as_every_data_file_is(tmp_path: Path, make: Any, why: str) -> None:
+    """The extension (and the built-in file) go through `core.datafile`: refused as DATA_FILE_INVALID,
+    naming the file and what it is."""
+    path = tmp_path / "site.yaml"
+    make(path)
+    with pytest.raises(DataFileInvalid) as e:
+        load_catalog(path, "the hardware catalog KILN_HARDWARE_CATALOG names")
+    assert e.value.code == "DATA_FILE_INVALID" and why in e.value.message and str(path) in e.value.message
+    assert e.value.details == {"file": str(path)}
+
+
+def test_a_dated_measurement_in_a_catalog_file_stays_the_text_written(tmp_path: Path) -> None:
+    """A `measured_on` date left unquoted is read as the string it is (as JSON would hold it), not a date."""
+    entry = next(e for e in yaml.safe_load(CATALOG_FILE.read_text())["hardware"] if "measured" in e)
+    text = yaml.safe_dump({"schema": 1, "hardware": [{**entry, "name": "site-sku"}]})
+    site = tmp_path / "site.yaml"
+    site.write_text(text.replace("'2026-11-26'", "2026-11-26"))
+    assert load_catalog(site).get("site-sku").name == "site-sku"

@@ -15,6 +15,7 @@ import httpx2
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy import insert
 
 from client import RegistryClient
 from core import errors
@@ -23,6 +24,8 @@ from core.manifest import ArtifactManifest, FileEntry
 from eval.gates import gate_for
 from eval.report import EvalReport, judged
 from registry.app import create_app
+from registry.models.models import Model
+from registry.paging import PAGE_LIMIT
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, eval_metrics
@@ -164,6 +167,18 @@ def test_client_raises_kiln_errors(
         (tmp_path / "w.bin").write_bytes(b"changed")
         with pytest.raises(errors.DigestMismatch):
             client.publish_artifact("errors-model", "1.0", manifest, files_root=tmp_path)
+
+
+def test_client_follows_a_real_servers_pages(server_url: str, server_app: FastAPI) -> None:
+    """Over HTTP, a listing's `Link` is followed to the end: every model once, in order (and through the
+    embedded client, the same code: test_api_paging)."""
+    names = [f"paged-{i:04d}" for i in range(PAGE_LIMIT * 2 + 3)]
+    with server_app.state.session_factory() as session:
+        session.execute(insert(Model), [{"name": n, "description": ""} for n in names])
+        session.commit()
+    with RegistryClient.connect(server_url, token=make_token(server_app, ["read"])) as client:
+        listed = [m["name"] for m in client.list_models()]
+    assert [n for n in listed if n.startswith("paged-")] == names and listed == sorted(listed)
 
 
 def test_unreachable_server_is_unavailable() -> None:

@@ -128,6 +128,20 @@ BASES: dict[tuple[str, str], Base] = {
         path={"model": "tiny", "version": "1.0", "name": "gguf-q8"},
         body={"runtime": "edges", "status": "passed", "metrics": eval_metrics(), "gates": {"max_kl": 0.01}},
     ),
+    # Every listing's page size (`limit`), and the id cursors (`after`) of those ordered by id.
+    ("get", "/v1/models"): Base(),
+    ("get", "/v1/models/{model}"): Base(path={"model": "tiny"}),
+    ("get", "/v1/models/{model}/releases"): Base(path={"model": "tiny"}),
+    ("get", "/v1/models/{model}/releases/{version}/artifacts"): Base(path={"model": "tiny", "version": "1.0"}),
+    ("get", "/v1/models/{model}/releases/{version}/artifacts/{name}/performance"): Base(
+        path={"model": "tiny", "version": "1.0", "name": "gguf-q8"}
+    ),
+    ("get", "/v1/models/{model}/channels"): Base(path={"model": "tiny"}),
+    ("get", "/v1/models/{model}/channels/{channel}"): Base(path={"model": "tiny", "channel": "prod"}),
+    ("get", "/v1/hardware"): Base(),
+    ("get", "/v1/keys"): Base(),
+    ("get", "/v1/tokens"): Base(),
+    ("get", "/v1/webhooks"): Base(),
     ("get", "/v1/audit"): Base(),
     ("post", "/v1/tokens/{token_id}/revoke"): Base(path={"token_id": 1}, body={"reason": "numeric edges"}),
     ("get", "/v1/webhooks/{webhook_id}"): Base(path={"webhook_id": 1}),

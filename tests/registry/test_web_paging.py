@@ -162,3 +162,7 @@ def test_audit_and_channel_history_are_paged(app: FastAPI, client: TestClient) -
     assert "(new) → 1.0" in older.find("table", id="history").text and next_link(older) is None
     response = client.get("/ui/audit?limit=1001")
     assert response.status_code == 422
+    for url in ("/ui/audit?after=2147483648", "/ui/models/tiny/channels/prod?after=2147483648"):
+        # Past the ids the database holds (PostgreSQL: 32-bit): refused, not a server error.
+        response = client.get(url)
+        assert response.status_code == 422 and "INVALID_INPUT" in response.text, url
