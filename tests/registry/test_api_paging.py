@@ -18,9 +18,11 @@ from starlette.testclient import TestClient
 
 from client import RegistryClient
 from core.hardware import builtin_catalog
+from registry.app import create_app
 from registry.artifacts.models import Artifact
 from registry.attestations.models import TrustedKey
 from registry.audit.models import AuditEvent
+from registry.auth.cache import TokenCache
 from registry.auth.models import Token
 from registry.channels.models import Channel, ChannelEvent
 from registry.hardware.models import HardwareEntry
@@ -28,6 +30,7 @@ from registry.models.models import Model
 from registry.paging import MAX_PAGE_LIMIT, PAGE_LIMIT
 from registry.performance.models import PerformanceRecord
 from registry.releases.models import Release
+from registry.settings import RegistrySettings
 from registry.webhooks.models import Webhook, WebhookDelivery
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal
@@ -270,6 +273,15 @@ def next_link(response: Any) -> str | None:
         return None
     assert link.startswith("<") and link.endswith('>; rel="next"'), link
     return str(link[1 : -len('>; rel="next"')])
+
+
+@pytest.fixture
+def app(settings: RegistrySettings) -> FastAPI:
+    """The registry, its token cache kept for the whole test: on a loaded machine a walk outlasts the 5 s it
+    keeps a token, and the lookup after would add a statement to one page."""
+    app = create_app(settings)
+    app.state.token_cache = TokenCache(app.state.session_factory, ttl_s=3600)
+    return app
 
 
 def walk(app: FastAPI, client: TestClient, listing: Listing, url: str) -> tuple[list[list[str]], list[int]]:
