@@ -157,3 +157,19 @@ def test_an_output_that_cannot_be_written_is_refused(
     out = hostile_file(tmp_path, case)
     code, err = run(monkeypatch, capsys, ["routing", "render", "tiny", "--format", "kserve", "--out", str(out)])
     assert code == 2 and "OUTPUT_PATH_INVALID" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("catalog", ["missing.yaml", "bad.yaml", "."])
+def test_a_bad_hardware_catalog_in_the_environment_is_a_coded_error(tmp_path: Path, catalog: str) -> None:
+    """The commands load the hardware catalog as they are imported: a bad KILN_HARDWARE_CATALOG is reported as
+    any kiln error is (exit 2, its code, no traceback), whatever the command."""
+    import subprocess
+
+    (tmp_path / "bad.yaml").write_text("hardware: [1, .nan\n")
+    env = {**os.environ, "KILN_HARDWARE_CATALOG": str(tmp_path / catalog)}
+    done = subprocess.run(
+        [sys.executable, "-c", "from kiln.cli import main; main()", "plan", "examples/tiny-llama"],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "[DATA_FILE_INVALID]" in done.stderr and "Traceback" not in done.stderr, done.stderr

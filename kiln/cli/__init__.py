@@ -13,15 +13,24 @@ import sys
 import typer
 
 from core.errors import KilnError
-from kiln.cli import build, hardware, lint, releases, routing, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
 from kiln.cli.common import EXIT_CODES, app, emit, json_requested
 from kiln.console import err, safe_text
 
 __all__ = ["app", "main"]
 
+# Loading the commands reads kiln's data files (the hardware catalog, extended by the file KILN_HARDWARE_CATALOG
+# names): `main` reports a bad one as it reports any kiln error, not as a traceback from an import.
+_load_error: KilnError | None = None
+try:
+    from kiln.cli import build, hardware, lint, releases, routing, runtimes, server, signing, tokens  # noqa: F401 - each registers its commands
+except KilnError as e:
+    _load_error = e
+
 
 def main() -> None:
     try:
+        if _load_error is not None:
+            raise _load_error
         # Without standalone mode click returns (not raises) the code of a typer.Exit.
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
