@@ -56,6 +56,7 @@ from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router
 from registry.webhooks.delivery import DeliveryWorker
 from registry.webhooks.destinations import DestinationPolicy, Resolver
+from registry.webhooks.outbox import subscribe_to_audit
 from registry.webhooks.routes import router as webhooks_router
 from storage.store import BlobStore
 
@@ -136,6 +137,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     settings = settings or RegistrySettings()
     database_url = settings.effective_database_url()
     storage = open_storage(settings)
+    subscribe_to_audit()  # the registry events the audit log records are queued for webhooks
     engine = storage.engine
     try:
         modelcar_base = (
