@@ -15,6 +15,7 @@ from registry.artifacts import service
 from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
+from registry.releases import contents
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
@@ -26,7 +27,7 @@ ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
 def _detail(
     request: Request, settings: RegistrySettings, session: Session, model: str, version: str, name: str
 ) -> ArtifactDetail:
-    row = service.get_artifact(session, model, version, name)
+    row = contents.get_artifact(session, model, version, name)
     base = base_url(request, settings)
     files = [
         FileOut(path=f.path, sha256=f.sha256, size=f.size, url=artifact_file_url(base, model, version, name, f.path))
@@ -54,7 +55,7 @@ def publish_artifact(
     session: WriteSessionDep,
     settings: SettingsDep,
 ) -> ArtifactDetail:
-    _row, created = service.publish_artifact(session, model, version, manifest)
+    _row, created = contents.publish_artifact(session, model, version, manifest)
     detail = _detail(request, settings, session, model, version, manifest.name)  # before the commit
     session.commit()
     if created:
@@ -66,7 +67,7 @@ def publish_artifact(
 
 @router.get(ARTIFACTS, summary="List a release's artifacts with their eval status", responses=error_responses(404))
 def list_artifacts(model: ModelName, version: Version, session: SessionDep) -> list[ArtifactSummary]:
-    return [ArtifactSummary.of(a) for a in service.list_artifacts(session, model, version)]
+    return [ArtifactSummary.of(a) for a in contents.list_artifacts(session, model, version)]
 
 
 @router.get(
@@ -109,7 +110,7 @@ def download_file(
     session: SessionDep,
     store: BlobStoreDep,
 ) -> Response:
-    row = service.get_artifact_file(session, model, version, name, path)
+    row = contents.get_artifact_file(session, model, version, name, path)
     return blob_response(request, store, row.sha256)
 
 
@@ -128,7 +129,7 @@ def post_eval(
     session: WriteSessionDep,
     response: Response,
 ) -> EvalOut:
-    row, created = service.post_eval(session, model, version, name, spec)
+    row, created = contents.post_eval(session, model, version, name, spec)
     session.commit()
     if not created:
         response.status_code = 200
