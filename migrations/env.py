@@ -8,7 +8,8 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
-from registry.db import RecordJSON, UTCDateTime, create_db_engine, registry_metadata
+from registry.db import RecordJSON, UTCDateTime, create_db_engine
+from registry.schema import registry_metadata
 
 config = context.config
 target_metadata = registry_metadata()

@@ -31,10 +31,13 @@ from registry.api.head import answer_head_like_get
 from registry.api.health import router as health_router
 from registry.api.lean_route import LeanLane
 from registry.artifacts.routes import router as artifacts_router
+from registry.artifacts.service import ArtifactFileBlobs
 from registry.attestations.routes import router as attestations_router
+from registry.attestations.service import AttestationBlobs
 from registry.audit.routes import router as audit_router
 from registry.auth.cache import TokenCache
 from registry.auth.routes import router as auth_router
+from registry.blobs.references import BlobReferences
 from registry.blobs.routes import router as blobs_router
 from registry.blobs.stores import open_blob_store
 from registry.channels.routes import router as channels_router
@@ -45,6 +48,7 @@ from registry.hf_compat.routes import router as hf_compat_router
 from registry.models.routes import router as models_router
 from registry.oci.base_image import load_base_image
 from registry.oci.routes import router as oci_router
+from registry.oci.service import ModelCarLayerBlobs
 from registry.ops.metrics import RegistryMetrics
 from registry.ops.middleware import ObservabilityMiddleware, RequestLog
 from registry.performance.routes import router as performance_router
@@ -56,6 +60,7 @@ from registry.web.routes import not_found_router as web_not_found_router
 from registry.web.routes import router as web_router
 from registry.webhooks.delivery import DeliveryWorker
 from registry.webhooks.destinations import DestinationPolicy, Resolver
+from registry.webhooks.outbox import subscribe_to_audit
 from registry.webhooks.routes import router as webhooks_router
 from storage.store import BlobStore
 
@@ -93,6 +98,9 @@ def _check_schema(engine: Engine, settings: RegistrySettings) -> None:
         )
 
 
+# The domains whose rows reference blobs, which garbage collection asks (registry.blobs.references).
+BLOB_REFERENCES: tuple[BlobReferences, ...] = (ArtifactFileBlobs(), AttestationBlobs(), ModelCarLayerBlobs())
+
 READ = require("read")
 # What any route may answer besides its own statuses: no or a refused token, a body over the limit
 # or malformed, a backend outage.
@@ -105,6 +113,7 @@ class Storage:
 
     engine: Engine
     blob_store: BlobStore
+    blob_references: tuple[BlobReferences, ...] = BLOB_REFERENCES  # what holds blobs, for collection
 
     def sessions(self, *, write: bool = False) -> Callable[[], Session]:
         return create_session_factory(self.engine, write=write)
@@ -136,6 +145,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     settings = settings or RegistrySettings()
     database_url = settings.effective_database_url()
     storage = open_storage(settings)
+    subscribe_to_audit()  # the registry events the audit log records are queued for webhooks
     engine = storage.engine
     try:
         modelcar_base = (
@@ -174,6 +184,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     app.state.write_session_factory = storage.sessions(write=True)
     app.state.ending_limiter = anyio.CapacityLimiter(ENDING_THREADS)
     app.state.blob_store = storage.blob_store
+    app.state.blob_references = storage.blob_references
     app.state.modelcar = modelcar_base
     app.state.webhook_destinations = DestinationPolicy.from_settings(settings, webhook_resolver)
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))

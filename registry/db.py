@@ -91,25 +91,6 @@ class Base(DeclarativeBase):
     }
 
 
-def registry_metadata() -> MetaData:
-    """The whole schema: imports every domain's ORM module so that its tables are registered."""
-    from registry.artifacts import models as _artifacts  # noqa: F401
-    from registry.attestations import models as _attestations  # noqa: F401
-    from registry.audit import models as _audit  # noqa: F401
-    from registry.auth import models as _auth  # noqa: F401
-    from registry.blobs import models as _blobs  # noqa: F401
-    from registry.channels import models as _channels  # noqa: F401
-    from registry.hardware import models as _hardware  # noqa: F401
-    from registry.models import models as _models  # noqa: F401
-    from registry.oci import models as _oci  # noqa: F401
-    from registry.performance import models as _performance  # noqa: F401
-    from registry.releases import models as _releases  # noqa: F401
-    from registry.resolve import models as _resolve  # noqa: F401
-    from registry.webhooks import models as _webhooks  # noqa: F401
-
-    return Base.metadata
-
-
 def normalize_url(url: str | URL) -> URL:
     """Parse a database URL; a bare `postgresql://` means psycopg 3, the driver we ship."""
     parsed = make_url(url)

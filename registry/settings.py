@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +21,59 @@ from pydantic_settings import (
 )
 
 from core.errors import InvalidInput
-from registry.webhooks.destinations import AllowList
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# One label of a host name, lowercased (underscores too: internal names have them).
+HOST_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """The operator's admitted internal webhook receivers (`webhook_allow`): networks, and host:port pairs.
+
+    Here, with the setting it parses, so that reading the settings needs nothing of the webhooks that use it
+    (`registry.webhooks.destinations`).
+    """
+
+    networks: tuple[IPNetwork, ...] = ()
+    endpoints: frozenset[tuple[str, int]] = frozenset()
+
+    @classmethod
+    def parse(cls, entries: Iterable[str]) -> AllowList:
+        """ValueError, naming the entry, unless each is a network/address or a host:port."""
+        networks: list[IPNetwork] = []
+        endpoints: set[tuple[str, int]] = set()
+        for entry in entries:
+            text = entry.strip().lower()
+            try:
+                networks.append(ipaddress.ip_network(text, strict=False))
+                continue
+            except ValueError:
+                pass
+            host, colon, port = text.rpartition(":")
+            if host.startswith("[") and host.endswith("]"):
+                host = host[1:-1]
+            if colon and port.isdigit() and 0 < int(port) < 65536 and host:
+                try:
+                    host = str(ipaddress.ip_address(host))
+                except ValueError:
+                    if not all(HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
+                        host = ""
+                if host:
+                    endpoints.add((host.removesuffix("."), int(port)))
+                    continue
+            raise ValueError(
+                f"webhook allow-list entry {entry!r} is neither a network (10.0.0.0/8, 127.0.0.1, fd00::/8) "
+                "nor a host:port (hooks.internal:8443, [::1]:9000)"
+            )
+        return cls(tuple(networks), frozenset(endpoints))
+
+    def admits_endpoint(self, host: str, port: int) -> bool:
+        return (host, port) in self.endpoints
+
+    def admits(self, address: IPAddress, port: int) -> bool:
+        return any(address in network for network in self.networks) or (str(address), port) in self.endpoints
 
 
 class RegistrySettings(BaseSettings):

@@ -120,7 +120,9 @@ def gc(
     grace = timedelta(hours=hours)
     storage = open_storage(settings)  # the same schema check and blob store as the server
     try:
-        report = collect_garbage(storage.sessions(), storage.blob_store, grace, dry_run=dry_run)
+        report = collect_garbage(
+            storage.sessions(), storage.blob_store, storage.blob_references, grace, dry_run=dry_run
+        )
     finally:
         storage.engine.dispose()
     if as_json:

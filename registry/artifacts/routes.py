@@ -17,6 +17,7 @@ from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCrea
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
 from registry.paging import PAGE_LIMIT
+from registry.releases import contents
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
@@ -28,7 +29,7 @@ ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
 def _detail(
     request: Request, settings: RegistrySettings, session: Session, model: str, version: str, name: str
 ) -> ArtifactDetail:
-    row = service.get_artifact(session, model, version, name)
+    row = contents.get_artifact(session, model, version, name)
     base = base_url(request, settings)
     files = [
         FileOut(path=f.path, sha256=f.sha256, size=f.size, url=artifact_file_url(base, model, version, name, f.path))
@@ -56,7 +57,7 @@ def publish_artifact(
     session: WriteSessionDep,
     settings: SettingsDep,
 ) -> ArtifactDetail:
-    _row, created = service.publish_artifact(session, model, version, manifest)
+    _row, created = contents.publish_artifact(session, model, version, manifest)
     detail = _detail(request, settings, session, model, version, manifest.name)  # before the commit
     session.commit()
     if created:
@@ -80,7 +81,7 @@ def list_artifacts(
     after: AfterArtifact = None,
     limit: PageLimit = PAGE_LIMIT,
 ) -> list[ArtifactSummary]:
-    page = service.artifacts_page(session, model, version, after, limit)
+    page = contents.artifacts_page(session, model, version, after, limit)
     return [ArtifactSummary.of(a) for a in page_rows(request, response, page, limit)]
 
 
@@ -124,7 +125,7 @@ def download_file(
     session: SessionDep,
     store: BlobStoreDep,
 ) -> Response:
-    row = service.get_artifact_file(session, model, version, name, path)
+    row = contents.get_artifact_file(session, model, version, name, path)
     return blob_response(request, store, row.sha256)
 
 
@@ -143,7 +144,7 @@ def post_eval(
     session: WriteSessionDep,
     response: Response,
 ) -> EvalOut:
-    row, created = service.post_eval(session, model, version, name, spec)
+    row, created = contents.post_eval(session, model, version, name, spec)
     session.commit()
     if not created:
         response.status_code = 200

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from sqlalchemy import ColumnElement, Select, exists, select
@@ -18,14 +18,29 @@ from registry.artifacts.schemas import EvalCreate
 from registry.blobs.service import stored_sizes
 from registry.db import insert_once
 from registry.paging import Page, keyset_page
-from registry.releases.service import (
-    check_open,
-    check_served,
-    get_release,
-    lock_release,
-    release_id_of,
-    served_release_ids,
-)
+
+# An artifact's release, by id or as a subquery (`registry.releases.service.release_id_of`).
+ReleaseId = int | ColumnElement[int]
+
+
+class ReleaseRef(Protocol):
+    """The release an artifact operation works in: a `registry.releases.models.Release` the caller looked up
+    (and locked, for a change). Releases call down into artifacts, never the reverse
+    (`registry.releases.contents` addresses artifacts by model and version)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def planned_artifacts(self) -> list[str]: ...
+
+    def check_open(self, model: str, doing: str) -> None:
+        """Conflict unless artifacts may still be added to the release."""
+        ...
+
 
 # Loader options for the functions below that take them (and `releases.service.with_artifacts`).
 WITH_EVALS = (selectinload(Artifact.evals),)
@@ -48,33 +63,37 @@ def manifest_of(artifact: Artifact) -> ArtifactManifest:
     )
 
 
-def _artifact_query(model: str, version: str, name: str) -> Any:
-    return select(Artifact).where(Artifact.release_id == release_id_of(model, version), Artifact.name == name)
+def _artifact_query(release_id: ReleaseId, name: str) -> Any:
+    return select(Artifact).where(Artifact.release_id == release_id, Artifact.name == name)
 
 
-def find_artifact(session: Session, model: str, version: str, name: str) -> Artifact | None:
-    query = _artifact_query(model, version, name).options(*WITH_FILES_AND_EVALS)
+def find_artifact(session: Session, release_id: ReleaseId, name: str) -> Artifact | None:
+    """The release's artifact `name`, with its files and evals loaded."""
+    query = _artifact_query(release_id, name).options(*WITH_FILES_AND_EVALS)
     return session.scalars(query).one_or_none()
 
 
-def get_artifact(session: Session, model: str, version: str, name: str) -> Artifact:
-    """The artifact with its files and evals loaded; NotFound names what is missing."""
-    artifact = find_artifact(session, model, version, name)
+def artifact_not_found(model: str, version: str, name: str) -> NotFound:
+    """The release `model@version` is there, its artifact `name` is not."""
+    return NotFound(
+        f"artifact {name!r} not found in release {model}@{version}",
+        details={"model": model, "version": version, "artifact": name},
+    )
+
+
+def get_artifact(session: Session, release: ReleaseRef, model: str, name: str) -> Artifact:
+    """The release's artifact `name`, files and evals loaded; NotFound when it has none of that name."""
+    artifact = find_artifact(session, release.id, name)
     if artifact is None:
-        get_release(session, model, version)
-        raise NotFound(
-            f"artifact {name!r} not found in release {model}@{version}",
-            details={"model": model, "version": version, "artifact": name},
-        )
+        raise artifact_not_found(model, release.version, name)
     return artifact
 
 
-def artifacts_page(session: Session, model: str, version: str, after: str | None, limit: int) -> Page[Artifact, str]:
+def artifacts_page(session: Session, release_id: int, after: str | None, limit: int) -> Page[Artifact, str]:
     """Up to `limit` of the release's artifacts, by name past `after`, each with its evals."""
-    release = get_release(session, model, version)
 
     def fetch(past: str | None, n: int) -> list[Artifact]:
-        query = select(Artifact).where(Artifact.release_id == release.id)
+        query = select(Artifact).where(Artifact.release_id == release_id)
         query = query if past is None else query.where(Artifact.name > past)
         return list(session.scalars(query.order_by(Artifact.name).limit(n).options(*WITH_EVALS)))
 
@@ -110,14 +129,19 @@ def drop_release_artifacts(session: Session, release_id: int) -> list[str]:
 
 
 def served_artifacts(
-    session: Session, model_id: int, *options: Any, artifact_id: int | None = None, digest_prefix: str | None = None
+    session: Session,
+    served_release_ids: Select[int],
+    *options: Any,
+    artifact_id: int | None = None,
+    digest_prefix: str | None = None,
 ) -> list[Artifact]:
-    """The model's artifacts in served (sealed, not yanked) releases, by id, each with its release loaded
-    (and loader `options`); only the one with `artifact_id`, or those whose manifest digest starts with
-    `digest_prefix`, when given."""
+    """The artifacts of the served (sealed, not yanked) releases in the `served_release_ids` subquery
+    (`registry.releases.service.served_release_ids`), by id, each with its release loaded (and loader
+    `options`); only the one with `artifact_id`, or those whose manifest digest starts with `digest_prefix`,
+    when given."""
     query = (
         select(Artifact)
-        .where(Artifact.release_id.in_(served_release_ids(model_id)))
+        .where(Artifact.release_id.in_(served_release_ids))
         .options(joinedload(Artifact.release, innerjoin=True), *options)
         .order_by(Artifact.id)
     )
@@ -139,17 +163,21 @@ def release_ids_of(artifact_ids: Select[int]) -> Select[int]:
     return select(Artifact.release_id).where(Artifact.id.in_(artifact_ids))
 
 
-def served_among(session: Session, model_id: int, artifact_ids: Select[int]) -> list[int]:
-    """The artifacts in the `artifact_ids` subquery that are artifacts of a served release of the model."""
-    query = select(Artifact.id).where(
-        Artifact.id.in_(artifact_ids), Artifact.release_id.in_(served_release_ids(model_id))
-    )
+def served_among(session: Session, served_release_ids: Select[int], artifact_ids: Select[int]) -> list[int]:
+    """The artifacts in the `artifact_ids` subquery that are artifacts of a release in the `served_release_ids`
+    subquery (`registry.releases.service.served_release_ids`: a model's served releases)."""
+    query = select(Artifact.id).where(Artifact.id.in_(artifact_ids), Artifact.release_id.in_(served_release_ids))
     return list(session.scalars(query))
 
 
-def blob_referenced(sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
-    """A condition: some artifact file holds the blob whose digest is `sha256` (a correlated column)."""
-    return exists().where(ArtifactFile.sha256 == sha256)
+class ArtifactFileBlobs:
+    """Artifact files hold their blobs (`registry.blobs.references.BlobReferences`)."""
+
+    def holds(self, sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
+        return exists().where(ArtifactFile.sha256 == sha256)
+
+    def drop_with(self, session: Session, sha256: str) -> None:
+        """Nothing: a blob an artifact file holds is never collected."""
 
 
 def _check_blobs(session: Session, manifest: ArtifactManifest) -> None:
@@ -170,13 +198,16 @@ def _check_blobs(session: Session, manifest: ArtifactManifest) -> None:
         )
 
 
-def publish_artifact(session: Session, model: str, version: str, manifest: ArtifactManifest) -> tuple[Artifact, bool]:
-    """Record an artifact of an open release whose blobs are all stored.
+def publish_artifact(
+    session: Session, release: ReleaseRef, model: str, manifest: ArtifactManifest
+) -> tuple[Artifact, bool]:
+    """Record an artifact of an open release whose blobs are all stored (`release` locked, shared, by the caller).
 
     Same content again: no-op (also once sealed, so a re-run of a publish is harmless); different
     content: Conflict; a new artifact for a sealed, abandoned or yanked release, or one the release
     did not plan: Conflict.
     """
+    version = release.version
     digest = manifest.content_digest()
 
     def same(existing: Artifact) -> Artifact:
@@ -192,12 +223,10 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
             )
         return existing
 
-    # Shared: publishers add artifacts side by side; sealing waits for them, and they for it.
-    release = lock_release(session, model, version, shared=True)
-    existing = find_artifact(session, model, version, manifest.name)
+    existing = find_artifact(session, release.id, manifest.name)
     if existing is not None:
         return same(existing), False
-    check_open(release, model, f"publish artifact {manifest.name!r}")
+    release.check_open(model, f"publish artifact {manifest.name!r}")
     if manifest.name not in release.planned_artifacts:
         raise Conflict(
             f"release {model}@{version} did not plan an artifact {manifest.name!r}; "
@@ -222,7 +251,7 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
         evals=[],
     )
     try:
-        row, created = insert_once(session, artifact, lambda: find_artifact(session, model, version, manifest.name))
+        row, created = insert_once(session, artifact, lambda: find_artifact(session, release.id, manifest.name))
     except IntegrityError:
         # A blob checked above was garbage-collected before our insert (its foreign key failed):
         # the same BLOB_MISSING as if the check had seen it, so the client uploads it again.
@@ -231,30 +260,22 @@ def publish_artifact(session: Session, model: str, version: str, manifest: Artif
     return (row, True) if created else (same(row), False)
 
 
-def get_artifact_file(session: Session, model: str, version: str, name: str, path: str) -> ArtifactFile:
-    """The file `path` of an artifact of a served (sealed, not yanked) release.
-
-    A path that could escape the artifact is InvalidInput; an open, abandoned or yanked release
-    serves no file (RELEASE_NOT_SEALED, RELEASE_NOT_SERVED).
-    """
+def check_file_path(path: str) -> None:
+    """InvalidInput for a file path that could escape the artifact."""
     try:
         check_relative_path(path)
     except ValueError as exc:
         raise InvalidInput(str(exc), details={"path": path}) from None
+
+
+def find_artifact_file(session: Session, release_id: ReleaseId, name: str, path: str) -> ArtifactFile | None:
+    """The file `path` of the release's artifact `name`."""
     query = (
         select(ArtifactFile)
         .join(ArtifactFile.artifact)
-        .where(Artifact.release_id == release_id_of(model, version), Artifact.name == name, ArtifactFile.path == path)
+        .where(Artifact.release_id == release_id, Artifact.name == name, ArtifactFile.path == path)
     )
-    row = session.scalars(query).one_or_none()
-    check_served(get_release(session, model, version), model)
-    if row is None:
-        get_artifact(session, model, version, name)
-        raise NotFound(
-            f"artifact {model}@{version}/{name} has no file {path!r}",
-            details={"model": model, "version": version, "artifact": name, "path": path},
-        )
-    return row
+    return session.scalars(query).one_or_none()
 
 
 def _find_eval(session: Session, artifact_id: int, runtime: str) -> EvalResult | None:
@@ -271,12 +292,17 @@ def _evidence(result: EvalResult | EvalCreate) -> tuple[object, ...]:
     return (result.status, result.runtime_version, dumped(result.metrics), dumped(result.gates), result.reason)
 
 
-def post_eval(session: Session, model: str, version: str, name: str, spec: EvalCreate) -> tuple[EvalResult, bool]:
-    """Record one runtime's eval of an artifact. Same result again: no-op; a different one: Conflict.
+def post_eval(
+    session: Session, release: ReleaseRef, model: str, name: str, spec: EvalCreate
+) -> tuple[EvalResult, bool]:
+    """Record one runtime's eval of an artifact of `release` (locked, shared, by the caller). Same result
+    again: no-op; a different one: Conflict.
 
     Evals may arrive after sealing (a GPU runner's, later); a channel serving the release judges
     it by the evals it was promoted with until it is promoted again.
     """
+
+    version = release.version
 
     def same(existing: EvalResult) -> EvalResult:
         # The runtime version is part of the evidence: the same numbers from another version are
@@ -289,15 +315,11 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
             )
         return existing
 
-    # Shared with other publishers; a promotion (exclusive) reads the newest eval id only after
-    # every eval insert that started before it has committed.
-    release = lock_release(session, model, version, shared=True)
     if release.status == "abandoned":
-        check_open(release, model, f"evaluate {name!r}")
-    artifact_id = session.scalars(_artifact_query(model, version, name).with_only_columns(Artifact.id)).first()
+        release.check_open(model, f"evaluate {name!r}")
+    artifact_id = session.scalars(_artifact_query(release.id, name).with_only_columns(Artifact.id)).first()
     if artifact_id is None:
-        get_artifact(session, model, version, name)  # raises the precise NotFound
-        raise AssertionError("unreachable")
+        raise artifact_not_found(model, version, name)
     existing = _find_eval(session, artifact_id, spec.runtime)
     if existing is not None:
         return same(existing), False

@@ -31,6 +31,7 @@ from registry.auth.principal import Principal
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
 from registry.paging import PAGE_LIMIT
+from registry.releases import contents
 
 router = APIRouter(prefix="/v1", tags=["attestations"])
 Admin = Annotated[Principal, require("admin")]
@@ -66,7 +67,7 @@ def attach_attestation(
     store: BlobStoreDep,
     settings: SettingsDep,
 ) -> AttestationOut:
-    row, created = service.attach(session, store, model, version, name, spec)
+    row, created = contents.attach_attestation(session, store, model, version, name, spec)
     session.commit()
     if not created:
         response.status_code = 200
@@ -79,7 +80,7 @@ def list_attestations(
 ) -> list[AttestationOut]:
     return [
         _out(request, settings, model, version, name, r)
-        for r in service.list_attestations(session, model, version, name)
+        for r in contents.list_attestations(session, model, version, name)
     ]
 
 
@@ -101,7 +102,7 @@ def download_attestation(
     session: SessionDep,
     store: BlobStoreDep,
 ) -> Response:
-    row = service.get_attestation(session, model, version, name, kind)
+    row = contents.get_attestation(session, model, version, name, kind)
     return blob_response(request, store, row.sha256, row.media_type)
 
 

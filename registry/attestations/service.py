@@ -28,7 +28,7 @@ from core.signing import (
     read_bundle,
     verify_envelope,
 )
-from registry.artifacts.service import Artifact, get_artifact
+from registry.artifacts.service import Artifact, ReleaseRef
 from registry.attestations.models import Attestation, TrustedKey
 from registry.attestations.policy import keys_for
 from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
@@ -37,7 +37,6 @@ from registry.auth.principal import Principal
 from registry.blobs.service import get_blob
 from registry.db import insert_once, utcnow
 from registry.paging import Page, keyset_page
-from registry.releases.service import check_open, check_served, get_release, lock_release
 from storage.store import BlobNotFound, BlobStore
 
 # -- trusted keys -------------------------------------------------------------------------------
@@ -208,9 +207,10 @@ def _find(session: Session, artifact_id: int, kind: str) -> Attestation | None:
 
 
 def attach(
-    session: Session, store: BlobStore, model: str, version: str, name: str, spec: AttestationCreate
+    session: Session, store: BlobStore, release: ReleaseRef, model: str, artifact: Artifact, spec: AttestationCreate
 ) -> tuple[Attestation, bool]:
-    """Verify an uploaded attestation and attach it to the artifact (True if stored now).
+    """Verify an uploaded attestation and attach it to the artifact of `release` (locked, shared, by the
+    caller) (True if stored now).
 
     While the release is open a new one replaces the artifact's previous one of that kind (a re-run
     of a publish signs again, and ECDSA signatures differ each time). Once sealed, an attestation by an active
@@ -219,8 +219,7 @@ def attach(
     changes no file (a release sealed before its model's key was trusted, or signed by a revoked key,
     can be signed and then promoted).
     """
-    release = lock_release(session, model, version, shared=True)
-    artifact = get_artifact(session, model, version, name)
+    version, name = release.version, artifact.name
     signer = verify_attestation(session, model, version, artifact, spec.kind, _read_blob(session, store, spec))
     existing = _find(session, artifact.id, spec.kind)
     if existing is not None and existing.sha256 == spec.sha256:
@@ -229,7 +228,7 @@ def attach(
         if existing is not None and existing.signer in {k.key_id for k in keys_for(session, model)}:
             return existing, False
     else:
-        check_open(release, model, f"attach a {spec.kind} to {name!r}")
+        release.check_open(model, f"attach a {spec.kind} to {name!r}")
     if existing is not None:
         existing.sha256, existing.size, existing.media_type, existing.signer = (
             spec.sha256,
@@ -251,22 +250,20 @@ def attach(
     return insert_once(session, row, lambda: _find(session, artifact.id, spec.kind))
 
 
-def list_attestations(session: Session, model: str, version: str, name: str) -> list[Attestation]:
-    artifact = get_artifact(session, model, version, name)
+def list_attestations(session: Session, artifact_id: int) -> list[Attestation]:
+    """The artifact's attestations, by kind."""
     return list(
-        session.scalars(select(Attestation).where(Attestation.artifact_id == artifact.id).order_by(Attestation.kind))
+        session.scalars(select(Attestation).where(Attestation.artifact_id == artifact_id).order_by(Attestation.kind))
     )
 
 
-def get_attestation(session: Session, model: str, version: str, name: str, kind: str) -> Attestation:
-    """One attestation of an artifact of a served (sealed, not yanked) release."""
-    check_served(get_release(session, model, version), model)
-    artifact = get_artifact(session, model, version, name)
+def get_attestation(session: Session, model: str, version: str, artifact: Artifact, kind: str) -> Attestation:
+    """The artifact's attestation of `kind`; NotFound when it has none."""
     row = _find(session, artifact.id, kind)
     if row is None:
         raise NotFound(
-            f"artifact {model}@{version}/{name} has no {kind}",
-            details={"model": model, "version": version, "artifact": name, "kind": kind},
+            f"artifact {model}@{version}/{artifact.name} has no {kind}",
+            details={"model": model, "version": version, "artifact": artifact.name, "kind": kind},
         )
     return row
 
@@ -287,9 +284,14 @@ def artifact_ids_attested_by(sha256: str) -> Select[int]:
     return select(Attestation.artifact_id).where(Attestation.sha256 == sha256)
 
 
-def blob_referenced(sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
-    """A condition: some attestation holds the blob whose digest is `sha256` (a correlated column)."""
-    return exists().where(Attestation.sha256 == sha256)
+class AttestationBlobs:
+    """Attestations (signatures, provenance) hold their blobs (`registry.blobs.references.BlobReferences`)."""
+
+    def holds(self, sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
+        return exists().where(Attestation.sha256 == sha256)
+
+    def drop_with(self, session: Session, sha256: str) -> None:
+        """Nothing: a blob an attestation holds is never collected."""
 
 
 def drop_attestations(session: Session, artifact_ids: Select[int]) -> None:

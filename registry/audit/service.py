@@ -1,8 +1,13 @@
-"""Audit log: record events as part of the caller's transaction, list them back."""
+"""Audit log: record events as part of the caller's transaction, list them back.
+
+Other domains subscribe to the actions they act on (`subscribe`): the webhooks' outbox queues deliveries of
+the registry events, subscribed by `create_app`. The audit log imports none of its subscribers.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -10,9 +15,27 @@ from sqlalchemy.orm import Session
 from registry.audit.models import AuditEvent
 from registry.auth.principal import Principal
 from registry.paging import Page, keyset_page
-from registry.webhooks import outbox as webhooks
 
 ANONYMOUS = "anonymous"
+
+
+class EventSubscriber(Protocol):
+    """Called with each recorded event of an action it subscribed to, flushed (it has its id), in the
+    transaction that records it: what it adds commits, or rolls back, with the change."""
+
+    def __call__(self, session: Session, event: AuditEvent, /) -> object: ...
+
+
+_subscribers: dict[str, list[EventSubscriber]] = {}
+
+
+def subscribe(actions: Iterable[str], subscriber: EventSubscriber) -> None:
+    """Have `subscriber` called with every event of `actions` recorded from now on (once, however often
+    it subscribes: each app built in a process subscribes again)."""
+    for action in actions:
+        subscribed = _subscribers.setdefault(action, [])
+        if subscriber not in subscribed:
+            subscribed.append(subscriber)
 
 
 def record(
@@ -27,15 +50,17 @@ def record(
 ) -> AuditEvent:
     """Add an audit event to the session; it commits (or not) with the change it describes.
 
-    A registry event (`registry.webhooks.outbox.EVENTS`) is flushed and queued for the webhooks that
-    subscribe to it, in the same transaction."""
+    An event of an action with subscribers (the registry events, `registry.webhooks.outbox.EVENTS`) is
+    flushed and handed to each, in the same transaction."""
     event = AuditEvent(
         actor=actor or ANONYMOUS, action=action, model=model, target=target, details=details, reason=reason
     )
     session.add(event)
-    if action in webhooks.EVENTS:  # a registry event: its deliveries commit, or roll back, with it
+    subscribers = _subscribers.get(action)
+    if subscribers:  # a registry event: its deliveries commit, or roll back, with it
         session.flush()
-        webhooks.enqueue(session, event)
+        for subscriber in subscribers:
+            subscriber(session, event)
     return event
 
 

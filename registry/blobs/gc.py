@@ -1,7 +1,8 @@
 """Garbage collection of blobs that no artifact references, safe while publishes run.
 
-A blob is collected when no artifact file references it and it was last uploaded before a grace
-period (`uploaded_at < now - grace`). Each blob goes in its own transaction:
+A blob is collected when nothing references it (no artifact file, no attestation: the domains that
+hold blobs answer through `registry.blobs.references`) and it was last uploaded before a grace period
+(`uploaded_at < now - grace`). Each blob goes in its own transaction:
 
 1. `DELETE FROM blobs WHERE sha256 = :x AND uploaded_at < :cutoff AND NOT EXISTS (reference)`,
    which takes the row's lock (PostgreSQL) or the database's write lock (SQLite);
@@ -23,21 +24,19 @@ Why this is safe against a concurrent publish or upload:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import ColumnElement, and_, delete, select, true
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from registry.artifacts import service as artifacts
-from registry.attestations import service as attestations
 from registry.blobs.models import Blob
+from registry.blobs.references import BlobReferences
 from registry.db import utcnow
-from registry.oci.service import drop_layers_holding
 from storage.store import BlobStore
 
 
@@ -78,23 +77,29 @@ class GcReport:
         }
 
 
-def _unreferenced() -> Any:
-    """No artifact file and no attestation (signature, provenance) holds the blob."""
-    return ~artifacts.blob_referenced(Blob.sha256) & ~attestations.blob_referenced(Blob.sha256)
+def _unreferenced(references: Sequence[BlobReferences]) -> ColumnElement[bool]:
+    """No domain holds the blob (artifact files, attestations: signatures and provenance)."""
+    return and_(true(), *(~r.holds(Blob.sha256) for r in references))
 
 
-def collectable_blobs(session: Session, cutoff: datetime) -> tuple[list[CollectableBlob], int]:
+def collectable_blobs(
+    session: Session, references: Sequence[BlobReferences], cutoff: datetime
+) -> tuple[list[CollectableBlob], int]:
     """Unreferenced blobs uploaded before `cutoff` (oldest first), and how many unreferenced ones are newer."""
     rows = session.execute(
-        select(Blob.sha256, Blob.size, Blob.uploaded_at).where(_unreferenced()).order_by(Blob.uploaded_at, Blob.sha256)
+        select(Blob.sha256, Blob.size, Blob.uploaded_at)
+        .where(_unreferenced(references))
+        .order_by(Blob.uploaded_at, Blob.sha256)
     ).all()
     old = [CollectableBlob(sha, size, at) for sha, size, at in rows if at < cutoff]
     return old, len(rows) - len(old)
 
 
-def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: datetime) -> bool:
-    """Delete one blob, row and bytes (and the model-car layers that held it), if it is still unreferenced
-    and was uploaded before `cutoff`.
+def collect_blob(
+    session: Session, store: BlobStore, references: Sequence[BlobReferences], sha256: str, cutoff: datetime
+) -> bool:
+    """Delete one blob, row and bytes (and what goes with it: the model-car layers made of it), if it is
+    still unreferenced and was uploaded before `cutoff`.
 
     One transaction: the row is deleted (and locked) first, the bytes next, then it commits. False
     when the blob was referenced or re-uploaded meanwhile; nothing is changed then. A store error
@@ -103,13 +108,14 @@ def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: dateti
     """
     statement = (
         delete(Blob)
-        .where(Blob.sha256 == sha256, Blob.uploaded_at < cutoff, _unreferenced())
+        .where(Blob.sha256 == sha256, Blob.uploaded_at < cutoff, _unreferenced(references))
         .execution_options(synchronize_session=False)
     )
-    # The model-car layers that hold the blob go with it (rolled back with the rest if it stays). First:
-    # deleting the blob's row takes its link rows with it.
+    # What goes with the blob (model-car layers) goes first, rolled back with the rest if it stays:
+    # deleting the blob's row takes the layers' link rows with it.
     try:
-        drop_layers_holding(session, sha256)
+        for held in references:
+            held.drop_with(session, sha256)
         result = session.execute(statement)
     except IntegrityError:  # a publish committed a reference while we waited for its lock
         session.rollback()
@@ -130,22 +136,24 @@ def collect_blob(session: Session, store: BlobStore, sha256: str, cutoff: dateti
 def collect_garbage(
     session_factory: Callable[[], Session],
     store: BlobStore,
+    references: Sequence[BlobReferences],
     grace: timedelta,
     *,
     dry_run: bool = False,
     now: datetime | None = None,
 ) -> GcReport:
-    """Collect every unreferenced blob uploaded more than `grace` ago; `dry_run` only lists them."""
+    """Collect every blob none of `references` holds that was uploaded more than `grace` ago; `dry_run`
+    only lists them."""
     cutoff = (now or utcnow()) - grace
     report = GcReport(dry_run=dry_run, grace_hours=grace.total_seconds() / 3600, cutoff=cutoff)
     with session_factory() as session:
-        candidates, report.spared_recent = collectable_blobs(session, cutoff)
+        candidates, report.spared_recent = collectable_blobs(session, references, cutoff)
         session.commit()  # end the read: each deletion below re-checks in a transaction of its own
         if dry_run:
             report.deleted = candidates
             return report
         for blob in candidates:
-            if collect_blob(session, store, blob.sha256, cutoff):
+            if collect_blob(session, store, references, blob.sha256, cutoff):
                 report.deleted.append(blob)
             else:
                 report.spared_raced += 1

@@ -1,6 +1,6 @@
 """HTTP routes for blobs: streamed, verified uploads and ranged downloads.
 
-Reads by digest answer only for blobs the caller may read (`service.check_blob_readable`): what a
+Reads by digest answer only for blobs the caller may read (`registry.releases.contents.check_blob_readable`): what a
 served release of its models holds, its models' open releases for publishers, and its own uploads.
 Anonymous callers, where anonymous read is on, read what served releases hold and nothing else. A
 blob the caller may not read is a 404, as if it did not exist, on GET and HEAD alike. Uploading bytes
@@ -28,6 +28,7 @@ from registry.blobs.download import blob_response
 from registry.blobs.models import Blob
 from registry.blobs.schemas import BlobOut
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require, transact
+from registry.releases.contents import check_blob_readable
 from storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
 
 PUBLISH = require("publish")
@@ -156,7 +157,7 @@ def _store(
 
 def _may_read(session: Session, principal: Principal, sha256: str) -> bool:
     try:
-        service.check_blob_readable(session, principal, sha256)
+        check_blob_readable(session, principal, sha256)
     except BlobNotFound:
         return False
     return True
@@ -201,6 +202,6 @@ BLOB_RESPONSES: dict[int | str, dict[str, Any]] = {
 def download_blob(
     sha256: Sha256, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
 ) -> Response:
-    service.check_blob_readable(session, principal, sha256)
+    check_blob_readable(session, principal, sha256)
     service.get_blob(session, store, sha256)  # the row and the bytes: a blob being collected is not served
     return blob_response(request, store, sha256)

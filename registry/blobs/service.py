@@ -43,38 +43,9 @@ def get_blob(session: Session, store: BlobStore, sha256: str) -> Blob:
     return row
 
 
-def check_blob_readable(session: Session, principal: Principal, sha256: str) -> None:
-    """BlobNotFound unless `principal` may read the blob by its digest.
-
-    A blob is read through what holds it: a file or an attestation (signature, provenance) of an
-    artifact of a served (sealed, not yanked) release of a model the caller may read, or, for
-    publishers of the model, of its open release; or the caller's own upload (a token that uploaded the
-    bytes reads them back, attached or not). An unlimited admin reads any. Anonymous callers (where
-    anonymous read is on) read only what served releases hold. The answer for a blob the caller may
-    not read is the same 404 as for one that does not exist, so a digest tells nothing about others.
-    """
-    if principal.unlimited_admin:
-        return
-    if principal.token_id is not None and session.get(BlobUpload, (sha256, principal.token_id)) is not None:
-        return
-    # Imported here: these services build on this one (artifacts check their blobs are stored).
-    from registry.artifacts.service import artifact_ids_with_blob, release_ids_of
-    from registry.attestations.service import artifact_ids_attested_by
-    from registry.releases.service import releases_with_models
-
-    holders = releases_with_models(
-        session,
-        release_ids_of(artifact_ids_with_blob(sha256)),
-        release_ids_of(artifact_ids_attested_by(sha256)),
-    )
-    for release in holders:
-        if not principal.allows_model(release.model.name):
-            continue
-        if release.status == "sealed" and release.yanked_at is None and principal.has("read"):
-            return
-        if release.status == "open" and principal.has("publish"):
-            return
-    raise BlobNotFound(f"blob {sha256} not found", details={"sha256": sha256})
+def uploaded_by(session: Session, sha256: str, token_id: int) -> bool:
+    """True when the token uploaded the blob (whether or not anything holds it yet)."""
+    return session.get(BlobUpload, (sha256, token_id)) is not None
 
 
 def record_upload(session: Session, principal: Principal, sha256: str) -> None:

@@ -26,7 +26,7 @@ from registry.api.params import MODEL_NAME_PATTERN
 from registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
 from registry.channels.service import find_channel
 from registry.models.service import find_model
-from registry.releases.service import find_release
+from registry.releases.service import find_release, served_release_ids
 
 NAMESPACE = "kiln"
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -86,7 +86,7 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
         raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", "REPO_NOT_FOUND", {"repo_id": repo_id})
     if COMMIT.fullmatch(revision):
         # Only a served release's artifacts: a yanked or unsealed one is not served by any name.
-        found = served_artifacts(session, model_row.id, *WITH_FILES, digest_prefix=revision)
+        found = served_artifacts(session, served_release_ids(model_row.id), *WITH_FILES, digest_prefix=revision)
         if not found:
             raise _revision_not_found(repo_id, revision, f"no served artifact of {model!r} has commit {revision}")
         return Resolved(repo_id, model, found[0].release.version, found[0])
@@ -103,7 +103,7 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
     release = find_release(session, model, version)
     if release is None:
         raise _revision_not_found(repo_id, revision, f"{model!r} has no channel or version {ref!r}")
-    artifact = find_artifact(session, model, version, name)
+    artifact = find_artifact(session, release.id, name)
     if artifact is None:
         raise _revision_not_found(repo_id, revision, f"release {model}@{version} has no artifact {name!r}")
     if release.yanked_at is not None:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, delete, false, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from core.digest import canonical_json
 from core.errors import InvalidInput, NotFound
@@ -43,6 +43,7 @@ from registry.oci import modelcar
 from registry.oci.base_image import BaseImage
 from registry.oci.documents import Document, Served, kiln_annotations
 from registry.oci.models import TarLayer, TarLayerBlob
+from registry.releases.service import served_release_ids
 
 NAMESPACE = "kiln"
 MODELCAR_NAMESPACE = "modelcar"
@@ -96,7 +97,7 @@ def tag(ref: str, artifact: str) -> str | None:
 def tag_table(session: Session, model: Model) -> dict[str, int]:
     """Every tag of the model's repository -> the id of the artifact it names."""
     # By release, then artifact: a tag two (version, artifact) pairs spell names the newer release's.
-    rows = sorted(artifacts.served_artifacts(session, model.id), key=lambda a: (a.release_id, a.id))
+    rows = sorted(artifacts.served_artifacts(session, served_release_ids(model.id)), key=lambda a: (a.release_id, a.id))
     by_release: dict[int, list[tuple[int, str]]] = {}
     tags: dict[str, int] = {}
     for a in rows:
@@ -114,7 +115,9 @@ def tag_table(session: Session, model: Model) -> dict[str, int]:
 
 def served_artifacts(session: Session, model: Model, artifact_id: int | None = None) -> list[Served]:
     """The model's artifacts in served releases (or the one with `artifact_id`, if served), files loaded."""
-    served = artifacts.served_artifacts(session, model.id, *artifacts.WITH_FILES, artifact_id=artifact_id)
+    served = artifacts.served_artifacts(
+        session, served_release_ids(model.id), *artifacts.WITH_FILES, artifact_id=artifact_id
+    )
     return [Served(model.name, a.release.version, a) for a in served]
 
 
@@ -328,7 +331,7 @@ def _served_tar_layer(session: Session, model: Model, sha256: str) -> TarLayer |
         return None
     first = layer.members[0]
     candidates = artifacts.served_among(
-        session, model.id, artifacts.artifact_ids_with_blob(first["sha256"], first["path"])
+        session, served_release_ids(model.id), artifacts.artifact_ids_with_blob(first["sha256"], first["path"])
     )
     wanted = {(m["path"], m["sha256"], m["size"]) for m in layer.members}
     for artifact_id in candidates:
@@ -346,8 +349,9 @@ def find_blob(
     model, repository = repo.model, repo.name
     hex_ = check_digest(digest)
     # A file of a served artifact, or else an attestation of one.
-    if artifacts.served_among(session, model.id, artifacts.artifact_ids_with_blob(hex_)) or artifacts.served_among(
-        session, model.id, artifact_ids_attested_by(hex_)
+    served = served_release_ids(model.id)
+    if artifacts.served_among(session, served, artifacts.artifact_ids_with_blob(hex_)) or artifacts.served_among(
+        session, served, artifact_ids_attested_by(hex_)
     ):
         return StoredBlob(hex_)
     if hex_ == mt.EMPTY_CONFIG_SHA256:
@@ -397,6 +401,17 @@ def tags_page(tags: list[str], n: int | None, last: str | None) -> tuple[list[st
     if n is None:
         return ordered, False
     return ordered[:n], len(ordered) > n
+
+
+class ModelCarLayerBlobs:
+    """Model-car layers are made of blobs but do not keep them: a layer goes with any blob it holds
+    (`registry.blobs.references.BlobReferences`)."""
+
+    def holds(self, sha256: InstrumentedAttribute[str]) -> ColumnElement[bool]:
+        return false()
+
+    def drop_with(self, session: Session, sha256: str) -> None:
+        drop_layers_holding(session, sha256)
 
 
 def drop_layers_holding(session: Session, sha256: str) -> None:

@@ -6,11 +6,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import Conflict, InvalidInput
-from registry.artifacts.service import get_artifact
 from registry.hardware.service import effective_catalog
 from registry.paging import Page, keyset_page
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate
+from registry.releases.contents import get_artifact
 from registry.releases.service import lock_release
 from registry.resolve.service import bump_routing_revision
 

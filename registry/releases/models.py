@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from core.errors import Conflict, NotFound
 from registry.db import Base, utcnow
 from registry.models.models import Model
 
@@ -50,3 +51,41 @@ class Release(Base):
 
     model: Mapped[Model] = relationship(lazy="raise")
     artifacts: Mapped[list[Artifact]] = relationship(back_populates="release", lazy="raise", order_by="Artifact.name")
+
+    def check_open(self, model: str, doing: str) -> None:
+        """Conflict unless artifacts may still be added to the release (it is open)."""
+        where = {"model": model, "version": self.version, "status": self.status}
+        if self.status == "sealed":
+            raise Conflict(
+                f"release {model}@{self.version} is sealed: its artifacts never change; {doing} in a new version",
+                code="RELEASE_SEALED",
+                details=where,
+            )
+        if self.status == "abandoned":
+            raise Conflict(
+                f"release {model}@{self.version} was abandoned ({self.abandon_reason}); {doing} in a new version",
+                code="RELEASE_ABANDONED",
+                details=where,
+            )
+
+    def check_served(self, model: str) -> None:
+        """Conflict (open or abandoned) or gone (yanked) unless the release is sealed and may be served."""
+        where = {"model": model, "version": self.version, "status": self.status}
+        if self.status == "open":
+            raise Conflict(
+                f"release {model}@{self.version} is open (still being published): it is served only once it is sealed",
+                code="RELEASE_NOT_SEALED",
+                details=where,
+            )
+        if self.status == "abandoned":
+            raise NotFound(
+                f"release {model}@{self.version} was abandoned and is never served",
+                code="RELEASE_NOT_SERVED",
+                details=where,
+            )
+        if self.yanked_at is not None:
+            raise NotFound(
+                f"release {model}@{self.version} is yanked ({self.yank_reason}) and is never served",
+                code="RELEASE_NOT_SERVED",
+                details={**where, "yanked": True},
+            )

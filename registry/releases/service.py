@@ -16,7 +16,9 @@ from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.digest import same_json
 from core.errors import Conflict, InvalidInput, NotFound
+from registry.artifacts.service import WITH_EVALS, drop_release_artifacts, release_artifact_ids, release_artifacts
 from registry.attestations.policy import unsigned_artifacts
+from registry.attestations.service import drop_attestations
 from registry.audit import service as audit
 from registry.db import insert_once, lock_row, utcnow
 from registry.models.service import get_model, model_id_of
@@ -176,46 +178,6 @@ def create_release(session: Session, model: str, spec: ReleaseCreate) -> tuple[R
     return (row, True) if created else (same(row), False)
 
 
-def check_open(release: Release, model: str, doing: str) -> None:
-    """Conflict unless artifacts may still be added to `release` (it is open)."""
-    where = {"model": model, "version": release.version, "status": release.status}
-    if release.status == "sealed":
-        raise Conflict(
-            f"release {model}@{release.version} is sealed: its artifacts never change; {doing} in a new version",
-            code="RELEASE_SEALED",
-            details=where,
-        )
-    if release.status == "abandoned":
-        raise Conflict(
-            f"release {model}@{release.version} was abandoned ({release.abandon_reason}); {doing} in a new version",
-            code="RELEASE_ABANDONED",
-            details=where,
-        )
-
-
-def check_served(release: Release, model: str) -> None:
-    """Conflict (open or abandoned) or gone (yanked) unless `release` is sealed and may be served."""
-    where = {"model": model, "version": release.version, "status": release.status}
-    if release.status == "open":
-        raise Conflict(
-            f"release {model}@{release.version} is open (still being published): it is served only once it is sealed",
-            code="RELEASE_NOT_SEALED",
-            details=where,
-        )
-    if release.status == "abandoned":
-        raise NotFound(
-            f"release {model}@{release.version} was abandoned and is never served",
-            code="RELEASE_NOT_SERVED",
-            details=where,
-        )
-    if release.yanked_at is not None:
-        raise NotFound(
-            f"release {model}@{release.version} is yanked ({release.yank_reason}) and is never served",
-            code="RELEASE_NOT_SERVED",
-            details={**where, "yanked": True},
-        )
-
-
 def missing_artifacts(release: Release) -> list[str]:
     """Planned artifacts not published yet (needs `artifacts` loaded)."""
     present = {a.name for a in release.artifacts}
@@ -230,10 +192,7 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
     release = lock_release(session, model, version, shared=False)
     if release.status == "sealed":
         return release, False
-    check_open(release, model, "publish")
-    # Imported here: the artifact service builds on this one.
-    from registry.artifacts.service import WITH_EVALS, release_artifacts
-
+    release.check_open(model, "publish")
     artifacts = release_artifacts(session, release.id, *WITH_EVALS)
     present = {a.name for a in artifacts}
     missing = [n for n in release.planned_artifacts if n not in present]
@@ -282,10 +241,6 @@ def abandon_release(session: Session, model: str, version: str, reason: str, act
             code="RELEASE_SEALED",
             details={"model": model, "version": version, "status": release.status},
         )
-    # Imported here: the artifact and attestation services build on this one.
-    from registry.artifacts.service import drop_release_artifacts, release_artifact_ids
-    from registry.attestations.service import drop_attestations
-
     drop_attestations(session, release_artifact_ids(release.id))
     dropped = drop_release_artifacts(session, release.id)
     release.status = "abandoned"

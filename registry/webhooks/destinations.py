@@ -18,19 +18,14 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from core.errors import InvalidInput
 from registry.ops.logs import redact_urls
+from registry.settings import HOST_LABEL, AllowList, IPAddress, RegistrySettings
 
-if TYPE_CHECKING:
-    from registry.settings import RegistrySettings
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # host, port -> the addresses it resolves to; raises DestinationUnresolvable when it resolves to none.
 Resolver = Callable[[str, int], Sequence[IPAddress]]
 
@@ -45,7 +40,6 @@ METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
 _IPV4_SUFFIX_PREFIXES = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
-_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 # WHATWG URL: a host whose last label is a number is an IPv4 address in one of its legacy forms
 # (2130706433, 0x7f000001, 0177.0.0.1, 127.1), which resolvers accept too.
 _NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
@@ -113,7 +107,7 @@ def parse_url(url: str) -> WebhookUrl:
     # A name's trailing dot (the root) is not part of it: `localhost.` is `localhost`.
     host = parts.hostname.removesuffix(".")
     address = _address_of(url, host, bracketed=parts.netloc.startswith("["))
-    if address is None and not (host.isascii() and all(_LABEL.fullmatch(label) for label in host.split("."))):
+    if address is None and not (host.isascii() and all(HOST_LABEL.fullmatch(label) for label in host.split("."))):
         raise _invalid(url, f"host {host!r} is neither an IP address nor a host name (IDNs in their xn-- form)")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return WebhookUrl(parts.scheme, host, address, port or DEFAULT_PORTS[parts.scheme], target)
@@ -194,50 +188,6 @@ def _not_public(address: IPAddress) -> str | None:
     if address.is_reserved or not address.is_global:
         return "reserved"
     return None
-
-
-@dataclass(frozen=True)
-class AllowList:
-    """The operator's admitted internal receivers: networks, and host:port pairs."""
-
-    networks: tuple[IPNetwork, ...] = ()
-    endpoints: frozenset[tuple[str, int]] = frozenset()
-
-    @classmethod
-    def parse(cls, entries: Iterable[str]) -> AllowList:
-        """ValueError, naming the entry, unless each is a network/address or a host:port."""
-        networks: list[IPNetwork] = []
-        endpoints: set[tuple[str, int]] = set()
-        for entry in entries:
-            text = entry.strip().lower()
-            try:
-                networks.append(ipaddress.ip_network(text, strict=False))
-                continue
-            except ValueError:
-                pass
-            host, colon, port = text.rpartition(":")
-            if host.startswith("[") and host.endswith("]"):
-                host = host[1:-1]
-            if colon and port.isdigit() and 0 < int(port) < 65536 and host:
-                try:
-                    host = str(ipaddress.ip_address(host))
-                except ValueError:
-                    if not all(_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
-                        host = ""
-                if host:
-                    endpoints.add((host.removesuffix("."), int(port)))
-                    continue
-            raise ValueError(
-                f"webhook allow-list entry {entry!r} is neither a network (10.0.0.0/8, 127.0.0.1, fd00::/8) "
-                "nor a host:port (hooks.internal:8443, [::1]:9000)"
-            )
-        return cls(tuple(networks), frozenset(endpoints))
-
-    def admits_endpoint(self, host: str, port: int) -> bool:
-        return (host, port) in self.endpoints
-
-    def admits(self, address: IPAddress, port: int) -> bool:
-        return any(address in network for network in self.networks) or (str(address), port) in self.endpoints
 
 
 def refusal(address: IPAddress, port: int, allow: AllowList, *, admitted: bool = False) -> str | None:

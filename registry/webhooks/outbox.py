@@ -1,7 +1,8 @@
 """The outbox: registry events become pending deliveries in the transaction that made them, and senders
 claim, and settle, due deliveries with leases.
 
-`audit.record` calls `enqueue` for every action named in `EVENTS`, so a change that rolls back sends
+`enqueue` subscribes to the audit log's actions named in `EVENTS` (`subscribe_to_audit`, called by
+`create_app`): `audit.record` calls it in the recording transaction, so a change that rolls back sends
 nothing and a committed one is never missed. Delivery is at least once: a sender that dies mid-POST
 leaves its lease to expire and another sends again; receivers deduplicate by the payload's `id`.
 """
@@ -12,16 +13,15 @@ import fnmatch
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from registry.audit import service as audit
+from registry.audit.service import AuditEvent
 from registry.settings import RegistrySettings
 from registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
-
-if TYPE_CHECKING:  # the audit service records an event, then queues it here
-    from registry.audit.service import AuditEvent
 
 # The audit actions that are registry events, with what each means. Webhooks subscribe to these names.
 EVENTS: dict[str, str] = {
@@ -75,6 +75,11 @@ def enqueue(session: Session, event: AuditEvent) -> list[WebhookDelivery]:
     ]
     session.add_all(deliveries)
     return deliveries
+
+
+def subscribe_to_audit() -> None:
+    """Queue deliveries of every registry event the audit log records from now on."""
+    audit.subscribe(EVENTS, enqueue)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from sqlalchemy.pool import NullPool
 from starlette.testclient import TestClient
 
 from registry.app import create_app
-from registry.db import registry_metadata
 from registry.migrate import upgrade
+from registry.schema import registry_metadata
 from registry.settings import RegistrySettings
 from tests.registry.s3_server import S3Server
 

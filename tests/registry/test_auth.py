@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from starlette.testclient import TestClient
 
 from registry.app import create_app
-from registry.db import registry_metadata
+from registry.schema import registry_metadata
 from registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (

@@ -26,12 +26,12 @@ from starlette.testclient import TestClient
 from core.errors import InvalidInput
 from core.manifest import ArtifactManifest
 from registry.app import create_app
-from registry.artifacts import service as artifacts
 from registry.artifacts.models import Artifact
 from registry.blobs import service as blobs
 from registry.blobs.gc import GcReport, collect_garbage
 from registry.blobs.models import Blob
 from registry.db import utcnow
+from registry.releases import contents
 from registry.settings import RegistrySettings
 from storage.store import BlobStore
 from tests.registry.helpers import make_release, manifest, publish, sha, upload
@@ -51,7 +51,9 @@ def backdate(app: FastAPI, digest: str, days: float = 2) -> None:
 
 
 def gc(app: FastAPI, *, dry_run: bool = False, store: BlobStore | None = None) -> GcReport:
-    return collect_garbage(app.state.session_factory, store or app.state.blob_store, GRACE, dry_run=dry_run)
+    return collect_garbage(
+        app.state.session_factory, store or app.state.blob_store, app.state.blob_references, GRACE, dry_run=dry_run
+    )
 
 
 def blob_row(app: FastAPI, digest: str) -> Blob | None:
@@ -129,7 +131,7 @@ def publish_in_session(app: FastAPI, name: str, files: dict[str, bytes], session
     """What the publish route does: the service flushes, the caller commits."""
     spec = ArtifactManifest.model_validate(manifest(name, files, ["cpu"]))
     with session or app.state.write_session_factory() as s:
-        row = artifacts.publish_artifact(s, "tiny", "1.0", spec)
+        row = contents.publish_artifact(s, "tiny", "1.0", spec)
         s.commit()
         return row
 

@@ -23,4 +23,4 @@ def test_every_domain_with_tables_is_protected_by_a_contract() -> None:
     for domain in domains:
         contract = protected.get(f"registry.{domain}.models")
         assert contract is not None, f"registry/{domain}/models.py has no protected contract in pyproject.toml"
-        assert set(contract["allowed_importers"]) == {f"registry.{domain}", "registry.db"}, domain
+        assert set(contract["allowed_importers"]) == {f"registry.{domain}", "registry.schema"}, domain

@@ -21,8 +21,8 @@ from sqlalchemy import func, select, update
 from starlette.testclient import TestClient
 
 from registry.api.boundary import STREAMED_BODY
-from registry.db import registry_metadata
 from registry.releases.models import Release
+from registry.schema import registry_metadata
 from tests.registry.helpers import SOURCE_DIGEST, make_release, serve_in_thread
 
 RELEASE = "/v1/models/tiny/releases/1.0"

@@ -15,7 +15,8 @@ from starlette.testclient import TestClient
 from core.errors import Unavailable
 from registry import migrate
 from registry.app import create_app
-from registry.db import create_db_engine, registry_metadata
+from registry.db import create_db_engine
+from registry.schema import registry_metadata
 from registry.settings import RegistrySettings
 
 

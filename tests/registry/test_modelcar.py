@@ -196,7 +196,9 @@ def test_gc_deletes_a_collected_blobs_layers(car: TestClient, car_app: FastAPI) 
         session.flush()
         session.add(TarLayerBlob(layer_sha256="f" * 64, blob_sha256=orphan))
         session.commit()
-    report = collect_garbage(car_app.state.write_session_factory, car_app.state.blob_store, timedelta(0))
+    report = collect_garbage(
+        car_app.state.write_session_factory, car_app.state.blob_store, car_app.state.blob_references, timedelta(0)
+    )
     assert [b.sha256 for b in report.deleted] == [orphan]
     with car_app.state.session_factory() as session:
         assert session.get(Blob, orphan) is None and session.get(TarLayer, "f" * 64) is None

@@ -135,7 +135,7 @@ def test_an_abandoned_release_is_dropped_and_its_blobs_collected(app: FastAPI, c
     assert_error(client.post(f"{RELEASE}/yank", json={"reason": "x"}), 409, "RELEASE_NOT_SEALED")
     event = client.get("/v1/audit", params={"model": "tiny"}).json()[0]
     assert (event["action"], event["details"]["dropped_artifacts"]) == ("release.abandon", ["gguf-q4"])
-    report = collect_garbage(app.state.session_factory, app.state.blob_store, timedelta(0))
+    report = collect_garbage(app.state.session_factory, app.state.blob_store, app.state.blob_references, timedelta(0))
     assert [b.sha256 for b in report.deleted] == [sha(Q4["model-q4.gguf"])]
 
 

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from starlette.testclient import TestClient
 
 from registry.app import create_app
-from registry.db import registry_metadata
+from registry.schema import registry_metadata
 from registry.settings import RegistrySettings
 from tests.pipeline.test_signing import write_key_pair
 from tests.registry.conftest import make_token
