@@ -15,6 +15,7 @@ from sqlalchemy import ScalarSelect, Select, case, func, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.digest import same_json
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput, NotFound
 from registry.attestations.policy import unsigned_artifacts
 from registry.audit import service as audit
@@ -95,7 +96,7 @@ def releases_page(session: Session, model: str, after: str | None, limit: int) -
         if mark is None:
             raise InvalidInput(
                 f"model {model!r} has no release {after!r} to list releases after",
-                code="PAGE_CURSOR_UNKNOWN",
+                code=Codes.PAGE_CURSOR_UNKNOWN,
                 details={"model": model, "after": after},
             )
 
@@ -182,13 +183,13 @@ def check_open(release: Release, model: str, doing: str) -> None:
     if release.status == "sealed":
         raise Conflict(
             f"release {model}@{release.version} is sealed: its artifacts never change; {doing} in a new version",
-            code="RELEASE_SEALED",
+            code=Codes.RELEASE_SEALED,
             details=where,
         )
     if release.status == "abandoned":
         raise Conflict(
             f"release {model}@{release.version} was abandoned ({release.abandon_reason}); {doing} in a new version",
-            code="RELEASE_ABANDONED",
+            code=Codes.RELEASE_ABANDONED,
             details=where,
         )
 
@@ -199,19 +200,19 @@ def check_served(release: Release, model: str) -> None:
     if release.status == "open":
         raise Conflict(
             f"release {model}@{release.version} is open (still being published): it is served only once it is sealed",
-            code="RELEASE_NOT_SEALED",
+            code=Codes.RELEASE_NOT_SEALED,
             details=where,
         )
     if release.status == "abandoned":
         raise NotFound(
             f"release {model}@{release.version} was abandoned and is never served",
-            code="RELEASE_NOT_SERVED",
+            code=Codes.RELEASE_NOT_SERVED,
             details=where,
         )
     if release.yanked_at is not None:
         raise NotFound(
             f"release {model}@{release.version} is yanked ({release.yank_reason}) and is never served",
-            code="RELEASE_NOT_SERVED",
+            code=Codes.RELEASE_NOT_SERVED,
             details={**where, "yanked": True},
         )
 
@@ -246,7 +247,7 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
             parts.append(f"artifacts without an eval result or a reason it was not run: {', '.join(unevaluated)}")
         raise Conflict(
             f"release {model}@{version} is not complete: " + "; ".join(parts),
-            code="RELEASE_INCOMPLETE",
+            code=Codes.RELEASE_INCOMPLETE,
             details={"model": model, "version": version, "missing": missing, "unevaluated": unevaluated},
         )
     unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts])
@@ -254,7 +255,7 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
         raise Conflict(
             f"release {model}@{version} has artifacts without a signature by a key trusted for {model!r}: "
             f"{', '.join(unsigned)}; publish them with a signing key (`kiln publish --signing-key`)",
-            code="ARTIFACT_UNSIGNED",
+            code=Codes.ARTIFACT_UNSIGNED,
             details={"model": model, "version": version, "unsigned": unsigned},
         )
     release.status = "sealed"
@@ -279,7 +280,7 @@ def abandon_release(session: Session, model: str, version: str, reason: str, act
     if release.status == "sealed":
         raise Conflict(
             f"release {model}@{version} is sealed; a sealed release is yanked, not abandoned",
-            code="RELEASE_SEALED",
+            code=Codes.RELEASE_SEALED,
             details={"model": model, "version": version, "status": release.status},
         )
     # Imported here: the artifact and attestation services build on this one.
@@ -310,7 +311,7 @@ def yank_release(session: Session, model: str, version: str, reason: str, actor:
     if release.status != "sealed":
         raise Conflict(
             f"release {model}@{version} is {release.status}, not sealed: an open release is abandoned, not yanked",
-            code="RELEASE_NOT_SEALED",
+            code=Codes.RELEASE_NOT_SEALED,
             details={"model": model, "version": version, "status": release.status},
         )
     if release.yanked_at is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from registry.ops.logs import redact_urls
 
@@ -54,18 +55,20 @@ _NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
 class DestinationForbidden(InvalidInput):
     """A webhook URL whose host is (or resolves to) an address webhooks may not reach."""
 
-    code = "WEBHOOK_DESTINATION_FORBIDDEN"
+    code = Codes.WEBHOOK_DESTINATION_FORBIDDEN
 
 
 class DestinationUnresolvable(InvalidInput):
     """A webhook URL whose host name resolves to no address."""
 
-    code = "WEBHOOK_DESTINATION_UNRESOLVABLE"
+    code = Codes.WEBHOOK_DESTINATION_UNRESOLVABLE
 
 
 def _invalid(url: str, problem: str) -> InvalidInput:
     # The URL as logs show it: a password or a query may be in it.
-    return InvalidInput(f"webhook URL {redact_urls(url[:200])!r} is not valid: {problem}", code="INVALID_WEBHOOK_URL")
+    return InvalidInput(
+        f"webhook URL {redact_urls(url[:200])!r} is not valid: {problem}", code=Codes.INVALID_WEBHOOK_URL
+    )
 
 
 @dataclass(frozen=True)
