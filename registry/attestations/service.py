@@ -101,7 +101,7 @@ def keys_page(session: Session, reader: Principal, after: str | None, limit: int
         mark = find_key(session, after)
         if mark is None or not reader.sees_pattern(mark.model_pattern):  # one it may not see is unknown to it
             raise InvalidInput(
-                f"no trusted key {after} to list keys after", code="PAGE_CURSOR_UNKNOWN", details={"after": after}
+                f"no trusted key {after} to list keys after", code=Codes.PAGE_CURSOR_UNKNOWN, details={"after": after}
             )
 
     def fetch(past: TrustedKey | None, n: int) -> list[TrustedKey]:
