@@ -25,6 +25,7 @@ import httpx2
 
 from core import errors
 from core.digest import CHUNK
+from core.error_codes import CATALOG, Codes
 from core.errors import DigestMismatch, KilnError, Unavailable
 from core.evals import PublishedEval, RecordedEval
 from core.manifest import ArtifactManifest, check_relative_path
@@ -56,6 +57,19 @@ def _kiln_error_classes() -> dict[str, type[KilnError]]:
     return found
 
 
+def _error_class(code: str, status: int) -> type[KilnError]:
+    """The class of a registry's error: the core class of its code, else the kind the catalog gives the code
+    (the one answered with this status, for a code of two kinds), else one by the HTTP status."""
+    exact = _kiln_error_classes().get(code)
+    if exact is not None:
+        return exact
+    entry = CATALOG.get(code)
+    if entry is None:
+        return _ERRORS_BY_STATUS.get(status, KilnError)
+    kind = next((k for k in entry.kinds if entry.http_status(k) == status), entry.kinds[0])
+    return errors.KIND_CLASSES[kind]
+
+
 def error_from_response(response: httpx2.Response) -> KilnError:
     """The kiln error a registry error response stands for: by its code, else by HTTP status."""
     try:
@@ -68,8 +82,9 @@ def error_from_response(response: httpx2.Response) -> KilnError:
             code, message, details = str(body["code"]), str(body["message"]), dict(body.get("details") or {})
     except (ValueError, KeyError, TypeError, IndexError):
         code, message, details = f"HTTP_{response.status_code}", response.text[:500] or response.reason_phrase, {}
-    cls = _kiln_error_classes().get(code) or _ERRORS_BY_STATUS.get(response.status_code, KilnError)
-    return cls(message, code=code, details={**details, "http_status": response.status_code})
+    cls = _error_class(code, response.status_code)
+    # A newer registry may answer a code this client's catalog does not list: kept as it was sent.
+    return cls.received(message, code=code, details={**details, "http_status": response.status_code})
 
 
 @dataclass(frozen=True)
@@ -323,7 +338,7 @@ class RegistryClient:
             except errors.InvalidInput as exc:
                 # A blob the registry already had (so we did not upload it) was old and unreferenced,
                 # and garbage collection took it before this publish: upload what is missing, once.
-                if exc.code != "BLOB_MISSING" or files_root is None or attempt == 2:
+                if exc.code != Codes.BLOB_MISSING or files_root is None or attempt == 2:
                     raise
         raise AssertionError("unreachable")
 

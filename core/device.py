@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 
 DeviceKind = Literal["cpu", "cuda"]
@@ -28,13 +29,13 @@ _SPEC = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]{1,3}))?")
 class InvalidDevice(InvalidInput):
     """A device string that is not auto, cpu, cuda or cuda:N."""
 
-    code = "INVALID_DEVICE"
+    code = Codes.INVALID_DEVICE
 
 
 class DeviceUnavailable(InvalidInput):
     """A device this machine (or this Ray worker) does not have."""
 
-    code = "DEVICE_UNAVAILABLE"
+    code = Codes.DEVICE_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def host_memory_bytes() -> int | None:
     if configured:
         if not configured.isdigit():
             raise InvalidInput(
-                f"KILN_HOST_MEMORY must be a number of bytes, got {configured[:40]!r}", code="INVALID_HOST_MEMORY"
+                f"KILN_HOST_MEMORY must be a number of bytes, got {configured[:40]!r}", code=Codes.INVALID_HOST_MEMORY
             )
         limits.append(int(configured))
     known = [m for m in limits if m]

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticUndefined
 
 from core.datafile import read_data_file
+from core.error_codes import Codes
 from core.errors import InvalidInput, UnknownName
 
 CATALOG_FILE = Path(__file__).with_name("hardware.yaml")
@@ -219,7 +220,7 @@ class HardwareCatalog:
         self.profiles: dict[str, HardwareProfile] = {}
         for p in profiles:
             if p.name in self.profiles:
-                raise InvalidInput(f"hardware catalog: {p.name!r} is listed twice", code="HARDWARE_CATALOG_INVALID")
+                raise InvalidInput(f"hardware catalog: {p.name!r} is listed twice", code=Codes.HARDWARE_CATALOG_INVALID)
             self.profiles[p.name] = p
 
     def get(self, name: str) -> HardwareProfile:
@@ -256,7 +257,7 @@ def parse_profile(data: Mapping[str, Any], where: str = "hardware entry") -> Har
         return HardwareProfile.model_validate(dict(data))
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"{where}: {problems}", code="HARDWARE_CATALOG_INVALID") from None
+        raise InvalidInput(f"{where}: {problems}", code=Codes.HARDWARE_CATALOG_INVALID) from None
 
 
 def load_catalog(path: Path = CATALOG_FILE, what: str = "a hardware catalog") -> HardwareCatalog:
@@ -265,7 +266,7 @@ def load_catalog(path: Path = CATALOG_FILE, what: str = "a hardware catalog") ->
     bad entry, HARDWARE_CATALOG_INVALID."""
     data = read_data_file(path, what)
     if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("hardware"), list):
-        raise InvalidInput(f"{path}: expected `schema: 1` and a `hardware` list", code="HARDWARE_CATALOG_INVALID")
+        raise InvalidInput(f"{path}: expected `schema: 1` and a `hardware` list", code=Codes.HARDWARE_CATALOG_INVALID)
     return HardwareCatalog(
         parse_profile(entry if isinstance(entry, dict) else {}, f"{path.name} entry {i}")
         for i, entry in enumerate(data["hardware"])

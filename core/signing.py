@@ -61,6 +61,7 @@ from model_signing._signing import sign_ec_key as ms_ec_key
 from model_signing._signing import sign_sigstore_pb as ms_bundle
 
 from core.digest import canonical_json, same_json
+from core.error_codes import Codes
 from core.errors import DigestMismatch, InvalidInput
 from core.untrusted import InvalidJSON, loads_json, short_repr
 
@@ -89,39 +90,39 @@ CURVE_HASHES: dict[str, type[hashes.HashAlgorithm]] = {
 class SignatureInvalid(InvalidInput):
     """A signature or provenance bundle that does not verify: malformed, another key's, or altered."""
 
-    code = "SIGNATURE_INVALID"
+    code = Codes.SIGNATURE_INVALID
 
 
 class AttestationSubjectMismatch(SignatureInvalid):
     """A verified statement whose files are not exactly the artifact's."""
 
-    code = "ATTESTATION_SUBJECT_MISMATCH"
+    code = Codes.ATTESTATION_SUBJECT_MISMATCH
 
 
 class AttestationClaimMismatch(SignatureInvalid):
     """A verified statement signed for another artifact (model, version, name, target, quant, ...)."""
 
-    code = "ATTESTATION_CLAIM_MISMATCH"
+    code = Codes.ATTESTATION_CLAIM_MISMATCH
 
 
 class AttestationClaimsMissing(SignatureInvalid):
     """A verified statement that names no artifact: signed before signatures were bound to one."""
 
-    code = "ATTESTATION_CLAIMS_MISSING"
+    code = Codes.ATTESTATION_CLAIMS_MISSING
 
 
 class KeyInvalid(InvalidInput):
-    code = "KEY_INVALID"
+    code = Codes.KEY_INVALID
 
 
 class FileIsSymlink(InvalidInput):
     """A file of a directory being verified is a symbolic link (whatever it points to): refused."""
 
-    code = "FILE_IS_SYMLINK"
+    code = Codes.FILE_IS_SYMLINK
 
 
 class NotARegularFile(InvalidInput):
-    code = "NOT_A_REGULAR_FILE"
+    code = Codes.NOT_A_REGULAR_FILE
 
 
 # -- keys ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 
 MAX_DEPTH = 64
@@ -42,7 +43,7 @@ _short.maxlevel, _short.maxlist, _short.maxdict, _short.maxstring, _short.maxoth
 class InvalidJSON(InvalidInput):
     """The text is not JSON kiln accepts; the message says why (callers add which file)."""
 
-    code = "INVALID_JSON"
+    code = Codes.INVALID_JSON
 
 
 def short_repr(value: object) -> str:

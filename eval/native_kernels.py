@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 from quant.catalog import METHODS
 
@@ -60,7 +61,7 @@ NATIVE_SCHEMES = tuple(
 class KernelUnavailable(KilnError):
     """This torch or device has no kernel for the scheme's matmul."""
 
-    code = "KERNEL_UNAVAILABLE"
+    code = Codes.KERNEL_UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 
 # Defaults. A row stops keeping tokens once the rest of the vocabulary holds at most TAIL_MASS (what it
@@ -130,7 +131,7 @@ class ReferenceRows:
                 and (self.ids.size == 0 or (int(self.ids.min()) >= 0 and int(self.ids.max()) < self.vocab_size))
             )
         if not ok:
-            raise InvalidInput("stored reference rows are inconsistent", code="REFERENCE_ROWS_CORRUPT")
+            raise InvalidInput("stored reference rows are inconsistent", code=Codes.REFERENCE_ROWS_CORRUPT)
 
 
 def reference_rows(
@@ -258,12 +259,12 @@ class ReferenceStore:
     def rows(self, window: Sequence[int]) -> ReferenceRows:
         path = self._path("rows", [int(t) for t in window], ".npz")
         if not path.is_file():
-            raise KilnError("reference rows for these token ids were not recorded", code="REFERENCE_MISSING")
+            raise KilnError("reference rows for these token ids were not recorded", code=Codes.REFERENCE_MISSING)
         try:
             return ReferenceRows.from_bytes(path.read_bytes())
         except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise InvalidInput(
-                f"stored reference rows {path.name} are unreadable: {e}", code="REFERENCE_ROWS_CORRUPT"
+                f"stored reference rows {path.name} are unreadable: {e}", code=Codes.REFERENCE_ROWS_CORRUPT
             ) from None
 
     def put_greedy(self, prompt: Sequence[int], n: int, tokens: Sequence[int]) -> None:
@@ -277,11 +278,11 @@ class ReferenceStore:
         for prompt in prompts:
             path = self._path("greedy", {"prompt": [int(t) for t in prompt], "n": n}, ".json")
             if not path.is_file():
-                raise KilnError("reference continuation for this prompt was not recorded", code="REFERENCE_MISSING")
+                raise KilnError("reference continuation for this prompt was not recorded", code=Codes.REFERENCE_MISSING)
             tokens = json.loads(path.read_text())
             if not (isinstance(tokens, list) and len(tokens) == n and all(type(t) is int for t in tokens)):
                 raise InvalidInput(
-                    f"stored continuation {path.name} is not {n} token ids", code="REFERENCE_ROWS_CORRUPT"
+                    f"stored continuation {path.name} is not {n} token ids", code=Codes.REFERENCE_ROWS_CORRUPT
                 )
             out.append(tokens)
         return out

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.digest import sha256_json
+from core.error_codes import Codes
 from core.errors import InvalidInput, SourceInvalid
 from core.untrusted import loads_json
 
@@ -93,11 +94,11 @@ class EvalText:
                 bos_token_id=None if value["bos_token_id"] is None else _int(value["bos_token_id"]),
             )
         except (KeyError, TypeError) as e:
-            raise InvalidInput(f"stored eval text is malformed: {e!r}", code="EVAL_TEXT_INVALID") from None
+            raise InvalidInput(f"stored eval text is malformed: {e!r}", code=Codes.EVAL_TEXT_INVALID) from None
         if text.digest != digest or value.get("digest") != digest:
             raise InvalidInput(
                 f"stored eval text has digest {text.digest}, expected {digest}",
-                code="EVAL_TEXT_INVALID",
+                code=Codes.EVAL_TEXT_INVALID,
                 details={"digest": text.digest, "expected": digest},
             )
         return text

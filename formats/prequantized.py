@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.error_codes import Codes
 from core.errors import KilnError, SourceInvalid
 from core.untrusted import short_repr
 from formats.safetensors import TensorInfo
@@ -66,14 +67,14 @@ if TYPE_CHECKING:
 class QuantizedSourceInvalid(SourceInvalid):
     """A pre-quantized source whose quantization is not its declared layout (config, scales, shapes, values)."""
 
-    code = "SOURCE_QUANTIZATION_INVALID"
+    code = Codes.SOURCE_QUANTIZATION_INVALID
 
 
 class StoredQuantized(KilnError):
     """A stage read a pre-quantized weight as if it were plain: it must dequantize it (and record that it did)
     or carry its stored tensors through as they are."""
 
-    code = "SOURCE_STORED_QUANTIZED"
+    code = Codes.SOURCE_STORED_QUANTIZED
 
 
 # -- the layouts, as data ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from core.error_codes import Codes
 from core.errors import KilnError, SourceInvalid
 from core.untrusted import InvalidJSON, loads_json, short_repr
 
@@ -228,7 +229,7 @@ class WriterState(enum.Enum):
 
 
 class WriterMisuse(KilnError):
-    code = "WRITER_MISUSE"
+    code = Codes.WRITER_MISUSE
 
 
 @dataclass(frozen=True)

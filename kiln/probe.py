@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.device import Device, cpu_model
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import FRACTION, MEMORY_GIB, DtypeFractions, HardwareCatalog, HardwareProfile, MeasuredEfficiency
 
@@ -424,7 +425,7 @@ def identify(name: str, cuda: bool, catalog: HardwareCatalog, asked: str | None 
         known = sorted(p for profile in catalog for p in profile.products)
         raise InvalidInput(
             f"no catalog entry names the device {name[:200]!r} among its products; name the SKU with --hardware",
-            code="HARDWARE_NOT_IDENTIFIED",
+            code=Codes.HARDWARE_NOT_IDENTIFIED,
             details={"device_name": name[:200], "known": known},
         )
     return best[1]

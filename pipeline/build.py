@@ -17,6 +17,7 @@ from pydantic_core import to_jsonable_python
 
 from core.device import CPU, Device, resolve_device
 from core.digest import HashCache, sha256_json
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed, UnknownName
 from core.hardware import PROFILES, get_profile
 from eval.gates import gate_for
@@ -64,7 +65,7 @@ SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
 class SourceShapeOnly(InvalidInput):
     """A build (or one stage of it) of a recipe whose source is shape-only: config.json, no weights."""
 
-    code = "SOURCE_SHAPE_ONLY"
+    code = Codes.SOURCE_SHAPE_ONLY
 
 
 def refuse_shape_only(recipe: Recipe) -> None:
@@ -166,7 +167,7 @@ def _rates(node: Node, sizing: Sizing) -> Rates | None:
 class BuildDiskInsufficient(InvalidInput):
     """A build whose stages still to run would write more than the work dir's disk has free."""
 
-    code = "BUILD_DISK_INSUFFICIENT"
+    code = Codes.BUILD_DISK_INSUFFICIENT
 
 
 def disk_needed(nodes: list[Node], work: dict[str, StageWork], pending: set[str]) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound, Unavailable
 from formats.hf_model import CONFIG_FILES, INDEX_FILE, TOKENIZER_FILES
 
@@ -34,7 +35,7 @@ _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+/-]{0,254}")
 class HubSourceNotFound(NotFound):
     """The hub has no such repository, or no such revision of it."""
 
-    code = "SOURCE_NOT_FOUND"
+    code = Codes.SOURCE_NOT_FOUND
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class HubSource:
             if commit is None or not re.fullmatch(r"[0-9a-f]{40}", commit):
                 raise Unavailable(
                     f"{self.url}: {endpoint} named no commit for the revision",
-                    code="SOURCE_UNAVAILABLE",
+                    code=Codes.SOURCE_UNAVAILABLE,
                     details={"source": self.url, "endpoint": endpoint},
                 )
             path = snapshot_download(
@@ -108,14 +109,14 @@ class HubSource:
         if isinstance(exc, HfHubHTTPError | httpx.HTTPError | OSError):
             return Unavailable(
                 f"{self.url}: {endpoint} cannot be reached or failed ({type(exc).__name__}: {exc})",
-                code="SOURCE_UNAVAILABLE",
+                code=Codes.SOURCE_UNAVAILABLE,
                 details=details,
             )
         return exc
 
 
 def _invalid(url: str, why: str) -> InvalidInput:
-    return InvalidInput(f"source {url!r}: {why}", code="INVALID_SOURCE_URL", details={"source": url})
+    return InvalidInput(f"source {url!r}: {why}", code=Codes.INVALID_SOURCE_URL, details={"source": url})
 
 
 def is_hub_url(source: str) -> bool:

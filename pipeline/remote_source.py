@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from core.digest import sha256_json
+from core.error_codes import Codes
 from core.errors import SourceInvalid, Unavailable
 from core.manifest import check_relative_path
 from formats.hf_model import CONFIG_FILES, INDEX_FILE, MAX_INDEX_BYTES, TOKENIZER_FILES
@@ -152,11 +153,13 @@ class S3Source:
             if code in ("PreconditionFailed", "412"):
                 raise SourceInvalid(
                     f"source {self.url}: {kwargs.get('Key')} changed since the build was planned; plan again",
-                    code="SOURCE_CHANGED",
+                    code=Codes.SOURCE_CHANGED,
                 ) from None
             if code in ("NoSuchKey", "404"):
-                raise SourceInvalid(f"source {self.url}: {kwargs.get('Key')} is gone", code="SOURCE_CHANGED") from None
-            raise Unavailable(f"source {self.url}: S3 failed: {code}", code="SOURCE_UNAVAILABLE") from None
+                raise SourceInvalid(
+                    f"source {self.url}: {kwargs.get('Key')} is gone", code=Codes.SOURCE_CHANGED
+                ) from None
+            raise Unavailable(f"source {self.url}: S3 failed: {code}", code=Codes.SOURCE_UNAVAILABLE) from None
 
     def _each(self, pages: Any) -> Any:
         from storage.s3 import error_code, is_boto_error
@@ -167,5 +170,5 @@ class S3Source:
             if not is_boto_error(exc):
                 raise
             raise Unavailable(
-                f"source {self.url}: S3 failed: {error_code(exc) or type(exc).__name__}", code="SOURCE_UNAVAILABLE"
+                f"source {self.url}: S3 failed: {error_code(exc) or type(exc).__name__}", code=Codes.SOURCE_UNAVAILABLE
             ) from None

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ValidationError
 
 from core.digest import HashCache, file_stamp, is_sha256, sha256_file
+from core.error_codes import Codes
 from core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed, Unavailable
 from core.manifest import FileEntry
 from core.untrusted import InvalidJSON, loads_json
@@ -78,13 +79,13 @@ Hashed = dict[str, tuple[str, list[int]]] | None
 class StageInputMissing(KilnError):
     """A stage's input (an upstream output, or an external file by digest) is not in the store."""
 
-    code = "STAGE_INPUT_MISSING"
+    code = Codes.STAGE_INPUT_MISSING
 
 
 class StageRecordCorrupt(KilnError):
     """A stage.json that is not a stage record of the key it was found under, or whose files do not match it."""
 
-    code = "STAGE_RECORD_CORRUPT"
+    code = Codes.STAGE_RECORD_CORRUPT
 
 
 @dataclass(frozen=True)
@@ -531,7 +532,7 @@ class RemoteStageStore:
         except BlobNotFound:
             raise StageFailed(
                 f"stage store {self.url}: {f.path} (sha256 {f.sha256}) is named by a stage.json but missing",
-                code="STAGE_STORE_CORRUPT",
+                code=Codes.STAGE_STORE_CORRUPT,
                 details={"sha256": f.sha256, "path": f.path},
             ) from None
         if h.hexdigest() != f.sha256 or size != f.size:
@@ -549,7 +550,7 @@ class RemoteStageStore:
         except StageRecordCorrupt as e:
             raise StageFailed(
                 f"stage store {self.url}: {e.message}",
-                code="STAGE_STORE_CORRUPT",
+                code=Codes.STAGE_STORE_CORRUPT,
                 details={"stage": node.id, "key": key, "path": where},
             ) from None
 
@@ -607,7 +608,7 @@ class RemoteStageStore:
         if len(data) > MAX_STAGE_JSON:
             raise StageFailed(
                 f"stage store {self.url}: {key} is larger than {MAX_STAGE_JSON} bytes",
-                code="STAGE_STORE_CORRUPT",
+                code=Codes.STAGE_STORE_CORRUPT,
                 details={"path": key},
             )
         return data
@@ -628,7 +629,7 @@ class RemoteStageStore:
 
         code = error_code(exc) or type(exc).__name__
         return Unavailable(
-            f"stage store {self.url} failed: {code}", code="STAGE_STORE_UNAVAILABLE", details={"s3": code}
+            f"stage store {self.url} failed: {code}", code=Codes.STAGE_STORE_UNAVAILABLE, details={"s3": code}
         )
 
 
@@ -652,7 +653,7 @@ def open_store(url: str | None, local_root: Path) -> StageStore:
     if not url.startswith("s3://"):
         raise InvalidInput(
             f"--store {url!r}: a shared stage store is an s3://bucket/prefix URL (the local one is --work-dir)",
-            code="INVALID_STORE_URL",
+            code=Codes.INVALID_STORE_URL,
         )
     return RemoteStageStore(url, local)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import (
     BANDWIDTH_GBS,
@@ -217,7 +218,7 @@ def _check_count(name: str, value: Any, minimum: int, maximum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
         raise InvalidInput(
             f"{name} must be an integer from {minimum} to {maximum}; got {str(value)[:32]}",
-            code="REPLICA_INPUT_INVALID",
+            code=Codes.REPLICA_INPUT_INVALID,
             details={"field": name, "minimum": minimum, "maximum": maximum},
         )
     return value
@@ -235,7 +236,7 @@ def _check_rate(
         low = "above " if above else ""
         raise InvalidInput(
             f"hardware {profile.name!r}: {name} {str(value)[:32]} is outside {low}{bounds[0]:g} to {bounds[1]:g}",
-            code="HARDWARE_CATALOG_INVALID",
+            code=Codes.HARDWARE_CATALOG_INVALID,
             details={"hardware": profile.name, "field": name, "minimum": bounds[0], "maximum": bounds[1]},
         )
     return float(value)

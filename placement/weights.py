@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Final
 
+from core.error_codes import Codes
 from core.errors import KilnError
 from formats.architectures.record import TensorKind, TensorSpec
 from formats.architectures.shape import ModelShape
@@ -137,7 +138,7 @@ def artifact_bytes(shape: ModelShape, config: Mapping[str, Any], weight_bytes: i
         try:
             return checkpoint_bytes(config, quant)
         except KilnError as e:  # QUANT_SHAPE: the export refuses it; the plan sizes the source
-            if e.code != "QUANT_SHAPE":
+            if e.code != Codes.QUANT_SHAPE:
                 raise
     return source_bytes(shape, weight_bytes)
 

@@ -111,6 +111,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed
 from formats.architectures.record import TensorKind
 from quant.rtn import kv_scale_names, quantizes, router_modules
@@ -125,7 +126,7 @@ if TYPE_CHECKING:
 class CalibrationTooShort(InvalidInput):
     """The calibration text has fewer tokens than `samples * seq_len` after the skipped part."""
 
-    code = "CALIBRATION_TOO_SHORT"
+    code = Codes.CALIBRATION_TOO_SHORT
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def untie_offloaded_head(model: torch.nn.Module) -> bool:
         if not isinstance(params, DiskCache) or shared not in DiskCache.index:
             raise StageFailed(
                 f"the tied head of {type(model).__name__} is not offloaded to disk; calibration loads every weight so",
-                code="CALIBRATION_FAILED",
+                code=Codes.CALIBRATION_FAILED,
             )
         own = torch.nn.Parameter(torch.empty_like(shared, device="meta"), requires_grad=shared.requires_grad)
         # The entry's file is a link into the offload folder; the new one links to what it resolves to, the source's.
@@ -500,14 +501,14 @@ def model_tensor_names(source: SourceModel, model: torch.nn.Module, experts: Map
             elif t.kind == TensorKind.FFN_GATE_INP and not t.bias:
                 name = f"{experts[t.layer].rsplit('.', 1)[0]}.{moe.router}.weight"
         if not _has_tensor(model, name):
-            raise StageFailed(f"the calibrated model has no tensor for {t.name!r}", code="CALIBRATION_FAILED")
+            raise StageFailed(f"the calibrated model has no tensor for {t.name!r}", code=Codes.CALIBRATION_FAILED)
         module, attr = name.rsplit(".", 1)
         with disable_onloading():  # an offloaded tensor's shape, without reading it
             shape = tuple(getattr(model.get_submodule(module), attr).shape)
         if shape != t.shape:
             raise StageFailed(
                 f"the calibrated model's {name} is {list(shape)}, the checkpoint's {t.name} {list(t.shape)}",
-                code="CALIBRATION_FAILED",
+                code=Codes.CALIBRATION_FAILED,
             )
         names[t.name] = name
     return names
@@ -689,7 +690,7 @@ def _check_calibrated(
     if bad:
         raise StageFailed(
             f"{scheme.name}: calibration left {name} with {', '.join(bad)} zero or not finite",
-            code="CALIBRATION_FAILED",
+            code=Codes.CALIBRATION_FAILED,
             details={"tensor": name, "parameters": bad},
         )
 
@@ -752,7 +753,7 @@ def calibrate(
     if scheme.kv_cache is not None:
         for name in kv_scale_names(source.tensors):
             if not _has_tensor(model, name):
-                raise StageFailed(f"{scheme.name}: llm-compressor left no {name}", code="CALIBRATION_FAILED")
+                raise StageFailed(f"{scheme.name}: llm-compressor left no {name}", code=Codes.CALIBRATION_FAILED)
             kv_scales[name] = _read(model, name).float().reshape(1)
     rtn_weights = scheme.method == "rtn"  # only the KV cache was calibrated
     for n in source.tensors:
@@ -765,7 +766,8 @@ def calibrate(
                 _has_tensor(model, zero) and bool(_read(model, zero).float().any())
             ):
                 raise StageFailed(
-                    f"{scheme.name}: llm-compressor left {module} without symmetric scales", code="CALIBRATION_FAILED"
+                    f"{scheme.name}: llm-compressor left {module} without symmetric scales",
+                    code=Codes.CALIBRATION_FAILED,
                 )
             scales[n] = f"{module}.weight_scale"
             qparams[n] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES, HardwareProfile
 from quant.methods import dense, fp4, fp8, int4, int8
@@ -48,7 +49,7 @@ def get_method(name: str) -> Method:
 class HeadNotQuantizable(InvalidInput):
     """`lm_head: quantized` for a scheme that quantizes nothing (bf16)."""
 
-    code = "QUANT_HEAD_UNSUPPORTED"
+    code = Codes.QUANT_HEAD_UNSUPPORTED
 
 
 def get_scheme(name: str, lm_head: HeadChoice = "kept") -> Scheme:
@@ -104,13 +105,13 @@ def compatible_hardware(scheme: Scheme) -> dict[str, str]:
 class QuantSourceRefused(InvalidInput):
     """A method the catalog does not build from a source released in this quantized layout (`Method.from_sources`)."""
 
-    code = "QUANT_SOURCE_REFUSED"
+    code = Codes.QUANT_SOURCE_REFUSED
 
 
 class QuantReleaseOnly(InvalidInput):
     """A release-only method (a release's own layout, `Method.release_only`) asked of a plain source."""
 
-    code = "QUANT_RELEASE_ONLY"
+    code = Codes.QUANT_RELEASE_ONLY
 
 
 def _block(method: Method) -> tuple[int, ...] | None:

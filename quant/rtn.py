@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.architectures import LINEAR_WEIGHT
 from formats.architectures.record import TensorKind, TensorSpec
@@ -47,7 +48,7 @@ def kv_scale_names(tensors: Iterable[str]) -> list[str]:
 class QuantShapeError(InvalidInput):
     """A layer's shape does not fit the scheme (e.g. input width not a multiple of the group size)."""
 
-    code = "QUANT_SHAPE"
+    code = Codes.QUANT_SHAPE
 
 
 def router_modules(tensors: Iterable[TensorSpec]) -> list[str]:
@@ -72,7 +73,7 @@ def quantizes(scheme: Scheme, name: str) -> bool:
 class HeadTied(InvalidInput):
     """`lm_head: quantized` for a model whose output projection is its embedding (`tie_word_embeddings`)."""
 
-    code = "QUANT_HEAD_TIED"
+    code = Codes.QUANT_HEAD_TIED
 
 
 def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from core.error_codes import Codes
 from core.errors import StageFailed
 from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
 from quant.catalog import get_method, get_scheme, source_route
@@ -124,7 +125,7 @@ def write_quantized(
                     raise StageFailed(
                         f"{scheme.name}: quantizing {n} gave {out_name} {t.dtype} {tuple(t.shape)}, "
                         f"planned {want_name} {dtype} {shape}",
-                        code="QUANTIZE_PLAN_MISMATCH",
+                        code=Codes.QUANTIZE_PLAN_MISMATCH,
                     )
                 writer.write(out_name, _raw_bytes(t))
                 stored += t.numel() * t.element_size()

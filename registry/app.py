@@ -23,6 +23,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import Unavailable
 from registry import migrate
 from registry.api.boundary import RequestBoundaryMiddleware, add_security_headers
@@ -93,7 +94,7 @@ def _check_schema(engine: Engine, settings: RegistrySettings) -> None:
         raise Unavailable(
             f"the registry database {state}, this code needs {head}; run `kiln db upgrade` "
             "(or `python -m registry.migrate upgrade`) with the same KILN_REGISTRY_DATABASE_URL",
-            code="DB_NOT_MIGRATED",
+            code=Codes.DB_NOT_MIGRATED,
             details={"current": current, "head": head},
         )
 

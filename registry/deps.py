@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from core.error_codes import Codes
 from core.errors import Unauthorized
 from registry.auth.cache import Missing
 from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
@@ -115,13 +116,13 @@ def _credentials(request: Request) -> Principal | str:
         return ANONYMOUS_READER if settings.anonymous_read else ANONYMOUS
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
-        raise Unauthorized("the Authorization header must be 'Bearer <token>'", code="INVALID_TOKEN")
+        raise Unauthorized("the Authorization header must be 'Bearer <token>'", code=Codes.INVALID_TOKEN)
     return secret.strip()
 
 
 def _known(principal: Principal | None) -> Principal:
     if principal is None:
-        raise Unauthorized("the token is unknown, revoked or expired", code="INVALID_TOKEN")
+        raise Unauthorized("the token is unknown, revoked or expired", code=Codes.INVALID_TOKEN)
     return principal
 
 

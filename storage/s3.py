@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlparse
 
+from core.error_codes import Codes
 from core.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
 from storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
@@ -54,23 +55,25 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     """`s3://bucket/some/prefix` -> ("bucket", "some/prefix/"); the prefix is "" for a whole bucket."""
     parsed = urlparse(url)
     if parsed.scheme != "s3":
-        raise InvalidInput(f"not an s3:// URL: {url!r}", code="INVALID_BLOB_URL")
+        raise InvalidInput(f"not an s3:// URL: {url!r}", code=Codes.INVALID_BLOB_URL)
     if parsed.query or parsed.fragment or parsed.params:
         raise InvalidInput(
             f"blob store URL {url!r}: an s3 URL is s3://bucket[/prefix], with no query or fragment "
             "(the endpoint comes from KILN_REGISTRY_S3_ENDPOINT_URL)",
-            code="INVALID_BLOB_URL",
+            code=Codes.INVALID_BLOB_URL,
         )
     bucket = parsed.netloc
     if not _BUCKET.fullmatch(bucket):
         raise InvalidInput(
             f"blob store URL {url!r}: {bucket!r} is not a valid S3 bucket name "
             "(3-63 lowercase letters, digits, '.' or '-')",
-            code="INVALID_BLOB_URL",
+            code=Codes.INVALID_BLOB_URL,
         )
     parts = [p for p in parsed.path.split("/") if p]
     if any(p in (".", "..") for p in parts):
-        raise InvalidInput(f"blob store URL {url!r}: the prefix may not contain '.' or '..'", code="INVALID_BLOB_URL")
+        raise InvalidInput(
+            f"blob store URL {url!r}: the prefix may not contain '.' or '..'", code=Codes.INVALID_BLOB_URL
+        )
     return bucket, "".join(p + "/" for p in parts)
 
 
@@ -85,7 +88,7 @@ def make_s3_client(endpoint_url: str | None = None) -> Any:
         from botocore.config import Config
     except ImportError:  # pragma: no cover - only without the s3 extra
         raise Unavailable(
-            "the s3:// blob store needs boto3: pip install 'kiln[s3]'", code="BLOB_STORE_UNAVAILABLE"
+            "the s3:// blob store needs boto3: pip install 'kiln[s3]'", code=Codes.BLOB_STORE_UNAVAILABLE
         ) from None
     config = Config(
         signature_version="s3v4",
@@ -120,12 +123,12 @@ class S3BlobStore:
         if part_size < MIN_PART_SIZE:
             raise InvalidInput(
                 f"S3 part size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes",
-                code="INVALID_SETTING",
+                code=Codes.INVALID_SETTING,
                 details={"part_size": part_size, "minimum": MIN_PART_SIZE},
             )
         if downloads not in ("stream", "redirect"):
             raise InvalidInput(
-                f"S3 downloads must be 'stream' or 'redirect', not {downloads!r}", code="INVALID_SETTING"
+                f"S3 downloads must be 'stream' or 'redirect', not {downloads!r}", code=Codes.INVALID_SETTING
             )
         self.bucket = bucket
         self.prefix = prefix
@@ -155,12 +158,16 @@ class S3BlobStore:
         where = f"s3://{self.bucket}/{self.prefix}"
         if code == "NoSuchBucket":
             return Unavailable(
-                f"blob store {where}: the bucket does not exist", code="BLOB_STORE_UNAVAILABLE", details={"s3": code}
+                f"blob store {where}: the bucket does not exist",
+                code=Codes.BLOB_STORE_UNAVAILABLE,
+                details={"s3": code},
             )
         details = {"s3": code} if code else {"error": type(exc).__name__}
         # The message names the failure, never credentials or signed URLs.
         return Unavailable(
-            f"blob store {where} failed: {code or type(exc).__name__}", code="BLOB_STORE_UNAVAILABLE", details=details
+            f"blob store {where} failed: {code or type(exc).__name__}",
+            code=Codes.BLOB_STORE_UNAVAILABLE,
+            details=details,
         )
 
     def check_bucket(self) -> None:
@@ -173,7 +180,7 @@ class S3BlobStore:
                 if code in ("404", "NoSuchBucket", "NotFound"):
                     raise Unavailable(
                         f"blob store s3://{self.bucket}/{self.prefix}: the bucket does not exist",
-                        code="BLOB_STORE_UNAVAILABLE",
+                        code=Codes.BLOB_STORE_UNAVAILABLE,
                     ) from None
                 raise self._translate(exc) from None
             raise
@@ -265,7 +272,7 @@ class S3BlobStore:
         if number > MAX_PARTS:
             raise InvalidInput(
                 f"upload needs more than {MAX_PARTS} parts of {self.part_size} bytes; raise the S3 part size",
-                code="PAYLOAD_TOO_LARGE",
+                code=Codes.PAYLOAD_TOO_LARGE,
                 details={"part_size": self.part_size, "max_parts": MAX_PARTS},
             )
         response = self._call("upload_part", None, Key=key, UploadId=upload_id, PartNumber=number, Body=body, **extra)

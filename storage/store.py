@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from core.digest import is_sha256
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ DEFAULT_CHUNK = 8 * 1024 * 1024
 
 
 class BlobNotFound(NotFound):
-    code = "BLOB_NOT_FOUND"
+    code = Codes.BLOB_NOT_FOUND
 
 
 @runtime_checkable

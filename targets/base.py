@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError, UnknownName
 from core.hardware import PROFILES
 from quant.schemes import Verdict
@@ -236,7 +237,7 @@ class TargetSpec:
             if not verdicts[hw].compatible:
                 raise KilnError(
                     f"{self.name}-{quant} cannot serve {hw}: {verdicts[hw].reason}",
-                    code="HARDWARE_INCOMPATIBLE",
+                    code=Codes.HARDWARE_INCOMPATIBLE,
                     details={"artifact": f"{self.name}-{quant}", "hardware": hw, "reason": verdicts[hw].reason},
                 )
 
@@ -248,7 +249,7 @@ class TargetSpec:
         if mapping.refused is not None:
             raise InvalidInput(
                 f"target {self.name!r} cannot serve {arch.hf_class} ({arch.family}): {mapping.refused}",
-                code="TARGET_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.TARGET_ARCHITECTURE_UNSUPPORTED,
                 details={"target": self.name, "architecture": arch.hf_class, "reason": mapping.refused},
             )
 
@@ -268,7 +269,7 @@ class TargetSpec:
         if quant in self.unsupported_quants:
             raise InvalidInput(
                 f"target {self.name!r} refuses quant {quant!r}: {self.unsupported_quants[quant]}",
-                code="QUANT_UNSUPPORTED",
+                code=Codes.QUANT_UNSUPPORTED,
                 details={"target": self.name, "quant": quant, "reason": self.unsupported_quants[quant]},
             )
         if quant not in self.quants:
@@ -283,7 +284,7 @@ _REGISTRY: dict[str, TargetSpec] = {}
 
 def register(spec: TargetSpec) -> TargetSpec:
     if spec.name in _REGISTRY:
-        raise KilnError(f"target {spec.name!r} is registered twice", code="TARGET_REGISTERED_TWICE")
+        raise KilnError(f"target {spec.name!r} is registered twice", code=Codes.TARGET_REGISTERED_TWICE)
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -292,7 +293,7 @@ def _load_builtin() -> None:
     for module in BUILTIN_TARGET_MODULES:
         spec = getattr(importlib.import_module(module), "SPEC", None)
         if not isinstance(spec, TargetSpec) or _REGISTRY.get(spec.name) is not spec:
-            raise KilnError(f"target module {module} did not register its SPEC", code="TARGET_NOT_REGISTERED")
+            raise KilnError(f"target module {module} did not register its SPEC", code=Codes.TARGET_NOT_REGISTERED)
 
 
 def all_targets() -> dict[str, TargetSpec]:

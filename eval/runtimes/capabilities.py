@@ -45,6 +45,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 from eval.runtimes import environments
 from eval.runtimes.vllm_worker import AMX_OVERRIDES, amx_decision, probe_amx
@@ -203,7 +204,7 @@ def _capabilities(flags: frozenset[str], python: str | None, digest: str | None,
             raise KilnError(
                 f"the AMX probe (a bf16 matmul in {installed.python}) did not end in {PROBE_TIMEOUT_S:.0f} s; "
                 f"set {AMX_ENV}=on or off to decide without it",
-                code="RUNTIME_PROBE_TIMEOUT",
+                code=Codes.RUNTIME_PROBE_TIMEOUT,
                 details={"probe": "amx", "timeout_s": PROBE_TIMEOUT_S},
             ) from None
     return decide(flags, installed, override=override, probe=probe)

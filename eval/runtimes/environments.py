@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from core.digest import sha256_json
+from core.error_codes import Codes
 from core.errors import KilnError, UnknownName
 
 MARKER = "environment.json"
@@ -216,7 +217,7 @@ def install(
                     if done.returncode != 0:
                         raise KilnError(
                             f"installing runtime environment {env.name!r} failed at: {what} (see {log_path})",
-                            code="RUNTIME_INSTALL_FAILED",
+                            code=Codes.RUNTIME_INSTALL_FAILED,
                             details={"environment": env.name, "step": what},
                         )
                     return done.stdout

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar, Final
 
+from core.error_codes import Codes
 from core.errors import StageFailed
 from formats.architectures import ARCHITECTURES
 from formats.architectures.record import Architecture, Projections
@@ -97,7 +98,7 @@ def experts_as_linears(config: Any, record: Architecture) -> Iterator[None]:
     if not fused:
         raise StageFailed(
             f"transformers builds no fused experts module for {record.hf_class}",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
         )
     classes: set[Any] = {type(m) for m in fused.values()}
     params = {f"{path.rsplit('.', 1)[-1]}.{n}" for path, m in fused.items() for n, _ in m.named_parameters()}
@@ -154,7 +155,7 @@ def _linear_experts() -> type[Any]:
             if getattr(like, "is_transposed", False) or not getattr(like, "has_gate", True):
                 raise StageFailed(
                     f"{type(like).__name__}'s experts are not gate/up [2 x intermediate, hidden] then down",
-                    code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                    code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
                 )
             experts, double, hidden = like.gate_up_proj.shape
             bias = bool(getattr(like, "has_bias", False))

@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
 from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES, check_ids, import_runtime
 from eval.runtimes.jax_forward import DECODE, HEAD, NORM, PREFILL
@@ -162,7 +163,7 @@ class JaxRuntime:
     def _load_failed(self, message: str, details: dict[str, Any] | None = None) -> StageFailed:
         return StageFailed(
             message,
-            code="EVAL_RUNTIME_LOAD_FAILED",
+            code=Codes.EVAL_RUNTIME_LOAD_FAILED,
             details={"runtime": self.name, "path": str(self.path), **(details or {})},
         )
 
@@ -403,7 +404,7 @@ def _check_stored(checkpoint: Path, abstract: dict[str, Any]) -> None:
     except (OSError, ValueError) as e:
         raise StageFailed(
             f"orbax could not read {str(checkpoint)!r}: {e}",
-            code="EVAL_RUNTIME_LOAD_FAILED",
+            code=Codes.EVAL_RUNTIME_LOAD_FAILED,
             details={"runtime": "jax", "path": str(checkpoint)},
         ) from None
     for name, want in abstract.items():
@@ -413,6 +414,6 @@ def _check_stored(checkpoint: Path, abstract: dict[str, Any]) -> None:
                 f"orbax checkpoint {str(checkpoint)!r}: tensor {name!r} is "
                 f"{'missing' if have is None else f'{have.dtype} {list(have.shape)}'}, weights.json says "
                 f"{want.dtype} {list(want.shape)}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"tensor": name},
             )

@@ -67,6 +67,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import StageFailed
 from core.usage import weights_opened, weights_read
 from eval.runtimes.base import (
@@ -123,14 +124,14 @@ class LayerStream:
         except (OSError, ValueError, KeyError) as e:
             raise StageFailed(
                 f"transformers could not read {str(self.model_dir)!r}'s config: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         record = STREAMED.get(config.model_type)
         if record is None:
             raise StageFailed(
                 f"the layer-streamed forward covers {sorted(STREAMED_MODEL_TYPES)}, not {config.model_type!r}",
-                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
                 details={"model_type": config.model_type},
             )
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -168,7 +169,7 @@ class LayerStream:
             raise StageFailed(
                 f"transformers' {type(self._base.embed_tokens).__name__} and the {record.family} record disagree "
                 f"on the embedding's scale ({record.norms.embedding_scale})",
-                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
             )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         weights = _WeightIndex(self.model_dir)
@@ -185,19 +186,21 @@ class LayerStream:
             if not getattr(config, "tie_word_embeddings", False):
                 raise StageFailed(
                     f"{self.model_dir}: no lm_head.weight and the config does not tie it to the embedding",
-                    code="SOURCE_INVALID",
+                    code=Codes.SOURCE_INVALID,
                 )
             self._head_name = f"{self._prefix}embed_tokens.weight"
         # The head first: it is applied to every window (and every generated token), each layer once a call.
         vocab, hidden = self._weights.shape(self._head_name)
         self._keep_head = self._claim(vocab * hidden * self.dtype.itemsize)
         if getattr(self._model.lm_head, "bias", None) is not None:
-            raise StageFailed("an output head with a bias is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED")
+            raise StageFailed(
+                "an output head with a bias is not streamed", code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED
+            )
         if quantizer is not None and any(
             hasattr(m, "quantization_scheme") for m in (model.lm_head, self._base.embed_tokens)
         ):
             raise StageFailed(
-                "a quantized embedding or output head is not streamed", code="REFERENCE_ARCHITECTURE_UNSUPPORTED"
+                "a quantized embedding or output head is not streamed", code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED
             )
         self._layer_types = list(
             getattr(config, "layer_types", None)
@@ -416,7 +419,7 @@ class LayerStream:
             raise StageFailed(
                 f"{self.model_dir}: the checkpoint's tensors for {failed[0]} do not convert: "
                 + " ".join(info.conversion_errors[failed[0]].strip().splitlines()[-2:])[:400],
-                code="SOURCE_INVALID",
+                code=Codes.SOURCE_INVALID,
                 details={"failed": failed[:8]},
             )
         mismatched = sorted((k, tuple(a), tuple(b)) for k, a, b in info.mismatched_keys if k.startswith(prefix))
@@ -424,21 +427,21 @@ class LayerStream:
             name, got, want = mismatched[0]
             raise StageFailed(
                 f"{self.model_dir}: {name} is {list(got)} in the checkpoint, the model's is {list(want)}",
-                code="SOURCE_INVALID",
+                code=Codes.SOURCE_INVALID,
                 details={"mismatched": [m[0] for m in mismatched[:8]]},
             )
         missing = sorted(k for k in info.missing_keys if k.startswith(prefix))
         if missing:
             raise StageFailed(
                 f"{self.model_dir}: the checkpoint lacks {missing[0]} ({len(missing)} tensors missing)",
-                code="SOURCE_INVALID",
+                code=Codes.SOURCE_INVALID,
                 details={"missing": missing[:8]},
             )
         unsaved = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
         if unsaved:  # a computed buffer would be left uninitialised by loading weights alone
             raise StageFailed(
                 f"a layer holds tensors the checkpoint does not: {unsaved[:4]}",
-                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
             )
 
     def _decompress(self, module: Any) -> None:
@@ -482,7 +485,7 @@ def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
     for name in [k for k, t in stored.items() if t.dtype == torch.float8_e4m3fnuz]:
         scale = name + "_scale"
         if scale not in stored:
-            raise StageFailed(f"an e4m3fnuz tensor without its scale: {name}", code="SOURCE_INVALID")
+            raise StageFailed(f"an e4m3fnuz tensor without its scale: {name}", code=Codes.SOURCE_INVALID)
         from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
 
         stored[name], stored[scale] = e4m3fnuz_to_e4m3fn(stored[name], stored[scale])
@@ -514,7 +517,7 @@ def open_transformers(
     if prequantized and dtype == "auto":
         raise StageFailed(
             f"{str(model_dir)!r} is a pre-quantized source, read dequantized into a given dtype, not 'auto'",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
             details={"model_type": model_type, "dtype": dtype},
         )
     if prequantized and model_type not in STREAMED_MODEL_TYPES:
@@ -522,7 +525,7 @@ def open_transformers(
             raise StageFailed(
                 f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)}, not "
                 f"{model_type!r}",
-                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
                 details={"model_type": model_type, "dtype": dtype},
             )
         # Held whole, dequantized as transformers' loader reads each tensor.
@@ -531,7 +534,7 @@ def open_transformers(
         raise StageFailed(
             f"planned to stream {str(model_dir)!r} by layer, which covers {sorted(STREAMED_MODEL_TYPES)} in a "
             f"given dtype, not {model_type!r} in {dtype!r}",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
             details={"model_type": model_type, "dtype": dtype},
         )
     return LayerStream(
@@ -650,7 +653,7 @@ class _DequantizedIndex:
             raise StageFailed(
                 f"{name} is stored {self._plan.quantization.layout.name}: a quantized embedding or output head is "
                 "not streamed",
-                code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+                code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
             )
 
     def close(self) -> None:

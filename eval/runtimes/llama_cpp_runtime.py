@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed
 from eval.runtimes.base import check_ids, import_runtime
 
@@ -58,7 +59,7 @@ class LlamaCppRuntime:
         except (ValueError, RuntimeError) as e:
             raise StageFailed(
                 f"llama.cpp could not load {str(self.path)!r}: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.path)},
             ) from None
         # `Llama.scores` has n_ctx rows as requested, whatever context llama.cpp itself rounded to.

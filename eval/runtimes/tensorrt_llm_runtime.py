@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import StageFailed
 from eval.runtimes.base import check_ids, import_runtime
 
@@ -43,7 +44,7 @@ class TensorRTLLMRuntime:
         except (OSError, ValueError, RuntimeError) as e:
             raise StageFailed(
                 f"tensorrt_llm could not load {str(self.model_dir)!r}: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         self.vocab_size = vocab_size
@@ -59,13 +60,13 @@ class TensorRTLLMRuntime:
         out = self._llm.generate([ids], SamplingParams(max_tokens=1, return_context_logits=True))[0]
         logits = out.context_logits
         if logits is None:
-            raise StageFailed("tensorrt_llm returned no context logits", code="EVAL_RUNTIME_FAILED")
+            raise StageFailed("tensorrt_llm returned no context logits", code=Codes.EVAL_RUNTIME_FAILED)
         array = np.asarray(logits.float().cpu().numpy(), dtype=np.float32)
         check_ids(ids, self._vocab(array), self.name)
         if array.shape[0] != len(ids):
             raise StageFailed(
                 f"tensorrt_llm returned context logits for {array.shape[0]} of {len(ids)} positions",
-                code="EVAL_RUNTIME_FAILED",
+                code=Codes.EVAL_RUNTIME_FAILED,
             )
         return array
 

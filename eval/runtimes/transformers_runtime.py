@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.error_codes import Codes
 from core.errors import Deferred, InvalidInput, StageFailed
 from core.usage import weights_opened, weights_read
 from eval.runtimes.base import check_ids, checkpoint_bytes, greedy_by_length, import_torch_transformers
@@ -106,7 +107,7 @@ class TransformersRuntime:
         except (OSError, ValueError, KeyError) as e:
             raise StageFailed(
                 f"transformers could not load {str(self.model_dir)!r}: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.model_dir)},
             ) from None
         _load_e4m3fnuz_exactly(model, self.model_dir)
@@ -252,13 +253,13 @@ def compressed_tensors_quantizer(config: Any, model_dir: Path) -> Any:
     except (ValueError, KeyError, TypeError) as e:  # an unknown method, or a config its library refuses
         raise StageFailed(
             f"{model_dir}: config.json's quantization_config is not one transformers loads: {e}",
-            code="EVAL_RUNTIME_LOAD_FAILED",
+            code=Codes.EVAL_RUNTIME_LOAD_FAILED,
             details={"path": str(model_dir), "field": "quantization_config"},
         ) from None
     if not isinstance(quantizer, CompressedTensorsHfQuantizer):
         raise StageFailed(
             f"{model_dir}: {type(quantizer).__name__} quantization is not streamed (compressed-tensors is)",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
         )
     try:
         quantizer.validate_environment()
@@ -373,7 +374,7 @@ def _check_loaded(model_dir: Path, info: dict[str, Any]) -> None:
         raise StageFailed(
             f"{model_dir}: the dequantized source does not load whole into its model: {first} "
             f"({len(missing)} missing, {len(mismatched)} of another shape, {len(errors)} not converted)",
-            code="SOURCE_INVALID",
+            code=Codes.SOURCE_INVALID,
             details={"missing": missing[:8], "mismatched": [m[0] for m in mismatched[:8]]},
         )
 

@@ -57,6 +57,7 @@ from typing import IO, Any
 import numpy as np
 
 from core.device import Device, parse_device, resolve_device, visible_gpus
+from core.error_codes import Codes
 from core.errors import Deferred, InvalidInput, KilnError, StageFailed
 from core.shape import ShapeRecord
 from eval.runtimes import environments
@@ -142,7 +143,7 @@ class WorkerProcess:
             self.close()
             raise StageFailed(
                 f"vLLM worker speaks protocol {self.hello.get('protocol')}, kiln speaks {PROTOCOL}",
-                code="EVAL_RUNTIME_PROTOCOL",
+                code=Codes.EVAL_RUNTIME_PROTOCOL,
             )
 
     def _log_tail(self) -> str:
@@ -165,7 +166,7 @@ class WorkerProcess:
             raise StageFailed(
                 f"the vLLM worker exited ({code}) during {req['op']!r}; "
                 f"its log ({self.log.name}) ends:\n{self._log_tail()}",
-                code="EVAL_RUNTIME_DIED",
+                code=Codes.EVAL_RUNTIME_DIED,
                 details={"runtime": "vllm", "exit": code, "log": self.log.name},
             )
         header: dict[str, Any] = json.loads(line)
@@ -200,7 +201,7 @@ def _mismatch(planned: VllmCapabilities, here: VllmCapabilities) -> StageFailed:
     return StageFailed(
         f"this eval was planned for a machine where vLLM's capabilities are {planned_facts}; here they are "
         f"{here_facts}: plan it on the kind of machine that runs it",
-        code="EVAL_CAPABILITY_MISMATCH",
+        code=Codes.EVAL_CAPABILITY_MISMATCH,
         details={"planned": {k: a[k] for k in differ}, "here": {k: b[k] for k in differ}},
     )
 
@@ -218,7 +219,7 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
     while left:
         chunk = stream.read(left)
         if not chunk:
-            raise StageFailed("the vLLM worker's reply was cut short", code="EVAL_RUNTIME_DIED")
+            raise StageFailed("the vLLM worker's reply was cut short", code=Codes.EVAL_RUNTIME_DIED)
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
@@ -349,7 +350,7 @@ class VllmRuntime:
         except WorkerError as e:
             raise StageFailed(
                 f"vLLM {hello['vllm']} could not load {str(self.path)!r}, which transformers loads: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.path), "error": e.kind},
             ) from None
         self.vocab_size = int(loaded["vocab"])
@@ -386,7 +387,7 @@ class VllmRuntime:
         if not isinstance(sm, int):
             raise StageFailed(
                 f"vLLM {hello['vllm']} sees no CUDA GPU among {','.join(gpus)} (is its environment a CPU build?)",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "gpus": list(gpus)},
             )
         verdict = cuda_verdict(bundle_schemes(config), sm, fp8_kv_cache=fp8_kv_cache(config))
@@ -410,7 +411,7 @@ class VllmRuntime:
         except WorkerError as e:
             raise StageFailed(
                 f"vLLM {hello['vllm']} could not load {str(self.path)!r} on GPUs {','.join(gpus)}: {e}",
-                code="EVAL_RUNTIME_LOAD_FAILED",
+                code=Codes.EVAL_RUNTIME_LOAD_FAILED,
                 details={"runtime": self.name, "path": str(self.path), "error": e.kind, "gpus": list(gpus)},
             ) from None
         self.vocab_size = int(loaded["vocab"])
@@ -436,13 +437,13 @@ class VllmRuntime:
 
     def _call(self, req: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         if not self.loaded:
-            raise StageFailed("the vLLM runtime was closed", code="EVAL_RUNTIME_CLOSED")
+            raise StageFailed("the vLLM runtime was closed", code=Codes.EVAL_RUNTIME_CLOSED)
         try:
             return self._worker.request(req)
         except WorkerError as e:
             raise StageFailed(
                 f"vLLM failed on {req['op']!r} for {str(self.path)!r}: {e}",
-                code="EVAL_RUNTIME_FAILED",
+                code=Codes.EVAL_RUNTIME_FAILED,
                 details={"runtime": self.name, "error": e.kind},
             ) from None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 from eval.runtimes.capabilities import VllmCapabilities
 from formats.architectures import ARCHITECTURES
@@ -42,7 +43,7 @@ class WeightScheme:
         if not isinstance(weights, dict) or not isinstance(bits, int) or isinstance(bits, bool):
             raise InvalidInput(
                 "a compressed-tensors config group needs `weights` with an integer `num_bits`",
-                code="BUNDLE_CONFIG_INVALID",
+                code=Codes.BUNDLE_CONFIG_INVALID,
             )
         size = weights.get("group_size")
         return cls(
@@ -384,11 +385,11 @@ def bundle_config(bundle_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise InvalidInput(
             f"{bundle_dir}: no readable config.json ({e})",
-            code="BUNDLE_CONFIG_INVALID",
+            code=Codes.BUNDLE_CONFIG_INVALID,
             details={"path": str(bundle_dir)},
         ) from None
     if not isinstance(config, dict):
-        raise InvalidInput(f"{bundle_dir}: config.json is not an object", code="BUNDLE_CONFIG_INVALID")
+        raise InvalidInput(f"{bundle_dir}: config.json is not an object", code=Codes.BUNDLE_CONFIG_INVALID)
     return config
 
 
@@ -425,7 +426,7 @@ def bundle_schemes(config: dict[str, Any]) -> list[WeightScheme]:
     quant = config.get("quantization_config") or {}
     groups = quant.get("config_groups") if isinstance(quant, dict) else None
     if quant and not isinstance(groups, dict):
-        raise InvalidInput("`quantization_config` has no `config_groups` object", code="BUNDLE_CONFIG_INVALID")
+        raise InvalidInput("`quantization_config` has no `config_groups` object", code=Codes.BUNDLE_CONFIG_INVALID)
     return [WeightScheme.from_group(g) for g in (groups or {}).values()]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 
 from .constants import (
@@ -63,7 +64,7 @@ _HEADER_BYTES = 24  # magic, version, n_tensors, n_kv
 
 
 def _invalid(message: str, **details: Any) -> InvalidInput:
-    return InvalidInput(message, code="GGUF_INVALID", details=details)
+    return InvalidInput(message, code=Codes.GGUF_INVALID, details=details)
 
 
 def _q(text: str) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from core.error_codes import Codes
 from core.errors import KilnError, StageFailed
 
 from .constants import (
@@ -57,7 +58,7 @@ class WriterState(Enum):
 class WriterMisuse(KilnError):
     """A GGUF writer method was called in the wrong state (a programming error in kiln)."""
 
-    code = "GGUF_WRITER_STATE"
+    code = Codes.GGUF_WRITER_STATE
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,7 @@ class GGUFWriter(_TypedAdders):
             raise StageFailed(
                 f"GGUF tensor {name!r}: {written}{'+' if written > want.nbytes else ''} bytes were produced, "
                 f"the plan says {want.nbytes} ({want.ttype.name} {list(want.shape)})",
-                code="GGUF_SIZE_MISMATCH",
+                code=Codes.GGUF_SIZE_MISMATCH,
                 details={"tensor": name, "planned": want.nbytes, "written": written},
             )
         pad = _pad(written, self.alignment) - written
@@ -356,14 +357,14 @@ class GGUFWriter(_TypedAdders):
         if missing:
             raise StageFailed(
                 f"GGUF file incomplete: {len(missing)} planned tensor(s) never written, e.g. {missing[0]!r}",
-                code="GGUF_SIZE_MISMATCH",
+                code=Codes.GGUF_SIZE_MISMATCH,
                 details={"missing": missing[:20]},
             )
         size = self._fh.tell()
         if size != self._data_start + self._data_size:
             raise StageFailed(
                 f"GGUF file is {size} bytes, the plan says {self._data_start + self._data_size}",
-                code="GGUF_SIZE_MISMATCH",
+                code=Codes.GGUF_SIZE_MISMATCH,
             )
         self._fh.close()
         self._fh = None
@@ -400,7 +401,7 @@ def _copy_range(src: int, dst: int, offset: int, count: int) -> None:
             n = len(data := os.pread(src, min(1 << 24, count - done), offset + done))
             os.write(dst, data)
         if n <= 0:
-            raise StageFailed("GGUF writer: short copy while moving tensor data", code="GGUF_SIZE_MISMATCH")
+            raise StageFailed("GGUF writer: short copy while moving tensor data", code=Codes.GGUF_SIZE_MISMATCH)
         done += n
 
 

@@ -3,7 +3,7 @@
 build (build, plan, run-stage, publish, inspect) · lint (lint) · releases (seal, abandon, promote, split, yank, resolve,
 audit) · hardware (hardware list/set/delete, performance) · routing (routing render) · tokens · signing (verify,
 keys) · runtimes (runtime install, list) · server (serve, modelcar-base, db upgrade, gc).
-`main` maps kiln errors to the exit codes of `common`.
+`main` exits with the exit status of a kiln error's kind (`core.error_codes.Kind`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import typer
 
 from core.errors import KilnError
-from kiln.cli.common import EXIT_CODES, app, emit, json_requested
+from kiln.cli.common import app, emit, json_requested
 from kiln.console import err, safe_text
 
 __all__ = ["app", "main"]
@@ -44,7 +44,7 @@ def main() -> None:
                 err.print(f"[dim]  {safe_text(line)}[/dim]")
         if json_requested():
             emit({"error": e.to_dict()})
-        sys.exit(next(code for cls, code in EXIT_CODES if isinstance(e, cls)))
+        sys.exit(e.kind.exit_status)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

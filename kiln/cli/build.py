@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.evals import EvalMetrics
 from kiln.cli.common import (
@@ -232,7 +233,7 @@ def _executor(name: str, store: str | None, ray_address: str | None, retries: in
     from pipeline.build import ExecutorChoice
 
     if name not in ("local", "ray"):
-        raise InvalidInput(f"--executor {name!r}: known executors are local and ray", code="UNKNOWN_EXECUTOR")
+        raise InvalidInput(f"--executor {name!r}: known executors are local and ray", code=Codes.UNKNOWN_EXECUTOR)
     if ray_address is not None and name != "ray":
         raise InvalidInput("--ray-address is for --executor ray")
     return ExecutorChoice(name=name, store_url=store, ray_address=ray_address, max_retries=retries)  # type: ignore[arg-type]
@@ -343,7 +344,7 @@ def plan(
         if levels is not None and len(graph["levels"]) > levels:
             raise InvalidInput(
                 f"the graph has {len(graph['levels'])} levels and the workflow runs {levels}: add level jobs",
-                code="WORKFLOW_TOO_SHALLOW",
+                code=Codes.WORKFLOW_TOO_SHALLOW,
             )
         if github_output is not None:
             with open(github_output, "a", encoding="utf-8") as out:

@@ -1,8 +1,8 @@
-"""What every command group shares: the app, its options, output helpers and the exit-code table.
+"""What every command group shares: the app, its options and output helpers.
 
-Exit codes (stable, for CI): 0 ok; 1 a stage or the service failed; 2 bad input (recipe, source,
-arguments); 3 an eval gate failed; 4 not found; 5 conflict with what is stored; 6 not allowed;
-7 a backend is unavailable.
+Exit codes (stable, for CI): 0 ok, else the kind of the error's code (`core.error_codes.Kind`): 1 a stage or
+the service failed; 2 bad input (recipe, source, arguments); 3 an eval gate failed; 4 not found; 5 conflict
+with what is stored; 6 not allowed; 7 a backend is unavailable.
 """
 
 from __future__ import annotations
@@ -16,30 +16,12 @@ from typing import Annotated, Any
 
 import typer
 
-from core.errors import (
-    Conflict,
-    Forbidden,
-    GateFailed,
-    InvalidInput,
-    KilnError,
-    NotFound,
-    Unauthorized,
-    Unavailable,
-)
+from core.error_codes import Kind
+from core.errors import InvalidInput
 from kiln.console import err, safe_text
 
-EXIT_CODES: list[tuple[type[KilnError], int]] = [
-    (GateFailed, 3),
-    (InvalidInput, 2),
-    (NotFound, 4),
-    (Conflict, 5),
-    (Unauthorized, 6),
-    (Forbidden, 6),
-    (Unavailable, 7),
-    (KilnError, 1),
-]
-EXIT_GATE_FAILED = 3
-EXIT_INVALID_INPUT = 2
+EXIT_GATE_FAILED = Kind.GATE_FAILED.exit_status
+EXIT_INVALID_INPUT = Kind.INVALID.exit_status
 
 app = typer.Typer(
     name="kiln",

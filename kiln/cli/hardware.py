@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from client import RegistryClient
 from core.datafile import read_mapping
 from core.device import resolve_device
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import HardwareCatalog, builtin_catalog, parse_profile
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
@@ -79,7 +80,7 @@ def _saved_run(path: Path) -> ProbeRun:
         return ProbeRun.model_validate(data.get("run", data))
     except ValidationError as e:
         found = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'run'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"{path}: not a probe run: {found}", code="INVALID_INPUT") from None
+        raise InvalidInput(f"{path}: not a probe run: {found}", code=Codes.INVALID_INPUT) from None
 
 
 @hardware_app.command("probe")
@@ -137,7 +138,7 @@ def hardware_probe(
             if record is None or problems:
                 raise InvalidInput(
                     f"hardware {profile.name}: not published, the run is not a whole record: {'; '.join(problems)}",
-                    code="PROBE_INCOMPLETE",
+                    code=Codes.PROBE_INCOMPLETE,
                     details={"hardware": profile.name, "problems": problems},
                 )
             entry = client.hardware_entry(profile.name)

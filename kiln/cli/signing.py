@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from client import RegistryClient
 from core.datafile import read_data_bytes
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.signing import (
     PROVENANCE_FILE,
@@ -75,7 +76,7 @@ def _check_not_revoked(client: RegistryClient, public: ec.EllipticCurvePublicKey
         if key["key_id"] == kid and key["revoked_at"] is not None:
             raise SignatureInvalid(
                 f"key {kid} was revoked at {key['revoked_at']} on the registry: nothing it signed is trusted",
-                code="KEY_REVOKED",
+                code=Codes.KEY_REVOKED,
                 details={"key_id": kid, "revoked_at": key["revoked_at"]},
             )
 

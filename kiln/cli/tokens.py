@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from client import RegistryClient
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, token_app
 from kiln.console import err, safe_text, stdout
@@ -33,7 +34,7 @@ def parse_expiry(text: str, now: datetime) -> datetime:
         raise InvalidInput(
             f"--expires {text[:40]!r}: give a duration (12h, 30d, 8w), a date (2027-01-31) or a time with its "
             "zone (2027-01-31T12:00:00+00:00)",
-            code="TOKEN_EXPIRY_INVALID",
+            code=Codes.TOKEN_EXPIRY_INVALID,
         )
     return when
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from core.error_codes import Codes
 from core.errors import UnknownName
 from kiln.routing.records import ChannelRouting, RenderOptions
 
@@ -60,7 +61,7 @@ def get_format(name: str) -> RouterFormat:
     if name not in FORMATS:
         raise UnknownName(
             f"unknown routing format {name[:40]!r}; known: {', '.join(sorted(FORMATS))}",
-            code="ROUTING_FORMAT_UNKNOWN",
+            code=Codes.ROUTING_FORMAT_UNKNOWN,
             details={"format": name[:200], "known": sorted(FORMATS)},
         )
     return FORMATS[name]

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from client import RegistryClient
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput, KilnError, NotFound
 from core.resolve import ResolveOut
 from kiln.routing.kserve import MODELCAR_REPOSITORY, modelcar_tag
@@ -34,16 +35,16 @@ def parse_pool_options(pools: Sequence[str]) -> tuple[Pool, ...]:
     if not pools:
         raise InvalidInput(
             "no hardware pools: name each with --pool, e.g. --pool h100:8 --pool mi300x:8",
-            code="ROUTING_NO_POOLS",
+            code=Codes.ROUTING_NO_POOLS,
         )
     if any("," in p for p in pools):
         raise InvalidInput(
-            "one pool per --pool (h100:8), not a list", code="ROUTING_POOL_INVALID", details={"pools": list(pools)}
+            "one pool per --pool (h100:8), not a list", code=Codes.ROUTING_POOL_INVALID, details={"pools": list(pools)}
         )
     try:
         return parse_pools(",".join(p.strip() for p in pools))
     except InvalidInput as exc:
-        raise InvalidInput(exc.message, code="ROUTING_POOL_INVALID", details={"pools": list(pools)}) from None
+        raise InvalidInput(exc.message, code=Codes.ROUTING_POOL_INVALID, details={"pools": list(pools)}) from None
 
 
 def _spec(pool: Pool) -> str:
@@ -71,17 +72,17 @@ def _resolve(
             version=version,
         )
     except NotFound as exc:
-        if exc.code == "VERSION_NOT_IN_CHANNEL":
+        if exc.code == Codes.VERSION_NOT_IN_CHANNEL:
             raise _SplitMoved from None
         if "channels" in exc.details:  # the model has no such channel: nothing was promoted to it
             known = ", ".join(exc.details["channels"]) or "none"
             raise NotFound(
                 f"channel {channel!r} of {model!r} points at no release (its channels: {known}); "
                 f"promote one first: kiln promote {model}@VERSION --channel {channel}",
-                code="ROUTING_CHANNEL_EMPTY",
+                code=Codes.ROUTING_CHANNEL_EMPTY,
                 details={"model": model, "channel": channel, "channels": exc.details["channels"]},
             ) from None
-        if exc.code in ("NO_COMPATIBLE_ARTIFACT", "SLO_UNMET"):  # resolve's own codes, with the pool and release
+        if exc.code in (Codes.NO_COMPATIBLE_ARTIFACT, Codes.SLO_UNMET):  # resolve's own, with the pool and release
             where = f"pool {_spec(pool)}" + (f", release {version}" if version else "")
             raise type(exc)(
                 f"{where}: {exc.message}", code=exc.code, details={**exc.details, "pool": _spec(pool)}
@@ -97,7 +98,7 @@ def _placement(answer: ResolveOut, weight: int) -> Placement:
             f"{a.name} of {answer.model}@{answer.version} on {answer.hardware} runs at TP {runtime.fixed_tp} only "
             f"({runtime.serves}), and its replica needs TP {why.tp} for this context and concurrency: "
             "lower them, or give the pool an artifact that shards",
-            code="ROUTING_TP_UNSUPPORTED",
+            code=Codes.ROUTING_TP_UNSUPPORTED,
             details={"artifact": a.name, "hardware": answer.hardware, "tp": why.tp, "runs_at": runtime.fixed_tp},
         )
     return Placement(
@@ -165,7 +166,7 @@ def gather_routing(
     else:
         raise Conflict(
             f"the split of {model}'s channel {channel} changed while it was read, {ATTEMPTS} times; try again",
-            code="ROUTING_SPLIT_CHANGING",
+            code=Codes.ROUTING_SPLIT_CHANGING,
             details={"model": model, "channel": channel},
         )
     if modelcars:
@@ -179,12 +180,12 @@ def check_modelcars(client: RegistryClient, routing: ChannelRouting) -> None:
     try:
         tags = set(client.oci_tags(repository))
     except KilnError as exc:
-        if exc.code != "NAME_UNKNOWN":
+        if exc.code != Codes.NAME_UNKNOWN:
             raise
         raise NotFound(
             f"the registry serves no model cars for {routing.model} ({exc.message}); KServe pulls artifacts as "
             "model cars: configure the registry's base image (KILN_REGISTRY_MODELCAR_BASE, docs/oci.md)",
-            code="ROUTING_NO_MODELCARS",
+            code=Codes.ROUTING_NO_MODELCARS,
             details={"repository": repository},
         ) from None
     for pool in routing.pools:
@@ -193,6 +194,6 @@ def check_modelcars(client: RegistryClient, routing: ChannelRouting) -> None:
             if tag not in tags:
                 raise NotFound(
                     f"the registry has no model car {repository}:{tag} ({p.artifact} of {routing.model}@{p.version})",
-                    code="ROUTING_MODELCAR_MISSING",
+                    code=Codes.ROUTING_MODELCAR_MISSING,
                     details={"repository": repository, "tag": tag},
                 )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from kiln.routing.annotations import placement_annotations, pool_annotations
 from kiln.routing.formats import ApiSource, Document, RouterFormat, register
@@ -72,7 +73,7 @@ def modelcar_tag(version: str, artifact: str) -> str:
         raise InvalidInput(
             f"release {version} has no OCI tag for {artifact} ({tag[:60]!r} breaks the tag grammar: a '+' "
             "or more than 128 characters), so no model car to name; KServe cannot pull it by tag",
-            code="ROUTING_MODELCAR_TAG_INVALID",
+            code=Codes.ROUTING_MODELCAR_TAG_INVALID,
             details={"version": version, "artifact": artifact},
         )
     return tag
@@ -104,7 +105,7 @@ def _service(
         raise InvalidInput(
             f"{placement.artifact} of {routing.model}@{placement.version} on {pool.hardware} is served by "
             f"{runtime.name} ({runtime.serves}), which KServe has no runtime for",
-            code="ROUTING_RUNTIME_UNSUPPORTED",
+            code=Codes.ROUTING_RUNTIME_UNSUPPORTED,
             details={"artifact": placement.artifact, "runtime": runtime.name, "hardware": pool.hardware},
         )
     resource = device_resource(pool.hardware, pool.family)
@@ -139,7 +140,7 @@ def whole_percent(routing: ChannelRouting, pool: PoolRouting, placement: Placeme
         raise InvalidInput(
             f"KServe's Splitter takes whole percents summing to 100; the split of {routing.model} "
             f"channel {routing.channel} is {split}",
-            code="ROUTING_SPLIT_NOT_WHOLE_PERCENT",
+            code=Codes.ROUTING_SPLIT_NOT_WHOLE_PERCENT,
             details={"split": [{"version": p.version, "weight": p.percent} for p in pool.placements]},
         )
     return placement.weight // (BASIS_POINTS // 100)

@@ -13,6 +13,7 @@ from typing import Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import Family
 from core.resolve import Policy
@@ -79,7 +80,7 @@ class Sizing(BaseModel):
             field = ".".join(str(p) for p in first["loc"])
             raise InvalidInput(
                 f"{field.replace('_', '-')}: {first['msg']}",
-                code="ROUTING_OPTION_INVALID",
+                code=Codes.ROUTING_OPTION_INVALID,
                 details={"option": field},
             ) from None
 
@@ -148,6 +149,6 @@ class RenderOptions:
 def _invalid(field: str, value: object, expected: str) -> NoReturn:
     raise InvalidInput(
         f"{field.replace('_', '-')} {str(value)[:80]!r}: expected {expected}",
-        code="ROUTING_OPTION_INVALID",
+        code=Codes.ROUTING_OPTION_INVALID,
         details={"option": field, "value": str(value)[:200]},
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, UnknownName
 
 
@@ -109,7 +110,7 @@ def runtime_for(target: str, format: str) -> ServingRuntime:
         known = ", ".join(f"{t}/{f}" for t, f in SERVED_BY)
         raise UnknownName(
             f"no serving runtime is known for {target}/{format} artifacts; known: {known}",
-            code="ROUTING_RUNTIME_UNKNOWN",
+            code=Codes.ROUTING_RUNTIME_UNKNOWN,
             details={"target": target, "format": format, "known": [f"{t}/{f}" for t, f in SERVED_BY]},
         )
     return RUNTIMES[name]
@@ -121,7 +122,7 @@ def device_resource(hardware: str, family: str) -> str | None:
         raise InvalidInput(
             f"hardware {hardware!r} ({family}) has no Kubernetes device plugin to request it by; "
             f"families: {', '.join(DEVICE_RESOURCES)}",
-            code="ROUTING_HARDWARE_UNSUPPORTED",
+            code=Codes.ROUTING_HARDWARE_UNSUPPORTED,
             details={"hardware": hardware, "family": family},
         )
     return DEVICE_RESOURCES[family]

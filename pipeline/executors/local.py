@@ -8,6 +8,7 @@ under `<work>/logs/` and the error names it and quotes its last lines (`pipeline
 
 from __future__ import annotations
 
+from core.error_codes import Codes
 from core.errors import KilnError
 from pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
 from pipeline.stage import Node
@@ -26,7 +27,7 @@ class LocalExecutor:
         for node in nodes:
             missing = [i for i in node.inputs.values() if i not in outcomes]
             if missing:
-                raise KilnError(f"{node.id} runs before its inputs {missing}", code="GRAPH_ORDER")
+                raise KilnError(f"{node.id} runs before its inputs {missing}", code=Codes.GRAPH_ORDER)
             blocked = [i for i in node.inputs.values() if outcomes[i].status == "deferred"]
             if blocked:
                 outcomes[node.id] = NodeOutcome(node, "deferred", reason=f"waits on {', '.join(blocked)}")

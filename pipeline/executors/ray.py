@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from core.device import CPU, Device, InvalidDevice, parse_device
+from core.error_codes import Codes
 from core.errors import KilnError, StageFailed
 from pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
 from pipeline.stage import Node, StageOutput
@@ -112,7 +113,7 @@ class RayExecutor:
         for node in nodes:
             missing = [i for i in node.inputs.values() if i not in outcomes and i not in pending]
             if missing:
-                raise KilnError(f"{node.id} runs before its inputs {missing}", code="GRAPH_ORDER")
+                raise KilnError(f"{node.id} runs before its inputs {missing}", code=Codes.GRAPH_ORDER)
             if node.stage.on_driver:
                 # Its inputs must be finished first: collect them (in order), then run it here.
                 for i in node.inputs.values():
@@ -186,7 +187,7 @@ class RayExecutor:
         except WorkerCrashedError as e:
             error = StageFailed(
                 f"{node_id}: its worker died {self.max_retries + 1} times ({e})",
-                code="STAGE_WORKER_LOST",
+                code=Codes.STAGE_WORKER_LOST,
                 details={"stage": node_id, "attempts": self.max_retries + 1},
             )
             outcomes[node_id] = NodeOutcome(node, "failed", reason=error.message, error=error)
@@ -293,7 +294,7 @@ def _cluster_capacity() -> dict[str, Any]:
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if not alive:
-        raise StageFailed("the Ray cluster has no live node", code="RAY_CLUSTER_EMPTY")
+        raise StageFailed("the Ray cluster has no live node", code=Codes.RAY_CLUSTER_EMPTY)
     resources = [n.get("Resources", {}) for n in alive]
     return {
         "max_cpus": max(int(r.get("CPU", 0)) for r in resources) or 1,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.digest import HashCache, file_stamp
+from core.error_codes import Codes
 from core.errors import SourceInvalid, StageFailed
 from core.manifest import FileEntry
 from formats.hf_model import SourceModel, open_source
@@ -31,7 +32,7 @@ from storage.links import place
 class SourceChanged(SourceInvalid):
     """A source file is not what the plan (or the ingest that hashed it) saw."""
 
-    code = "SOURCE_CHANGED"
+    code = Codes.SOURCE_CHANGED
 
 
 def run(ctx: StageContext) -> IngestRecord:
@@ -106,7 +107,7 @@ def _download(ctx: StageContext) -> SourceModel:
     if changed:
         raise SourceInvalid(
             f"{remote.url}: {', '.join(changed)} changed since the build was planned; run again",
-            code="SOURCE_CHANGED",
+            code=Codes.SOURCE_CHANGED,
             details={"files": changed},
         )
     total = sum(listing[n].size for n in planned)

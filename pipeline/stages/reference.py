@@ -24,6 +24,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from core.error_codes import Codes
 from core.errors import StageFailed
 from eval.reference_rows import ReferenceStore, reference_rows
 from eval.runtimes.layer_stream import open_transformers
@@ -76,7 +77,7 @@ def run(ctx: StageContext) -> ReferenceRecord:
         raise StageFailed(
             f"the ingested source is {quantization.layout if quantization else 'plain'}, but the reference runtime "
             f"read it as {dequantized or 'plain'}",
-            code="REFERENCE_ARCHITECTURE_UNSUPPORTED",
+            code=Codes.REFERENCE_ARCHITECTURE_UNSUPPORTED,
         )
     store = ReferenceStore(ctx.out_dir, identity=source_digest)
     try:

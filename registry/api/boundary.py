@@ -50,6 +50,7 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 from core.untrusted import loads_json
 from registry.api.errors import error_response
@@ -114,7 +115,7 @@ PAGE_CSP = (
 def _too_large(limit: int) -> KilnError:
     return InvalidInput(
         f"request body exceeds the registry's limit of {limit} bytes for this route",
-        code="PAYLOAD_TOO_LARGE",
+        code=Codes.PAYLOAD_TOO_LARGE,
         details={"limit": limit},
     )
 

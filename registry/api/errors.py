@@ -1,7 +1,8 @@
 """The one place where kiln errors become HTTP responses.
 
 Every error body has the shape `{"error": {"code": ..., "message": ..., "details": {...}}}`;
-request validation errors become `INVALID_INPUT` (422) in the same shape.
+request validation errors become `INVALID_INPUT` (422) in the same shape. The status of each code is the
+catalog's (`core.error_codes`): its kind's, or the code's own.
 """
 
 from __future__ import annotations
@@ -16,45 +17,26 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.errors import Conflict, Forbidden, InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
+from core.error_codes import CATALOG, Codes
+from core.errors import KilnError, Unavailable
 
 RETRY_AFTER_S = 5
-# Codes whose status differs from their class's. Looked up first.
-STATUS_BY_CODE: dict[str, int] = {
-    "INVALID_REVISION": 400,
-    "CHANNEL_RELEASE_YANKED": 410,
-    "RELEASE_NOT_SERVED": 410,
-    "PAYLOAD_TOO_LARGE": 413,
-    "RANGE_NOT_SATISFIABLE": 416,
-}
+# Codes whose status is not their kind's (a 410, a 413, ...): the catalog's, looked up first.
+STATUS_BY_CODE: dict[str, int] = {entry.code: entry.http for entry in CATALOG.values() if entry.http is not None}
 
-# Error classes to statuses; the first class in an error's MRO found here wins.
-STATUS_BY_CLASS: dict[type[KilnError], int] = {
-    InvalidInput: 422,
-    NotFound: 404,
-    Conflict: 409,
-    Unauthorized: 401,
-    Forbidden: 403,
-    Unavailable: 503,
-}
-
+# The web framework's own errors, by status.
 _CODE_BY_HTTP_STATUS = {
-    400: "BAD_REQUEST",
-    404: "NOT_FOUND",
-    405: "METHOD_NOT_ALLOWED",
-    413: "PAYLOAD_TOO_LARGE",
-    415: "UNSUPPORTED_MEDIA_TYPE",
+    400: Codes.BAD_REQUEST,
+    404: Codes.NOT_FOUND,
+    405: Codes.METHOD_NOT_ALLOWED,
+    413: Codes.PAYLOAD_TOO_LARGE,
+    415: Codes.UNSUPPORTED_MEDIA_TYPE,
 }
 
 
 def http_status(error: KilnError) -> int:
-    """The HTTP status for a kiln error: by code, then by class; 500 for anything unmapped."""
-    if error.code in STATUS_BY_CODE:
-        return STATUS_BY_CODE[error.code]
-    for cls in type(error).__mro__:
-        if cls in STATUS_BY_CLASS:
-            return STATUS_BY_CLASS[cls]
-    return 500
+    """The HTTP status for a kiln error: its code's own, else its kind's (`Kind.http_status`)."""
+    return STATUS_BY_CODE.get(error.code, error.kind.http_status)
 
 
 def _printable(value: Any) -> Any:
@@ -80,7 +62,7 @@ def error_response(error: KilnError) -> JSONResponse:
     if "hub_error_code" in error.details:  # Hub-compatible routes: what huggingface_hub maps to its errors
         headers["X-Error-Code"] = str(error.details["hub_error_code"])
         headers["X-Error-Message"] = error.message.encode("ascii", "replace").decode()[:1000]
-    if error.code == "RANGE_NOT_SATISFIABLE" and "size" in error.details:
+    if error.code == Codes.RANGE_NOT_SATISFIABLE and "size" in error.details:
         headers["Content-Range"] = f"bytes */{error.details['size']}"
     return JSONResponse(
         error_body(error.code, error.message, error.details), status_code=http_status(error), headers=headers
@@ -99,13 +81,13 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     ]
     summary = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in problems)
     return JSONResponse(
-        error_body("INVALID_INPUT", f"invalid request: {summary}", {"errors": problems}), status_code=422
+        error_body(Codes.INVALID_INPUT, f"invalid request: {summary}", {"errors": problems}), status_code=422
     )
 
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = _CODE_BY_HTTP_STATUS.get(exc.status_code, "HTTP_ERROR")
+    code = _CODE_BY_HTTP_STATUS.get(exc.status_code, Codes.HTTP_ERROR)
     return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 

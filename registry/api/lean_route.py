@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from registry.auth.principal import Scope
 from registry.deps import authenticate_async, check_models, required_scope
@@ -77,7 +78,7 @@ class LeanRoute(APIRoute):
             if len(raw) > MAX_QUERY_BYTES:
                 raise InvalidInput(
                     f"the query string is {len(raw)} bytes; at most {MAX_QUERY_BYTES}",
-                    code="QUERY_TOO_LONG",
+                    code=Codes.QUERY_TOO_LONG,
                     details={"max_bytes": MAX_QUERY_BYTES},
                 )
             params = request.query_params

@@ -9,6 +9,7 @@ from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinload
 
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput, NotFound
 from core.manifest import ArtifactManifest, FileEntry, check_relative_path
 
@@ -193,7 +194,7 @@ def _check_blobs(session: Session, manifest: ArtifactManifest) -> None:
     if problems:
         raise InvalidInput(
             "upload these files' blobs first: " + ", ".join(described),
-            code="BLOB_MISSING",
+            code=Codes.BLOB_MISSING,
             details={"missing": problems},
         )
 
@@ -231,7 +232,7 @@ def publish_artifact(
         raise Conflict(
             f"release {model}@{version} did not plan an artifact {manifest.name!r}; "
             f"planned: {', '.join(release.planned_artifacts)}",
-            code="ARTIFACT_NOT_PLANNED",
+            code=Codes.ARTIFACT_NOT_PLANNED,
             details={"artifact": manifest.name, "planned": release.planned_artifacts},
         )
     _check_blobs(session, manifest)

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput, NotFound
 from core.signing import (
     AttestationKind,
@@ -56,7 +57,7 @@ def add_key(session: Session, spec: TrustedKeyCreate, actor: str) -> tuple[Trust
         if existing.revoked_at is not None:
             raise Conflict(
                 f"key {kid} was revoked at {existing.revoked_at}; a revoked key is never trusted again",
-                code="KEY_REVOKED",
+                code=Codes.KEY_REVOKED,
                 details={"key_id": kid},
             )
         if existing.model_pattern != spec.model_pattern:
@@ -99,7 +100,7 @@ def keys_page(session: Session, reader: Principal, after: str | None, limit: int
         mark = find_key(session, after)
         if mark is None or not reader.sees_pattern(mark.model_pattern):  # one it may not see is unknown to it
             raise InvalidInput(
-                f"no trusted key {after} to list keys after", code="PAGE_CURSOR_UNKNOWN", details={"after": after}
+                f"no trusted key {after} to list keys after", code=Codes.PAGE_CURSOR_UNKNOWN, details={"after": after}
             )
 
     def fetch(past: TrustedKey | None, n: int) -> list[TrustedKey]:
@@ -139,11 +140,11 @@ def _read_blob(session: Session, store: BlobStore, spec: AttestationCreate) -> b
     except BlobNotFound:
         raise InvalidInput(
             f"upload the {spec.kind} blob {spec.sha256[:12]}… first",
-            code="BLOB_MISSING",
+            code=Codes.BLOB_MISSING,
             details={"sha256": spec.sha256},
         ) from None
     if row.size != spec.size:
-        raise InvalidInput(f"blob {spec.sha256[:12]}… has {row.size} bytes, not {spec.size}", code="BLOB_MISSING")
+        raise InvalidInput(f"blob {spec.sha256[:12]}… has {row.size} bytes, not {spec.size}", code=Codes.BLOB_MISSING)
     data = b"".join(store.open_range(spec.sha256))
     if hashlib.sha256(data).hexdigest() != spec.sha256:  # the store's bytes are what was uploaded
         raise SignatureInvalid(f"blob {spec.sha256[:12]}… in the store no longer matches its digest")
@@ -175,7 +176,7 @@ def verify_attestation(
         raise SignatureInvalid(
             f"no publisher key is trusted for model {model!r}: an admin adds one (`kiln keys add`) before "
             "signed artifacts are accepted",
-            code="NO_TRUSTED_KEY",
+            code=Codes.NO_TRUSTED_KEY,
             details={"model": model},
         )
     signer = next((k for k in keys if names_key(envelope, load_public_key(k.public_key_pem))), None)
@@ -188,7 +189,7 @@ def verify_attestation(
     if signer.revoked_at is not None:
         raise SignatureInvalid(
             f"the {kind} of {artifact.name!r} is signed by key {signer.key_id}, revoked at {signer.revoked_at}",
-            code="KEY_REVOKED",
+            code=Codes.KEY_REVOKED,
             details={"artifact": artifact.name, "kind": kind, "key_id": signer.key_id},
         )
     attested = verify_envelope(envelope, load_public_key(signer.public_key_pem), kind)

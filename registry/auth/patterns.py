@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 
 # The characters of a model name (core.manifest.MODEL_NAME_PATTERN).
@@ -134,14 +135,14 @@ def check_pattern(pattern: str) -> None:
     if not _SYNTAX.fullmatch(pattern):
         raise InvalidInput(
             f"a model pattern is 1 to 64 lowercase name characters with * ? [ ]; got {pattern[:80]!r}",
-            code="INVALID_PATTERN",
+            code=Codes.INVALID_PATTERN,
             details={"pattern": pattern[:80]},
         )
     if pattern_states(pattern) > MAX_PATTERN_STATES:
         raise InvalidInput(
             f"model pattern {pattern!r} is too costly to compare with others (more than {MAX_PATTERN_STATES} "
             "states: fewer `?` or `[...]` after a `*`)",
-            code="PATTERN_TOO_COMPLEX",
+            code=Codes.PATTERN_TOO_COMPLEX,
             details={"pattern": pattern, "max_states": MAX_PATTERN_STATES},
         )
 

@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound
 from registry.audit import service as audit
 from registry.auth.models import Token
@@ -37,7 +38,7 @@ def token_expiry(expires_at: datetime | None, max_lifetime: timedelta | None, no
         limit = "" if latest is None else f" and no later than {latest.isoformat(timespec='seconds')}"
         raise InvalidInput(
             f"a token's expiry must be a time with its zone, in the future{limit}; got {expires_at.isoformat()}",
-            code="TOKEN_EXPIRY_INVALID",
+            code=Codes.TOKEN_EXPIRY_INVALID,
             details={"latest": None if latest is None else latest.isoformat()},
         )
     return expires_at
@@ -61,12 +62,14 @@ def create_token(
     unknown = [s for s in scopes if s not in SCOPES]
     if not scopes or unknown:
         raise InvalidInput(
-            f"scopes must be some of {', '.join(SCOPES)}; got {scopes}", code="INVALID_SCOPE", details={"known": SCOPES}
+            f"scopes must be some of {', '.join(SCOPES)}; got {scopes}",
+            code=Codes.INVALID_SCOPE,
+            details={"known": SCOPES},
         )
     if len(models) > MAX_TOKEN_PATTERNS:
         raise InvalidInput(
             f"a token names at most {MAX_TOKEN_PATTERNS} model patterns; got {len(models)}",
-            code="TOO_MANY_PATTERNS",
+            code=Codes.TOO_MANY_PATTERNS,
             details={"max": MAX_TOKEN_PATTERNS},
         )
     for pattern in models:

@@ -14,6 +14,7 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from storage.store import BlobStore
 
@@ -60,7 +61,7 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
 def _unsatisfiable(header: str, size: int) -> InvalidInput:
     return InvalidInput(
         f"range {header[:100]!r} is outside the {size}-byte content",
-        code="RANGE_NOT_SATISFIABLE",
+        code=Codes.RANGE_NOT_SATISFIABLE,
         details={"range": header[:100], "size": size},
     )
 

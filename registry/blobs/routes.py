@@ -19,6 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import DigestMismatch, InvalidInput, KilnError
 from registry.api.errors import error_responses
 from registry.api.params import Sha256
@@ -37,7 +38,7 @@ router = APIRouter(prefix="/v1", tags=["blobs"])
 
 def _too_large(limit: int) -> InvalidInput:
     return InvalidInput(
-        f"upload exceeds the registry's limit of {limit} bytes", code="PAYLOAD_TOO_LARGE", details={"limit": limit}
+        f"upload exceeds the registry's limit of {limit} bytes", code=Codes.PAYLOAD_TOO_LARGE, details={"limit": limit}
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
+from core.error_codes import Codes
 from core.errors import Conflict, GateFailed, NotFound
 from registry.artifacts.evals import eval_status
 from registry.artifacts.service import WITH_EVALS, release_artifacts
@@ -85,14 +86,14 @@ def _gated_release(
     if release.yanked_at is not None:
         raise Conflict(
             f"release {model}@{version} is yanked ({release.yank_reason}); promote another release",
-            code="RELEASE_YANKED",
+            code=Codes.RELEASE_YANKED,
             details={"model": model, "version": version},
         )
     if release.status != "sealed":
         raise Conflict(
             f"release {model}@{version} is {release.status}, not sealed: only a sealed (complete) "
             "release can be promoted",
-            code="RELEASE_NOT_SEALED",
+            code=Codes.RELEASE_NOT_SEALED,
             details={"model": model, "version": version, "status": release.status},
         )
     artifacts = release_artifacts(session, release.id, *WITH_EVALS)
@@ -103,7 +104,7 @@ def _gated_release(
         raise Conflict(
             f"release {model}@{version} has artifacts without a signature by an active key trusted for "
             f"{model!r}{where}: {', '.join(unsigned)}",
-            code="ARTIFACT_UNSIGNED",
+            code=Codes.ARTIFACT_UNSIGNED,
             details={"model": model, "version": version, "unsigned": unsigned},
         )
     failed = [a for a in artifacts if eval_status(a.evals) == "failed"]

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound
 from core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
 from registry.audit import service as audit
@@ -41,7 +42,7 @@ def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
         known = sorted(entries)
         raise NotFound(
             f"unknown hardware {name!r}; known: {', '.join(known)}",
-            code="HARDWARE_NOT_FOUND",
+            code=Codes.HARDWARE_NOT_FOUND,
             details={"hardware": name, "known": known},
         )
     return entries[name]
@@ -83,7 +84,7 @@ def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> 
         raise InvalidInput(
             f"hardware entry {name!r}: name: the body names {str(data['name'])[:40]!r}; it must name the SKU of "
             "the path, or leave the name out",
-            code="HARDWARE_CATALOG_INVALID",
+            code=Codes.HARDWARE_CATALOG_INVALID,
         )
     profile = parse_profile({**data, "name": name}, f"hardware entry {name!r}")
     # First: the routing state's row lock serialises catalog writers (PostgreSQL; SQLite's write lock
@@ -117,7 +118,7 @@ def delete_entry(session: Session, name: str, actor: str) -> None:
         raise NotFound(
             f"the registry has no entry of its own for hardware {name!r}"
             + ("; built-in entries can be overridden (PUT), not deleted" if builtin else ""),
-            code="HARDWARE_NOT_FOUND",
+            code=Codes.HARDWARE_NOT_FOUND,
             details={"hardware": name},
         )
     audit.record(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound
 from registry.api.params import MODEL_NAME_PATTERN
 from registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
@@ -44,7 +45,7 @@ class HubError(NotFound):
 
 
 class InvalidRevision(InvalidInput):
-    code = "INVALID_REVISION"
+    code = Codes.INVALID_REVISION
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def model_name(repo_id: str) -> str:
         raise HubError(
             f"repository {repo_id!r} not found: repo ids are '<model>' or '{NAMESPACE}/<model>'",
             "RepoNotFound",
-            "REPO_NOT_FOUND",
+            Codes.REPO_NOT_FOUND,
             {"repo_id": repo_id},
         )
     return name
@@ -83,7 +84,7 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
     model = model_name(repo_id)
     model_row = find_model(session, model)
     if model_row is None:
-        raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", "REPO_NOT_FOUND", {"repo_id": repo_id})
+        raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", Codes.REPO_NOT_FOUND, {"repo_id": repo_id})
     if COMMIT.fullmatch(revision):
         # Only a served release's artifacts: a yanked or unsealed one is not served by any name.
         found = served_artifacts(session, served_release_ids(model_row.id), *WITH_FILES, digest_prefix=revision)
@@ -117,7 +118,7 @@ def _revision_not_found(repo_id: str, revision: str, why: str) -> HubError:
     return HubError(
         f"revision {revision!r} not found in {repo_id!r}: {why}",
         "RevisionNotFound",
-        "REVISION_NOT_FOUND",
+        Codes.REVISION_NOT_FOUND,
         {"repo_id": repo_id, "revision": revision},
     )
 
@@ -129,7 +130,7 @@ def find_file(resolved: Resolved, path: str) -> ArtifactFile:
     raise HubError(
         f"{path!r} is not a file of {resolved.model}@{resolved.version} artifact {resolved.artifact.name!r}",
         "EntryNotFound",
-        "ENTRY_NOT_FOUND",
+        Codes.ENTRY_NOT_FOUND,
         {"repo_id": resolved.repo_id, "path": path},
     )
 
@@ -172,7 +173,7 @@ def tree_entries(resolved: Resolved, prefix: str = "", recursive: bool = False) 
         raise HubError(
             f"{prefix!r} is not a folder of artifact {resolved.artifact.name!r}",
             "EntryNotFound",
-            "ENTRY_NOT_FOUND",
+            Codes.ENTRY_NOT_FOUND,
             {"repo_id": resolved.repo_id, "path": prefix},
         )
     dirs: list[dict[str, object]] = [

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from core.digest import canonical_json
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from registry.oci import media_types as mt
 
-CODE: Final = "MODELCAR_BASE_INVALID"
 # The largest JSON document (index, manifest, config) read from a layout; real ones are a few KiB.
 MAX_DOCUMENT_BYTES: Final = 4 * 1024 * 1024
 # ELF e_machine -> OCI architecture, for a base built from a static binary.
@@ -55,7 +55,11 @@ class BaseImage:
 
 
 def _invalid(layout: Path, message: str) -> InvalidInput:
-    return InvalidInput(f"model car base image {str(layout)!r}: {message}", code=CODE, details={"layout": str(layout)})
+    return InvalidInput(
+        f"model car base image {str(layout)!r}: {message}",
+        code=Codes.MODELCAR_BASE_INVALID,
+        details={"layout": str(layout)},
+    )
 
 
 def _check_blob(layout: Path, descriptor: Any) -> Path:
@@ -196,7 +200,7 @@ def static_elf_architecture(binary: bytes, name: str) -> str:
     """The OCI architecture of a statically linked 64-bit ELF executable; MODELCAR_BASE_INVALID otherwise
     (a dynamically linked shell would not start in an image that has no loader)."""
     if len(binary) < 64 or binary[:4] != b"\x7fELF" or binary[4] != 2 or binary[5] not in (1, 2):
-        raise InvalidInput(f"{name!r} is not a 64-bit ELF executable", code=CODE)
+        raise InvalidInput(f"{name!r} is not a 64-bit ELF executable", code=Codes.MODELCAR_BASE_INVALID)
     order: Literal["little", "big"] = "little" if binary[5] == 1 else "big"
 
     def field(offset: int, size: int) -> int:
@@ -204,11 +208,14 @@ def static_elf_architecture(binary: bytes, name: str) -> str:
 
     architecture = ELF_ARCHITECTURES.get(field(18, 2))
     if architecture is None:
-        raise InvalidInput(f"{name!r} is for an architecture kiln does not name", code=CODE)
+        raise InvalidInput(f"{name!r} is for an architecture kiln does not name", code=Codes.MODELCAR_BASE_INVALID)
     table, entry_size, count = field(32, 8), field(54, 2), field(56, 2)
     for i in range(count):
         if field(table + i * entry_size, 4) == ELF_PT_INTERP:
-            raise InvalidInput(f"{name!r} is dynamically linked; use a static one (Debian: busybox-static)", code=CODE)
+            raise InvalidInput(
+                f"{name!r} is dynamically linked; use a static one (Debian: busybox-static)",
+                code=Codes.MODELCAR_BASE_INVALID,
+            )
     return architecture
 
 

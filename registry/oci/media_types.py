@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from core.error_codes import Codes
+
 # OCI image-spec v1.1.
 IMAGE_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
 IMAGE_INDEX: Final = "application/vnd.oci.image.index.v1+json"
@@ -63,21 +65,21 @@ DIGEST: Final = re.compile(r"sha256:(?P<hex>[0-9a-f]{64})")
 
 # distribution-spec error codes, each with its HTTP status, keyed by the kiln error code that stands for it.
 OCI_ERROR_BY_KILN_CODE: Final[dict[str, tuple[str, int]]] = {
-    "NAME_UNKNOWN": ("NAME_UNKNOWN", 404),
-    "NAME_INVALID": ("NAME_INVALID", 400),
-    "MANIFEST_UNKNOWN": ("MANIFEST_UNKNOWN", 404),
-    "TAG_INVALID": ("TAG_INVALID", 400),
-    "BLOB_UNKNOWN": ("BLOB_UNKNOWN", 404),
-    "BLOB_NOT_FOUND": ("BLOB_UNKNOWN", 404),
-    "DIGEST_INVALID": ("DIGEST_INVALID", 400),
-    "UNAUTHORIZED": ("UNAUTHORIZED", 401),
-    "INVALID_TOKEN": ("UNAUTHORIZED", 401),
-    "FORBIDDEN": ("DENIED", 403),
-    "INVALID_INPUT": ("UNSUPPORTED", 400),
-    "OCI_PUSH_UNSUPPORTED": ("UNSUPPORTED", 405),
-    "OCI_ENDPOINT_UNKNOWN": ("UNSUPPORTED", 404),
+    Codes.NAME_UNKNOWN: ("NAME_UNKNOWN", 404),
+    Codes.NAME_INVALID: ("NAME_INVALID", 400),
+    Codes.MANIFEST_UNKNOWN: ("MANIFEST_UNKNOWN", 404),
+    Codes.TAG_INVALID: ("TAG_INVALID", 400),
+    Codes.BLOB_UNKNOWN: ("BLOB_UNKNOWN", 404),
+    Codes.BLOB_NOT_FOUND: ("BLOB_UNKNOWN", 404),
+    Codes.DIGEST_INVALID: ("DIGEST_INVALID", 400),
+    Codes.UNAUTHORIZED: ("UNAUTHORIZED", 401),
+    Codes.INVALID_TOKEN: ("UNAUTHORIZED", 401),
+    Codes.FORBIDDEN: ("DENIED", 403),
+    Codes.INVALID_INPUT: ("UNSUPPORTED", 400),
+    Codes.OCI_PUSH_UNSUPPORTED: ("UNSUPPORTED", 405),
+    Codes.OCI_ENDPOINT_UNKNOWN: ("UNSUPPORTED", 404),
     # A byte range outside the blob: the spec names no code for a 416; its parameters are unsupported.
-    "RANGE_NOT_SATISFIABLE": ("UNSUPPORTED", 416),
+    Codes.RANGE_NOT_SATISFIABLE: ("UNSUPPORTED", 416),
 }
 
 

@@ -35,6 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
 from core.digest import canonical_json, sha256_json
+from core.error_codes import Codes
 from core.errors import KilnError
 from registry.artifacts.service import ArtifactFile, artifact_files, release_artifacts
 from registry.db import insert_once, utcnow
@@ -123,7 +124,7 @@ def known_layers(session: Session, keys: Iterable[str]) -> LayerMap:
 def corrupt(file: ArtifactFile, what: str) -> KilnError:
     return KilnError(
         f"the stored blob of {file.path!r} ({file.sha256}) is corrupt: {what}; restore it from a good copy",
-        code="BLOB_CORRUPT",
+        code=Codes.BLOB_CORRUPT,
         details={"path": file.path, "sha256": file.sha256},
     )
 

@@ -21,7 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from core.errors import KilnError, Unauthorized, Unavailable
+from core.error_codes import Codes
+from core.errors import InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
 from registry.api.urls import base_url
 from registry.blobs import service as blobs
 from registry.blobs.download import blob_response, ranged_response
@@ -74,7 +75,7 @@ class OciRoute(APIRoute):
                 return oci_error(request, error)
             except RequestValidationError as error:
                 message = "; ".join(str(e.get("msg", "")) for e in error.errors())
-                return oci_error(request, KilnError(f"invalid request: {message}", code="INVALID_INPUT"))
+                return oci_error(request, InvalidInput(f"invalid request: {message}"))
 
         return route
 
@@ -125,7 +126,7 @@ def token(request: Request, settings: SettingsDep) -> Response:
         # Nothing to check: reads are open. An empty token makes clients send no Authorization at all.
         return JSONResponse({"token": "", "access_token": ""}, headers=API_VERSION)
     if not secret or request.app.state.token_cache.lookup(secret) is None:
-        raise Unauthorized("send a kiln token as the password (Basic) or as a Bearer token", code="INVALID_TOKEN")
+        raise Unauthorized("send a kiln token as the password (Basic) or as a Bearer token", code=Codes.INVALID_TOKEN)
     return JSONResponse({"token": secret, "access_token": secret, "expires_in": 3600}, headers=API_VERSION)
 
 
@@ -170,7 +171,7 @@ def get_blob(
         if not path.is_file() or path.stat().st_size != found.size:
             raise Unavailable(
                 f"the model car base image's layer {digest} changed on disk since the registry started",
-                code="MODELCAR_BASE_CHANGED",
+                code=Codes.MODELCAR_BASE_CHANGED,
                 details={"layout": str(found.car.layout), "digest": digest},
             )
         return _derived(request, digest, found.size, lambda a, b: read_file(path, a, b))
@@ -224,9 +225,9 @@ def list_referrers(
 @router.api_route("/{path:path}", methods=["GET", "HEAD"])
 def unknown_endpoint(path: str) -> Response:
     """Any other read under /v2/ (an empty reference, a made-up endpoint): the spec's error shape, not kiln's."""
-    raise KilnError(
+    raise NotFound(
         f"no OCI endpoint at /v2/{path[:200]}: this registry answers manifests/, blobs/, tags/list and referrers/",
-        code="OCI_ENDPOINT_UNKNOWN",
+        code=Codes.OCI_ENDPOINT_UNKNOWN,
         details={"path": f"/v2/{path[:200]}"},
     )
 
@@ -234,8 +235,8 @@ def unknown_endpoint(path: str) -> Response:
 @router.api_route("/{path:path}", methods=["POST", "PUT", "PATCH", "DELETE"])
 def refuse_push(path: str) -> Response:
     """Pushing through OCI is not offered: artifacts are published (and sealed) with `kiln publish`."""
-    raise KilnError(
+    raise InvalidInput(
         "this registry is pull-only over OCI: publish artifacts with `kiln publish`",
-        code="OCI_PUSH_UNSUPPORTED",
+        code=Codes.OCI_PUSH_UNSUPPORTED,
         details={"path": f"/v2/{path}"},
     )

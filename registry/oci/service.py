@@ -32,6 +32,7 @@ from sqlalchemy import ColumnElement, delete, false, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from core.digest import canonical_json
+from core.error_codes import Codes
 from core.errors import InvalidInput, NotFound
 from registry.api.params import MODEL_NAME_PATTERN
 from registry.artifacts import service as artifacts
@@ -65,7 +66,7 @@ def model_name(repository: str) -> str:
     if (slash and namespace not in (NAMESPACE, MODELCAR_NAMESPACE)) or not _MODEL.fullmatch(name):
         raise InvalidInput(
             f"repository {repository!r} is not '<model>', '{NAMESPACE}/<model>' or '{MODELCAR_NAMESPACE}/<model>'",
-            code="NAME_INVALID",
+            code=Codes.NAME_INVALID,
             details={"repository": repository},
         )
     return name
@@ -79,12 +80,14 @@ def find_repository(session: Session, repository: str, car: BaseImage | None) ->
         raise NotFound(
             f"repository {repository!r} not found: this registry offers no model cars "
             "(it has no base image; KILN_REGISTRY_MODELCAR_BASE)",
-            code="NAME_UNKNOWN",
+            code=Codes.NAME_UNKNOWN,
             details={"repository": repository},
         )
     row = find_model(session, name)
     if row is None:
-        raise NotFound(f"repository {repository!r} not found", code="NAME_UNKNOWN", details={"repository": repository})
+        raise NotFound(
+            f"repository {repository!r} not found", code=Codes.NAME_UNKNOWN, details={"repository": repository}
+        )
     return Repository(repository, row, car if wants_car else None)
 
 
@@ -256,7 +259,7 @@ def find_derived(
 def manifest_unknown(repository: str, reference: str) -> NotFound:
     return NotFound(
         f"manifest {reference!r} not found in {repository!r}",
-        code="MANIFEST_UNKNOWN",
+        code=Codes.MANIFEST_UNKNOWN,
         details={"repository": repository, "reference": reference},
     )
 
@@ -282,12 +285,12 @@ def resolve_manifest(
     if ":" in reference:
         raise InvalidInput(
             f"digest {reference!r} is not 'sha256:<64 lowercase hex>'",
-            code="DIGEST_INVALID",
+            code=Codes.DIGEST_INVALID,
             details={"reference": reference},
         )
     if not mt.TAG.fullmatch(reference):
         raise InvalidInput(
-            f"tag {reference!r} is not a valid OCI tag", code="TAG_INVALID", details={"reference": reference}
+            f"tag {reference!r} is not a valid OCI tag", code=Codes.TAG_INVALID, details={"reference": reference}
         )
     artifact_id = tag_table(session, repo.model).get(reference)
     served = served_artifacts(session, repo.model, artifact_id) if artifact_id is not None else []
@@ -305,7 +308,9 @@ def check_digest(digest: str) -> str:
     match = mt.DIGEST.fullmatch(digest)
     if match is None:
         raise InvalidInput(
-            f"digest {digest!r} is not 'sha256:<64 lowercase hex>'", code="DIGEST_INVALID", details={"digest": digest}
+            f"digest {digest!r} is not 'sha256:<64 lowercase hex>'",
+            code=Codes.DIGEST_INVALID,
+            details={"digest": digest},
         )
     return match["hex"]
 
@@ -365,7 +370,7 @@ def find_blob(
     if found is None or found[1].media_type not in (mt.MODEL_CONFIG, mt.IMAGE_CONFIG):
         raise NotFound(
             f"blob {digest} not found in {repository!r}",
-            code="BLOB_UNKNOWN",
+            code=Codes.BLOB_UNKNOWN,
             details={"repository": repository, "digest": digest},
         )
     return found[1]

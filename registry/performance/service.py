@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput
 from registry.hardware.service import effective_catalog
 from registry.paging import Page, keyset_page
@@ -27,7 +28,7 @@ def post_record(
         raise Conflict(
             f"release {model}@{version} is yanked ({release.yank_reason}): it is never served, so it takes no "
             "performance records",
-            code="RELEASE_YANKED",
+            code=Codes.RELEASE_YANKED,
             details={"model": model, "version": version},
         )
     row = get_artifact(session, model, version, artifact)
@@ -35,12 +36,12 @@ def post_record(
     profile = catalog.get(spec.hardware)
     if spec.itl_p99_ms < spec.itl_p50_ms:
         raise InvalidInput(
-            f"itl_p99_ms {spec.itl_p99_ms} is below itl_p50_ms {spec.itl_p50_ms}", code="PERFORMANCE_INVALID"
+            f"itl_p99_ms {spec.itl_p99_ms} is below itl_p50_ms {spec.itl_p50_ms}", code=Codes.PERFORMANCE_INVALID
         )
     if spec.tp > profile.devices_per_node:
         raise InvalidInput(
             f"tp {spec.tp} is more than the {profile.devices_per_node} devices of a {profile.name} node",
-            code="PERFORMANCE_INVALID",
+            code=Codes.PERFORMANCE_INVALID,
             details={"hardware": profile.name, "devices_per_node": profile.devices_per_node},
         )
     runs = spec.hardware in row.hardware or (
@@ -50,7 +51,7 @@ def post_record(
         raise InvalidInput(
             f"{model}@{version}/{artifact} does not run on {spec.hardware}; it runs on {', '.join(row.hardware)}"
             " (and SKUs of their architectures)",
-            code="PERFORMANCE_INVALID",
+            code=Codes.PERFORMANCE_INVALID,
             details={"hardware": spec.hardware, "artifact_hardware": list(row.hardware)},
         )
     record = PerformanceRecord(artifact_id=row.id, recorded_by=actor, **spec.model_dump())

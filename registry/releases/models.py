@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from core.error_codes import Codes
 from core.errors import Conflict, NotFound
 from registry.db import Base, utcnow
 from registry.models.models import Model
@@ -58,13 +59,13 @@ class Release(Base):
         if self.status == "sealed":
             raise Conflict(
                 f"release {model}@{self.version} is sealed: its artifacts never change; {doing} in a new version",
-                code="RELEASE_SEALED",
+                code=Codes.RELEASE_SEALED,
                 details=where,
             )
         if self.status == "abandoned":
             raise Conflict(
                 f"release {model}@{self.version} was abandoned ({self.abandon_reason}); {doing} in a new version",
-                code="RELEASE_ABANDONED",
+                code=Codes.RELEASE_ABANDONED,
                 details=where,
             )
 
@@ -74,18 +75,18 @@ class Release(Base):
         if self.status == "open":
             raise Conflict(
                 f"release {model}@{self.version} is open (still being published): it is served only once it is sealed",
-                code="RELEASE_NOT_SEALED",
+                code=Codes.RELEASE_NOT_SEALED,
                 details=where,
             )
         if self.status == "abandoned":
             raise NotFound(
                 f"release {model}@{self.version} was abandoned and is never served",
-                code="RELEASE_NOT_SERVED",
+                code=Codes.RELEASE_NOT_SERVED,
                 details=where,
             )
         if self.yanked_at is not None:
             raise NotFound(
                 f"release {model}@{self.version} is yanked ({self.yank_reason}) and is never served",
-                code="RELEASE_NOT_SERVED",
+                code=Codes.RELEASE_NOT_SERVED,
                 details={**where, "yanked": True},
             )

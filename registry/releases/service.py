@@ -15,6 +15,7 @@ from sqlalchemy import ScalarSelect, Select, case, func, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
 from core.digest import same_json
+from core.error_codes import Codes
 from core.errors import Conflict, InvalidInput, NotFound
 from registry.artifacts.service import WITH_EVALS, drop_release_artifacts, release_artifact_ids, release_artifacts
 from registry.attestations.policy import unsigned_artifacts
@@ -97,7 +98,7 @@ def releases_page(session: Session, model: str, after: str | None, limit: int) -
         if mark is None:
             raise InvalidInput(
                 f"model {model!r} has no release {after!r} to list releases after",
-                code="PAGE_CURSOR_UNKNOWN",
+                code=Codes.PAGE_CURSOR_UNKNOWN,
                 details={"model": model, "after": after},
             )
 
@@ -205,7 +206,7 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
             parts.append(f"artifacts without an eval result or a reason it was not run: {', '.join(unevaluated)}")
         raise Conflict(
             f"release {model}@{version} is not complete: " + "; ".join(parts),
-            code="RELEASE_INCOMPLETE",
+            code=Codes.RELEASE_INCOMPLETE,
             details={"model": model, "version": version, "missing": missing, "unevaluated": unevaluated},
         )
     unsigned = unsigned_artifacts(session, model, [(a.id, a.name) for a in artifacts])
@@ -213,7 +214,7 @@ def seal_release(session: Session, model: str, version: str, actor: str) -> tupl
         raise Conflict(
             f"release {model}@{version} has artifacts without a signature by a key trusted for {model!r}: "
             f"{', '.join(unsigned)}; publish them with a signing key (`kiln publish --signing-key`)",
-            code="ARTIFACT_UNSIGNED",
+            code=Codes.ARTIFACT_UNSIGNED,
             details={"model": model, "version": version, "unsigned": unsigned},
         )
     release.status = "sealed"
@@ -238,7 +239,7 @@ def abandon_release(session: Session, model: str, version: str, reason: str, act
     if release.status == "sealed":
         raise Conflict(
             f"release {model}@{version} is sealed; a sealed release is yanked, not abandoned",
-            code="RELEASE_SEALED",
+            code=Codes.RELEASE_SEALED,
             details={"model": model, "version": version, "status": release.status},
         )
     drop_attestations(session, release_artifact_ids(release.id))
@@ -265,7 +266,7 @@ def yank_release(session: Session, model: str, version: str, reason: str, actor:
     if release.status != "sealed":
         raise Conflict(
             f"release {model}@{version} is {release.status}, not sealed: an open release is abandoned, not yanked",
-            code="RELEASE_NOT_SEALED",
+            code=Codes.RELEASE_NOT_SEALED,
             details={"model": model, "version": version, "status": release.status},
         )
     if release.yanked_at is None:

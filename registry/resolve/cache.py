@@ -19,6 +19,7 @@ from sqlalchemy import Engine, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 from starlette.responses import Response
 
+from core.error_codes import Codes
 from core.errors import NotFound, Unavailable
 from core.hardware import HardwareCatalog
 from registry.channels.buckets import BASIS_POINTS, bucket_of, owner
@@ -98,7 +99,7 @@ class ChannelSnapshot:
         raise NotFound(
             f"release {version!r} of {model!r} is not on channel {channel!r}; it points at "
             + ", ".join(f"{m.version} ({w * 100 / BASIS_POINTS:g} %)" for m, w in self.members),
-            code="VERSION_NOT_IN_CHANNEL",
+            code=Codes.VERSION_NOT_IN_CHANNEL,
             details={"model": model, "channel": channel, "version": version, "versions": versions},
         )
 

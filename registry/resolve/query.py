@@ -6,6 +6,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import HARDWARE_NAME_PATTERN
 from core.resolve import Policy
@@ -59,21 +60,21 @@ def parse_pools(text: str) -> tuple[Pool, ...]:
             raise InvalidInput(
                 f"hardware {item.strip()[:40]!r}: expected an SKU name, optionally with its free devices "
                 "(h100 or h100:4), comma-separated",
-                code="RESOLVE_POOLS_INVALID",
+                code=Codes.RESOLVE_POOLS_INVALID,
             )
         free_devices: int | None = None
         if sep:
             if not (free.isascii() and free.isdigit() and len(free) <= 7):
                 raise InvalidInput(
                     f"hardware {item.strip()[:40]!r}: free devices must be a whole number (0 to 9999999)",
-                    code="RESOLVE_POOLS_INVALID",
+                    code=Codes.RESOLVE_POOLS_INVALID,
                 )
             free_devices = int(free)
         if any(p.hardware == name for p in pools):
-            raise InvalidInput(f"hardware {name!r} is listed twice", code="RESOLVE_POOLS_INVALID")
+            raise InvalidInput(f"hardware {name!r} is listed twice", code=Codes.RESOLVE_POOLS_INVALID)
         pools.append(Pool(name, free_devices))
     if len(pools) > MAX_POOLS:
-        raise InvalidInput(f"at most {MAX_POOLS} hardware pools per query", code="RESOLVE_POOLS_INVALID")
+        raise InvalidInput(f"at most {MAX_POOLS} hardware pools per query", code=Codes.RESOLVE_POOLS_INVALID)
     return tuple(pools)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.error_codes import Codes
 from core.errors import NotFound
 from core.hardware import HardwareCatalog, HardwareProfile
 from core.resolve import MeasurementOut
@@ -267,7 +268,7 @@ def rank_release(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuer
         if failed:
             problem = NotFound(
                 f"every artifact of {where} for {', '.join(names)} failed its eval: {'; '.join(failed)}",
-                code="NO_COMPATIBLE_ARTIFACT",
+                code=Codes.NO_COMPATIBLE_ARTIFACT,
                 details={**details, "failed": failed},
             )
             return Ranking((), tuple(unranked), problem)
@@ -276,7 +277,7 @@ def rank_release(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuer
         what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
         problem = NotFound(
             f"release {where} has no artifact for hardware {', '.join(map(repr, names))}: {what}",
-            code="NO_COMPATIBLE_ARTIFACT",
+            code=Codes.NO_COMPATIBLE_ARTIFACT,
             details={**details, "supported_hardware": supported, "reasons": why},
         )
         return Ranking((), tuple(unranked), problem)
@@ -300,7 +301,7 @@ def _problem(
         return NotFound(
             f"no artifact of {where} fits on {', '.join(names)} with context {query.context} × concurrency "
             f"{query.concurrency}: {needs}",
-            code="NO_COMPATIBLE_ARTIFACT",
+            code=Codes.NO_COMPATIBLE_ARTIFACT,
             details={
                 **details,
                 "memory_bytes": best.plan.memory_per_device_bytes,
@@ -319,7 +320,7 @@ def _problem(
         return NotFound(
             f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.name} on "
             f"{best.hardware}: {'; '.join(best.slo_misses)}",
-            code="SLO_UNMET",
+            code=Codes.SLO_UNMET,
             details={
                 **details,
                 "best": {

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.manifest import FileOut
 from core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
@@ -177,7 +178,7 @@ async def resolve(
     if version is not None and key is not None:
         raise InvalidInput(
             "give `key` (the release a caller lands on) or `version` (a release of the channel), not both",
-            code="RESOLVE_KEY_AND_VERSION",
+            code=Codes.RESOLVE_KEY_AND_VERSION,
             details={"key": key, "version": version},
         )
     asked = ResolveQuery(hardware, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)

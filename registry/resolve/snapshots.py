@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
+from core.error_codes import Codes
 from core.errors import NotFound
 from core.hardware import HardwareCatalog
 from core.resolve import MeasurementOut
@@ -62,7 +63,7 @@ def snapshot_of(fingerprints: ChannelFingerprints, model: str, channel: str, row
         raise NotFound(
             f"channel {channel!r} of {model!r} points at release {version}, which is yanked; "
             "resolve never returns a yanked release: promote another one",
-            code="CHANNEL_RELEASE_YANKED",
+            code=Codes.CHANNEL_RELEASE_YANKED,
             details={"model": model, "channel": channel, "version": version},
         )
     # SQLite hands JSON back as text, PostgreSQL parsed: the text (or its dump) keys the built snapshot.

@@ -20,6 +20,7 @@ from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BeforeValidator, Field
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError, NotFound
 from core.hardware import HardwareCatalog
 from placement.fit import MEMORY_UTILIZATION
@@ -140,7 +141,7 @@ class HTMLErrorRoute(APIRoute):
                 problems = "; ".join(
                     f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()
                 )
-                return error_page(request, 422, "INVALID_INPUT", f"invalid request: {problems}")
+                return error_page(request, 422, Codes.INVALID_INPUT, f"invalid request: {problems}")
 
         return handle
 
@@ -292,7 +293,7 @@ def fit_explorer(
     asked = [p.strip() for p in pool or () if p.strip()]
     pools = ",".join(asked) if asked else ",".join(default_pools(view, catalog))
     if len(pools) > MAX_POOLS_TEXT:
-        raise InvalidInput(f"the pools are over {MAX_POOLS_TEXT} characters", code="RESOLVE_POOLS_INVALID")
+        raise InvalidInput(f"the pools are over {MAX_POOLS_TEXT} characters", code=Codes.RESOLVE_POOLS_INVALID)
     query = ResolveQuery(pools, policy, context, concurrency, kv_cache_dtype, min_tokens_per_s, max_ttft_ms)
     parsed = query.pools if pools else ()  # a bad pool is refused here, an unknown SKU by the ranking
     content = fit_page(rank_release(view, catalog, query, f"{model}@{version}"), query) if parsed else None

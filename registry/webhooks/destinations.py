@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from registry.ops.logs import redact_urls
 from registry.settings import HOST_LABEL, AllowList, IPAddress, RegistrySettings
@@ -48,18 +49,20 @@ _NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
 class DestinationForbidden(InvalidInput):
     """A webhook URL whose host is (or resolves to) an address webhooks may not reach."""
 
-    code = "WEBHOOK_DESTINATION_FORBIDDEN"
+    code = Codes.WEBHOOK_DESTINATION_FORBIDDEN
 
 
 class DestinationUnresolvable(InvalidInput):
     """A webhook URL whose host name resolves to no address."""
 
-    code = "WEBHOOK_DESTINATION_UNRESOLVABLE"
+    code = Codes.WEBHOOK_DESTINATION_UNRESOLVABLE
 
 
 def _invalid(url: str, problem: str) -> InvalidInput:
     # The URL as logs show it: a password or a query may be in it.
-    return InvalidInput(f"webhook URL {redact_urls(url[:200])!r} is not valid: {problem}", code="INVALID_WEBHOOK_URL")
+    return InvalidInput(
+        f"webhook URL {redact_urls(url[:200])!r} is not valid: {problem}", code=Codes.INVALID_WEBHOOK_URL
+    )
 
 
 @dataclass(frozen=True)

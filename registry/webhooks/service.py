@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, selectinload
 
+from core.error_codes import Codes
 from core.errors import Conflict, Forbidden, NotFound, UnknownName
 from registry.audit import service as audit
 from registry.auth.patterns import check_pattern
@@ -29,7 +30,7 @@ def check_events(events: list[str]) -> None:
     if unknown:
         raise UnknownName(
             f"unknown webhook events: {', '.join(unknown)}; known: {', '.join(EVENTS)}",
-            code="UNKNOWN_EVENT",
+            code=Codes.UNKNOWN_EVENT,
             details={"unknown": unknown, "known": list(EVENTS)},
         )
 
@@ -162,13 +163,13 @@ def redeliver(session: Session, actor: Principal, webhook_id: int, delivery_id: 
     if not webhook.active:
         raise Conflict(
             f"webhook {webhook_id} was deleted; create a new one to receive events",
-            code="WEBHOOK_INACTIVE",
+            code=Codes.WEBHOOK_INACTIVE,
             details={"webhook": webhook_id},
         )
     if original.state == "pending":
         raise Conflict(
             f"delivery {delivery_id} is still pending (attempt {original.attempts + 1} is due); it will be sent",
-            code="DELIVERY_PENDING",
+            code=Codes.DELIVERY_PENDING,
             details={"webhook": webhook_id, "delivery": delivery_id},
         )
     copy = WebhookDelivery(

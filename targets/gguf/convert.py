@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, SourceInvalid
 from formats.architectures.record import NORM_KINDS, TargetMapping, TensorKind
 from formats.gguf.constants import (
@@ -53,7 +54,7 @@ def gguf_mapping(shape: ModelShape) -> TargetMapping:
     if mapping.refused is not None:
         raise InvalidInput(
             f"GGUF export does not support {shape.architecture} ({shape.family}): {mapping.refused}",
-            code="GGUF_UNSUPPORTED_ARCH",
+            code=Codes.GGUF_UNSUPPORTED_ARCH,
             details={"architecture": shape.architecture, "reason": mapping.refused},
         )
     return mapping
@@ -68,7 +69,7 @@ def llama_cpp_arch(shape: ModelShape) -> LlamaCppArch:
         raise InvalidInput(
             f"GGUF export: {shape.architecture}'s mapping names llama.cpp architecture {name!r}, which kiln does not "
             f"know; known: {', '.join(LLAMA_CPP_ARCHS)}",
-            code="GGUF_UNSUPPORTED_ARCH",
+            code=Codes.GGUF_UNSUPPORTED_ARCH,
             details={"architecture": shape.architecture, "gguf_arch": name},
         ) from None
 
@@ -100,7 +101,7 @@ def layout(shape: ModelShape) -> dict[str, tuple[Placement, ...]]:
         if mapping.permute_qk and t.kind is TensorKind.ATTN_QKV:
             raise InvalidInput(
                 f"GGUF export: {shape.architecture}'s mapping permutes q/k rows, but its q, k and v are fused",
-                code="GGUF_UNSUPPORTED_ARCH",
+                code=Codes.GGUF_UNSUPPORTED_ARCH,
                 details={"architecture": shape.architecture},
             )
         placed = []
@@ -110,7 +111,7 @@ def layout(shape: ModelShape) -> dict[str, tuple[Placement, ...]]:
                 raise InvalidInput(
                     f"GGUF export: {shape.architecture}'s {part.kind.value} tensors (e.g. {t.name!r}) have no "
                     "llama.cpp name; the family's gguf mapping must name them",
-                    code="GGUF_UNSUPPORTED_ARCH",
+                    code=Codes.GGUF_UNSUPPORTED_ARCH,
                     details={"architecture": shape.architecture, "kind": part.kind.value},
                 )
             name = f"{base}.{'bias' if t.bias or part.kind in BIAS_NAMED_KINDS else 'weight'}"
@@ -320,7 +321,7 @@ def plan_tensors(
             if strict or kept:
                 raise InvalidInput(
                     f"GGUF {quant.name}: tensor {source!r} ({gname}) cannot be stored as {ttype.name}: {reason}",
-                    code="GGUF_ROW_NOT_DIVISIBLE",
+                    code=Codes.GGUF_ROW_NOT_DIVISIBLE,
                     details={"tensor": source, "gguf_tensor": gname, "type": ttype.name, "row_length": dims[-1]},
                 )
             fallback = f"{ttype.name} -> {quant.fallback_type.name}: {reason}"

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.error_codes import Codes
 from core.errors import Deferred, InvalidInput, StageFailed, UnknownName
 from formats.gguf.constants import (
     GGML_QUANT_VERSION,
@@ -71,7 +72,7 @@ def output_name(quant: str) -> str:
 def _unsupported(shape: ModelShape, arch: LlamaCppArch, message: str, **details: object) -> InvalidInput:
     return InvalidInput(
         f"GGUF export of {shape.architecture} as llama.cpp's {arch.name}: {message}",
-        code="GGUF_UNSUPPORTED",
+        code=Codes.GGUF_UNSUPPORTED,
         details={"architecture": shape.architecture, "gguf_arch": arch.name, **details},
     )
 
@@ -332,7 +333,7 @@ def check_name(name: str, vocab: VocabMetadata) -> None:
                 f"{' or '.join(map(repr, words))} ({name!r}) it needs the tokens {', '.join(map(repr, missing))}, "
                 "which this tokenizer lacks, and would fail to load the file; export it under another name "
                 "(the target's `name` param)",
-                code="GGUF_NAME_UNSUPPORTED",
+                code=Codes.GGUF_NAME_UNSUPPORTED,
                 details={"name": name, "missing_tokens": missing},
             )
 
@@ -509,7 +510,7 @@ def write_gguf(
             except F16Overflow as e:
                 raise InvalidInput(
                     f"GGUF: tensor {plan.source!r} cannot be stored as F16: {e}; export bf16 (or q8_0) instead",
-                    code="GGUF_F16_OVERFLOW",
+                    code=Codes.GGUF_F16_OVERFLOW,
                     details={"tensor": plan.source},
                 ) from None
             on_progress(plan.source_nbytes)
@@ -572,7 +573,7 @@ def llama_quantize(src: Path, dst: Path, ftype: FileType, *, threads: int = 0) -
         llama_logger.logger.setLevel(level)
     if rc != 0 or not dst.is_file():
         dst.unlink(missing_ok=True)
-        raise StageFailed(f"llama.cpp's quantizer failed ({ftype.name}, rc={rc})", code="GGUF_QUANTIZE_FAILED")
+        raise StageFailed(f"llama.cpp's quantizer failed ({ftype.name}, rc={rc})", code=Codes.GGUF_QUANTIZE_FAILED)
 
 
 def prepare(source: SourceModel) -> dict[str, Any]:
@@ -706,7 +707,7 @@ def _k_quant_fallbacks(plans: list[TensorPlan], quant: QuantSpec, strict: bool) 
             if strict:
                 raise InvalidInput(
                     f"GGUF {quant.name}: tensor {p.source!r} ({p.name}) cannot be stored as a K-quant: {reason}",
-                    code="GGUF_ROW_NOT_DIVISIBLE",
+                    code=Codes.GGUF_ROW_NOT_DIVISIBLE,
                     details={"tensor": p.source, "gguf_tensor": p.name, "row_length": p.shape[-1]},
                 )
             out[p.name] = reason

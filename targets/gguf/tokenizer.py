@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.gguf.constants import PRE_TOKENIZERS, Keys, PreTokenizerSpec, TokenType, ValueType
 from formats.gguf.writer import Metadata
@@ -27,7 +28,7 @@ _SPECIAL_KEYS = {"bos": Keys.BOS_ID, "eos": Keys.EOS_ID, "unk": Keys.UNK_ID, "pa
 
 
 def _unsupported(message: str, **details: Any) -> InvalidInput:
-    return InvalidInput(message, code="GGUF_TOKENIZER_UNSUPPORTED", details=details)
+    return InvalidInput(message, code=Codes.GGUF_TOKENIZER_UNSUPPORTED, details=details)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _check_library_additions(hf: Any, tok: dict[str, Any], root: Path, vocab_siz
             f"{'these' if len(roles) > 1 else 'this'}. Set {', '.join(roles) or 'the special tokens'} in "
             "tokenizer_config.json to tokens that tokenizer.json has, or add the token to tokenizer.json and "
             "raise vocab_size (and the embeddings) to cover it.",
-            code="GGUF_VOCAB_MISMATCH",
+            code=Codes.GGUF_VOCAB_MISMATCH,
             details={"token": content, "id": tid, "tokenizer_class": cls, "roles": roles},
         )
 
@@ -305,7 +306,7 @@ def _vocab(tok: dict[str, Any], specials: _Specials, vocab_size: int) -> VocabMe
         raise InvalidInput(
             f"tokenizer has token id {top} but config.json vocab_size is {vocab_size}; "
             "the embedding matrix has no row for it",
-            code="GGUF_VOCAB_MISMATCH",
+            code=Codes.GGUF_VOCAB_MISMATCH,
         )
     tokens: list[str] = []
     types: list[int] = []

@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.safetensors import SafeTensorsWriter
 from quant.catalog import METHODS, SCHEMES, compatibility, compatible_hardware, get_scheme
@@ -181,7 +182,7 @@ def bundle_tensors(
         layout = released.quantization.layout.name if released is not None else "plain"
         raise InvalidInput(
             f"{scheme.name} is a release's own layout; this source is {layout}",
-            code="QUANT_SOURCE_REFUSED",
+            code=Codes.QUANT_SOURCE_REFUSED,
             details={"quant": scheme.name, "layout": layout},
         )
     planned = keep_released(source, plan_tensors(source, None, on_progress))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from targets.lint.findings import (
     CODES,
@@ -73,7 +74,7 @@ def detect_format(root: Path) -> str:
     if root.is_file() and root.suffix == ".gguf":
         return "gguf-v3"
     if not root.is_dir():
-        raise InvalidInput(f"{root} is not a directory", code="LINT_NOT_AN_ARTIFACT", details={"path": str(root)})
+        raise InvalidInput(f"{root} is not a directory", code=Codes.LINT_NOT_AN_ARTIFACT, details={"path": str(root)})
     names = {p.name for p in root.iterdir()}
     if "weights.json" in names and (root / "checkpoint").is_dir():
         return "orbax-checkpoint"
@@ -84,7 +85,7 @@ def detect_format(root: Path) -> str:
     raise InvalidInput(
         f"{root}: not an artifact kiln lints (a .gguf file; config.json with SafeTensors shards; or an orbax "
         "checkpoint with weights.json)",
-        code="LINT_NOT_AN_ARTIFACT",
+        code=Codes.LINT_NOT_AN_ARTIFACT,
         details={"path": str(root)},
     )
 
@@ -99,13 +100,13 @@ def lint_artifact(
     if target is not None:
         spec = get_target(target)
         if spec.lint is None:
-            raise InvalidInput(f"target {target!r} declares no lint", code="LINT_UNSUPPORTED")
+            raise InvalidInput(f"target {target!r} declares no lint", code=Codes.LINT_UNSUPPORTED)
         return spec.lint(LintRequest(root, shape, quant))
     fmt = detect_format(root)
     checkers = {s.lint for s in all_targets().values() if s.format == fmt and s.lint is not None}
     if len(checkers) != 1:
         raise InvalidInput(
             f"{root}: the {fmt} targets declare {len(checkers)} lints; name one with --target",
-            code="LINT_UNSUPPORTED",
+            code=Codes.LINT_UNSUPPORTED,
         )
     return checkers.pop()(LintRequest(root, shape, quant))

@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed, UnknownName
 from targets.base import ExportRequest, ExportResult
 from targets.orbax.forward import forward_config
@@ -80,7 +81,7 @@ def int8_arrays(name: str, weight: torch.Tensor, scale: torch.Tensor) -> tuple[n
     if q.min() < -128 or q.max() > 127 or not torch.equal(q * s, weight.float()):
         raise StageFailed(
             f"orbax: {name} from the quantize stage is not int8 values times per-channel scales",
-            code="ORBAX_INT8_MISMATCH",
+            code=Codes.ORBAX_INT8_MISMATCH,
             details={"tensor": name},
         )
     return q.to(torch.int8).numpy(), s.reshape(-1).numpy()

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.architectures.config import MlaShape, RopeSpec, sqrt_hidden
 from formats.architectures.shape import ModelShape
@@ -93,7 +94,7 @@ class ForwardConfig:
 
 
 def _unsupported(message: str, **details: Any) -> InvalidInput:
-    return InvalidInput(f"orbax: {message}", code="ORBAX_UNSUPPORTED", details=details)
+    return InvalidInput(f"orbax: {message}", code=Codes.ORBAX_UNSUPPORTED, details=details)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError
 from core.hardware import PROFILES
 from formats.architectures.record import TensorKind, TensorSpec
@@ -61,7 +62,7 @@ def _weight_only_int8() -> str:
             and scheme.method == "rtn"
         ):
             return scheme.name
-    raise KilnError("no int8 weight-only per-channel scheme is registered", code="TARGET_NOT_REGISTERED")
+    raise KilnError("no int8 weight-only per-channel scheme is registered", code=Codes.TARGET_NOT_REGISTERED)
 
 
 INT8: Final = _weight_only_int8()

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.architectures.record import EXPERT_KINDS, TensorKind
 
@@ -54,13 +55,13 @@ PartitionSpec = tuple[str | None, ...]
 class MeshInvalid(InvalidInput):
     """The recipe's `mesh` parameter is not a mapping of axis names to sizes with a `model` axis."""
 
-    code = "ORBAX_MESH_INVALID"
+    code = Codes.ORBAX_MESH_INVALID
 
 
 class ShardingNotDivisible(InvalidInput):
     """A tensor dimension (or head count) the plan splits is not a multiple of the mesh axis size."""
 
-    code = "ORBAX_SHARDING_NOT_DIVISIBLE"
+    code = Codes.ORBAX_SHARDING_NOT_DIVISIBLE
 
 
 @dataclass(frozen=True)

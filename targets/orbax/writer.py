@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.error_codes import Codes
 from core.errors import KilnError, StageFailed
 from targets.orbax.layout import nest
 
@@ -39,7 +40,7 @@ class WriterState(enum.Enum):
 
 
 class WriterMisuse(KilnError):
-    code = "ORBAX_WRITER_MISUSE"
+    code = Codes.ORBAX_WRITER_MISUSE
 
 
 @contextlib.contextmanager
@@ -86,7 +87,7 @@ class OrbaxWriter:
             if str(arr.dtype) != dtype or tuple(arr.shape) != shape:
                 raise StageFailed(
                     f"orbax: tensor {name!r} is {arr.dtype} {list(arr.shape)}, planned {dtype} {list(shape)}",
-                    code="ORBAX_PLAN_MISMATCH",
+                    code=Codes.ORBAX_PLAN_MISMATCH,
                     details={"tensor": name},
                 )
         self.state = WriterState.WRITING
@@ -141,4 +142,4 @@ def _make_reproducible(path: Path) -> None:
         marker.write_text("Checkpoint commit was successful\n")
     leftovers = [p.name for p in path.parent.glob(path.name + ".*")]
     if leftovers:
-        raise StageFailed(f"orbax left {leftovers} beside the finished checkpoint", code="ORBAX_WRITE_FAILED")
+        raise StageFailed(f"orbax left {leftovers} beside the finished checkpoint", code=Codes.ORBAX_WRITE_FAILED)

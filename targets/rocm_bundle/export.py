@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from core.hardware import PROFILES
 from quant.catalog import SCHEMES, compatibility, get_method, get_scheme
@@ -75,7 +76,7 @@ def _rocm_arches() -> dict[str, RocmArch]:
         if len(kinds) > 1:
             raise InvalidInput(
                 f"hardware catalog: the {arch} devices disagree on their FP8 type ({sorted(map(str, kinds))})",
-                code="HARDWARE_CATALOG_INVALID",
+                code=Codes.HARDWARE_CATALOG_INVALID,
             )
     return {arch: _rocm_arch(next(iter(kinds))) for arch, kinds in sorted(flavours.items())}
 
@@ -103,19 +104,19 @@ def parse_params(params: dict[str, Any]) -> RocmParams:
         parsed = RocmParams.model_validate(params)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"rocm-bundle params: {problems}", code="TARGET_PARAMS") from None
+        raise InvalidInput(f"rocm-bundle params: {problems}", code=Codes.TARGET_PARAMS) from None
     if parsed.gfx_arch not in ROCM_ARCHES:
         raise InvalidInput(
             f"rocm-bundle params: gfx_arch {parsed.gfx_arch!r} is not an AMD architecture of the hardware "
             f"catalog; known: {', '.join(ROCM_ARCHES)}",
-            code="TARGET_PARAMS",
+            code=Codes.TARGET_PARAMS,
         )
     arch = ROCM_ARCHES[parsed.gfx_arch]
     if parsed.fp8_dtype not in arch.fp8_checkpoint:
         raise InvalidInput(
             f"rocm-bundle params: fp8_dtype {parsed.fp8_dtype} is not for {parsed.gfx_arch}, which computes in "
             f"{arch.fp8_compute or 'no FP8'}; use {' or '.join(arch.fp8_checkpoint)}",
-            code="TARGET_PARAMS",
+            code=Codes.TARGET_PARAMS,
         )
     return parsed
 

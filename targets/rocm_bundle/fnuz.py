@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -30,10 +31,10 @@ def fnuz_weight(weight: torch.Tensor) -> torch.Tensor:
     import torch
 
     if weight.dtype != torch.float8_e4m3fn:
-        raise InvalidInput(f"expected float8_e4m3fn weights, got {weight.dtype}", code="FP8_DTYPE")
+        raise InvalidInput(f"expected float8_e4m3fn weights, got {weight.dtype}", code=Codes.FP8_DTYPE)
     values = weight.float()
     if torch.isnan(values).any():
-        raise InvalidInput("float8_e4m3fn weights contain NaN; there is no value to convert", code="FP8_NAN")
+        raise InvalidInput("float8_e4m3fn weights contain NaN; there is no value to convert", code=Codes.FP8_NAN)
     # Halving is exact (only the exponent changes) and every half of an e4m3fn value is an e4m3fnuz value.
     return (values / 2).to(torch.float8_e4m3fnuz)
 
@@ -53,8 +54,8 @@ def e4m3fnuz_to_e4m3fn(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch
     import torch
 
     if weight.dtype != torch.float8_e4m3fnuz:
-        raise InvalidInput(f"expected float8_e4m3fnuz weights, got {weight.dtype}", code="FP8_DTYPE")
+        raise InvalidInput(f"expected float8_e4m3fnuz weights, got {weight.dtype}", code=Codes.FP8_DTYPE)
     bits = weight.view(torch.uint8)
     if bool(((bits == 0x80) | (bits == 0x7F) | (bits == 0xFF)).any()):
-        raise InvalidInput("float8_e4m3fnuz weights hold NaN or +-240, which e4m3fn cannot express", code="FP8_NAN")
+        raise InvalidInput("float8_e4m3fnuz weights hold NaN or +-240, which e4m3fn cannot express", code=Codes.FP8_NAN)
     return bits.view(torch.float8_e4m3fn), scale / 2

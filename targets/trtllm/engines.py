@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, UnknownName
 from core.hardware import PROFILES
 from targets.hf_bundle.export import DEFAULT_SHARD_BYTES
@@ -198,7 +199,7 @@ def parse_params(params: dict[str, Any]) -> TrtllmParams:
         )
         if any("unknown engine SKU" in err["msg"] for err in e.errors()):
             raise UnknownName(f"trtllm params: {problems}", details={"known": list(ENGINE_SKUS)}) from None
-        raise InvalidInput(f"trtllm params: {problems}", code="TARGET_PARAMS") from None
+        raise InvalidInput(f"trtllm params: {problems}", code=Codes.TARGET_PARAMS) from None
 
 
 def check_skus(quant: str, params: TrtllmParams) -> None:
@@ -210,7 +211,7 @@ def check_skus(quant: str, params: TrtllmParams) -> None:
         if not verdict.compatible:
             raise InvalidInput(
                 f"trtllm-{quant} on {sku}: {verdict.reason}",
-                code="ENGINE_SKU_INCOMPATIBLE",
+                code=Codes.ENGINE_SKU_INCOMPATIBLE,
                 details={"quant": quant, "sku": sku, "reason": verdict.reason},
             )
     if params.gpus is not None and algo in MIN_PYTORCH_BACKEND:
@@ -218,13 +219,13 @@ def check_skus(quant: str, params: TrtllmParams) -> None:
         if Version(params.gpus.tensorrt_llm) < Version(floor):
             raise InvalidInput(
                 f"trtllm-{quant}: tensorrt_llm {params.gpus.tensorrt_llm} cannot load it; it needs >= {floor}: {why}",
-                code="TENSORRT_LLM_TOO_OLD",
+                code=Codes.TENSORRT_LLM_TOO_OLD,
                 details={"quant": quant, "pinned": params.gpus.tensorrt_llm, "minimum": floor},
             )
     if params.legacy_engines is not None and quant in LEGACY_REFUSED:
         raise InvalidInput(
             f"trtllm-{quant}: no legacy engine: {LEGACY_REFUSED[quant]}",
-            code="ENGINE_UNSUPPORTED",
+            code=Codes.ENGINE_UNSUPPORTED,
             details={"quant": quant},
         )
 
@@ -251,7 +252,7 @@ def check_converter(shape: ModelShape, quant: str, params: TrtllmParams) -> None
     reason = mapping.trtllm_no_converter or f"kiln knows no TensorRT backend converter for {shape.architecture}"
     raise InvalidInput(
         f"trtllm-{quant}: no legacy engine for {shape.architecture} ({shape.family}): {reason}",
-        code="ENGINE_UNSUPPORTED",
+        code=Codes.ENGINE_UNSUPPORTED,
         details={"quant": quant, "architecture": shape.architecture, "reason": reason},
     )
 

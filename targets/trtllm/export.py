@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from core import __version__
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed
 from core.hardware import PROFILES
 from quant.schemes import Scheme, Verdict
@@ -187,7 +188,7 @@ def to_modelopt_nvfp4(planned: list[Planned], fused: dict[str, tuple[str, ...]])
                     raise StageFailed(
                         f"trtllm NVFP4: {module}.{local} is {value!r} but {first[0]}.{local} is {first[1]!r}; "
                         f"TensorRT-LLM runs {linears} as one GEMM and needs them equal",
-                        code="TRTLLM_FUSED_SCALES",
+                        code=Codes.TRTLLM_FUSED_SCALES,
                     )
             out.append(replace(p, name=f"{module}.{name}", shape=(), nbytes=4, read=_reciprocal(p.read)))
         else:
@@ -377,7 +378,7 @@ def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params
         reason = f"TensorRT-LLM's model class of the family reads no {shape.source_quant.layout.name} release layout"
         raise InvalidInput(
             f"trtllm-{quant} cannot serve {shape.architecture} ({shape.family}): {reason}",
-            code="TRTLLM_RELEASE_LAYOUT",
+            code=Codes.TRTLLM_RELEASE_LAYOUT,
             details={"target": "trtllm", "quant": quant, "architecture": shape.architecture, "reason": reason},
         )
     algo = written_algo(shape, quant)
@@ -396,7 +397,7 @@ def check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params
             if not verdict.compatible:
                 raise InvalidInput(
                     f"trtllm-{quant} of {shape.architecture} on {sku}: {verdict.reason}",
-                    code="ENGINE_SKU_INCOMPATIBLE",
+                    code=Codes.ENGINE_SKU_INCOMPATIBLE,
                     details={"quant": quant, "sku": sku, "reason": verdict.reason},
                 )
     check_converter(shape, quant, parsed)

@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from formats.architectures.record import TensorKind, TrtllmAssumption
 from formats.architectures.shape import ModelShape
@@ -128,7 +129,7 @@ def parse_hf_quant_config(data: Any) -> HfQuantConfig:
         return HfQuantConfig.model_validate(data)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'document'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"{HF_QUANT_CONFIG}: {problems}", code="TRTLLM_QUANT_CONFIG") from None
+        raise InvalidInput(f"{HF_QUANT_CONFIG}: {problems}", code=Codes.TRTLLM_QUANT_CONFIG) from None
 
 
 def compressed_tensors_algo(quantization_config: dict[str, Any]) -> str:
@@ -140,21 +141,23 @@ def compressed_tensors_algo(quantization_config: dict[str, Any]) -> str:
     """
     groups = quantization_config.get("config_groups") or {}
     if quantization_config.get("quant_method") != "compressed-tensors" or len(groups) != 1:
-        raise InvalidInput("expected one compressed-tensors config group", code="TRTLLM_QUANT_CONFIG")
+        raise InvalidInput("expected one compressed-tensors config group", code=Codes.TRTLLM_QUANT_CONFIG)
     group = next(iter(groups.values()))
     weights, acts = group["weights"], group.get("input_activations")
     if acts is None:
         raise InvalidInput(
             "TensorRT-LLM reads no weight-only compressed-tensors group (it needs input_activations)",
-            code="TRTLLM_QUANT_CONFIG",
+            code=Codes.TRTLLM_QUANT_CONFIG,
         )
     if weights["num_bits"] == 8 and weights["strategy"] == "channel" and acts["strategy"] == "token":
         return "FP8_PER_CHANNEL_PER_TOKEN"
     if weights["num_bits"] == 8 and weights["strategy"] == "block" and acts["strategy"] == "group":
         if acts.get("group_size") != 128:
-            raise InvalidInput("FP8_BLOCK_SCALES supports group_size 128 only", code="TRTLLM_QUANT_CONFIG")
+            raise InvalidInput("FP8_BLOCK_SCALES supports group_size 128 only", code=Codes.TRTLLM_QUANT_CONFIG)
         return "FP8_BLOCK_SCALES"
-    raise InvalidInput(f"no TensorRT-LLM QuantAlgo for compressed-tensors group {group}", code="TRTLLM_QUANT_CONFIG")
+    raise InvalidInput(
+        f"no TensorRT-LLM QuantAlgo for compressed-tensors group {group}", code=Codes.TRTLLM_QUANT_CONFIG
+    )
 
 
 def compressed_tensors_kv_algo(quantization_config: dict[str, Any]) -> str | None:
@@ -164,7 +167,7 @@ def compressed_tensors_kv_algo(quantization_config: dict[str, Any]) -> str | Non
         return None
     if isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float":
         return "FP8"
-    raise InvalidInput(f"TensorRT-LLM reads no kv_cache_scheme {kv}", code="TRTLLM_QUANT_CONFIG")
+    raise InvalidInput(f"TensorRT-LLM reads no kv_cache_scheme {kv}", code=Codes.TRTLLM_QUANT_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,9 @@ def rope_scaling_config(shape: ModelShape) -> dict[str, Any]:
         return {}
     yarn = _yarn(shape)
     if isinstance(yarn, str):
-        raise InvalidInput(f"{shape.architecture}: {assumed['yarn_rope_scaling']}; {yarn}", code="TRTLLM_CHECKPOINT")
+        raise InvalidInput(
+            f"{shape.architecture}: {assumed['yarn_rope_scaling']}; {yarn}", code=Codes.TRTLLM_CHECKPOINT
+        )
     theta = yarn.pop("theta")
     return {"rope_theta": theta, "rope_scaling": {"rope_type": "yarn", **yarn}}
 
@@ -269,7 +274,7 @@ def _check_rope_scaling(shape: ModelShape, config: dict[str, Any]) -> None:
     if missing:
         raise InvalidInput(
             f"config.json: {shape.architecture} needs {', '.join(missing)}: {why}",
-            code="TRTLLM_CHECKPOINT",
+            code=Codes.TRTLLM_CHECKPOINT,
             details={"missing": missing},
         )
 
@@ -325,21 +330,21 @@ def model_refusal(shape: ModelShape, algo: str | None) -> tuple[str, str] | None
     arch = shape.arch
     mapping = arch.target("trtllm")
     if mapping.refused is not None:
-        return "TARGET_ARCHITECTURE_UNSUPPORTED", mapping.refused
+        return Codes.TARGET_ARCHITECTURE_UNSUPPORTED, mapping.refused
     for assumption, why in mapping.trtllm_assumes:
         broken = _broken(shape, assumption, algo)
         if broken is not None:
-            code = "QUANT_UNSUPPORTED" if assumption == "blocks_of_128" else "TARGET_ARCHITECTURE_UNSUPPORTED"
+            code = Codes.QUANT_UNSUPPORTED if assumption == "blocks_of_128" else Codes.TARGET_ARCHITECTURE_UNSUPPORTED
             return code, f"{why}; {broken}"
     if algo is None:
         return None
     refused = dict(mapping.trtllm_refused).get(algo)
     if refused is not None:
-        return "QUANT_UNSUPPORTED", refused
+        return Codes.QUANT_UNSUPPORTED, refused
     # The fused MoE's limits as kiln writes other families; a release layout the family's class reads is not them.
     released = {RELEASE_ALGOS[layout] for layout in mapping.trtllm_release_layouts}
     if shape.moe is not None and algo in MOE_REFUSED and algo not in released:
-        return "QUANT_UNSUPPORTED", MOE_REFUSED[algo]
+        return Codes.QUANT_UNSUPPORTED, MOE_REFUSED[algo]
     return None
 
 
@@ -470,7 +475,7 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
         algo, group, exclude, source = q.quant_algo, q.group_size, tuple(q.exclude_modules), "hf_quant_config.json"
         kv_algo = q.kv_cache_quant_algo
         if q.has_zero_point:
-            raise InvalidInput("kiln writes symmetric int4 only (has_zero_point false)", code="TRTLLM_CHECKPOINT")
+            raise InvalidInput("kiln writes symmetric int4 only (has_zero_point false)", code=Codes.TRTLLM_CHECKPOINT)
     elif shape.source_quant is not None:  # a release's own layout (`quant_method` fp8 or mxfp4)
         release, source = shape.source_quant, "config.json"
         algo, group = RELEASE_ALGOS[release.layout.name], release.block[0]
@@ -478,13 +483,13 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
             raise InvalidInput(
                 f"{shape.architecture}: kiln writes no {release.layout.name} release layout for TensorRT-LLM "
                 f"(quantization_config.quant_method {release.layout.quant_method})",
-                code="TRTLLM_CHECKPOINT",
+                code=Codes.TRTLLM_CHECKPOINT,
             )
         if release.layout.name == "fp8-block" and release.block != (FP8_BLOCK, FP8_BLOCK):
             raise InvalidInput(
                 f"config.json: weight_block_size {list(release.block)}; TensorRT-LLM reads FP8_BLOCK_SCALES in "
                 f"{FP8_BLOCK} x {FP8_BLOCK} blocks only (load_hf_quant_config)",
-                code="TRTLLM_CHECKPOINT",
+                code=Codes.TRTLLM_CHECKPOINT,
             )
     elif "quantization_config" in config:
         qc = config["quantization_config"]
@@ -494,12 +499,12 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
         algo, source = None, "none"
     released = shape.source_quant is not None and source == "config.json"
     if algo not in LINEAR_TENSORS and not released:
-        raise InvalidInput(f"kiln has no tensor layout for quant_algo {algo}", code="TRTLLM_CHECKPOINT")
+        raise InvalidInput(f"kiln has no tensor layout for quant_algo {algo}", code=Codes.TRTLLM_CHECKPOINT)
     refusal = model_refusal(shape, algo)
     if refusal is not None:
         raise InvalidInput(
             f"{shape.architecture} as {algo or 'bf16'}: {refusal[1]}",
-            code="TRTLLM_CHECKPOINT",
+            code=Codes.TRTLLM_CHECKPOINT,
             details={"architecture": shape.architecture, "quant_algo": algo, "reason": refusal[1]},
         )
     if algo is not None and source == HF_QUANT_CONFIG:
@@ -508,7 +513,7 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
             raise InvalidInput(
                 f"{HF_QUANT_CONFIG}: exclude_modules must list every router, which TensorRT-LLM keeps in bf16; "
                 f"missing {kept[:3]}",
-                code="TRTLLM_CHECKPOINT",
+                code=Codes.TRTLLM_CHECKPOINT,
                 details={"missing": kept},
             )
     tensors = _headers(root)
@@ -519,7 +524,7 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
             got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise InvalidInput(
                 f"{name}: {algo or 'bf16'} needs {'/'.join(dtypes)} {list(dims)}, got {got}",
-                code="TRTLLM_CHECKPOINT",
+                code=Codes.TRTLLM_CHECKPOINT,
                 details={"tensor": name, "quant_algo": algo},
             )
     kv_scales: set[str] = set()
@@ -532,14 +537,14 @@ def check_checkpoint(root: Path) -> CheckedCheckpoint:
                 got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
                 raise InvalidInput(
                     f"{name}: KV cache {kv_algo} needs a float scalar, got {got}",
-                    code="TRTLLM_CHECKPOINT",
+                    code=Codes.TRTLLM_CHECKPOINT,
                     details={"tensor": name, "kv_cache_quant_algo": kv_algo},
                 )
     extra = sorted(set(tensors) - set(expected) - kv_scales)
     if extra:
         raise InvalidInput(
             f"{algo or 'bf16'}: tensors TensorRT-LLM would not load: {extra[:5]}",
-            code="TRTLLM_CHECKPOINT",
+            code=Codes.TRTLLM_CHECKPOINT,
             details={"tensors": extra[:20]},
         )
     return CheckedCheckpoint(algo, source, group, exclude, tensors, kv_algo)

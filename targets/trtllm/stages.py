@@ -26,6 +26,7 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING, Any
 
+from core.error_codes import Codes
 from core.errors import InvalidInput, StageFailed
 from core.hardware import PROFILES
 from targets.base import BuildRequest, DerivedArtifact, DerivedNode, DerivedStage
@@ -172,7 +173,7 @@ def derived_nodes(name: str, quant: str, params: dict[str, Any], shape: ModelSha
     if matrix is not None:
         converter = shape.arch.target("trtllm").trtllm_converter
         if converter is None:  # refused at plan time (`engines.check_converter`); never planned
-            raise InvalidInput(f"no TensorRT backend converter for {shape.architecture}", code="ENGINE_UNSUPPORTED")
+            raise InvalidInput(f"no TensorRT backend converter for {shape.architecture}", code=Codes.ENGINE_UNSUPPORTED)
         limits = {
             "max_batch_size": matrix.max_batch_size,
             "max_input_len": matrix.max_input_len,

@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+from core.error_codes import Codes
 from core.errors import InvalidInput
 from pipeline.records import Record
 from pipeline.requirements import Requirements
@@ -35,7 +36,7 @@ def _run(ctx: StageContext) -> ToyRecord:
         Path(marker).write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-stage, as a lost node would
     if ctx.node.params.get("fail"):
-        raise InvalidInput(f"{ctx.node.id} refuses its input", code="TOY_REFUSED")
+        raise InvalidInput(f"{ctx.node.id} refuses its input", code=Codes.SOURCE_INVALID)
     if mib := ctx.node.params.get("hold_mib"):
         block = bytearray(int(mib) << 20)  # every page written: resident for the 0.2 s it is held
         time.sleep(0.2)

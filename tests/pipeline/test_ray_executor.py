@@ -103,7 +103,7 @@ def test_a_failed_stage_cancels_what_waits_on_it_and_nothing_else(
     outcomes = _executor(ray_cluster, store).run(nodes)
     status = {n: o.status for n, o in outcomes.items()}
     assert status == {"toy/root": "built", "toy/bad": "failed", "toy/after-bad": "cancelled", "toy/good": "built"}
-    assert isinstance(outcomes["toy/bad"].error, InvalidInput) and outcomes["toy/bad"].error.code == "TOY_REFUSED"
+    assert isinstance(outcomes["toy/bad"].error, InvalidInput) and outcomes["toy/bad"].error.code == "SOURCE_INVALID"
     assert "toy/bad" in outcomes["toy/after-bad"].reason
     assert len(attempts.read_text().split()) == 1  # a kiln error is not retried
     leftovers = s3_server.leftovers(store.url)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 
+from core.error_codes import Codes
 from core.errors import Deferred, KilnError, StageFailed
 from pipeline.executors.local import LocalExecutor
 from pipeline.stage import Node, Stage, StageContext
@@ -327,11 +328,11 @@ def test_a_failure_names_what_failed_where_its_traceback_is_and_what_to_try(tmp_
 
 def test_a_kiln_error_keeps_its_message_and_leaves_its_traceback_in_the_log(tmp_path: Path) -> None:
     def refusing(ctx: StageContext) -> Written:
-        raise KilnError("the model is refused, and why", code="MODEL_REFUSED")
+        raise KilnError("the model is refused, and why", code=Codes.HARDWARE_INCOMPATIBLE)
 
     with pytest.raises(KilnError) as failed:
         LocalExecutor(WorkDir(tmp_path)).run([Node("refuse/a", Stage("refuse", "1", refusing, Written), params={})])
-    assert failed.value.code == "MODEL_REFUSED" and failed.value.message == "the model is refused, and why"
+    assert failed.value.code == "HARDWARE_INCOMPATIBLE" and failed.value.message == "the model is refused, and why"
     assert failed.value.details["stage"] == "refuse/a"
     assert "in refusing" in Path(failed.value.details["log"]).read_text()
 

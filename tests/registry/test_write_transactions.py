@@ -88,7 +88,7 @@ def test_a_failed_write_is_rolled_back_without_waiting_for_a_pool_thread(
     def failing_promote(session: Any, *args: Any, **kwargs: Any) -> None:
         session.execute(select(1))  # the transaction begins: on SQLite, the write lock is taken
         time.sleep(0.6)  # meanwhile the hardware write queues for the pool's one thread
-        raise Conflict("refused on purpose", code="TEST_REFUSED")
+        raise Conflict("refused on purpose")
 
     monkeypatch.setattr("registry.channels.service.promote", failing_promote)
 
