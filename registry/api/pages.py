@@ -12,7 +12,10 @@ from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from fastapi import Request, Response
+from fastapi.dependencies.models import Dependant
 
+from core.error_codes import Codes
+from core.errors import InvalidInput
 from registry.paging import PAGE_LIMIT, Page
 
 Row = TypeVar("Row")
@@ -38,6 +41,11 @@ def next_page_url(request: Request, after: str | int | None, limit: int) -> str 
     return f"{root}{request.url.path}?{urlencode(query)}"
 
 
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route declares, its dependencies' included."""
+    return {p.alias for p in dependant.query_params}.union(*(_query_names(d) for d in dependant.dependencies))
+
+
 def page_rows(
     request: Request,
     response: Response,
@@ -46,7 +54,17 @@ def page_rows(
     cursor: Callable[[Any], str | int] = lambda after: after,
 ) -> list[Row]:
     """The page's rows; `response` gets the `Link` to the next page unless this is the last. `cursor` turns the
-    page's cursor into the `after` of the next page's URL (a release: its version)."""
+    page's cursor into the `after` of the next page's URL (a release: its version). A query parameter the route
+    does not declare (an empty name too) is refused: the next page's URL would carry it on."""
+    route = request.scope.get("route")
+    if (dependant := getattr(route, "dependant", None)) is not None:
+        declared = _query_names(dependant)
+        if unknown := sorted(set(request.query_params) - declared):
+            raise InvalidInput(
+                f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this listing takes {sorted(declared)}",
+                code=Codes.INVALID_INPUT,
+                details={"unknown": unknown, "known": sorted(declared)},
+            )
     url = next_page_url(request, None if page.next is None else cursor(page.next), limit)
     if url is not None:
         response.headers["Link"] = f'<{url}>; rel="next"'

@@ -419,3 +419,12 @@ def test_hardware_pages_merge_the_registrys_entries_with_the_builtin_ones(app: F
     sources = {h["name"]: h["source"] for h in client.get("/v1/hardware?limit=1000").json()}
     assert sources["h100"] == "registry (overrides builtin)" and sources["a000"] == "registry"
     assert sources["cpu"] == "builtin"
+
+
+@pytest.mark.parametrize("name", list(LISTINGS))
+def test_a_query_parameter_the_listing_does_not_take_is_refused(app: FastAPI, client: TestClient, name: str) -> None:
+    """Found by the fuzz suite: `?=0.0` (an empty name) was answered 200, and a next page's URL carries the query."""
+    seed_base(app, client)
+    url = LISTINGS[name].url
+    for query in ("=0.0", "colour=blue"):
+        assert_error(client.get(f"{url}{'&' if '?' in url else '?'}{query}"), 422, "INVALID_INPUT")
