@@ -286,7 +286,7 @@ def _build_graph(
                         details={"quant": quant},
                     )
                 # A model whose Linears do not fit the scheme (QUANT_SHAPE) is refused here, not after calibration.
-                check_shapes(get_scheme(quant), sizing.shape.expected_tensors())
+                check_shapes(get_scheme(quant), sizing.shape.expected_tensors(), sizing.shape.merged_gemms())
                 quantized[quant] = _quantize_node(recipe, quant, ingest, calibration_digest, device)
                 nodes.append(quantized[quant])
             export_inputs["quantized"] = quantized[quant].id

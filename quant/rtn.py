@@ -18,7 +18,7 @@ through in bf16.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from core.error_codes import Codes
@@ -30,6 +30,8 @@ from quant.schemes import HEAD, LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
 if TYPE_CHECKING:
     import torch
+
+    from formats.architectures.shape import MergedGemm
 
 
 HEAD_WEIGHT = f"{HEAD}.weight"
@@ -76,9 +78,10 @@ class HeadTied(InvalidInput):
     code = Codes.QUANT_HEAD_TIED
 
 
-def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
+def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]], merged: Sequence[MergedGemm] = ()) -> None:
     """Refuse, before any tensor is read, a model whose quantized layers do not fit the scheme, or whose tied head
-    the scheme would quantize."""
+    the scheme would quantize. `merged`: the Linears the serving runtimes run as one GEMM
+    (`ModelShape.merged_gemms`), whose parts but the last must fill whole blocks of rows."""
     w = scheme.weights
     if w is None:
         return
@@ -115,6 +118,26 @@ def check_shapes(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> None:
                 f"into int32 needs a multiple of {32 // w.num_bits}",
                 details={"layer": name, "shape": list(shape)},
             )
+    if w.block_structure is not None:
+        _check_merged_blocks(scheme, w.block_structure, merged)
+
+
+def _check_merged_blocks(scheme: Scheme, block: tuple[int, int], merged: Sequence[MergedGemm]) -> None:
+    """QUANT_SHAPE for a part of a merged GEMM, not its last, whose rows end in a partial block of `block`."""
+    br, bc = block
+    for gemm in merged:
+        if not any(quantizes(scheme, f"model.layers.0.{part.replace('<e>', '0')}.weight") for part, _ in gemm.parts):
+            continue
+        for part, rows in gemm.parts[:-1]:
+            if rows % br:
+                names = ", ".join(p for p, _ in gemm.parts)
+                raise QuantShapeError(
+                    f"{scheme.name}: every layer's {part} has {rows} output rows, not a whole number of {br}x{bc} "
+                    f"blocks' {br}: vLLM and TensorRT-LLM run {names} as one GEMM ({gemm.name}), whose block scales "
+                    f"would straddle two of them (only its last, {gemm.parts[-1][0]}, may end in a partial block); "
+                    "use a per-channel scheme (fp8) for this model",
+                    details={"layer": part, "rows": rows, "merged": gemm.name, "block_structure": [br, bc]},
+                )
 
 
 def planned_tensors(scheme: Scheme, name: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -61,6 +61,18 @@ class StoredTensor:
 
 
 @dataclass(frozen=True)
+class MergedGemm:
+    """Linears of one layer that vLLM and TensorRT-LLM run as one GEMM, their outputs stacked in `parts` order
+    (each part's name in the layer and its output rows): vLLM's packed modules `qkv_proj`, `gate_up_proj` and
+    `fused_qkv_a_proj`, and a fused MoE's gate and up projections (`w13`). A scale that covers blocks of rows
+    covers the stacked rows, so every part but the last must fill whole blocks (vllm 0.32.0
+    `validate_fp8_block_shape`; TensorRT-LLM concatenates the parts' block scales the same way)."""
+
+    name: str
+    parts: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The hyper-parameters every target needs, read once from config.json through the family's record."""
 
@@ -201,6 +213,32 @@ class ModelShape:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def merged_gemms(self) -> tuple[MergedGemm, ...]:
+        """The Linears a serving runtime merges into one GEMM, once for each kind of layer this model has: the
+        attention's q, k and v (MLA: the query's and the key-value latent's down-projections), a dense layer's
+        gate and up, a sparse layer's experts' gate and up and its shared expert's (`MergedGemm`)."""
+        arch, a = self.arch, f"{self.arch.attention.prefix}."
+        out: list[MergedGemm] = []
+        if self.mla is None:
+            qkv = ((a + "q_proj", self.q_size), (a + "k_proj", self.kv_size), (a + "v_proj", self.kv_size))
+            out.append(MergedGemm(a + "qkv_proj", qkv))
+        elif self.mla.q_lora_rank is not None:
+            parts = ((a + "q_a_proj", self.mla.q_lora_rank), (a + "kv_a_proj_with_mqa", self.mla.cache_width))
+            out.append(MergedGemm(a + "fused_qkv_a_proj", parts))
+        m, proj = f"{arch.mlp.prefix}.", arch.mlp.projections
+        moe, experts = self.moe, arch.mlp.experts
+        if moe is None or len(moe.sparse_layers) < self.num_layers:
+            ff = self.intermediate_size
+            out.append(MergedGemm(m + "gate_up_proj", ((m + proj.gate, ff), (m + proj.up, ff))))
+        if moe is not None and experts is not None and moe.sparse_layers:
+            b, ep = f"{experts.block}.{experts.experts}.", experts.projections
+            ff = moe.intermediate_size
+            out.append(MergedGemm(b + "w13", ((f"{b}<e>.{ep.gate}", ff), (f"{b}<e>.{ep.up}", ff))))
+            if experts.shared is not None and moe.shared_intermediate_size:
+                s, sff = f"{experts.block}.{experts.shared}.", moe.shared_intermediate_size
+                out.append(MergedGemm(s + "gate_up_proj", ((s + "gate_proj", sff), (s + "up_proj", sff))))
+        return tuple(out)
 
     def layer_tensors(self, layer: int) -> list[TensorSpec]:
         """Every tensor of decoder layer `layer`, in the family's canonical order."""

@@ -40,7 +40,9 @@ def run(ctx: StageContext) -> QuantizeRecord:
     source = open_ingested(ctx.input("ingest"))
     total = sum(t.nbytes for t in source.tensors.values())
     calibrated = None
-    check_shapes(scheme, {n: t.shape for n, t in source.tensors.items()})  # before calibration spends any time
+    check_shapes(
+        scheme, {n: t.shape for n, t in source.tensors.items()}, source.shape.merged_gemms()
+    )  # before calibration spends any time
     if scheme.by_llmcompressor:
         from quant.calibrated import calibrate, calibration_samples
 

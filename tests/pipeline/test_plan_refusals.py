@@ -1,7 +1,8 @@
 """What a stage would refuse of the model or of its files, `kiln plan` refuses first, with the stage's own error:
-an orbax mesh whose model axis does not split the attention heads (the export's sharding plan), and a tokenizer to
-which transformers adds special tokens past the vocabulary (GGUF's prepare stage). `kiln build` plans first, so
-it refuses the same before ingest runs: no stage writes anything."""
+an orbax mesh whose model axis does not split the attention heads (the export's sharding plan), a tokenizer to
+which transformers adds special tokens past the vocabulary (GGUF's prepare stage), and fp8-block on a k_proj of
+64 rows, which vLLM runs in one GEMM with q_proj and v_proj (the quantize stage's shape check). `kiln build` plans
+first, so it refuses the same before ingest runs: no stage writes anything."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import yaml
 
 from core.errors import KilnError
 from formats.hf_model import open_source
+from quant.catalog import get_scheme
+from quant.rtn import check_shapes
 from targets.base import ExportRequest, get_target
 from tests.model_factory import make_model
 
@@ -44,6 +47,19 @@ def qwen2_without_specials(out: Path) -> Path:
     (model / "tokenizer.json").write_text(json.dumps(tok))
     (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
     return model
+
+
+def one_kv_head(out: Path) -> Path:
+    """A Qwen2 of 6 heads of 64 with one KV head: k_proj and v_proj have 64 rows, half a 128-row FP8 block."""
+    return make_model(out, "qwen2", hidden_size=384, num_heads=6, num_kv_heads=1)
+
+
+def quantize_check(model: Path, out: Path, target: dict[str, Any]) -> None:
+    """What the quantize stage runs before it reads a tensor."""
+    source = open_source(model)
+    check_shapes(
+        get_scheme(target["quants"][0]), {n: t.shape for n, t in source.tensors.items()}, source.shape.merged_gemms()
+    )
 
 
 def orbax_export(model: Path, out: Path, target: dict[str, Any]) -> None:
@@ -75,6 +91,13 @@ CASES: dict[str, Case] = {
         gguf_prepare,
         "GGUF_VOCAB_MISMATCH",
         "transformers' Qwen2Tokenizer added it (as the default eos_token / unk_token / pad_token)",
+    ),
+    "fp8-block-merged-rows": (
+        one_kv_head,
+        {"target": "hf-bundle", "quants": ["fp8-block"]},
+        quantize_check,
+        "QUANT_SHAPE",
+        "every layer's self_attn.k_proj has 64 output rows, not a whole number of 128x128 blocks' 128",
     ),
 }
 

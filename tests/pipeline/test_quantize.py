@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from formats.architectures.shape import MergedGemm, ModelShape
 from formats.hf_model import open_source
 from formats.safetensors import DTYPES
 from pipeline.build import plan
@@ -24,6 +26,7 @@ from quant.rtn import (
 from tests.model_factory import make_model
 
 LAYER = "model.layers.3.mlp.down_proj.weight"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _weight(rows: int = 96, cols: int = 384, seed: int = 0):
@@ -118,6 +121,49 @@ def test_group_size_mismatch_names_the_layer() -> None:
         check_shapes(get_scheme("fp8-block"), {LAYER: (256, 200)})
     assert e.value.details["layer"] == LAYER and "input columns" in e.value.message
     check_shapes(get_scheme("fp8"), {LAYER: (96, 200)})
+
+
+def test_block_scales_never_straddle_two_parts_of_a_merged_gemm() -> None:
+    """vLLM runs q/k/v (and gate/up) as one GEMM: every part but the last must fill whole 128-row blocks."""
+    qkv = MergedGemm(
+        "self_attn.qkv_proj", (("self_attn.q_proj", 384), ("self_attn.k_proj", 64), ("self_attn.v_proj", 64))
+    )
+    with pytest.raises(QuantShapeError, match="self_attn.k_proj has 64 output rows") as e:
+        check_shapes(get_scheme("fp8-block"), {}, [qkv])
+    assert e.value.details == {
+        "layer": "self_attn.k_proj",
+        "rows": 64,
+        "merged": "self_attn.qkv_proj",
+        "block_structure": [128, 128],
+    }
+    check_shapes(get_scheme("fp8"), {}, [qkv])  # per channel: nothing straddles
+    # the last part may overhang (DeepSeek-V3's fused q_a / kv_a: 1536 + 576 rows)
+    mla = MergedGemm(
+        "self_attn.fused_qkv_a_proj", (("self_attn.q_a_proj", 1536), ("self_attn.kv_a_proj_with_mqa", 576))
+    )
+    check_shapes(get_scheme("fp8-block"), {}, [mla])
+
+
+@pytest.mark.parametrize(
+    ("example", "merged"),
+    [
+        ("llama-3-70b", {"self_attn.qkv_proj": [8192, 1024, 1024], "mlp.gate_up_proj": [28672, 28672]}),
+        (
+            "deepseek-v3",
+            {
+                "self_attn.fused_qkv_a_proj": [1536, 576],
+                "mlp.gate_up_proj": [18432, 18432],  # its first three layers are dense
+                "mlp.experts.w13": [2048, 2048],
+                "mlp.shared_experts.gate_up_proj": [2048, 2048],
+            },
+        ),
+        ("mixtral-8x22b", {"self_attn.qkv_proj": [6144, 1024, 1024], "block_sparse_moe.experts.w13": [16384, 16384]}),
+    ],
+)
+def test_merged_gemms_follow_the_architecture(example: str, merged: dict[str, list[int]]) -> None:
+    shape = ModelShape.from_config(json.loads((EXAMPLES / example / "config.json").read_text()))
+    assert {g.name: [rows for _, rows in g.parts] for g in shape.merged_gemms()} == merged
+    check_shapes(get_scheme("fp8-block"), {}, shape.merged_gemms())  # every release's parts fill whole blocks
 
 
 def test_scales_never_zero() -> None:
