@@ -20,7 +20,7 @@ Sources: InferencePool v1 at kubernetes-sigs/gateway-api-inference-extension v1.
 InferenceModelRewrite, which left that repository in its commit 88fd4792 ("Remove inference objective,
 model rewrite and endpoint picker config APIs"), at llm-d/llm-d-inference-scheduler main 520af478 (its
 releases up to v0.8.0 do not carry them yet); `apix/v1alpha2/inferencemodelrewrite_types.go` for the
-weights' meaning. The CRDs themselves are in tests/routing/crds/.
+weights' meaning. The CRDs themselves are in tests/kiln/routing/crds/.
 """
 
 from __future__ import annotations

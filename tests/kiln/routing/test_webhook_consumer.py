@@ -22,9 +22,9 @@ from starlette.testclient import TestClient
 from tests.registry.conftest import make_token
 from tests.registry.helpers import promote, serve_in_thread
 from tests.registry.s3_server import free_port
-from tests.routing.kube_schema import assert_valid
+from tests.kiln.routing.kube_schema import assert_valid
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONSUMER = ROOT / "examples/routing-webhook/consumer.py"
 SECRET = "routing-webhook-test-secret"
 EVENTS = ["channel.split", "channel.promote", "channel.promote.forced", "release.yank"]

@@ -1,4 +1,4 @@
-"""Rendered objects checked as a Kubernetes API server holding the vendored CRDs (tests/routing/crds/) would.
+"""Rendered objects checked as a Kubernetes API server holding the vendored CRDs (tests/kiln/routing/crds/) would.
 
 Each document is validated against the `openAPIV3Schema` of the CRD version its `apiVersion` and `kind` name,
 read as Kubernetes reads a structural schema: an object's fields are those its schema lists (kubectl's

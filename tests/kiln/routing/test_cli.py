@@ -14,9 +14,9 @@ from starlette.testclient import TestClient
 
 from tests.registry.conftest import make_token
 from tests.registry.helpers import serve_in_thread
-from tests.routing.kube_schema import assert_valid
+from tests.kiln.routing.kube_schema import assert_valid
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def kiln(*args: str, token: str) -> subprocess.CompletedProcess[str]:

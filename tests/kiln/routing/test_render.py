@@ -17,8 +17,8 @@ from core.resolve import ResolveOut
 from kiln.routing import Rendered, RenderOptions, Sizing, render_channel
 from registry.app import create_app
 from registry.settings import RegistrySettings
-from tests.routing.conftest import MODEL
-from tests.routing.kube_schema import assert_valid
+from tests.kiln.routing.conftest import MODEL
+from tests.kiln.routing.kube_schema import assert_valid
 
 POOLS = ["h100:8", "mi300x:8"]
 # 32K × 64 sequences of an 8B-like shape: a 256 GiB KV cache, TP 4 on H100s (72 GiB usable each), 2 on MI300Xs.

@@ -106,7 +106,7 @@ def test_failed_gate_exits_3_and_says_which(tmp_path: Path, model_dir: Path) -> 
     """Also: a pickle checkpoint beside the SafeTensors is left alone, and the build says so."""
     shutil.copytree(model_dir, tmp_path / "model")
     (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
-    (tmp_path / "heldout.txt").write_text((Path(__file__).parent / "model_factory.py").read_text())
+    (tmp_path / "heldout.txt").write_text((Path(__file__).parents[1] / "model_factory.py").read_text())
     recipe = {
         "model": "m",
         "version": "1",

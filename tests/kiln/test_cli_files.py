@@ -169,7 +169,7 @@ def test_a_bad_hardware_catalog_in_the_environment_is_a_coded_error(tmp_path: Pa
     env = {**os.environ, "KILN_HARDWARE_CATALOG": str(tmp_path / catalog)}
     done = subprocess.run(
         [sys.executable, "-c", "from kiln.cli import main; main()", "plan", "examples/tiny-llama"],
-        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=120,
+        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "[DATA_FILE_INVALID]" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -16,7 +16,7 @@ from core.errors import KilnError
 from kiln.routing import RenderOptions
 from kiln.routing.formats import get_format
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, Sizing
-from tests.routing.kube_schema import CRD_DIR, kinds, problems
+from tests.kiln.routing.kube_schema import CRD_DIR, kinds, problems
 
 ROW = re.compile(r"^\| (\S+\.yaml) \| (\S+) \| (\S+) \| ([0-9a-f]{40}) \| (\S+) \| ([0-9a-f]{40}) \|$")
 
