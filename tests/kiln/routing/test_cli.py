@@ -12,9 +12,9 @@ import yaml
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
+from tests.kiln.routing.kube_schema import assert_valid
 from tests.registry.conftest import make_token
 from tests.registry.helpers import serve_in_thread
-from tests.kiln.routing.kube_schema import assert_valid
 
 ROOT = Path(__file__).resolve().parents[3]
 

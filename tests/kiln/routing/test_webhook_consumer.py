@@ -19,10 +19,10 @@ import yaml
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
+from tests.kiln.routing.kube_schema import assert_valid
 from tests.registry.conftest import make_token
 from tests.registry.helpers import promote, serve_in_thread
 from tests.registry.s3_server import free_port
-from tests.kiln.routing.kube_schema import assert_valid
 
 ROOT = Path(__file__).resolve().parents[3]
 CONSUMER = ROOT / "examples/routing-webhook/consumer.py"
