@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -158,6 +159,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
         webhooks = DeliveryWorker(database_url, settings, app.state.webhook_destinations)
         if settings.webhook_delivery:
             webhooks.start()

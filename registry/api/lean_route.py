@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError, create_model
 from starlette.requests import Request
 from starlette.responses import Response
@@ -43,6 +42,7 @@ from starlette.routing import BaseRoute
 
 from core.error_codes import Codes
 from core.errors import InvalidInput
+from registry.api.endpoint import SessionRoute
 from registry.auth.principal import Scope
 from registry.deps import authenticate_async, check_models, required_scope
 
@@ -53,7 +53,7 @@ _MAX_QUERIES = 4096  # distinct valid queries kept per lean route (dropped all a
 MAX_QUERY_BYTES = 8 * 1024
 
 
-class LeanRoute(APIRoute):
+class LeanRoute(SessionRoute):
     """An API route `LeanLane` answers. FastAPI still documents it (and answers it where no lane runs)."""
 
     def lean_handler(self) -> Handler:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
 from core.manifest import ArtifactManifest, FileOut
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterArtifact, ArtifactName, ModelName, PageLimit, Version
@@ -21,7 +22,7 @@ from registry.releases import contents
 from registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
-router = APIRouter(prefix="/v1", tags=["artifacts"])
+router = APIRouter(prefix="/v1", tags=["artifacts"], route_class=SessionRoute)
 
 ARTIFACTS = "/models/{model}/releases/{version}/artifacts"
 

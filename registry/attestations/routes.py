@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 
 from core.errors import Forbidden, NotFound
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterKey, ArtifactName, ModelName, PageLimit, Version
@@ -33,7 +34,7 @@ from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, W
 from registry.paging import PAGE_LIMIT
 from registry.releases import contents
 
-router = APIRouter(prefix="/v1", tags=["attestations"])
+router = APIRouter(prefix="/v1", tags=["attestations"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]
 ATTESTATIONS = "/models/{model}/releases/{version}/artifacts/{name}/attestations"
 KeyId = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the public key's DER")]

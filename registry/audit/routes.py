@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import MODEL_NAME_PATTERN, AfterId, PageLimit
 from registry.audit import service
@@ -13,7 +14,7 @@ from registry.audit.schemas import AuditEventOut
 from registry.deps import PrincipalDep, SessionDep
 from registry.paging import PAGE_LIMIT
 
-router = APIRouter(prefix="/v1", tags=["audit"])
+router = APIRouter(prefix="/v1", tags=["audit"], route_class=SessionRoute)
 
 
 @router.get(

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterId, PageLimit, RowId
@@ -16,7 +17,7 @@ from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevo
 from registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
 from registry.paging import PAGE_LIMIT
 
-router = APIRouter(prefix="/v1", tags=["tokens"])
+router = APIRouter(prefix="/v1", tags=["tokens"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]
 
 

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from core.error_codes import Codes
 from core.errors import DigestMismatch, InvalidInput, KilnError
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.params import Sha256
 from registry.auth.principal import Principal
@@ -33,7 +34,7 @@ from registry.releases.contents import check_blob_readable
 from storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
 
 PUBLISH = require("publish")
-router = APIRouter(prefix="/v1", tags=["blobs"])
+router = APIRouter(prefix="/v1", tags=["blobs"], route_class=SessionRoute)
 
 
 def _too_large(limit: int) -> InvalidInput:

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterChannel, AfterId, ChannelName, ModelName, PageLimit
@@ -17,7 +18,7 @@ from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut
 from registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
 from registry.paging import PAGE_LIMIT
 
-router = APIRouter(prefix="/v1", tags=["channels"])
+router = APIRouter(prefix="/v1", tags=["channels"], route_class=SessionRoute)
 
 
 def _detail(model: str, row: Channel, version: str, history: list[ChannelEvent]) -> ChannelDetail:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Path, Request, Response
 
 from core.hardware import HARDWARE_NAME_PATTERN
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterHardware, PageLimit
@@ -17,7 +18,7 @@ from registry.hardware import service
 from registry.hardware.schemas import HardwareOut, entry_request_schema
 from registry.paging import PAGE_LIMIT
 
-router = APIRouter(prefix="/v1", tags=["hardware"])
+router = APIRouter(prefix="/v1", tags=["hardware"], route_class=SessionRoute)
 
 HardwareName = Annotated[str, Path(pattern=HARDWARE_NAME_PATTERN, description="SKU name, e.g. h100")]
 

@@ -14,12 +14,13 @@ from urllib.parse import unquote
 from fastapi import APIRouter, Request, Response
 
 from core.errors import NotFound
+from registry.api.endpoint import SessionRoute
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
 from registry.hf_compat import service
 from registry.hf_compat.service import COMMIT, Resolved
 
-router = APIRouter(tags=["hf-compat"])
+router = APIRouter(tags=["hf-compat"], route_class=SessionRoute)
 
 
 def _raw_segments(request: Request) -> list[str]:

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterModel, AfterVersion, ModelName, PageLimit
@@ -18,7 +19,7 @@ from registry.paging import PAGE_LIMIT
 from registry.releases.service import releases_page
 
 PUBLISH = require("publish")
-router = APIRouter(prefix="/v1", tags=["models"])
+router = APIRouter(prefix="/v1", tags=["models"], route_class=SessionRoute)
 
 
 @router.post(

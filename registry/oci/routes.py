@@ -19,10 +19,10 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
+from registry.api.endpoint import SessionRoute
 from registry.api.urls import base_url
 from registry.blobs import service as blobs
 from registry.blobs.download import blob_response, ranged_response
@@ -31,6 +31,7 @@ from registry.oci import media_types as mt
 from registry.oci import modelcar, service
 from registry.oci.documents import Document, Served
 from registry.oci.models import TarLayer
+from registry.paging import MAX_PAGE_LIMIT
 from registry.settings import RegistrySettings
 from storage.local import read_file
 
@@ -62,7 +63,7 @@ def oci_error(request: Request, error: KilnError) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class OciRoute(APIRoute):
+class OciRoute(SessionRoute):
     """A route whose kiln errors (its dependencies' included) are answered in the spec's error shape."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -195,8 +196,10 @@ def list_tags(
     n: int | None = Query(default=None, ge=0, le=10_000),
     last: str | None = None,
 ) -> Response:
-    """The repository's tags in lexical order (end-8), `n` at a time after `last`, with a `Link` to the next."""
+    """The repository's tags in lexical order (end-8), `n` at a time after `last` (without `n`, a page of
+    `MAX_PAGE_LIMIT`, which the spec lets a registry answer), with a `Link` to the next."""
     repo = _repository(request, session, principal, name)
+    n = MAX_PAGE_LIMIT if n is None else n
     tags, more = service.tags_page(list(service.tag_table(session, repo.model)), n, last)
     headers = dict(API_VERSION)
     if more and tags:

@@ -398,13 +398,11 @@ def _loads(body: bytes) -> dict[str, Any]:
     return value
 
 
-def tags_page(tags: list[str], n: int | None, last: str | None) -> tuple[list[str], bool]:
+def tags_page(tags: list[str], n: int, last: str | None) -> tuple[list[str], bool]:
     """Tags in lexical order after `last`, at most `n` of them; and whether more follow."""
     ordered = sorted(tags)
     if last is not None:
         ordered = [t for t in ordered if t > last]
-    if n is None:
-        return ordered, False
     return ordered[:n], len(ordered) > n
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterId, ArtifactName, ModelName, PageLimit, Version
@@ -13,7 +14,7 @@ from registry.performance import service
 from registry.performance.models import PerformanceRecord
 from registry.performance.schemas import PerformanceCreate, PerformanceOut
 
-router = APIRouter(prefix="/v1", tags=["performance"])
+router = APIRouter(prefix="/v1", tags=["performance"], route_class=SessionRoute)
 PATH = "/models/{model}/releases/{version}/artifacts/{name}/performance"
 
 

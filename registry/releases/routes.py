@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterVersion, ModelName, PageLimit, Version
@@ -21,7 +22,7 @@ from registry.releases.models import Release
 from registry.releases.schemas import ReasonRequest, ReleaseCreate, ReleaseDetail, ReleaseOut
 
 PUBLISH = require("publish")
-router = APIRouter(prefix="/v1", tags=["releases"])
+router = APIRouter(prefix="/v1", tags=["releases"], route_class=SessionRoute)
 RELEASE = "/models/{model}/releases/{version}"
 
 

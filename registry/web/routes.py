@@ -16,7 +16,6 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse
-from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BeforeValidator, Field
 
@@ -24,6 +23,7 @@ from core.error_codes import Codes
 from core.errors import InvalidInput, KilnError, NotFound
 from core.hardware import HardwareCatalog
 from placement.fit import MEMORY_UTILIZATION
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import http_status
 from registry.api.pages import next_page_url
 from registry.api.params import (
@@ -126,7 +126,7 @@ def error_page(request: Request, status: int, code: str, message: str) -> HTMLRe
     return render(request, "error.html", status_code=status, title=title, code=code, message=message)
 
 
-class HTMLErrorRoute(APIRoute):
+class HTMLErrorRoute(SessionRoute):
     """A route whose errors (from the route or its dependencies, READ included) render as HTML pages."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from registry.api.endpoint import SessionRoute
 from registry.api.errors import error_responses
 from registry.api.pages import PAGED, page_rows
 from registry.api.params import AfterId, PageLimit, RowId
@@ -16,7 +17,7 @@ from registry.webhooks import service
 from registry.webhooks.destinations import DestinationPolicy
 from registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
 
-router = APIRouter(prefix="/v1", tags=["webhooks"])
+router = APIRouter(prefix="/v1", tags=["webhooks"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]
 
 

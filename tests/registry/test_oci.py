@@ -190,6 +190,15 @@ def test_end_8_tags_list_paginates(seeded: TestClient) -> None:
     oci_error(seeded.get("/v2/nope/tags/list"), 404, "NAME_UNKNOWN")
 
 
+def test_tags_list_without_n_answers_a_page(seeded: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `n` the listing still ends at a page (the API's largest), with a `Link` to the rest."""
+    monkeypatch.setattr("registry.oci.routes.MAX_PAGE_LIMIT", 3)
+    first = seeded.get(f"/v2/{MODEL}/tags/list")
+    assert first.json()["tags"] == ["1.0.0-gguf-q4_k_m", "1.0.0-hf-bf16", "prod-gguf-q4_k_m"]
+    assert first.headers["link"] == f'</v2/{MODEL}/tags/list?n=3&last=prod-gguf-q4_k_m>; rel="next"'
+    assert seeded.get(first.headers["link"][1:].split(">")[0]).json()["tags"] == ["prod-hf-bf16"]
+
+
 def _attest(app: FastAPI, client: TestClient, artifact: str, kind: str, media_type: str, content: bytes) -> str:
     """An attestation row for `artifact` of tiny-llama 1.0.0, with its blob uploaded."""
     from sqlalchemy import select

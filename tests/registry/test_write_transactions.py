@@ -117,6 +117,45 @@ def test_a_failed_write_is_rolled_back_without_waiting_for_a_pool_thread(
     assert status == 200 and seconds < 5, answers
 
 
+def test_requests_run_on_as_many_threads_as_the_settings_say(app: FastAPI, client: TestClient) -> None:
+    """Each server process runs requests' blocking work on `request_threads` threads (8): more only contend
+    with the event loop for the interpreter (bench/soak.py)."""
+
+    async def tokens() -> float:
+        return anyio.to_thread.current_default_thread_limiter().total_tokens
+
+    assert client.portal is not None
+    assert client.portal.call(tokens) == app.state.settings.request_threads == 8
+
+
+def test_reads_hold_no_pooled_connection_while_their_answer_waits_for_a_thread(
+    app: FastAPI, client: TestClient
+) -> None:
+    """A plain `def` route's answer is checked in a second thread hop: its read session ends first, in the
+    endpoint's thread (`registry.api.endpoint.SessionRoute`). Before, 24 concurrent reads on 2 threads held the
+    pool's 15 connections while waiting for a thread, and the threads waited for a connection: 500s after the
+    pool's 30 s timeout."""
+
+    async def two_threads() -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 2
+
+    assert client.portal is not None
+    client.portal.call(two_threads)
+    answers: list[tuple[int, float]] = []
+
+    def read() -> None:
+        started = time.monotonic()
+        answers.append((client.get("/v1/hardware/h100").status_code, time.monotonic() - started))
+
+    readers = [threading.Thread(target=read) for _ in range(24)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(60)
+    assert len(answers) == 24 and {status for status, _ in answers} == {200}, answers
+    assert max(seconds for _, seconds in answers) < 10, answers
+
+
 def test_writers_take_the_write_lock_in_the_order_they_asked(tmp_path: Path) -> None:
     """Five writers queued behind a sixth get SQLite's write lock first come, first served, not as SQLite's
     busy handler happens to wake them."""
