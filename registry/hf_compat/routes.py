@@ -9,16 +9,20 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlencode
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from core.errors import NotFound
+from core.manifest import MAX_PATH_CHARS
 from registry.api.endpoint import SessionRoute
+from registry.api.pages import PAGED
+from registry.api.params import PageLimit
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
 from registry.hf_compat import service
 from registry.hf_compat.service import COMMIT, Resolved
+from registry.paging import MAX_PAGE_LIMIT
 
 router = APIRouter(tags=["hf-compat"], route_class=SessionRoute)
 
@@ -67,8 +71,21 @@ def _revision_info(resolved: Resolved) -> dict[str, Any]:
     }
 
 
-@router.get("/api/models/{path:path}", summary="Hub API: revision info and tree listing of an artifact")
-def hub_api(path: str, request: Request, session: SessionDep, principal: PrincipalDep, recursive: bool = False) -> Any:
+@router.get(
+    "/api/models/{path:path}",
+    summary="Hub API: revision info and tree listing of an artifact (the tree a page at a time)",
+    responses=PAGED,
+)
+def hub_api(
+    path: str,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: PrincipalDep,
+    recursive: bool = False,
+    cursor: str | None = Query(default=None, max_length=MAX_PATH_CHARS, description="the last path of the page before"),
+    limit: PageLimit = MAX_PAGE_LIMIT,
+) -> Any:
     segments = _raw_segments(request)  # ["api", "models", ...]
     keyword = "tree" if "tree" in segments[3:5] else "revision"
     repo, revision, rest = _split(segments, keyword, 2)
@@ -78,7 +95,14 @@ def hub_api(path: str, request: Request, session: SessionDep, principal: Princip
         if rest:
             raise NotFound(f"no such Hub endpoint: {request.url.path}", details={"path": request.url.path})
         return _revision_info(resolved)
-    return service.tree_entries(resolved, "/".join(rest), recursive=recursive)
+    entries, more = service.tree_page(
+        service.tree_entries(resolved, "/".join(rest), recursive=recursive), cursor, limit
+    )
+    if more:  # as the Hub pages a tree: huggingface_hub follows the Link as given
+        query = [(k, v) for k, v in request.query_params.multi_items() if k != "cursor"]
+        url = f"{request.url.path}?{urlencode([*query, ('cursor', str(entries[-1]['path']))])}"
+        response.headers["Link"] = f'<{url}>; rel="next"'
+    return entries
 
 
 def _resolve_file(request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep) -> Response:

@@ -144,6 +144,22 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
+def tree_page(entries: list[dict[str, object]], cursor: str | None, limit: int) -> tuple[list[dict[str, object]], bool]:
+    """Up to `limit` of a tree's `entries` after the one whose path is `cursor` (PAGE_CURSOR_UNKNOWN when no entry
+    has it), and whether more follow."""
+    start = 0
+    if cursor is not None:
+        paths = [e["path"] for e in entries]
+        if cursor not in paths:
+            raise InvalidInput(
+                f"no entry {cursor[:200]!r} in this tree to list entries after",
+                code=Codes.PAGE_CURSOR_UNKNOWN,
+                details={"cursor": cursor[:200]},
+            )
+        start = paths.index(cursor) + 1
+    return entries[start : start + limit], len(entries) > start + limit
+
+
 def tree_entries(resolved: Resolved, prefix: str = "", recursive: bool = False) -> list[dict[str, object]]:
     """The Hub's tree listing of the artifact's files under `prefix` (folders first, as the Hub lists them)."""
     prefix = prefix.strip("/")

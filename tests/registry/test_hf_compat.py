@@ -163,6 +163,24 @@ def test_tree_listing_is_what_the_hub_returns(live: str, client: TestClient) -> 
     assert sorted(s.rfilename for s in info.siblings or []) == sorted(entries.keys() - {"tokenizer"})
 
 
+def test_a_tree_comes_a_page_at_a_time_as_the_hub_pages_it(live: str, client: TestClient) -> None:
+    """At most `limit` entries (1,000 unless asked), the next page in a `Link` that huggingface_hub's
+    `paginate` follows as given; a cursor naming no entry is refused."""
+    url: str | None = "/api/models/tiny/tree/prod%2Fhf-bf16?recursive=true&limit=2"
+    pages: list[list[str]] = []
+    while url is not None:
+        page = client.get(url)
+        assert page.status_code == 200, page.text
+        pages.append([e["path"] for e in page.json()])
+        link = page.headers.get("link")
+        url = link[1 : link.index(">")] if link else None
+    assert pages == [["tokenizer", "config.json"], ["model.safetensors", "tokenizer/tokenizer.json"]]
+    whole = client.get("/api/models/tiny/tree/prod%2Fhf-bf16?recursive=true")
+    assert [e["path"] for e in whole.json()] == sum(pages, []) and "link" not in whole.headers
+    unknown = client.get("/api/models/tiny/tree/prod%2Fhf-bf16?cursor=nowhere")
+    assert unknown.status_code == 422 and unknown.json()["error"]["code"] == "PAGE_CURSOR_UNKNOWN"
+
+
 @pytest.mark.parametrize(
     ("path", "status", "code", "hub_code"),
     [
