@@ -30,13 +30,13 @@ NEXT_LINK_HEADERS: dict[str, Any] = {
 PAGED: dict[int | str, dict[str, Any]] = {200: {"headers": NEXT_LINK_HEADERS}}
 
 
-def next_page_url(request: Request, after: str | int | None, limit: int) -> str | None:
-    """The root-relative URL of the page after this one (the same query, `after` the cursor), or None on the
-    last page."""
+def next_page_url(request: Request, after: str | int | None, limit: int, cursor_name: str = "after") -> str | None:
+    """The root-relative URL of the page after this one (the same query, `cursor_name`, `after` by default, the
+    cursor), or None on the last page."""
     if after is None:
         return None
-    query = [(k, v) for k, v in request.query_params.multi_items() if k not in ("after", "limit")]
-    query += [("after", str(after))] + ([("limit", str(limit))] if limit != PAGE_LIMIT else [])
+    query = [(k, v) for k, v in request.query_params.multi_items() if k not in (cursor_name, "limit")]
+    query += [(cursor_name, str(after))] + ([("limit", str(limit))] if limit != PAGE_LIMIT else [])
     root = str(request.scope.get("root_path", "")).rstrip("/")
     return f"{root}{request.url.path}?{urlencode(query)}"
 

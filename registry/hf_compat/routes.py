@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import unquote, urlencode
+from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
 
 from core.errors import NotFound
 from core.manifest import MAX_PATH_CHARS
 from registry.api.endpoint import SessionRoute
-from registry.api.pages import PAGED
+from registry.api.pages import PAGED, next_page_url
 from registry.api.params import PageLimit
 from registry.blobs.download import blob_response
 from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
@@ -99,8 +99,7 @@ def hub_api(
         service.tree_entries(resolved, "/".join(rest), recursive=recursive), cursor, limit
     )
     if more:  # as the Hub pages a tree: huggingface_hub follows the Link as given
-        query = [(k, v) for k, v in request.query_params.multi_items() if k != "cursor"]
-        url = f"{request.url.path}?{urlencode([*query, ('cursor', str(entries[-1]['path']))])}"
+        url = next_page_url(request, str(entries[-1]["path"]), limit, cursor_name="cursor")
         response.headers["Link"] = f'<{url}>; rel="next"'
     return entries
 
