@@ -139,6 +139,7 @@ BASES: dict[tuple[str, str], Base] = {
     ("get", "/v1/models/{model}/channels"): Base(path={"model": "tiny"}),
     ("get", "/v1/models/{model}/channels/{channel}"): Base(path={"model": "tiny", "channel": "prod"}),
     ("get", "/v1/hardware"): Base(),
+    ("get", "/api/models/{path}"): Base(path={"path": "tiny/tree/1.0%2Fgguf-q8"}),  # the Hub tree's page size
     ("get", "/v1/keys"): Base(),
     ("get", "/v1/tokens"): Base(),
     ("get", "/v1/webhooks"): Base(),
