@@ -40,13 +40,13 @@ def main() -> None:
         sha = random_file(blob, args.size_mib)
         nbytes = blob.stat().st_size
         sys.path.insert(0, str(ROOT))
-        from client import RegistryClient  # creates and migrates the embedded registry
-        from registry.settings import RegistrySettings
+        from kiln.client import RegistryClient  # creates and migrates the embedded registry
+        from kiln.registry.settings import RegistrySettings
 
         data = work / "registry"
         RegistryClient.connect(data).close()
         settings = RegistrySettings(data_dir=data, auth_required=True)
-        from registry.app import create_app
+        from kiln.registry.app import create_app
         from tests.registry.conftest import make_token
 
         app = create_app(settings)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from random_model import write_weights  # noqa: E402 (beside this script)
 from record import add_record_argument, run_record, save_record  # noqa: E402 (bench/record.py, beside this script)
 
-from core.usage import MemorySampler, reset_peak, status_kb  # noqa: E402
+from kiln.core.usage import MemorySampler, reset_peak, status_kb  # noqa: E402
 
 MB = 1e6
 
@@ -96,7 +96,7 @@ def make_source(out: Path, layers: int, args: argparse.Namespace) -> Path:
 
 def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str) -> None:
     """Run the quantize stage's calibrated path in this process; print timings and memory as JSON."""
-    from quant.calibrated import _quiet_llmcompressor_logs
+    from kiln.quant.calibrated import _quiet_llmcompressor_logs
 
     _quiet_llmcompressor_logs()
     # Everything calibration imports, so the baseline is the libraries' own footprint.
@@ -105,10 +105,10 @@ def _child(source: str, scheme_name: str, samples: int, seq_len: int, dtype: str
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from formats.hf_model import open_source
-    from quant.calibrated import calibrate, calibration_samples
-    from quant.catalog import get_scheme
-    from quant.store import write_quantized
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.calibrated import calibrate, calibration_samples
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.store import write_quantized
 
     baseline_kb = _vm_kb("VmHWM")
     baseline_anon_kb = _vm_kb("RssAnon")
@@ -208,7 +208,7 @@ def main() -> None:
         return
 
     if args.compute_dtype is None:
-        from quant.calibrated import calibration_dtype
+        from kiln.quant.calibrated import calibration_dtype
 
         args.compute_dtype = calibration_dtype()
     shape = f"h{args.hidden}-i{args.intermediate}-a{args.heads}-kv{args.kv_heads}-v{args.vocab}"

@@ -50,7 +50,7 @@ OPEN_GATE = {"max_kl": 100.0, "min_top1": 0.0, "max_ppl_increase": 100.0}
 
 
 def build(family: str, work: Path, vllm: bool) -> dict[str, Any]:
-    from formats.architectures import FAMILIES as RECORDS
+    from kiln.formats.architectures import FAMILIES as RECORDS
     from tests.model_factory import make_model
 
     make_model(work / "model", family, hidden_size=128, intermediate_size=256, vocab_size=512, **WIDTHS.get(family, {}))

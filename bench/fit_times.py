@@ -34,9 +34,9 @@ def kind(node: str) -> str:
     """`pipeline.requirements.stage_kind` of a `bench/scale.py` node from its id (`export/gguf-q4_k_m`,
     `eval/hf-bundle-fp8@vllm`), for a run whose plan rows did not say (before 2026-11-29): the stage, what does the
     work (a calibrated quantize, the export's target, the eval's runtime) and the quant."""
-    from formats.gguf.constants import QUANTS as GGUF_QUANTS
-    from quant.catalog import get_scheme
-    from targets.base import all_targets, get_target
+    from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
+    from kiln.quant.catalog import get_scheme
+    from kiln.targets.base import all_targets, get_target
 
     stage, _, rest = node.partition("/")
     if stage == "quantize":

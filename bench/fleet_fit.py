@@ -31,8 +31,8 @@ GIB = 1024**3
 
 def served_by(quant: str, hardware: str) -> tuple[list[str], str]:
     """The targets whose artifact for `quant` runs on `hardware`, and (when none) what it is served instead."""
-    from core.errors import KilnError
-    from targets.base import all_targets
+    from kiln.core.errors import KilnError
+    from kiln.targets.base import all_targets
 
     targets, instead = [], []
     for spec in all_targets().values():
@@ -49,10 +49,10 @@ def served_by(quant: str, hardware: str) -> tuple[list[str], str]:
 
 
 def main() -> None:
-    from core.hardware import PROFILES
-    from core.shape import ShapeRecord
-    from placement.fit import plan_replica
-    from quant.footprint import checkpoint_bytes
+    from kiln.core.hardware import PROFILES
+    from kiln.core.shape import ShapeRecord
+    from kiln.placement.fit import plan_replica
+    from kiln.quant.footprint import checkpoint_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples/llama-3-70b/config.json")

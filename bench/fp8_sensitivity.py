@@ -51,10 +51,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eval.metrics import kl_divergence, log_softmax
-    from eval.text import load_text
-    from quant.catalog import SCHEMES
-    from quant.rtn import weight_scale
+    from kiln.eval.metrics import kl_divergence, log_softmax
+    from kiln.eval.text import load_text
+    from kiln.quant.catalog import SCHEMES
+    from kiln.quant.rtn import weight_scale
 
     torch.set_num_threads(args.threads)
     text = load_text(args.model, args.text)

@@ -127,10 +127,10 @@ def _child(source: str, quant: str, out_dir: str, prepared: str) -> None:
     the source as the stage does (its digests known) and export, with the target's prepared record."""
     exec(PEAK_RSS_AT_EXIT)
     sys.path.insert(0, str(ROOT))
-    from core.digest import HashCache
-    from formats.hf_model import open_source
-    from targets.base import ExportRequest
-    from targets.gguf.export import export
+    from kiln.core.digest import HashCache
+    from kiln.formats.hf_model import open_source
+    from kiln.targets.base import ExportRequest
+    from kiln.targets.gguf.export import export
 
     src = open_source(source, hasher=HashCache(Path(prepared).with_suffix(".hashes.json")).sha256)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -140,9 +140,9 @@ def _child(source: str, quant: str, out_dir: str, prepared: str) -> None:
 def _prepare(source: Path, work: Path) -> tuple[Path, float]:
     """The gguf target's prepare stage (once per source, shared by every GGUF export), and its seconds."""
     sys.path.insert(0, str(ROOT))
-    from core.digest import HashCache
-    from formats.hf_model import open_source
-    from targets.gguf.export import prepare
+    from kiln.core.digest import HashCache
+    from kiln.formats.hf_model import open_source
+    from kiln.targets.gguf.export import prepare
 
     path = work / "prepared.json"
     hashes = HashCache(path.with_suffix(".hashes.json"))

@@ -168,7 +168,7 @@ def step_info(args: argparse.Namespace) -> dict[str, Any]:
         out["jax_devices"] = [str(d) for d in jax.devices()]
     except Exception as e:
         out["jax_error"] = f"{type(e).__name__}: {e}"
-    from core.device import describe, resolve_device
+    from kiln.core.device import describe, resolve_device
 
     out["device"] = describe(resolve_device(args.device))
     return out
@@ -232,9 +232,9 @@ class _Progress:
 
 
 def step_build(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -278,10 +278,10 @@ def step_build(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    from eval.native_kernels import Kernels, KernelUnavailable, check_kernels
-    from pipeline.records import ReferenceRecord
-    from pipeline.stage import STAGE_FILE, StageOutput
-    from pipeline.stages.reference import stored_reference
+    from kiln.eval.native_kernels import Kernels, KernelUnavailable, check_kernels
+    from kiln.pipeline.records import ReferenceRecord
+    from kiln.pipeline.stage import STAGE_FILE, StageOutput
+    from kiln.pipeline.stages.reference import stored_reference
 
     bundles = json.loads(args.bundles)
     # The reference the build's evals scored against: the source model's float32 logits, as stored.
@@ -316,9 +316,9 @@ def step_gptq_layer(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
     from safetensors.torch import save_file
 
-    from formats.hf_model import open_source
-    from quant.calibrated import calibrate
-    from quant.catalog import get_scheme
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.calibrated import calibrate
+    from kiln.quant.catalog import get_scheme
 
     shape = (
         {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4}
@@ -514,8 +514,8 @@ def compare_references(cpu_dir: str, cuda_dir: str) -> dict[str, Any]:
     largest difference in log p(target); and how many greedy continuations are the same."""
     import numpy as np
 
-    from eval.metrics import MetricAccumulator
-    from eval.reference_rows import ReferenceRows
+    from kiln.eval.metrics import MetricAccumulator
+    from kiln.eval.reference_rows import ReferenceRows
 
     acc = MetricAccumulator()
     worst, windows, rows, top1, dense = 0.0, 0, 0, 0, True

@@ -30,8 +30,8 @@ def probe(device: str = "auto", hardware: str | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     import torch  # noqa: F401 - timed with the run: what `kiln hardware probe` pays too
 
-    from core.device import resolve_device
-    from core.hardware import builtin_catalog
+    from kiln.core.device import resolve_device
+    from kiln.core.hardware import builtin_catalog
     from kiln.probe import device_name, efficiency, identify, measure
 
     imported = time.perf_counter() - started

@@ -56,9 +56,9 @@ SHARD_BYTES = 5_000_000_000
 
 def _tensors(config: dict[str, Any], quant: str) -> list[tuple[str, str, tuple[int, ...], bytes | None]]:
     """(name, dtype, shape, contents or None for zeros) of the bundle, in checkpoint order."""
-    from formats.architectures.shape import ModelShape
-    from quant.catalog import get_scheme
-    from quant.rtn import planned_tensors, quantizes
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.rtn import planned_tensors, quantizes
 
     scheme = get_scheme(quant)
     out: list[tuple[str, str, tuple[int, ...], bytes | None]] = []
@@ -78,9 +78,9 @@ def _tensors(config: dict[str, Any], quant: str) -> list[tuple[str, str, tuple[i
 
 def write_bundle(out: Path, size: str, quant: str) -> int:
     """A sparse hf-bundle of `quant` at `size`; returns its apparent bytes."""
-    from formats.safetensors import DTYPES
-    from quant.catalog import get_scheme
-    from quant.compressed import quantization_config
+    from kiln.formats.safetensors import DTYPES
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.compressed import quantization_config
 
     config = dict(SHAPES[size], quantization_config=quantization_config(get_scheme(quant)))
     out.mkdir(parents=True)
@@ -122,10 +122,10 @@ def write_bundle(out: Path, size: str, quant: str) -> int:
 
 def write_gguf(out: Path, size: str) -> int:
     """A sparse Q8_0 GGUF of `size` (2-D tensors Q8_0, norms F32): header, then each tensor's first block scale."""
-    from formats.architectures import FAMILIES
-    from formats.architectures.shape import ModelShape
-    from formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, TYPE_TRAITS, Keys, TensorType, ValueType
-    from targets.lint.gguf import gguf_tensor_name
+    from kiln.formats.architectures import FAMILIES
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, TYPE_TRAITS, Keys, TensorType, ValueType
+    from kiln.targets.lint.gguf import gguf_tensor_name
 
     shape = ModelShape.from_config(SHAPES[size])
     kvs: list[tuple[str, ValueType, Any]] = [

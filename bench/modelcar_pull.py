@@ -45,11 +45,11 @@ def main() -> None:
     import httpx
     from sqlalchemy import delete, func, select
 
-    from client import RegistryClient
-    from registry.app import create_app
-    from registry.oci.base_image import write_busybox_base
-    from registry.oci.models import TarLayer
-    from registry.settings import RegistrySettings
+    from kiln.client import RegistryClient
+    from kiln.registry.app import create_app
+    from kiln.registry.oci.base_image import write_busybox_base
+    from kiln.registry.oci.models import TarLayer
+    from kiln.registry.settings import RegistrySettings
     from tests.registry.conftest import make_token
     from tests.registry.helpers import STAND_IN_EXECUTABLE, make_release, manifest, post_eval, seal
 

@@ -41,9 +41,9 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
     import compressed_tensors.compressors  # noqa: F401
     import torch  # noqa: F401
 
-    from formats.hf_model import open_source
-    from quant.catalog import get_scheme
-    from quant.store import write_quantized
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.store import write_quantized
 
     scheme = get_scheme(scheme_name)
     if scheme.by_llmcompressor:
@@ -52,7 +52,7 @@ def _child(source: str, scheme_name: str, text_file: str, out_dir: str) -> None:
         import llmcompressor.modifiers.quantization  # noqa: F401
         import llmcompressor.modifiers.transform.awq  # noqa: F401
 
-        from quant.calibrated import calibrate, calibration_samples
+        from kiln.quant.calibrated import calibrate, calibration_samples
     src = open_source(source)
     imported = _peak_rss_mb()
     t0 = time.perf_counter()
@@ -99,14 +99,14 @@ def main() -> None:
         _child(*args.child)
         return
     sys.path.insert(0, str(ROOT))
-    from quant.catalog import SCHEMES
+    from kiln.quant.catalog import SCHEMES
 
     names = args.schemes.split(",") if args.schemes else [n for n, s in SCHEMES.items() if s.quantized]
     rows = []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
     if args.compute_dtype is None:
         sys.path.insert(0, str(ROOT))
-        from quant.calibrated import calibration_dtype
+        from kiln.quant.calibrated import calibration_dtype
 
         args.compute_dtype = calibration_dtype()
     env["KILN_BENCH_COMPUTE_DTYPE"] = args.compute_dtype

@@ -26,7 +26,7 @@ SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size ("5GB")
 
 def checkpoint_tensors(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor `config` implies, in checkpoint order."""
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.shape import ModelShape
 
     def order(name: str) -> tuple[int, int]:
         if name.startswith("model.layers."):
@@ -64,7 +64,7 @@ def write_weights(
     `label`, each shard written is reported on stderr."""
     import torch
 
-    from formats.safetensors import SafeTensorsWriter
+    from kiln.formats.safetensors import SafeTensorsWriter
 
     tensors = checkpoint_tensors(config)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]

@@ -46,7 +46,7 @@ def build(recipe: Path, work: Path, env: dict[str, str], *extra: str) -> tuple[f
 
 def local_outputs(work: Path) -> dict[str, tuple[str, str]]:
     """{node: (key, digest)} of every stage.json under a work directory (each Ray node's copy included)."""
-    from core.digest import sha256_json
+    from kiln.core.digest import sha256_json
 
     found: dict[str, tuple[str, str]] = {}
     for meta_path in work.rglob("stage.json"):
@@ -56,7 +56,7 @@ def local_outputs(work: Path) -> dict[str, tuple[str, str]]:
 
 
 def bucket_outputs(s3: Any, url: str) -> dict[str, tuple[str, str]]:
-    from core.digest import sha256_json
+    from kiln.core.digest import sha256_json
 
     found: dict[str, tuple[str, str]] = {}
     for key in s3.leftovers(url):

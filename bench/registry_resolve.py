@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from record import add_record_argument, run_record, save_record  # bench/record.py, beside this script
 
 if TYPE_CHECKING:
-    from core.evals import PublishedEval
+    from kiln.core.evals import PublishedEval
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -84,7 +84,7 @@ async def resolve() -> Response:
 def bench_eval(kl: float) -> PublishedEval:
     """A passed `core.evals.PublishedEval` under the runtime "bench" with mean KL `kl`, the one metric
     resolve ranks by; the others are stand-ins."""
-    from core.evals import EvalMetrics, PublishedEval
+    from kiln.core.evals import EvalMetrics, PublishedEval
 
     metrics = EvalMetrics(
         tokens=1, windows=1, vocab_size=1, ppl_ref=1.0, ppl=1.0, ppl_change=0.0, kl=kl, kl_max=kl, top1=1.0,
@@ -95,8 +95,8 @@ def bench_eval(kl: float) -> PublishedEval:
 
 def seed(data_dir: Path) -> str:
     """Two sealed releases, prod split 95/5 over them; returns a read token limited to the model."""
-    from client import RegistryClient
-    from core.manifest import ArtifactManifest, FileEntry
+    from kiln.client import RegistryClient
+    from kiln.core.manifest import ArtifactManifest, FileEntry
 
     with RegistryClient.connect(data_dir) as client:
         client.ensure_model(MODEL, "resolve benchmark")

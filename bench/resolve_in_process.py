@@ -95,8 +95,8 @@ def main() -> None:
         (Path(tmp) / "metrics").mkdir()
         import uvloop
 
-        from registry.ops.logs import log_config
-        from registry.server import create_server_app
+        from kiln.registry.ops.logs import log_config
+        from kiln.registry.server import create_server_app
 
         with open(os.devnull, "w") as devnull:
             saved, sys.stderr = sys.stderr, devnull  # the access lines are written, to nowhere

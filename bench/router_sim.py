@@ -50,7 +50,7 @@ from registry_resolve import (  # the model, its evals and the server start of t
     serving,
 )
 
-from placement.model import parameters
+from kiln.placement.model import parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -97,8 +97,8 @@ REPLICAS = [
 
 def artifact_bytes(quant: str) -> int:
     """What the artifact's checkpoint weighs for CONFIG, rounded to half a GiB (the smallest shard)."""
-    from core.shape import ShapeRecord
-    from quant.footprint import checkpoint_bytes
+    from kiln.core.shape import ShapeRecord
+    from kiln.quant.footprint import checkpoint_bytes
 
     if quant in GGUF_BITS_PER_WEIGHT:
         shape = ShapeRecord.from_untrusted(CONFIG)
@@ -112,8 +112,8 @@ def artifact_bytes(quant: str) -> int:
 def seed(data_dir: Path) -> tuple[str, str, dict[str, float]]:
     """Two sealed releases, prod split 95/5; returns a read token and a promote token for the model,
     and each artifact's size in GiB."""
-    from client import RegistryClient
-    from core.manifest import ArtifactManifest, FileEntry
+    from kiln.client import RegistryClient
+    from kiln.core.manifest import ArtifactManifest, FileEntry
 
     shards = []
     for size in SHARD_SIZES:  # zeros, sparse on disk; the registry stores each blob once
@@ -294,7 +294,7 @@ def quantile(sorted_values: list[float], q: float) -> float:
 def main() -> None:
     import uvloop
 
-    from client import RegistryClient
+    from kiln.client import RegistryClient
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=100_000)

@@ -220,19 +220,19 @@ def make_model(out: Path, size: Size, tokenizer: Path, seed: int = 0) -> Path:
 
 def artifact_bytes(size: Size, target: str, quant: str) -> tuple[int, int, int]:
     """(quantize stage output, export output, transient during the export) in bytes, from the shape alone."""
-    from formats.safetensors import DTYPES
-    from quant.catalog import get_scheme
-    from quant.footprint import checkpoint_bytes
-    from quant.rtn import planned_tensors, quantizes
+    from kiln.formats.safetensors import DTYPES
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.footprint import checkpoint_bytes
+    from kiln.quant.rtn import planned_tensors, quantizes
 
     tensors = size.tensors()
     matrices = sum(math.prod(s) for _, s in tensors if len(s) == 2)
     if target == "gguf":
         # The plan's own count of the file (`placement.weights.gguf_bytes`); a type llama.cpp's quantizer
         # makes (Q4_K_M) goes through a lossless (bf16) GGUF first, deleted after.
-        from formats.architectures.shape import ModelShape
-        from formats.gguf.constants import QUANTS as GGUF_QUANTS
-        from placement.weights import gguf_bytes
+        from kiln.formats.architectures.shape import ModelShape
+        from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
+        from kiln.placement.weights import gguf_bytes
 
         transient = 2 * matrices if GGUF_QUANTS[quant].llama_ftype is not None else 0
         return 0, gguf_bytes(ModelShape.from_config(size.config()), quant), transient
@@ -266,7 +266,7 @@ def disk_needed(size: Size, artifacts: list[tuple[str, str]], split: bool, have_
 
 def _groups(artifacts: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     """The artifacts that share a quantize stage, together (hf-bundle and trtllm FP8): --split's units."""
-    from targets.base import get_target
+    from kiln.targets.base import get_target
 
     groups: dict[str, list[tuple[str, str]]] = {}
     for target, quant in artifacts:
@@ -396,8 +396,8 @@ def whole_fits(size: Size) -> bool:
     """Whether the model whole in float32 (what the ceiling holds) fits this machine's memory budget (whatever
     `--host-memory` made the build plan for): where it does not (8B here: 32 GB), there is no whole-model time to
     compare with, only a process killed for its memory."""
-    from core.device import host_memory_bytes
-    from pipeline.requirements import HOLD_UTILIZATION
+    from kiln.core.device import host_memory_bytes
+    from kiln.pipeline.requirements import HOLD_UTILIZATION
 
     memory = host_memory_bytes()
     return memory is not None and 2 * size.model_bytes <= HOLD_UTILIZATION * memory
@@ -417,12 +417,12 @@ def measure_ceiling(stage_json: Path, device: str, log: Path) -> dict[str, float
 def ceiling(stage_json: Path, device: str) -> dict[str, float]:
     """The work of the reference or transformers eval whose stage.json is `stage_json`, with the model loaded
     whole in float32 (`TransformersRuntime`): the same text, the same rows or the same comparison."""
-    from eval.gates import Gate
-    from eval.reference_rows import ReferenceStore, reference_rows
-    from eval.run import evaluate_artifact
-    from eval.runtimes.layer_stream import open_transformers
-    from eval.runtimes.residency import WHOLE
-    from eval.text import EvalText
+    from kiln.eval.gates import Gate
+    from kiln.eval.reference_rows import ReferenceStore, reference_rows
+    from kiln.eval.run import evaluate_artifact
+    from kiln.eval.runtimes.layer_stream import open_transformers
+    from kiln.eval.runtimes.residency import WHOLE
+    from kiln.eval.text import EvalText
 
     data = json.loads(stage_json.read_text())
     work = stage_json.parents[2]

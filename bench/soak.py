@@ -3,7 +3,7 @@
     python bench/soak.py [--db sqlite,postgres] [--seconds 300] [--clients 64] [--workers 2]
 
 For each database (SQLite embedded; PostgreSQL: a fresh database on `--postgres`, dropped after), a fresh
-registry is seeded (model `soak`, release 1.0 sealed on prod) and served by `python -m registry.server`
+registry is seeded (model `soak`, release 1.0 sealed on prod) and served by `python -m kiln.registry.server`
 (uvicorn, uvloop, httptools, its access log on) on a free loopback port. `--clients` asyncio clients
 (httpx, one process) then loop for `--seconds`, each request drawn from this mix:
 
@@ -315,9 +315,9 @@ def seed(base: str, admin: str) -> tuple[str, str]:
 
 
 def admin_token(settings: Any) -> str:
-    from registry.app import open_storage
-    from registry.auth.principal import LOCAL
-    from registry.auth.service import create_token
+    from kiln.registry.app import open_storage
+    from kiln.registry.auth.principal import LOCAL
+    from kiln.registry.auth.service import create_token
 
     storage = open_storage(settings)
     try:
@@ -333,8 +333,8 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    from registry.migrate import upgrade
-    from registry.settings import RegistrySettings
+    from kiln.registry.migrate import upgrade
+    from kiln.registry.settings import RegistrySettings
 
     data = tmp / db
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILN_REGISTRY_DATA_DIR": str(data)}
@@ -356,7 +356,7 @@ def run_one(db: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp / f"{db}-server.log", "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "registry.server", "--port", str(port), "--workers", str(args.workers)]
+    cmd = [sys.executable, "-m", "kiln.registry.server", "--port", str(port), "--workers", str(args.workers)]
     cmd += ["--log-level", "warning"]
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

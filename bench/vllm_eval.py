@@ -32,8 +32,8 @@ def _metrics(evals: list[dict[str, Any]], runtime: str) -> dict[str, Any] | None
 
 
 def main() -> None:
-    from eval.runtimes import environments
-    from eval.runtimes.vllm_runtime import VllmRuntime, shared_worker
+    from kiln.eval.runtimes import environments
+    from kiln.eval.runtimes.vllm_runtime import VllmRuntime, shared_worker
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", type=Path, default=ROOT / "examples/tiny-llama/kiln.yaml")

@@ -23,15 +23,15 @@ from urllib.parse import quote, urljoin
 
 import httpx2
 
-from core import errors
-from core.digest import CHUNK
-from core.error_codes import CATALOG, Codes
-from core.errors import DigestMismatch, KilnError, Unavailable
-from core.evals import PublishedEval, RecordedEval
-from core.manifest import ArtifactManifest, check_relative_path
-from core.resolve import ResolveOut
-from core.signing import ATTESTATION_FILES
-from registry.paging import MAX_PAGE_LIMIT
+from kiln.core import errors
+from kiln.core.digest import CHUNK
+from kiln.core.error_codes import CATALOG, Codes
+from kiln.core.errors import DigestMismatch, KilnError, Unavailable
+from kiln.core.evals import PublishedEval, RecordedEval
+from kiln.core.manifest import ArtifactManifest, check_relative_path
+from kiln.core.resolve import ResolveOut
+from kiln.core.signing import ATTESTATION_FILES
+from kiln.registry.paging import MAX_PAGE_LIMIT
 
 _ERRORS_BY_STATUS: dict[int, type[KilnError]] = {
     400: errors.InvalidInput,
@@ -169,8 +169,8 @@ class RegistryClient:
         # Imported here: talking to a server needs none of the server's code.
         from starlette.testclient import TestClient
 
-        from registry.app import create_app
-        from registry.settings import RegistrySettings
+        from kiln.registry.app import create_app
+        from kiln.registry.settings import RegistrySettings
 
         # Download URLs name the server `kiln serve --data-dir DIR` runs by default over the same directory.
         if target.startswith(("postgresql", "sqlite:")):

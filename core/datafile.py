@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from core.errors import DataFileInvalid, InvalidInput
+from kiln.core.errors import DataFileInvalid, InvalidInput
 
 MAX_DATA_FILE_BYTES = 1 << 20
 MAX_DEPTH = 64  # levels of nesting; every file kiln reads needs a handful

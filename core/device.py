@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")

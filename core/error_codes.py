@@ -4,7 +4,7 @@ A code is declared once, as an attribute of `Codes` naming its kind and meaning;
 (`InvalidInput(..., code=Codes.QUANT_SHAPE)`), and `KilnError` refuses a code the catalog does not list,
 or lists for another kind of error. The kind fixes the exit status and, unless the code gives its own,
 the HTTP status; the CLI (`kiln.cli`) and the API (`registry.api.errors`) read both from here, and
-docs/cli.md and docs/registry.md print the tables `markdown` renders (`python -m core.error_codes --write-docs`).
+docs/cli.md and docs/registry.md print the tables `markdown` renders (`python -m kiln.core.error_codes --write-docs`).
 Codes are stable: a client may match on them, so one is never renamed or given another meaning.
 """
 
@@ -364,7 +364,7 @@ def with_table(text: str, view: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m core.error_codes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kiln.core.error_codes", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", choices=sorted(_MARKERS), help="print the table for this doc")
     parser.add_argument("--write-docs", action="store_true", help="rewrite the tables in docs/ (from the repo root)")
     args = parser.parse_args(argv)

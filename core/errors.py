@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from core.error_codes import CATALOG, Codes, Kind
+from kiln.core.error_codes import CATALOG, Codes, Kind
 
 
 class KilnError(Exception):

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
-from core.datafile import read_data_file
-from core.error_codes import Codes
-from core.errors import InvalidInput, UnknownName
+from kiln.core.datafile import read_data_file
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, UnknownName
 
 CATALOG_FILE = Path(__file__).with_name("hardware.yaml")
 

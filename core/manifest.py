@@ -7,8 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from core.digest import sha256_json
-from core.untrusted import JSONObject
+from kiln.core.digest import sha256_json
+from kiln.core.untrusted import JSONObject
 
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+\-]*$")

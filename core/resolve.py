@@ -12,9 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.evals import EvalStatus
-from core.hardware import MatmulDtype
-from core.manifest import FileOut
+from kiln.core.evals import EvalStatus
+from kiln.core.hardware import MatmulDtype
+from kiln.core.manifest import FileOut
 
 Policy = Literal["latency", "cost", "quality"]
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from core.errors import UnknownName
+from kiln.core.errors import UnknownName
 
 # Larger values are not an architecture (the largest models have ~10^2 layers, 10^5 hidden, 10^7
 # positions): a release's model_config is publisher input, so anything past this is treated as missing.

@@ -60,10 +60,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from model_signing._signing import sign_ec_key as ms_ec_key
 from model_signing._signing import sign_sigstore_pb as ms_bundle
 
-from core.digest import canonical_json, same_json
-from core.error_codes import Codes
-from core.errors import DigestMismatch, InvalidInput
-from core.untrusted import InvalidJSON, loads_json, short_repr
+from kiln.core.digest import canonical_json, same_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import DigestMismatch, InvalidInput
+from kiln.core.untrusted import InvalidJSON, loads_json, short_repr
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"

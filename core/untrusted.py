@@ -30,8 +30,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
 
 MAX_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

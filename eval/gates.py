@@ -73,11 +73,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from core.errors import RecipeInvalid, UnknownName
-from core.evals import EvalMetrics, Gate
-from quant.catalog import METHODS
-from quant.methods import dense, int4, int8
-from quant.methods.base import GateDefaults
+from kiln.core.errors import RecipeInvalid, UnknownName
+from kiln.core.evals import EvalMetrics, Gate
+from kiln.quant.catalog import METHODS
+from kiln.quant.methods import dense, int4, int8
+from kiln.quant.methods.base import GateDefaults
 
 __all__ = ["DEFAULT_GATES", "GATE_KEYS", "EvalMetrics", "Gate", "GateResult", "check", "gate_for"]
 

@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from core.errors import InvalidInput
-from eval.gates import EvalMetrics
-from eval.reference_rows import CHUNK_BYTES, ReferenceRows, common_vocab, log_softmax_t, reference_rows
+from kiln.core.errors import InvalidInput
+from kiln.eval.gates import EvalMetrics
+from kiln.eval.reference_rows import CHUNK_BYTES, ReferenceRows, common_vocab, log_softmax_t, reference_rows
 
 
 def log_softmax(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:

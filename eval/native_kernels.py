@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
-from quant.catalog import METHODS
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.quant.catalog import METHODS
 
 if TYPE_CHECKING:
     import torch
 
-    from eval.run import Reference
+    from kiln.eval.run import Reference
 
 Kernels = Literal["native", "emulated"]
 E4M3_MAX = 448.0
@@ -379,8 +379,8 @@ def check_kernels(
     logits) and against each other."""
     import torch
 
-    from eval.metrics import MetricAccumulator
-    from eval.run import reference_window
+    from kiln.eval.metrics import MetricAccumulator
+    from kiln.eval.run import reference_window
 
     started = time.time()
     model, scheme, kernel_name, swapped = load_native(bundle, device, kernels)

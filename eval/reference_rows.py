@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
 
 # Defaults. A row stops keeping tokens once the rest of the vocabulary holds at most TAIL_MASS (what it
 # leaves out of KL is then at most about TAIL_MASS x log(c / q_min): ~3e-8 nats), or at MAX_ENTRIES tokens
@@ -246,13 +246,13 @@ class ReferenceStore:
         self.version = version
 
     def _path(self, kind: str, payload: object, suffix: str) -> Path:
-        from core.digest import sha256_json
+        from kiln.core.digest import sha256_json
 
         key = sha256_json({"kind": kind, "identity": self.identity, "ids": payload})
         return self.directory / f"{key}{suffix}"
 
     def put_rows(self, window: Sequence[int], rows: ReferenceRows) -> None:
-        from eval.runtimes.base import write_atomic
+        from kiln.eval.runtimes.base import write_atomic
 
         write_atomic(self._path("rows", [int(t) for t in window], ".npz"), rows.to_bytes())
 
@@ -268,7 +268,7 @@ class ReferenceStore:
             ) from None
 
     def put_greedy(self, prompt: Sequence[int], n: int, tokens: Sequence[int]) -> None:
-        from eval.runtimes.base import write_atomic
+        from kiln.eval.runtimes.base import write_atomic
 
         path = self._path("greedy", {"prompt": [int(t) for t in prompt], "n": n}, ".json")
         write_atomic(path, json.dumps([int(t) for t in tokens]).encode())

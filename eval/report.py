@@ -15,8 +15,8 @@ nor torch.
 
 from __future__ import annotations
 
-from core.evals import EvalMetrics, EvalReport, EvalStatus, Gate
-from eval.gates import check
+from kiln.core.evals import EvalMetrics, EvalReport, EvalStatus, Gate
+from kiln.eval.gates import check
 
 __all__ = ["EvalMetrics", "EvalReport", "EvalStatus", "judged"]
 

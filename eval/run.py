@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import Deferred
-from eval.gates import EvalMetrics, Gate
-from eval.metrics import MetricAccumulator
-from eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
-from eval.report import EvalReport, judged
-from eval.runtimes import RUNTIME_FACTS, Runtime, open_runtime
-from eval.text import EvalText
+from kiln.core.errors import Deferred
+from kiln.eval.gates import EvalMetrics, Gate
+from kiln.eval.metrics import MetricAccumulator
+from kiln.eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
+from kiln.eval.report import EvalReport, judged
+from kiln.eval.runtimes import RUNTIME_FACTS, Runtime, open_runtime
+from kiln.eval.text import EvalText
 
 Reference = Runtime | ReferenceStore
 

@@ -22,10 +22,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from core.digest import sha256_json
-from core.error_codes import Codes
-from core.errors import InvalidInput, SourceInvalid
-from core.untrusted import loads_json
+from kiln.core.digest import sha256_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, SourceInvalid
+from kiln.core.untrusted import loads_json
 
 DEFAULT_WINDOW = 256
 DEFAULT_MAX_TOKENS = 4096

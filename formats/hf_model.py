@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.digest import sha256_file, sha256_json
-from core.errors import SourceInvalid, UnsafeCheckpoint
-from core.manifest import FileEntry, check_relative_path
-from core.untrusted import InvalidJSON, loads_json, short_repr
-from formats.architectures.shape import ModelShape
-from formats.prequantized import (
+from kiln.core.digest import sha256_file, sha256_json
+from kiln.core.errors import SourceInvalid, UnsafeCheckpoint
+from kiln.core.manifest import FileEntry, check_relative_path
+from kiln.core.untrusted import InvalidJSON, loads_json, short_repr
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.prequantized import (
     QuantizationRecord,
     QuantizedPlan,
     StoredQuantized,
@@ -40,7 +40,7 @@ from formats.prequantized import (
     plan_quantized,
     read_quantization,
 )
-from formats.safetensors import TensorInfo, read_header
+from kiln.formats.safetensors import TensorInfo, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -272,7 +272,7 @@ def write_dequantized(source: SourceModel, out: Path, dtype: str) -> Path:
 
     import torch
 
-    from formats.safetensors import SafeTensorsWriter
+    from kiln.formats.safetensors import SafeTensorsWriter
 
     if source.quantized is None:
         raise ValueError(f"{source.root} is not a pre-quantized source")

@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.error_codes import Codes
-from core.errors import KilnError, SourceInvalid
-from core.untrusted import short_repr
-from formats.safetensors import TensorInfo
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, SourceInvalid
+from kiln.core.untrusted import short_repr
+from kiln.formats.safetensors import TensorInfo
 
 if TYPE_CHECKING:
     import torch
@@ -585,7 +585,7 @@ def check_values(quantization: SourceQuantization, qt: QuantizedTensor, values: 
 
 
 def _check_read(info: TensorInfo, t: torch.Tensor) -> None:
-    from formats.safetensors import DTYPES
+    from kiln.formats.safetensors import DTYPES
 
     if tuple(t.shape) != info.shape or str(t.dtype).removeprefix("torch.") != DTYPES[info.dtype].torch:
         raise QuantizedSourceInvalid(

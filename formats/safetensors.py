@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from core.error_codes import Codes
-from core.errors import KilnError, SourceInvalid
-from core.untrusted import InvalidJSON, loads_json, short_repr
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, SourceInvalid
+from kiln.core.untrusted import InvalidJSON, loads_json, short_repr
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from rich.progress import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.executors.node import NodeOutcome
-    from pipeline.stage import Node
+    from kiln.pipeline.executors.node import NodeOutcome
+    from kiln.pipeline.stage import Node
 
 # Not a terminal (a CI log, a file): wide enough for `kiln plan`'s table to keep each row on one line.
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, emoji=False)

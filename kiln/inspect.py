@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from core.errors import InvalidInput
+from kiln.core.errors import InvalidInput
 
 GGUF_MAGIC = b"GGUF"
 
@@ -39,7 +39,7 @@ def inspect_file(path: Path) -> dict[str, Any]:
 
 
 def _safetensors(path: Path) -> dict[str, Any]:
-    from formats.safetensors import read_header
+    from kiln.formats.safetensors import read_header
 
     tensors, meta = read_header(path, path.name)
     return {
@@ -59,7 +59,7 @@ def _json_value(value: Any) -> Any:
 
 
 def _gguf(path: Path) -> dict[str, Any]:
-    from formats.gguf.reader import read_header, tensor_nbytes
+    from kiln.formats.gguf.reader import read_header, tensor_nbytes
 
     header = read_header(path)
     meta: dict[str, Any] = {}

@@ -32,10 +32,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.device import Device, cpu_model
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import FRACTION, MEMORY_GIB, DtypeFractions, HardwareCatalog, HardwareProfile, MeasuredEfficiency
+from kiln.core.device import Device, cpu_model
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import (
+    FRACTION,
+    MEMORY_GIB,
+    DtypeFractions,
+    HardwareCatalog,
+    HardwareProfile,
+    MeasuredEfficiency,
+)
 
 GIB = 1024**3
 MIB = 1024**2

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
-from registry.db import RecordJSON, UTCDateTime, create_db_engine
-from registry.schema import registry_metadata
+from kiln.registry.db import RecordJSON, UTCDateTime, create_db_engine
+from kiln.registry.schema import registry_metadata
 
 config = context.config
 target_metadata = registry_metadata()
 
 
-def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
+def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | Literal[False]:
     """Autogenerate writes our decorators (UTC timestamps, records as JSON) as the plain column types they store."""
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"

@@ -15,23 +15,23 @@ from typing import Any, Literal
 
 from pydantic_core import to_jsonable_python
 
-from core.device import CPU, Device, resolve_device
-from core.digest import HashCache, sha256_json
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed, UnknownName
-from core.hardware import PROFILES, get_profile
-from eval.gates import gate_for
-from eval.report import EvalReport
-from eval.runtimes.facts import RUNTIME_FACTS
-from formats.hf_model import SourceModel, open_shape, open_source
-from pipeline.executors.local import LocalExecutor
-from pipeline.executors.node import NodeOutcome, Reporter, run_node
-from pipeline.machine import Machine, this_machine
-from pipeline.placement import computes_on_device, placed, with_device
-from pipeline.recipe import Recipe
-from pipeline.records import ArtifactRecord, IngestRecord
-from pipeline.remote_source import S3Source
-from pipeline.requirements import (
+from kiln.core.device import CPU, Device, resolve_device
+from kiln.core.digest import HashCache, sha256_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed, UnknownName
+from kiln.core.hardware import PROFILES, get_profile
+from kiln.eval.gates import gate_for
+from kiln.eval.report import EvalReport
+from kiln.eval.runtimes.facts import RUNTIME_FACTS
+from kiln.formats.hf_model import SourceModel, open_shape, open_source
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.executors.node import NodeOutcome, Reporter, run_node
+from kiln.pipeline.machine import Machine, this_machine
+from kiln.pipeline.placement import computes_on_device, placed, with_device
+from kiln.pipeline.recipe import Recipe
+from kiln.pipeline.records import ArtifactRecord, IngestRecord
+from kiln.pipeline.remote_source import S3Source
+from kiln.pipeline.requirements import (
     PlanDevice,
     Sizing,
     catalog_gpu,
@@ -40,23 +40,23 @@ from pipeline.requirements import (
     stage_kind,
     stage_work,
 )
-from pipeline.stage import Node
-from pipeline.stages import derived as derived_stage
-from pipeline.stages import eval as eval_stage
-from pipeline.stages import export as export_stage
-from pipeline.stages import ingest as ingest_stage
-from pipeline.stages import prepare as prepare_stage
-from pipeline.stages import publish as publish_stage
-from pipeline.stages import quantize as quantize_stage
-from pipeline.stages import reference as reference_stage
-from pipeline.stages import seal as seal_stage
-from pipeline.store import StageInputMissing, StageStore, require_input
-from placement.cost import Rates, StageWork, build_host_rates, device_rates, estimate, seconds
-from placement.weights import source_bytes
-from quant.calibrated import calibration_dtype
-from quant.catalog import SCHEMES, check_source, get_method, get_scheme
-from quant.rtn import HeadTied, check_shapes
-from targets.base import get_target
+from kiln.pipeline.stage import Node
+from kiln.pipeline.stages import derived as derived_stage
+from kiln.pipeline.stages import eval as eval_stage
+from kiln.pipeline.stages import export as export_stage
+from kiln.pipeline.stages import ingest as ingest_stage
+from kiln.pipeline.stages import prepare as prepare_stage
+from kiln.pipeline.stages import publish as publish_stage
+from kiln.pipeline.stages import quantize as quantize_stage
+from kiln.pipeline.stages import reference as reference_stage
+from kiln.pipeline.stages import seal as seal_stage
+from kiln.pipeline.store import StageInputMissing, StageStore, require_input
+from kiln.placement.cost import Rates, StageWork, build_host_rates, device_rates, estimate, seconds
+from kiln.placement.weights import source_bytes
+from kiln.quant.calibrated import calibration_dtype
+from kiln.quant.catalog import SCHEMES, check_source, get_method, get_scheme
+from kiln.quant.rtn import HeadTied, check_shapes
+from kiln.targets.base import get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
@@ -639,7 +639,7 @@ def run(
     refuse_shape_only(recipe)
     executor = executor or ExecutorChoice()
     if executor.name == "ray":
-        from pipeline.executors.ray import RayExecutor
+        from kiln.pipeline.executors.ray import RayExecutor
 
         ray_executor = RayExecutor(
             store,

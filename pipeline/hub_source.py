@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound, Unavailable
-from formats.hf_model import CONFIG_FILES, INDEX_FILE, TOKENIZER_FILES
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound, Unavailable
+from kiln.formats.hf_model import CONFIG_FILES, INDEX_FILE, TOKENIZER_FILES
 
 SCHEME = "hf://"
 DEFAULT_ENDPOINT = "https://huggingface.co"

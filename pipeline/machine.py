@@ -8,7 +8,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.device import host_memory_bytes
+from kiln.core.device import host_memory_bytes
 
 
 @dataclass(frozen=True)

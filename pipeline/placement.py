@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from core.device import CPU, Device, parse_device, resolve_device
-from pipeline.requirements import Requirements
-from pipeline.stage import Node
+from kiln.core.device import CPU, Device, parse_device, resolve_device
+from kiln.pipeline.requirements import Requirements
+from kiln.pipeline.stage import Node
 
 DEVICE_PARAM = "device"  # in a compute node's params: its device kind (in the key); in its args: the device
 

@@ -44,15 +44,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from core.datafile import parse_data
-from core.digest import sha256_json
-from core.errors import KilnError, RecipeInvalid
-from core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
-from core.untrusted import short_repr
-from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
-from formats.hf_model import is_shape_only
-from pipeline.hub_source import HubSource, is_hub_url
-from quant.schemes import HeadChoice
+from kiln.core.datafile import parse_data
+from kiln.core.digest import sha256_json
+from kiln.core.errors import KilnError, RecipeInvalid
+from kiln.core.manifest import ARTIFACT_NAME, MODEL_NAME_PATTERN, VERSION_PATTERN
+from kiln.core.untrusted import short_repr
+from kiln.eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from kiln.formats.hf_model import is_shape_only
+from kiln.pipeline.hub_source import HubSource, is_hub_url
+from kiln.quant.schemes import HeadChoice
 
 MAX_RECIPE_BYTES = 1024 * 1024
 # Values in a parsed recipe (YAML aliases counted each time they are used) and nesting depth: a
@@ -76,7 +76,7 @@ class TargetEntry(_Strict):
 
     @model_validator(mode="after")
     def _known(self) -> TargetEntry:
-        from targets.base import get_target
+        from kiln.targets.base import get_target
 
         spec = _as_value_error(get_target, self.target)
         for q in self.quants:
@@ -178,7 +178,7 @@ class Recipe(_Strict):
     @field_validator("runners")
     @classmethod
     def _runner_labels(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
-        from pipeline.requirements import RUNNER_LABELS
+        from kiln.pipeline.requirements import RUNNER_LABELS
 
         known = ["cpu", *(k for k in RUNNER_LABELS if k is not None)]
         for accelerator, labels in v.items():
@@ -190,9 +190,9 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _gates_known(self) -> Recipe:
-        from eval.gates import gate_for
-        from quant.catalog import get_scheme
-        from targets.base import get_target
+        from kiln.eval.gates import gate_for
+        from kiln.quant.catalog import get_scheme
+        from kiln.targets.base import get_target
 
         used = {q for t in self.targets for q in t.quants}
         for quant, override in self.eval.gates.items():
@@ -376,7 +376,7 @@ def _check_path(origin: str, field: str, value: str, kind: str, base_dir: Path, 
 
 
 def _check_bucket(origin: str, url: str) -> None:
-    from storage.s3 import parse_s3_url
+    from kiln.storage.s3 import parse_s3_url
 
     try:
         _, prefix = parse_s3_url(url)

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from core.manifest import FileEntry
-from core.shape import ShapeRecord
-from eval.reference_rows import MAX_ENTRIES, TAIL_MASS
-from formats.prequantized import QuantizationRecord
+from kiln.core.manifest import FileEntry
+from kiln.core.shape import ShapeRecord
+from kiln.eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from kiln.formats.prequantized import QuantizationRecord
 
 
 class Record(BaseModel):

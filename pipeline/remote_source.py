@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.digest import sha256_json
-from core.error_codes import Codes
-from core.errors import SourceInvalid, Unavailable
-from core.manifest import check_relative_path
-from formats.hf_model import CONFIG_FILES, INDEX_FILE, MAX_INDEX_BYTES, TOKENIZER_FILES
-from formats.safetensors import MAX_HEADER_BYTES
+from kiln.core.digest import sha256_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import SourceInvalid, Unavailable
+from kiln.core.manifest import check_relative_path
+from kiln.formats.hf_model import CONFIG_FILES, INDEX_FILE, MAX_INDEX_BYTES, TOKENIZER_FILES
+from kiln.formats.safetensors import MAX_HEADER_BYTES
 
 SMALL_FILES = frozenset((*CONFIG_FILES, *TOKENIZER_FILES, INDEX_FILE))
 MAX_SMALL_BYTES = MAX_INDEX_BYTES  # the largest small file (an index of a very large model)
@@ -53,8 +53,8 @@ class S3Source:
     """The objects directly under `s3://bucket/prefix/` (a model directory in a bucket)."""
 
     def __init__(self, url: str, *, client: Any = None, endpoint_url: str | None = None) -> None:
-        from pipeline.store import _endpoint_from_env
-        from storage.s3 import make_s3_client, parse_s3_url
+        from kiln.pipeline.store import _endpoint_from_env
+        from kiln.storage.s3 import make_s3_client, parse_s3_url
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_s3_url(url)
@@ -142,7 +142,7 @@ class S3Source:
         return data
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
-        from storage.s3 import error_code, is_boto_error
+        from kiln.storage.s3 import error_code, is_boto_error
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -162,7 +162,7 @@ class S3Source:
             raise Unavailable(f"source {self.url}: S3 failed: {code}", code=Codes.SOURCE_UNAVAILABLE) from None
 
     def _each(self, pages: Any) -> Any:
-        from storage.s3 import error_code, is_boto_error
+        from kiln.storage.s3 import error_code, is_boto_error
 
         try:
             yield from pages

@@ -89,27 +89,35 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from core.device import CPU, Device, DeviceKind, DeviceUnavailable, InvalidDevice, cuda_device_count, host_memory_bytes
-from core.errors import KilnError, SourceInvalid, UnknownName
-from core.hardware import PROFILES, get_profile
-from core.shape import ShapeRecord
-from eval.runtimes.base import HEAD_BLOCK
-from eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
-from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
-from eval.runtimes.residency import Residency, hold
-from eval.runtimes.vllm_runtime import kv_cache_reservation
-from eval.text import DEFAULT_PROMPT_TOKENS
-from formats.architectures.record import TensorKind, TensorSpec
-from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS as GGUF_QUANTS
-from formats.hf_model import SourceModel
-from formats.safetensors import DTYPES
-from placement.cost import StageWork
-from placement.fit import MEMORY_UTILIZATION
-from placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
-from placement.weights import artifact_bytes, gguf_bytes, gguf_repacked_bytes, source_bytes
-from quant.footprint import quantized_bytes
-from quant.schemes import Scheme
+from kiln.core.device import (
+    CPU,
+    Device,
+    DeviceKind,
+    DeviceUnavailable,
+    InvalidDevice,
+    cuda_device_count,
+    host_memory_bytes,
+)
+from kiln.core.errors import KilnError, SourceInvalid, UnknownName
+from kiln.core.hardware import PROFILES, get_profile
+from kiln.core.shape import ShapeRecord
+from kiln.eval.runtimes.base import HEAD_BLOCK
+from kiln.eval.runtimes.facts import RUNTIME_FACTS, RuntimeFacts
+from kiln.eval.runtimes.layer_stream import STREAMED_MODEL_TYPES
+from kiln.eval.runtimes.residency import Residency, hold
+from kiln.eval.runtimes.vllm_runtime import kv_cache_reservation
+from kiln.eval.text import DEFAULT_PROMPT_TOKENS
+from kiln.formats.architectures.record import TensorKind, TensorSpec
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
+from kiln.formats.hf_model import SourceModel
+from kiln.formats.safetensors import DTYPES
+from kiln.placement.cost import StageWork
+from kiln.placement.fit import MEMORY_UTILIZATION
+from kiln.placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
+from kiln.placement.weights import artifact_bytes, gguf_bytes, gguf_repacked_bytes, source_bytes
+from kiln.quant.footprint import quantized_bytes
+from kiln.quant.schemes import Scheme
 
 MiB = 1024 * 1024
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
@@ -263,7 +271,7 @@ def plan_device(device: Device, gpu: str | None = None, *, visible: int | None =
 def planning_device(spec: str | Device, gpu: str | None = None, *, visible: int | None = None) -> Device:
     """`--device` of `kiln plan`: `auto` is `cuda` when a GPU is named (`--gpu`) or visible, else the CPU; `cuda`
     needs either (DEVICE_UNAVAILABLE: there is nothing to size it from)."""
-    from core.device import parse_device
+    from kiln.core.device import parse_device
 
     device = parse_device(spec) if isinstance(spec, str) else spec
     count = cuda_device_count() if visible is None else visible
@@ -599,7 +607,7 @@ def jax_forward(sizing: Sizing, quant: str) -> Footprint:
     runs densely: every expert on every token of a window, [W, experts, ...] float32 activations besides A(W).
     Multi-head latent attention caches latents (the KV cache's MLA width) and expands them on every call to each
     head's keys and values over the context, [context, heads, qk_head_dim + v_head_dim] in float32."""
-    from eval.runtimes.base import RESIDENT_BYTES
+    from kiln.eval.runtimes.base import RESIDENT_BYTES
 
     sh = sizing.shape
     w, v, h = sizing.window, sh.vocab_size, sh.hidden_size
@@ -850,7 +858,7 @@ def stage_kind(node: Any) -> str:
     scheme; for an export the target it writes (`export:gguf`; `export:gguf-llama.cpp` for a type llama.cpp's
     quantizer makes) and its quant; for an eval the runtime it runs in and the artifact's quant
     (`eval:vllm:fp8`). An estimate takes the most specific kind measured (`placement.cost.estimate`)."""
-    from targets.base import get_target
+    from kiln.targets.base import get_target
 
     p, stage = node.params, node.stage.name
     if stage == "quantize":
@@ -873,7 +881,7 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
     (`quant.footprint.quantized_bytes`; calibration a forward of its samples); an export its artifact's bytes (a
     GGUF llama.cpp quantizes, the lossless intermediate besides, removed when it ends); an eval a forward of T
     tokens. Reports and records: nothing."""
-    from targets.base import get_target
+    from kiln.targets.base import get_target
 
     p = node.params
     params = sum(t.elements for t in sizing.shape.tensors())

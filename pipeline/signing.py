@@ -21,10 +21,10 @@ from model_signing import manifest as ms_manifest
 from model_signing._signing import sign_ec_key as ms_ec_key
 from model_signing._signing import signing as ms_signing
 
-from core import __version__
-from core.errors import DigestMismatch
-from core.manifest import ArtifactManifest
-from core.signing import (
+from kiln.core import __version__
+from kiln.core.errors import DigestMismatch
+from kiln.core.manifest import ArtifactManifest
+from kiln.core.signing import (
     IN_TOTO_STATEMENT_V1,
     SLSA_PROVENANCE_V1,
     ArtifactClaims,

@@ -33,10 +33,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from core import __version__
-from core.digest import sha256_json
-from core.manifest import FileEntry
-from pipeline.requirements import Requirements, Sizing, requirements
+from kiln.core import __version__
+from kiln.core.digest import sha256_json
+from kiln.core.manifest import FileEntry
+from kiln.pipeline.requirements import Requirements, Sizing, requirements
 
 STAGE_FILE = "stage.json"
 EXTERNAL_DIR = "external"

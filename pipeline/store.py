@@ -49,12 +49,12 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from core.digest import HashCache, file_stamp, is_sha256, sha256_file
-from core.error_codes import Codes
-from core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed, Unavailable
-from core.manifest import FileEntry
-from core.untrusted import InvalidJSON, loads_json
-from pipeline.stage import (
+from kiln.core.digest import HashCache, file_stamp, is_sha256, sha256_file
+from kiln.core.error_codes import Codes
+from kiln.core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed, Unavailable
+from kiln.core.manifest import FileEntry
+from kiln.core.untrusted import InvalidJSON, loads_json
+from kiln.pipeline.stage import (
     CORRUPT_DIR,
     EXTERNAL_DIR,
     LOG_FILE,
@@ -423,7 +423,7 @@ class RemoteStageStore:
     """A stage store in an S3 bucket, materialised on this machine into the `WorkDir` `local`."""
 
     def __init__(self, url: str, local: WorkDir, *, client: Any = None, endpoint_url: str | None = None) -> None:
-        from storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
+        from kiln.storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_s3_url(url)
@@ -519,7 +519,7 @@ class RemoteStageStore:
         return out
 
     def _download(self, f: FileEntry, target: Path) -> None:
-        from storage.store import BlobNotFound
+        from kiln.storage.store import BlobNotFound
 
         h = hashlib.sha256()
         size = 0
@@ -565,7 +565,7 @@ class RemoteStageStore:
         path = self._local.external_path(digest)
         if path.is_file():
             return path
-        from storage.store import BlobNotFound
+        from kiln.storage.store import BlobNotFound
 
         tmp = path.with_name(f".tmp-{digest[:16]}-{os.getpid()}-dl")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -585,7 +585,7 @@ class RemoteStageStore:
     def _request(self, operation: str, absent: tuple[str, ...], **kwargs: Any) -> Any:
         """S3 `operation` on this bucket; None when S3 answers with a code of `absent`, and any other
         failure as STAGE_STORE_UNAVAILABLE (nothing above this class knows about boto)."""
-        from storage.s3 import error_code, is_boto_error
+        from kiln.storage.s3 import error_code, is_boto_error
 
         try:
             return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
@@ -625,7 +625,7 @@ class RemoteStageStore:
         return written is not None
 
     def _unavailable(self, exc: BaseException) -> KilnError:
-        from storage.s3 import error_code
+        from kiln.storage.s3 import error_code
 
         code = error_code(exc) or type(exc).__name__
         return Unavailable(

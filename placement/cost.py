@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from core.hardware import DtypeFractions, HardwareProfile, MeasuredEfficiency, get_profile
-from placement.fit import shares
+from kiln.core.hardware import DtypeFractions, HardwareProfile, MeasuredEfficiency, get_profile
+from kiln.placement.fit import shares
 
 # This build host, as `kiln hardware probe` measured it (bench/results/hardware_probe.jsonl, 2026-11-27, two cores
 # of an AMD EPYC, torch 2.13.0+cpu, medians of 5): a 512 MiB read at 16.7 GB/s, bf16 matmuls at M=1024 at

@@ -44,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import (
     BANDWIDTH_GBS,
     DEVICES_PER_NODE,
     FRACTION,
@@ -57,9 +57,9 @@ from core.hardware import (
     HardwareProfile,
     MatmulDtype,
 )
-from core.resolve import BoundBasis
-from core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
-from placement.model import (
+from kiln.core.resolve import BoundBasis
+from kiln.core.shape import MAX_DIMENSION, ShapeRecord, kv_element_bytes
+from kiln.placement.model import (
     PagedKvCache,
     active_parameters,
     flops_parameters,
@@ -71,7 +71,7 @@ from placement.model import (
     tp_degrees,
     vllm_defaults,
 )
-from quant.catalog import METHODS
+from kiln.quant.catalog import METHODS
 
 GIB = 1024**3
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.shape import ShapeRecord, kv_element_bytes
+from kiln.core.shape import ShapeRecord, kv_element_bytes
 
 
 def _attention(s: ShapeRecord) -> int | None:

@@ -20,17 +20,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Final
 
-from core.error_codes import Codes
-from core.errors import KilnError
-from formats.architectures.record import TensorKind, TensorSpec
-from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS as GGUF_QUANTS
-from formats.gguf.constants import TYPE_TRAITS, FileType, TensorType, tensor_nbytes
-from formats.gguf.layout import kiln_type, pieces, stored_mxfp4, unquantized
-from formats.prequantized import FP8_BLOCK
-from formats.safetensors import DTYPES
-from quant.catalog import SCHEMES
-from quant.footprint import checkpoint_bytes
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError
+from kiln.formats.architectures.record import TensorKind, TensorSpec
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
+from kiln.formats.gguf.constants import TYPE_TRAITS, FileType, TensorType, tensor_nbytes
+from kiln.formats.gguf.layout import kiln_type, pieces, stored_mxfp4, unquantized
+from kiln.formats.prequantized import FP8_BLOCK
+from kiln.formats.safetensors import DTYPES
+from kiln.quant.catalog import SCHEMES
+from kiln.quant.footprint import checkpoint_bytes
 
 # The type most of a llama.cpp-quantized file's 2-D weights get, by its file type (`llama_ftype_get_default_type`).
 LLAMA_FTYPE_TYPES: Final[dict[FileType, TensorType]] = {

@@ -111,16 +111,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed
-from formats.architectures.record import TensorKind
-from quant.rtn import kv_scale_names, quantizes, router_modules
-from quant.schemes import Scheme
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.formats.architectures.record import TensorKind
+from kiln.quant.rtn import kv_scale_names, quantizes, router_modules
+from kiln.quant.schemes import Scheme
 
 if TYPE_CHECKING:
     import torch
 
-    from formats.hf_model import SourceModel
+    from kiln.formats.hf_model import SourceModel
 
 
 class CalibrationTooShort(InvalidInput):
@@ -422,7 +422,7 @@ def _recipe(scheme: Scheme, ignore: list[str] | None = None, awq_mappings: list[
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    from quant.compressed import ct_scheme
+    from kiln.quant.compressed import ct_scheme
 
     if scheme.kv_cache is not None:
         if scheme.method != "rtn":

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, UnknownName
-from core.hardware import PROFILES, HardwareProfile
-from quant.methods import dense, fp4, fp8, int4, int8
-from quant.methods.base import Method, SourceRoute
-from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme, Verdict
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, UnknownName
+from kiln.core.hardware import PROFILES, HardwareProfile
+from kiln.quant.methods import dense, fp4, fp8, int4, int8
+from kiln.quant.methods.base import Method, SourceRoute
+from kiln.quant.schemes import HEAD_CHOICES, HeadChoice, Scheme, Verdict
 
 if TYPE_CHECKING:
-    from formats.prequantized import SourceQuantization
+    from kiln.formats.prequantized import SourceQuantization
 
 FAMILIES: Final = (dense, fp8, int8, int4, fp4)
 METHODS: Final[dict[str, Method]] = {m.name: m for family in FAMILIES for m in family.METHODS}

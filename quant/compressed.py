@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from quant.schemes import Scheme
+from kiln.quant.schemes import Scheme
 
 if TYPE_CHECKING:
     import torch

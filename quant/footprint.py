@@ -19,11 +19,11 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from formats.architectures.shape import ModelShape
-from formats.safetensors import DTYPES
-from quant.catalog import METHODS, check_source, get_scheme
-from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes
-from quant.schemes import HeadChoice
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.safetensors import DTYPES
+from kiln.quant.catalog import METHODS, check_source, get_scheme
+from kiln.quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantizes
+from kiln.quant.schemes import HeadChoice
 
 
 def checkpoint_tensors(

@@ -21,17 +21,17 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.architectures import LINEAR_WEIGHT
-from formats.architectures.record import TensorKind, TensorSpec
-from quant.methods.base import FLOAT_FORMATS, weight_storage
-from quant.schemes import HEAD, LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.architectures import LINEAR_WEIGHT
+from kiln.formats.architectures.record import TensorKind, TensorSpec
+from kiln.quant.methods.base import FLOAT_FORMATS, weight_storage
+from kiln.quant.schemes import HEAD, LLMCOMPRESSOR_METHODS, Scheme, WeightQuant
 
 if TYPE_CHECKING:
     import torch
 
-    from formats.architectures.shape import MergedGemm
+    from kiln.formats.architectures.shape import MergedGemm
 
 
 HEAD_WEIGHT = f"{HEAD}.weight"
@@ -221,7 +221,7 @@ def quantize_weight(
     """
     import torch
 
-    from quant.compressed import compress
+    from kiln.quant.compressed import compress
 
     module = name.removesuffix(".weight")
     assert scheme.weights is not None
@@ -241,7 +241,7 @@ def quantize_weight(
 
 def dequantize(scheme: Scheme, module: str, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The float32 weight compressed-tensors reconstructs from one module's stored tensors."""
-    from quant.compressed import decompress
+    from kiln.quant.compressed import decompress
 
     local = {k.removeprefix(module + "."): v for k, v in stored.items() if k.startswith(module + ".")}
     return decompress(scheme, local)

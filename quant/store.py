@@ -24,18 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from core.error_codes import Codes
-from core.errors import StageFailed
-from formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
-from quant.catalog import get_method, get_scheme, source_route
-from quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes, router_modules
-from quant.schemes import HEAD_CHOICES, HeadChoice, Scheme
+from kiln.core.error_codes import Codes
+from kiln.core.errors import StageFailed
+from kiln.formats.safetensors import DTYPES, SafeTensorsWriter, TensorInfo, read_header
+from kiln.quant.catalog import get_method, get_scheme, source_route
+from kiln.quant.rtn import check_shapes, kv_scale_names, planned_tensors, quantize_weight, quantizes, router_modules
+from kiln.quant.schemes import HEAD_CHOICES, HeadChoice, Scheme
 
 if TYPE_CHECKING:
     import torch
 
-    from formats.hf_model import SourceModel
-    from quant.calibrated import CalibratedWeights
+    from kiln.formats.hf_model import SourceModel
+    from kiln.quant.calibrated import CalibratedWeights
 
 TENSORS_FILE = "quantized.safetensors"
 CONFIG_FILE = "quantization_config.json"
@@ -56,7 +56,7 @@ def write_quantized(
     """
     import torch
 
-    from quant.compressed import quantization_config
+    from kiln.quant.compressed import quantization_config
 
     if not scheme.quantized:
         raise ValueError(f"scheme {scheme.name!r} does not quantize; nothing to write")
@@ -172,7 +172,7 @@ def _kept(source: SourceModel, name: str) -> list[tuple[str, torch.Tensor]]:
     compressed-tensors' block strategy is the release's, `fp8 x scale` per 128 x 128 block, the last one zero-padded
     where it overhangs (compressed-tensors `_process_block`, DeepSeek's `weight_dequant`), so `weight_scale_inv` is
     `weight_scale` renamed."""
-    from formats.prequantized import check_scale, check_values
+    from kiln.formats.prequantized import check_scale, check_values
 
     assert source.quantized is not None
     qt = source.quantized.tensors[name]

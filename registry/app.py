@@ -2,7 +2,7 @@
 
 Run it with uvicorn (uvloop + httptools; plain asyncio adds a ~40 ms floor per request):
 
-    uvicorn --factory registry.app:create_app --loop uvloop --http httptools
+    uvicorn --factory kiln.registry.app:create_app --loop uvloop --http httptools
 
 Schema: the embedded default (no `database_url`: SQLite in `data_dir`) is migrated to head on
 startup, so `kiln publish` into a fresh directory just works. Any explicit `database_url` is
@@ -24,47 +24,47 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import Unavailable
-from registry import migrate
-from registry.api.boundary import RequestBoundaryMiddleware, add_security_headers
-from registry.api.errors import error_responses, install_error_handlers
-from registry.api.head import answer_head_like_get
-from registry.api.health import router as health_router
-from registry.api.lean_route import LeanLane
-from registry.artifacts.routes import router as artifacts_router
-from registry.artifacts.service import ArtifactFileBlobs
-from registry.attestations.routes import router as attestations_router
-from registry.attestations.service import AttestationBlobs
-from registry.audit.routes import router as audit_router
-from registry.auth.cache import TokenCache
-from registry.auth.routes import router as auth_router
-from registry.blobs.references import BlobReferences
-from registry.blobs.routes import router as blobs_router
-from registry.blobs.stores import open_blob_store
-from registry.channels.routes import router as channels_router
-from registry.db import create_db_engine, create_session_factory
-from registry.deps import ENDING_THREADS, require
-from registry.hardware.routes import router as hardware_router
-from registry.hf_compat.routes import router as hf_compat_router
-from registry.models.routes import router as models_router
-from registry.oci.base_image import load_base_image
-from registry.oci.routes import router as oci_router
-from registry.oci.service import ModelCarLayerBlobs
-from registry.ops.metrics import RegistryMetrics
-from registry.ops.middleware import ObservabilityMiddleware, RequestLog
-from registry.performance.routes import router as performance_router
-from registry.releases.routes import router as releases_router
-from registry.resolve.cache import ChannelFingerprints, ResolveCache
-from registry.resolve.routes import router as resolve_router
-from registry.settings import RegistrySettings
-from registry.web.routes import not_found_router as web_not_found_router
-from registry.web.routes import router as web_router
-from registry.webhooks.delivery import DeliveryWorker
-from registry.webhooks.destinations import DestinationPolicy, Resolver
-from registry.webhooks.outbox import subscribe_to_audit
-from registry.webhooks.routes import router as webhooks_router
-from storage.store import BlobStore
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Unavailable
+from kiln.registry import migrate
+from kiln.registry.api.boundary import RequestBoundaryMiddleware, add_security_headers
+from kiln.registry.api.errors import error_responses, install_error_handlers
+from kiln.registry.api.head import answer_head_like_get
+from kiln.registry.api.health import router as health_router
+from kiln.registry.api.lean_route import LeanLane
+from kiln.registry.artifacts.routes import router as artifacts_router
+from kiln.registry.artifacts.service import ArtifactFileBlobs
+from kiln.registry.attestations.routes import router as attestations_router
+from kiln.registry.attestations.service import AttestationBlobs
+from kiln.registry.audit.routes import router as audit_router
+from kiln.registry.auth.cache import TokenCache
+from kiln.registry.auth.routes import router as auth_router
+from kiln.registry.blobs.references import BlobReferences
+from kiln.registry.blobs.routes import router as blobs_router
+from kiln.registry.blobs.stores import open_blob_store
+from kiln.registry.channels.routes import router as channels_router
+from kiln.registry.db import create_db_engine, create_session_factory
+from kiln.registry.deps import ENDING_THREADS, require
+from kiln.registry.hardware.routes import router as hardware_router
+from kiln.registry.hf_compat.routes import router as hf_compat_router
+from kiln.registry.models.routes import router as models_router
+from kiln.registry.oci.base_image import load_base_image
+from kiln.registry.oci.routes import router as oci_router
+from kiln.registry.oci.service import ModelCarLayerBlobs
+from kiln.registry.ops.metrics import RegistryMetrics
+from kiln.registry.ops.middleware import ObservabilityMiddleware, RequestLog
+from kiln.registry.performance.routes import router as performance_router
+from kiln.registry.releases.routes import router as releases_router
+from kiln.registry.resolve.cache import ChannelFingerprints, ResolveCache
+from kiln.registry.resolve.routes import router as resolve_router
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.web.routes import not_found_router as web_not_found_router
+from kiln.registry.web.routes import router as web_router
+from kiln.registry.webhooks.delivery import DeliveryWorker
+from kiln.registry.webhooks.destinations import DestinationPolicy, Resolver
+from kiln.registry.webhooks.outbox import subscribe_to_audit
+from kiln.registry.webhooks.routes import router as webhooks_router
+from kiln.storage.store import BlobStore
 
 OPENAPI_TAGS = [
     {"name": "models", "description": "Named models."},
@@ -94,7 +94,7 @@ def _check_schema(engine: Engine, settings: RegistrySettings) -> None:
         state = "has no registry schema" if current is None else f"is at revision {current}"
         raise Unavailable(
             f"the registry database {state}, this code needs {head}; run `kiln db upgrade` "
-            "(or `python -m registry.migrate upgrade`) with the same KILN_REGISTRY_DATABASE_URL",
+            "(or `python -m kiln.registry.migrate upgrade`) with the same KILN_REGISTRY_DATABASE_URL",
             code=Codes.DB_NOT_MIGRATED,
             details={"current": current, "head": head},
         )

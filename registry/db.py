@@ -20,7 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.sql.elements import SQLColumnExpression
 from sqlalchemy.types import TypeDecorator
 
-from core.errors import Unavailable
+from kiln.core.errors import Unavailable
 
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)

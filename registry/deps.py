@@ -17,13 +17,13 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from core.error_codes import Codes
-from core.errors import Unauthorized
-from registry.auth.cache import Missing
-from registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
-from registry.resolve.cache import ResolveCache
-from registry.settings import RegistrySettings
-from storage.store import BlobStore
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Unauthorized
+from kiln.registry.auth.cache import Missing
+from kiln.registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
+from kiln.registry.resolve.cache import ResolveCache
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.store import BlobStore
 
 T = TypeVar("T")
 

@@ -1,9 +1,9 @@
 """Schema migrations, driven programmatically (no alembic.ini needed at runtime).
 
-    python -m registry.migrate upgrade [--url URL]      # to head
-    python -m registry.migrate current [--url URL]
-    python -m registry.migrate check [--url URL]        # exit 1 if models and database differ
-    python -m registry.migrate revision -m "add x" [--url URL]   # autogenerate a new revision
+    python -m kiln.registry.migrate upgrade [--url URL]      # to head
+    python -m kiln.registry.migrate current [--url URL]
+    python -m kiln.registry.migrate check [--url URL]        # exit 1 if models and database differ
+    python -m kiln.registry.migrate revision -m "add x" [--url URL]   # autogenerate a new revision
 
 URL defaults to `RegistrySettings().effective_database_url()` (env `KILN_REGISTRY_DATABASE_URL`).
 """
@@ -20,8 +20,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-import migrations
-from registry.db import normalize_url
+from kiln import migrations
+from kiln.registry.db import normalize_url
 
 SCRIPT_LOCATION = Path(migrations.__file__).resolve().parent
 
@@ -52,9 +52,9 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from registry.settings import RegistrySettings
+    from kiln.registry.settings import RegistrySettings
 
-    parser = argparse.ArgumentParser(prog="python -m registry.migrate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kiln.registry.migrate", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["upgrade", "current", "check", "revision"])
     parser.add_argument("--url", help="database URL (default: from KILN_REGISTRY_* settings)")
     parser.add_argument("--revision", default="head", help="target revision for upgrade")

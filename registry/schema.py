@@ -8,20 +8,20 @@ from __future__ import annotations
 
 from sqlalchemy import MetaData
 
-from registry.artifacts import models as _artifacts  # noqa: F401
-from registry.attestations import models as _attestations  # noqa: F401
-from registry.audit import models as _audit  # noqa: F401
-from registry.auth import models as _auth  # noqa: F401
-from registry.blobs import models as _blobs  # noqa: F401
-from registry.channels import models as _channels  # noqa: F401
-from registry.db import Base
-from registry.hardware import models as _hardware  # noqa: F401
-from registry.models import models as _models  # noqa: F401
-from registry.oci import models as _oci  # noqa: F401
-from registry.performance import models as _performance  # noqa: F401
-from registry.releases import models as _releases  # noqa: F401
-from registry.resolve import models as _resolve  # noqa: F401
-from registry.webhooks import models as _webhooks  # noqa: F401
+from kiln.registry.artifacts import models as _artifacts  # noqa: F401
+from kiln.registry.attestations import models as _attestations  # noqa: F401
+from kiln.registry.audit import models as _audit  # noqa: F401
+from kiln.registry.auth import models as _auth  # noqa: F401
+from kiln.registry.blobs import models as _blobs  # noqa: F401
+from kiln.registry.channels import models as _channels  # noqa: F401
+from kiln.registry.db import Base
+from kiln.registry.hardware import models as _hardware  # noqa: F401
+from kiln.registry.models import models as _models  # noqa: F401
+from kiln.registry.oci import models as _oci  # noqa: F401
+from kiln.registry.performance import models as _performance  # noqa: F401
+from kiln.registry.releases import models as _releases  # noqa: F401
+from kiln.registry.resolve import models as _resolve  # noqa: F401
+from kiln.registry.webhooks import models as _webhooks  # noqa: F401
 
 
 def registry_metadata() -> MetaData:

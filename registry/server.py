@@ -1,6 +1,6 @@
 """Run the registry as a server, configured for throughput (what `kiln serve` should call).
 
-    python -m registry.server --host 0.0.0.0 --port 8000 --workers 2
+    python -m kiln.registry.server --host 0.0.0.0 --port 8000 --workers 2
 
 uvloop + httptools: plain asyncio does not set TCP_NODELAY and adds a ~40 ms floor per request.
 After startup the heap is frozen out of the garbage collector's reach (`gc.freeze`) and young
@@ -21,8 +21,8 @@ import tempfile
 import uvicorn
 from fastapi import FastAPI
 
-from registry.app import create_app
-from registry.ops.logs import log_config
+from kiln.registry.app import create_app
+from kiln.registry.ops.logs import log_config
 
 
 def create_server_app() -> FastAPI:
@@ -47,7 +47,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
     if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kiln-metrics-")
     uvicorn.run(
-        "registry.server:create_server_app",
+        "kiln.registry.server:create_server_app",
         factory=True,
         host=host,
         port=port,
@@ -61,7 +61,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m registry.server", description="Serve the kiln registry.")
+    parser = argparse.ArgumentParser(prog="python -m kiln.registry.server", description="Serve the kiln registry.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1)

@@ -20,7 +20,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from core.errors import InvalidInput
+from kiln.core.errors import InvalidInput
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -81,7 +81,7 @@ class RegistrySettings(BaseSettings):
 
     Left unset, `database_url` and `blob_url` point inside `data_dir` (the embedded registry:
     SQLite + local disk); that embedded database is migrated on startup, an explicit
-    `database_url` never is (run `python -m registry.migrate upgrade` / `kiln db upgrade`).
+    `database_url` never is (run `python -m kiln.registry.migrate upgrade` / `kiln db upgrade`).
     """
 
     model_config = SettingsConfigDict(env_prefix="KILN_REGISTRY_", extra="ignore")

@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from core.errors import DigestMismatch, InvalidInput
-from storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
+from kiln.core.errors import DigestMismatch, InvalidInput
+from kiln.storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
 
 class LocalBlobStore:

@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from core.error_codes import Codes
-from core.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
-from storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
+from kiln.core.error_codes import Codes
+from kiln.core.errors import DigestMismatch, InvalidInput, KilnError, Unavailable
+from kiln.storage.store import DEFAULT_CHUNK, BlobNotFound, check_sha256
 
 DownloadMode = Literal["stream", "redirect"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from core.digest import is_sha256
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound
+from kiln.core.digest import is_sha256
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
     pass

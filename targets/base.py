@@ -12,20 +12,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError, UnknownName
-from core.hardware import PROFILES
-from quant.schemes import Verdict
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError, UnknownName
+from kiln.core.hardware import PROFILES
+from kiln.quant.schemes import Verdict
 
 if TYPE_CHECKING:
-    from formats.architectures.record import Architecture
-    from formats.architectures.shape import ModelShape
-    from formats.hf_model import SourceModel
-    from quant.store import QuantizedWeights
-    from targets.lint.findings import LintReport, LintRequest
+    from kiln.formats.architectures.record import Architecture
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.hf_model import SourceModel
+    from kiln.quant.store import QuantizedWeights
+    from kiln.targets.lint.findings import LintReport, LintRequest
 
 # The modules that define kiln's targets; each calls `register` once at import.
-BUILTIN_TARGET_MODULES = ("targets.gguf", "targets.hf_bundle", "targets.rocm_bundle", "targets.orbax", "targets.trtllm")
+BUILTIN_TARGET_MODULES = (
+    "kiln.targets.gguf",
+    "kiln.targets.hf_bundle",
+    "kiln.targets.rocm_bundle",
+    "kiln.targets.orbax",
+    "kiln.targets.trtllm",
+)
 
 
 @dataclass(frozen=True)

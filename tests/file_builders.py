@@ -9,7 +9,7 @@ import json
 import struct
 from typing import Any
 
-from formats.gguf.constants import GGUF_MAGIC, SCALAR_FORMATS, ValueType
+from kiln.formats.gguf.constants import GGUF_MAGIC, SCALAR_FORMATS, ValueType
 
 
 def safetensors_bytes(header: dict[str, Any] | bytes, data: bytes = b"") -> bytes:

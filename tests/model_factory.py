@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from quant.schemes import HeadChoice
+    from kiln.quant.schemes import HeadChoice
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -166,8 +166,8 @@ def sharpen(model_dir: Path, strength: float = 1.0) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from formats.architectures.record import TensorKind
-    from formats.hf_model import open_source
+    from kiln.formats.architectures.record import TensorKind
+    from kiln.formats.hf_model import open_source
 
     shape = open_source(model_dir).shape
     offset = shape.arch.norms.offset
@@ -218,13 +218,13 @@ def make_bundle(
     tokens of the stdlib's `argparse.py`); `lm_head` kept in bf16 or quantized (`quant.catalog.get_scheme`)."""
     import sysconfig
 
-    from formats.hf_model import open_source
-    from quant.calibrated import calibrate, calibration_dtype, calibration_samples
-    from quant.catalog import get_scheme
-    from quant.store import open_quantized, write_quantized
-    from targets.base import ExportRequest
-    from targets.hf_bundle.export import export as hf_export
-    from targets.rocm_bundle.export import export as rocm_export
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.calibrated import calibrate, calibration_dtype, calibration_samples
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.store import open_quantized, write_quantized
+    from kiln.targets.base import ExportRequest
+    from kiln.targets.hf_bundle.export import export as hf_export
+    from kiln.targets.rocm_bundle.export import export as rocm_export
 
     source = open_source(source_dir)
     quantized = None

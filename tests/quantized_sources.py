@@ -93,7 +93,7 @@ def make_fp8_block_source(
     import torch
     from safetensors.torch import load_file, save_file
 
-    from formats.architectures import LINEAR_WEIGHT
+    from kiln.formats.architectures import LINEAR_WEIGHT
     from tests.model_factory import make_model
 
     make_model(out, family, hidden_size=hidden_size, intermediate_size=intermediate_size, **config)

@@ -209,7 +209,7 @@ def test_tpu_pools_resolve_to_orbax_which_restores_from_the_registry(
         assert hashlib.sha256(body).hexdigest() == entry["sha256"]
         path.write_bytes(body)
 
-    from eval.runtimes import JaxRuntime
+    from kiln.eval.runtimes import JaxRuntime
 
     rt = JaxRuntime(tmp_path)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from formats.architectures import FAMILIES
+from kiln.formats.architectures import FAMILIES
 from tests.model_factory import NEW_FAMILIES, make_model
 from tests.test_end_to_end import ROOT, kiln
 

@@ -65,7 +65,7 @@ def test_every_expert_carries_finite_nonzero_scales(built: dict[str, dict]) -> N
     import torch
     from safetensors import safe_open
 
-    from formats.hf_model import open_source
+    from kiln.formats.hf_model import open_source
 
     shape = open_source(EXAMPLE / "model").shape
     assert shape.moe is not None

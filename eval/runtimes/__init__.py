@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.errors import Deferred
-from eval.runtimes.base import CachedRuntime, Runtime, check_ids
-from eval.runtimes.facts import RUNTIME_FACTS
-from eval.runtimes.jax_runtime import JaxRuntime
-from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
-from eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from eval.runtimes.vllm_runtime import VllmRuntime
+from kiln.core.errors import Deferred
+from kiln.eval.runtimes.base import CachedRuntime, Runtime, check_ids
+from kiln.eval.runtimes.facts import RUNTIME_FACTS
+from kiln.eval.runtimes.jax_runtime import JaxRuntime
+from kiln.eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from kiln.eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime
 
 __all__ = [
     "RUNTIME_FACTS",

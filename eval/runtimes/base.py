@@ -17,8 +17,8 @@ from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
-from core.digest import sha256_json
-from core.errors import Deferred, InvalidInput
+from kiln.core.digest import sha256_json
+from kiln.core.errors import Deferred, InvalidInput
 
 # Vocabulary rows of an output head the streamed forwards cast and apply at a time (256 MiB in float32 at hidden
 # 4,096), so no [vocab, hidden] matrix is ever whole in float32 (2.1 GB at 128,256 x 4,096); the plan counts it.

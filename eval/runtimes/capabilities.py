@@ -45,10 +45,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
-from eval.runtimes import environments
-from eval.runtimes.vllm_worker import AMX_OVERRIDES, amx_decision, probe_amx
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.eval.runtimes import environments
+from kiln.eval.runtimes.vllm_worker import AMX_OVERRIDES, amx_decision, probe_amx
 
 # The CPU flags that decide what vLLM's CPU build runs (its kernels, torch's FP8 dispatch, AMX).
 DECIDING_FLAGS = (

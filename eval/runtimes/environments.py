@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.digest import sha256_json
-from core.error_codes import Codes
-from core.errors import KilnError, UnknownName
+from kiln.core.digest import sha256_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, UnknownName
 
 MARKER = "environment.json"
 
@@ -127,7 +127,7 @@ def this_machine(runtime: str, variant: str = "auto", *, visible: int | None = N
     if variant not in ("auto", "cpu", "cuda"):
         raise UnknownName(f"--variant {variant!r}; known: auto, cpu, cuda", details={"known": ["auto", "cpu", "cuda"]})
     if variant == "auto":
-        from core.device import cuda_device_count
+        from kiln.core.device import cuda_device_count
 
         count = cuda_device_count() if visible is None else visible
         variant = "cuda" if count > 0 else "cpu"

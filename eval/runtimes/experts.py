@@ -35,10 +35,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar, Final
 
-from core.error_codes import Codes
-from core.errors import StageFailed
-from formats.architectures import ARCHITECTURES
-from formats.architectures.record import Architecture, Projections
+from kiln.core.error_codes import Codes
+from kiln.core.errors import StageFailed
+from kiln.formats.architectures import ARCHITECTURES
+from kiln.formats.architectures.record import Architecture, Projections
 
 # transformers' patch and conversion mappings are process-wide: one model is built under ours at a time.
 _LOCK = threading.Lock()

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from eval.runtimes.jax_runtime import JaxRuntime
-from eval.runtimes.layer_stream import open_transformers
-from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
-from eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from eval.runtimes.vllm_runtime import VllmRuntime
+from kiln.eval.runtimes.jax_runtime import JaxRuntime
+from kiln.eval.runtimes.layer_stream import open_transformers
+from kiln.eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from kiln.eval.runtimes.tensorrt_llm_runtime import TensorRTLLMRuntime
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime
 
 # How a runtime holds the model while it evaluates (`pipeline.requirements` computes each one's footprint):
 # "streamed": one decoder layer at a time where the architecture streams, else whole (transformers);

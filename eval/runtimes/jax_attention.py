@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.runtimes.jax_ops import linear, rms_norm
+from kiln.eval.runtimes.jax_ops import linear, rms_norm
 
 
 def inv_freq(rotary_dim: int, layer: Any) -> Any:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.runtimes.jax_attention import attention, empty_cache
-from eval.runtimes.jax_mixture import mlp, moe
-from eval.runtimes.jax_ops import ComputeDtype, arithmetic, rms_norm
+from kiln.eval.runtimes.jax_attention import attention, empty_cache
+from kiln.eval.runtimes.jax_mixture import mlp, moe
+from kiln.eval.runtimes.jax_ops import ComputeDtype, arithmetic, rms_norm
 
 # The layer's norms by role (`formats.architectures.record.TensorKind`).
 _ATTN_NORM, _FFN_NORM = "attn_norm", "ffn_norm"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.runtimes.jax_ops import activation, clamped_swiglu, linear
+from kiln.eval.runtimes.jax_ops import activation, clamped_swiglu, linear
 
 
 def mlp(params: dict[str, Any], h: Any, *, cfg: Any, dtype: Any, precision: Any, shared: bool = False) -> Any:

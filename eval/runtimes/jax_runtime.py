@@ -59,11 +59,11 @@ from typing import Any
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import Deferred, InvalidInput, KilnError, StageFailed
-from eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES, check_ids, import_runtime
-from eval.runtimes.jax_forward import DECODE, HEAD, NORM, PREFILL
-from eval.runtimes.jax_ops import ComputeDtype
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Deferred, InvalidInput, KilnError, StageFailed
+from kiln.eval.runtimes.base import HEAD_BLOCK, RESIDENT_BYTES, check_ids, import_runtime
+from kiln.eval.runtimes.jax_forward import DECODE, HEAD, NORM, PREFILL
+from kiln.eval.runtimes.jax_ops import ComputeDtype
 
 MIN_BUCKET = 16
 
@@ -91,9 +91,9 @@ class JaxRuntime:
         # in the same process (the local executor) need theirs, so it allocates what it uses instead.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         jax, orbax_checkpoint = import_runtime(("jax", "orbax.checkpoint"), "jax")
-        from formats.architectures.shape import ModelShape
-        from targets.orbax.forward import forward_config
-        from targets.orbax.layout import FORMAT, FORMAT_VERSION, QUANTS, checkpoint_tensors, plan_checkpoint
+        from kiln.formats.architectures.shape import ModelShape
+        from kiln.targets.orbax.forward import forward_config
+        from kiln.targets.orbax.layout import FORMAT, FORMAT_VERSION, QUANTS, checkpoint_tensors, plan_checkpoint
 
         if compute_dtype not in ("float32", "bfloat16"):
             raise InvalidInput(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
@@ -248,8 +248,8 @@ class JaxRuntime:
         partial load, every other tensor of the checkpoint a placeholder it does not read."""
         import orbax.checkpoint.experimental.v1 as ocp
 
-        from targets.orbax.layout import flatten, nest
-        from targets.orbax.writer import quiet_orbax
+        from kiln.targets.orbax.layout import flatten, nest
+        from kiln.targets.orbax.writer import quiet_orbax
 
         wanted = set(names)
         tree = nest({n: (a if n in wanted else ocp.PLACEHOLDER) for n, a in self._abstract.items()})
@@ -329,7 +329,7 @@ def platform_devices(device: str) -> list[Any]:
     the N-th on (the first is where arrays go). DEVICE_UNAVAILABLE when this JAX has no such backend."""
     import jax
 
-    from core.device import DeviceUnavailable, parse_device
+    from kiln.core.device import DeviceUnavailable, parse_device
 
     parsed = parse_device(device)
     if parsed is None:
@@ -395,8 +395,8 @@ def _check_stored(checkpoint: Path, abstract: dict[str, Any]) -> None:
     """Every tensor is in the checkpoint with the dtype and shape weights.json says (orbax would cast silently)."""
     import orbax.checkpoint.experimental.v1 as ocp
 
-    from targets.orbax.layout import flatten
-    from targets.orbax.writer import quiet_orbax
+    from kiln.targets.orbax.layout import flatten
+    from kiln.targets.orbax.writer import quiet_orbax
 
     try:
         with quiet_orbax():

@@ -67,28 +67,28 @@ from typing import Any, Final
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import StageFailed
-from core.usage import weights_opened, weights_read
-from eval.runtimes.base import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import StageFailed
+from kiln.core.usage import weights_opened, weights_read
+from kiln.eval.runtimes.base import (
     HEAD_BLOCK,
     check_ids,
     checkpoint_bytes,
     greedy_by_length,
     import_torch_transformers,
 )
-from eval.runtimes.experts import loading_experts
-from eval.runtimes.residency import WHOLE, Residency
-from eval.runtimes.transformers_runtime import (
+from kiln.eval.runtimes.experts import loading_experts
+from kiln.eval.runtimes.residency import WHOLE, Residency
+from kiln.eval.runtimes.transformers_runtime import (
     TransformersRuntime,
     as_declared,
     compressed_tensors_quantizer,
     runtime_version,
 )
-from formats.architectures import ARCHITECTURES
-from formats.architectures.record import Architecture
-from formats.hf_model import quantized_plan
-from formats.prequantized import QuantizedPlan, declares_prequantized, dequantize
+from kiln.formats.architectures import ARCHITECTURES
+from kiln.formats.architectures.record import Architecture
+from kiln.formats.hf_model import quantized_plan
+from kiln.formats.prequantized import QuantizedPlan, declares_prequantized, dequantize
 
 # The families whose causal-LM forward is embed -> decoder layers (one mask and rotary embedding per layer type)
 # -> norm -> head, by config.json's model_type: every record that says it streams.
@@ -208,7 +208,7 @@ class LayerStream:
             * self.num_layers
         )
         if quantizer is not None:
-            from quant.compressed import FP4_SCALE_DTYPES
+            from kiln.quant.compressed import FP4_SCALE_DTYPES
 
             self._fp4 = getattr(quantizer.quantization_config.quantization_config, "format", None) in FP4_SCALE_DTYPES
         # The whole model's version: the same computation, whichever way the plan had the stage hold it.
@@ -449,7 +449,7 @@ class LayerStream:
         from compressed_tensors.compressors.base import decompress_module
         from compressed_tensors.quantization.utils.helpers import is_module_quantized
 
-        from eval.runtimes.transformers_runtime import leave_activations, upcast_linear_weights
+        from kiln.eval.runtimes.transformers_runtime import leave_activations, upcast_linear_weights
 
         fmt = self._quantizer.compressor.force_compression_format
         for sub in module.modules():
@@ -486,7 +486,7 @@ def _read_fnuz_as_fn(stored: dict[str, Any]) -> None:
         scale = name + "_scale"
         if scale not in stored:
             raise StageFailed(f"an e4m3fnuz tensor without its scale: {name}", code=Codes.SOURCE_INVALID)
-        from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
+        from kiln.targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
 
         stored[name], stored[scale] = e4m3fnuz_to_e4m3fn(stored[name], stored[scale])
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed
-from eval.runtimes.base import check_ids, import_runtime
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.eval.runtimes.base import check_ids, import_runtime
 
 
 class LlamaCppRuntime:

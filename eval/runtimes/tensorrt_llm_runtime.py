@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import StageFailed
-from eval.runtimes.base import check_ids, import_runtime
+from kiln.core.error_codes import Codes
+from kiln.core.errors import StageFailed
+from kiln.eval.runtimes.base import check_ids, import_runtime
 
 RUNNER = "a GPU runner: an NVIDIA GPU (sm80+) with tensorrt_llm installed"
 

@@ -29,12 +29,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from core.error_codes import Codes
-from core.errors import Deferred, InvalidInput, StageFailed
-from core.usage import weights_opened, weights_read
-from eval.runtimes.base import check_ids, checkpoint_bytes, greedy_by_length, import_torch_transformers
-from eval.runtimes.experts import loading_experts
-from formats.prequantized import QuantizedPlan, dequantize
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Deferred, InvalidInput, StageFailed
+from kiln.core.usage import weights_opened, weights_read
+from kiln.eval.runtimes.base import check_ids, checkpoint_bytes, greedy_by_length, import_torch_transformers
+from kiln.eval.runtimes.experts import loading_experts
+from kiln.formats.prequantized import QuantizedPlan, dequantize
 
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -215,7 +215,7 @@ def decompress_fp4(model: Any, dtype: Any) -> bool:
     decompressed at load and each weight upcast (exact: every bf16 is a float32); the forward then
     fake-quantizes the weight against its own scales, in `dtype`, as compressed-tensors does for any
     decompressed layer. Other bundles are left as transformers loads them. Returns whether it was FP4."""
-    from quant.compressed import FP4_SCALE_DTYPES
+    from kiln.quant.compressed import FP4_SCALE_DTYPES
 
     quantizer = getattr(model, "hf_quantizer", None)
     config = getattr(getattr(quantizer, "quantization_config", None), "quantization_config", None)
@@ -389,7 +389,7 @@ def _load_e4m3fnuz_exactly(model: Any, model_dir: Path) -> None:
     from safetensors import safe_open
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-    from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
+    from kiln.targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
 
     # The checkpoint's names as the load renamed them (Mixtral's `block_sparse_moe.` is the module's `mlp.`).
     renamings = [t for t in getattr(model, "_weight_conversions", None) or [] if isinstance(t, WeightRenaming)]

@@ -56,14 +56,14 @@ from typing import IO, Any
 
 import numpy as np
 
-from core.device import Device, parse_device, resolve_device, visible_gpus
-from core.error_codes import Codes
-from core.errors import Deferred, InvalidInput, KilnError, StageFailed
-from core.shape import ShapeRecord
-from eval.runtimes import environments
-from eval.runtimes.base import check_ids
-from eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilities
-from eval.runtimes.vllm_support import (
+from kiln.core.device import Device, parse_device, resolve_device, visible_gpus
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Deferred, InvalidInput, KilnError, StageFailed
+from kiln.core.shape import ShapeRecord
+from kiln.eval.runtimes import environments
+from kiln.eval.runtimes.base import check_ids
+from kiln.eval.runtimes.capabilities import AMX_ENV, VllmCapabilities, vllm_capabilities
+from kiln.eval.runtimes.vllm_support import (
     architecture_limitation,
     bundle_config,
     bundle_expert_schemes,
@@ -77,9 +77,9 @@ from eval.runtimes.vllm_support import (
     head_size,
     mla_cpu_limitation,
 )
-from eval.runtimes.vllm_worker import PROTOCOL
-from formats.architectures.shape import ModelShape
-from placement.model import NULL_BLOCKS, paged_kv_cache, tp_degrees, vllm_defaults
+from kiln.eval.runtimes.vllm_worker import PROTOCOL
+from kiln.formats.architectures.shape import ModelShape
+from kiln.placement.model import NULL_BLOCKS, paged_kv_cache, tp_degrees, vllm_defaults
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 FULL_VOCAB_LIMIT = 32_768

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
-from eval.runtimes.capabilities import VllmCapabilities
-from formats.architectures import ARCHITECTURES
-from formats.architectures.record import Architecture
-from formats.architectures.shape import ModelShape
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.eval.runtimes.capabilities import VllmCapabilities
+from kiln.formats.architectures import ARCHITECTURES
+from kiln.formats.architectures.record import Architecture
+from kiln.formats.architectures.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from client import RegistryClient
-from core.errors import KilnError
+from kiln.client import RegistryClient
+from kiln.core.errors import KilnError
 from kiln.routing import RenderOptions, Sizing, render_channel, write_atomically
 
 LOG = logging.getLogger("routing-webhook")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from core.errors import SourceInvalid
-from core.untrusted import short_repr
-from formats.architectures import (
+from kiln.core.errors import SourceInvalid
+from kiln.core.untrusted import short_repr
+from kiln.formats.architectures import (
     deepseek_v3,
     gemma3,
     gpt_oss,
@@ -24,7 +24,7 @@ from formats.architectures import (
     qwen3,
     qwen3_moe,
 )
-from formats.architectures.record import Architecture
+from kiln.formats.architectures.record import Architecture
 
 FAMILY_MODULES: Final = (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma3, phi3, deepseek_v3, gpt_oss)
 

@@ -16,8 +16,8 @@ from typing import Annotated, Any, ClassVar, Final, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator, model_validator
 
-from formats.architectures.record import LAYER_TYPES, LayerType
-from formats.prequantized import SourceQuantization, read_quantization_config
+from kiln.formats.architectures.record import LAYER_TYPES, LayerType
+from kiln.formats.prequantized import SourceQuantization, read_quantization_config
 
 # Upper bounds on config.json's sizes: several times the largest public models (vocab 262,144, hidden 16,384,
 # intermediate 53,248, 126 layers, 128 heads, head_dim 256, 384 experts, context 10M), so a real model never

@@ -34,8 +34,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from formats.architectures.config import CONFIG_LIMITS, FamilyConfig, MlaShape, MoeShape, size
-from formats.architectures.record import (
+from kiln.formats.architectures.config import CONFIG_LIMITS, FamilyConfig, MlaShape, MoeShape, size
+from kiln.formats.architectures.record import (
     Architecture,
     Attention,
     Experts,

@@ -11,8 +11,8 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from formats.architectures.config import FamilyConfig, RopeParameters, RopeSpec, rope_spec, size
-from formats.architectures.record import Architecture, Attention, LayerType, Mlp, Norms, TargetMapping
+from kiln.formats.architectures.config import FamilyConfig, RopeParameters, RopeSpec, rope_spec, size
+from kiln.formats.architectures.record import Architecture, Attention, LayerType, Mlp, Norms, TargetMapping
 
 _Cap = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 # transformers' Gemma3TextConfig.default_theta.

@@ -33,8 +33,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from formats.architectures.config import FamilyConfig, MoeShape, RopeParameters, RopeSpec, rope_spec, size
-from formats.architectures.record import (
+from kiln.formats.architectures.config import FamilyConfig, MoeShape, RopeParameters, RopeSpec, rope_spec, size
+from kiln.formats.architectures.record import (
     Architecture,
     Attention,
     Experts,

@@ -3,8 +3,8 @@ permuted to its interleaved rope layout."""
 
 from __future__ import annotations
 
-from formats.architectures.config import FamilyConfig
-from formats.architectures.record import Architecture, TargetMapping
+from kiln.formats.architectures.config import FamilyConfig
+from kiln.formats.architectures.record import Architecture, TargetMapping
 
 
 class LlamaConfig(FamilyConfig):

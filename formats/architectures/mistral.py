@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from formats.architectures.config import FamilyConfig
-from formats.architectures.record import Architecture, Attention, LayerType, TargetMapping
+from kiln.formats.architectures.config import FamilyConfig
+from kiln.formats.architectures.record import Architecture, Attention, LayerType, TargetMapping
 
 
 class MistralConfig(FamilyConfig):

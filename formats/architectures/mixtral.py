@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from formats.architectures.config import FamilyConfig, MoeShape, size
-from formats.architectures.record import (
+from kiln.formats.architectures.config import FamilyConfig, MoeShape, size
+from kiln.formats.architectures.record import (
     Architecture,
     Attention,
     Experts,

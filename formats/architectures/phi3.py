@@ -4,8 +4,8 @@ in one (`mlp.gate_up_proj`, [2 x intermediate, hidden], gate first); every layer
 
 from __future__ import annotations
 
-from formats.architectures.config import FamilyConfig
-from formats.architectures.record import Architecture, Attention, LayerType, Mlp, TargetMapping, TensorKind
+from kiln.formats.architectures.config import FamilyConfig
+from kiln.formats.architectures.record import Architecture, Attention, LayerType, Mlp, TargetMapping, TensorKind
 
 # Why TensorRT-LLM loads no quantized Phi-3 kiln writes.
 _FUSED_SPLIT = (

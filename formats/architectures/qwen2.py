@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from formats.architectures.config import CONFIG_LIMITS, FamilyConfig
-from formats.architectures.record import Architecture, Attention, LayerType, TargetMapping
+from kiln.formats.architectures.config import CONFIG_LIMITS, FamilyConfig
+from kiln.formats.architectures.record import Architecture, Attention, LayerType, TargetMapping
 
 
 class QwenConfig(FamilyConfig):

@@ -3,8 +3,8 @@ projections (`q_norm`, `k_norm`, [head_dim]); llama.cpp's `qwen3`."""
 
 from __future__ import annotations
 
-from formats.architectures.qwen2 import QwenConfig
-from formats.architectures.record import Architecture, Attention, TargetMapping
+from kiln.formats.architectures.qwen2 import QwenConfig
+from kiln.formats.architectures.record import Architecture, Attention, TargetMapping
 
 RECORD = Architecture(
     family="qwen3",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from formats.architectures.config import CONFIG_LIMITS, FamilyConfig, MoeShape, size
-from formats.architectures.record import Architecture, Attention, Experts, LayerType, Mlp, TargetMapping
+from kiln.formats.architectures.config import CONFIG_LIMITS, FamilyConfig, MoeShape, size
+from kiln.formats.architectures.record import Architecture, Attention, Experts, LayerType, Mlp, TargetMapping
 
 
 class Qwen3MoeConfig(FamilyConfig):

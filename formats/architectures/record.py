@@ -25,7 +25,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Final, Literal
 
 if TYPE_CHECKING:
-    from formats.architectures.config import FamilyConfig
+    from kiln.formats.architectures.config import FamilyConfig
 
 
 class TensorKind(StrEnum):

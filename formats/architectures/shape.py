@@ -17,13 +17,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from core.errors import SourceInvalid
-from core.shape import ShapeRecord
-from core.untrusted import short_repr
-from formats.architectures import FAMILIES, get_architecture
-from formats.architectures.config import FamilyConfig, MlaShape, MoeShape, RopeSpec
-from formats.architectures.record import LINEAR_KINDS, Architecture, LayerType, TensorKind, TensorSpec
-from formats.prequantized import SourceQuantization
+from kiln.core.errors import SourceInvalid
+from kiln.core.shape import ShapeRecord
+from kiln.core.untrusted import short_repr
+from kiln.formats.architectures import FAMILIES, get_architecture
+from kiln.formats.architectures.config import FamilyConfig, MlaShape, MoeShape, RopeSpec
+from kiln.formats.architectures.record import LINEAR_KINDS, Architecture, LayerType, TensorKind, TensorSpec
+from kiln.formats.prequantized import SourceQuantization
 
 
 def _config_error(e: ValidationError) -> SourceInvalid:

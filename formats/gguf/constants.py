@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal
 
-from formats.architectures.record import TensorKind
+from kiln.formats.architectures.record import TensorKind
 
 GGUF_MAGIC: Final = 0x46554747  # b"GGUF" read as a little-endian uint32
 GGUF_VERSION: Final = 3

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from formats.architectures.record import TensorKind
-
-from .constants import F32_KINDS, FileType, QuantSpec, TensorType
+from kiln.formats.architectures.record import TensorKind
+from kiln.formats.gguf.constants import F32_KINDS, FileType, QuantSpec, TensorType
 
 if TYPE_CHECKING:
-    from formats.architectures.record import TensorSpec
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.record import TensorSpec
+    from kiln.formats.architectures.shape import ModelShape
 
 
 class Piece(StrEnum):

@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.errors import Deferred
-
-from .constants import TYPE_TRAITS, TensorType
+from kiln.core.errors import Deferred
+from kiln.formats.gguf.constants import TYPE_TRAITS, TensorType
 
 if TYPE_CHECKING:
     import torch

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-
-from .constants import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.gguf.constants import (
     GGML_MAX_DIMS,
     GGML_MAX_NAME,
     GGUF_ALIGNMENT,

@@ -29,10 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from core.error_codes import Codes
-from core.errors import KilnError, StageFailed
-
-from .constants import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, StageFailed
+from kiln.formats.gguf.constants import (
     GGML_MAX_NAME,
     GGUF_ALIGNMENT,
     GGUF_MAGIC,

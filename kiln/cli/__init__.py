@@ -12,9 +12,9 @@ import sys
 
 import typer
 
-from core.errors import KilnError
 from kiln.cli.common import app, emit, json_requested
 from kiln.console import err, safe_text
+from kiln.core.errors import KilnError
 
 __all__ = ["app", "main"]
 

@@ -15,9 +15,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.evals import EvalMetrics
 from kiln.cli.common import (
     DEFAULT_REGISTRY,
     DEFAULT_WORK,
@@ -37,6 +34,9 @@ from kiln.cli.common import (
     fmt_size,
 )
 from kiln.console import ProgressReporter, err, safe_text, stdout
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.evals import EvalMetrics
 
 DeviceOpt = Annotated[
     str,
@@ -62,7 +62,7 @@ ForceOpt = Annotated[
 def _device(spec: str, executor: Any = None) -> Any:
     """`--device`, parsed once (INVALID_DEVICE); checked against this machine for a local build
     (DEVICE_UNAVAILABLE), left to the cluster for Ray (`pipeline.executors.ray.RayExecutor.placement`)."""
-    from core.device import parse_device, resolve_device
+    from kiln.core.device import parse_device, resolve_device
 
     if executor is not None and executor.name == "ray":
         return parse_device(spec) or "auto"
@@ -126,9 +126,9 @@ def _run_build(
     device: Any = "cpu",
     force: bool = False,
 ) -> None:
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     started = time.time()
     _prepare_stages()
@@ -230,7 +230,7 @@ def publish(
 
 
 def _executor(name: str, store: str | None, ray_address: str | None, retries: int) -> Any:
-    from pipeline.build import ExecutorChoice
+    from kiln.pipeline.build import ExecutorChoice
 
     if name not in ("local", "ray"):
         raise InvalidInput(f"--executor {name!r}: known executors are local and ray", code=Codes.UNKNOWN_EXECUTOR)
@@ -255,9 +255,9 @@ def run_stage(
 ) -> None:
     """Run one stage of RECIPE from the store (its inputs must be there): the unit a CI job runs."""
     placed = _device(device)
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     _prepare_stages()
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
@@ -332,10 +332,10 @@ def plan(
     """Show the stage graph of RECIPE: each stage, its device (kind, count, memory per device), host memory, the
     disk it writes and reads, its estimated time, cores, its cache key and whether it is built; totals; and every
     stage this machine's memory or disk cannot hold, with what would."""
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.requirements import planning_device
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.requirements import planning_device
+    from kiln.pipeline.store import open_store
 
     placed = planning_device(device, gpu)
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))

@@ -16,9 +16,9 @@ from typing import Annotated, Any
 
 import typer
 
-from core.error_codes import Kind
-from core.errors import InvalidInput
 from kiln.console import err, safe_text
+from kiln.core.error_codes import Kind
+from kiln.core.errors import InvalidInput
 
 EXIT_GATE_FAILED = Kind.GATE_FAILED.exit_status
 EXIT_INVALID_INPUT = Kind.INVALID.exit_status

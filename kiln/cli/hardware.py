@@ -8,14 +8,14 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from client import RegistryClient
-from core.datafile import read_mapping
-from core.device import resolve_device
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import HardwareCatalog, builtin_catalog, parse_profile
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
+from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
+from kiln.core.datafile import read_mapping
+from kiln.core.device import resolve_device
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import HardwareCatalog, builtin_catalog, parse_profile
 from kiln.probe import ProbeRun, device_name, efficiency, identify, measure, table
 
 

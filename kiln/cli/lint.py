@@ -12,9 +12,9 @@ from typing import Annotated, Any
 
 import typer
 
-from core.errors import InvalidInput
 from kiln.cli.common import EXIT_INVALID_INPUT, JsonOpt, app, emit
 from kiln.console import err, safe_text, stdout
+from kiln.core.errors import InvalidInput
 
 ConfigOpt = Annotated[
     Path | None,
@@ -34,8 +34,8 @@ TargetOpt = Annotated[
 def _source_shape(path: Path | None) -> Any:
     if path is None:
         return None
-    from core.untrusted import loads_json
-    from formats.architectures.shape import ModelShape
+    from kiln.core.untrusted import loads_json
+    from kiln.formats.architectures.shape import ModelShape
 
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -57,7 +57,7 @@ def lint(
     """Check artifacts against what their runtimes load: scales (zero, NaN, inf, missing), a quantized lm_head,
     per-expert vs stacked layouts, layer_types / sliding window / rope / experts metadata, every tensor's
     presence, dtype and shape. Exits 2 on any error-level finding."""
-    from targets.lint import lint_artifact
+    from kiln.targets.lint import lint_artifact
 
     shape = _source_shape(config)
     reports = [lint_artifact(path, shape=shape, target=target) for path in artifacts]

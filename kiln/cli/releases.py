@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from client import RegistryClient
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, fmt_size, split_ref
+from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
 
 

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from client import RegistryClient
 from kiln.cli.common import DEFAULT_REGISTRY, RegistryOpt, routing_app
+from kiln.client import RegistryClient
 from kiln.console import err, safe_text
 from kiln.routing import FORMATS, RenderOptions, Sizing, check_output, render_channel, write_atomically
 from kiln.routing.formats import get_format

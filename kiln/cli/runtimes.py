@@ -19,7 +19,7 @@ def runtime_install(
     as_json: JsonOpt = False,
 ) -> None:
     """Install a runtime's pinned environment (once; later calls find it), under KILN_RUNTIMES."""
-    from eval.runtimes import environments
+    from kiln.eval.runtimes import environments
 
     env = environments.for_install(name, variant)
     installed = environments.install(env.name, say=lambda line: err.print(safe_text(line)))
@@ -33,7 +33,7 @@ def runtime_install(
 @runtime_app.command("list")
 def runtime_list(as_json: JsonOpt = False) -> None:
     """Every runtime environment kiln knows, and whether (and where) it is installed."""
-    from eval.runtimes import environments
+    from kiln.eval.runtimes import environments
 
     rows: list[dict[str, Any]] = []
     for name, env in environments.ENVIRONMENTS.items():

@@ -11,9 +11,9 @@ from typing import Annotated
 
 import typer
 
-from core.errors import InvalidInput, NotFound
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, app, db_app, emit, fmt_size
 from kiln.console import err, safe_text, stdout
+from kiln.core.errors import InvalidInput, NotFound
 
 
 @app.command()
@@ -33,7 +33,7 @@ def serve(
     ] = None,
 ) -> None:
     """Run the registry server (uvicorn with uvloop and httptools)."""
-    from registry.server import serve as run_server
+    from kiln.registry.server import serve as run_server
 
     if data_dir:
         os.environ["KILN_REGISTRY_DATA_DIR"] = data_dir
@@ -50,7 +50,7 @@ def modelcar_base(
     ),
 ) -> None:
     """Write a model-car base image (a static busybox: sh, ln, sleep) as an OCI image layout."""
-    from registry.oci.base_image import write_busybox_base
+    from kiln.registry.oci.base_image import write_busybox_base
 
     try:
         layout.mkdir(parents=True, exist_ok=True)
@@ -68,8 +68,8 @@ def db_upgrade(
     revision: Annotated[str, typer.Option(help="Alembic revision.")] = "head",
 ) -> None:
     """Apply the registry's database migrations."""
-    from registry.migrate import upgrade
-    from registry.settings import RegistrySettings
+    from kiln.registry.migrate import upgrade
+    from kiln.registry.settings import RegistrySettings
 
     settings = RegistrySettings() if database_url is None else RegistrySettings(database_url=database_url)
     upgrade(settings.effective_database_url(), revision)
@@ -101,9 +101,9 @@ def gc(
     """
     from datetime import timedelta
 
-    from registry.app import open_storage
-    from registry.blobs.gc import collect_garbage
-    from registry.settings import RegistrySettings
+    from kiln.registry.app import open_storage
+    from kiln.registry.blobs.gc import collect_garbage
+    from kiln.registry.settings import RegistrySettings
 
     if registry.startswith(("http://", "https://")):
         raise InvalidInput(

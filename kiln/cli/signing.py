@@ -11,11 +11,13 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from client import RegistryClient
-from core.datafile import read_data_bytes
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.signing import (
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
+from kiln.client import RegistryClient
+from kiln.console import err, safe_text, stdout
+from kiln.core.datafile import read_data_bytes
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.signing import (
     PROVENANCE_FILE,
     ArtifactClaims,
     SignatureInvalid,
@@ -24,8 +26,6 @@ from core.signing import (
     public_key_pem,
     verify_directory,
 )
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
-from kiln.console import err, safe_text, stdout
 
 keys_app = typer.Typer(
     help="Publisher keys: make a key pair; trust, list and revoke keys (admin).", no_args_is_help=True

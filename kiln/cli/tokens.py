@@ -8,11 +8,11 @@ from typing import Annotated
 
 import typer
 
-from client import RegistryClient
-from core.error_codes import Codes
-from core.errors import InvalidInput
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, token_app
+from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
 
 _DURATION = re.compile(r"^([1-9][0-9]{0,5})([hdw])$")
 _UNITS = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}

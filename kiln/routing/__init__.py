@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import RegistryClient
-from core.errors import OutputPathInvalid
+from kiln.client import RegistryClient
+from kiln.core.errors import OutputPathInvalid
 from kiln.routing import gateway_api, kserve  # noqa: F401 - each registers its format
 from kiln.routing.formats import FORMATS, Document, get_format, to_yaml
 from kiln.routing.gather import gather_routing

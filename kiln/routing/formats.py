@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from core.error_codes import Codes
-from core.errors import UnknownName
+from kiln.core.error_codes import Codes
+from kiln.core.errors import UnknownName
 from kiln.routing.records import ChannelRouting, RenderOptions
 
 Document = dict[str, Any]

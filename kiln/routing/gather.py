@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from client import RegistryClient
-from core.error_codes import Codes
-from core.errors import Conflict, InvalidInput, KilnError, NotFound
-from core.resolve import ResolveOut
+from kiln.client import RegistryClient
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, InvalidInput, KilnError, NotFound
+from kiln.core.resolve import ResolveOut
+from kiln.registry.channels.buckets import BASIS_POINTS
+from kiln.registry.resolve.query import Pool, parse_pools
 from kiln.routing.kserve import MODELCAR_REPOSITORY, modelcar_tag
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, Sizing
 from kiln.routing.runtimes import runtime_for
-from registry.channels.buckets import BASIS_POINTS
-from registry.resolve.query import Pool, parse_pools
 
 ATTEMPTS = 3  # reads of a channel whose split keeps changing before giving up
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.registry.channels.buckets import BASIS_POINTS
+from kiln.registry.oci.media_types import TAG
 from kiln.routing.annotations import placement_annotations, pool_annotations
 from kiln.routing.formats import ApiSource, Document, RouterFormat, register
 from kiln.routing.names import (
@@ -49,8 +51,6 @@ from kiln.routing.names import (
 )
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, RenderOptions
 from kiln.routing.runtimes import RUNTIMES, device_resource
-from registry.channels.buckets import BASIS_POINTS
-from registry.oci.media_types import TAG
 
 SERVICE_API = "serving.kserve.io/v1beta1"
 GRAPH_API = "serving.kserve.io/v1alpha1"

@@ -13,11 +13,11 @@ from typing import Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import Family
-from core.resolve import Policy
-from registry.channels.buckets import BASIS_POINTS
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import Family
+from kiln.core.resolve import Policy
+from kiln.registry.channels.buckets import BASIS_POINTS
 
 
 class Placement(BaseModel):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, UnknownName
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, UnknownName
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ under `<work>/logs/` and the error names it and quotes its last lines (`pipeline
 
 from __future__ import annotations
 
-from core.error_codes import Codes
-from core.errors import KilnError
-from pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
-from pipeline.stage import Node
-from pipeline.store import StageStore
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError
+from kiln.pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
+from kiln.pipeline.stage import Node
+from kiln.pipeline.store import StageStore
 
 
 class LocalExecutor:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from core.device import describe, host_memory_bytes
-from core.errors import Deferred, KilnError, StageFailed
-from core.usage import UsageMeter, left_behind, measure_usage, release_memory
-from pipeline.placement import computes_on_device, stage_device
-from pipeline.stage import (
+from kiln.core.device import describe, host_memory_bytes
+from kiln.core.errors import Deferred, KilnError, StageFailed
+from kiln.core.usage import UsageMeter, left_behind, measure_usage, release_memory
+from kiln.pipeline.placement import computes_on_device, stage_device
+from kiln.pipeline.stage import (
     LOG_FILE,
     Node,
     StageContext,
@@ -36,7 +36,7 @@ from pipeline.stage import (
     raised_at,
     write_traceback,
 )
-from pipeline.store import StageStore
+from kiln.pipeline.store import StageStore
 
 # built: made now; cached: already in the store; ran: a stage with effects outside the store (publish);
 # deferred: waits for a runner (or a node of a cluster) with what this one lacks; failed/cancelled:

@@ -43,12 +43,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from core.device import CPU, Device, InvalidDevice, parse_device
-from core.error_codes import Codes
-from core.errors import KilnError, StageFailed
-from pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
-from pipeline.stage import Node, StageOutput
-from pipeline.store import StageStore, open_store, require_input
+from kiln.core.device import CPU, Device, InvalidDevice, parse_device
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, StageFailed
+from kiln.pipeline.executors.node import NodeOutcome, Reporter, SilentReporter, run_node
+from kiln.pipeline.stage import Node, StageOutput
+from kiln.pipeline.store import StageStore, open_store, require_input
 
 DEFAULT_MAX_RETRIES = 3
 NODES_DIR = "nodes"  # <work-dir>/nodes/<ray node id>/: a Ray node's copy of a shared store
@@ -214,7 +214,7 @@ def _done(outcome: NodeOutcome) -> dict[str, Any]:
 def _outcome(node: Node, done: dict[str, Any], store: StageStore) -> NodeOutcome:
     output = None
     if done.get("result") is not None:
-        from core.manifest import FileEntry
+        from kiln.core.manifest import FileEntry
 
         output = StageOutput(
             node_id=node.id,

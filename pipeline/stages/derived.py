@@ -24,15 +24,15 @@ import functools
 import shutil
 from typing import Any
 
-from core.errors import Deferred
-from eval.gates import Gate
-from eval.report import EvalReport
-from eval.run import evaluate_artifact
-from pipeline.records import ArtifactRecord, IngestRecord
-from pipeline.requirements import Requirements, Sizing, runner_requirements
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.stages.reference import stored_reference, stored_text
-from targets.base import BuildRequest, DerivedArtifact, DerivedStage
+from kiln.core.errors import Deferred
+from kiln.eval.gates import Gate
+from kiln.eval.report import EvalReport
+from kiln.eval.run import evaluate_artifact
+from kiln.pipeline.records import ArtifactRecord, IngestRecord
+from kiln.pipeline.requirements import Requirements, Sizing, runner_requirements
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.stages.reference import stored_reference, stored_text
+from kiln.targets.base import BuildRequest, DerivedArtifact, DerivedStage
 
 
 def deferral(derived: DerivedStage, node: Node) -> dict[str, Any] | None:

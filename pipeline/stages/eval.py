@@ -11,17 +11,17 @@ transformers holds the artifact as the plan decided for the stage's memory budge
 
 from __future__ import annotations
 
-from core.errors import StageFailed
-from eval.gates import Gate
-from eval.report import EvalReport
-from eval.run import evaluate_artifact
-from eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
-from eval.runtimes.environments import variant_for
-from pipeline.placement import computes_on_device, stage_device
-from pipeline.records import ArtifactRecord
-from pipeline.requirements import Requirements, Sizing, eval_requirements, placed_kind
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.stages.reference import stored_reference, stored_text
+from kiln.core.errors import StageFailed
+from kiln.eval.gates import Gate
+from kiln.eval.report import EvalReport
+from kiln.eval.run import evaluate_artifact
+from kiln.eval.runtimes.capabilities import VllmCapabilities, vllm_capabilities
+from kiln.eval.runtimes.environments import variant_for
+from kiln.pipeline.placement import computes_on_device, stage_device
+from kiln.pipeline.records import ArtifactRecord
+from kiln.pipeline.requirements import Requirements, Sizing, eval_requirements, placed_kind
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.stages.reference import stored_reference, stored_text
 
 
 def run(ctx: StageContext) -> EvalReport:

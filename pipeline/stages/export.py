@@ -9,12 +9,12 @@ evaluates or publishes the artifact.
 
 from __future__ import annotations
 
-from pipeline.records import ArtifactRecord, PreparedRecord
-from pipeline.requirements import Requirements, Sizing, streamed_requirements
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.stages.ingest import open_ingested
-from targets.base import ExportRequest, get_target
-from targets.lint import LintRequest
+from kiln.pipeline.records import ArtifactRecord, PreparedRecord
+from kiln.pipeline.requirements import Requirements, Sizing, streamed_requirements
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.stages.ingest import open_ingested
+from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.lint import LintRequest
 
 
 def run(ctx: StageContext) -> ArtifactRecord:
@@ -22,7 +22,7 @@ def run(ctx: StageContext) -> ArtifactRecord:
     spec = get_target(p["target"])
     quantized = None
     if p["quant"] in spec.quantized_input:
-        from pipeline.stages.quantize import open_output
+        from kiln.pipeline.stages.quantize import open_output
 
         quantized = open_output(ctx.input("quantized"))
     prepared = ctx.record("prepared", PreparedRecord).data if "prepared" in ctx.inputs else None

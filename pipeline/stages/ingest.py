@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.digest import HashCache, file_stamp
-from core.error_codes import Codes
-from core.errors import SourceInvalid, StageFailed
-from core.manifest import FileEntry
-from formats.hf_model import SourceModel, open_source
-from pipeline.records import IgnoredFile, IngestRecord
-from pipeline.remote_source import S3Source
-from pipeline.stage import Node, Stage, StageContext, StageOutput
-from storage.links import place
+from kiln.core.digest import HashCache, file_stamp
+from kiln.core.error_codes import Codes
+from kiln.core.errors import SourceInvalid, StageFailed
+from kiln.core.manifest import FileEntry
+from kiln.formats.hf_model import SourceModel, open_source
+from kiln.pipeline.records import IgnoredFile, IngestRecord
+from kiln.pipeline.remote_source import S3Source
+from kiln.pipeline.stage import Node, Stage, StageContext, StageOutput
+from kiln.storage.links import place
 
 
 class SourceChanged(SourceInvalid):

@@ -6,10 +6,10 @@ once, instead of in each of its exports; its exports take this stage's record as
 
 from __future__ import annotations
 
-from pipeline.records import PreparedRecord
-from pipeline.stage import Stage, StageContext
-from pipeline.stages.ingest import open_ingested
-from targets.base import get_target
+from kiln.pipeline.records import PreparedRecord
+from kiln.pipeline.stage import Stage, StageContext
+from kiln.pipeline.stages.ingest import open_ingested
+from kiln.targets.base import get_target
 
 
 def run(ctx: StageContext) -> PreparedRecord:

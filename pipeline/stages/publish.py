@@ -21,17 +21,17 @@ import json
 import tempfile
 from pathlib import Path
 
-from client import RegistryClient
-from core import __version__
-from core.evals import PublishedEval
-from core.manifest import ArtifactManifest
-from eval.report import EvalReport
-from formats.architectures.shape import ModelShape
-from pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
-from pipeline.stage import Stage, StageContext, StageOutput
-from targets.base import get_target
-from targets.lint import LintRequest
+from kiln.client import RegistryClient
+from kiln.core import __version__
+from kiln.core.evals import PublishedEval
+from kiln.core.manifest import ArtifactManifest
+from kiln.eval.report import EvalReport
+from kiln.formats.architectures.shape import ModelShape
+from kiln.pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.pipeline.stage import Stage, StageContext, StageOutput
+from kiln.targets.base import get_target
+from kiln.targets.lint import LintRequest
 
 
 def manifest_for(artifact: StageOutput) -> ArtifactManifest:

@@ -17,22 +17,22 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING
 
-from formats.hf_model import open_source, write_dequantized
-from pipeline.placement import stage_device
-from pipeline.records import QuantizeRecord
-from pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
-from pipeline.stage import Node, Stage, StageContext, StageOutput
-from pipeline.stages.ingest import open_ingested
-from quant.catalog import get_scheme
-from quant.rtn import check_shapes
-from quant.schemes import Scheme
+from kiln.formats.hf_model import open_source, write_dequantized
+from kiln.pipeline.placement import stage_device
+from kiln.pipeline.records import QuantizeRecord
+from kiln.pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
+from kiln.pipeline.stage import Node, Stage, StageContext, StageOutput
+from kiln.pipeline.stages.ingest import open_ingested
+from kiln.quant.catalog import get_scheme
+from kiln.quant.rtn import check_shapes
+from kiln.quant.schemes import Scheme
 
 if TYPE_CHECKING:
-    from quant.store import QuantizedWeights
+    from kiln.quant.store import QuantizedWeights
 
 
 def run(ctx: StageContext) -> QuantizeRecord:
-    from quant.store import write_quantized
+    from kiln.quant.store import write_quantized
 
     scheme = Scheme.model_validate(ctx.node.params["scheme"])
     if scheme != get_scheme(scheme.name, scheme.lm_head):
@@ -44,7 +44,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
         scheme, {n: t.shape for n, t in source.tensors.items()}, source.shape.merged_gemms()
     )  # before calibration spends any time
     if scheme.by_llmcompressor:
-        from quant.calibrated import calibrate, calibration_samples
+        from kiln.quant.calibrated import calibrate, calibration_samples
 
         cal = ctx.node.params["calibration"]
         samples = []
@@ -83,7 +83,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
 
 
 def open_output(output: StageOutput) -> QuantizedWeights:
-    from quant.store import open_quantized
+    from kiln.quant.store import open_quantized
 
     return open_quantized(output.files_dir, output.record(QuantizeRecord).scheme_name)
 

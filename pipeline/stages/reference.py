@@ -24,16 +24,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from core.error_codes import Codes
-from core.errors import StageFailed
-from eval.reference_rows import ReferenceStore, reference_rows
-from eval.runtimes.layer_stream import open_transformers
-from eval.runtimes.residency import WHOLE
-from eval.runtimes.transformers_runtime import TorchDtype
-from eval.text import EvalText, load_text
-from pipeline.placement import stage_device
-from pipeline.records import IngestRecord, ReferenceParams, ReferenceRecord
-from pipeline.stage import Stage, StageContext, StageOutput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import StageFailed
+from kiln.eval.reference_rows import ReferenceStore, reference_rows
+from kiln.eval.runtimes.layer_stream import open_transformers
+from kiln.eval.runtimes.residency import WHOLE
+from kiln.eval.runtimes.transformers_runtime import TorchDtype
+from kiln.eval.text import EvalText, load_text
+from kiln.pipeline.placement import stage_device
+from kiln.pipeline.records import IngestRecord, ReferenceParams, ReferenceRecord
+from kiln.pipeline.stage import Stage, StageContext, StageOutput
 
 TEXT_FILE = "heldout.txt"
 IDS_FILE = "eval_text.json"  # the token windows and prompts every runtime is given (eval.text.EvalText)

@@ -8,9 +8,9 @@ open release.
 
 from __future__ import annotations
 
-from client import RegistryClient
-from pipeline.records import SealRecord
-from pipeline.stage import Stage, StageContext
+from kiln.client import RegistryClient
+from kiln.pipeline.records import SealRecord
+from kiln.pipeline.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> SealRecord:

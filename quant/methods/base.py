@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from core.hardware import Fp4Format, HardwareProfile, MatmulDtype
-from quant.schemes import Scheme, Verdict, WeightQuant
+from kiln.core.hardware import Fp4Format, HardwareProfile, MatmulDtype
+from kiln.quant.schemes import Scheme, Verdict, WeightQuant
 
 StorageDtype = Literal["bfloat16", "float8_e4m3fn", "float4_e2m1", "int8", "int4"]
 ActivationDtype = Literal["bfloat16", "float8_e4m3fn", "float4_e2m1", "int8"]

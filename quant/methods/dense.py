@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from core.hardware import HardwareProfile
-from quant.methods.base import GateDefaults, Method, dequantizes
-from quant.schemes import Scheme, Verdict
+from kiln.core.hardware import HardwareProfile
+from kiln.quant.methods.base import GateDefaults, Method, dequantizes
+from kiln.quant.schemes import Scheme, Verdict
 
 # Lossless up to the runtime's arithmetic order.
 LOSSLESS = GateDefaults(max_kl=1e-3, min_top1=0.99, max_ppl_increase=0.005)

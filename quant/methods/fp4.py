@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from core.hardware import Fp4Format, HardwareProfile
-from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, keeps, refuses
-from quant.methods.dense import LOSSLESS
-from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
+from kiln.core.hardware import Fp4Format, HardwareProfile
+from kiln.quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, dequantizes, keeps, refuses
+from kiln.quant.methods.dense import LOSSLESS
+from kiln.quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 # W4A4 rounds activations too, so it gets the widest gate; weight-only FP4 sits with round-to-nearest int4.
 W4A4 = GateDefaults(max_kl=0.25, min_top1=0.75, max_ppl_increase=0.25)

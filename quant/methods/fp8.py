@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from core.hardware import HardwareProfile
-from quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, keeps
-from quant.schemes import ActivationQuant, KvCacheQuant, Scheme, Verdict, WeightQuant
+from kiln.core.hardware import HardwareProfile
+from kiln.quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method, SourceRoute, keeps
+from kiln.quant.schemes import ActivationQuant, KvCacheQuant, Scheme, Verdict, WeightQuant
 
 GATE = GateDefaults(max_kl=0.02, min_top1=0.92, max_ppl_increase=0.03)
 

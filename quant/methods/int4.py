@@ -8,10 +8,10 @@ AWQ kernels (no Marlin there).
 
 from __future__ import annotations
 
-from core.hardware import HardwareProfile
-from quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, dequantizes
-from quant.methods.int8 import weight_only_on_cuda, weight_only_on_rocm
-from quant.schemes import QuantMethod, Scheme, Verdict, WeightQuant
+from kiln.core.hardware import HardwareProfile
+from kiln.quant.methods.base import EXPERTS_LEFT_BF16, GateDefaults, Method, dequantizes
+from kiln.quant.methods.int8 import weight_only_on_cuda, weight_only_on_rocm
+from kiln.quant.schemes import QuantMethod, Scheme, Verdict, WeightQuant
 
 CALIBRATED = GateDefaults(max_kl=0.06, min_top1=0.85, max_ppl_increase=0.08)
 ROUNDED = GateDefaults(max_kl=0.15, min_top1=0.80, max_ppl_increase=0.15)

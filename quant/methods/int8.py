@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-from core.hardware import HardwareProfile
-from quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method
-from quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
+from kiln.core.hardware import HardwareProfile
+from kiln.quant.methods.base import ANOTHER_8BIT, EXPERTS_LEFT_BF16, GateDefaults, Method
+from kiln.quant.schemes import ActivationQuant, Scheme, Verdict, WeightQuant
 
 GATE = GateDefaults(max_kl=0.015, min_top1=0.93, max_ppl_increase=0.02)
 _PER_CHANNEL = WeightQuant(num_bits=8, type="int", strategy="channel")

@@ -50,12 +50,12 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
-from core.untrusted import loads_json
-from registry.api.errors import error_response
-from registry.auth.principal import Scope
-from registry.deps import authenticate_async
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.core.untrusted import loads_json
+from kiln.registry.api.errors import error_response
+from kiln.registry.auth.principal import Scope
+from kiln.registry.deps import authenticate_async
 
 # Blob uploads stream their bodies to the store (limited by settings.max_upload_bytes there).
 STREAMED_BODY = re.compile(r"^/v1/blobs/[^/]+$")

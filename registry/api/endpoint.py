@@ -21,7 +21,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from registry.db import WRITE_OPTION
+from kiln.registry.db import WRITE_OPTION
 
 
 class SessionRoute(APIRoute):

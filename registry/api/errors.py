@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.error_codes import CATALOG, Codes
-from core.errors import KilnError, Unavailable
+from kiln.core.error_codes import CATALOG, Codes
+from kiln.core.errors import KilnError, Unavailable
 
 RETRY_AFTER_S = 5
 # Codes whose status is not their kind's (a 410, a 413, ...): the catalog's, looked up first.

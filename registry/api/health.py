@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from core.errors import KilnError, Unavailable
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.deps import BlobStoreDep, SessionDep
+from kiln.core.errors import KilnError, Unavailable
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.deps import BlobStoreDep, SessionDep
 
 router = APIRouter(tags=["health"], route_class=SessionRoute)
 _PROBE = "0" * 64  # a digest no blob has: looking it up exercises the store without reading data

@@ -40,11 +40,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from registry.api.endpoint import SessionRoute
-from registry.auth.principal import Scope
-from registry.deps import authenticate_async, check_models, required_scope
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.auth.principal import Scope
+from kiln.registry.deps import authenticate_async, check_models, required_scope
 
 Handler = Callable[[Request], Awaitable[Response]]
 _MAX_QUERIES = 4096  # distinct valid queries kept per lean route (dropped all at once when full)

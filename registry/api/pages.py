@@ -14,9 +14,9 @@ from urllib.parse import urlencode
 from fastapi import Request, Response
 from fastapi.dependencies.models import Dependant
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from registry.paging import PAGE_LIMIT, Page
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.registry.paging import PAGE_LIMIT, Page
 
 Row = TypeVar("Row")
 

@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import Path, Query
 
-from core.hardware import HARDWARE_NAME_PATTERN
-from core.manifest import ARTIFACT_NAME
-from core.manifest import MODEL_NAME_PATTERN as MODEL_NAME_PATTERN  # recipes use the same
-from core.manifest import VERSION_PATTERN as VERSION_PATTERN
-from registry.paging import MAX_PAGE_LIMIT
+from kiln.core.hardware import HARDWARE_NAME_PATTERN
+from kiln.core.manifest import ARTIFACT_NAME
+from kiln.core.manifest import MODEL_NAME_PATTERN as MODEL_NAME_PATTERN  # recipes use the same
+from kiln.core.manifest import VERSION_PATTERN as VERSION_PATTERN
+from kiln.registry.paging import MAX_PAGE_LIMIT
 
 CHANNEL_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
 ARTIFACT_NAME_PATTERN = ARTIFACT_NAME.pattern

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidatorFunctionWrapHandler, WrapValidator
 
-from core.untrusted import InvalidJSON, check_json_value
-from registry.api.errors import error_body
+from kiln.core.untrusted import InvalidJSON, check_json_value
+from kiln.registry.api.errors import error_body
 
 UNREADABLE = "STORED_VALUE_UNREADABLE"
 

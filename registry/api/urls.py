@@ -6,7 +6,7 @@ from urllib.parse import quote
 
 from fastapi import Request
 
-from registry.settings import RegistrySettings
+from kiln.registry.settings import RegistrySettings
 
 # The base URL per (scheme, server, root path, Host header) a request came with: Starlette's parsing
 # of them (host validation included) costs more than a warm resolve's own work. Bounded: cleared

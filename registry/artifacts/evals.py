@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from core.evals import EvalStatus
+from kiln.core.evals import EvalStatus
 
 __all__ = ["EvalStatus", "HasStatus", "eval_status"]
 

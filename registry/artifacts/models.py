@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from core.evals import EvalMetrics, Gate
-from registry.db import Base, RecordJSON, utcnow
+from kiln.core.evals import EvalMetrics, Gate
+from kiln.registry.db import Base, RecordJSON, utcnow
 
 if TYPE_CHECKING:
-    from registry.releases.models import Release
+    from kiln.registry.releases.models import Release
 
 
 class Artifact(Base):

@@ -7,19 +7,19 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
-from core.manifest import ArtifactManifest, FileOut
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterArtifact, ArtifactName, ModelName, PageLimit, Version
-from registry.api.urls import artifact_file_url, base_url
-from registry.artifacts import service
-from registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
-from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
-from registry.paging import PAGE_LIMIT
-from registry.releases import contents
-from registry.settings import RegistrySettings
+from kiln.core.manifest import ArtifactManifest, FileOut
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterArtifact, ArtifactName, ModelName, PageLimit, Version
+from kiln.registry.api.urls import artifact_file_url, base_url
+from kiln.registry.artifacts import service
+from kiln.registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
+from kiln.registry.blobs.download import blob_response
+from kiln.registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.releases import contents
+from kiln.registry.settings import RegistrySettings
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["artifacts"], route_class=SessionRoute)

@@ -7,10 +7,10 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, computed_field, field_validator
 
-from core.evals import EvalMetrics, PublishedEval, RecordedEval
-from core.manifest import ArtifactManifest, FileOut
-from registry.api.rows import FromRow, StoredJSON
-from registry.artifacts.evals import EvalStatus, eval_status
+from kiln.core.evals import EvalMetrics, PublishedEval, RecordedEval
+from kiln.core.manifest import ArtifactManifest, FileOut
+from kiln.registry.api.rows import FromRow, StoredJSON
+from kiln.registry.artifacts.evals import EvalStatus, eval_status
 
 # A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
 # as the publish stage names a GPU runner's eval); the SKU is a hardware profile name (lowercase).

@@ -9,16 +9,16 @@ from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinload
 
-from core.error_codes import Codes
-from core.errors import Conflict, InvalidInput, NotFound
-from core.manifest import ArtifactManifest, FileEntry, check_relative_path
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, InvalidInput, NotFound
+from kiln.core.manifest import ArtifactManifest, FileEntry, check_relative_path
 
 # The rows this service returns, which other domains read (and name in their annotations).
-from registry.artifacts.models import Artifact, ArtifactFile, EvalResult
-from registry.artifacts.schemas import EvalCreate
-from registry.blobs.service import stored_sizes
-from registry.db import insert_once
-from registry.paging import Page, keyset_page
+from kiln.registry.artifacts.models import Artifact, ArtifactFile, EvalResult
+from kiln.registry.artifacts.schemas import EvalCreate
+from kiln.registry.blobs.service import stored_sizes
+from kiln.registry.db import insert_once
+from kiln.registry.paging import Page, keyset_page
 
 # An artifact's release, by id or as a subquery (`registry.releases.service.release_id_of`).
 ReleaseId = int | ColumnElement[int]

@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 
 class Attestation(Base):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from registry.attestations.models import Attestation, TrustedKey
+from kiln.registry.attestations.models import Attestation, TrustedKey
 
 
 def keys_for(session: Session, model: str, *, include_revoked: bool = False) -> list[TrustedKey]:

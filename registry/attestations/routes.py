@@ -12,15 +12,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
-from core.errors import Forbidden, NotFound
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterKey, ArtifactName, ModelName, PageLimit, Version
-from registry.api.urls import base_url
-from registry.attestations import service
-from registry.attestations.models import Attestation
-from registry.attestations.schemas import (
+from kiln.core.errors import Forbidden, NotFound
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterKey, ArtifactName, ModelName, PageLimit, Version
+from kiln.registry.api.urls import base_url
+from kiln.registry.attestations import service
+from kiln.registry.attestations.models import Attestation
+from kiln.registry.attestations.schemas import (
     AttestationCreate,
     AttestationKind,
     AttestationOut,
@@ -28,11 +28,11 @@ from registry.attestations.schemas import (
     TrustedKeyCreate,
     TrustedKeyOut,
 )
-from registry.auth.principal import Principal
-from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
-from registry.paging import PAGE_LIMIT
-from registry.releases import contents
+from kiln.registry.auth.principal import Principal
+from kiln.registry.blobs.download import blob_response
+from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.releases import contents
 
 router = APIRouter(prefix="/v1", tags=["attestations"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]

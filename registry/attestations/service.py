@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from core.error_codes import Codes
-from core.errors import Conflict, InvalidInput, NotFound
-from core.signing import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, InvalidInput, NotFound
+from kiln.core.signing import (
     AttestationKind,
     SignatureInvalid,
     check_attested,
@@ -29,16 +29,16 @@ from core.signing import (
     read_bundle,
     verify_envelope,
 )
-from registry.artifacts.service import Artifact, ReleaseRef
-from registry.attestations.models import Attestation, TrustedKey
-from registry.attestations.policy import keys_for
-from registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
-from registry.audit import service as audit
-from registry.auth.principal import Principal
-from registry.blobs.service import get_blob
-from registry.db import insert_once, utcnow
-from registry.paging import Page, keyset_page
-from storage.store import BlobNotFound, BlobStore
+from kiln.registry.artifacts.service import Artifact, ReleaseRef
+from kiln.registry.attestations.models import Attestation, TrustedKey
+from kiln.registry.attestations.policy import keys_for
+from kiln.registry.attestations.schemas import AttestationCreate, TrustedKeyCreate
+from kiln.registry.audit import service as audit
+from kiln.registry.auth.principal import Principal
+from kiln.registry.blobs.service import get_blob
+from kiln.registry.db import insert_once, utcnow
+from kiln.registry.paging import Page, keyset_page
+from kiln.storage.store import BlobNotFound, BlobStore
 
 # -- trusted keys -------------------------------------------------------------------------------
 

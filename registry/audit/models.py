@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 
 class AuditEvent(Base):

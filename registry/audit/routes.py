@@ -6,13 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from registry.api.endpoint import SessionRoute
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import MODEL_NAME_PATTERN, AfterId, PageLimit
-from registry.audit import service
-from registry.audit.schemas import AuditEventOut
-from registry.deps import PrincipalDep, SessionDep
-from registry.paging import PAGE_LIMIT
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import MODEL_NAME_PATTERN, AfterId, PageLimit
+from kiln.registry.audit import service
+from kiln.registry.audit.schemas import AuditEventOut
+from kiln.registry.deps import PrincipalDep, SessionDep
+from kiln.registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["audit"], route_class=SessionRoute)
 

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import Field
 
-from registry.api.rows import FromRow, StoredJSON
+from kiln.registry.api.rows import FromRow, StoredJSON
 
 
 class AuditEventOut(FromRow):

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from registry.audit.models import AuditEvent
-from registry.auth.principal import Principal
-from registry.paging import Page, keyset_page
+from kiln.registry.audit.models import AuditEvent
+from kiln.registry.auth.principal import Principal
+from kiln.registry.paging import Page, keyset_page
 
 ANONYMOUS = "anonymous"
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from registry.auth.principal import Principal
-from registry.auth.service import hash_token, principal_for
-from registry.db import utcnow
+from kiln.registry.auth.principal import Principal
+from kiln.registry.auth.service import hash_token, principal_for
+from kiln.registry.db import utcnow
 
 
 class Missing:

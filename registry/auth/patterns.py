@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
 
 # The characters of a model name (core.manifest.MODEL_NAME_PATTERN).
 MODEL_NAME_ALPHABET = string.ascii_lowercase + string.digits + "._-"

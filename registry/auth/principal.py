@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from core.errors import Forbidden, Unauthorized
-from registry.auth.patterns import pattern_contains, patterns_overlap
+from kiln.core.errors import Forbidden, Unauthorized
+from kiln.registry.auth.patterns import pattern_contains, patterns_overlap
 
 Scope = Literal["read", "publish", "promote", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "publish", "promote", "admin")

@@ -7,15 +7,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterId, PageLimit, RowId
-from registry.auth import service
-from registry.auth.principal import Principal
-from registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
-from registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
-from registry.paging import PAGE_LIMIT
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterId, PageLimit, RowId
+from kiln.registry.auth import service
+from kiln.registry.auth.principal import Principal
+from kiln.registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
+from kiln.registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
+from kiln.registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["tokens"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]

@@ -6,8 +6,8 @@ from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from registry.api.rows import FromRow
-from registry.auth.principal import Scope
+from kiln.registry.api.rows import FromRow
+from kiln.registry.auth.principal import Scope
 
 
 class TokenCreate(BaseModel):

@@ -10,14 +10,14 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound
-from registry.audit import service as audit
-from registry.auth.models import Token
-from registry.auth.patterns import check_pattern
-from registry.auth.principal import SCOPES, Principal, Scope
-from registry.db import utcnow
-from registry.paging import Page, keyset_page
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound
+from kiln.registry.audit import service as audit
+from kiln.registry.auth.models import Token
+from kiln.registry.auth.patterns import check_pattern
+from kiln.registry.auth.principal import SCOPES, Principal, Scope
+from kiln.registry.db import utcnow
+from kiln.registry.paging import Page, keyset_page
 
 TOKEN_PREFIX = "kiln_"
 _TOKEN = re.compile(r"^kiln_[A-Za-z0-9_-]{43}$")

@@ -14,9 +14,9 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from storage.store import BlobStore
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.storage.store import BlobStore
 
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 # A position with more digits than this is past any blob (and int() of thousands of digits is slow).

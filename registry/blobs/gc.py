@@ -34,10 +34,10 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from registry.blobs.models import Blob
-from registry.blobs.references import BlobReferences
-from registry.db import utcnow
-from storage.store import BlobStore
+from kiln.registry.blobs.models import Blob
+from kiln.registry.blobs.references import BlobReferences
+from kiln.registry.db import utcnow
+from kiln.storage.store import BlobStore
 
 
 @dataclass(frozen=True)

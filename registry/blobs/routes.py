@@ -19,19 +19,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import DigestMismatch, InvalidInput, KilnError
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.params import Sha256
-from registry.auth.principal import Principal
-from registry.blobs import service
-from registry.blobs.download import blob_response
-from registry.blobs.models import Blob
-from registry.blobs.schemas import BlobOut
-from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require, transact
-from registry.releases.contents import check_blob_readable
-from storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
+from kiln.core.error_codes import Codes
+from kiln.core.errors import DigestMismatch, InvalidInput, KilnError
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.params import Sha256
+from kiln.registry.auth.principal import Principal
+from kiln.registry.blobs import service
+from kiln.registry.blobs.download import blob_response
+from kiln.registry.blobs.models import Blob
+from kiln.registry.blobs.schemas import BlobOut
+from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require, transact
+from kiln.registry.releases.contents import check_blob_readable
+from kiln.storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["blobs"], route_class=SessionRoute)

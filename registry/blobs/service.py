@@ -15,10 +15,10 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from registry.auth.principal import Principal
-from registry.blobs.models import Blob, BlobUpload
-from registry.db import insert_once, utcnow
-from storage.store import BlobNotFound, BlobStore
+from kiln.registry.auth.principal import Principal
+from kiln.registry.blobs.models import Blob, BlobUpload
+from kiln.registry.db import insert_once, utcnow
+from kiln.storage.store import BlobNotFound, BlobStore
 
 
 def stored_blob(session: Session, store: BlobStore, sha256: str) -> Blob | None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from core.errors import InvalidInput, UnknownName
-from registry.settings import RegistrySettings
-from storage.local import LocalBlobStore
-from storage.store import BlobStore
+from kiln.core.errors import InvalidInput, UnknownName
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.local import LocalBlobStore
+from kiln.storage.store import BlobStore
 
 SUPPORTED_SCHEMES = ("file", "s3")
 
@@ -27,7 +27,7 @@ def open_blob_store(url: str, settings: RegistrySettings | None = None) -> BlobS
         return LocalBlobStore(Path(unquote(parsed.path)))
     if parsed.scheme == "s3":
         # boto3 is an optional extra (`.[s3]`): imported only for an s3:// store.
-        from storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
+        from kiln.storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
 
         bucket, prefix = parse_s3_url(url)
         settings = settings or RegistrySettings()

@@ -8,9 +8,9 @@ from typing import Any
 from sqlalchemy import JSON, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from registry.db import Base, utcnow
-from registry.models.models import Model
-from registry.releases.models import Release
+from kiln.registry.db import Base, utcnow
+from kiln.registry.models.models import Model
+from kiln.registry.releases.models import Release
 
 
 class Channel(Base):

@@ -7,16 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterChannel, AfterId, ChannelName, ModelName, PageLimit
-from registry.auth.principal import Principal
-from registry.channels import service
-from registry.channels.models import Channel, ChannelEvent
-from registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest, SplitRequest
-from registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
-from registry.paging import PAGE_LIMIT
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterChannel, AfterId, ChannelName, ModelName, PageLimit
+from kiln.registry.auth.principal import Principal
+from kiln.registry.channels import service
+from kiln.registry.channels.models import Channel, ChannelEvent
+from kiln.registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest, SplitRequest
+from kiln.registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from kiln.registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["channels"], route_class=SessionRoute)
 

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from registry.api.params import VERSION_PATTERN
+from kiln.registry.api.params import VERSION_PATTERN
 
 
 class PromoteRequest(BaseModel):

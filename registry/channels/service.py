@@ -7,19 +7,19 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from core.error_codes import Codes
-from core.errors import Conflict, GateFailed, NotFound
-from registry.artifacts.evals import eval_status
-from registry.artifacts.service import WITH_EVALS, release_artifacts
-from registry.attestations.policy import unsigned_artifacts
-from registry.audit import service as audit
-from registry.channels import buckets
-from registry.channels.models import Channel, ChannelEvent
-from registry.channels.schemas import PromoteRequest, SplitRequest
-from registry.db import utcnow
-from registry.models.service import get_model, lock_model
-from registry.paging import Page, keyset_page
-from registry.releases.service import Release, lock_release, model_id_of_release
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, GateFailed, NotFound
+from kiln.registry.artifacts.evals import eval_status
+from kiln.registry.artifacts.service import WITH_EVALS, release_artifacts
+from kiln.registry.attestations.policy import unsigned_artifacts
+from kiln.registry.audit import service as audit
+from kiln.registry.channels import buckets
+from kiln.registry.channels.models import Channel, ChannelEvent
+from kiln.registry.channels.schemas import PromoteRequest, SplitRequest
+from kiln.registry.db import utcnow
+from kiln.registry.models.service import get_model, lock_model
+from kiln.registry.paging import Page, keyset_page
+from kiln.registry.releases.service import Release, lock_release, model_id_of_release
 
 
 def find_channel(session: Session, model_id: int, name: str) -> Channel | None:

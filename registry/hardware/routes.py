@@ -8,15 +8,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, Request, Response
 
-from core.hardware import HARDWARE_NAME_PATTERN
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterHardware, PageLimit
-from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
-from registry.hardware import service
-from registry.hardware.schemas import HardwareOut, entry_request_schema
-from registry.paging import PAGE_LIMIT
+from kiln.core.hardware import HARDWARE_NAME_PATTERN
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterHardware, PageLimit
+from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from kiln.registry.hardware import service
+from kiln.registry.hardware.schemas import HardwareOut, entry_request_schema
+from kiln.registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["hardware"], route_class=SessionRoute)
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from core.hardware import HardwareProfile
+from kiln.core.hardware import HardwareProfile
 
 
 class HardwareOut(HardwareProfile):

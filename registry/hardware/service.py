@@ -11,14 +11,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound
-from core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
-from registry.audit import service as audit
-from registry.db import bytewise
-from registry.hardware.models import HardwareEntry
-from registry.paging import Page, keyset_page
-from registry.resolve.service import bump_routing_revision
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound
+from kiln.core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
+from kiln.registry.audit import service as audit
+from kiln.registry.db import bytewise
+from kiln.registry.hardware.models import HardwareEntry
+from kiln.registry.paging import Page, keyset_page
+from kiln.registry.resolve.service import bump_routing_revision
 
 
 def registry_entries(session: Session) -> list[HardwareProfile]:

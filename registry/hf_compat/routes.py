@@ -13,16 +13,16 @@ from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
 
-from core.errors import NotFound
-from core.manifest import MAX_PATH_CHARS
-from registry.api.endpoint import SessionRoute
-from registry.api.pages import PAGED, next_page_url
-from registry.api.params import PageLimit
-from registry.blobs.download import blob_response
-from registry.deps import BlobStoreDep, PrincipalDep, SessionDep
-from registry.hf_compat import service
-from registry.hf_compat.service import COMMIT, Resolved
-from registry.paging import MAX_PAGE_LIMIT
+from kiln.core.errors import NotFound
+from kiln.core.manifest import MAX_PATH_CHARS
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.pages import PAGED, next_page_url
+from kiln.registry.api.params import PageLimit
+from kiln.registry.blobs.download import blob_response
+from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep
+from kiln.registry.hf_compat import service
+from kiln.registry.hf_compat.service import COMMIT, Resolved
+from kiln.registry.paging import MAX_PAGE_LIMIT
 
 router = APIRouter(tags=["hf-compat"], route_class=SessionRoute)
 

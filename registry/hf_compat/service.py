@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound
-from registry.api.params import MODEL_NAME_PATTERN
-from registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
-from registry.channels.service import find_channel
-from registry.models.service import find_model
-from registry.releases.service import find_release, served_release_ids
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound
+from kiln.registry.api.params import MODEL_NAME_PATTERN
+from kiln.registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
+from kiln.registry.channels.service import find_channel
+from kiln.registry.models.service import find_model
+from kiln.registry.releases.service import find_release, served_release_ids
 
 NAMESPACE = "kiln"
 COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 
 class Model(Base):

@@ -6,17 +6,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterModel, AfterVersion, ModelName, PageLimit
-from registry.auth.principal import Principal
-from registry.channels.service import model_channel_versions
-from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
-from registry.models import service
-from registry.models.schemas import ModelCreate, ModelDetail, ModelOut
-from registry.paging import PAGE_LIMIT
-from registry.releases.service import releases_page
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterModel, AfterVersion, ModelName, PageLimit
+from kiln.registry.auth.principal import Principal
+from kiln.registry.channels.service import model_channel_versions
+from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from kiln.registry.models import service
+from kiln.registry.models.schemas import ModelCreate, ModelDetail, ModelOut
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.releases.service import releases_page
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["models"], route_class=SessionRoute)

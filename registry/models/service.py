@@ -5,12 +5,12 @@ from __future__ import annotations
 from sqlalchemy import ScalarSelect, select
 from sqlalchemy.orm import Session
 
-from core.errors import Conflict, NotFound
-from registry.auth.principal import Principal
-from registry.db import insert_once, lock_row
-from registry.models.models import Model
-from registry.models.schemas import ModelCreate
-from registry.paging import Page, keyset_page
+from kiln.core.errors import Conflict, NotFound
+from kiln.registry.auth.principal import Principal
+from kiln.registry.db import insert_once, lock_row
+from kiln.registry.models.models import Model
+from kiln.registry.models.schemas import ModelCreate
+from kiln.registry.paging import Page, keyset_page
 
 
 def find_model(session: Session, name: str) -> Model | None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from core.digest import canonical_json
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from registry.oci import media_types as mt
+from kiln.core.digest import canonical_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.registry.oci import media_types as mt
 
 # The largest JSON document (index, manifest, config) read from a layout; real ones are a few KiB.
 MAX_DOCUMENT_BYTES: Final = 4 * 1024 * 1024

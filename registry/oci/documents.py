@@ -6,8 +6,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from registry.artifacts.service import Artifact
-from registry.oci import media_types as mt
+from kiln.registry.artifacts.service import Artifact
+from kiln.registry.oci import media_types as mt
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from core.error_codes import Codes
+from kiln.core.error_codes import Codes
 
 # OCI image-spec v1.1.
 IMAGE_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"

@@ -34,16 +34,16 @@ from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from core.digest import canonical_json, sha256_json
-from core.error_codes import Codes
-from core.errors import KilnError
-from registry.artifacts.service import ArtifactFile, artifact_files, release_artifacts
-from registry.db import insert_once, utcnow
-from registry.oci import media_types as mt
-from registry.oci.base_image import BaseImage
-from registry.oci.documents import Document, Served, kiln_annotations
-from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
-from storage.store import BlobStore
+from kiln.core.digest import canonical_json, sha256_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError
+from kiln.registry.artifacts.service import ArtifactFile, artifact_files, release_artifacts
+from kiln.registry.db import insert_once, utcnow
+from kiln.registry.oci import media_types as mt
+from kiln.registry.oci.base_image import BaseImage
+from kiln.registry.oci.documents import Document, Served, kiln_annotations
+from kiln.registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
+from kiln.storage.store import BlobStore
 
 log = logging.getLogger(__name__)
 

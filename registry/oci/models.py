@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, ForeignKey, Integer, LargeBinary, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 
 class TarLayer(Base):

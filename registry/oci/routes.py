@@ -20,20 +20,20 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
-from registry.api.endpoint import SessionRoute
-from registry.api.urls import base_url
-from registry.blobs import service as blobs
-from registry.blobs.download import blob_response, ranged_response
-from registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep
-from registry.oci import media_types as mt
-from registry.oci import modelcar, service
-from registry.oci.documents import Document, Served
-from registry.oci.models import TarLayer
-from registry.paging import MAX_PAGE_LIMIT
-from registry.settings import RegistrySettings
-from storage.local import read_file
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError, NotFound, Unauthorized, Unavailable
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.urls import base_url
+from kiln.registry.blobs import service as blobs
+from kiln.registry.blobs.download import blob_response, ranged_response
+from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep
+from kiln.registry.oci import media_types as mt
+from kiln.registry.oci import modelcar, service
+from kiln.registry.oci.documents import Document, Served
+from kiln.registry.oci.models import TarLayer
+from kiln.registry.paging import MAX_PAGE_LIMIT
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.local import read_file
 
 API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
 SERVICE = "kiln"

@@ -31,20 +31,20 @@ from typing import Any
 from sqlalchemy import ColumnElement, delete, false, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from core.digest import canonical_json
-from core.error_codes import Codes
-from core.errors import InvalidInput, NotFound
-from registry.api.params import MODEL_NAME_PATTERN
-from registry.artifacts import service as artifacts
-from registry.attestations.service import Attestation, artifact_ids_attested_by, attestations_by_artifact
-from registry.channels.service import channel_release_ids
-from registry.models.service import Model, find_model
-from registry.oci import media_types as mt
-from registry.oci import modelcar
-from registry.oci.base_image import BaseImage
-from registry.oci.documents import Document, Served, kiln_annotations
-from registry.oci.models import TarLayer, TarLayerBlob
-from registry.releases.service import served_release_ids
+from kiln.core.digest import canonical_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, NotFound
+from kiln.registry.api.params import MODEL_NAME_PATTERN
+from kiln.registry.artifacts import service as artifacts
+from kiln.registry.attestations.service import Attestation, artifact_ids_attested_by, attestations_by_artifact
+from kiln.registry.channels.service import channel_release_ids
+from kiln.registry.models.service import Model, find_model
+from kiln.registry.oci import media_types as mt
+from kiln.registry.oci import modelcar
+from kiln.registry.oci.base_image import BaseImage
+from kiln.registry.oci.documents import Document, Served, kiln_annotations
+from kiln.registry.oci.models import TarLayer, TarLayerBlob
+from kiln.registry.releases.service import served_release_ids
 
 NAMESPACE = "kiln"
 MODELCAR_NAMESPACE = "modelcar"

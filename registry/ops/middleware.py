@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from registry.ops.logs import ACCESS_LOGGER, AccessLineHandler, access_fields
-from registry.ops.metrics import RegistryMetrics
+from kiln.registry.ops.logs import ACCESS_LOGGER, AccessLineHandler, access_fields
+from kiln.registry.ops.metrics import RegistryMetrics
 
 ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

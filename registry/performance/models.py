@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, Index, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 
 class PerformanceRecord(Base):

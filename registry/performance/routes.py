@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterId, ArtifactName, ModelName, PageLimit, Version
-from registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
-from registry.paging import PAGE_LIMIT
-from registry.performance import service
-from registry.performance.models import PerformanceRecord
-from registry.performance.schemas import PerformanceCreate, PerformanceOut
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterId, ArtifactName, ModelName, PageLimit, Version
+from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.performance import service
+from kiln.registry.performance.models import PerformanceRecord
+from kiln.registry.performance.schemas import PerformanceCreate, PerformanceOut
 
 router = APIRouter(prefix="/v1", tags=["performance"], route_class=SessionRoute)
 PATH = "/models/{model}/releases/{version}/artifacts/{name}/performance"

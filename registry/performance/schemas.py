@@ -6,9 +6,9 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.hardware import DEVICES_PER_NODE, HARDWARE_NAME_PATTERN
-from registry.api.params import ITL_MS, MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
-from registry.artifacts.schemas import (
+from kiln.core.hardware import DEVICES_PER_NODE, HARDWARE_NAME_PATTERN
+from kiln.registry.api.params import ITL_MS, MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
+from kiln.registry.artifacts.schemas import (
     RUNTIME_MAX_LENGTH,
     RUNTIME_PATTERN,
     RUNTIME_VERSION_MAX_LENGTH,

@@ -5,15 +5,15 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import Conflict, InvalidInput
-from registry.hardware.service import effective_catalog
-from registry.paging import Page, keyset_page
-from registry.performance.models import PerformanceRecord
-from registry.performance.schemas import PerformanceCreate
-from registry.releases.contents import get_artifact
-from registry.releases.service import lock_release
-from registry.resolve.service import bump_routing_revision
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, InvalidInput
+from kiln.registry.hardware.service import effective_catalog
+from kiln.registry.paging import Page, keyset_page
+from kiln.registry.performance.models import PerformanceRecord
+from kiln.registry.performance.schemas import PerformanceCreate
+from kiln.registry.releases.contents import get_artifact
+from kiln.registry.releases.service import lock_release
+from kiln.registry.resolve.service import bump_routing_revision
 
 
 def post_record(

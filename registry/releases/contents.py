@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from core.errors import NotFound
-from core.manifest import ArtifactManifest
-from registry.artifacts import service as artifacts
-from registry.artifacts.schemas import EvalCreate
-from registry.artifacts.service import Artifact, ArtifactFile, EvalResult
-from registry.attestations import service as attestations
-from registry.attestations.schemas import AttestationCreate
-from registry.attestations.service import Attestation
-from registry.auth.principal import Principal
-from registry.blobs.service import uploaded_by
-from registry.paging import Page
-from registry.releases.service import get_release, lock_release, release_id_of, releases_with_models
-from storage.store import BlobNotFound, BlobStore
+from kiln.core.errors import NotFound
+from kiln.core.manifest import ArtifactManifest
+from kiln.registry.artifacts import service as artifacts
+from kiln.registry.artifacts.schemas import EvalCreate
+from kiln.registry.artifacts.service import Artifact, ArtifactFile, EvalResult
+from kiln.registry.attestations import service as attestations
+from kiln.registry.attestations.schemas import AttestationCreate
+from kiln.registry.attestations.service import Attestation
+from kiln.registry.auth.principal import Principal
+from kiln.registry.blobs.service import uploaded_by
+from kiln.registry.paging import Page
+from kiln.registry.releases.service import get_release, lock_release, release_id_of, releases_with_models
+from kiln.storage.store import BlobNotFound, BlobStore
 
 
 def get_artifact(session: Session, model: str, version: str, name: str) -> Artifact:

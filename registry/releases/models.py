@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from core.error_codes import Codes
-from core.errors import Conflict, NotFound
-from registry.db import Base, utcnow
-from registry.models.models import Model
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, NotFound
+from kiln.registry.db import Base, utcnow
+from kiln.registry.models.models import Model
 
 if TYPE_CHECKING:
-    from registry.artifacts.models import Artifact
+    from kiln.registry.artifacts.models import Artifact
 
 
 ReleaseStatus = Literal["open", "sealed", "abandoned"]

@@ -7,12 +7,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from core.shape import ShapeRecord
-from core.untrusted import JSONObject
-from registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
-from registry.api.rows import StoredJSON
-from registry.artifacts.schemas import ArtifactSummary
-from registry.releases.models import ReleaseStatus
+from kiln.core.shape import ShapeRecord
+from kiln.core.untrusted import JSONObject
+from kiln.registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
+from kiln.registry.api.rows import StoredJSON
+from kiln.registry.artifacts.schemas import ArtifactSummary
+from kiln.registry.releases.models import ReleaseStatus
 
 MODEL_CONFIG_DOC = (
     "the model's shape: the record kiln publishes (core.shape.ShapeRecord: "

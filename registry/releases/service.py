@@ -14,18 +14,18 @@ from typing import Any
 from sqlalchemy import ScalarSelect, Select, case, func, or_, select
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from core.digest import same_json
-from core.error_codes import Codes
-from core.errors import Conflict, InvalidInput, NotFound
-from registry.artifacts.service import WITH_EVALS, drop_release_artifacts, release_artifact_ids, release_artifacts
-from registry.attestations.policy import unsigned_artifacts
-from registry.attestations.service import drop_attestations
-from registry.audit import service as audit
-from registry.db import insert_once, lock_row, utcnow
-from registry.models.service import get_model, model_id_of
-from registry.paging import Page, keyset_page
-from registry.releases.models import Release
-from registry.releases.schemas import ReleaseCreate
+from kiln.core.digest import same_json
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, InvalidInput, NotFound
+from kiln.registry.artifacts.service import WITH_EVALS, drop_release_artifacts, release_artifact_ids, release_artifacts
+from kiln.registry.attestations.policy import unsigned_artifacts
+from kiln.registry.attestations.service import drop_attestations
+from kiln.registry.audit import service as audit
+from kiln.registry.db import insert_once, lock_row, utcnow
+from kiln.registry.models.service import get_model, model_id_of
+from kiln.registry.paging import Page, keyset_page
+from kiln.registry.releases.models import Release
+from kiln.registry.releases.schemas import ReleaseCreate
 
 
 def find_release(session: Session, model: str, version: str, *options: Any) -> Release | None:

@@ -19,15 +19,15 @@ from sqlalchemy import Engine, bindparam, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 from starlette.responses import Response
 
-from core.error_codes import Codes
-from core.errors import NotFound, Unavailable
-from core.hardware import HardwareCatalog
-from registry.channels.buckets import BASIS_POINTS, bucket_of, owner
-from registry.channels.models import Channel
-from registry.models.models import Model
-from registry.releases.models import Release
-from registry.resolve.models import RoutingState
-from registry.resolve.views import ReleaseView
+from kiln.core.error_codes import Codes
+from kiln.core.errors import NotFound, Unavailable
+from kiln.core.hardware import HardwareCatalog
+from kiln.registry.channels.buckets import BASIS_POINTS, bucket_of, owner
+from kiln.registry.channels.models import Channel
+from kiln.registry.models.models import Model
+from kiln.registry.releases.models import Release
+from kiln.registry.resolve.models import RoutingState
+from kiln.registry.resolve.views import ReleaseView
 
 K = TypeVar("K")
 V = TypeVar("V")

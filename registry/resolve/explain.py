@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from registry.resolve.query import ResolveQuery
-from registry.resolve.ranking import Candidate
+from kiln.registry.resolve.query import ResolveQuery
+from kiln.registry.resolve.ranking import Candidate
 
 _POLICY_WORDS = {
     "latency": "the fastest per sequence",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Mapped, mapped_column
 
-from registry.db import Base
+from kiln.registry.db import Base
 
 
 class RoutingState(Base):

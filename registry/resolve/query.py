@@ -6,10 +6,10 @@ import functools
 import re
 from dataclasses import dataclass
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import HARDWARE_NAME_PATTERN
-from core.resolve import Policy
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import HARDWARE_NAME_PATTERN
+from kiln.core.resolve import Policy
 
 POLICIES: tuple[Policy, ...] = ("latency", "cost", "quality")
 MAX_POOLS = 16

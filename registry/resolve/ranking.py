@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from core.error_codes import Codes
-from core.errors import NotFound
-from core.hardware import HardwareCatalog, HardwareProfile
-from core.resolve import MeasurementOut
-from core.shape import ShapeRecord
-from placement.fit import ReplicaPlan, kv_dtype_of, plan_replica
-from registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
-from registry.resolve.query import Policy, Pool, ResolveQuery
-from registry.resolve.views import ArtifactView, ReleaseView
+from kiln.core.error_codes import Codes
+from kiln.core.errors import NotFound
+from kiln.core.hardware import HardwareCatalog, HardwareProfile
+from kiln.core.resolve import MeasurementOut
+from kiln.core.shape import ShapeRecord
+from kiln.placement.fit import ReplicaPlan, kv_dtype_of, plan_replica
+from kiln.registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
+from kiln.registry.resolve.query import Policy, Pool, ResolveQuery
+from kiln.registry.resolve.views import ArtifactView, ReleaseView
 
 GIB = 1024**3
 

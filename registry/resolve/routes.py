@@ -10,13 +10,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.manifest import FileOut
-from core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
-from registry.api.errors import error_responses
-from registry.api.lean_route import LeanRoute
-from registry.api.params import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.manifest import FileOut
+from kiln.core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.lean_route import LeanRoute
+from kiln.registry.api.params import (
     CHANNEL_PATTERN,
     MAX_CONCURRENCY,
     MAX_CONTEXT,
@@ -25,15 +25,15 @@ from registry.api.params import (
     TTFT_MS,
     VERSION_PATTERN,
 )
-from registry.api.urls import artifact_file_url, base_url
-from registry.channels.buckets import BASIS_POINTS
-from registry.deps import require
-from registry.resolve.cache import Answer, ChannelSnapshot, ResolveCache, SnapshotKey
-from registry.resolve.explain import explain_choice
-from registry.resolve.query import ResolveQuery
-from registry.resolve.ranking import Candidate, rank_candidates
-from registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view, snapshot_of
-from registry.settings import RegistrySettings
+from kiln.registry.api.urls import artifact_file_url, base_url
+from kiln.registry.channels.buckets import BASIS_POINTS
+from kiln.registry.deps import require
+from kiln.registry.resolve.cache import Answer, ChannelSnapshot, ResolveCache, SnapshotKey
+from kiln.registry.resolve.explain import explain_choice
+from kiln.registry.resolve.query import ResolveQuery
+from kiln.registry.resolve.ranking import Candidate, rank_candidates
+from kiln.registry.resolve.snapshots import channel_snapshot, load_catalog, load_release_view, snapshot_of
+from kiln.registry.settings import RegistrySettings
 
 # Lean: the hot path, answered by the app's LeanLane in front of FastAPI's per-request machinery
 # (registry.api.lean_route). The lane runs the router's own dependencies: it declares its READ.

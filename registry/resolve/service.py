@@ -5,8 +5,8 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from registry.db import insert_once
-from registry.resolve.models import RoutingState
+from kiln.registry.db import insert_once
+from kiln.registry.resolve.models import RoutingState
 
 _BUMP = update(RoutingState).where(RoutingState.id == 1).values(revision=RoutingState.revision + 1)
 

@@ -10,19 +10,19 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from core.error_codes import Codes
-from core.errors import NotFound
-from core.hardware import HardwareCatalog
-from core.resolve import MeasurementOut
-from core.shape import ShapeRecord
-from registry.artifacts.evals import eval_status
-from registry.artifacts.service import WITH_EVALS, WITH_FILES_AND_EVALS, Artifact, release_artifacts
-from registry.channels.buckets import BASIS_POINTS, merged, reassign
-from registry.channels.service import channel_names
-from registry.models.service import get_model
-from registry.performance.service import records_of_artifacts
-from registry.releases.service import get_release, get_release_by_id, with_artifacts
-from registry.resolve.cache import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import NotFound
+from kiln.core.hardware import HardwareCatalog
+from kiln.core.resolve import MeasurementOut
+from kiln.core.shape import ShapeRecord
+from kiln.registry.artifacts.evals import eval_status
+from kiln.registry.artifacts.service import WITH_EVALS, WITH_FILES_AND_EVALS, Artifact, release_artifacts
+from kiln.registry.channels.buckets import BASIS_POINTS, merged, reassign
+from kiln.registry.channels.service import channel_names
+from kiln.registry.models.service import get_model
+from kiln.registry.performance.service import records_of_artifacts
+from kiln.registry.releases.service import get_release, get_release_by_id, with_artifacts
+from kiln.registry.resolve.cache import (
     MAX_FINGERPRINTS,
     ChannelFingerprints,
     ChannelSnapshot,
@@ -30,7 +30,7 @@ from registry.resolve.cache import (
     ResolveCache,
     SnapshotKey,
 )
-from registry.resolve.views import ArtifactView, FileView, ReleaseView
+from kiln.registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 
 def _channel_not_found(session: Session, model: str, channel: str) -> NotFound:
@@ -110,7 +110,7 @@ def load_catalog(session_factory: Callable[[], Session], revision: int, cache: R
     """The registry's hardware catalog at `revision` (built-in entries and the registry's own)."""
     catalog = cache.catalogs.get(revision)
     if catalog is None:
-        from registry.hardware.service import effective_catalog
+        from kiln.registry.hardware.service import effective_catalog
 
         with session_factory() as session:
             catalog = effective_catalog(session)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from core.resolve import MeasurementOut
-from core.shape import ShapeRecord
-from registry.artifacts.evals import EvalStatus
+from kiln.core.resolve import MeasurementOut
+from kiln.core.shape import ShapeRecord
+from kiln.registry.artifacts.evals import EvalStatus
 
 
 @dataclass(frozen=True)

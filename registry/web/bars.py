@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from placement.fit import ReplicaPlan
-from registry.web.units import human_size
+from kiln.placement.fit import ReplicaPlan
+from kiln.registry.web.units import human_size
 
 WIDTH, HEIGHT = 380, 22
 BAR_TOP, BAR_HEIGHT = 2, 18

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from registry.web.units import human_size
+from kiln.registry.web.units import human_size
 
 KL_FLOOR = 1e-7
 

@@ -19,14 +19,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BeforeValidator, Field
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError, NotFound
-from core.hardware import HardwareCatalog
-from placement.fit import MEMORY_UTILIZATION
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import http_status
-from registry.api.pages import next_page_url
-from registry.api.params import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError, NotFound
+from kiln.core.hardware import HardwareCatalog
+from kiln.placement.fit import MEMORY_UTILIZATION
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import http_status
+from kiln.registry.api.pages import next_page_url
+from kiln.registry.api.params import (
     MAX_CONCURRENCY,
     MAX_CONTEXT,
     MODEL_NAME_PATTERN,
@@ -40,21 +40,21 @@ from registry.api.params import (
     PageLimit,
     Version,
 )
-from registry.api.urls import artifact_file_url, base_url
-from registry.artifacts.service import WITH_FILES_AND_EVALS
-from registry.audit import service as audit_service
-from registry.channels import service as channels_service
-from registry.deps import PrincipalDep, SessionDep, SettingsDep
-from registry.hardware.service import effective_catalog
-from registry.models import service as models_service
-from registry.paging import PAGE_LIMIT
-from registry.releases import service as releases_service
-from registry.resolve.query import MAX_POOLS, ResolveQuery
-from registry.resolve.ranking import rank_release
-from registry.resolve.snapshots import load_release_view, release_snapshot
-from registry.resolve.views import ReleaseView
-from registry.web.units import human_size
-from registry.web.views import (
+from kiln.registry.api.urls import artifact_file_url, base_url
+from kiln.registry.artifacts.service import WITH_FILES_AND_EVALS
+from kiln.registry.audit import service as audit_service
+from kiln.registry.channels import service as channels_service
+from kiln.registry.deps import PrincipalDep, SessionDep, SettingsDep
+from kiln.registry.hardware.service import effective_catalog
+from kiln.registry.models import service as models_service
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.releases import service as releases_service
+from kiln.registry.resolve.query import MAX_POOLS, ResolveQuery
+from kiln.registry.resolve.ranking import rank_release
+from kiln.registry.resolve.snapshots import load_release_view, release_snapshot
+from kiln.registry.resolve.views import ReleaseView
+from kiln.registry.web.units import human_size
+from kiln.registry.web.views import (
     METRIC_COLUMNS,
     NO_EVAL_REASON,
     audit_row,

@@ -16,18 +16,18 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Literal
 
-from core.errors import KilnError
-from core.evals import EvalMetrics, Gate
-from core.resolve import Policy
-from registry.artifacts.evals import eval_status
-from registry.artifacts.service import Artifact, EvalResult
-from registry.audit.service import AuditEvent
-from registry.resolve.explain import explain_choice
-from registry.resolve.query import ResolveQuery
-from registry.resolve.ranking import Candidate, Ranking, Unranked, rank_criteria, rank_key
-from registry.web.bars import MemoryBar, bar_domain, memory_bar, render_bar
-from registry.web.plot import PlotPoint, QualityPlot, quality_plot
-from registry.web.units import human_size, json_number
+from kiln.core.errors import KilnError
+from kiln.core.evals import EvalMetrics, Gate
+from kiln.core.resolve import Policy
+from kiln.registry.artifacts.evals import eval_status
+from kiln.registry.artifacts.service import Artifact, EvalResult
+from kiln.registry.audit.service import AuditEvent
+from kiln.registry.resolve.explain import explain_choice
+from kiln.registry.resolve.query import ResolveQuery
+from kiln.registry.resolve.ranking import Candidate, Ranking, Unranked, rank_criteria, rank_key
+from kiln.registry.web.bars import MemoryBar, bar_domain, memory_bar, render_bar
+from kiln.registry.web.plot import PlotPoint, QualityPlot, quality_plot
+from kiln.registry.web.units import human_size, json_number
 
 __all__ = ["human_size"]  # re-exported: the templates' `size` filter
 

@@ -32,17 +32,17 @@ import httpx2
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.errors import InvalidInput
-from registry.db import create_db_engine, create_session_factory, utcnow
-from registry.settings import RegistrySettings
-from registry.webhooks import outbox
-from registry.webhooks.destinations import (
+from kiln.core.errors import InvalidInput
+from kiln.registry.db import create_db_engine, create_session_factory, utcnow
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.webhooks import outbox
+from kiln.registry.webhooks.destinations import (
     Destination,
     DestinationForbidden,
     DestinationPolicy,
     DestinationUnresolvable,
 )
-from registry.webhooks.outbox import AttemptResult, Claim, RetryPolicy
+from kiln.registry.webhooks.outbox import AttemptResult, Claim, RetryPolicy
 
 T = TypeVar("T")
 LOG = logging.getLogger("kiln.registry.webhooks")

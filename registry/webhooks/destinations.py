@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from registry.ops.logs import redact_urls
-from registry.settings import HOST_LABEL, AllowList, IPAddress, RegistrySettings
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.registry.ops.logs import redact_urls
+from kiln.registry.settings import HOST_LABEL, AllowList, IPAddress, RegistrySettings
 
 # host, port -> the addresses it resolves to; raises DestinationUnresolvable when it resolves to none.
 Resolver = Callable[[str, int], Sequence[IPAddress]]

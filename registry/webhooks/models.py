@@ -8,7 +8,7 @@ from typing import Any, Literal
 from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from registry.db import Base, utcnow
+from kiln.registry.db import Base, utcnow
 
 DeliveryState = Literal["pending", "delivered", "failed"]
 

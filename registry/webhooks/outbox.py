@@ -18,10 +18,10 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from registry.audit import service as audit
-from registry.audit.service import AuditEvent
-from registry.settings import RegistrySettings
-from registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
+from kiln.registry.audit import service as audit
+from kiln.registry.audit.service import AuditEvent
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery
 
 # The audit actions that are registry events, with what each means. Webhooks subscribe to these names.
 EVENTS: dict[str, str] = {

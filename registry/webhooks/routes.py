@@ -6,16 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from registry.api.endpoint import SessionRoute
-from registry.api.errors import error_responses
-from registry.api.pages import PAGED, page_rows
-from registry.api.params import AfterId, PageLimit, RowId
-from registry.auth.principal import Principal
-from registry.deps import SessionDep, WriteSessionDep, require
-from registry.paging import PAGE_LIMIT
-from registry.webhooks import service
-from registry.webhooks.destinations import DestinationPolicy
-from registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
+from kiln.registry.api.endpoint import SessionRoute
+from kiln.registry.api.errors import error_responses
+from kiln.registry.api.pages import PAGED, page_rows
+from kiln.registry.api.params import AfterId, PageLimit, RowId
+from kiln.registry.auth.principal import Principal
+from kiln.registry.deps import SessionDep, WriteSessionDep, require
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.webhooks import service
+from kiln.registry.webhooks.destinations import DestinationPolicy
+from kiln.registry.webhooks.schemas import DeliveryOut, WebhookCreate, WebhookCreated, WebhookOut
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], route_class=SessionRoute)
 Admin = Annotated[Principal, require("admin")]

@@ -6,9 +6,9 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from registry.api.rows import FromRow, StoredJSON
-from registry.webhooks.delivery import ERROR_CLASSES
-from registry.webhooks.outbox import EVENTS
+from kiln.registry.api.rows import FromRow, StoredJSON
+from kiln.registry.webhooks.delivery import ERROR_CLASSES
+from kiln.registry.webhooks.outbox import EVENTS
 
 
 class WebhookCreate(BaseModel):

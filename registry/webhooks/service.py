@@ -12,16 +12,16 @@ from urllib.parse import urlsplit
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, selectinload
 
-from core.error_codes import Codes
-from core.errors import Conflict, Forbidden, NotFound, UnknownName
-from registry.audit import service as audit
-from registry.auth.patterns import check_pattern
-from registry.auth.principal import Principal
-from registry.db import utcnow
-from registry.paging import Page, keyset_page
-from registry.webhooks.destinations import DestinationPolicy, parse_url
-from registry.webhooks.models import Webhook, WebhookDelivery
-from registry.webhooks.outbox import EVENTS
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Conflict, Forbidden, NotFound, UnknownName
+from kiln.registry.audit import service as audit
+from kiln.registry.auth.patterns import check_pattern
+from kiln.registry.auth.principal import Principal
+from kiln.registry.db import utcnow
+from kiln.registry.paging import Page, keyset_page
+from kiln.registry.webhooks.destinations import DestinationPolicy, parse_url
+from kiln.registry.webhooks.models import Webhook, WebhookDelivery
+from kiln.registry.webhooks.outbox import EVENTS
 
 
 def check_events(events: list[str]) -> None:

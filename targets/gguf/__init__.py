@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from core.hardware import PROFILES
-from formats.gguf.constants import QUANTS
-from targets.base import TargetSpec, register
-from targets.lint import lint_gguf
+from kiln.core.hardware import PROFILES
+from kiln.formats.gguf.constants import QUANTS
+from kiln.targets.base import TargetSpec, register
+from kiln.targets.lint import lint_gguf
 
 if TYPE_CHECKING:
-    from formats.architectures.shape import ModelShape
-    from formats.hf_model import SourceModel
-    from targets.base import ExportRequest, ExportResult
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.hf_model import SourceModel
+    from kiln.targets.base import ExportRequest, ExportResult
 
 CODE_VERSION = "gguf-1"
 # llama.cpp serves the catalog's CPUs (x86-64 and arm64 boards) and Apple GPUs (Metal).
@@ -29,13 +29,13 @@ LLAMA_CPP_FAMILIES = ("cpu", "metal")
 
 
 def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
-    from .export import export
+    from kiln.targets.gguf.export import export
 
     return export(source, req)
 
 
 def _check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, params: dict[str, Any]) -> None:
-    from .export import check_model
+    from kiln.targets.gguf.export import check_model
 
     check_model(shape, config, quant, params)
 
@@ -43,14 +43,14 @@ def _check_model(shape: ModelShape, config: Mapping[str, Any], quant: str, param
 def _check_source(source: SourceModel) -> None:
     """The prepare stage's check of the tokenizer's special tokens (`tokenizer.check_special_tokens`), at plan time;
     a source without tokenizer.json is left to the stage."""
-    from .tokenizer import check_special_tokens
+    from kiln.targets.gguf.tokenizer import check_special_tokens
 
     if "tokenizer.json" in source.tokenizer_files:
         check_special_tokens(source.root, source.shape.vocab_size)
 
 
 def _prepare(source: SourceModel) -> dict[str, Any]:
-    from .export import prepare
+    from kiln.targets.gguf.export import prepare
 
     return prepare(source)
 

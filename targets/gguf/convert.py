@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, SourceInvalid
-from formats.architectures.record import NORM_KINDS, TargetMapping, TensorKind
-from formats.gguf.constants import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, SourceInvalid
+from kiln.formats.architectures.record import NORM_KINDS, TargetMapping, TensorKind
+from kiln.formats.gguf.constants import (
     BIAS_NAMED_KINDS,
     LLAMA_CPP_ARCHS,
     TENSOR_NAMES,
@@ -33,14 +33,14 @@ from formats.gguf.constants import (
     QuantSpec,
     TensorType,
 )
-from formats.gguf.layout import Piece, kiln_type, pieces, stored_mxfp4, unquantized
+from kiln.formats.gguf.layout import Piece, kiln_type, pieces, stored_mxfp4, unquantized
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from formats.architectures.shape import ModelShape
-    from formats.safetensors import TensorInfo
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.safetensors import TensorInfo
 
 # A source dtype and the GGUF type that holds it losslessly (the input to llama.cpp's quantizer).
 LOSSLESS_TYPES: dict[str, TensorType] = {"BF16": TensorType.BF16, "F16": TensorType.F16, "F32": TensorType.F32}
@@ -193,7 +193,7 @@ def take_stored_piece(stored: StoredMxfp4, p: Placement) -> GgmlBytes:
     time: gate_up's gate (even output rows) or up (odd), or a stack whose stored rows are already llama.cpp's
     (down_proj: the release stores it outputs first, so its transposition is the stored layout itself). The
     blocks' values and exponents are moved, never recomputed (`formats.gguf.quants.mxfp4_from_ocp`)."""
-    from formats.gguf.quants import mxfp4_from_ocp
+    from kiln.formats.gguf.quants import mxfp4_from_ocp
 
     blocks, scales = stored.blocks, stored.scales
     if p.piece in (Piece.GATE, Piece.UP):

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.error_codes import Codes
-from core.errors import Deferred, InvalidInput, StageFailed, UnknownName
-from formats.gguf.constants import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Deferred, InvalidInput, StageFailed, UnknownName
+from kiln.formats.gguf.constants import (
     GGML_QUANT_VERSION,
     LLAMA_CPP_NAMED_TOKENS,
     QK_K,
@@ -39,11 +39,10 @@ from formats.gguf.constants import (
     TensorType,
     ValueType,
 )
-from formats.gguf.layout import gguf_file_type, stored_mxfp4
-from formats.gguf.reader import read_header
-from formats.gguf.writer import GGUFWriter, Metadata
-
-from .convert import (
+from kiln.formats.gguf.layout import gguf_file_type, stored_mxfp4
+from kiln.formats.gguf.reader import read_header
+from kiln.formats.gguf.writer import GGUFWriter, Metadata
+from kiln.targets.gguf.convert import (
     GgmlBytes,
     StoredMxfp4,
     TensorPlan,
@@ -52,15 +51,15 @@ from .convert import (
     llama_cpp_arch,
     plan_tensors,
 )
-from .tokenizer import VocabMetadata, predict_vocab, read_vocab
+from kiln.targets.gguf.tokenizer import VocabMetadata, predict_vocab, read_vocab
 
 if TYPE_CHECKING:
     import torch
 
-    from formats.architectures.config import MlaShape
-    from formats.architectures.shape import ModelShape
-    from formats.hf_model import SourceModel
-    from targets.base import ExportRequest, ExportResult
+    from kiln.formats.architectures.config import MlaShape
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.hf_model import SourceModel
+    from kiln.targets.base import ExportRequest, ExportResult
 
 _LOSSLESS_FILE_TYPES = {TensorType.BF16: FileType.MOSTLY_BF16, TensorType.F16: FileType.MOSTLY_F16}
 
@@ -487,7 +486,7 @@ def write_gguf(
     predicted tokenizer metadata and corrected at the end if the reference disagrees. Returns the
     tokenizer metadata written and how the header was settled.
     """
-    from formats.gguf.quants import Encoder, F16Overflow
+    from kiln.formats.gguf.quants import Encoder, F16Overflow
 
     def metadata(vocab: VocabMetadata) -> Metadata:
         check_name(name, vocab)
@@ -527,7 +526,7 @@ def _reader(source: SourceModel, plans: list[TensorPlan]) -> Callable[[str], tor
     """Read one source tensor at a time: as the release stores it where the plan keeps its MXFP4 blocks (its
     scales checked again), dequantized where it is stored in another pre-quantized layout (FP8 block), else as it
     is. The last one read is kept: a tensor llama.cpp stores split is read once for both parts."""
-    from formats.prequantized import check_scale
+    from kiln.formats.prequantized import check_scale
 
     kept = {n for p in plans if p.stored is not None for n in p.sources}
     last: list[tuple[str, torch.Tensor | StoredMxfp4]] = []
@@ -589,7 +588,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     `req.params`: `name` (general.name, default: the recipe's model name), `strict_types` (raise
     GGUF_ROW_NOT_DIVISIBLE instead of falling back when a row does not fill whole quant blocks).
     """
-    from targets.base import ExportResult
+    from kiln.targets.base import ExportResult
 
     quant = QUANTS.get(req.quant)
     if quant is None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.gguf.constants import PRE_TOKENIZERS, Keys, PreTokenizerSpec, TokenType, ValueType
-from formats.gguf.writer import Metadata
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.gguf.constants import PRE_TOKENIZERS, Keys, PreTokenizerSpec, TokenType, ValueType
+from kiln.formats.gguf.writer import Metadata
 
 SPECIAL_TOKEN_KINDS = ("bos", "eos", "unk", "pad")
 _SPECIAL_KEYS = {"bos": Keys.BOS_ID, "eos": Keys.EOS_ID, "unk": Keys.UNK_ID, "pad": Keys.PAD_ID}

@@ -5,9 +5,9 @@ compressed-tensors format vLLM loads, from the shared quantize stage's output, e
 (mxfp4-experts: gpt-oss's MXFP4 experts), written as the release stores it.
 """
 
-from targets.base import TargetSpec, register
-from targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export, scheme_compatibility
-from targets.lint import lint_safetensors
+from kiln.targets.base import TargetSpec, register
+from kiln.targets.hf_bundle.export import CODE_VERSION, HARDWARE, QUANTIZED, QUANTS, export, scheme_compatibility
+from kiln.targets.lint import lint_safetensors
 
 SPEC = register(
     TargetSpec(

@@ -22,17 +22,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.safetensors import SafeTensorsWriter
-from quant.catalog import METHODS, SCHEMES, compatibility, compatible_hardware, get_scheme
-from quant.schemes import Scheme, Verdict
-from targets.base import ExportRequest, ExportResult
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.safetensors import SafeTensorsWriter
+from kiln.quant.catalog import METHODS, SCHEMES, compatibility, compatible_hardware, get_scheme
+from kiln.quant.schemes import Scheme, Verdict
+from kiln.targets.base import ExportRequest, ExportResult
 
 if TYPE_CHECKING:
     import torch
 
-    from formats.hf_model import SourceModel
+    from kiln.formats.hf_model import SourceModel
 
 CODE_VERSION = "3"  # 3: config.json carries the family's implied_config keys
 QUANTS = tuple(SCHEMES)

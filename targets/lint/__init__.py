@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from targets.lint.findings import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.targets.lint.findings import (
     CODES,
     ArtifactLintFailed,
     Finding,
@@ -31,7 +31,7 @@ from targets.lint.findings import (
 )
 
 if TYPE_CHECKING:
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.shape import ModelShape
 
 __all__ = [
     "CODES",
@@ -49,21 +49,21 @@ __all__ = [
 
 def lint_safetensors(req: LintRequest) -> LintReport:
     """Lint an HF-format checkpoint directory (see `targets.lint.hf`)."""
-    from targets.lint.hf import lint_bundle
+    from kiln.targets.lint.hf import lint_bundle
 
     return lint_bundle(req)
 
 
 def lint_gguf(req: LintRequest) -> LintReport:
     """Lint the GGUF file(s) of a directory (see `targets.lint.gguf`)."""
-    from targets.lint.gguf import lint_gguf_dir
+    from kiln.targets.lint.gguf import lint_gguf_dir
 
     return lint_gguf_dir(req)
 
 
 def lint_orbax(req: LintRequest) -> LintReport:
     """Lint an orbax artifact directory (see `targets.lint.orbax`)."""
-    from targets.lint.orbax import lint_orbax_dir
+    from kiln.targets.lint.orbax import lint_orbax_dir
 
     return lint_orbax_dir(req)
 
@@ -95,7 +95,7 @@ def lint_artifact(
 ) -> LintReport:
     """Lint `root` with the checker its target declares: the named `target`'s, else the one the targets of
     its format (`detect_format`) declare."""
-    from targets.base import all_targets, get_target
+    from kiln.targets.base import all_targets, get_target
 
     if target is not None:
         spec = get_target(target)

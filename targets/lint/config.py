@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Final
 
-from core.errors import KilnError
-from formats.architectures import get_architecture
-from formats.architectures.record import LAYER_TYPES
-from formats.architectures.shape import ModelShape
-from targets.lint.findings import Finding, finding
+from kiln.core.errors import KilnError
+from kiln.formats.architectures import get_architecture
+from kiln.formats.architectures.record import LAYER_TYPES
+from kiln.formats.architectures.shape import ModelShape
+from kiln.targets.lint.findings import Finding, finding
 
 ROPE_KEYS: Final = ("rope_parameters", "rope_scaling")
 # A ModelShape field -> the code of a disagreement about it.

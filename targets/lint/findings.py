@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from core.errors import StageFailed
+from kiln.core.errors import StageFailed
 
 if TYPE_CHECKING:
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.shape import ModelShape
 
 Severity = Literal["error", "warning"]
 

@@ -23,18 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from core.errors import KilnError
-from formats.architectures import FAMILIES
-from formats.architectures.config import MlaShape, MoeShape
-from formats.architectures.record import Architecture
-from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS, TYPE_TRAITS, FileType, Keys, TensorType
-from formats.gguf.layout import FLOAT_FILE_TYPES, gguf_file_type
-from formats.gguf.reader import GGUFHeader, TensorEntry, read_header
-from targets.gguf.convert import layout, llama_cpp_arch
-from targets.gguf.export import rope_dimensions
-from targets.lint.findings import Finding, LintReport, LintRequest, finding
-from targets.lint.values import ScaleCounts
+from kiln.core.errors import KilnError
+from kiln.formats.architectures import FAMILIES
+from kiln.formats.architectures.config import MlaShape, MoeShape
+from kiln.formats.architectures.record import Architecture
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.constants import QUANTS, TYPE_TRAITS, FileType, Keys, TensorType
+from kiln.formats.gguf.layout import FLOAT_FILE_TYPES, gguf_file_type
+from kiln.formats.gguf.reader import GGUFHeader, TensorEntry, read_header
+from kiln.targets.gguf.convert import layout, llama_cpp_arch
+from kiln.targets.gguf.export import rope_dimensions
+from kiln.targets.lint.findings import Finding, LintReport, LintRequest, finding
+from kiln.targets.lint.values import ScaleCounts
 
 if TYPE_CHECKING:
     import numpy as np

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from core.errors import KilnError
-from core.untrusted import loads_json
-from formats.architectures.record import LINEAR_KINDS, TensorKind, TensorSpec
-from formats.architectures.shape import ModelShape
-from formats.safetensors import TensorInfo, read_header
-from targets.lint.config import check_config, compare_shapes
-from targets.lint.findings import LintReport, LintRequest, finding
-from targets.lint.layouts import FLOATS, SCALAR, Layout, Param, is_scale, parse_layout
-from targets.lint.values import count, decode, judge, read_bytes
+from kiln.core.errors import KilnError
+from kiln.core.untrusted import loads_json
+from kiln.formats.architectures.record import LINEAR_KINDS, TensorKind, TensorSpec
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.safetensors import TensorInfo, read_header
+from kiln.targets.lint.config import check_config, compare_shapes
+from kiln.targets.lint.findings import LintReport, LintRequest, finding
+from kiln.targets.lint.layouts import FLOATS, SCALAR, Layout, Param, is_scale, parse_layout
+from kiln.targets.lint.values import count, decode, judge, read_bytes
 
 CONFIG: Final = "config.json"
 INDEX: Final = "model.safetensors.index.json"
@@ -346,7 +346,7 @@ def _shapes(e: Expected) -> str:
 def _quant_findings(layout: Layout, quant: str) -> list[Any]:
     """The artifact's quantization against the recipe's scheme (compressed-tensors only; ModelOpt and a release's
     own layout are the trtllm target's own mapping of a scheme)."""
-    from quant.catalog import SCHEMES
+    from kiln.quant.catalog import SCHEMES
 
     scheme = SCHEMES.get(quant)
     if scheme is None or layout.kind in ("modelopt", "release"):

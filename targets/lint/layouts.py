@@ -38,8 +38,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from formats.prequantized import declares_prequantized
-from targets.lint.findings import Finding, finding
+from kiln.formats.prequantized import declares_prequantized
+from kiln.targets.lint.findings import Finding, finding
 
 FLOATS: Final = ("BF16", "F16", "F32")
 FP8_WEIGHTS: Final = ("F8_E4M3", "F8_E4M3FNUZ")  # the ROCm bundle may carry gfx942's own FP8
@@ -221,8 +221,8 @@ def parse_layout(config: dict[str, Any], hf_quant_config: Any | None, file: str)
 
 
 def _modelopt(doc: Any) -> tuple[Layout, list[Finding]]:
-    from core.errors import KilnError
-    from targets.trtllm.schema import HF_QUANT_CONFIG, LINEAR_TENSORS, parse_hf_quant_config
+    from kiln.core.errors import KilnError
+    from kiln.targets.trtllm.schema import HF_QUANT_CONFIG, LINEAR_TENSORS, parse_hf_quant_config
 
     try:
         q = parse_hf_quant_config(doc).quantization

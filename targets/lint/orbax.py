@@ -15,13 +15,13 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-from core.errors import KilnError
-from formats.architectures.shape import ModelShape
-from targets.lint.config import check_config, compare_shapes
-from targets.lint.findings import Finding, LintReport, LintRequest, finding
-from targets.lint.hf import read_json
-from targets.lint.values import count, judge
-from targets.orbax.layout import (
+from kiln.core.errors import KilnError
+from kiln.formats.architectures.shape import ModelShape
+from kiln.targets.lint.config import check_config, compare_shapes
+from kiln.targets.lint.findings import Finding, LintReport, LintRequest, finding
+from kiln.targets.lint.hf import read_json
+from kiln.targets.lint.values import count, judge
+from kiln.targets.orbax.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     FORMAT,

@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from targets.lint.findings import Finding, finding
+from kiln.targets.lint.findings import Finding, finding
 
 if TYPE_CHECKING:
     import numpy as np

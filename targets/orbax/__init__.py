@@ -13,21 +13,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from targets.base import TargetSpec, register
-from targets.lint import lint_orbax
-
-from .layout import INT8, QUANTS, REFUSED, TPU_HARDWARE, check_model, compatibility
-from .sharding import mesh_from_params
+from kiln.targets.base import TargetSpec, register
+from kiln.targets.lint import lint_orbax
+from kiln.targets.orbax.layout import INT8, QUANTS, REFUSED, TPU_HARDWARE, check_model, compatibility
+from kiln.targets.orbax.sharding import mesh_from_params
 
 if TYPE_CHECKING:
-    from formats.hf_model import SourceModel
-    from targets.base import ExportRequest, ExportResult
+    from kiln.formats.hf_model import SourceModel
+    from kiln.targets.base import ExportRequest, ExportResult
 
 CODE_VERSION = "orbax-1"
 
 
 def _export(source: SourceModel, req: ExportRequest) -> ExportResult:
-    from .export import export
+    from kiln.targets.orbax.export import export
 
     return export(source, req)
 

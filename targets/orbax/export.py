@@ -22,11 +22,11 @@ import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed, UnknownName
-from targets.base import ExportRequest, ExportResult
-from targets.orbax.forward import forward_config
-from targets.orbax.layout import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed, UnknownName
+from kiln.targets.base import ExportRequest, ExportResult
+from kiln.targets.orbax.forward import forward_config
+from kiln.targets.orbax.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     COPIED_FILES,
@@ -40,22 +40,22 @@ from targets.orbax.layout import (
     compatibility,
     plan_checkpoint,
 )
-from targets.orbax.sharding import TENSOR_AXIS, HeadLayout, mesh_from_params, plan_sharding
-from targets.orbax.writer import OrbaxWriter
+from kiln.targets.orbax.sharding import TENSOR_AXIS, HeadLayout, mesh_from_params, plan_sharding
+from kiln.targets.orbax.writer import OrbaxWriter
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from formats.hf_model import SourceModel
-    from quant.store import QuantizedWeights
+    from kiln.formats.hf_model import SourceModel
+    from kiln.quant.store import QuantizedWeights
 
 # The arrays handed to one orbax partial save: a few of a 70B model's layers, all of a small model.
 WRITE_BATCH_BYTES = 256 * 1024 * 1024
 
 
 def _quantized(quantized: QuantizedWeights | None, name: str) -> bool:
-    from quant.rtn import quantizes
+    from kiln.quant.rtn import quantizes
 
     return quantized is not None and quantizes(quantized.scheme, name)
 
@@ -135,7 +135,7 @@ def _converted(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One source tensor as the checkpoint stores it: (int8 values, float32 scales) when quantized, else
     (bfloat16, None)."""
-    from quant.rtn import dequantize
+    from kiln.quant.rtn import dequantize
 
     if quantized is not None and _quantized(quantized, name):
         module = name.removesuffix(".weight")

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.architectures.config import MlaShape, RopeSpec, sqrt_hidden
-from formats.architectures.shape import ModelShape
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.architectures.config import MlaShape, RopeSpec, sqrt_hidden
+from kiln.formats.architectures.shape import ModelShape
 
 # config.json's activation -> the forward's (transformers' ACT2FN names).
 ACTIVATIONS: Final[dict[str, str]] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}

@@ -27,15 +27,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, KilnError
-from core.hardware import PROFILES
-from formats.architectures.record import TensorKind, TensorSpec
-from formats.architectures.shape import ModelShape
-from quant.catalog import SCHEMES
-from quant.schemes import Verdict
-from targets.orbax.forward import forward_config
-from targets.orbax.sharding import HeadLayout, mesh_from_params, plan_sharding
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.core.hardware import PROFILES
+from kiln.formats.architectures.record import TensorKind, TensorSpec
+from kiln.formats.architectures.shape import ModelShape
+from kiln.quant.catalog import SCHEMES
+from kiln.quant.schemes import Verdict
+from kiln.targets.orbax.forward import forward_config
+from kiln.targets.orbax.sharding import HeadLayout, mesh_from_params, plan_sharding
 
 FORMAT: Final = "orbax-checkpoint"
 FORMAT_VERSION: Final = 1

@@ -36,12 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.architectures.record import EXPERT_KINDS, TensorKind
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.architectures.record import EXPERT_KINDS, TensorKind
 
 if TYPE_CHECKING:
-    from targets.orbax.layout import CheckpointTensor
+    from kiln.targets.orbax.layout import CheckpointTensor
 
 TENSOR_AXIS = "model"
 DEFAULT_MESH: Mapping[str, int] = {"data": 2, "model": 4}  # 8 chips: a v5e-8 slice is a 2x4 torus

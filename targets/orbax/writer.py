@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.error_codes import Codes
-from core.errors import KilnError, StageFailed
-from targets.orbax.layout import nest
+from kiln.core.error_codes import Codes
+from kiln.core.errors import KilnError, StageFailed
+from kiln.targets.orbax.layout import nest
 
 if TYPE_CHECKING:
     import numpy as np

@@ -4,10 +4,10 @@ Records the vLLM / ROCm / gfx runtime it is validated for and the FP8 flavour it
 in; for gfx942 it can carry FP8 weights pre-converted to float8_e4m3fnuz.
 """
 
-from targets.base import TargetSpec, register
-from targets.hf_bundle.export import QUANTIZED
-from targets.lint import lint_safetensors
-from targets.rocm_bundle.export import (
+from kiln.targets.base import TargetSpec, register
+from kiln.targets.hf_bundle.export import QUANTIZED
+from kiln.targets.lint import lint_safetensors
+from kiln.targets.rocm_bundle.export import (
     CODE_VERSION,
     QUANTS,
     ROCM_ARCHES,

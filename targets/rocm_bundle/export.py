@@ -21,13 +21,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from core.hardware import PROFILES
-from quant.catalog import SCHEMES, compatibility, get_method, get_scheme
-from quant.schemes import Verdict
-from targets.base import ExportRequest, ExportResult
-from targets.hf_bundle.export import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import PROFILES
+from kiln.quant.catalog import SCHEMES, compatibility, get_method, get_scheme
+from kiln.quant.schemes import Verdict
+from kiln.targets.base import ExportRequest, ExportResult
+from kiln.targets.hf_bundle.export import (
     DEFAULT_SHARD_BYTES,
     Planned,
     bundle_runtime,
@@ -35,7 +35,7 @@ from targets.hf_bundle.export import (
     checked_inputs,
     write_bundle,
 )
-from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
+from kiln.targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
 
 CODE_VERSION = "2"  # 2: config.json carries the family's implied_config keys (hf-bundle 3)
 QUANTS = tuple(SCHEMES)

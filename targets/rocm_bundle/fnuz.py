@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
 
 if TYPE_CHECKING:
     import torch

@@ -17,9 +17,9 @@ class reads a release's own layout (`trtllm_release_layouts`: DeepSeek-V3's FP8 
 experts) is written in it, the release's bytes kept (docs/targets.md, "DeepSeek-V3 and gpt-oss").
 """
 
-from targets.base import TargetSpec, register
-from targets.lint import lint_safetensors
-from targets.trtllm.export import (
+from kiln.targets.base import TargetSpec, register
+from kiln.targets.lint import lint_safetensors
+from kiln.targets.trtllm.export import (
     CODE_VERSION,
     HARDWARE,
     QUANTIZED,
@@ -30,8 +30,8 @@ from targets.trtllm.export import (
     export,
     trtllm_compatibility,
 )
-from targets.trtllm.formats import FORMATS, REFUSED
-from targets.trtllm.stages import derived_nodes
+from kiln.targets.trtllm.formats import FORMATS, REFUSED
+from kiln.targets.trtllm.stages import derived_nodes
 
 SPEC = register(
     TargetSpec(

@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING, Any
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, UnknownName
-from core.hardware import PROFILES
-from targets.hf_bundle.export import DEFAULT_SHARD_BYTES
-from targets.trtllm.formats import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, UnknownName
+from kiln.core.hardware import PROFILES
+from kiln.targets.hf_bundle.export import DEFAULT_SHARD_BYTES
+from kiln.targets.trtllm.formats import (
     ENGINE_REFUSED,
     ENGINE_SKUS,
     FORMATS,
@@ -61,7 +61,7 @@ from targets.trtllm.formats import (
 )
 
 if TYPE_CHECKING:
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.shape import ModelShape
 
 # What the per-SKU evaluation pins by default: the oldest release that loads every scheme kiln writes.
 DEFAULT_PYTORCH_TENSORRT_LLM = max((v for v, _ in MIN_PYTORCH_BACKEND.values()), key=Version)

@@ -33,21 +33,21 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from core import __version__
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed
-from core.hardware import PROFILES
-from quant.schemes import Scheme, Verdict
-from targets.base import ExportRequest, ExportResult
-from targets.hf_bundle.export import (
+from kiln.core import __version__
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.core.hardware import PROFILES
+from kiln.quant.schemes import Scheme, Verdict
+from kiln.targets.base import ExportRequest, ExportResult
+from kiln.targets.hf_bundle.export import (
     Planned,
     bundle_runtime,
     bundle_tensors,
     checked_inputs,
     write_bundle,
 )
-from targets.trtllm.engines import check_converter, check_skus, parse_params, runner
-from targets.trtllm.formats import (
+from kiln.targets.trtllm.engines import check_converter, check_skus, parse_params, runner
+from kiln.targets.trtllm.formats import (
     ENGINE_SKUS,
     FORMATS,
     MIN_PYTORCH_BACKEND,
@@ -55,7 +55,7 @@ from targets.trtllm.formats import (
     algo_verdict,
     scheme_verdicts,
 )
-from targets.trtllm.schema import (
+from kiln.targets.trtllm.schema import (
     FP8_BLOCK,
     HF_QUANT_CONFIG,
     HfQuantConfig,
@@ -72,9 +72,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from formats.architectures.shape import ModelShape
-    from formats.hf_model import SourceModel
-    from quant.store import QuantizedWeights
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.formats.hf_model import SourceModel
+    from kiln.quant.store import QuantizedWeights
 
 CODE_VERSION = "5"  # 5: gpt-oss config.json carries rope_theta and rope_scaling
 QUANTS = tuple(FORMATS)

@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.hardware import PROFILES, HardwareProfile
-from quant.schemes import Verdict
+from kiln.core.hardware import PROFILES, HardwareProfile
+from kiln.quant.schemes import Verdict
 
 # release: the pre-quantized release's own layout, its bytes and config.json's quantization_config as released.
 Layout = Literal["dense", "compressed-tensors", "modelopt", "release"]

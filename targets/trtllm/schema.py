@@ -40,12 +40,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from formats.architectures.record import TensorKind, TrtllmAssumption
-from formats.architectures.shape import ModelShape
-from formats.safetensors import TensorInfo, read_header
-from targets.trtllm.formats import FORMATS, MOE_REFUSED, RELEASE_ALGOS
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.formats.architectures.record import TensorKind, TrtllmAssumption
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.safetensors import TensorInfo, read_header
+from kiln.targets.trtllm.formats import FORMATS, MOE_REFUSED, RELEASE_ALGOS
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # A layer's KV-cache scales, beside its attention's projections (compressed-tensors' kv_cache_scheme).

@@ -26,11 +26,11 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from core.error_codes import Codes
-from core.errors import InvalidInput, StageFailed
-from core.hardware import PROFILES
-from targets.base import BuildRequest, DerivedArtifact, DerivedNode, DerivedStage
-from targets.trtllm.engines import (
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.core.hardware import PROFILES
+from kiln.targets.base import BuildRequest, DerivedArtifact, DerivedNode, DerivedStage
+from kiln.targets.trtllm.engines import (
     CHECKPOINT,
     ENGINE,
     EXAMPLES,
@@ -40,10 +40,10 @@ from targets.trtllm.engines import (
     runner,
     runner_needs,
 )
-from targets.trtllm.formats import FORMATS
+from kiln.targets.trtllm.formats import FORMATS
 
 if TYPE_CHECKING:
-    from formats.architectures.shape import ModelShape
+    from kiln.formats.architectures.shape import ModelShape
 
 ENGINE_FORMAT = "trtllm-engine"
 EXAMPLES_ENV = "TRTLLM_EXAMPLES"

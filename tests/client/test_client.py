@@ -17,16 +17,16 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy import insert
 
-from client import RegistryClient
-from core import errors
-from core.evals import EvalMetrics, PublishedEval
-from core.manifest import ArtifactManifest, FileEntry
-from eval.gates import gate_for
-from eval.report import EvalReport, judged
-from registry.app import create_app
-from registry.models.models import Model
-from registry.paging import PAGE_LIMIT
-from registry.settings import RegistrySettings
+from kiln.client import RegistryClient
+from kiln.core import errors
+from kiln.core.evals import EvalMetrics, PublishedEval
+from kiln.core.manifest import ArtifactManifest, FileEntry
+from kiln.eval.gates import gate_for
+from kiln.eval.report import EvalReport, judged
+from kiln.registry.app import create_app
+from kiln.registry.models.models import Model
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, eval_metrics
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from core.device import (
+from kiln.core.device import (
     CPU,
     Device,
     DeviceUnavailable,
@@ -18,7 +18,7 @@ from core.device import (
     resolve_device,
     visible_gpus,
 )
-from core.errors import InvalidInput
+from kiln.core.errors import InvalidInput
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core import errors
-from core.error_codes import CATALOG, DOCS, Codes, Kind, markdown, with_table
-from core.errors import KIND_CLASSES, InvalidInput, KilnError, NotFound
+from kiln.core import errors
+from kiln.core.error_codes import CATALOG, DOCS, Codes, Kind, markdown, with_table
+from kiln.core.errors import KIND_CLASSES, InvalidInput, KilnError, NotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (
@@ -156,7 +156,7 @@ def test_every_raise_names_a_code_of_its_class_kind() -> None:
 
 def test_the_api_and_the_cli_answer_each_code_with_the_catalog_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
     from kiln import cli
-    from registry.api.errors import _CODE_BY_HTTP_STATUS, error_response
+    from kiln.registry.api.errors import _CODE_BY_HTTP_STATUS, error_response
 
     answered = {}
     for entry in CATALOG.values():
@@ -197,5 +197,5 @@ def test_every_code_is_its_own_name() -> None:
 @pytest.mark.parametrize("view", sorted(DOCS))
 def test_the_docs_print_the_catalog(view: str) -> None:
     text = (ROOT / DOCS[view]).read_text(encoding="utf-8")
-    assert with_table(text, view) == text, f"{DOCS[view]} is stale: python -m core.error_codes --write-docs"
+    assert with_table(text, view) == text, f"{DOCS[view]} is stale: python -m kiln.core.error_codes --write-docs"
     assert markdown(view).count("\n| `") == len(CATALOG)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from core.datafile import MAX_DATA_FILE_BYTES
-from core.errors import DataFileInvalid, InvalidInput, UnknownName
-from core.hardware import CATALOG_FILE, PROFILES, builtin_catalog, load_catalog, parse_profile
+from kiln.core.datafile import MAX_DATA_FILE_BYTES
+from kiln.core.errors import DataFileInvalid, InvalidInput, UnknownName
+from kiln.core.hardware import CATALOG_FILE, PROFILES, builtin_catalog, load_catalog, parse_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {"cuda", "rocm", "tpu", "cpu", "metal"}
@@ -125,11 +125,11 @@ NEW_SKUS = [
 
 PROBE = """
 import json
-from core.hardware import PROFILES
-from pipeline.requirements import RUNNER_LABELS, accelerator
-from targets.base import get_target
-from targets.rocm_bundle.export import ROCM_ARCHES, arch_hardware
-from targets.trtllm.formats import ENGINE_SKUS
+from kiln.core.hardware import PROFILES
+from kiln.pipeline.requirements import RUNNER_LABELS, accelerator
+from kiln.targets.base import get_target
+from kiln.targets.rocm_bundle.export import ROCM_ARCHES, arch_hardware
+from kiln.targets.trtllm.formats import ENGINE_SKUS
 
 hf = get_target("hf-bundle")
 print(json.dumps({
@@ -166,7 +166,7 @@ def test_adding_an_sku_is_one_catalog_entry(tmp_path: Path) -> None:
 def test_a_missing_extension_file_is_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "KILN_HARDWARE_CATALOG": str(tmp_path / "nope.yaml"), "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", "import core.hardware"], env=env, capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-c", "import kiln.core.hardware"], env=env, capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode != 0 and "KILN_HARDWARE_CATALOG" in out.stderr and "no such file" in out.stderr.lower()
     assert "DataFileInvalid" in out.stderr

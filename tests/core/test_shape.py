@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from core.errors import UnknownName
-from core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
-from placement.model import kv_cache_bytes, parameters
+from kiln.core.errors import UnknownName
+from kiln.core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
+from kiln.placement.model import kv_cache_bytes, parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = json.loads((ROOT / "examples/llama-3-70b/config.json").read_text())

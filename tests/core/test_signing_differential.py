@@ -23,16 +23,16 @@ from model_signing import verifying as ms_verifying
 from model_signing._signing import sign_ec_key as ms_ec_key
 from model_signing._signing import sign_sigstore_pb as ms_bundle
 
-from core.errors import KilnError
-from core.manifest import ArtifactManifest
-from core.signing import (
+from kiln.core.errors import KilnError
+from kiln.core.manifest import ArtifactManifest
+from kiln.core.signing import (
     IN_TOTO_PAYLOAD_TYPE,
     SIGNATURE_FILE,
     load_public_key,
     verify_attestation,
     verify_directory,
 )
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from tests.pipeline.test_signing import artifact, write_key_pair
 
 Bundle = dict[str, Any]

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import KilnError
-from core.untrusted import MAX_DEPTH, loads_json
-from formats.gguf.constants import ValueType
-from formats.gguf.reader import read_header as read_gguf_header
-from formats.safetensors import read_header as read_safetensors_header
-from registry.ops.logs import redact_urls
+from kiln.core.errors import KilnError
+from kiln.core.untrusted import MAX_DEPTH, loads_json
+from kiln.formats.gguf.constants import ValueType
+from kiln.formats.gguf.reader import read_header as read_gguf_header
+from kiln.formats.safetensors import read_header as read_safetensors_header
+from kiln.registry.ops.logs import redact_urls
 from tests.file_builders import gguf_string, safetensors_bytes
 
 pytestmark = pytest.mark.timing

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.usage import (
+from kiln.core.usage import (
     IOCounters,
     MemorySampler,
     ResourceUsage,

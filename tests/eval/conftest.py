@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.text import EvalText, tokenize_text
+from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
+from kiln.eval.text import EvalText, tokenize_text
 from tests.model_factory import make_model
 
 

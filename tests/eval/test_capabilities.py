@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import InvalidInput, StageFailed
-from eval.runtimes import capabilities
-from eval.runtimes.capabilities import VllmCapabilities, cpu_flags, decide, vllm_capabilities
-from eval.runtimes.environments import Installed, get_environment
-from eval.runtimes.vllm_runtime import VllmRuntime
-from eval.runtimes.vllm_support import WeightScheme, cpu_limitation
-from pipeline.build import plan
-from pipeline.recipe import load_recipe
-from pipeline.stage import Node
-from pipeline.store import WorkDir
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.eval.runtimes import capabilities
+from kiln.eval.runtimes.capabilities import VllmCapabilities, cpu_flags, decide, vllm_capabilities
+from kiln.eval.runtimes.environments import Installed, get_environment
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime
+from kiln.eval.runtimes.vllm_support import WeightScheme, cpu_limitation
+from kiln.pipeline.build import plan
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.stage import Node
+from kiln.pipeline.store import WorkDir
 from tests.model_factory import make_model
 
 # The flags lines of the machine kinds the builds run on (trimmed to what matters, order as the kernel prints).

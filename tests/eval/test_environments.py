@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import KilnError, UnknownName
-from eval.runtimes import environments
-from eval.runtimes.environments import (
+from kiln.core.errors import KilnError, UnknownName
+from kiln.eval.runtimes import environments
+from kiln.eval.runtimes.environments import (
     Environment,
     find,
     for_install,

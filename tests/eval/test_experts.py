@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers.utils.quantization_config import QuantizationMethod
 
-from eval.runtimes.experts import loading_experts
+from kiln.eval.runtimes.experts import loading_experts
 
 MOE = ["Qwen3MoeForCausalLM"]
 

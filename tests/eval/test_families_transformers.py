@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.runtimes import TransformersRuntime
-from eval.runtimes.layer_stream import STREAMED_MODEL_TYPES, LayerStream, open_transformers
-from eval.runtimes.residency import STREAMED
-from eval.text import EvalText
-from formats.architectures import FAMILIES
+from kiln.eval.runtimes import TransformersRuntime
+from kiln.eval.runtimes.layer_stream import STREAMED_MODEL_TYPES, LayerStream, open_transformers
+from kiln.eval.runtimes.residency import STREAMED
+from kiln.eval.text import EvalText
+from kiln.formats.architectures import FAMILIES
 from tests.model_factory import NEW_FAMILIES, make_bundle, make_model
 
 # What each tiny model sets beyond the factory's defaults (see the module docstring).
@@ -120,7 +120,7 @@ def test_a_missing_expert_is_named(models: dict[str, Path], tmp_path: Path) -> N
 
     from safetensors.torch import load_file, save_file
 
-    from core.errors import StageFailed
+    from kiln.core.errors import StageFailed
 
     broken = tmp_path / "broken"
     shutil.copytree(models["mixtral"], broken)

@@ -7,10 +7,10 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from core.errors import RecipeInvalid, UnknownName
-from eval.gates import DEFAULT_GATES, GATE_KEYS, EvalMetrics, Gate, check, gate_for
-from formats.gguf.constants import QUANTS as GGUF_QUANTS
-from quant.catalog import METHODS
+from kiln.core.errors import RecipeInvalid, UnknownName
+from kiln.eval.gates import DEFAULT_GATES, GATE_KEYS, EvalMetrics, Gate, check, gate_for
+from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
+from kiln.quant.catalog import METHODS
 
 
 def metrics(**changes: float | None) -> EvalMetrics:
@@ -29,7 +29,7 @@ def test_every_offered_quant_has_a_default(quant: str) -> None:
 
 
 def test_registered_targets_quants_have_defaults() -> None:
-    from targets.base import all_targets
+    from kiln.targets.base import all_targets
 
     targets = all_targets()
     missing = {f"{t.name}:{q}" for t in targets.values() for q in t.quants if q not in DEFAULT_GATES}

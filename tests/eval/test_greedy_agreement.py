@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from eval.run import measure
-from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.runtimes.layer_stream import LayerStream
-from eval.text import EvalText
+from kiln.eval.run import measure
+from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
+from kiln.eval.runtimes.layer_stream import LayerStream
+from kiln.eval.text import EvalText
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from core.errors import InvalidInput
-from eval.metrics import compare
-from eval.runtimes import JaxRuntime, TransformersRuntime
-from formats.architectures.shape import ModelShape
-from formats.hf_model import open_source
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest, get_target
-from targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
-from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
+from kiln.core.errors import InvalidInput
+from kiln.eval.metrics import compare
+from kiln.eval.runtimes import JaxRuntime, TransformersRuntime
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.hf_model import open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
+from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
 from tests.model_factory import make_model, sharpen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +222,7 @@ def _dequantized_model(model_dir: Path, quant_dir: Path, out: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quant.rtn import dequantize, quantizes
+    from kiln.quant.rtn import dequantize, quantizes
 
     quantized = open_quantized(quant_dir, INT8)
     shutil.copytree(model_dir, out)
@@ -305,7 +305,7 @@ def test_experts_split_over_the_mesh_by_expert_or_within_each(models: dict[str, 
 MESH_CHECK = """
 import json, sys
 import numpy as np
-from eval.runtimes import JaxRuntime
+from kiln.eval.runtimes import JaxRuntime
 
 art, ids = sys.argv[1], list(range(3, 500, 7))
 rt = JaxRuntime(art, mesh=True, resident_bytes=0)
@@ -360,9 +360,9 @@ def test_kiln_plan_refuses_what_the_forward_does_not_compute(
     changes: dict[str, Any], named: str, models: dict[str, Path], tmp_path: Path
 ) -> None:
     """A rope scaling the forward does not implement is refused when the recipe is planned, with the reason."""
-    from pipeline.build import plan
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline.build import plan
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     model = tmp_path / "model"
     shutil.copytree(models["qwen3"], model)
@@ -390,7 +390,7 @@ def test_the_jax_eval_is_planned_with_every_expert_of_a_layer() -> None:
     """Sizing (`pipeline.requirements.jax_forward`) at Qwen3-30B-A3B's shape: a layer is restored with all its
     experts and their router (in bf16, then cast to float32 as used) and the mixture runs every expert on the
     window's tokens, so 128 experts plan that much more than 8 of the same size and top-k, to the byte."""
-    from pipeline.requirements import Sizing, eval_requirements
+    from kiln.pipeline.requirements import Sizing, eval_requirements
 
     window, memory = 128, {}
     for experts in (8, 128):
@@ -424,7 +424,7 @@ def test_every_familys_checkpoint_passes_the_lint(
     family: str, quant: str, exported: Callable[[str, str], Path], models: dict[str, Path]
 ) -> None:
     """What the orbax export writes, the lint (which the export stage runs) passes: one plan for writer and lint."""
-    from targets.lint import lint_artifact
+    from kiln.targets.lint import lint_artifact
 
     report = lint_artifact(exported(family, quant), shape=open_source(models[family]).shape, quant=quant)
     assert report.errors == [], [(f.code, f.subject, f.message) for f in report.errors]

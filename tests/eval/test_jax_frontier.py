@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.metrics import compare
-from eval.runtimes import JaxRuntime, TransformersRuntime
-from formats.architectures.shape import ModelShape
-from formats.hf_model import open_source
-from targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
-from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
+from kiln.eval.metrics import compare
+from kiln.eval.runtimes import JaxRuntime, TransformersRuntime
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.hf_model import open_source
+from kiln.targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
+from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
 from tests.eval.test_jax_families import _dequantized_model, entropy, export
 from tests.model_factory import make_model, sharpen
 
@@ -287,7 +287,7 @@ def test_the_jax_eval_of_mla_is_planned_with_every_heads_keys_and_values() -> No
     """Sizing (`pipeline.requirements.jax_forward`) at DeepSeek-V3's shape: a wider value head costs its kv_b and o
     rows (restored in bf16, used in float32) and the expanded values of the context, [context, heads, v], to the
     byte; the latent cache does not grow."""
-    from pipeline.requirements import Sizing, eval_requirements
+    from kiln.pipeline.requirements import Sizing, eval_requirements
     from tests.pipeline.test_frontier_plans import config_of
 
     memory, context = {}, 0
@@ -312,8 +312,8 @@ def test_what_the_forward_does_not_compute_is_refused_at_plan_time(
     name: str, rope: dict[str, Any], models: dict[str, Path]
 ) -> None:
     """The target's model check (`kiln plan`): ORBAX_UNSUPPORTED with the reason, before anything is built."""
-    from core.errors import InvalidInput
-    from targets.orbax.layout import check_model
+    from kiln.core.errors import InvalidInput
+    from kiln.targets.orbax.layout import check_model
 
     config = {**json.loads((models[name] / "config.json").read_text()), "rope_scaling": rope}
     with pytest.raises(InvalidInput) as e:
@@ -326,7 +326,7 @@ def test_what_the_forward_does_not_compute_is_refused_at_plan_time(
 MESH_CHECK = """
 import json, sys
 import numpy as np
-from eval.runtimes import JaxRuntime
+from kiln.eval.runtimes import JaxRuntime
 
 out = {}
 for art in sys.argv[1:]:

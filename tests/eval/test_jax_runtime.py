@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import InvalidInput, StageFailed
-from eval.gates import gate_for
-from eval.metrics import compare
-from eval.run import evaluate, evaluate_artifact
-from eval.runtimes import CachedRuntime, JaxRuntime, Runtime, open_runtime
-from eval.runtimes.jax_runtime import bucket
-from eval.text import EvalText
-from formats.hf_model import open_source
-from targets.base import ExportRequest, get_target
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.eval.gates import gate_for
+from kiln.eval.metrics import compare
+from kiln.eval.run import evaluate, evaluate_artifact
+from kiln.eval.runtimes import CachedRuntime, JaxRuntime, Runtime, open_runtime
+from kiln.eval.runtimes.jax_runtime import bucket
+from kiln.eval.text import EvalText
+from kiln.formats.hf_model import open_source
+from kiln.targets.base import ExportRequest, get_target
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import StageFailed
-from core.usage import counting_weights
-from eval.runtimes import TransformersRuntime
-from eval.runtimes.layer_stream import LayerStream, open_transformers
-from eval.runtimes.residency import STREAMED, Residency
-from eval.text import EvalText
+from kiln.core.errors import StageFailed
+from kiln.core.usage import counting_weights
+from kiln.eval.runtimes import TransformersRuntime
+from kiln.eval.runtimes.layer_stream import LayerStream, open_transformers
+from kiln.eval.runtimes.residency import STREAMED, Residency
+from kiln.eval.text import EvalText
 from tests.model_factory import make_bundle, make_model
 
 

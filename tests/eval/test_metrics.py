@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from core.errors import InvalidInput
-from eval.metrics import MetricAccumulator, compare, greedy_agreement, log_softmax
+from kiln.core.errors import InvalidInput
+from kiln.eval.metrics import MetricAccumulator, compare, greedy_agreement, log_softmax
 
 
 def random_logits(t: int, v: int, seed: int = 0) -> np.ndarray:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eval.metrics import MetricAccumulator
-from eval.native_kernels import (
+from kiln.eval.metrics import MetricAccumulator
+from kiln.eval.native_kernels import (
     BLOCK,
     E4M3_MAX,
     NATIVE_SCHEMES,
@@ -23,12 +23,12 @@ from eval.native_kernels import (
     check_kernels,
     load_native,
 )
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from formats.hf_model import open_source
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest
-from targets.hf_bundle.export import export
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.formats.hf_model import open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest
+from kiln.targets.hf_bundle.export import export
 from tests.model_factory import make_model
 
 WINDOWS = [list(range(1, 97)), list(range(300, 396))]

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import InvalidInput, KilnError
-from eval import metrics
-from eval import reference_rows as rr
-from eval.metrics import MetricAccumulator
-from eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.eval import metrics
+from kiln.eval import reference_rows as rr
+from kiln.eval.metrics import MetricAccumulator
+from kiln.eval.reference_rows import ReferenceRows, ReferenceStore, reference_rows
 
 
 def _case(

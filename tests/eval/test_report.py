@@ -9,10 +9,10 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-import core.evals
-import eval.gates
-from eval.gates import gate_for
-from eval.report import EvalMetrics, EvalReport, judged
+from kiln.core import evals as core_evals
+from kiln.eval import gates as eval_gates
+from kiln.eval.gates import gate_for
+from kiln.eval.report import EvalMetrics, EvalReport, judged
 
 METRICS = EvalMetrics(
     tokens=255, windows=1, vocab_size=512, ppl_ref=10.0, ppl=10.2, ppl_change=0.02, kl=0.01, kl_max=0.2,
@@ -55,10 +55,10 @@ def test_a_stored_report_reads_and_writes_as_before() -> None:
     again = judged(broken, gate_for("q4_k_m"), runtime="llama.cpp", runtime_version="0.3.36", text_digest="ab" * 32)
     assert again.model_dump_json() == STORED
     # One record under both names: eval's, where the pipeline reads it, and core's, where the registry does.
-    assert (EvalReport, EvalMetrics, eval.gates.Gate) == (
-        core.evals.EvalReport,
-        core.evals.EvalMetrics,
-        core.evals.Gate,
+    assert (EvalReport, EvalMetrics, eval_gates.Gate) == (
+        core_evals.EvalReport,
+        core_evals.EvalMetrics,
+        core_evals.Gate,
     )
 
 
@@ -86,8 +86,8 @@ def test_gates_and_reports_import_without_numpy_or_torch() -> None:
     # The registry's base install has neither; it must still read reports.
     code = (
         "import sys; sys.modules['numpy'] = None; sys.modules['torch'] = None\n"
-        "import eval.report, eval.gates\n"
-        "print(eval.gates.gate_for('q8_0').max_kl)"
+        "import kiln.eval.report, kiln.eval.gates\n"
+        "print(kiln.eval.gates.gate_for('q8_0').max_kl)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0.005"

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import Deferred
-from eval.runtimes import open_runtime
-from eval.runtimes.environments import ENVIRONMENTS
-from eval.runtimes.facts import RUNTIME_FACTS
-from eval.runtimes.layer_stream import open_transformers
-from formats.hf_model import open_shape
-from pipeline.requirements import Sizing, eval_requirements, runner_requirements
-from targets.base import all_targets
-from targets.trtllm.stages import GPU_EVAL, LEGACY_ENGINE
+from kiln.core.errors import Deferred
+from kiln.eval.runtimes import open_runtime
+from kiln.eval.runtimes.environments import ENVIRONMENTS
+from kiln.eval.runtimes.facts import RUNTIME_FACTS
+from kiln.eval.runtimes.layer_stream import open_transformers
+from kiln.formats.hf_model import open_shape
+from kiln.pipeline.requirements import Sizing, eval_requirements, runner_requirements
+from kiln.targets.base import all_targets
+from kiln.targets.trtllm.stages import GPU_EVAL, LEGACY_ENGINE
 
 EXAMPLE_MODEL = Path(__file__).parents[2] / "examples" / "tiny-llama" / "model"
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import InvalidInput, StageFailed
-from eval.gates import Gate, gate_for
-from eval.metrics import compare
-from eval.run import evaluate, evaluate_artifact, measure
-from eval.runtimes import CachedRuntime, LlamaCppRuntime, Runtime, TransformersRuntime
-from eval.text import EvalText
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.eval.gates import Gate, gate_for
+from kiln.eval.metrics import compare
+from kiln.eval.run import evaluate, evaluate_artifact, measure
+from kiln.eval.runtimes import CachedRuntime, LlamaCppRuntime, Runtime, TransformersRuntime
+from kiln.eval.text import EvalText
 from tests.eval.gguf_fixture import write_llama_gguf
 
 
@@ -195,8 +195,8 @@ class LlamaCppRuntimeCtx:
 def test_kiln_gguf_export_agrees_with_reference(
     llama_dir: Path, tmp_path: Path, reference: CachedRuntime, eval_text: EvalText
 ) -> None:
-    from formats.hf_model import open_source
-    from targets.base import ExportRequest, get_target
+    from kiln.formats.hf_model import open_source
+    from kiln.targets.base import ExportRequest, get_target
 
     target = get_target("gguf")
     assert target.runtime == "llama.cpp"

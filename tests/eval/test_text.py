@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidInput
-from eval.text import EvalText, load_text, tokenize_text
+from kiln.core.errors import InvalidInput
+from kiln.eval.text import EvalText, load_text, tokenize_text
 
 
 def hf_ids(model_dir: Path, text: str) -> list[int]:

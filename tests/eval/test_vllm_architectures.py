@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from eval.gates import gate_for
-from eval.run import evaluate_artifact
-from eval.runtimes.vllm_support import architecture_limitation
-from eval.text import EvalText, tokenize_text
-from formats.architectures import ARCHITECTURES, FAMILIES
-from formats.architectures.record import refused
+from kiln.eval.gates import gate_for
+from kiln.eval.run import evaluate_artifact
+from kiln.eval.runtimes.vllm_support import architecture_limitation
+from kiln.eval.text import EvalText, tokenize_text
+from kiln.formats.architectures import ARCHITECTURES, FAMILIES
+from kiln.formats.architectures.record import refused
 from tests.model_factory import FAMILIES as FACTORY_FAMILIES
 from tests.model_factory import make_model
 

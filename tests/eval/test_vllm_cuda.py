@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from core.device import Device
-from core.errors import Deferred
-from core.hardware import builtin_catalog
-from eval.runtimes import environments, vllm_runtime
-from eval.runtimes.environments import Installed, find, get_environment
-from eval.runtimes.vllm_runtime import VllmRuntime, cuda_version, shared_worker
-from eval.runtimes.vllm_support import CUDA_KERNELS, WeightScheme, cuda_verdict
-from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
+from kiln.core.device import Device
+from kiln.core.errors import Deferred
+from kiln.core.hardware import builtin_catalog
+from kiln.eval.runtimes import environments, vllm_runtime
+from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime, cuda_version, shared_worker
+from kiln.eval.runtimes.vllm_support import CUDA_KERNELS, WeightScheme, cuda_verdict
+from kiln.registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 
 FP8 = WeightScheme("float", 8, "channel", True)
 FP8_BLOCK = WeightScheme("float", 8, "block", True)
@@ -33,8 +33,8 @@ HELLO = {"vllm": "0.32.0", "build": "vllm", "torch": "2.13.0+cu130", "prompt_log
 
 def test_every_scheme_a_bundle_holds_has_its_cuda_row() -> None:
     """Every quantized method of the catalog, as a bundle's config states it, and the schemes above."""
-    from quant.catalog import METHODS
-    from quant.compressed import quantization_config
+    from kiln.quant.catalog import METHODS
+    from kiln.quant.compressed import quantization_config
 
     stated = [
         WeightScheme.from_group(group)
@@ -178,7 +178,7 @@ def test_on_an_ampere_gpu_an_fp8_kv_cache_is_not_evaluated_with_the_reason(on_gp
 
 def test_a_worker_that_sees_no_cuda_gpu_is_an_error_not_a_cpu_eval(on_gpus: Any, tmp_path: Path) -> None:
     on_gpus(None)
-    from core.errors import StageFailed
+    from kiln.core.errors import StageFailed
 
     with pytest.raises(StageFailed) as e:
         VllmRuntime(_bundle(tmp_path, FP8_GROUP), device="cuda")
@@ -189,6 +189,6 @@ def test_the_real_worker_on_this_cpu_reports_no_cuda_capability() -> None:
     installed = find("vllm")
     if installed is None:
         pytest.fail("vLLM's environment is not installed: `kiln runtime install vllm` (make test runs it)")
-    from eval.runtimes.capabilities import vllm_capabilities
+    from kiln.eval.runtimes.capabilities import vllm_capabilities
 
     assert shared_worker(installed.python, amx=vllm_capabilities().amx.used).hello["cuda_sm"] is None

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.gates import gate_for
-from eval.metrics import log_softmax
-from eval.run import evaluate_artifact
-from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.runtimes.capabilities import AmxVerdict, decide, vllm_capabilities
-from eval.runtimes.environments import Installed, find, get_environment
-from eval.runtimes.vllm_runtime import VllmRuntime, WorkerError, shared_worker
-from eval.runtimes.vllm_support import (
+from kiln.eval.gates import gate_for
+from kiln.eval.metrics import log_softmax
+from kiln.eval.run import evaluate_artifact
+from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
+from kiln.eval.runtimes.capabilities import AmxVerdict, decide, vllm_capabilities
+from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime, WorkerError, shared_worker
+from kiln.eval.runtimes.vllm_support import (
     CPU_EXPERTS_LIMITS,
     ExpertsShape,
     WeightScheme,
@@ -39,7 +39,7 @@ from eval.runtimes.vllm_support import (
     experts_stand_ins,
     head_size,
 )
-from eval.text import EvalText, tokenize_text
+from kiln.eval.text import EvalText, tokenize_text
 from tests.model_factory import NEW_FAMILIES, make_bundle, make_model, sharpen
 
 SHAPES: dict[str, dict[str, Any]] = {

@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from eval.gates import gate_for
-from eval.run import evaluate_artifact
-from eval.runtimes import CachedRuntime, TransformersRuntime
-from eval.runtimes.capabilities import vllm_capabilities
-from eval.runtimes.vllm_support import (
+from kiln.eval.gates import gate_for
+from kiln.eval.run import evaluate_artifact
+from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
+from kiln.eval.runtimes.capabilities import vllm_capabilities
+from kiln.eval.runtimes.vllm_support import (
     architecture_limitation,
     bundle_config,
     bundle_expert_schemes,
     bundle_schemes,
     mla_cpu_limitation,
 )
-from eval.text import EvalText, tokenize_text
+from kiln.eval.text import EvalText, tokenize_text
 from tests.model_factory import make_bundle, make_model, sharpen
 from tests.quantized_sources import make_mxfp4_source
 

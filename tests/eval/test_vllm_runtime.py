@@ -19,19 +19,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.device import Device, DeviceUnavailable
-from core.errors import Deferred, InvalidInput, StageFailed
-from core.shape import ShapeRecord
-from eval.gates import gate_for
-from eval.run import evaluate, evaluate_artifact, measure
-from eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
-from eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, Int8MatmulVerdict, decide, vllm_capabilities
-from eval.runtimes.environments import Installed, find, get_environment
-from eval.runtimes.vllm_runtime import VllmRuntime, shared_worker, tensor_parallel_size
-from eval.runtimes.vllm_support import WeightScheme, bundle_config, bundle_schemes, cpu_limitation, head_size
-from eval.runtimes.vllm_worker import amx_decision, probe_amx
-from eval.text import EvalText, tokenize_text
-from registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
+from kiln.core.device import Device, DeviceUnavailable
+from kiln.core.errors import Deferred, InvalidInput, StageFailed
+from kiln.core.shape import ShapeRecord
+from kiln.eval.gates import gate_for
+from kiln.eval.run import evaluate, evaluate_artifact, measure
+from kiln.eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
+from kiln.eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, Int8MatmulVerdict, decide, vllm_capabilities
+from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.vllm_runtime import VllmRuntime, shared_worker, tensor_parallel_size
+from kiln.eval.runtimes.vllm_support import WeightScheme, bundle_config, bundle_schemes, cpu_limitation, head_size
+from kiln.eval.runtimes.vllm_worker import amx_decision, probe_amx
+from kiln.eval.text import EvalText, tokenize_text
+from kiln.registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 from tests.eval.test_capabilities import busy_cpus
 from tests.model_factory import make_bundle, make_model
 

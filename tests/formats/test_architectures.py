@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from core.errors import InvalidInput, SourceInvalid
-from core.shape import ShapeRecord
-from formats.architectures import ARCHITECTURES, FAMILIES, LINEAR_WEIGHT, get_architecture
-from formats.architectures.record import EXPERT_KINDS, TensorKind
-from formats.architectures.shape import ModelShape
-from formats.hf_model import open_source
-from targets.base import all_targets
+from kiln.core.errors import InvalidInput, SourceInvalid
+from kiln.core.shape import ShapeRecord
+from kiln.formats.architectures import ARCHITECTURES, FAMILIES, LINEAR_WEIGHT, get_architecture
+from kiln.formats.architectures.record import EXPERT_KINDS, TensorKind
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.hf_model import open_source
+from kiln.targets.base import all_targets
 from tests.model_factory import FAMILIES as FACTORY_FAMILIES
 from tests.model_factory import FAMILY_CONFIG, make_model
 
@@ -269,7 +269,7 @@ REFUSED: dict[str, set[str]] = {}
 def test_a_target_a_record_refuses_is_refused_with_its_reason() -> None:
     from dataclasses import replace
 
-    from formats.architectures.record import refused
+    from kiln.formats.architectures.record import refused
 
     targets = all_targets()
     for arch in ARCHITECTURES.values():
@@ -299,9 +299,9 @@ def test_a_target_a_record_refuses_is_refused_with_its_reason() -> None:
 def test_kiln_plan_refuses_what_a_target_cannot_serve_of_the_model(models: dict[str, Path], tmp_path: Path) -> None:
     """A family every target maps can still have a model or quant one target cannot serve: planned, it is refused
     with the reason before any stage runs (TensorRT-LLM's Phi-3 loader reads no quantized fused projection)."""
-    from pipeline.build import plan
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline.build import plan
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     (tmp_path / "heldout.txt").write_text("hello world " * 200)
     recipe = tmp_path / "kiln.yaml"
@@ -421,7 +421,7 @@ def test_the_stored_spellings_of_a_prequantized_release_are_transformers_own() -
     from transformers.integrations.finegrained_fp8 import FP8Linear
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from formats.safetensors import DTYPES
+    from kiln.formats.safetensors import DTYPES
 
     examples = Path(__file__).parents[2] / "examples"
     deepseek = ModelShape.from_config(json.loads((examples / "deepseek-v3" / "config.json").read_text()))

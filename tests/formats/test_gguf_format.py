@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import InvalidInput, StageFailed
-from formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, Keys, TensorType, ValueType
-from formats.gguf.quants import F16Overflow, encode, quantize_mxfp4, quantize_nvfp4, quantize_q4_0, quantize_q8_0
-from formats.gguf.writer import GGUFWriter, WriterMisuse, WriterState
+from kiln.core.errors import InvalidInput, StageFailed
+from kiln.formats.gguf.constants import GGUF_ALIGNMENT, GGUF_MAGIC, Keys, TensorType, ValueType
+from kiln.formats.gguf.quants import F16Overflow, encode, quantize_mxfp4, quantize_nvfp4, quantize_q4_0, quantize_q8_0
+from kiln.formats.gguf.writer import GGUFWriter, WriterMisuse, WriterState
 from tests.file_builders import gguf_bytes, gguf_string
 
 
@@ -189,7 +189,7 @@ def test_encode_f16_and_bf16_bytes() -> None:
 @pytest.mark.parametrize(("value", "in_place"), [("gpt-2", True), ("qwen2", True), ("a-much-longer-name" * 4, False)])
 def test_metadata_can_be_corrected_after_the_weights(tmp_path: Path, value: str, in_place: bool) -> None:
     """The exporter streams weights on predicted metadata and fixes the header afterwards."""
-    from formats.gguf.writer import Metadata
+    from kiln.formats.gguf.writer import Metadata
 
     data = np.arange(64 * 40, dtype=np.float32).reshape(40, 64)
     path = tmp_path / "m.gguf"
@@ -213,7 +213,7 @@ def test_metadata_can_be_corrected_after_the_weights(tmp_path: Path, value: str,
 
 
 def test_header_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
-    from formats.gguf.reader import read_header
+    from kiln.formats.gguf.reader import read_header
 
     path, _ = _written(tmp_path)
     header = read_header(path)
@@ -230,7 +230,7 @@ def test_header_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
 
 
 def _gguf_error(tmp_path: Path, raw: bytes) -> InvalidInput:
-    from formats.gguf.reader import read_header
+    from kiln.formats.gguf.reader import read_header
 
     path = tmp_path / "bad.gguf"
     path.write_bytes(raw)
@@ -284,7 +284,7 @@ def test_malformed_gguf_headers_are_refused(tmp_path: Path, raw: bytes, words: s
 
 
 def test_truncated_gguf_files_are_refused_at_every_cut(tmp_path: Path) -> None:
-    from formats.gguf.reader import read_header
+    from kiln.formats.gguf.reader import read_header
 
     raw = gguf_bytes(
         [("general.name", ValueType.STRING, "x"), ("a", ValueType.ARRAY, (ValueType.STRING, ["p", "q"]))],

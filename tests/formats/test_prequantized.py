@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from formats.hf_model import open_source
-from formats.prequantized import (
+from kiln.formats.hf_model import open_source
+from kiln.formats.prequantized import (
     FP8_BLOCK,
     MXFP4,
     QuantizedSourceInvalid,
@@ -23,7 +23,7 @@ from formats.prequantized import (
     plan_quantized,
     read_quantization,
 )
-from formats.safetensors import TensorInfo, read_header
+from kiln.formats.safetensors import TensorInfo, read_header
 from tests.quantized_sources import (
     FP8_CONFIG,
     MXFP4_CONFIG,
@@ -445,8 +445,8 @@ def test_the_tensors_config_json_implies_are_the_headers_a_release_writes(
     """`ModelShape.stored_tensors`, from config.json alone, names, types and shapes every stored tensor as the
     release's headers hold it (the rest in its own float type, bf16 here), by the layout rules `plan_quantized`
     checks the headers by; and sizing from config.json alone (`placement.weights.source_bytes`) is their bytes."""
-    from formats.architectures.shape import ModelShape
-    from placement.weights import source_bytes
+    from kiln.formats.architectures.shape import ModelShape
+    from kiln.placement.weights import source_bytes
 
     src = fp8_dir if layout == "fp8" else mxfp4_dir
     shape = ModelShape.from_config(json.loads((src / "config.json").read_text()))

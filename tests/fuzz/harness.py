@@ -24,8 +24,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from core.errors import InvalidInput, KilnError, RecipeInvalid, SourceInvalid
-from formats.gguf.constants import GGUF_MAGIC, SCALAR_FORMATS, Keys, TensorType, ValueType
+from kiln.core.errors import InvalidInput, KilnError, RecipeInvalid, SourceInvalid
+from kiln.formats.gguf.constants import GGUF_MAGIC, SCALAR_FORMATS, Keys, TensorType, ValueType
 from tests.file_builders import gguf_string, gguf_value, safetensors_bytes, valid_safetensors_header
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -144,7 +144,7 @@ def safetensors_files(draw: st.DrawFn) -> bytes:
 
 
 def _run_safetensors(data: bytes, scratch: Path) -> None:
-    from formats.safetensors import read_header
+    from kiln.formats.safetensors import read_header
 
     path = scratch / "model.safetensors"
     path.write_bytes(data)
@@ -227,7 +227,7 @@ def gguf_files(draw: st.DrawFn) -> bytes:
 
 
 def _run_gguf(data: bytes, scratch: Path) -> None:
-    from formats.gguf.reader import read_header
+    from kiln.formats.gguf.reader import read_header
 
     path = scratch / "model.gguf"
     path.write_bytes(data)
@@ -330,7 +330,7 @@ def _recipe_scratch(scratch: Path) -> None:
 
 
 def _run_recipe(data: bytes, scratch: Path) -> None:
-    from pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe import load_recipe
 
     _recipe_scratch(scratch)
     path = scratch / "kiln.yaml"
@@ -422,7 +422,7 @@ def config_files(draw: st.DrawFn) -> bytes:
 
 
 def _run_config(data: bytes, scratch: Path) -> None:
-    from formats.hf_model import open_source
+    from kiln.formats.hf_model import open_source
 
     src = scratch / "model"
     if not src.is_dir():

@@ -64,7 +64,7 @@ def test_every_target_accepts_the_valid_input_its_strategy_starts_from(tmp_path:
     """Without mutations a target must succeed, so the fuzzing is not vacuously refusing everything."""
     import json
 
-    from formats.gguf.constants import ValueType
+    from kiln.formats.gguf.constants import ValueType
     from tests.file_builders import gguf_bytes, safetensors_bytes, valid_safetensors_header
 
     header = valid_safetensors_header({"a": [2, 2], "b": [3]})

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from formats.gguf.constants import Keys, ValueType
-from targets.base import ExportRequest, get_target
+from kiln.formats.gguf.constants import Keys, ValueType
+from kiln.targets.base import ExportRequest, get_target
 from tests.file_builders import gguf_bytes, safetensors_bytes, valid_safetensors_header
 from tests.model_factory import make_model
 from tests.registry.helpers import STAND_IN_EXECUTABLE
@@ -35,7 +35,7 @@ def test_inspect_safetensors_and_gguf(model_dir: Path, tmp_path: Path) -> None:
     assert info["format"] == "safetensors"
     assert {"name": "model.norm.weight", "dtype": "BF16", "shape": [64], "nbytes": 128} in info["tensors"]
 
-    from formats.hf_model import open_source
+    from kiln.formats.hf_model import open_source
 
     res = get_target("gguf").export(open_source(model_dir), ExportRequest(quant="q8_0", out_dir=tmp_path))
     info = json.loads(kiln("inspect", str(tmp_path / res.files[0]), "--json").stdout)
@@ -317,7 +317,7 @@ def test_recipe_paths_outside_its_directory_need_allow_outside(tmp_path: Path, m
 
 
 def test_modelcar_base_writes_a_layout_the_registry_loads(tmp_path: Path) -> None:
-    from registry.oci.base_image import load_base_image
+    from kiln.registry.oci.base_image import load_base_image
 
     busybox = tmp_path / "busybox"
     busybox.write_bytes(STAND_IN_EXECUTABLE)
@@ -336,7 +336,7 @@ def test_modelcar_base_writes_a_layout_the_registry_loads(tmp_path: Path) -> Non
 def test_lint_passes_good_artifacts_and_refuses_a_bad_one_naming_the_tensor(model_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from formats.hf_model import open_source
+    from kiln.formats.hf_model import open_source
     from tests.model_factory import make_bundle
 
     bundle = make_bundle(model_dir, tmp_path / "fp8", "fp8")

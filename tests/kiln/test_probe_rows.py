@@ -3,8 +3,8 @@ no fast kernel (a share under 0.001 of the peak) recorded as measured, not refus
 
 from __future__ import annotations
 
-from core.device import resolve_device
-from core.hardware import FRACTION, builtin_catalog
+from kiln.core.device import resolve_device
+from kiln.core.hardware import FRACTION, builtin_catalog
 from kiln.probe import MIB, ProbeReading, ProbeRun, Sizes, efficiency, measure
 
 TINY = dict(read_bytes=8 * MIB, decode_bytes=4 * MIB, decode_dim=256, large_m=256, small_m=16,

@@ -10,11 +10,11 @@ import socket
 import time
 from pathlib import Path
 
-from core.error_codes import Codes
-from core.errors import InvalidInput
-from pipeline.records import Record
-from pipeline.requirements import Requirements
-from pipeline.stage import Node, Stage, StageContext
+from kiln.core.error_codes import Codes
+from kiln.core.errors import InvalidInput
+from kiln.pipeline.records import Record
+from kiln.pipeline.requirements import Requirements
+from kiln.pipeline.stage import Node, Stage, StageContext
 
 
 class ToyRecord(Record):

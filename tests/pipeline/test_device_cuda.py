@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.device import cuda_device_count
+from kiln.core.device import cuda_device_count
 from tests.model_factory import make_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA device")]
@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
-    from eval.metrics import MetricAccumulator
+    from kiln.eval.metrics import MetricAccumulator
 
     acc = MetricAccumulator()
     acc.add(p_logits, q_logits, np.argmax(p_logits, axis=-1))
@@ -31,7 +31,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 def test_the_transformers_runtime_on_cuda_matches_the_cpu(model_dir: Path) -> None:
-    from eval.runtimes import TransformersRuntime
+    from kiln.eval.runtimes import TransformersRuntime
 
     ids = list(range(3, 200, 3))
     cpu = TransformersRuntime(model_dir, device="cpu")
@@ -45,9 +45,9 @@ def test_the_transformers_runtime_on_cuda_matches_the_cpu(model_dir: Path) -> No
 def test_gptq_calibrates_on_the_gpu_one_layer_at_a_time(model_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from formats.hf_model import open_source
-    from quant.calibrated import calibrate
-    from quant.catalog import get_scheme
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.calibrated import calibrate
+    from kiln.quant.catalog import get_scheme
 
     source = open_source(model_dir)
     samples = [list(range(1 + i, 65 + i)) for i in range(4)]
@@ -64,14 +64,14 @@ def test_gptq_calibrates_on_the_gpu_one_layer_at_a_time(model_dir: Path, tmp_pat
 
 def test_the_jax_runtime_computes_on_the_gpu_it_is_given(tmp_path: Path, model_dir: Path) -> None:
     pytest.importorskip("jax")
-    from formats.hf_model import open_source
-    from targets.base import ExportRequest, get_target
+    from kiln.formats.hf_model import open_source
+    from kiln.targets.base import ExportRequest, get_target
 
     spec = get_target("orbax")
     art = tmp_path / "orbax"
     art.mkdir()
     spec.export(open_source(model_dir), ExportRequest(quant="bf16", out_dir=art, params={}))
-    from eval.runtimes import JaxRuntime
+    from kiln.eval.runtimes import JaxRuntime
 
     ids = list(range(3, 100, 3))
     gpu = JaxRuntime(art, device="cuda:0")
@@ -83,7 +83,7 @@ def test_the_jax_runtime_computes_on_the_gpu_it_is_given(tmp_path: Path, model_d
 def test_w8a8_bundles_through_tensor_core_kernels_agree_with_the_emulation(model_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from eval.native_kernels import KernelUnavailable, check_kernels
+    from kiln.eval.native_kernels import KernelUnavailable, check_kernels
     from tests.eval.test_native_kernels import bundle
 
     if torch.cuda.get_device_capability() < (8, 9):

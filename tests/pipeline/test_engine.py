@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.hardware import PROFILES
-from core.manifest import FileEntry
-from pipeline.stage import StageOutput
-from pipeline.stages.derived import artifact_record
-from pipeline.stages.publish import manifest_for
-from targets.trtllm.engines import EngineMatrix, gpus_matching, legacy_commands, missing_for
-from targets.trtllm.stages import engine_artifact, filled
+from kiln.core.hardware import PROFILES
+from kiln.core.manifest import FileEntry
+from kiln.pipeline.stage import StageOutput
+from kiln.pipeline.stages.derived import artifact_record
+from kiln.pipeline.stages.publish import manifest_for
+from kiln.targets.trtllm.engines import EngineMatrix, gpus_matching, legacy_commands, missing_for
+from kiln.targets.trtllm.stages import engine_artifact, filled
 from tests.model_factory import make_model
 
 MATRIX = EngineMatrix(skus=["h100", "a100"], max_batch_size=8, max_input_len=256, max_seq_len=512)
@@ -199,7 +199,7 @@ def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe:
     assert out.returncode == 0, out.stderr
     published = {r["artifact"]: r["published"] for r in json.loads(out.stdout)["artifacts"]}
     assert published["trtllm-int4-rtn"] == "ran" and published["trtllm-bf16-a100"] == "deferred"
-    from client import RegistryClient
+    from kiln.client import RegistryClient
 
     with RegistryClient.connect(registry) as client:
         release = client.get_release("m", "1")

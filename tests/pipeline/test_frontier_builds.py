@@ -20,12 +20,12 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from core.errors import KilnError
-from core.hardware import PROFILES
-from pipeline import build
-from pipeline.recipe import load_recipe
-from pipeline.store import WorkDir
-from quant.footprint import checkpoint_bytes
+from kiln.core.errors import KilnError
+from kiln.core.hardware import PROFILES
+from kiln.pipeline import build
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import WorkDir
+from kiln.quant.footprint import checkpoint_bytes
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source, make_mxfp4_source
 from tests.test_end_to_end import ROOT, kiln
@@ -164,7 +164,7 @@ def test_an_fp8_block_release_keeps_its_bytes_where_the_format_is_kept(tmp_path:
     assert "activations unquantized as in the reference" in bundle["first"]["runtime_version"]
 
     # rocm-bundle for gfx942: the same values in e4m3fnuz (each halved exactly), every scale doubled.
-    from targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
+    from kiln.targets.rocm_bundle.fnuz import fnuz_scale, fnuz_weight
 
     rocm = artifacts["rocm-bundle-fp8-block"]
     fnuz = _tensors(Path(rocm["path"]) / "model.safetensors")

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from core.hardware import get_profile
-from core.shape import ShapeRecord
-from formats.architectures.shape import ModelShape
-from placement.fit import plan_replica
-from placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
-from placement.weights import artifact_bytes, source_bytes
+from kiln.core.hardware import get_profile
+from kiln.core.shape import ShapeRecord
+from kiln.formats.architectures.shape import ModelShape
+from kiln.placement.fit import plan_replica
+from kiln.placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
+from kiln.placement.weights import artifact_bytes, source_bytes
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GiB = 2**30
@@ -216,10 +216,10 @@ def planned(example: str, gpu: str) -> dict[str, dict[str, Any]]:
     """`kiln plan --json --device cuda --gpu GPU`'s rows for an example (the CLI's own function, in this process)."""
     import tempfile
 
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.requirements import planning_device
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.requirements import planning_device
+    from kiln.pipeline.store import open_store
 
     recipe = load_recipe(EXAMPLES / example / "kiln.yaml")
     with tempfile.TemporaryDirectory() as work:

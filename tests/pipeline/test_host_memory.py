@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from core.device import host_memory_bytes
-from core.errors import InvalidInput
-from pipeline.executors.local import LocalExecutor
-from pipeline.records import Record
-from pipeline.requirements import Requirements
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.store import WorkDir
+from kiln.core.device import host_memory_bytes
+from kiln.core.errors import InvalidInput
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.records import Record
+from kiln.pipeline.requirements import Requirements
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.store import WorkDir
 
 GiB = 1 << 30
 RAN: list[str] = []

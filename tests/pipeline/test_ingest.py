@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import SourceInvalid, UnsafeCheckpoint
-from core.shape import ShapeRecord
-from formats.hf_model import open_source
-from formats.safetensors import MAX_HEADER_BYTES, read_header
+from kiln.core.errors import SourceInvalid, UnsafeCheckpoint
+from kiln.core.shape import ShapeRecord
+from kiln.formats.hf_model import open_source
+from kiln.formats.safetensors import MAX_HEADER_BYTES, read_header
 from tests.file_builders import buffer_len, safetensors_bytes, valid_safetensors_header
 from tests.model_factory import make_model
 
@@ -420,10 +420,10 @@ def test_pickles_beside_safetensors_are_ignored_and_say_so(tmp_path: Path, model
 
 
 def test_the_ingest_stage_records_what_it_ignored_and_checks_links_again(tmp_path: Path, model_dir: Path) -> None:
-    from pipeline.executors.local import LocalExecutor
-    from pipeline.records import IngestRecord
-    from pipeline.stages import ingest as ingest_stage
-    from pipeline.store import WorkDir
+    from kiln.pipeline.executors.local import LocalExecutor
+    from kiln.pipeline.records import IngestRecord
+    from kiln.pipeline.stages import ingest as ingest_stage
+    from kiln.pipeline.store import WorkDir
 
     src = _copy(model_dir, tmp_path / "m")
     (src / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-import core.digest
-from core.digest import HashCache
-from core.errors import KilnError
-from formats.hf_model import open_source
-from pipeline import build
-from pipeline.executors.local import LocalExecutor
-from pipeline.recipe import load_recipe
-from pipeline.records import IngestRecord
-from pipeline.stage import StageOutput
-from pipeline.stages import ingest as ingest_stage
-from pipeline.store import RemoteStageStore, WorkDir
+from kiln.core import digest as core_digest
+from kiln.core.digest import HashCache
+from kiln.core.errors import KilnError
+from kiln.formats.hf_model import open_source
+from kiln.pipeline import build
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.records import IngestRecord
+from kiln.pipeline.stage import StageOutput
+from kiln.pipeline.stages import ingest as ingest_stage
+from kiln.pipeline.store import RemoteStageStore, WorkDir
 from tests.pipeline.test_stage_cache import small_recipe
 from tests.registry.s3_server import S3Server
 
@@ -139,13 +139,13 @@ def test_kiln_plan_reads_no_weights_and_uses_the_digests_ingest_recorded(
     recipe = load_recipe(small_recipe(tmp_path))
     store = WorkDir(tmp_path / "work")
     read: list[str] = []
-    hash_file = core.digest.sha256_file
+    hash_file = core_digest.sha256_file
 
     def counting(path: str | Path) -> str:
         read.append(Path(path).name)
         return hash_file(path)
 
-    monkeypatch.setattr(core.digest, "sha256_file", counting)
+    monkeypatch.setattr(core_digest, "sha256_file", counting)
     rows = {r["node"]: r for r in build.status(recipe, store)}
     assert not [n for n in read if n.endswith(".safetensors")], read  # the held-out text, nothing of the model
     ingest = rows["ingest/source"]

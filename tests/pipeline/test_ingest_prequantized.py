@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file, save_file
 
-from core.digest import HashCache
-from core.errors import StageFailed
-from formats.hf_model import open_source
-from formats.prequantized import QuantizedSourceInvalid
-from pipeline import build
-from pipeline.executors.local import LocalExecutor
-from pipeline.executors.node import NodeOutcome
-from pipeline.recipe import load_recipe
-from pipeline.records import IngestRecord, ReferenceRecord
-from pipeline.stages import ingest as ingest_stage
-from pipeline.stages.reference import stored_reference, stored_text
-from pipeline.store import WorkDir
+from kiln.core.digest import HashCache
+from kiln.core.errors import StageFailed
+from kiln.formats.hf_model import open_source
+from kiln.formats.prequantized import QuantizedSourceInvalid
+from kiln.pipeline import build
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.executors.node import NodeOutcome
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.records import IngestRecord, ReferenceRecord
+from kiln.pipeline.stages import ingest as ingest_stage
+from kiln.pipeline.stages.reference import stored_reference, stored_text
+from kiln.pipeline.store import WorkDir
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source
 
@@ -96,9 +96,9 @@ def test_a_prequantized_source_is_sized_by_its_layout_and_its_plain_weights_dtyp
     """DeepSeek-V3 as released: FP8 Linears with float32 scales, bf16 weights beside them and its routers'
     correction biases in float32. A weight is sized as bf16, the dtype most of its plain weights are in (not the
     widest the headers hold), and the source's bytes as its layout stores them."""
-    from formats.safetensors import read_header
-    from pipeline.requirements import Sizing
-    from placement.weights import source_bytes
+    from kiln.formats.safetensors import read_header
+    from kiln.pipeline.requirements import Sizing
+    from kiln.placement.weights import source_bytes
 
     src = make_fp8_block_source(tmp_path / "m", "deepseek_v3")
     tensors = load_file(src / "model.safetensors")
@@ -175,9 +175,9 @@ def test_the_reference_of_an_fp8_source_is_its_dequantized_weights(tmp_path: Pat
 
 
 def test_an_fp8_source_streamed_by_layer_computes_what_it_does_whole(tmp_path: Path) -> None:
-    from eval.runtimes.layer_stream import LayerStream, open_transformers
-    from eval.runtimes.residency import STREAMED, WHOLE
-    from eval.runtimes.transformers_runtime import TransformersRuntime
+    from kiln.eval.runtimes.layer_stream import LayerStream, open_transformers
+    from kiln.eval.runtimes.residency import STREAMED, WHOLE
+    from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
 
     src = make_fp8_block_source(tmp_path / "fp8")
     plain = _plain_copy(src, tmp_path / "plain")
@@ -193,9 +193,9 @@ def test_an_fp8_source_streamed_by_layer_computes_what_it_does_whole(tmp_path: P
 def test_a_family_that_does_not_stream_is_held_whole_and_dequantized(layout: str, tmp_path: Path) -> None:
     """DeepSeek-V3 in FP8 blocks and gpt-oss with MXFP4 experts: the whole model, loaded by transformers' loader
     from the released tensors dequantized one at a time, computes what a plain float32 copy of them does."""
-    from eval.runtimes.layer_stream import open_transformers
-    from eval.runtimes.residency import STREAMED, WHOLE
-    from eval.runtimes.transformers_runtime import TransformersRuntime
+    from kiln.eval.runtimes.layer_stream import open_transformers
+    from kiln.eval.runtimes.residency import STREAMED, WHOLE
+    from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
     from tests.quantized_sources import make_mxfp4_source
 
     if layout == "fp8-block":

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import build
-from pipeline.recipe import load_recipe
-from pipeline.records import ArtifactRecord
-from pipeline.stage import StageContext
-from pipeline.stages import publish
-from pipeline.store import WorkDir
-from targets.lint import ArtifactLintFailed
+from kiln.pipeline import build
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.records import ArtifactRecord
+from kiln.pipeline.stage import StageContext
+from kiln.pipeline.stages import publish
+from kiln.pipeline.store import WorkDir
+from kiln.targets.lint import ArtifactLintFailed
 from tests.model_factory import make_model
 
 POISONED = "model.layers.1.mlp.down_proj.weight"

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from formats.architectures.shape import ModelShape
-from placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
+from kiln.formats.architectures.shape import ModelShape
+from kiln.placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GiB = 2**30
@@ -171,10 +171,10 @@ Plan = Callable[[str, str], dict[str, dict[str, Any]]]
 def planned(tmp_path_factory: pytest.TempPathFactory) -> Plan:
     """`kiln plan --json --device cuda --gpu GPU`'s rows for an example (the CLI's own function, in this process),
     each planned once."""
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.requirements import planning_device
-    from pipeline.store import open_store
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.requirements import planning_device
+    from kiln.pipeline.store import open_store
 
     work = tmp_path_factory.mktemp("plans")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.device import CPU, Device, cpu_model
-from eval.runtimes.environments import get_environment
-from pipeline import build
-from pipeline.recipe import load_recipe
-from pipeline.store import WorkDir
+from kiln.core.device import CPU, Device, cpu_model
+from kiln.eval.runtimes.environments import get_environment
+from kiln.pipeline import build
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import WorkDir
 from tests.model_factory import make_model
 
 QUANTS = ("bf16", "int8-w8a8", "w4a16-gptq", "f16")
@@ -148,7 +148,7 @@ def test_a_device_this_machine_lacks_exits_2_before_anything_runs(
 
 
 def build_has_gpu() -> bool:
-    from core.device import cuda_device_count
+    from kiln.core.device import cuda_device_count
 
     return cuda_device_count() > 0
 

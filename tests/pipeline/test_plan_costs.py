@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import build
-from pipeline.machine import Machine
-from pipeline.recipe import load_recipe
-from pipeline.store import open_store
-from placement.cost import BUILD_HOST_TIMES, HOST_DISK_BYTES_S
+from kiln.pipeline import build
+from kiln.pipeline.machine import Machine
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import open_store
+from kiln.placement.cost import BUILD_HOST_TIMES, HOST_DISK_BYTES_S
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "examples" / "llama-3-70b" / "kiln.yaml"
@@ -234,7 +234,7 @@ def tiny_recipe(tmp_path: Path) -> Path:
 def test_a_build_needing_more_disk_than_is_free_is_refused_before_anything_runs(
     tmp_path: Path, tiny_recipe: Path
 ) -> None:
-    from pipeline.build import BuildDiskInsufficient
+    from kiln.pipeline.build import BuildDiskInsufficient
 
     store = open_store(None, tmp_path / "work")
     full = Machine(memory_bytes=64 * GiB, disk_free_bytes=1 * MiB)

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from core.errors import KilnError
-from formats.hf_model import open_source
-from quant.catalog import get_scheme
-from quant.rtn import check_shapes
-from targets.base import ExportRequest, get_target
+from kiln.core.errors import KilnError
+from kiln.formats.hf_model import open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.rtn import check_shapes
+from kiln.targets.base import ExportRequest, get_target
 from tests.model_factory import make_model
 
 HELDOUT = "def add(a, b):\n    return a + b\n\n" * 40  # no special token in it: the reference would tokenize it

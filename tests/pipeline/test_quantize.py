@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from formats.architectures.shape import MergedGemm, ModelShape
-from formats.hf_model import open_source
-from formats.safetensors import DTYPES
-from pipeline.build import plan
-from pipeline.recipe import parse_recipe
-from pipeline.store import WorkDir
-from quant.catalog import get_scheme
-from quant.rtn import (
+from kiln.formats.architectures.shape import MergedGemm, ModelShape
+from kiln.formats.hf_model import open_source
+from kiln.formats.safetensors import DTYPES
+from kiln.pipeline.build import plan
+from kiln.pipeline.recipe import parse_recipe
+from kiln.pipeline.store import WorkDir
+from kiln.quant.catalog import get_scheme
+from kiln.quant.rtn import (
     QuantShapeError,
     check_shapes,
     dequantize,
@@ -174,7 +174,7 @@ def test_scales_never_zero() -> None:
 
 
 def test_model_with_unfit_widths_fails_in_planning(tmp_path: Path) -> None:
-    from quant.store import write_quantized
+    from kiln.quant.store import write_quantized
 
     src = open_source(make_model(tmp_path / "m", hidden_size=64, intermediate_size=192))
     with pytest.raises(QuantShapeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):

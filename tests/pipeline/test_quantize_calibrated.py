@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidInput
-from formats.hf_model import open_source
-from pipeline.records import QuantizeRecord
-from quant.calibrated import CalibrationTooShort, calibrate, calibration_dtype, calibration_samples
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest
-from targets.hf_bundle.export import export
+from kiln.core.errors import InvalidInput
+from kiln.formats.hf_model import open_source
+from kiln.pipeline.records import QuantizeRecord
+from kiln.quant.calibrated import CalibrationTooShort, calibrate, calibration_dtype, calibration_samples
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest
+from kiln.targets.hf_bundle.export import export
 from tests.model_factory import make_model
 
 CALIBRATED = ["w4a16-gptq", "w4a16-awq"]
@@ -37,7 +37,7 @@ def held_out(model_dir: Path):
     """Tokens calibration never sees (another file), for scoring."""
     import torch
 
-    from eval.text import tokenize_text
+    from kiln.eval.text import tokenize_text
 
     text = tokenize_text(model_dir, _stdlib_text("heapq.py"), window=128, max_tokens=512, prompts=0)
     return torch.tensor([list(w) for w in text.windows if len(w) == 128])
@@ -109,7 +109,7 @@ def test_disk_offloaded_calibration_equals_oneshot_on_the_model_in_memory(
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
-    from quant.calibrated import _recipe, cpu_pin_memory_workaround
+    from kiln.quant.calibrated import _recipe, cpu_pin_memory_workaround
 
     scheme = get_scheme(name)
     samples = calibration_samples(model_dir, _stdlib_text("argparse.py"), samples=4, seq_len=64)
@@ -166,10 +166,10 @@ def test_too_short_calibration_text_is_an_error(model_dir: Path) -> None:
 
 
 def test_recipe_calibration_defaults_to_eval_text_after_its_scored_tokens(model_dir: Path, tmp_path: Path) -> None:
-    from core.errors import RecipeInvalid
-    from pipeline.build import plan
-    from pipeline.recipe import parse_recipe
-    from pipeline.store import WorkDir
+    from kiln.core.errors import RecipeInvalid
+    from kiln.pipeline.build import plan
+    from kiln.pipeline.recipe import parse_recipe
+    from kiln.pipeline.store import WorkDir
 
     (tmp_path / "text.txt").write_text(_stdlib_text("heapq.py"))
     base = {
@@ -211,7 +211,7 @@ def test_upstream_awq_still_pins_memory_on_cpu() -> None:
     import torch
     from llmcompressor.pipelines.cache import IntermediatesCache
 
-    from quant.calibrated import cpu_pin_memory_workaround
+    from kiln.quant.calibrated import cpu_pin_memory_workaround
 
     if torch.accelerator.is_available():
         pytest.skip("pinning works with an accelerator; the workaround is a no-op there")
@@ -235,7 +235,7 @@ def test_upstream_offset_norm_restore_still_loses_offloaded_weights(tmp_path: Pa
     from llmcompressor.modeling.offset_norm import norm_calibration_context
     from transformers import AutoModelForCausalLM
 
-    from quant.calibrated import offset_norm_restore_workaround
+    from kiln.quant.calibrated import offset_norm_restore_workaround
 
     source = make_model(tmp_path / "gemma3", "gemma3", vocab_size=384)
     with load_offloaded_model(AutoModelForCausalLM):
@@ -260,11 +260,11 @@ def test_upstream_offset_norm_restore_still_loses_offloaded_weights(tmp_path: Pa
 
 def test_quantize_stage_keeps_calibration_offload_inside_its_work_dir(model_dir: Path, tmp_path: Path) -> None:
     """The stage gives calibration a folder in its own temporary directory and leaves nothing behind."""
-    from pipeline.executors.local import LocalExecutor
-    from pipeline.stage import Node
-    from pipeline.stages import ingest as ingest_stage
-    from pipeline.stages import quantize as quantize_stage
-    from pipeline.store import WorkDir
+    from kiln.pipeline.executors.local import LocalExecutor
+    from kiln.pipeline.stage import Node
+    from kiln.pipeline.stages import ingest as ingest_stage
+    from kiln.pipeline.stages import quantize as quantize_stage
+    from kiln.pipeline.store import WorkDir
 
     text = tmp_path / "calibration.txt"
     text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")
@@ -323,7 +323,7 @@ def test_gptq_single_hessian_matches_upstream_functions() -> None:
     from compressed_tensors.quantization.quant_args import ActivationOrdering
     from llmcompressor.modifiers.gptq import base, gptq_quantize, helpers
 
-    from quant.calibrated import gptq_single_hessian
+    from kiln.quant.calibrated import gptq_single_hessian
 
     g = torch.Generator().manual_seed(0)
     rows, cols = 48, 320  # several cycles in the permutation
@@ -368,7 +368,7 @@ def test_upstream_untie_still_breaks_a_disk_offloaded_tied_head(tmp_path: Path) 
     from llmcompressor.utils import untie_word_embeddings
     from transformers import AutoModelForCausalLM
 
-    from quant.calibrated import untie_offloaded_head
+    from kiln.quant.calibrated import untie_offloaded_head
 
     source = _tied_qwen2(tmp_path / "qwen2")
 
@@ -400,17 +400,17 @@ def test_a_quantize_stage_that_fails_says_what_failed_and_keeps_the_traceback(
     """The failure a tied head once met in `fp8-kv8` (llm-compressor's untie on disk-offloaded weights), restored:
     the STAGE_FAILED message names the stage, the error, the library's frame and kiln's call into it, where the
     traceback is, and what to try; the kept log ends with the traceback."""
-    import quant.calibrated
-    from core.errors import StageFailed
-    from pipeline.executors.local import LocalExecutor
-    from pipeline.stage import Node
-    from pipeline.stages import ingest as ingest_stage
-    from pipeline.stages import quantize as quantize_stage
-    from pipeline.store import WorkDir
+    from kiln.core.errors import StageFailed
+    from kiln.pipeline.executors.local import LocalExecutor
+    from kiln.pipeline.stage import Node
+    from kiln.pipeline.stages import ingest as ingest_stage
+    from kiln.pipeline.stages import quantize as quantize_stage
+    from kiln.pipeline.store import WorkDir
+    from kiln.quant import calibrated
 
-    recipe = quant.calibrated._recipe
-    monkeypatch.setattr(quant.calibrated, "untie_offloaded_head", lambda model: False)
-    monkeypatch.setattr(quant.calibrated, "_recipe", lambda scheme, ignore=None, awq_mappings=None: recipe(scheme, []))
+    recipe = calibrated._recipe
+    monkeypatch.setattr(calibrated, "untie_offloaded_head", lambda model: False)
+    monkeypatch.setattr(calibrated, "_recipe", lambda scheme, ignore=None, awq_mappings=None: recipe(scheme, []))
     source = _tied_qwen2(tmp_path / "qwen2")
     text = tmp_path / "calibration.txt"
     text.write_text(_stdlib_text("argparse.py"), encoding="utf-8")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from core.device import CPU, Device, InvalidDevice
-from core.digest import sha256_json
-from core.errors import InvalidInput
-from pipeline.executors.ray import RayExecutor
-from pipeline.placement import placed, with_device
-from pipeline.store import RemoteStageStore, WorkDir
+from kiln.core.device import CPU, Device, InvalidDevice
+from kiln.core.digest import sha256_json
+from kiln.core.errors import InvalidInput
+from kiln.pipeline.executors.ray import RayExecutor
+from kiln.pipeline.placement import placed, with_device
+from kiln.pipeline.store import RemoteStageStore, WorkDir
 from tests.pipeline.ray_cluster import ROOT, RayCluster
 from tests.pipeline.ray_stages import toy
 from tests.registry.s3_server import S3Server
@@ -148,7 +148,7 @@ def test_a_compute_stage_on_a_gpu_torch_cannot_see_fails_with_device_unavailable
     ray_cluster: RayCluster, s3_server: S3Server, tmp_path: Path
 ) -> None:
     """Placed on `cuda`, granted the node's GPU by Ray, but no CUDA device behind it: refused, never run on the CPU."""
-    from core.device import cuda_device_count
+    from kiln.core.device import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("this machine has a CUDA device")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.errors import RecipeInvalid
-from pipeline.recipe import load_recipe
+from kiln.core.errors import RecipeInvalid
+from kiln.pipeline.recipe import load_recipe
 
 GOOD = {
     "model": "tiny",
@@ -138,7 +138,7 @@ def test_the_recipe_cannot_allow_directories_itself(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["model\x00x", "a" * 5000, "\udcff"])
 def test_unresolvable_paths_are_recipe_errors(tmp_path: Path, value: str) -> None:
-    from pipeline.recipe import parse_recipe
+    from kiln.pipeline.recipe import parse_recipe
 
     (tmp_path / "heldout.txt").write_text("x")
     with pytest.raises(RecipeInvalid, match="source: "):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import KilnError, RecipeInvalid, SourceInvalid, UnsafeCheckpoint
-from pipeline import build
-from pipeline.recipe import parse_recipe
-from pipeline.store import WorkDir, open_store
+from kiln.core.errors import KilnError, RecipeInvalid, SourceInvalid, UnsafeCheckpoint
+from kiln.pipeline import build
+from kiln.pipeline.recipe import parse_recipe
+from kiln.pipeline.store import WorkDir, open_store
 from tests.registry.s3_server import BUCKET, S3Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_an_object_changed_after_the_plan_is_refused(endpoint: S3Server, tmp_pat
     nodes = build.plan(recipe, store)
     prefix = url.removeprefix(f"s3://{BUCKET}/")
     endpoint.client.put_object(Bucket=BUCKET, Key=f"{prefix}/config.json", Body=files["config.json"] + b" ")
-    from pipeline.executors.local import LocalExecutor
+    from kiln.pipeline.executors.local import LocalExecutor
 
     with pytest.raises(SourceInvalid) as e:
         LocalExecutor(store).run(nodes[:1])

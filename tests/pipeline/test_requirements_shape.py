@@ -241,7 +241,7 @@ def test_an_unknown_gpu_or_device_is_refused_with_its_code(tmp_path: Path, args:
 
 
 def test_a_gpu_plan_without_a_gpu_to_size_from_says_to_name_one(tmp_path: Path) -> None:
-    from core.device import cuda_device_count
+    from kiln.core.device import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("this machine has a CUDA device: the plan is sized for it")
@@ -263,9 +263,9 @@ def test_a_shape_only_source_is_planned_but_never_built(tmp_path: Path, command:
 
 
 def test_a_source_of_config_json_alone_plans_shape_only_without_the_flag(tmp_path: Path) -> None:
-    from pipeline import build
-    from pipeline.recipe import load_recipe
-    from pipeline.store import WorkDir
+    from kiln.pipeline import build
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import WorkDir
 
     (tmp_path / "config.json").write_text((EXAMPLE / "config.json").read_text())
     recipe = yaml.safe_load(RECIPE.read_text())

@@ -14,10 +14,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from model_signing import verifying as ms_verifying
 
-from core.digest import sha256_file
-from core.errors import DigestMismatch
-from core.manifest import ArtifactManifest, FileEntry
-from core.signing import (
+from kiln.core.digest import sha256_file
+from kiln.core.errors import DigestMismatch
+from kiln.core.manifest import ArtifactManifest, FileEntry
+from kiln.core.signing import (
     PROVENANCE_FILE,
     SIGNATURE_FILE,
     SLSA_PROVENANCE_V1,
@@ -27,7 +27,7 @@ from core.signing import (
     verify_attestation,
     verify_directory,
 )
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 
 
 def write_key_pair(directory: Path, curve: ec.EllipticCurve | None = None) -> tuple[SigningKey, Path]:
@@ -153,7 +153,7 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     and `kiln verify MODEL@VERSION/ARTIFACT` passes on the download."""
     import yaml
 
-    from client import RegistryClient
+    from kiln.client import RegistryClient
     from tests.model_factory import make_model
 
     root = tmp_path / "recipe"
@@ -190,7 +190,7 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     out = kiln("verify", "m@1/gguf-q8_0", "--key", str(pub), "--registry", registry, "--json")
     assert json.loads(out.stdout)["verified"] is True
     # The provenance names the recipe by its digest, beside the source's files.
-    from pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe import load_recipe
 
     with RegistryClient.connect(registry) as client:
         client.download("/v1/models/m/releases/1/artifacts/gguf-q8_0/attestations/provenance", tmp_path / "prov")

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from core.error_codes import Codes
-from core.errors import Deferred, KilnError, StageFailed
-from pipeline.executors.local import LocalExecutor
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.store import WorkDir
+from kiln.core.error_codes import Codes
+from kiln.core.errors import Deferred, KilnError, StageFailed
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.store import WorkDir
 
 calls: list[str] = []
 
@@ -134,7 +134,7 @@ def test_a_corrupt_output_in_the_work_dir_is_moved_aside_and_built_again(
     out = first["write/a"].output.path
     meta = out / "stage.json"
     meta.write_bytes(_mangled(meta.read_bytes(), out, how))
-    with caplog.at_level("WARNING", logger="pipeline.stage"):
+    with caplog.at_level("WARNING", logger="kiln.pipeline.stage"):
         again = LocalExecutor(WorkDir(tmp_path)).run(_graph())
     assert [o.status for o in again.values()] == ["built", "cached"]  # the same output, so upper/a is reused
     assert again["write/a"].output.digest == first["write/a"].output.digest
@@ -160,7 +160,7 @@ def test_a_stage_json_that_is_not_a_regular_file_is_moved_aside_and_built_again(
         (meta / "inside").mkdir(parents=True)
     elif kind == "fifo":
         os.mkfifo(meta)  # never opened: a read would wait for a writer
-    with caplog.at_level("WARNING", logger="pipeline.stage"):
+    with caplog.at_level("WARNING", logger="kiln.pipeline.stage"):
         again = LocalExecutor(WorkDir(tmp_path)).run(_graph())
     rebuilt = again["write/a"].output
     assert [o.status for o in again.values()] == ["built", "cached"] and rebuilt is not None
@@ -214,9 +214,9 @@ KILLED_STAGE = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from pydantic import BaseModel
-    from pipeline.executors.local import LocalExecutor
-    from pipeline.stage import Node, Stage
-    from pipeline.store import WorkDir
+    from kiln.pipeline.executors.local import LocalExecutor
+    from kiln.pipeline.stage import Node, Stage
+    from kiln.pipeline.store import WorkDir
 
     class Done(BaseModel):
         pass
@@ -259,7 +259,7 @@ def test_stage_killed_midway_is_redone(tmp_path: Path) -> None:
 
 
 def test_hash_cache_never_serves_a_stale_digest(tmp_path: Path) -> None:
-    from core.digest import HashCache, sha256_file
+    from kiln.core.digest import HashCache, sha256_file
 
     f = tmp_path / "weights.bin"
     f.write_bytes(b"a" * 1000)

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from core.usage import release_memory
-from pipeline.executors.local import LocalExecutor
-from pipeline.records import Record
-from pipeline.stage import Node, Stage, StageContext
-from pipeline.store import WorkDir
+from kiln.core.usage import release_memory
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.records import Record
+from kiln.pipeline.stage import Node, Stage, StageContext
+from kiln.pipeline.store import WorkDir
 
 MIB = 1 << 20
 

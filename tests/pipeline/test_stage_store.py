@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed
-from pipeline.executors.node import run_node
-from pipeline.store import RemoteStageStore, StageInputMissing, WorkDir, open_store, require_input
+from kiln.core.errors import DigestMismatch, InvalidInput, KilnError, StageFailed
+from kiln.pipeline.executors.node import run_node
+from kiln.pipeline.store import RemoteStageStore, StageInputMissing, WorkDir, open_store, require_input
 from tests.pipeline.ray_stages import toy
 from tests.pipeline.test_stage_cache import kiln_build, small_recipe
 from tests.registry.s3_server import TEST_ENV, S3Server

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from eval.runtimes.residency import Residency
-from pipeline import build
-from pipeline.executors.local import LocalExecutor
-from pipeline.recipe import load_recipe
-from pipeline.store import WorkDir
+from kiln.eval.runtimes.residency import Residency
+from kiln.pipeline import build
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import WorkDir
 from tests.model_factory import make_model
 
 GREEDY_TOKENS = 6

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core.hardware import get_profile
-from core.shape import ShapeRecord
-from formats.architectures.shape import ModelShape
-from placement.fit import plan_replica
+from kiln.core.hardware import get_profile
+from kiln.core.shape import ShapeRecord
+from kiln.formats.architectures.shape import ModelShape
+from kiln.placement.fit import plan_replica
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GiB = 2**30

@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 
-from eval.runtimes.environments import find
-from eval.runtimes.vllm_runtime import (
+from kiln.eval.runtimes.environments import find
+from kiln.eval.runtimes.vllm_runtime import (
     CPU_IN_FLIGHT_TOKENS,
     KV_CACHE_BYTES,
     WorkerError,
     WorkerProcess,
     kv_cache_reservation,
 )
-from formats.architectures import FAMILIES
-from formats.architectures.shape import ModelShape
-from placement.model import (
+from kiln.formats.architectures import FAMILIES
+from kiln.formats.architectures.shape import ModelShape
+from kiln.placement.model import (
     NULL_BLOCKS,
     VLLM_CPU_BLOCK_SIZE,
     kv_bytes_per_token,

@@ -6,24 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from core.hardware import PROFILES
-from eval.gates import DEFAULT_GATES, Gate
-from eval.native_kernels import NATIVE_SCHEMES
-from eval.runtimes.vllm_support import CPU_LIMITS, WeightScheme, compute_dtype
-from placement.fit import matmul_dtype
-from quant.catalog import FAMILIES, METHODS, SCHEMES, compatibility, get_method
-from quant.compressed import quantization_config
-from quant.methods.base import FLOAT_FORMATS, Method
-from quant.methods.fp8 import FP8
-from quant.rtn import planned_tensors
-from quant.schemes import Scheme
-from targets.hf_bundle.export import QUANTIZED as HF_BUNDLE_QUANTIZED
-from targets.hf_bundle.export import QUANTS as HF_BUNDLE_QUANTS
-from targets.orbax.layout import QUANTS as ORBAX_QUANTS
-from targets.rocm_bundle.export import QUANTS as ROCM_BUNDLE_QUANTS
-from targets.trtllm.engines import LEGACY_QFORMATS, LEGACY_REFUSED
-from targets.trtllm.export import QUANTIZED as TRTLLM_QUANTIZED
-from targets.trtllm.formats import FORMATS, REFUSED
+from kiln.core.hardware import PROFILES
+from kiln.eval.gates import DEFAULT_GATES, Gate
+from kiln.eval.native_kernels import NATIVE_SCHEMES
+from kiln.eval.runtimes.vllm_support import CPU_LIMITS, WeightScheme, compute_dtype
+from kiln.placement.fit import matmul_dtype
+from kiln.quant.catalog import FAMILIES, METHODS, SCHEMES, compatibility, get_method
+from kiln.quant.compressed import quantization_config
+from kiln.quant.methods.base import FLOAT_FORMATS, Method
+from kiln.quant.methods.fp8 import FP8
+from kiln.quant.rtn import planned_tensors
+from kiln.quant.schemes import Scheme
+from kiln.targets.hf_bundle.export import QUANTIZED as HF_BUNDLE_QUANTIZED
+from kiln.targets.hf_bundle.export import QUANTS as HF_BUNDLE_QUANTS
+from kiln.targets.orbax.layout import QUANTS as ORBAX_QUANTS
+from kiln.targets.rocm_bundle.export import QUANTS as ROCM_BUNDLE_QUANTS
+from kiln.targets.trtllm.engines import LEGACY_QFORMATS, LEGACY_REFUSED
+from kiln.targets.trtllm.export import QUANTIZED as TRTLLM_QUANTIZED
+from kiln.targets.trtllm.formats import FORMATS, REFUSED
 
 
 def test_one_table_gathered_from_one_module_per_family() -> None:
@@ -94,7 +94,7 @@ def test_a_method_cannot_state_dtypes_its_scheme_does_not_store() -> None:
 def test_no_method_shares_a_name_with_a_gguf_type() -> None:
     """GGUF's `nvfp4` / `mxfp4` are llama.cpp types; the compressed-tensors methods are named apart (only the
     unquantized `bf16` is the same thing in both)."""
-    from formats.gguf.constants import QUANTS as GGUF_QUANTS
+    from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
 
     assert set(METHODS) & set(GGUF_QUANTS) == {"bf16"}
 
@@ -143,9 +143,9 @@ def test_every_method_says_what_it_does_with_each_released_layout() -> None:
     """FP8-block releases: fp8-block keeps their bytes; bf16, W4A16 (Ampere) and the FP4 methods (Blackwell, gfx950)
     dequantize first; the other 8-bit methods and mxfp4-experts are refused. MXFP4 experts: mxfp4-experts keeps
     them, bf16 dequantizes them, every other scheme is refused (it would leave them bf16)."""
-    from formats.prequantized import FP8_BLOCK, LAYOUTS, SourceQuantization
-    from quant.catalog import QuantSourceRefused, source_route
-    from quant.methods.base import SourceRoute
+    from kiln.formats.prequantized import FP8_BLOCK, LAYOUTS, SourceQuantization
+    from kiln.quant.catalog import QuantSourceRefused, source_route
+    from kiln.quant.methods.base import SourceRoute
 
     layouts = {layout.name: layout for layout in LAYOUTS.values()}
     routes = {name: {layout: m.from_sources[layout].action for layout in layouts} for name, m in METHODS.items()}
@@ -175,9 +175,9 @@ def test_every_method_says_what_it_does_with_each_released_layout() -> None:
 def test_a_release_only_method_is_kept_from_its_release_and_refused_elsewhere() -> None:
     """mxfp4-experts is gpt-oss's release layout: kept from an MXFP4 release (its 32-value blocks), refused for a plain
     source with its own code and for an FP8 release; it has no quantize stage and cannot quantize lm_head."""
-    from core.errors import InvalidInput
-    from formats.prequantized import FP8_BLOCK, MXFP4, SourceQuantization
-    from quant.catalog import QuantReleaseOnly, QuantSourceRefused, check_source, get_scheme
+    from kiln.core.errors import InvalidInput
+    from kiln.formats.prequantized import FP8_BLOCK, MXFP4, SourceQuantization
+    from kiln.quant.catalog import QuantReleaseOnly, QuantSourceRefused, check_source, get_scheme
 
     method = get_method("mxfp4-experts")
     assert method.release_only and method.scheme.method == "released" and method.matmul_dtype == "bf16"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from formats.hf_model import open_source
-from quant.calibrated import calibrate, calibration_dtype, calibration_samples
-from quant.catalog import get_scheme
-from quant.compressed import ct_scheme
-from quant.store import CONFIG_FILE, TENSORS_FILE, write_quantized
+from kiln.formats.hf_model import open_source
+from kiln.quant.calibrated import calibrate, calibration_dtype, calibration_samples
+from kiln.quant.catalog import get_scheme
+from kiln.quant.compressed import ct_scheme
+from kiln.quant.store import CONFIG_FILE, TENSORS_FILE, write_quantized
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
 # kiln method -> compressed-tensors preset
@@ -55,7 +55,7 @@ def test_kiln_fp4_tensors_equal_what_llmcompressor_oneshot_writes(name: str, tmp
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from quant.calibrated import cpu_pin_memory_workaround, oneshot_data
+    from kiln.quant.calibrated import cpu_pin_memory_workaround, oneshot_data
 
     scheme = get_scheme(name)
     dtype = calibration_dtype()

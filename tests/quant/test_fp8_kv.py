@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eval.runtimes.capabilities import VllmCapabilities
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from eval.runtimes.vllm_support import bundle_schemes, cpu_limitation
-from quant.catalog import get_method
-from quant.rtn import kv_scale_names
+from kiln.eval.runtimes.capabilities import VllmCapabilities
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.eval.runtimes.vllm_support import bundle_schemes, cpu_limitation
+from kiln.quant.catalog import get_method
+from kiln.quant.rtn import kv_scale_names
 from tests.model_factory import make_bundle
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "model"

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import yaml
 
-from core.errors import InvalidInput, KilnError, RecipeInvalid
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from pipeline.build import plan
-from pipeline.recipe import load_recipe
-from pipeline.store import WorkDir
-from quant.catalog import SCHEMES, get_scheme
-from quant.footprint import checkpoint_bytes
-from quant.rtn import HeadTied, quantizes
-from quant.schemes import Scheme
+from kiln.core.errors import InvalidInput, KilnError, RecipeInvalid
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.pipeline.build import plan
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import WorkDir
+from kiln.quant.catalog import SCHEMES, get_scheme
+from kiln.quant.footprint import checkpoint_bytes
+from kiln.quant.rtn import HeadTied, quantizes
+from kiln.quant.schemes import Scheme
 from tests.model_factory import make_bundle, make_model
 
 

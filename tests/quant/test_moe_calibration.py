@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from quant.calibrated import calibration_samples
-from quant.catalog import get_scheme
-from quant.rtn import dequantize, quantize_weight
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.quant.calibrated import calibration_samples
+from kiln.quant.catalog import get_scheme
+from kiln.quant.rtn import dequantize, quantize_weight
 from tests.model_factory import make_bundle, make_model
 
 EXPERTS, LAYERS = 8, 1

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from quant.catalog import SCHEMES, get_method
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.quant.catalog import SCHEMES, get_method
 from tests.model_factory import make_bundle, make_model
 
 # Every scheme whose quantize stage runs llm-compressor (GPTQ, AWQ, FP4, the FP8 KV cache's scales).

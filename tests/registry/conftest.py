@@ -23,10 +23,10 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.migrate import upgrade
-from registry.schema import registry_metadata
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.migrate import upgrade
+from kiln.registry.schema import registry_metadata
+from kiln.registry.settings import RegistrySettings
 from tests.registry.s3_server import S3Server
 
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -110,8 +110,8 @@ def app(settings: RegistrySettings) -> FastAPI:
 
 def make_token(app: FastAPI, scopes: list[str], models: list[str] | None = None, name: str = "test") -> str:
     """A token created straight in the app's database (how an operator bootstraps the first admin)."""
-    from registry.auth.principal import LOCAL
-    from registry.auth.service import create_token
+    from kiln.registry.auth.principal import LOCAL
+    from kiln.registry.auth.service import create_token
 
     with app.state.session_factory() as session:
         _, secret = create_token(session, name, scopes, models or [], LOCAL)

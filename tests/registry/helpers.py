@@ -14,8 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.settings import RegistrySettings
-from storage.s3 import make_s3_client, parse_s3_url
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.s3 import make_s3_client, parse_s3_url
 from tests.registry.s3_server import free_port
 
 LLAMA_CONFIG = {  # Llama-3-8B-like: 128 KiB of KV cache per token
@@ -55,8 +55,8 @@ STAND_IN_EXECUTABLE = b"\x7fELF\x02\x01" + bytes(12) + (62).to_bytes(2, "little"
 
 def overwrite_stored_blob(store: Any, sha256: str, data: bytes) -> None:
     """Replace a stored blob's bytes behind the registry's back (a disk or bucket going bad), in either store."""
-    from storage.local import LocalBlobStore
-    from storage.s3 import S3BlobStore
+    from kiln.storage.local import LocalBlobStore
+    from kiln.storage.s3 import S3BlobStore
 
     if isinstance(store, LocalBlobStore):
         store.path(sha256).write_bytes(data)
@@ -209,7 +209,7 @@ def declare_blob(app: FastAPI, size: int, label: str) -> str:
     For tests of what sizes decide (replica fit, TP, cost): a 70B checkpoint's 141 GB cannot be
     uploaded in a test. Publishing checks only that the blob is recorded with the manifest's size,
     so an artifact can be published from declared blobs; its files cannot be downloaded."""
-    from registry.blobs.models import Blob
+    from kiln.registry.blobs.models import Blob
 
     digest = sha(f"declared blob {label} of {size} bytes".encode())
     with app.state.session_factory() as session:

@@ -34,8 +34,8 @@ import uvicorn
 from sqlalchemy.engine.base import Connection
 from sqlalchemy.pool.base import _ConnectionFairy
 
-from registry.ops.logs import log_config
-from registry.server import create_server_app
+from kiln.registry.ops.logs import log_config
+from kiln.registry.server import create_server_app
 
 # Python entry points of database work: every SQLAlchemy statement, commit, rollback and pool checkout,
 # and psycopg's own (the resolve cache's cursor is a bare DBAPI one).

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from storage.s3 import MIN_PART_SIZE, make_s3_client
+from kiln.storage.s3 import MIN_PART_SIZE, make_s3_client
 
 BUCKET = "kiln-test"
 # Small parts keep multipart uploads fast in tests: a 12 MiB blob goes up as 5 + 5 + 2 MiB.

@@ -8,8 +8,8 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, sha, stored_blob_objects, upload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.testclient import TestClient
 
-from core.shape import ShapeRecord
+from kiln.core.shape import ShapeRecord
 from tests.registry.helpers import LLAMA_CONFIG, SOURCE_DIGEST, assert_error, make_release
 
 RELEASE = {

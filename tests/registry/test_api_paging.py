@@ -16,22 +16,22 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
-from client import RegistryClient
-from core.hardware import builtin_catalog
-from registry.app import create_app
-from registry.artifacts.models import Artifact
-from registry.attestations.models import TrustedKey
-from registry.audit.models import AuditEvent
-from registry.auth.cache import TokenCache
-from registry.auth.models import Token
-from registry.channels.models import Channel, ChannelEvent
-from registry.hardware.models import HardwareEntry
-from registry.models.models import Model
-from registry.paging import MAX_PAGE_LIMIT, PAGE_LIMIT
-from registry.performance.models import PerformanceRecord
-from registry.releases.models import Release
-from registry.settings import RegistrySettings
-from registry.webhooks.models import Webhook, WebhookDelivery
+from kiln.client import RegistryClient
+from kiln.core.hardware import builtin_catalog
+from kiln.registry.app import create_app
+from kiln.registry.artifacts.models import Artifact
+from kiln.registry.attestations.models import TrustedKey
+from kiln.registry.audit.models import AuditEvent
+from kiln.registry.auth.cache import TokenCache
+from kiln.registry.auth.models import Token
+from kiln.registry.channels.models import Channel, ChannelEvent
+from kiln.registry.hardware.models import HardwareEntry
+from kiln.registry.models.models import Model
+from kiln.registry.paging import MAX_PAGE_LIMIT, PAGE_LIMIT
+from kiln.registry.performance.models import PerformanceRecord
+from kiln.registry.releases.models import Release
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.webhooks.models import Webhook, WebhookDelivery
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal
 from tests.registry.test_web_paging import statements

@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from core.errors import NotFound
-from core.hardware import builtin_catalog
-from core.shape import ShapeRecord
-from registry.app import create_app
-from registry.resolve.query import ResolveQuery
-from registry.resolve.ranking import rank_candidates
-from registry.resolve.views import ArtifactView, FileView, ReleaseView
-from registry.settings import RegistrySettings
+from kiln.core.errors import NotFound
+from kiln.core.hardware import builtin_catalog
+from kiln.core.shape import ShapeRecord
+from kiln.registry.app import create_app
+from kiln.registry.resolve.query import ResolveQuery
+from kiln.registry.resolve.ranking import rank_candidates
+from kiln.registry.resolve.views import ArtifactView, FileView, ReleaseView
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, assert_error, make_release, post_eval, promote, publish, seal
 

@@ -17,9 +17,9 @@ from model_signing import hashing as ms_hashing
 from model_signing import signing as ms_signing
 from starlette.testclient import TestClient
 
-from core.manifest import ArtifactManifest
-from core.signing import load_private_key, sign_statement
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.core.manifest import ArtifactManifest
+from kiln.core.signing import load_private_key, sign_statement
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from tests.pipeline.test_signing import write_key_pair
 from tests.registry.helpers import assert_error, make_release, manifest, post_eval, publish, seal, sha, upload
 

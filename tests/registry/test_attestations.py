@@ -14,9 +14,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from core.manifest import ArtifactManifest
-from core.signing import PROVENANCE_FILE, SIGNATURE_FILE
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.core.manifest import ArtifactManifest
+from kiln.core.signing import PROVENANCE_FILE, SIGNATURE_FILE
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from tests.pipeline.test_signing import write_key_pair
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (

@@ -10,9 +10,9 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.schema import registry_metadata
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.schema import registry_metadata
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     assert_error,

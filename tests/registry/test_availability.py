@@ -1,7 +1,7 @@
 """No request body stalls the server: `/healthz` answers promptly while anonymous clients send the
 costliest bodies they can, each at its route's limit, to the routes that take bodies.
 
-The server is `python -m registry.server` (what `kiln serve` runs: uvicorn with uvloop and httptools, one
+The server is `python -m kiln.registry.server` (what `kiln serve` runs: uvicorn with uvloop and httptools, one
 worker) in its own process on a free loopback port; the attacking clients run in another, so neither
 they nor the server share the interpreter of the thread that times `/healthz`.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from registry.api.boundary import JSON_BODY_BYTES, ROUTE_BODY_LIMITS, body_limit
-from registry.settings import RegistrySettings
+from kiln.registry.api.boundary import JSON_BODY_BYTES, ROUTE_BODY_LIMITS, body_limit
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error
 from tests.registry.s3_server import free_port
@@ -68,11 +68,11 @@ def _anonymous_limit(method: str, path: str) -> int:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[int]:
-    """`python -m registry.server` of an embedded registry in `tmp_path`, until it answers /healthz."""
+    """`python -m kiln.registry.server` of an embedded registry in `tmp_path`, until it answers /healthz."""
     port = free_port()
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below, after the process
     process = subprocess.Popen(
-        [sys.executable, "-m", "registry.server", "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "kiln.registry.server", "--port", str(port), "--log-level", "warning"],
         env={**os.environ, "KILN_REGISTRY_DATA_DIR": str(tmp_path / "data")},
         cwd=ROOT,
         stdout=log,

@@ -23,17 +23,17 @@ from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
-from core.errors import InvalidInput
-from core.manifest import ArtifactManifest
-from registry.app import create_app
-from registry.artifacts.models import Artifact
-from registry.blobs import service as blobs
-from registry.blobs.gc import GcReport, collect_garbage
-from registry.blobs.models import Blob
-from registry.db import utcnow
-from registry.releases import contents
-from registry.settings import RegistrySettings
-from storage.store import BlobStore
+from kiln.core.errors import InvalidInput
+from kiln.core.manifest import ArtifactManifest
+from kiln.registry.app import create_app
+from kiln.registry.artifacts.models import Artifact
+from kiln.registry.blobs import service as blobs
+from kiln.registry.blobs.gc import GcReport, collect_garbage
+from kiln.registry.blobs.models import Blob
+from kiln.registry.db import utcnow
+from kiln.registry.releases import contents
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.store import BlobStore
 from tests.registry.helpers import make_release, manifest, publish, sha, upload
 
 KEPT = b"referenced by an artifact"
@@ -298,7 +298,7 @@ def test_kiln_gc_refuses_what_it_cannot_collect(tmp_path: Path) -> None:
 
 
 def test_client_uploads_again_when_a_blob_it_skipped_was_collected(tmp_path: Path) -> None:
-    from client import RegistryClient
+    from kiln.client import RegistryClient
 
     files = tmp_path / "artifact"
     files.mkdir()

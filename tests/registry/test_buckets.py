@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.channels.buckets import BASIS_POINTS, bucket_of, owner, reassign, size
+from kiln.registry.channels.buckets import BASIS_POINTS, bucket_of, owner, reassign, size
 
 
 def _as_set(ranges: list[tuple[int, int]]) -> set[int]:

@@ -21,6 +21,6 @@ def test_every_domain_with_tables_is_protected_by_a_contract() -> None:
     domains = sorted(p.parent.name for p in (ROOT / "registry").glob("*/models.py"))
     assert domains
     for domain in domains:
-        contract = protected.get(f"registry.{domain}.models")
+        contract = protected.get(f"kiln.registry.{domain}.models")
         assert contract is not None, f"registry/{domain}/models.py has no protected contract in pyproject.toml"
-        assert set(contract["allowed_importers"]) == {f"registry.{domain}", "registry.schema"}, domain
+        assert set(contract["allowed_importers"]) == {f"kiln.registry.{domain}", "kiln.registry.schema"}, domain

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import free_port, make_release, post_eval, promote, publish, seal
 

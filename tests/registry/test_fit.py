@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.errors import InvalidInput, UnknownName
-from core.hardware import PROFILES, builtin_catalog, parse_profile
-from core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
-from placement.fit import MEMORY_UTILIZATION, matmul_dtype, plan_replica
-from placement.model import kv_cache_bytes, parameters
-from quant.catalog import SCHEMES, get_method
-from quant.footprint import checkpoint_bytes, checkpoint_tensors
+from kiln.core.errors import InvalidInput, UnknownName
+from kiln.core.hardware import PROFILES, builtin_catalog, parse_profile
+from kiln.core.shape import KV_DTYPES, MAX_DIMENSION, ShapeRecord
+from kiln.placement.fit import MEMORY_UTILIZATION, matmul_dtype, plan_replica
+from kiln.placement.model import kv_cache_bytes, parameters
+from kiln.quant.catalog import SCHEMES, get_method
+from kiln.quant.footprint import checkpoint_bytes, checkpoint_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = json.loads((ROOT / "examples/llama-3-70b/config.json").read_text())
@@ -258,7 +258,7 @@ def test_decode_is_the_slower_of_reading_and_computing() -> None:
 
 def test_an_fp8_kv_cache_artifact_is_sized_with_its_own_kv_type() -> None:
     """A checkpoint with calibrated FP8 KV scales is served with an FP8 cache, whatever the caller assumed."""
-    from placement.fit import kv_dtype_of
+    from kiln.placement.fit import kv_dtype_of
 
     h100, cpu = PROFILES["h100"], PROFILES["cpu"]
     assert kv_dtype_of("fp8-kv8", "bf16", h100) == "fp8" and kv_dtype_of("fp8", "bf16", h100) == "bf16"
@@ -369,8 +369,8 @@ SCHEMES_BUILT = [name for name in SCHEMES if not get_method(name).release_only]
 def _rtn_calibration(source: Any, scheme: Any) -> Any:
     """What GPTQ/AWQ hand the quantize stage, with round-to-nearest values in place of calibrated ones:
     the stored layout (values, scales, AWQ's smoothed norms) is the same, and no calibration runs."""
-    from quant.calibrated import CalibratedWeights
-    from quant.rtn import quantizes, weight_scale
+    from kiln.quant.calibrated import CalibratedWeights
+    from kiln.quant.rtn import quantizes, weight_scale
 
     linear = [n for n in source.tensors if quantizes(scheme, n)]
     norms = [n for n in source.tensors if n.endswith("layernorm.weight")] if scheme.method == "awq" else []
@@ -384,12 +384,12 @@ def _rtn_calibration(source: Any, scheme: Any) -> Any:
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The example model's hf-bundle for every scheme (round-to-nearest quantization: cheap)."""
-    from formats.hf_model import open_source
-    from quant.catalog import get_scheme
-    from quant.schemes import FP4_FORMATS
-    from quant.store import open_quantized, write_quantized
-    from targets.base import ExportRequest
-    from targets.hf_bundle.export import export
+    from kiln.formats.hf_model import open_source
+    from kiln.quant.catalog import get_scheme
+    from kiln.quant.schemes import FP4_FORMATS
+    from kiln.quant.store import open_quantized, write_quantized
+    from kiln.targets.base import ExportRequest
+    from kiln.targets.hf_bundle.export import export
 
     source = open_source(EXAMPLE_MODEL)
     out: dict[str, Path] = {}
@@ -402,7 +402,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             calibrated = None
             # llm-compressor's own, seconds here: FP4 (min-max or GPTQ) and a calibrated KV cache.
             if scheme.format in FP4_FORMATS.values() or scheme.kv_cache is not None:
-                from quant.calibrated import calibrate, calibration_samples
+                from kiln.quant.calibrated import calibrate, calibration_samples
 
                 text = (EXAMPLE_MODEL.parent / "heldout.txt").read_text(encoding="utf-8")
                 samples = calibration_samples(EXAMPLE_MODEL, text, samples=2, seq_len=64) if scheme.calibrated else []
@@ -421,7 +421,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_footprint_is_exactly_the_bundles_tensor_bytes(scheme: str, bundles: dict[str, Path]) -> None:
     """The estimate equals the SafeTensors data bytes exactly (file size less 8 bytes and the JSON header),
     and names every tensor with the dtype and shape written, in file order."""
-    from formats.safetensors import read_header
+    from kiln.formats.safetensors import read_header
 
     config = json.loads((EXAMPLE_MODEL / "config.json").read_text())
     files = sorted(bundles[scheme].glob("*.safetensors"))

@@ -21,9 +21,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.hardware import PROFILES, builtin_catalog
-from core.shape import ShapeRecord
-from placement.fit import plan_replica
+from kiln.core.hardware import PROFILES, builtin_catalog
+from kiln.core.shape import ShapeRecord
+from kiln.placement.fit import plan_replica
 from tests.registry.helpers import make_release, post_eval, promote, publish_declared, seal
 
 ROOT = Path(__file__).resolve().parents[2]

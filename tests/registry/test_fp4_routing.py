@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from core.hardware import builtin_catalog
-from core.shape import ShapeRecord
-from quant.catalog import compatibility, get_scheme
-from quant.footprint import checkpoint_bytes
-from registry.resolve.query import ResolveQuery
-from registry.resolve.ranking import rank_candidates
-from registry.resolve.views import ArtifactView, FileView, ReleaseView
+from kiln.core.hardware import builtin_catalog
+from kiln.core.shape import ShapeRecord
+from kiln.quant.catalog import compatibility, get_scheme
+from kiln.quant.footprint import checkpoint_bytes
+from kiln.registry.resolve.query import ResolveQuery
+from kiln.registry.resolve.ranking import rank_candidates
+from kiln.registry.resolve.views import ArtifactView, FileView, ReleaseView
 
 CONFIG = json.loads((Path(__file__).resolve().parents[2] / "examples/llama-3-70b/config.json").read_text())
 # The example model's KL against its reference, per scheme (docs/evaluation.md, "The example model's quality").

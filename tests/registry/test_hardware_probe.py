@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.hardware import FRACTION, builtin_catalog, parse_profile
+from kiln.core.hardware import FRACTION, builtin_catalog, parse_profile
 from tests.registry.conftest import make_token
 from tests.registry.helpers import LLAMA_CONFIG, make_release, post_eval, promote, publish, seal, serve_in_thread
 

@@ -11,11 +11,11 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.errors import KilnError
-from pipeline import build
-from pipeline.executors.local import LocalExecutor
-from pipeline.recipe import load_recipe
-from pipeline.store import WorkDir
+from kiln.core.errors import KilnError
+from kiln.pipeline import build
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.store import WorkDir
 from tests.model_factory import make_model
 from tests.registry.helpers import free_port, make_release, post_eval, publish, seal, serve_in_thread
 

@@ -20,9 +20,9 @@ from fastapi.routing import APIRoute, iter_route_contexts
 from sqlalchemy import func, select, update
 from starlette.testclient import TestClient
 
-from registry.api.boundary import STREAMED_BODY
-from registry.releases.models import Release
-from registry.schema import registry_metadata
+from kiln.registry.api.boundary import STREAMED_BODY
+from kiln.registry.releases.models import Release
+from kiln.registry.schema import registry_metadata
 from tests.registry.helpers import SOURCE_DIGEST, make_release, serve_in_thread
 
 RELEASE = "/v1/models/tiny/releases/1.0"
@@ -156,7 +156,7 @@ def test_stored_json_is_bounded_at_the_model_layer() -> None:
     """A value built in code, not parsed from a body, meets the same bounds."""
     from pydantic import ValidationError
 
-    from registry.releases.schemas import ReleaseCreate
+    from kiln.registry.releases.schemas import ReleaseCreate
 
     base = {"version": "1.0", "source_digest": SOURCE_DIGEST, "planned_artifacts": ["gguf-q8"]}
     deep: Any = []

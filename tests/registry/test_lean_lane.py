@@ -11,10 +11,10 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from starlette.testclient import TestClient
 
-from registry.api.lean_route import MAX_QUERY_BYTES, LeanLane, LeanRoute
-from registry.app import create_app
-from registry.deps import require
-from registry.settings import RegistrySettings
+from kiln.registry.api.lean_route import MAX_QUERY_BYTES, LeanLane, LeanRoute
+from kiln.registry.app import create_app
+from kiln.registry.deps import require
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error
 from tests.registry.test_api_resolve import seed

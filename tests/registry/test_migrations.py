@@ -12,12 +12,12 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 from starlette.testclient import TestClient
 
-from core.errors import Unavailable
-from registry import migrate
-from registry.app import create_app
-from registry.db import create_db_engine
-from registry.schema import registry_metadata
-from registry.settings import RegistrySettings
+from kiln.core.errors import Unavailable
+from kiln.registry import migrate
+from kiln.registry.app import create_app
+from kiln.registry.db import create_db_engine
+from kiln.registry.schema import registry_metadata
+from kiln.registry.settings import RegistrySettings
 
 
 def schema_differences(url: str) -> list[object]:

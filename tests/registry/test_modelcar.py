@@ -29,12 +29,12 @@ from fastapi import FastAPI
 from sqlalchemy import delete, func, select
 from starlette.testclient import TestClient
 
-from core.errors import InvalidInput
-from registry.app import create_app
-from registry.oci.base_image import load_base_image, write_busybox_base
-from registry.oci.modelcar import END_OF_ARCHIVE, MAX_FILE_LAYERS, padding, tar_header
-from registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
-from registry.settings import RegistrySettings
+from kiln.core.errors import InvalidInput
+from kiln.registry.app import create_app
+from kiln.registry.oci.base_image import load_base_image, write_busybox_base
+from kiln.registry.oci.modelcar import END_OF_ARCHIVE, MAX_FILE_LAYERS, padding, tar_header
+from kiln.registry.oci.models import LayerHashing, TarLayer, TarLayerBlob
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     STAND_IN_EXECUTABLE,
@@ -184,8 +184,8 @@ def test_layers_are_hashed_at_seal_or_first_pull_and_kept(car: TestClient, car_a
 def test_gc_deletes_a_collected_blobs_layers(car: TestClient, car_app: FastAPI) -> None:
     from datetime import timedelta
 
-    from registry.blobs.gc import collect_garbage
-    from registry.blobs.models import Blob
+    from kiln.registry.blobs.gc import collect_garbage
+    from kiln.registry.blobs.models import Blob
 
     orphan = upload(car, b"uploaded, never published")
     with car_app.state.write_session_factory() as session:
@@ -288,8 +288,8 @@ def test_a_replica_waits_for_another_ones_hashing(car_app: FastAPI, car: TestCli
     nothing; a claim whose replica died (expired) is taken over."""
     from datetime import timedelta
 
-    from registry.db import utcnow
-    from registry.oci import modelcar
+    from kiln.registry.db import utcnow
+    from kiln.registry.oci import modelcar
 
     first, digest = manifest_of(car, TAG, name=CAR)
     with car_app.state.write_session_factory() as session:

@@ -23,11 +23,11 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.errors import InvalidInput
-from core.hardware import builtin_catalog, parse_profile
-from core.shape import MAX_DIMENSION, ShapeRecord
-from placement.fit import MAX_WEIGHTS_BYTES, plan_replica
-from registry.api.params import MAX_CONCURRENCY, MAX_CONTEXT
+from kiln.core.errors import InvalidInput
+from kiln.core.hardware import builtin_catalog, parse_profile
+from kiln.core.shape import MAX_DIMENSION, ShapeRecord
+from kiln.placement.fit import MAX_WEIGHTS_BYTES, plan_replica
+from kiln.registry.api.params import MAX_CONCURRENCY, MAX_CONTEXT
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     LLAMA_CONFIG,
@@ -492,8 +492,8 @@ def test_plan_replica_refuses_a_profile_built_around_validation() -> None:
 
 def test_a_stored_measurement_outside_todays_range_is_not_used(app: FastAPI, client: TestClient) -> None:
     """A record an older kiln accepted (any positive number) is left out; resolve estimates instead."""
-    from registry.artifacts.models import Artifact
-    from registry.performance.models import PerformanceRecord
+    from kiln.registry.artifacts.models import Artifact
+    from kiln.registry.performance.models import PerformanceRecord
 
     _seed(client)
     with app.state.session_factory() as session:

@@ -17,9 +17,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.attestations.models import Attestation
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.attestations.models import Attestation
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import make_release, post_eval, promote, publish, seal, sha, upload
 
@@ -192,7 +192,7 @@ def test_end_8_tags_list_paginates(seeded: TestClient) -> None:
 
 def test_tags_list_without_n_answers_a_page(seeded: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without `n` the listing still ends at a page (the API's largest), with a `Link` to the rest."""
-    monkeypatch.setattr("registry.oci.routes.MAX_PAGE_LIMIT", 3)
+    monkeypatch.setattr("kiln.registry.oci.routes.MAX_PAGE_LIMIT", 3)
     first = seeded.get(f"/v2/{MODEL}/tags/list")
     assert first.json()["tags"] == ["1.0.0-gguf-q4_k_m", "1.0.0-hf-bf16", "prod-gguf-q4_k_m"]
     assert first.headers["link"] == f'</v2/{MODEL}/tags/list?n=3&last=prod-gguf-q4_k_m>; rel="next"'
@@ -203,8 +203,8 @@ def _attest(app: FastAPI, client: TestClient, artifact: str, kind: str, media_ty
     """An attestation row for `artifact` of tiny-llama 1.0.0, with its blob uploaded."""
     from sqlalchemy import select
 
-    from registry.artifacts.models import Artifact
-    from registry.releases.models import Release
+    from kiln.registry.artifacts.models import Artifact
+    from kiln.registry.releases.models import Release
 
     digest = upload(client, content)
     with app.state.session_factory() as session:

@@ -16,8 +16,8 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import serve_in_thread
 from tests.registry.test_oci import FILES, MODEL, TAG, _seed

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.test_modelcar import CAR, base_layout  # noqa: F401 - the base image fixture
 from tests.registry.test_oci import MODEL, TAG, _seed

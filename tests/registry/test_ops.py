@@ -16,10 +16,10 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry import migrate
-from registry.app import create_app
-from registry.ops.logs import JsonFormatter
-from registry.settings import RegistrySettings
+from kiln.registry import migrate
+from kiln.registry.app import create_app
+from kiln.registry.ops.logs import JsonFormatter
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, publish, sha
 
@@ -63,7 +63,7 @@ def test_access_lines_are_the_formatter_s_lines() -> None:
     fields, whatever the path holds (quotes, backslashes, control characters, non-ASCII)."""
     import io
 
-    from registry.ops.logs import AccessLineHandler, access_fields
+    from kiln.registry.ops.logs import AccessLineHandler, access_fields
 
     paths = ["/v1/resolve", '/v1/models/"quoted"\\back', "/v1/\x00\x1f\u2028caf\u00e9/\U0001f600", ""]
     entries = [
@@ -92,9 +92,9 @@ def test_request_log_hands_on_batches(tmp_path: Path) -> None:
     import io
     import time
 
-    from registry.ops.logs import ACCESS_LOGGER, AccessLineHandler
-    from registry.ops.metrics import RegistryMetrics
-    from registry.ops.middleware import RequestLog
+    from kiln.registry.ops.logs import ACCESS_LOGGER, AccessLineHandler
+    from kiln.registry.ops.metrics import RegistryMetrics
+    from kiln.registry.ops.middleware import RequestLog
 
     stream = io.StringIO()
     handler = AccessLineHandler(stream)

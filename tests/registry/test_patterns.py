@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.auth.patterns import (
+from kiln.registry.auth.patterns import (
     MODEL_NAME_ALPHABET,
     name_outside,
     pattern_contains,

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from registry.web.plot import (
+from kiln.registry.web.plot import (
     BOTTOM,
     KL_FLOOR,
     LEFT,

@@ -19,8 +19,8 @@ import httpx2
 import pytest
 from sqlalchemy import Engine
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from tests.model_factory import make_model
 from tests.registry.conftest import _truncate, make_token
 from tests.registry.s3_server import free_port

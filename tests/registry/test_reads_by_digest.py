@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.manifest import ArtifactManifest
-from pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
+from kiln.core.manifest import ArtifactManifest
+from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from tests.pipeline.test_signing import write_key_pair
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (

@@ -8,7 +8,7 @@ from datetime import timedelta
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.blobs.gc import collect_garbage
+from kiln.registry.blobs.gc import collect_garbage
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, manifest, post_eval, promote, publish, seal, sha, upload
 

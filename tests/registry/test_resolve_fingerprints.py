@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.resolve.cache import ChannelFingerprints, WalIndexHeader
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.resolve.cache import ChannelFingerprints, WalIndexHeader
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.test_api_resolve import seed
 

@@ -31,7 +31,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from core.hardware import builtin_catalog
+from kiln.core.hardware import builtin_catalog
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     assert_error,

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.settings import RegistrySettings
+from kiln.registry.settings import RegistrySettings
 from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal, serve_in_thread, sha
 from tests.registry.s3_server import S3Server
 

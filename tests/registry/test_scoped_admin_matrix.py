@@ -20,9 +20,9 @@ from fastapi.routing import iter_route_contexts
 from sqlalchemy import select
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.schema import registry_metadata
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.schema import registry_metadata
+from kiln.registry.settings import RegistrySettings
 from tests.pipeline.test_signing import write_key_pair
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (

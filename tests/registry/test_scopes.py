@@ -9,9 +9,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.auth.patterns import pattern_contains
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.auth.patterns import pattern_contains
+from kiln.registry.settings import RegistrySettings
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal, sha
 
@@ -64,8 +64,8 @@ def test_a_limited_admin_grants_only_within_its_patterns(closed: FastAPI) -> Non
 
 
 def test_a_token_grants_no_scope_it_lacks() -> None:
-    from core.errors import Forbidden
-    from registry.auth.principal import Principal
+    from kiln.core.errors import Forbidden
+    from kiln.registry.auth.principal import Principal
 
     publisher = Principal("token:p", frozenset({"publish"}))
     with pytest.raises(Forbidden):

@@ -15,9 +15,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.auth.models import Token
-from registry.auth.patterns import MAX_PATTERN_STATES, check_pattern, pattern_contains, pattern_states
-from registry.auth.service import MAX_TOKEN_PATTERNS
+from kiln.registry.auth.models import Token
+from kiln.registry.auth.patterns import MAX_PATTERN_STATES, check_pattern, pattern_contains, pattern_states
+from kiln.registry.auth.service import MAX_TOKEN_PATTERNS
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error
 

@@ -10,12 +10,12 @@ from urllib.parse import urlencode
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from eval.gates import GATE_KEYS
-from registry.app import create_app
-from registry.settings import RegistrySettings
-from registry.web.routes import not_found_router, router
-from registry.web.units import human_size
-from registry.web.views import METRIC_COLUMNS
+from kiln.eval.gates import GATE_KEYS
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.web.routes import not_found_router, router
+from kiln.registry.web.units import human_size
+from kiln.registry.web.views import METRIC_COLUMNS
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, post_eval, publish
 from tests.registry.pages import (

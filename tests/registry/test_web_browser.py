@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.web.bars import COLOURS
+from kiln.registry.web.bars import COLOURS
 from tests.registry.helpers import serve_in_thread
 from tests.registry.pages import FLEET_MODEL, parse, seed, seed_fleet
 

@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from sqlalchemy import event, insert, select
 from starlette.testclient import TestClient
 
-from registry.audit.models import AuditEvent
-from registry.models.models import Model
-from registry.paging import PAGE_LIMIT
-from registry.releases.models import Release
+from kiln.registry.audit.models import AuditEvent
+from kiln.registry.models.models import Model
+from kiln.registry.paging import PAGE_LIMIT
+from kiln.registry.releases.models import Release
 from tests.registry.conftest import make_token
 from tests.registry.pages import Node, parse, seed
 

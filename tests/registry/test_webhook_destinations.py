@@ -24,10 +24,10 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.settings import RegistrySettings
-from registry.webhooks.delivery import ERROR_CLASSES
-from registry.webhooks.destinations import IPAddress, system_resolver
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.webhooks.delivery import ERROR_CLASSES
+from kiln.registry.webhooks.destinations import IPAddress, system_resolver
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error
 from tests.registry.s3_server import free_port
@@ -346,7 +346,7 @@ def test_no_log_line_carries_a_url_credential_or_query(tmp_path: Path, receiver:
         "KILN_REGISTRY_WEBHOOK_POLL_INTERVAL_S": "0.05",
     }
     log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "registry.server", "--port", str(port), "--log-level", "debug"]
+    command = [sys.executable, "-m", "kiln.registry.server", "--port", str(port), "--log-level", "debug"]
     with open(log, "wb") as stderr:
         server = subprocess.Popen(command, cwd=REPO, env=env, stdout=stderr, stderr=stderr)
         try:
@@ -377,7 +377,7 @@ def test_no_log_line_carries_a_url_credential_or_query(tmp_path: Path, receiver:
             app.state.engine.dispose()
         library = (
             "import logging.config, urllib3\n"
-            "from registry.ops.logs import log_config\n"
+            "from kiln.registry.ops.logs import log_config\n"
             "logging.config.dictConfig(log_config('debug'))\n"
             "http = urllib3.PoolManager()\n"
             f"http.request('GET', 'http://ops:{secret}@127.0.0.1:{receiver_port}/x?X-Amz-Signature={secret}')\n"

@@ -19,12 +19,12 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.audit import service as audit
-from registry.db import utcnow
-from registry.settings import RegistrySettings
-from registry.webhooks import outbox
-from registry.webhooks.models import WebhookDelivery
+from kiln.registry.app import create_app
+from kiln.registry.audit import service as audit
+from kiln.registry.db import utcnow
+from kiln.registry.settings import RegistrySettings
+from kiln.registry.webhooks import outbox
+from kiln.registry.webhooks.models import WebhookDelivery
 from tests.registry.conftest import make_token
 from tests.registry.helpers import assert_error, make_release, post_eval, promote, publish, seal
 from tests.registry.s3_server import free_port

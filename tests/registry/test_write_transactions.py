@@ -22,8 +22,8 @@ from sqlalchemy import event, select, text
 from sqlalchemy.engine import Connection
 from starlette.testclient import TestClient
 
-from core.errors import Conflict, Unavailable
-from registry.db import WRITE_OPTION, WriteTurns, create_db_engine, create_session_factory
+from kiln.core.errors import Conflict, Unavailable
+from kiln.registry.db import WRITE_OPTION, WriteTurns, create_db_engine, create_session_factory
 from tests.registry.helpers import make_release, post_eval, promote, publish, seal, upload
 
 
@@ -90,7 +90,7 @@ def test_a_failed_write_is_rolled_back_without_waiting_for_a_pool_thread(
         time.sleep(0.6)  # meanwhile the hardware write queues for the pool's one thread
         raise Conflict("refused on purpose")
 
-    monkeypatch.setattr("registry.channels.service.promote", failing_promote)
+    monkeypatch.setattr("kiln.registry.channels.service.promote", failing_promote)
 
     async def one_thread() -> None:
         anyio.to_thread.current_default_thread_limiter().total_tokens = 1

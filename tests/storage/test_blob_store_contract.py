@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.errors import DigestMismatch, InvalidInput, Unavailable, UnknownName
-from registry.blobs.stores import open_blob_store
-from registry.settings import RegistrySettings
-from storage.local import LocalBlobStore
-from storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
-from storage.store import BlobNotFound, BlobStore
+from kiln.core.errors import DigestMismatch, InvalidInput, Unavailable, UnknownName
+from kiln.registry.blobs.stores import open_blob_store
+from kiln.registry.settings import RegistrySettings
+from kiln.storage.local import LocalBlobStore
+from kiln.storage.s3 import S3BlobStore, make_s3_client, parse_s3_url
+from kiln.storage.store import BlobNotFound, BlobStore
 from tests.registry.s3_server import BUCKET, TEST_PART_SIZE, S3Server, free_port
 
 BIG = 12 * 1024 * 1024  # over two S3 parts of 5 MiB: a multipart upload of three parts

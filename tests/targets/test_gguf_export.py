@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import InvalidInput
-from formats.gguf.constants import LLAMA3_REGEX, FileType, Keys
-from formats.hf_model import open_source
-from targets.base import ExportRequest, ExportResult
-from targets.gguf import SPEC
-from targets.gguf.export import export
+from kiln.core.errors import InvalidInput
+from kiln.formats.gguf.constants import LLAMA3_REGEX, FileType, Keys
+from kiln.formats.hf_model import open_source
+from kiln.targets.base import ExportRequest, ExportResult
+from kiln.targets.gguf import SPEC
+from kiln.targets.gguf.export import export
 from tests.model_factory import make_model
 
 EXAMPLE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "model"
@@ -250,7 +250,7 @@ def _unpermute(w: torch.Tensor, n: int) -> torch.Tensor:
 
 def dequantized_state(path: Path, model_dir: Path, family: str, n_layers: int = 2) -> dict[str, torch.Tensor]:
     """The weights a GGUF file holds, dequantized by gguf-py and mapped back to HF names and layout."""
-    from targets.gguf.convert import layout
+    from kiln.targets.gguf.convert import layout
 
     places = layout(open_source(model_dir).shape)
     kw = FAMILIES[family]
@@ -487,7 +487,7 @@ def test_example_model_f16_logits_agree(tmp_path: Path) -> None:
 
 
 def test_unsupported_requests_are_refused_before_writing(models: dict[str, Path], tmp_path: Path) -> None:
-    from core.errors import UnknownName
+    from kiln.core.errors import UnknownName
 
     with pytest.raises(UnknownName, match="q3_k_s.*known: f16, bf16"):
         export(open_source(models["llama"]), ExportRequest(quant="q3_k_s", out_dir=tmp_path / "a"))

@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import InvalidInput
-from eval.metrics import kl_divergence, log_softmax
-from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
-from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS, FileType
-from formats.hf_model import open_source
-from placement.weights import gguf_bytes
-from targets.base import ExportRequest, ExportResult
-from targets.gguf.convert import plan_tensors
-from targets.gguf.export import check_supported, export, llama_quantize
+from kiln.core.errors import InvalidInput
+from kiln.eval.metrics import kl_divergence, log_softmax
+from kiln.eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.constants import QUANTS, FileType
+from kiln.formats.hf_model import open_source
+from kiln.placement.weights import gguf_bytes
+from kiln.targets.base import ExportRequest, ExportResult
+from kiln.targets.gguf.convert import plan_tensors
+from kiln.targets.gguf.export import check_supported, export, llama_quantize
 from tests.llama_cpp_converter import convert, gguf_fields, gguf_tensors, vendored_llama_cpp
 from tests.model_factory import NEW_FAMILIES, make_model
 
@@ -382,7 +382,7 @@ def test_linear_rope_scaling_is_written_for_every_architecture(tmp_path: Path) -
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_every_familys_file_passes_the_lint(family: str, quant: str, exported: Any, models: dict[str, Path]) -> None:
     """What the writer writes, the lint (which the export stage runs) passes: one naming and one set of keys."""
-    from targets.lint import lint_artifact
+    from kiln.targets.lint import lint_artifact
 
     path, _ = exported(family, quant)
     report = lint_artifact(path.parent, shape=open_source(models[family]).shape, quant=quant, target="gguf")

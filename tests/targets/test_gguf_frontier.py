@@ -30,18 +30,18 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import InvalidInput
-from eval.metrics import kl_divergence, log_softmax
-from eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
-from formats.architectures.record import TensorKind
-from formats.architectures.shape import ModelShape
-from formats.gguf.constants import QUANTS
-from formats.hf_model import open_source
-from formats.prequantized import FP4_VALUES
-from placement.weights import gguf_bytes
-from targets.base import ExportRequest, ExportResult, get_target
-from targets.gguf.convert import plan_tensors
-from targets.gguf.export import check_supported, export
+from kiln.core.errors import InvalidInput
+from kiln.eval.metrics import kl_divergence, log_softmax
+from kiln.eval.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from kiln.formats.architectures.record import TensorKind
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.constants import QUANTS
+from kiln.formats.hf_model import open_source
+from kiln.formats.prequantized import FP4_VALUES
+from kiln.placement.weights import gguf_bytes
+from kiln.targets.base import ExportRequest, ExportResult, get_target
+from kiln.targets.gguf.convert import plan_tensors
+from kiln.targets.gguf.export import check_supported, export
 from tests.llama_cpp_converter import convert, gguf_fields, gguf_tensors, vendored_llama_cpp
 from tests.model_factory import make_model
 from tests.quantized_sources import make_fp8_block_source, make_mxfp4_source
@@ -293,7 +293,7 @@ def test_the_releases_mxfp4_experts_go_through_as_they_are(
 def test_mxfp4_blocks_are_repacked_not_recomputed() -> None:
     """ggml's block_mxfp4 from OCP MX blocks (`mxfp4_from_ocp`): the same values as gguf-py decodes them, every
     exponent byte kept, and byte j holding values j and j + 16 (ggml-common.h), on every nibble and exponent."""
-    from formats.gguf.quants import mxfp4_from_ocp
+    from kiln.formats.gguf.quants import mxfp4_from_ocp
 
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, size=(3, 5, 4, 16), dtype=np.uint8)
@@ -497,7 +497,7 @@ def test_every_file_passes_the_lint(
 ) -> None:
     """What the writer writes, the lint (which the export stage runs) passes, against the source's config and
     against the file's own keys (MLA's sizes read back from them)."""
-    from targets.lint import lint_artifact
+    from kiln.targets.lint import lint_artifact
 
     path, _ = exported(model, quant)
     for shape in (open_source(models[model]).shape, None):
@@ -572,7 +572,7 @@ def test_gpt_oss_as_released_is_its_release_in_gguf(example: str, layers: int, e
     experts' 17 bytes per 32 weights and every bf16 tensor as released, but for what llama.cpp keeps in F32 (norms,
     biases, sinks, the router), 2 bytes more per element. By hand: hidden 2880, 64 heads and 8 KV heads of 64,
     experts of 2880."""
-    from placement.weights import source_bytes
+    from kiln.placement.weights import source_bytes
 
     h, q, kv, ff = 2880, 64 * 64, 8 * 64, 2880
     per_layer = 2 * h + q + 2 * kv + h + 64 + experts * h + experts + experts * 2 * ff + experts * h

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from formats.hf_model import open_source
-from pipeline.executors.local import LocalExecutor
-from pipeline.records import ArtifactRecord
-from pipeline.stage import Node
-from pipeline.stages import export as export_stage
-from pipeline.stages import ingest as ingest_stage
-from pipeline.stages import quantize as quantize_stage
-from pipeline.store import WorkDir
-from quant.catalog import SCHEMES, get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest, get_target
-from targets.hf_bundle.export import export
+from kiln.formats.hf_model import open_source
+from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.records import ArtifactRecord
+from kiln.pipeline.stage import Node
+from kiln.pipeline.stages import export as export_stage
+from kiln.pipeline.stages import ingest as ingest_stage
+from kiln.pipeline.stages import quantize as quantize_stage
+from kiln.pipeline.store import WorkDir
+from kiln.quant.catalog import SCHEMES, get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.hf_bundle.export import export
 from tests.model_factory import make_model
 
 QUANTIZED = ["fp8", "fp8-block", "int8-w8a8", "int8-w8a16", "int4-rtn"]
@@ -108,7 +108,7 @@ def test_sharded_quantized_bundle_loads(model_dir: Path, tmp_path: Path, referen
 
 
 def test_export_refuses_missing_or_mismatched_quantized_input(model_dir: Path, tmp_path: Path) -> None:
-    from core.errors import InvalidInput
+    from kiln.core.errors import InvalidInput
 
     source = open_source(model_dir)
     with pytest.raises(InvalidInput, match="quantize stage"):

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eval.metrics import kl_divergence, log_softmax
-from eval.runtimes.transformers_runtime import TransformersRuntime
-from formats.architectures.record import TensorKind
-from quant.catalog import SCHEMES, get_method, get_scheme
-from quant.footprint import checkpoint_bytes
-from quant.rtn import QuantShapeError, dequantize
+from kiln.eval.metrics import kl_divergence, log_softmax
+from kiln.eval.runtimes.transformers_runtime import TransformersRuntime
+from kiln.formats.architectures.record import TensorKind
+from kiln.quant.catalog import SCHEMES, get_method, get_scheme
+from kiln.quant.footprint import checkpoint_bytes
+from kiln.quant.rtn import QuantShapeError, dequantize
 from tests.model_factory import NEW_FAMILIES, make_bundle, make_model
 from tests.quant.test_moe_calibration import routing_kept
 
@@ -55,7 +55,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def held_out(models: dict[str, Path]) -> list[int]:
     """128 tokens of text calibration never sees (the stdlib's heapq.py; every family shares the tokenizer)."""
-    from eval.text import tokenize_text
+    from kiln.eval.text import tokenize_text
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text(encoding="utf-8")
     return list(tokenize_text(models["qwen3"], text, window=128, max_tokens=128, prompts=0).windows[0])
@@ -115,7 +115,7 @@ def test_the_checkpoint_layout_is_the_familys_own(family: str, bundles: Any, mod
     """int4: every quantized Linear as the checkpoint names it (each expert's, Phi-3's fused qkv and gate_up as
     one Linear each); routers, norms, embeddings and lm_head bf16; the routers listed in `ignore` by their
     checkpoint names, as vLLM reads them."""
-    from formats.hf_model import open_source
+    from kiln.formats.hf_model import open_source
 
     bundle = bundles(family, "int4-rtn")
     stored = _tensors(bundle)
@@ -194,7 +194,7 @@ def test_awq_smooths_the_router_with_the_experts(family: str, bundles: Any, mode
     """AWQ's smoothing of post_attention_layernorm is folded into every module reading it, the router included, so
     tokens go to the experts they went to. llm-compressor has no AWQ groups for Mixtral and would fall back to
     Llama's (the experts' gate and up, not the router); kiln gives it the MoE groups (`moe_awq_mappings`)."""
-    from formats.architectures import FAMILIES
+    from kiln.formats.architectures import FAMILIES
 
     stored, source = _tensors(bundles(family, "w4a16-awq")), _tensors(models[family])
     experts = FAMILIES[family].mlp.experts
@@ -223,8 +223,8 @@ def test_awq_folds_gemma3_smoothing_into_its_offset_norm(bundles: Any, models: d
 def test_every_familys_bundle_passes_the_lint(family: str, scheme: str, bundles: Any, models: dict[str, Path]) -> None:
     """What hf-bundle writes, the lint (which the export stage runs) passes: every expert's scales, the routers in
     `ignore`, fused Linears as one."""
-    from formats.hf_model import open_source
-    from targets.lint import lint_artifact
+    from kiln.formats.hf_model import open_source
+    from kiln.targets.lint import lint_artifact
 
     report = lint_artifact(bundles(family, scheme), shape=open_source(models[family]).shape, quant=scheme)
     assert report.errors == [], [(f.code, f.subject, f.message) for f in report.errors]

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from formats.architectures.shape import ModelShape
-from formats.gguf.reader import read_header
-from formats.hf_model import open_source
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest, get_target
-from targets.lint import CODES, LintReport, LintRequest, detect_format, lint_artifact
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.gguf.reader import read_header
+from kiln.formats.hf_model import open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.lint import CODES, LintReport, LintRequest, detect_format, lint_artifact
 from tests.model_factory import make_bundle, make_model
 
 # (family, make_model kwargs); the llama's widths are whole 128-blocks (fp8-block) and int4 groups.
@@ -498,7 +498,7 @@ def test_artifact_from_another_model_than_its_source(artifact: Callable[[str], P
 def test_an_artifact_of_a_prequantized_source_is_compared_with_its_shape_deliberately() -> None:
     """A release's own quantized layout (`source_quant`) is the source's: an artifact that dequantized it, or holds
     compressed-tensors (config.json without a release layout), is not a mismatch; one that declares another is."""
-    from targets.lint.config import compare_shapes
+    from kiln.targets.lint.config import compare_shapes
 
     released = json.loads((Path(__file__).parents[2] / "examples" / "deepseek-v3" / "config.json").read_text())
     source = ModelShape.from_config(released)

@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from core.errors import InvalidInput
-from core.manifest import ArtifactManifest, FileEntry
-from eval.metrics import compare
-from eval.runtimes import JaxRuntime
-from formats.architectures.record import TensorKind
-from formats.hf_model import SourceModel, open_source
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest, ExportResult, get_target
-from targets.orbax.layout import INT8, CheckpointTensor
-from targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
+from kiln.core.errors import InvalidInput
+from kiln.core.manifest import ArtifactManifest, FileEntry
+from kiln.eval.metrics import compare
+from kiln.eval.runtimes import JaxRuntime
+from kiln.formats.architectures.record import TensorKind
+from kiln.formats.hf_model import SourceModel, open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, ExportResult, get_target
+from kiln.targets.orbax.layout import INT8, CheckpointTensor
+from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
 from tests.model_factory import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ def test_int8_computes_the_quantize_stage_model(family: str, models: dict[str, P
     forward computes exactly the model whose Linear weights are q * scale."""
     import torch
 
-    from quant.rtn import dequantize, quantizes
+    from kiln.quant.rtn import dequantize, quantizes
 
     art = exported(family, INT8)
     quantized = open_quantized(art.parent / f"{art.name}-quantize", INT8)
@@ -246,7 +246,7 @@ def test_int8_computes_the_quantize_stage_model(family: str, models: dict[str, P
 MESH_CHECK = """
 import json, sys
 import numpy as np
-from eval.runtimes import JaxRuntime
+from kiln.eval.runtimes import JaxRuntime
 
 ids = list(range(3, 500, 7))
 out = {}
@@ -339,8 +339,8 @@ def test_a_mesh_the_model_does_not_fit_is_refused_before_writing(
 
 
 def test_a_bad_mesh_is_refused_when_the_recipe_is_read(models: dict[str, Path], tmp_path: Path) -> None:
-    from core.errors import RecipeInvalid
-    from pipeline.recipe import parse_recipe
+    from kiln.core.errors import RecipeInvalid
+    from kiln.pipeline.recipe import parse_recipe
 
     (tmp_path / "heldout.txt").write_text("text")
     recipe = {
@@ -366,7 +366,7 @@ def test_export_streams_in_bounded_batches(
 ) -> None:
     """When the k-th source tensor is read, the tensors read before it and not yet in the checkpoint on
     disk hold fewer bytes than the write batch (`WRITE_BATCH_BYTES`): memory is one batch, not the model."""
-    from targets.orbax import export as orbax_export
+    from kiln.targets.orbax import export as orbax_export
 
     out = tmp_path / "art"
     out.mkdir()
@@ -437,10 +437,10 @@ def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
 def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict[str, Path], tmp_path: Path) -> None:
     """A recipe with orbax bf16 and int8: the int8 export consumes the shared quantize stage, the eval stage
     opens both in the JAX runtime and judges them with the default gates, and each records TPU hardware."""
-    from pipeline.build import run
-    from pipeline.recipe import load_recipe
-    from pipeline.records import ArtifactRecord
-    from pipeline.store import WorkDir
+    from kiln.pipeline.build import run
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.records import ArtifactRecord
+    from kiln.pipeline.store import WorkDir
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     (tmp_path / "heldout.txt").write_text(text, encoding="utf-8")

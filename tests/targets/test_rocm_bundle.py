@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidInput, RecipeInvalid
-from formats.hf_model import open_source
-from pipeline.recipe import parse_recipe
-from quant.catalog import get_scheme
-from quant.store import open_quantized, write_quantized
-from targets.base import ExportRequest, get_target
-from targets.rocm_bundle.export import export
-from targets.rocm_bundle.fnuz import e4m3fn_to_e4m3fnuz
+from kiln.core.errors import InvalidInput, RecipeInvalid
+from kiln.formats.hf_model import open_source
+from kiln.pipeline.recipe import parse_recipe
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.rocm_bundle.export import export
+from kiln.targets.rocm_bundle.fnuz import e4m3fn_to_e4m3fnuz
 from tests.model_factory import make_model
 
 GFX942 = {"gfx_arch": "gfx942", "vllm": "0.11.2", "rocm": "7.0.2"}
@@ -83,7 +83,7 @@ def test_fnuz_bundle_dequantises_to_vllm_load_time_values(scheme: str, model_dir
     import torch
     from safetensors import safe_open
 
-    from formats.architectures import LINEAR_WEIGHT
+    from kiln.formats.architectures import LINEAR_WEIGHT
 
     fn = _bundle(model_dir, tmp_path / "fn", scheme, GFX942)
     fnuz = _bundle(model_dir, tmp_path / "fnuz", scheme, {**GFX942, "fp8_dtype": "e4m3fnuz"})
@@ -139,7 +139,7 @@ def test_eval_runtime_scores_the_fnuz_bundle_exactly_like_the_fn_bundle(
 ) -> None:
     import numpy as np
 
-    from eval.runtimes import TransformersRuntime
+    from kiln.eval.runtimes import TransformersRuntime
 
     ids = list(range(0, 400, 7))
     fn = TransformersRuntime(_bundle(model_dir, tmp_path / "fn", scheme, GFX942)).logits(ids)
@@ -150,7 +150,7 @@ def test_eval_runtime_scores_the_fnuz_bundle_exactly_like_the_fn_bundle(
 def test_inverse_conversion_is_exact_and_refuses_what_e4m3fn_lacks() -> None:
     import torch
 
-    from targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
+    from kiln.targets.rocm_bundle.fnuz import e4m3fnuz_to_e4m3fn
 
     patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     finite = patterns[~torch.isnan(patterns.float())]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from core.errors import UnknownName
-from core.hardware import PROFILES
-from quant.catalog import SCHEMES, compatibility, compatible_hardware, get_scheme
-from quant.schemes import Scheme, WeightQuant
+from kiln.core.errors import UnknownName
+from kiln.core.hardware import PROFILES
+from kiln.quant.catalog import SCHEMES, compatibility, compatible_hardware, get_scheme
+from kiln.quant.schemes import Scheme, WeightQuant
 
 
 def test_presets_are_the_issue_schemes() -> None:
@@ -107,7 +107,7 @@ def test_format_names_are_what_compressed_tensors_infers() -> None:
     import torch
     from compressed_tensors.compressors.format import infer_module_format
 
-    from quant.compressed import ct_scheme
+    from kiln.quant.compressed import ct_scheme
 
     for scheme in SCHEMES.values():
         if scheme.quantized:

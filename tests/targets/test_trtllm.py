@@ -10,21 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidInput, RecipeInvalid, StageFailed
-from core.hardware import PROFILES
-from formats.architectures import ARCHITECTURES, LINEAR_WEIGHT
-from formats.architectures.record import TensorKind
-from formats.architectures.shape import ModelShape
-from formats.hf_model import SourceModel, open_source
-from pipeline.recipe import Recipe, parse_recipe
-from quant.catalog import get_method, get_scheme
-from quant.rtn import dequantize
-from quant.store import QuantizedWeights, open_quantized, write_quantized
-from targets.base import ExportRequest, ExportResult, get_target
-from targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows
-from targets.trtllm.formats import FORMATS as ALL_FORMATS
-from targets.trtllm.formats import MOE_REFUSED, algo_verdict
-from targets.trtllm.schema import (
+from kiln.core.errors import InvalidInput, RecipeInvalid, StageFailed
+from kiln.core.hardware import PROFILES
+from kiln.formats.architectures import ARCHITECTURES, LINEAR_WEIGHT
+from kiln.formats.architectures.record import TensorKind
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.hf_model import SourceModel, open_source
+from kiln.pipeline.recipe import Recipe, parse_recipe
+from kiln.quant.catalog import get_method, get_scheme
+from kiln.quant.rtn import dequantize
+from kiln.quant.store import QuantizedWeights, open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, ExportResult, get_target
+from kiln.targets.trtllm.export import export, pack_int4_rows, unpack_int4_rows
+from kiln.targets.trtllm.formats import FORMATS as ALL_FORMATS
+from kiln.targets.trtllm.formats import MOE_REFUSED, algo_verdict
+from kiln.targets.trtllm.schema import (
     HF_QUANT_CONFIG,
     LINEAR_TENSORS,
     check_checkpoint,
@@ -56,7 +56,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def quantized(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedWeights]:
     """The shared quantize stage's output for every trtllm scheme (calibrated ones on a little stdlib text)."""
-    from quant.calibrated import calibrate, calibration_samples
+    from kiln.quant.calibrated import calibrate, calibration_samples
 
     source = open_source(model_dir)
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
@@ -205,7 +205,7 @@ def test_checker_names_the_tensor_tensorrt_llm_would_not_load(
 
 
 def test_compressed_tensors_reader_mirror_explains_the_refused_int8_schemes() -> None:
-    from quant.compressed import quantization_config
+    from kiln.quant.compressed import quantization_config
 
     # TensorRT-LLM reads bit width and strategy only: int8 W8A8 would load as FP8 rowwise.
     assert compressed_tensors_algo(quantization_config(get_scheme("int8-w8a8"))) == "FP8_PER_CHANNEL_PER_TOKEN"
@@ -256,8 +256,8 @@ def test_fused_linears_with_different_tensor_scales_are_refused(
     """TensorRT-LLM asserts q/k/v (and gate/up) share weight_scale_2 and input_scale: such a checkpoint is refused."""
     import torch
 
-    from targets.hf_bundle.export import plan_tensors
-    from targets.trtllm.export import to_modelopt_nvfp4
+    from kiln.targets.hf_bundle.export import plan_tensors
+    from kiln.targets.trtllm.export import to_modelopt_nvfp4
 
     source = open_source(model_dir)
     planned = plan_tensors(source, quantized["nvfp4-w4a4"], lambda n: None)
@@ -274,10 +274,10 @@ def test_fp8_checkpoint_evaluates_on_cpu_and_int4_is_deferred_to_a_gpu_runner(
 ) -> None:
     import numpy as np
 
-    from eval.gates import gate_for
-    from eval.run import evaluate_artifact
-    from eval.runtimes import TransformersRuntime
-    from eval.text import load_text
+    from kiln.eval.gates import gate_for
+    from kiln.eval.run import evaluate_artifact
+    from kiln.eval.runtimes import TransformersRuntime
+    from kiln.eval.text import load_text
 
     source = open_source(model_dir)
     fp8 = _export(source, "fp8", tmp_path / "fp8", quantized["fp8"])
@@ -555,7 +555,7 @@ def test_nvfp4_qwen3_moe_checkpoint_quantizes_every_expert_and_keeps_the_router(
     checkpoint missing one expert's scale is refused, naming it."""
     import torch
 
-    from quant.calibrated import calibrate, calibration_samples
+    from kiln.quant.calibrated import calibrate, calibration_samples
 
     model_dir = family_models["qwen3_moe"]
     source = open_source(model_dir)
@@ -606,7 +606,7 @@ def test_nvfp4_qwen3_moe_checkpoint_quantizes_every_expert_and_keeps_the_router(
 def test_calibrated_checkpoints_of_dense_families_validate(
     family: str, quant: str, family_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    from quant.calibrated import calibrate, calibration_samples
+    from kiln.quant.calibrated import calibrate, calibration_samples
 
     model_dir = family_models[family]
     source = open_source(model_dir)
@@ -676,9 +676,9 @@ def test_every_quant_refused_per_family_is_one_kiln_writes_and_moe_refusals_name
 
 
 def _plan(tmp_path: Path, model_dir: Path, entry: dict) -> list:
-    from pipeline.build import plan
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline.build import plan
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "heldout.txt").write_text("hello world " * 200)

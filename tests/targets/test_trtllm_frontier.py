@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from core.errors import InvalidInput, KilnError
-from formats.architectures.shape import ModelShape
-from formats.hf_model import SourceModel, open_source
-from quant.catalog import get_scheme
-from quant.store import QuantizedWeights, open_quantized, write_quantized
-from targets.base import ExportRequest, ExportResult, get_target
-from targets.trtllm.export import FP8_RELEASE_CONFIG, QUANTIZED, export
-from targets.trtllm.formats import MOE_REFUSED
-from targets.trtllm.schema import check_checkpoint
+from kiln.core.errors import InvalidInput, KilnError
+from kiln.formats.architectures.shape import ModelShape
+from kiln.formats.hf_model import SourceModel, open_source
+from kiln.quant.catalog import get_scheme
+from kiln.quant.store import QuantizedWeights, open_quantized, write_quantized
+from kiln.targets.base import ExportRequest, ExportResult, get_target
+from kiln.targets.trtllm.export import FP8_RELEASE_CONFIG, QUANTIZED, export
+from kiln.targets.trtllm.formats import MOE_REFUSED
+from kiln.targets.trtllm.schema import check_checkpoint
 from tests.model_factory import make_model
 from tests.quantized_sources import FP8_CONFIG, MXFP4_CONFIG, make_fp8_block_source, make_mxfp4_source
 
@@ -372,9 +372,9 @@ def test_legacy_engines_are_refused_for_both_families(sources: dict[str, Path]) 
 
 
 def _plan(tmp_path: Path, model_dir: Path, entry: dict[str, Any]) -> list[Any]:
-    from pipeline.build import plan
-    from pipeline.recipe import load_recipe
-    from pipeline.store import open_store
+    from kiln.pipeline.build import plan
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "heldout.txt").write_text("hello world " * 200)

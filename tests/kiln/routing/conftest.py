@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from registry.app import create_app
-from registry.oci.base_image import write_busybox_base
-from registry.settings import RegistrySettings
+from kiln.registry.app import create_app
+from kiln.registry.oci.base_image import write_busybox_base
+from kiln.registry.settings import RegistrySettings
 from tests.registry import conftest as registry_fixtures
 from tests.registry.helpers import STAND_IN_EXECUTABLE, make_release, post_eval, promote, publish, seal
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from core.errors import KilnError
+from kiln.core.errors import KilnError
 from kiln.routing import RenderOptions
 from kiln.routing.formats import get_format
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, Sizing

@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from client import RegistryClient
-from core.errors import KilnError
-from core.resolve import ResolveOut
+from kiln.client import RegistryClient
+from kiln.core.errors import KilnError
+from kiln.core.resolve import ResolveOut
+from kiln.registry.app import create_app
+from kiln.registry.settings import RegistrySettings
 from kiln.routing import Rendered, RenderOptions, Sizing, render_channel
-from registry.app import create_app
-from registry.settings import RegistrySettings
 from tests.kiln.routing.conftest import MODEL
 from tests.kiln.routing.kube_schema import assert_valid
 
