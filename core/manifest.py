@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from kiln.core.digest import sha256_json
+from kiln.core.rows import FromRow
 from kiln.core.untrusted import JSONObject
 
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
@@ -67,8 +68,13 @@ class FileOut(BaseModel):
     url: str = Field(description="absolute download URL")
 
 
-class ArtifactManifest(BaseModel):
-    """One artifact: a target's output for one quantization, with where it runs and how it was made."""
+class ArtifactIdentity(FromRow):
+    """What an artifact is, wherever kiln names it: its name in the release, the target that made it, its file
+    format and quantization, the hardware it runs on and what its runtime needs.
+
+    The one record of these: the build's artifact record, the manifest, a resolve answer, a routing placement and
+    a signature's claims embed it, and `ArtifactIdentity.of(x)` reads it from anything that holds its fields (a
+    database row, a record that embeds it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -79,16 +85,7 @@ class ArtifactManifest(BaseModel):
     hardware: list[Annotated[str, StringConstraints(pattern=HARDWARE_NAME)]] = Field(
         max_length=1000, description="hardware profile names this artifact runs on"
     )
-    unsupported: dict[
-        Annotated[str, StringConstraints(pattern=HARDWARE_NAME)], Annotated[str, StringConstraints(max_length=10_000)]
-    ] = Field(
-        default_factory=dict,
-        max_length=1000,
-        description="hardware profile names it does not run on, each with the reason",
-    )
     runtime: JSONObject = Field(default_factory=dict, description="runtime requirements")
-    files: list[FileEntry] = Field(max_length=MAX_FILES)
-    provenance: JSONObject = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -96,6 +93,34 @@ class ArtifactManifest(BaseModel):
         if not ARTIFACT_NAME.fullmatch(v):
             raise ValueError(f"invalid artifact name {v!r}: lowercase letters, digits, '.', '_', '-'")
         return v
+
+    def claims(self, *, model: str, version: str) -> dict[str, Any]:
+        """What a signature of this artifact in `model@version` claims (`core.signing.ArtifactClaims`), in the
+        statement's own words: the name is `artifact`, and the hardware a set (sorted)."""
+        return {
+            "model": model,
+            "version": version,
+            "artifact": self.name,
+            "target": self.target,
+            "format": self.format,
+            "quant": self.quant,
+            "hardware": sorted(self.hardware),
+            "runtime": dict(self.runtime),
+        }
+
+
+class ArtifactManifest(ArtifactIdentity):
+    """One artifact: a target's output for one quantization, with where it runs and how it was made."""
+
+    unsupported: dict[
+        Annotated[str, StringConstraints(pattern=HARDWARE_NAME)], Annotated[str, StringConstraints(max_length=10_000)]
+    ] = Field(
+        default_factory=dict,
+        max_length=1000,
+        description="hardware profile names it does not run on, each with the reason",
+    )
+    files: list[FileEntry] = Field(max_length=MAX_FILES)
+    provenance: JSONObject = Field(default_factory=dict)
 
     @field_validator("files")
     @classmethod

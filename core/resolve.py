@@ -14,20 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.core.evals import EvalStatus
 from kiln.core.hardware import MatmulDtype
-from kiln.core.manifest import FileOut
+from kiln.core.manifest import ArtifactIdentity, FileOut
 
 Policy = Literal["latency", "cost", "quality"]
 
 
-class ResolvedArtifact(BaseModel):
-    """An artifact of the release, with where to download each of its files."""
+class ResolvedArtifact(ArtifactIdentity):
+    """An artifact of the release (what it is, the digest of its manifest), with where to download each of its
+    files."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(extra="ignore")  # what a newer registry adds, a client reads past
 
-    name: str
-    target: str
-    format: str
-    quant: str
     manifest_digest: str
     files: list[FileOut]
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from kiln.core.manifest import FileEntry
+from kiln.core.manifest import ArtifactIdentity, FileEntry
 from kiln.core.shape import ShapeRecord
 from kiln.eval.reference_rows import MAX_ENTRIES, TAIL_MASS
 from kiln.formats.prequantized import QuantizationRecord
@@ -115,19 +115,13 @@ class QuantizeRecord(Record):
         return str(self.scheme["name"])
 
 
-class ArtifactRecord(Record):
-    """An artifact's files (the stage's output) and everything its manifest declares about them.
+class ArtifactRecord(ArtifactIdentity, Record):
+    """An artifact's files (the stage's output): what it is, and everything else its manifest declares about them.
 
     Made by the export stage, and by a target's derived stages (a TensorRT engine per GPU SKU).
     """
 
-    artifact: str
-    target: str
-    format: str
-    quant: str
-    hardware: list[str]
     unsupported: dict[str, str]
-    runtime: dict[str, Any] = Field(description="runtime requirements recorded in the manifest")
     runtime_name: str = Field(description="the runtime that evaluates it first, e.g. llama.cpp, transformers")
     eval_runtimes: list[str] = Field(
         default_factory=list, description="every runtime that evaluates it, `runtime_name` first ([]: that one only)"

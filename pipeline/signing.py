@@ -55,16 +55,7 @@ class SigningKey:
 
 def claims_of(manifest: ArtifactManifest, *, model: str, version: str) -> ArtifactClaims:
     """What the signature and the provenance of `manifest`'s artifact in `model@version` claim."""
-    return ArtifactClaims.of(
-        model=model,
-        version=version,
-        artifact=manifest.name,
-        target=manifest.target,
-        format=manifest.format,
-        quant=manifest.quant,
-        hardware=manifest.hardware,
-        runtime=manifest.runtime,
-    )
+    return ArtifactClaims.of(**manifest.claims(model=model, version=version))
 
 
 def sign_files(files_dir: Path, manifest: ArtifactManifest, key: SigningKey, *, model: str, version: str) -> bytes:

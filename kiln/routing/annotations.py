@@ -13,8 +13,14 @@ def per_release_key(what: str, version: str) -> str:
     return f"{LABEL_PREFIX}/{label_value(f'{what}.{version}')}"
 
 
+def artifact_of(p: Placement) -> str:
+    """The placed artifact's name, target, format and quant, as the annotations write it."""
+    a = p.artifact
+    return f"{a.name} ({a.target}, {a.format}, {a.quant})"
+
+
 def summary(p: Placement) -> str:
-    return f"{p.artifact} ({p.target}, {p.format}, {p.quant}), TP {p.tp}, {p.runtime}, manifest {p.manifest_digest}"
+    return f"{artifact_of(p)}, TP {p.tp}, {p.runtime}, manifest {p.manifest_digest}"
 
 
 def origin(routing: ChannelRouting) -> dict[str, str]:
@@ -35,7 +41,7 @@ def placement_annotations(routing: ChannelRouting, p: Placement) -> dict[str, st
     return {
         **origin(routing),
         f"{LABEL_PREFIX}/release": p.version,
-        f"{LABEL_PREFIX}/artifact": f"{p.artifact} ({p.target}, {p.format}, {p.quant})",
+        f"{LABEL_PREFIX}/artifact": artifact_of(p),
         f"{LABEL_PREFIX}/manifest-digest": p.manifest_digest,
         f"{LABEL_PREFIX}/tp": str(p.tp),
         f"{LABEL_PREFIX}/runtime": p.runtime,

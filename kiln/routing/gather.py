@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from kiln.client import RegistryClient
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput, KilnError, NotFound
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import ResolveOut
 from kiln.registry.channels.buckets import BASIS_POINTS
 from kiln.registry.resolve.query import Pool, parse_pools
@@ -104,10 +105,7 @@ def _placement(answer: ResolveOut, weight: int) -> Placement:
     return Placement(
         version=answer.version,
         weight=weight,
-        artifact=a.name,
-        target=a.target,
-        format=a.format,
-        quant=a.quant,
+        artifact=ArtifactIdentity.of(a),
         manifest_digest=a.manifest_digest,
         tp=why.tp,
         runtime=runtime.name,
@@ -190,10 +188,11 @@ def check_modelcars(client: RegistryClient, routing: ChannelRouting) -> None:
         ) from None
     for pool in routing.pools:
         for p in pool.placements:
-            tag = modelcar_tag(p.version, p.artifact)
+            tag = modelcar_tag(p.version, p.artifact.name)
             if tag not in tags:
                 raise NotFound(
-                    f"the registry has no model car {repository}:{tag} ({p.artifact} of {routing.model}@{p.version})",
+                    f"the registry has no model car {repository}:{tag} "
+                    f"({p.artifact.name} of {routing.model}@{p.version})",
                     code=Codes.ROUTING_MODELCAR_MISSING,
                     details={"repository": repository, "tag": tag},
                 )

@@ -82,7 +82,7 @@ def modelcar_tag(version: str, artifact: str) -> str:
 def modelcar_uri(routing: ChannelRouting, placement: Placement, options: RenderOptions) -> str:
     host = options.oci_host or urlsplit(routing.registry).netloc
     repository = MODELCAR_REPOSITORY.format(model=routing.model)
-    return f"oci://{host}/{repository}:{modelcar_tag(placement.version, placement.artifact)}"
+    return f"oci://{host}/{repository}:{modelcar_tag(placement.version, placement.artifact.name)}"
 
 
 def _labels(routing: ChannelRouting, pool: PoolRouting, version: str | None = None) -> dict[str, str]:
@@ -103,10 +103,10 @@ def _service(
     runtime = RUNTIMES[placement.runtime]
     if runtime.kserve_runtime is None or runtime.kserve_model_format is None:
         raise InvalidInput(
-            f"{placement.artifact} of {routing.model}@{placement.version} on {pool.hardware} is served by "
+            f"{placement.artifact.name} of {routing.model}@{placement.version} on {pool.hardware} is served by "
             f"{runtime.name} ({runtime.serves}), which KServe has no runtime for",
             code=Codes.ROUTING_RUNTIME_UNSUPPORTED,
-            details={"artifact": placement.artifact, "runtime": runtime.name, "hardware": pool.hardware},
+            details={"artifact": placement.artifact.name, "runtime": runtime.name, "hardware": pool.hardware},
         )
     resource = device_resource(pool.hardware, pool.family)
     sizing = routing.sizing

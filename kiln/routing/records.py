@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput
 from kiln.core.hardware import Family
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import Policy
 from kiln.registry.channels.buckets import BASIS_POINTS
 
@@ -27,10 +28,7 @@ class Placement(BaseModel):
 
     version: str
     weight: int = Field(ge=1, le=BASIS_POINTS, description="basis points of the channel's traffic (10,000: all)")
-    artifact: str
-    target: str
-    format: str
-    quant: str
+    artifact: ArtifactIdentity
     manifest_digest: str
     tp: int = Field(ge=1, description="devices per replica (resolve's reason.tp)")
     runtime: str = Field(description="the serving runtime's name (kiln.routing.runtimes.RUNTIMES)")

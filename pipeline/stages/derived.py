@@ -84,7 +84,7 @@ def build(derived: DerivedStage, ctx: StageContext) -> ArtifactRecord:
 def artifact_record(params: dict[str, Any], made: DerivedArtifact) -> ArtifactRecord:
     """A derived artifact's record, as an export's: its name and quant from the node's params."""
     return ArtifactRecord(
-        artifact=params["artifact"],
+        name=params["artifact"],
         target=made.target,
         format=made.format,
         quant=params["quant"],

@@ -65,7 +65,7 @@ def run(ctx: StageContext) -> ArtifactRecord:
         if hw not in hardware
     }
     return ArtifactRecord(
-        artifact=p["artifact"],
+        name=p["artifact"],
         target=spec.name,
         format=spec.format,
         quant=p["quant"],
@@ -92,4 +92,4 @@ def hint(node: Node) -> str:
     return f"without {node.params['quant']} in {node.params['target']}'s quants, the recipe's other artifacts build"
 
 
-STAGE = Stage("export", "7", run, ArtifactRecord, "write one target's artifact for one quant", needs=needs, hint=hint)
+STAGE = Stage("export", "8", run, ArtifactRecord, "write one target's artifact for one quant", needs=needs, hint=hint)

@@ -37,16 +37,8 @@ from kiln.targets.lint import LintRequest
 def manifest_for(artifact: StageOutput) -> ArtifactManifest:
     """The manifest of an artifact-making stage's output (an export, or a target's derived stage)."""
     r = artifact.record(ArtifactRecord)
-    return ArtifactManifest(
-        name=r.artifact,
-        target=r.target,
-        format=r.format,
-        quant=r.quant,
-        hardware=r.hardware,
-        unsupported=r.unsupported,
-        runtime=r.runtime,
-        files=artifact.files,
-        provenance={**artifact.provenance, "details": r.details, **_source_use(r)},
+    return ArtifactManifest.of(
+        r, files=artifact.files, provenance={**artifact.provenance, "details": r.details, **_source_use(r)}
     )
 
 

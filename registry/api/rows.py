@@ -1,5 +1,4 @@
-"""Response models read from database rows: each field from the row's attribute of the same name
-(pydantic's `from_attributes`), nested rows included, and what the row does not hold given by name.
+"""What the registry's response models read from database rows (`core.rows.FromRow`) beside plain columns.
 
 A free-form JSON value read back (`StoredJSON`: a release's lineage and model config, an artifact's
 runtime, an audit event's details, a webhook's payload) is answered as stored when it is one the registry
@@ -12,9 +11,9 @@ database is left as it is (nothing stored is lost or rewritten by a read).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Self
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import ValidatorFunctionWrapHandler, WrapValidator
 
 from kiln.core.untrusted import InvalidJSON, check_json_value
 from kiln.registry.api.errors import error_body
@@ -30,28 +29,3 @@ def _readable(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 StoredJSON = Annotated[dict[str, Any], WrapValidator(_readable)]
-
-
-class _Overlay:
-    """`row`, with some attributes given instead (a computed status, a URL, the caller's model name)."""
-
-    __slots__ = ("_extra", "_row")
-
-    def __init__(self, row: object, extra: dict[str, Any]):
-        self._row, self._extra = row, extra
-
-    def __getattr__(self, name: str) -> Any:
-        extra = object.__getattribute__(self, "_extra")
-        if name in extra:
-            return extra[name]
-        return getattr(object.__getattribute__(self, "_row"), name)
-
-
-class FromRow(BaseModel):
-    """A response model built from a row: `Out.of(row)`, or `Out.of(row, url=...)` for fields the row lacks."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    @classmethod
-    def of(cls, row: object, **extra: Any) -> Self:
-        return cls.model_validate(_Overlay(row, extra) if extra else row)

@@ -9,7 +9,8 @@ from pydantic import ConfigDict, Field, computed_field, field_validator
 
 from kiln.core.evals import EvalMetrics, PublishedEval, RecordedEval
 from kiln.core.manifest import ArtifactManifest, FileOut
-from kiln.registry.api.rows import FromRow, StoredJSON
+from kiln.core.rows import FromRow
+from kiln.registry.api.rows import StoredJSON
 from kiln.registry.artifacts.evals import EvalStatus, eval_status
 
 # A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,

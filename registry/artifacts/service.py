@@ -11,7 +11,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinl
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput, NotFound
-from kiln.core.manifest import ArtifactManifest, FileEntry, check_relative_path
+from kiln.core.manifest import ArtifactIdentity, ArtifactManifest, FileEntry, check_relative_path
 
 # The rows this service returns, which other domains read (and name in their annotations).
 from kiln.registry.artifacts.models import Artifact, ArtifactFile, EvalResult
@@ -51,16 +51,8 @@ WITH_FILES_AND_EVALS = (*WITH_FILES, *WITH_EVALS)
 
 def manifest_of(artifact: Artifact) -> ArtifactManifest:
     """The manifest as published (needs `files` loaded)."""
-    return ArtifactManifest(
-        name=artifact.name,
-        target=artifact.target,
-        format=artifact.format,
-        quant=artifact.quant,
-        hardware=artifact.hardware,
-        unsupported=artifact.unsupported,
-        runtime=artifact.runtime,
-        files=[FileEntry(path=f.path, sha256=f.sha256, size=f.size) for f in artifact.files],
-        provenance=artifact.provenance,
+    return ArtifactManifest.of(
+        artifact, files=[FileEntry(path=f.path, sha256=f.sha256, size=f.size) for f in artifact.files]
     )
 
 
@@ -238,13 +230,8 @@ def publish_artifact(
     _check_blobs(session, manifest)
     artifact = Artifact(
         release_id=release.id,
-        name=manifest.name,
-        target=manifest.target,
-        format=manifest.format,
-        quant=manifest.quant,
-        hardware=list(manifest.hardware),
+        **ArtifactIdentity.of(manifest).model_dump(),
         unsupported=dict(manifest.unsupported),
-        runtime=manifest.runtime,
         provenance=manifest.provenance,
         manifest_digest=digest,
         total_size=manifest.total_size,

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core.rows import FromRow
 from kiln.registry.api.params import SHA256_PATTERN
-from kiln.registry.api.rows import FromRow
 
 AttestationKind = Literal["signature", "provenance"]
 

@@ -19,6 +19,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput, NotFound
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.signing import (
     AttestationKind,
     SignatureInvalid,
@@ -153,16 +154,7 @@ def _read_blob(session: Session, store: BlobStore, spec: AttestationCreate) -> b
 
 def claims_of(artifact: Artifact, model: str, version: str) -> dict[str, Any]:
     """The claims an attestation of `artifact` must make (`core.signing.ArtifactClaims.FIELDS`)."""
-    return {
-        "model": model,
-        "version": version,
-        "artifact": artifact.name,
-        "target": artifact.target,
-        "format": artifact.format,
-        "quant": artifact.quant,
-        "hardware": sorted(artifact.hardware),
-        "runtime": dict(artifact.runtime),
-    }
+    return ArtifactIdentity.of(artifact).claims(model=model, version=version)
 
 
 def verify_attestation(

@@ -6,7 +6,8 @@ from datetime import datetime
 
 from pydantic import Field
 
-from kiln.registry.api.rows import FromRow, StoredJSON
+from kiln.core.rows import FromRow
+from kiln.registry.api.rows import StoredJSON
 
 
 class AuditEventOut(FromRow):

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from kiln.registry.api.rows import FromRow
+from kiln.core.rows import FromRow
 from kiln.registry.auth.principal import Scope
 
 

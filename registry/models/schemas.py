@@ -6,8 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core.rows import FromRow
 from kiln.registry.api.params import MODEL_NAME_PATTERN
-from kiln.registry.api.rows import FromRow
 
 
 class ModelCreate(BaseModel):

@@ -23,7 +23,7 @@ def explain_choice(ranked: list[Candidate], query: ResolveQuery) -> str:
         slo.append(f"TTFT ≤ {query.max_ttft_ms:g} ms")
     meets = f" meeting {' and '.join(slo)}" if slo else ""
     return (
-        f"policy {query.policy}: {best.artifact.name} on {best.hardware} (TP {best.plan.tp}) is "
+        f"policy {query.policy}: {best.artifact.identity.name} on {best.hardware} (TP {best.plan.tp}) is "
         f"{_POLICY_WORDS[query.policy]} of {eligible} candidate{'s' if eligible != 1 else ''} that fit"
         f"{meets} across {', '.join(p.hardware for p in query.pools)}"
     )

@@ -72,11 +72,11 @@ def _human(n: int | float) -> str:
 def runs_on(artifact: ArtifactView, profile: HardwareProfile, catalog: HardwareCatalog) -> tuple[bool, str]:
     """Whether the artifact runs on `profile`, and why not. An SKU the artifact was built before (not in
     its hardware, nor its unsupported list) runs it when a listed SKU has the same architecture."""
-    if profile.name in artifact.hardware:
+    if profile.name in artifact.identity.hardware:
         return True, ""
     if profile.name in artifact.unsupported:
         return False, artifact.unsupported[profile.name]
-    twin = catalog.twin(profile, artifact.hardware)
+    twin = catalog.twin(profile, artifact.identity.hardware)
     if twin is not None:
         return True, f"as {twin} (same architecture, {profile.arch})"
     return False, "not built for it"
@@ -158,10 +158,10 @@ def _candidate(
         profile,
         shape,
         artifact.total_size,
-        artifact.quant,
+        artifact.identity.quant,
         query.context,
         query.concurrency,
-        kv_dtype_of(artifact.quant, query.kv_dtype, profile),
+        kv_dtype_of(artifact.identity.quant, query.kv_dtype, profile),
         max_devices=pool.free_devices or None,
     )
     speed = _speed(artifact, plan, profile)
@@ -171,7 +171,7 @@ def _candidate(
     cost = f"${speed.cost_per_mtok:.3g}/Mtok" if speed.cost_per_mtok is not None else "no price"
     ttft = f"TTFT {speed.ttft_ms:.0f} ms" if speed.ttft_ms is not None else "TTFT unknown"
     parts = [
-        f"{artifact.name} on {pool.hardware}{f' {how}' if how else ''}: {plan.explanation}",
+        f"{artifact.identity.name} on {pool.hardware}{f' {how}' if how else ''}: {plan.explanation}",
         f"{speed.tokens_per_s:.1f} tokens/s per replica, {speed.tokens_per_s_per_sequence:.1f} per sequence, "
         f"{ttft}, {cost} ({speed.note})",
         f"eval {artifact.eval_status}" + (f", kl {artifact.kl:g}" if artifact.kl is not None else ""),
@@ -209,7 +209,7 @@ def rank_key(c: Candidate, policy: Policy) -> tuple[object, ...]:
         0 if c.artifact.eval_status == "passed" else 1,
         *(CRITERIA[name](c) for name in POLICY_ORDER[policy]),
         c.pool_index,
-        c.artifact.name,
+        c.artifact.identity.name,
     )
 
 
@@ -257,10 +257,12 @@ def rank_release(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuer
         for a in view.artifacts:
             runs, how = runs_on(a, profile, catalog)
             if not runs:
-                why.setdefault(how, []).append(f"{a.name} ({profile.name})" if len(profiles) > 1 else a.name)
+                why.setdefault(how, []).append(
+                    f"{a.identity.name} ({profile.name})" if len(profiles) > 1 else a.identity.name
+                )
                 unranked.append(Unranked(a, profile.name, how, eval_failed=False))
             elif a.eval_status == "failed":
-                failed.append(f"{a.name} on {profile.name} ({', '.join(a.failed_reasons)})")
+                failed.append(f"{a.identity.name} on {profile.name} ({', '.join(a.failed_reasons)})")
                 unranked.append(Unranked(a, profile.name, "; ".join(a.failed_reasons), eval_failed=True))
             else:
                 candidates.append(_candidate(a, pool, index, profile, view.shape, query, how))
@@ -272,7 +274,7 @@ def rank_release(view: ReleaseView, catalog: HardwareCatalog, query: ResolveQuer
                 details={**details, "failed": failed},
             )
             return Ranking((), tuple(unranked), problem)
-        supported = sorted({h for a in view.artifacts for h in a.hardware})
+        supported = sorted({h for a in view.artifacts for h in a.identity.hardware})
         reasons = "; ".join(f"{reason} ({', '.join(items)})" for reason, items in why.items())
         what = f"{reasons}. Its artifacts run on: {', '.join(supported)}" if supported else "it has no artifacts"
         problem = NotFound(
@@ -292,7 +294,8 @@ def _problem(
     best = ranked[0]
     if not best.fits:
         needs = "; ".join(
-            f"{c.artifact.name} on {c.hardware} needs TP {c.plan.tp} × {_human(c.plan.required_per_device_bytes)} "
+            f"{c.artifact.identity.name} on {c.hardware} needs TP {c.plan.tp} × "
+            f"{_human(c.plan.required_per_device_bytes)} "
             f"(weights {_human(c.plan.weights_per_device_bytes)} + KV cache {_human(c.plan.kv_per_device_bytes)}"
             f" per device) of {_human(c.plan.usable_per_device_bytes)} usable"
             + (f", {c.pool.free_devices} free" if c.pool.free_devices is not None else "")
@@ -307,7 +310,7 @@ def _problem(
                 "memory_bytes": best.plan.memory_per_device_bytes,
                 "candidates": [
                     {
-                        "artifact": c.artifact.name,
+                        "artifact": c.artifact.identity.name,
                         "hardware": c.hardware,
                         "tp": c.plan.tp,
                         "required_bytes": c.plan.required_per_device_bytes,
@@ -318,13 +321,13 @@ def _problem(
         )
     if not best.meets_slo:
         return NotFound(
-            f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.name} on "
+            f"no artifact of {where} on {', '.join(names)} meets the SLO; the best, {best.artifact.identity.name} on "
             f"{best.hardware}: {'; '.join(best.slo_misses)}",
             code=Codes.SLO_UNMET,
             details={
                 **details,
                 "best": {
-                    "artifact": best.artifact.name,
+                    "artifact": best.artifact.identity.name,
                     "hardware": best.hardware,
                     "tokens_per_s_per_sequence": best.speed.tokens_per_s_per_sequence,
                     "ttft_ms": best.speed.ttft_ms,

@@ -48,18 +48,15 @@ def _candidate_out(c: Candidate, base: str, model: str, version: str) -> Resolve
     m = speed.measurement
     return ResolveCandidate(
         hardware=c.hardware,
-        artifact=ResolvedArtifact(
-            name=a.name,
-            target=a.target,
-            format=a.format,
-            quant=a.quant,
+        artifact=ResolvedArtifact.of(
+            a.identity,
             manifest_digest=a.manifest_digest,
             files=[
                 FileOut(
                     path=f.path,
                     sha256=f.sha256,
                     size=f.size,
-                    url=artifact_file_url(base, model, version, a.name, f.path),
+                    url=artifact_file_url(base, model, version, a.identity.name, f.path),
                 )
                 for f in a.files
             ],

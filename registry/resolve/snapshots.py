@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from kiln.core.error_codes import Codes
 from kiln.core.errors import NotFound
 from kiln.core.hardware import HardwareCatalog
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import MeasurementOut
 from kiln.core.shape import ShapeRecord
 from kiln.registry.artifacts.evals import eval_status
@@ -161,12 +162,8 @@ def _artifact_view(a: Artifact, evals_through: int, measurements: list[Measureme
     evals = [e for e in a.evals if e.id <= evals_through]
     kls = [e.metrics.kl for e in evals if e.metrics is not None]
     return ArtifactView(
-        name=a.name,
-        target=a.target,
-        format=a.format,
-        quant=a.quant,
+        identity=ArtifactIdentity.of(a),
         manifest_digest=a.manifest_digest,
-        hardware=tuple(a.hardware),
         unsupported=dict(a.unsupported),
         total_size=a.total_size,
         eval_status=eval_status(evals),

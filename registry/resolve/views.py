@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import MeasurementOut
 from kiln.core.shape import ShapeRecord
 from kiln.registry.artifacts.evals import EvalStatus
@@ -19,12 +20,8 @@ class FileView:
 
 @dataclass(frozen=True)
 class ArtifactView:
-    name: str
-    target: str
-    format: str
-    quant: str
+    identity: ArtifactIdentity
     manifest_digest: str
-    hardware: tuple[str, ...]
     unsupported: Mapping[str, str]  # hardware it does not run on -> why
     total_size: int
     eval_status: EvalStatus

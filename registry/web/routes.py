@@ -264,7 +264,7 @@ TtftMs = Annotated[float, Field(ge=TTFT_MS[0], le=TTFT_MS[1], allow_inf_nan=Fals
 
 def default_pools(view: ReleaseView, catalog: HardwareCatalog) -> list[str]:
     """The SKUs the release's artifacts are built for that the catalog knows, in the catalog's order."""
-    built = {h for a in view.artifacts for h in a.hardware}
+    built = {h for a in view.artifacts for h in a.identity.hardware}
     return [p.name for p in catalog if p.name in built][:MAX_POOLS]
 
 

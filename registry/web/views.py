@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from kiln.core.errors import KilnError
 from kiln.core.evals import EvalMetrics, Gate
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import Policy
 from kiln.registry.artifacts.evals import eval_status
 from kiln.registry.artifacts.service import Artifact, EvalResult
@@ -174,12 +175,8 @@ class ArtifactRow:
     """One matrix row: the artifact's facts, its eval per runtime group of the release (None where it
     has none), its files and its provenance."""
 
-    name: str
-    target: str
-    format: str
-    quant: str
+    identity: ArtifactIdentity
     size: str
-    hardware: tuple[str, ...]
     unsupported: tuple[tuple[str, str], ...]
     status: str
     label: str
@@ -345,12 +342,8 @@ def artifact_row(artifact: Artifact, runtimes: Sequence[RuntimeColumn], file_url
     status = eval_status(artifact.evals)
     provenance = artifact.provenance or {}
     return ArtifactRow(
-        name=artifact.name,
-        target=artifact.target,
-        format=artifact.format,
-        quant=artifact.quant,
+        identity=ArtifactIdentity.of(artifact),
         size=human_size(artifact.total_size),
-        hardware=tuple(artifact.hardware),
         unsupported=tuple(sorted((str(k), str(v)) for k, v in artifact.unsupported.items())),
         status=status,
         label=STATUS_LABELS[status],
@@ -527,8 +520,8 @@ def why_behind(c: Candidate, first: Candidate, policy: Policy) -> str:
             f"against {dollars(first.speed.cost_per_mtok)}"
         )
     if name == "pool":
-        return f"as good on every count as {first.artifact.name} on {first.hardware}, a pool listed before it"
-    return f"as good on every count as {first.artifact.name}, which comes first by name"
+        return f"as good on every count as {first.artifact.identity.name} on {first.hardware}, a pool listed before it"
+    return f"as good on every count as {first.artifact.identity.name}, which comes first by name"
 
 
 @dataclass(frozen=True)
@@ -564,7 +557,7 @@ def left_out(unranked: Iterable[Unranked]) -> tuple[LeftOut, ...]:
     """The ranking's left-out (artifact, pool) pairs, one row per artifact and reason, in the order first seen."""
     grouped: dict[tuple[str, str, bool], list[str]] = {}
     for u in unranked:
-        grouped.setdefault((u.artifact.name, u.reason, u.eval_failed), []).append(u.hardware)
+        grouped.setdefault((u.artifact.identity.name, u.reason, u.eval_failed), []).append(u.hardware)
     return tuple(LeftOut(name, tuple(hw), reason, failed) for (name, reason, failed), hw in grouped.items())
 
 

@@ -138,7 +138,7 @@ GPU_EVAL = DerivedStage(
 )
 LEGACY_ENGINE = DerivedStage(
     kind="engine",
-    code_version="4",
+    code_version="5",
     description="build a TensorRT engine per GPU SKU from the bf16 source, with a pinned release that has trtllm-build",
     runtime=RUNTIME,
     deferral=engine_deferral,

@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 
 from kiln.core.errors import NotFound
 from kiln.core.hardware import builtin_catalog
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.shape import ShapeRecord
 from kiln.registry.app import create_app
 from kiln.registry.resolve.query import ResolveQuery
@@ -227,12 +228,8 @@ def _view(*artifacts: ArtifactView) -> ReleaseView:
 
 def _artifact(name: str, size: int, status: str = "passed", kl: float | None = None) -> ArtifactView:
     return ArtifactView(
-        name=name,
-        target="hf-bundle",
-        format="safetensors",
-        quant="x",
+        identity=ArtifactIdentity(name=name, target="hf-bundle", format="safetensors", quant="x", hardware=["h100"]),
         manifest_digest="0" * 64,
-        hardware=("h100",),
         unsupported={},
         total_size=size,
         eval_status=status,  # type: ignore[arg-type]
@@ -248,7 +245,7 @@ def test_ranking_puts_what_fits_first() -> None:
     # On one H100 (72 GiB usable of 80, plus 0.5 GiB of KV cache): only int4 (38 GiB) fits, even not
     # evaluated; fp8 (75 GiB, under the 80 GiB the device has) does not.
     one = rank_candidates(view, catalog, ResolveQuery("h100:1"), "prod")
-    assert [(c.artifact.name, c.fits, c.plan.tp) for c in one] == [
+    assert [(c.artifact.identity.name, c.fits, c.plan.tp) for c in one] == [
         ("int4", True, 1),
         ("fp8", False, 1),
         ("bf16", False, 1),
@@ -257,7 +254,7 @@ def test_ranking_puts_what_fits_first() -> None:
     assert one[1].plan.usable_per_device_bytes == round(0.9 * 80 * GIB)
     # A whole node: fp8 and bf16 fit at TP 2, and the evaluated ones rank first, the faster first.
     node = rank_candidates(view, catalog, ResolveQuery("h100"), "prod")
-    assert [(c.artifact.name, c.fits, c.plan.tp) for c in node] == [
+    assert [(c.artifact.identity.name, c.fits, c.plan.tp) for c in node] == [
         ("fp8", True, 2),
         ("bf16", True, 2),
         ("int4", True, 1),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.hardware import builtin_catalog
+from kiln.core.manifest import ArtifactIdentity
 from kiln.core.shape import ShapeRecord
 from kiln.quant.catalog import compatibility, get_scheme
 from kiln.quant.footprint import checkpoint_bytes
@@ -40,12 +41,14 @@ def _artifact(quant: str) -> ArtifactView:
     verdicts = compatibility(get_scheme(quant))
     size = checkpoint_bytes(CONFIG, quant)
     return ArtifactView(
-        name=f"hf-bundle-{quant}",
-        target="hf-bundle",
-        format="safetensors",
-        quant=quant,
+        identity=ArtifactIdentity(
+            name=f"hf-bundle-{quant}",
+            target="hf-bundle",
+            format="safetensors",
+            quant=quant,
+            hardware=[h for h, v in verdicts.items() if v.compatible],
+        ),
         manifest_digest="0" * 64,
-        hardware=tuple(h for h, v in verdicts.items() if v.compatible),
         unsupported={h: v.reason for h, v in verdicts.items() if not v.compatible},
         total_size=size,
         eval_status="passed",
@@ -72,18 +75,18 @@ def test_a_throughput_workload_resolves_to_the_format_the_device_computes(
 ) -> None:
     query = ResolveQuery(hardware, policy=policy, context=256, concurrency=2048)  # type: ignore[arg-type]
     best, *fallbacks = rank_candidates(RELEASE, builtin_catalog(), query, "prod")
-    assert best.artifact.quant == pick and best.fits, best.explanation
+    assert best.artifact.identity.quant == pick and best.fits, best.explanation
     assert "decode FLOP-bound at 2048 sequences" in best.plan.explanation
-    assert fallbacks and all(c.artifact.quant != pick for c in fallbacks)
+    assert fallbacks and all(c.artifact.identity.quant != pick for c in fallbacks)
     assert best.plan.basis.decode == ("measured" if hardware == "h200" else "spec")
 
 
 def test_what_a_device_cannot_run_is_never_offered() -> None:
     query = ResolveQuery("mi300x", context=256, concurrency=2048)
-    offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
+    offered = {c.artifact.identity.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
     assert offered == {"bf16", "fp8", "w4a16-gptq"}  # no FP4 on gfx942
     query = ResolveQuery("mi355x", context=256, concurrency=2048)
-    offered = {c.artifact.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
+    offered = {c.artifact.identity.quant for c in rank_candidates(RELEASE, builtin_catalog(), query, "prod")}
     assert "nvfp4-w4a4" not in offered and "nvfp4-w4a16" not in offered and "mxfp4-w4a4" in offered
 
 
@@ -91,4 +94,4 @@ def test_what_a_device_cannot_run_is_never_offered() -> None:
 def test_one_long_sequence_is_bandwidth_bound_and_takes_the_smallest_weights(hardware: str) -> None:
     query = ResolveQuery(hardware, context=4096, concurrency=1)
     best = rank_candidates(RELEASE, builtin_catalog(), query, "prod")[0]
-    assert best.artifact.quant == "w4a16-gptq" and "FLOP-bound" not in best.plan.explanation
+    assert best.artifact.identity.quant == "w4a16-gptq" and "FLOP-bound" not in best.plan.explanation

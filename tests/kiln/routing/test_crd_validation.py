@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.core.errors import KilnError
+from kiln.core.manifest import ArtifactIdentity
 from kiln.routing import RenderOptions
 from kiln.routing.formats import get_format
 from kiln.routing.records import ChannelRouting, Placement, PoolRouting, Sizing
@@ -40,10 +41,9 @@ def test_the_vendored_crds_are_the_upstream_files() -> None:
 
 def placement(version: str, weight: int, **fields: Any) -> Placement:
     values: dict[str, Any] = {
-        "artifact": "hf-bundle-fp8",
-        "target": "hf-bundle",
-        "format": "safetensors",
-        "quant": "fp8",
+        "artifact": ArtifactIdentity(
+            name="hf-bundle-fp8", target="hf-bundle", format="safetensors", quant="fp8", hardware=["h100"]
+        ),
         "manifest_digest": "ab" * 32,
         "tp": 2,
         "runtime": "vllm",
