@@ -257,19 +257,18 @@ def step_build(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "seconds": round(time.time() - started, 1),
         "targets": [t.target + ":" + ",".join(t.quants) for t in recipe.targets],
-        "stages": summary["stages"],
-        "stage_seconds": summary["stage_seconds"],
-        "failed_gates": summary["failed_gates"],
+        "stages": summary.stages,
+        "stage_seconds": summary.stage_seconds,
+        "failed_gates": summary.failed_gates,
         "artifacts": [
             {
-                "artifact": r["artifact"],
-                "eval": r["eval"],
+                "artifact": r.artifact,
+                "eval": r.eval,
                 "evals": [
-                    {"runtime": e["runtime"], "status": e["status"], "metrics": e["metrics"], "reason": e["reason"]}
-                    for e in r.get("evals", [])
+                    e.model_dump(mode="json", include={"runtime", "status", "metrics", "reason"}) for e in r.evals
                 ],
             }
-            for r in summary["artifacts"]
+            for r in summary.artifacts
         ],
         "devices": devices,
         "reference_dir": str(ref.files_dir) if ref is not None else None,

@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic_core import to_jsonable_python
-
 from kiln.core.device import CPU, Device, resolve_device
 from kiln.core.digest import HashCache, sha256_json
 from kiln.core.error_codes import Codes
@@ -25,12 +23,13 @@ from kiln.eval.report import EvalReport
 from kiln.eval.runtimes.facts import RUNTIME_FACTS
 from kiln.formats.hf_model import SourceModel, open_shape, open_source
 from kiln.pipeline.executors.local import LocalExecutor
-from kiln.pipeline.executors.node import NodeOutcome, Reporter, run_node
+from kiln.pipeline.executors.node import NodeOutcome, Reporter, Status, run_node
 from kiln.pipeline.machine import Machine, this_machine
 from kiln.pipeline.placement import computes_on_device, placed, with_device
 from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.records import ArtifactRecord, IngestRecord
+from kiln.pipeline.records import ArtifactRecord, IgnoredFile, IngestRecord
 from kiln.pipeline.remote_source import S3Source
+from kiln.pipeline.report import BuildSummary, BuiltArtifact, DeferredStage, RuntimeEval
 from kiln.pipeline.requirements import (
     PlanDevice,
     Sizing,
@@ -491,11 +490,8 @@ class BuildResult:
     nodes: list[Node]
     outcomes: dict[str, NodeOutcome]
 
-    def artifacts(self) -> list[dict[str, Any]]:
-        """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for).
-
-        Each eval's `metrics` is its `EvalMetrics` (None where none were measured); `summary` has the rows as JSON.
-        """
+    def artifacts(self) -> list[BuiltArtifact]:
+        """One row per artifact: where it is, its size, and its eval outcome (or the runner it waits for)."""
         evaluators: dict[str, list[Node]] = {}
         for n in self.nodes:
             if n.stage is eval_stage.STAGE:
@@ -510,11 +506,11 @@ class BuildResult:
             if n.stage.record is ArtifactRecord  # the nodes that make artifacts: exports and derived stages
         ]
 
-    def _row(self, a: PlannedArtifact) -> dict[str, Any]:
+    def _row(self, a: PlannedArtifact) -> BuiltArtifact:
         made = self.outcomes[a.maker.id]
         out = made.output
         publish = self.outcomes.get(f"publish/{a.name}")
-        row: dict[str, Any] = {
+        where: dict[str, Any] = {  # what every row has
             "artifact": a.name,
             "quant": a.quant,
             "export": made.status,
@@ -524,77 +520,77 @@ class BuildResult:
         }
         if not a.evaluators:  # kiln does not evaluate it (an engine): its runtime's runner does
             record = out.record(ArtifactRecord) if out else None
-            row |= {
-                "eval": "deferred" if made.status == "deferred" else "not_evaluated",
-                "metrics": None,
-                "failures": [],
-                "reason": made.reason or None,
-                "runner": made.details.get("runner"),
-                "command": a.maker.params.get("commands"),
-                "runtime": record.runtime_name if record else None,
-            }
-            return row
+            return BuiltArtifact(
+                **where,
+                eval="deferred" if made.status == "deferred" else "not_evaluated",
+                metrics=None,
+                failures=[],
+                reason=made.reason or None,
+                runner=made.details.get("runner"),
+                command=a.maker.params.get("commands"),
+                runtime=record.runtime_name if record else None,
+            )
         evals = [self._eval(n) for n in a.evaluators]
-        statuses = {e["status"] for e in evals}
+        statuses = {e.status for e in evals}
         first = evals[0]
-        row |= {
+        return BuiltArtifact(
+            **where,
             # Failed if any runtime failed it, passed if any passed (as the registry judges an artifact).
-            "eval": "failed" if "failed" in statuses else "passed" if "passed" in statuses else first["status"],
-            "metrics": first["metrics"],
-            "failures": [f if e is first else f"{e['runtime']}: {f}" for e in evals for f in e["failures"]],
-            "reason": first["reason"],
-            "evals": evals,
-        }
-        return row
+            eval="failed" if "failed" in statuses else "passed" if "passed" in statuses else first.status,
+            metrics=first.metrics,
+            failures=[f if e is first else f"{e.runtime}: {f}" for e in evals for f in e.failures],
+            reason=first.reason,
+            evals=evals,
+        )
 
-    def _eval(self, node: Node) -> dict[str, Any]:
+    def _eval(self, node: Node) -> RuntimeEval:
         """One runtime's eval of an artifact: its status, metrics and failures, or why it did not run."""
         ev = self.outcomes[node.id]
         report = ev.output.record(EvalReport) if ev.output else None
-        return {
-            "runtime": eval_column(node),
-            "runtime_version": report.runtime_version if report else None,
-            "status": report.status if report else ev.status,
-            "metrics": report.metrics if report else None,
-            "failures": report.failures if report else [],
-            "reason": report.reason if report else ev.reason or None,
-            "seconds": round(ev.seconds, 2),
-        }
+        return RuntimeEval(
+            runtime=eval_column(node),
+            runtime_version=report.runtime_version if report else None,
+            status=report.status if report else ev.status,
+            metrics=report.metrics if report else None,
+            failures=report.failures if report else [],
+            reason=report.reason if report else ev.reason or None,
+            seconds=round(ev.seconds, 2),
+        )
 
     @property
-    def deferred(self) -> list[dict[str, Any]]:
+    def deferred(self) -> list[DeferredStage]:
         """Every deferred stage: why, and (for work that needs a runner) the runner and the command."""
         return [
-            {"node": node_id, "reason": o.reason, **o.details}
+            DeferredStage(node=node_id, reason=o.reason, **o.details)
             for node_id, o in self.outcomes.items()
             if o.status == "deferred"
         ]
 
     @property
-    def ignored(self) -> list[dict[str, str]]:
+    def ignored(self) -> list[IgnoredFile]:
         """Source files ingest left alone (pickles beside SafeTensors, ...), with the reason."""
         ingest = self.outcomes[self.nodes[0].id].output
-        return [f.model_dump() for f in ingest.record(IngestRecord).ignored] if ingest else []
+        return list(ingest.record(IngestRecord).ignored) if ingest else []
 
     @property
     def failed_gates(self) -> list[str]:
-        return [r["artifact"] for r in self.artifacts() if r["eval"] == "failed"]
+        return [r.artifact for r in self.artifacts() if r.eval == "failed"]
 
-    def summary(self) -> dict[str, Any]:
-        counts: dict[str, int] = {}
+    def summary(self) -> BuildSummary:
+        counts: dict[Status, int] = {}
         for o in self.outcomes.values():
             counts[o.status] = counts.get(o.status, 0) + 1
-        return {
-            "model": self.recipe.model,
-            "version": self.recipe.version,
-            "stages": counts,
-            "artifacts": to_jsonable_python(self.artifacts()),  # the metrics as plain data
-            "failed_gates": self.failed_gates,
-            "deferred": self.deferred,
-            "ignored": self.ignored,
-            # What each stage that ran took (cached ones took nothing).
-            "stage_seconds": {n: round(o.seconds, 2) for n, o in self.outcomes.items() if o.status in ("built", "ran")},
-        }
+        artifacts = self.artifacts()
+        return BuildSummary(
+            model=self.recipe.model,
+            version=self.recipe.version,
+            stages=counts,
+            artifacts=artifacts,
+            failed_gates=[r.artifact for r in artifacts if r.eval == "failed"],
+            deferred=self.deferred,
+            ignored=self.ignored,
+            stage_seconds={n: round(o.seconds, 2) for n, o in self.outcomes.items() if o.status in ("built", "ran")},
+        )
 
 
 def stage_externals(recipe: Recipe, store: StageStore) -> None:

@@ -10,7 +10,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -36,7 +36,9 @@ from kiln.cli.common import (
 from kiln.console import ProgressReporter, err, safe_text, stdout
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput
-from kiln.core.evals import EvalMetrics
+
+if TYPE_CHECKING:
+    from kiln.pipeline.report import BuiltArtifact
 
 DeviceOpt = Annotated[
     str,
@@ -76,22 +78,20 @@ def _peak_rss_mib() -> float:
     return max(own, kids) / 1024
 
 
-def _artifact_table(rows: list[dict[str, Any]]) -> Table:
-    """One line per artifact and runtime that evaluated it (an artifact's name on its first line only);
-    `rows` are `BuildResult.artifacts()`, whose metrics are `EvalMetrics`."""
+def _artifact_table(rows: list[BuiltArtifact]) -> Table:
+    """One line per artifact and runtime that evaluated it (an artifact's name on its first line only)."""
     table = Table(title="artifacts")
     for col in ("artifact", "size", "runtime", "eval", "ppl", "ppl Δ", "KL", "top-1", "greedy"):
         table.add_column(col, justify="left" if col in ("artifact", "runtime", "eval") else "right", no_wrap=True)
     for r in rows:
-        evals = r.get("evals") or [{"runtime": r.get("runtime") or "-", "status": r["eval"], "metrics": r["metrics"]}]
-        for i, e in enumerate(evals):
-            m: EvalMetrics | None = e["metrics"]
-            colour = {"passed": "green", "failed": "red"}.get(e["status"], "yellow")
+        lines = [(e.runtime, e.status, e.metrics) for e in r.evals] or [(r.runtime or "-", r.eval, r.metrics)]
+        for i, (runtime, status, m) in enumerate(lines):
+            colour = {"passed": "green", "failed": "red"}.get(status, "yellow")
             table.add_row(
-                safe_text(r["artifact"]) if i == 0 else "",
-                fmt_size(r.get("size")) if i == 0 else "",
-                safe_text(e["runtime"]),
-                f"[{colour}]{safe_text(e['status'])}[/{colour}]",
+                safe_text(r.artifact) if i == 0 else "",
+                fmt_size(r.size) if i == 0 else "",
+                safe_text(runtime),
+                f"[{colour}]{safe_text(status)}[/{colour}]",
                 f"{m.ppl:.3f}" if m is not None else "-",
                 f"{m.ppl_change:+.2%}" if m is not None else "-",
                 f"{m.kl:.2e}" if m is not None else "-",
@@ -143,35 +143,37 @@ def _run_build(
         device=device,
         force=force,
     )
-    summary = result.summary() | {"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    summary = result.summary().model_copy(
+        update={"seconds": round(time.time() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    )
     report = work_dir.parent / "reports" / f"{recipe.model}-{recipe.version}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    report.write_text(json.dumps(summary.as_json(), indent=2, sort_keys=True))
     if as_json:
-        emit(summary)
+        emit(summary.as_json())
     else:
-        err.print(_artifact_table(result.artifacts()))
+        err.print(_artifact_table(summary.artifacts))
         err.print(
             safe_text(
-                f"{recipe.model}@{recipe.version}: {summary['stages']} in {summary['seconds']:.1f}s, "
-                f"peak RSS {summary['peak_rss_mib']:.0f} MiB; report: {report}"
+                f"{recipe.model}@{recipe.version}: {summary.stages} in {summary.seconds:.1f}s, "
+                f"peak RSS {summary.peak_rss_mib:.0f} MiB; report: {report}"
             )
         )
-        for item in summary["ignored"]:  # files in the source kiln left alone (pickle checkpoints, ...)
-            err.print(f"[yellow]ignored[/yellow] {safe_text(item['path'])} in the source: {safe_text(item['reason'])}")
-        for r in summary["artifacts"]:
-            for failure in r["failures"]:
-                err.print(f"[red]gate failed[/red] {safe_text(r['artifact'])}: {safe_text(failure)}")
-            for e in r.get("evals", []):
-                if e["status"] == "not_evaluated" and e["reason"]:
-                    where = f"{r['artifact']} in {e['runtime']}"
-                    err.print(f"[yellow]not evaluated[/yellow] {safe_text(where)}: {safe_text(e['reason'])}")
+        for item in summary.ignored:  # files in the source kiln left alone (pickle checkpoints, ...)
+            err.print(f"[yellow]ignored[/yellow] {safe_text(item.path)} in the source: {safe_text(item.reason)}")
+        for r in summary.artifacts:
+            for failure in r.failures:
+                err.print(f"[red]gate failed[/red] {safe_text(r.artifact)}: {safe_text(failure)}")
+            for e in r.evals:
+                if e.status == "not_evaluated" and e.reason:
+                    where = f"{r.artifact} in {e.runtime}"
+                    err.print(f"[yellow]not evaluated[/yellow] {safe_text(where)}: {safe_text(e.reason)}")
         # Deferred is not a failure: the work waits for a runner that has what this machine lacks.
-        for d in summary["deferred"]:
-            if "runner" in d:
-                command = "; ".join(" ".join(argv) for argv in d.get("command", []))
+        for d in summary.deferred:
+            if d.runner is not None:
+                command = "; ".join(" ".join(argv) for argv in d.command)
                 err.print(
-                    f"[yellow]deferred[/yellow] {safe_text(d['node'])} to a runner with {safe_text(d['runner'])}"
+                    f"[yellow]deferred[/yellow] {safe_text(d.node)} to a runner with {safe_text(d.runner)}"
                     + (f": {safe_text(command)}" if command else "")
                 )
     if result.failed_gates:

@@ -248,6 +248,6 @@ def test_a_build_needing_more_disk_than_is_free_is_refused_before_anything_runs(
 
     # --force: it builds anyway.
     result = build.run(load_recipe(tiny_recipe), store, machine=full, force=True)
-    assert result.summary()["stages"].get("built", 0) >= 3
+    assert result.summary().stages.get("built", 0) >= 3
     # Once built, nothing is left to write: the same machine builds it (every stage cached).
-    assert build.run(load_recipe(tiny_recipe), store, machine=full).summary()["stages"] == {"cached": len(result.nodes)}
+    assert build.run(load_recipe(tiny_recipe), store, machine=full).summary().stages == {"cached": len(result.nodes)}

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Deferred, KilnError, StageFailed
 from kiln.pipeline.executors.local import LocalExecutor
+from kiln.pipeline.report import BuildSummary
 from kiln.pipeline.stage import Node, Stage, StageContext
 from kiln.pipeline.store import WorkDir
 
@@ -369,6 +370,12 @@ def test_kiln_build_builds_a_corrupt_stage_again_and_says_so(tmp_path: Path) -> 
     recipe = small_recipe(tmp_path)
     first = kiln_build(recipe, tmp_path / "work")
     assert first.returncode == 0, first.stderr
+    # `--json` prints the build's typed summary, and the report beside the work dir is the same record.
+    summary = BuildSummary.model_validate_json(first.stdout)
+    assert summary.stages == {"built": len(summary.stage_seconds)} and summary.seconds is not None
+    assert [a.artifact for a in summary.artifacts] == ["gguf-f16"] and summary.artifacts[0].evals
+    report = tmp_path / "reports" / f"{summary.model}-{summary.version}.json"
+    assert BuildSummary.model_validate_json(report.read_text()) == summary
     (meta,) = (tmp_path / "work" / "export").glob("*/stage.json")
     meta.write_bytes(meta.read_bytes()[:40])  # truncated
     again = kiln_build(recipe, tmp_path / "work")

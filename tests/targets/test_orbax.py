@@ -451,10 +451,10 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
         f"targets:\n  - target: orbax\n    quants: [bf16, {INT8}]\n    params: {{mesh: {{data: 4, model: 2}}}}\n"
     )
     result = run(load_recipe(recipe_path, allowed_roots=[models["llama"]]), WorkDir(tmp_path / "work"))
-    rows = {r["artifact"]: r for r in result.artifacts()}
+    rows = {r.artifact: r for r in result.artifacts()}
     assert set(rows) == {"orbax-bf16", f"orbax-{INT8}"}
     for name, row in rows.items():
-        assert row["export"] == "built" and row["eval"] == "passed", row
+        assert row.export == "built" and row.eval == "passed", row
         export = result.outcomes[f"export/{name}"].output
         assert export is not None
         record = export.record(ArtifactRecord)
