@@ -461,7 +461,7 @@ def test_pipeline_builds_and_evaluates_orbax_through_the_eval_stage(models: dict
         assert record.hardware == ["tpu-v5e", "tpu-v5p"] and record.runtime_name == "jax"
         assert record.runtime["mesh"] == {"data": 4, "model": 2}
         assert "GGUF" in record.unsupported["cpu"] and "hf-bundles" in record.unsupported["h100"]
-    assert rows["orbax-bf16"]["metrics"].kl <= 1e-6
+    assert (metrics := rows["orbax-bf16"].metrics) is not None and metrics.kl <= 1e-6
     assert f"quantize/{INT8}" in result.outcomes
 
 
