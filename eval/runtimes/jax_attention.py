@@ -71,7 +71,7 @@ def empty_cache(cfg: Any, length: int, dtype: Any) -> tuple[Any, Any]:
 
     if cfg.mla is not None:
         return jnp.zeros((length, cfg.mla.kv_lora_rank), dtype), jnp.zeros((length, cfg.mla.qk_rope_head_dim), dtype)
-    shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (length, cfg.shape.num_kv_heads, cfg.shape.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
@@ -124,13 +124,13 @@ def _gqa(
     import jax.numpy as jnp
 
     t = h.shape[0]
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nh, nkv, hd = cfg.shape.num_heads, cfg.shape.num_kv_heads, cfg.shape.head_dim
     q = linear(params, "attn_q", h, dtype, precision).reshape(t, nh, hd)
     k = linear(params, "attn_k", h, dtype, precision).reshape(t, nkv, hd)
     v = linear(params, "attn_v", h, dtype, precision).reshape(t, nkv, hd)
     if cfg.qk_norm:  # per head, before rope
-        q = rms_norm(q, params["attn_q_norm"], cfg.rms_norm_eps, cfg.norm_offset, dtype)
-        k = rms_norm(k, params["attn_k_norm"], cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        q = rms_norm(q, params["attn_q_norm"], cfg.shape.rms_norm_eps, cfg.norm_offset, dtype)
+        k = rms_norm(k, params["attn_k_norm"], cfg.shape.rms_norm_eps, cfg.norm_offset, dtype)
     q = rope(q, positions, cfg.rotary_dim, layer)
     k = rope(k, positions, cfg.rotary_dim, layer)
     ck = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (start, 0, 0))
@@ -162,11 +162,11 @@ def _mla(
     import jax.numpy as jnp
 
     m = cfg.mla
-    t, s, nh = h.shape[0], cache[0].shape[0], cfg.num_heads
+    t, s, nh = h.shape[0], cache[0].shape[0], cfg.shape.num_heads
     nope, rank = m.qk_nope_head_dim, m.kv_lora_rank
 
     def norm(x: Any, kind: str) -> Any:
-        return rms_norm(x, params[kind], cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        return rms_norm(x, params[kind], cfg.shape.rms_norm_eps, cfg.norm_offset, dtype)
 
     if m.q_lora_rank is None:
         q = linear(params, "attn_q", h, dtype, precision)

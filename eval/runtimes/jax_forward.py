@@ -45,7 +45,7 @@ def _layer(
         visible &= positions[:, None] - keys_at[None, :] < layer.window
 
     def norm(v: Any, kind: str) -> Any:
-        return rms_norm(v, params[kind], cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        return rms_norm(v, params[kind], cfg.shape.rms_norm_eps, cfg.norm_offset, dtype)
 
     attn, cache = attention(
         params,
@@ -96,7 +96,7 @@ def _decode(
 def _norm(x: Any, weight: Any, *, cfg: Any, compute_dtype: ComputeDtype) -> Any:
     """The final RMSNorm."""
     dtype, _ = arithmetic(compute_dtype)
-    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+    return rms_norm(x, weight, cfg.shape.rms_norm_eps, cfg.norm_offset, dtype)
 
 
 def _head_block(h: Any, block: Any, *, compute_dtype: ComputeDtype, softcap: float | None) -> Any:

@@ -126,7 +126,7 @@ class JaxRuntime:
                 f"orbax artifact {str(self.path)!r}: weights.json or sharding.json is malformed ({e!r})"
             ) from None
         cfg = self.config
-        self._head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self._head_name = "model.embed_tokens.weight" if cfg.shape.tie_word_embeddings else "lm_head.weight"
         missing = sorted(set(planned) - set(self._abstract))
         if missing:
             raise self._load_failed(
@@ -142,17 +142,17 @@ class JaxRuntime:
         unread = sorted(n for n in self._abstract if n not in planned and n not in self._keys)
         if unread:
             raise self._load_failed(
-                f"orbax artifact {str(self.path)!r} holds {unread[0]}, which the forward of {cfg.architecture} "
+                f"orbax artifact {str(self.path)!r} holds {unread[0]}, which the forward of {cfg.shape.architecture} "
                 f"does not read ({len(unread)} such tensors)",
                 details={"unread": unread[:8]},
             )
         _check_stored(self._checkpoint, self._abstract)
         self._layers = [
-            sorted(n for n in self._abstract if n.startswith(f"model.layers.{i}.")) for i in range(cfg.num_layers)
+            sorted(n for n in self._abstract if n.startswith(f"model.layers.{i}.")) for i in range(cfg.shape.num_layers)
         ]
         self.checkpoint_bytes = sum(a.size * a.dtype.itemsize for a in self._abstract.values())
         self._resident = self.restore(list(self._abstract)) if self.checkpoint_bytes <= resident_bytes else None
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = cfg.shape.vocab_size
         self.compute_dtype = compute_dtype
         self._buckets: set[int] = set()  # padded lengths whose prefill program this runtime has run
         self.version = (
@@ -297,7 +297,10 @@ class JaxRuntime:
             size = min(HEAD_BLOCK, vocab - lo)
             # Sliced outside the program: inside it, XLA's first run held a second copy of the whole head.
             block = HEAD(
-                h, head[lo : lo + size], compute_dtype=self.compute_dtype, softcap=self.config.final_logit_softcapping
+                h,
+                head[lo : lo + size],
+                compute_dtype=self.compute_dtype,
+                softcap=self.config.shape.final_logit_softcapping,
             )
             out[:, lo : lo + size] = np.asarray(block)
         return out

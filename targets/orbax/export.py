@@ -162,7 +162,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
     groups = plan_checkpoint(source.shape, layout, lambda name: _quantized(quantized, name))
     tensors = checkpoint_tensors(groups)
     planned = {n: (t.dtype, t.shape) for n, t in tensors.items()}
-    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    heads = HeadLayout(cfg.shape.num_heads, cfg.shape.num_kv_heads, cfg.shape.head_dim)
     specs, notes = plan_sharding(tensors, heads, mesh)
 
     out = req.out_dir
@@ -210,7 +210,7 @@ def export(source: SourceModel, req: ExportRequest) -> ExportResult:
         runtime={
             "framework": "jax",
             "loaders": {"jax": ">=0.10", "orbax-checkpoint": ">=0.12.8"},
-            "architecture": cfg.architecture,
+            "architecture": cfg.shape.architecture,
             "weights": layout.description,
             "mesh": mesh.as_dict(),
         },

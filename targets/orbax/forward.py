@@ -57,17 +57,9 @@ class LayerConfig:
 @dataclass(frozen=True)
 class ForwardConfig:
     """The hyper-parameters of the JAX forward (hashable: it is a static argument of `jax.jit`), from the model's
-    `ModelShape` and its family's record."""
+    `ModelShape` (which it holds, as it is) and its family's record: what the forward computes beyond the sizes."""
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int  # each query's and key's width (MLA: qk_nope_head_dim + qk_rope_head_dim)
-    rms_norm_eps: float
-    tie_word_embeddings: bool
+    shape: ModelShape  # the sizes (head_dim: each query's and key's width; MLA: qk_nope_head_dim + qk_rope_head_dim)
     rotary_dim: int  # the dimensions of each head rope rotates (Phi-3's partial rotary, MLA's rope part: fewer)
     attention_scale: float  # head_dim^-1/2, Gemma's query_pre_attn_scalar^-1/2, MLA's with YaRN's mscale squared
     activation: str = "silu"  # of the gated MLP and the experts: silu or gelu_tanh
@@ -75,7 +67,6 @@ class ForwardConfig:
     norm_offset: float = 0.0  # RMSNorms scale by (offset + w) (Gemma: 1)
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
     embedding_scale: float | None = None  # the embedding's rows times this, in the compute dtype (Gemma)
-    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     experts: int = 0  # routed experts of a sparse layer (0: none)
     experts_per_token: int = 0
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
@@ -215,15 +206,7 @@ def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfi
         window = shape.sliding_window if kind == "sliding_attention" else None
         layers.append(LayerConfig(window, rope.theta, factor, shape.is_sparse(i), yarn))
     return ForwardConfig(
-        architecture=shape.architecture,
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rms_norm_eps=shape.rms_norm_eps,
-        tie_word_embeddings=shape.tie_word_embeddings,
+        shape=shape,
         rotary_dim=rotary_dim,
         attention_scale=_attention_scale(shape),
         activation=activation,
@@ -231,7 +214,6 @@ def forward_config(shape: ModelShape, config: Mapping[str, Any]) -> ForwardConfi
         norm_offset=arch.norms.offset,
         sandwich_norms=arch.norms.sandwich,
         embedding_scale=sqrt_hidden(shape.hidden_size) if arch.norms.embedding_scale == "sqrt_hidden" else None,
-        final_logit_softcapping=shape.final_logit_softcapping,
         experts=moe.experts if moe is not None else 0,
         experts_per_token=moe.experts_per_token if moe is not None else 0,
         norm_topk_prob=moe.norm_topk_prob if moe is not None else False,

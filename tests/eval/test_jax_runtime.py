@@ -100,7 +100,7 @@ def test_a_streamed_checkpoint_computes_what_a_resident_one_does(
         windows = [eval_text.windows[0], eval_text.windows[1][:40], eval_text.windows[2]]
         for got, want in zip(streamed.logits_many(windows), jax_rt.logits_many(windows), strict=True):
             assert np.array_equal(got, want)
-        n_layers = streamed.config.num_layers
+        n_layers = streamed.config.shape.num_layers
         assert len(calls) == n_layers + 2  # the embedding, each layer once for every window, the norm and head
         prompts = [list(eval_text.prompts[0]), list(eval_text.prompts[2][:7])]
         assert streamed.greedy(prompts, 6) == jax_rt.greedy(prompts, 6)
