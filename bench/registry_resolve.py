@@ -128,7 +128,7 @@ def seed(data_dir: Path) -> str:
             client.seal_release(MODEL, version)
         client.promote(MODEL, STABLE, "prod")
         client.set_split(MODEL, "prod", {STABLE: 95, CANARY: 5}, reason="canary")
-        token: str = client.create_token("bench-router", ["read"], models=[MODEL])["token"]
+        token = client.create_token("bench-router", ["read"], models=[MODEL]).token
         return token
 
 

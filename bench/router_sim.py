@@ -156,8 +156,8 @@ def seed(data_dir: Path) -> tuple[str, str, dict[str, float]]:
             client.seal_release(MODEL, version)
         client.promote(MODEL, STABLE, CHANNEL)
         client.set_split(MODEL, CHANNEL, WEIGHTS[0], reason="canary")
-        read: str = client.create_token("router-replicas", ["read"], models=[MODEL])["token"]
-        promote: str = client.create_token("router-rollout", ["promote"], models=[MODEL])["token"]
+        read = client.create_token("router-replicas", ["read"], models=[MODEL]).token
+        promote = client.create_token("router-rollout", ["promote"], models=[MODEL]).token
     for path in shards:
         path.unlink()
     return read, promote, sizes

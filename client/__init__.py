@@ -13,22 +13,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urljoin
 
 import httpx2
+from pydantic import BaseModel, TypeAdapter
 
 from kiln.core import errors
+from kiln.core.access import AttestationKind, AttestationOut, AuditEventOut, TokenCreated, TokenOut, TrustedKeyOut
+from kiln.core.channels import ChannelDetail
 from kiln.core.digest import CHUNK
 from kiln.core.error_codes import CATALOG, Codes
 from kiln.core.errors import DigestMismatch, KilnError, Unavailable
 from kiln.core.evals import PublishedEval, RecordedEval
+from kiln.core.hardware import HardwareOut, HardwareProfile
 from kiln.core.manifest import ArtifactManifest, check_relative_path
+from kiln.core.performance import PerformanceCreate, PerformanceOut
+from kiln.core.releases import ArtifactDetail, ModelOut, ReleaseDetail, ReleaseOut
 from kiln.core.resolve import ResolveOut
 from kiln.core.signing import ATTESTATION_FILES
 from kiln.registry.paging import MAX_PAGE_LIMIT
@@ -141,9 +147,13 @@ def _next_page(response: httpx2.Response) -> str | None:
 
 EMBEDDED_PUBLIC_URL = "http://127.0.0.1:8000"
 
+Answer = TypeVar("Answer", bound=BaseModel)
+Query = Mapping[str, str | int | float]  # a request's query parameters
+
 
 class RegistryClient:
-    """A registry over HTTP. Methods return the server's JSON; errors raise `core.errors`."""
+    """A registry over HTTP. Methods return the server's answers as the records of `core` (`core.releases`,
+    `core.channels`, `core.access`, ...); errors raise `core.errors`."""
 
     def __init__(self, http: httpx2.Client, location: str, on_close: Callable[[], object] | None = None):
         self._http = http
@@ -214,7 +224,11 @@ class RegistryClient:
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._send(method, path, **kwargs).json()
 
-    def _pages(self, path: str, params: dict[str, Any] | None = None) -> Iterator[httpx2.Response]:
+    def _answer(self, record: type[Answer], method: str, path: str, **kwargs: Any) -> Answer:
+        """The registry's answer to a request, read into `record` (past what a newer registry adds)."""
+        return record.model_validate(self._json(method, path, **kwargs))
+
+    def _pages(self, path: str, params: Query | None = None) -> Iterator[httpx2.Response]:
         """Every page of a listing: `path`, then each page the one before names in its `Link: <url>; rel="next"`
         (the URL holds the query, `params` included)."""
         response = self._send("GET", path, params=params)
@@ -223,24 +237,26 @@ class RegistryClient:
             response = self._send("GET", url)
             yield response
 
-    def _list(self, path: str, params: dict[str, Any] | None = None, most: int | None = None) -> list[dict[str, Any]]:
-        """The rows of a listing, page after page: all of them, or the first `most`."""
-        rows: list[dict[str, Any]] = []
+    def _list(
+        self, record: type[Answer], path: str, params: Query | None = None, most: int | None = None
+    ) -> list[Answer]:
+        """The rows of a listing, page after page, each read into `record`: all of them, or the first `most`."""
+        rows: list[Answer] = []
+        page = TypeAdapter(list[record])  # type: ignore[valid-type]
         for response in self._pages(path, params):
-            rows.extend(response.json())
+            rows.extend(page.validate_python(response.json()))
             if most is not None and len(rows) >= most:
                 return rows[:most]
         return rows
 
     # -- models and releases --------------------------------------------------------------------
 
-    def ensure_model(self, name: str, description: str | None = None) -> dict[str, Any]:
+    def ensure_model(self, name: str, description: str | None = None) -> ModelOut:
         """Create the model if needed. With `description` None an existing model is accepted as is."""
-        body: dict[str, Any] = {"name": name}
+        body = {"name": name}
         if description is not None:
             body["description"] = description
-        result: dict[str, Any] = self._json("POST", "/v1/models", json=body)
-        return result
+        return self._answer(ModelOut, "POST", "/v1/models", json=body)
 
     def create_release(
         self,
@@ -250,9 +266,12 @@ class RegistryClient:
         planned_artifacts: list[str],
         lineage: dict[str, Any] | None = None,
         model_config: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReleaseOut:
         """Open `model@version`, to hold `planned_artifacts` (idempotent for identical content; Conflict
-        if it differs). It is served only once `seal_release` finds every planned artifact evaluated."""
+        if it differs). It is served only once `seal_release` finds every planned artifact evaluated.
+
+        `lineage` and `model_config` are open JSON objects (where the source came from; the model's config,
+        as `core.shape.ShapeRecord` or a Hugging Face config.json), stored as sent."""
         body = {
             "version": version,
             "source_digest": source_digest,
@@ -260,33 +279,28 @@ class RegistryClient:
             "lineage": lineage or {},
             "model_config": model_config or {},
         }
-        result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/releases", json=body)
-        return result
+        return self._answer(ReleaseOut, "POST", f"/v1/models/{_seg(model)}/releases", json=body)
 
-    def seal_release(self, model: str, version: str) -> dict[str, Any]:
+    def seal_release(self, model: str, version: str) -> ReleaseOut:
         """Seal `model@version` (idempotent); RELEASE_INCOMPLETE (Conflict) names what is still missing."""
-        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/seal"
-        result: dict[str, Any] = self._json("POST", path)
-        return result
+        return self._answer(ReleaseOut, "POST", f"/v1/models/{_seg(model)}/releases/{_seg(version)}/seal")
 
-    def abandon_release(self, model: str, version: str, reason: str) -> dict[str, Any]:
+    def abandon_release(self, model: str, version: str, reason: str) -> ReleaseOut:
         """Abandon an open release: never sealed; its artifacts are dropped and their blobs collectable."""
         path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/abandon"
-        result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
-        return result
+        return self._answer(ReleaseOut, "POST", path, json={"reason": reason})
 
-    def list_models(self) -> list[dict[str, Any]]:
+    def list_models(self) -> list[ModelOut]:
         """The models the caller may read, by name."""
-        return self._list("/v1/models")
+        return self._list(ModelOut, "/v1/models")
 
-    def list_releases(self, model: str) -> list[dict[str, Any]]:
+    def list_releases(self, model: str) -> list[ReleaseOut]:
         """A model's releases, newest first, with their status (open, sealed, abandoned)."""
-        return self._list(f"/v1/models/{_seg(model)}/releases")
+        return self._list(ReleaseOut, f"/v1/models/{_seg(model)}/releases")
 
-    def get_release(self, model: str, version: str) -> dict[str, Any]:
+    def get_release(self, model: str, version: str) -> ReleaseDetail:
         """The release with its artifacts, their eval results and gate status."""
-        result: dict[str, Any] = self._json("GET", f"/v1/models/{_seg(model)}/releases/{_seg(version)}")
-        return result
+        return self._answer(ReleaseDetail, "GET", f"/v1/models/{_seg(model)}/releases/{_seg(version)}")
 
     # -- blobs and artifacts --------------------------------------------------------------------
 
@@ -322,19 +336,17 @@ class RegistryClient:
         self,
         model: str,
         version: str,
-        manifest: ArtifactManifest | dict[str, Any],
+        manifest: ArtifactManifest,
         files_root: str | Path | None = None,
-    ) -> dict[str, Any]:
+    ) -> ArtifactDetail:
         """Publish an artifact manifest. With `files_root`, first upload each file from `files_root/path`."""
-        manifest = manifest if isinstance(manifest, ArtifactManifest) else ArtifactManifest.model_validate(manifest)
         path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts"
         for attempt in (1, 2):
             if files_root is not None:
                 for entry in manifest.files:
                     self.upload_blob(Path(files_root) / entry.path, sha256=entry.sha256)
             try:
-                result: dict[str, Any] = self._json("POST", path, json=manifest.model_dump(mode="json"))
-                return result
+                return self._answer(ArtifactDetail, "POST", path, json=manifest.model_dump(mode="json"))
             except errors.InvalidInput as exc:
                 # A blob the registry already had (so we did not upload it) was old and unreferenced,
                 # and garbage collection took it before this publish: upload what is missing, once.
@@ -354,8 +366,7 @@ class RegistryClient:
 
     def artifact_evals(self, model: str, version: str, artifact: str) -> list[RecordedEval]:
         """Every runtime's eval of an artifact, as the registry recorded them (by runtime)."""
-        detail = self.get_artifact(model, version, artifact)
-        return [RecordedEval.model_validate(e) for e in detail["evals"]]
+        return list(self.get_artifact(model, version, artifact).evals)
 
     # -- channels and resolve -------------------------------------------------------------------
 
@@ -367,11 +378,10 @@ class RegistryClient:
         force: bool = False,
         reason: str | None = None,
         actor: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ChannelDetail:
         """Point `channel` at `model@version`; GateFailed if an artifact failed its eval and not forced."""
         body = {"version": version, "force": force, "reason": reason, "actor": actor}
-        result: dict[str, Any] = self._json("POST", f"/v1/models/{_seg(model)}/channels/{_seg(channel)}", json=body)
-        return result
+        return self._answer(ChannelDetail, "POST", f"/v1/models/{_seg(model)}/channels/{_seg(channel)}", json=body)
 
     def set_split(
         self,
@@ -381,7 +391,7 @@ class RegistryClient:
         force: bool = False,
         reason: str | None = None,
         actor: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ChannelDetail:
         """Split `channel`'s traffic over releases ({"1.4.0": 95, "1.5.0": 5}, percent); each passes the gates."""
         body = {
             "weights": [{"version": v, "weight": w} for v, w in weights.items()],
@@ -390,8 +400,7 @@ class RegistryClient:
             "actor": actor,
         }
         path = f"/v1/models/{_seg(model)}/channels/{_seg(channel)}/split"
-        result: dict[str, Any] = self._json("PUT", path, json=body)
-        return result
+        return self._answer(ChannelDetail, "PUT", path, json=body)
 
     def resolve(
         self,
@@ -411,7 +420,7 @@ class RegistryClient:
         """The artifact a pool of `hardware` ("h100" or "h100:4,mi300x") should load from `channel`, why,
         and ranked fallbacks across the pools, by `policy`; `key` picks a stable release of a split,
         `version` names one of the channel's releases (VERSION_NOT_IN_CHANNEL if it is not)."""
-        params: dict[str, Any] = {
+        params: dict[str, str | int | float] = {
             "model": model,
             "hardware": hardware,
             "channel": channel,
@@ -422,7 +431,7 @@ class RegistryClient:
         }
         optional = {"min_tokens_per_s": min_tokens_per_s, "max_ttft_ms": max_ttft_ms, "key": key, "version": version}
         params.update({k: v for k, v in optional.items() if v is not None})
-        return ResolveOut.model_validate(self._json("GET", "/v1/resolve", params=params))
+        return self._answer(ResolveOut, "GET", "/v1/resolve", params=params)
 
     def oci_tags(self, repository: str) -> list[str]:
         """Every tag of one of the registry's OCI repositories (`<model>`, `modelcar/<model>`): its
@@ -434,81 +443,74 @@ class RegistryClient:
 
     # -- hardware catalog and measured performance -----------------------------------------------
 
-    def hardware(self) -> list[dict[str, Any]]:
+    def hardware(self) -> list[HardwareOut]:
         """The registry's hardware catalog (built-in entries and the registry's own), by name."""
-        return self._list("/v1/hardware")
+        return self._list(HardwareOut, "/v1/hardware")
 
-    def hardware_entry(self, name: str) -> dict[str, Any]:
+    def hardware_entry(self, name: str) -> HardwareOut:
         """One SKU of the registry's catalog, with where its entry comes from."""
-        result: dict[str, Any] = self._json("GET", f"/v1/hardware/{_seg(name)}")
-        return result
+        return self._answer(HardwareOut, "GET", f"/v1/hardware/{_seg(name)}")
 
-    def put_hardware(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
-        """Add SKU `name` to the catalog or override its entry (admin)."""
-        result: dict[str, Any] = self._json("PUT", f"/v1/hardware/{_seg(name)}", json=entry)
-        return result
+    def put_hardware(self, profile: HardwareProfile) -> HardwareOut:
+        """Add SKU `profile.name` to the catalog or override its entry (admin)."""
+        body = profile.model_dump(mode="json")
+        return self._answer(HardwareOut, "PUT", f"/v1/hardware/{_seg(profile.name)}", json=body)
 
     def delete_hardware(self, name: str) -> None:
         """Remove the registry's entry for `name` (a built-in one returns to its default; admin)."""
         self._send("DELETE", f"/v1/hardware/{_seg(name)}")
 
-    def post_performance(self, model: str, version: str, artifact: str, record: dict[str, Any]) -> dict[str, Any]:
+    def post_performance(self, model: str, version: str, artifact: str, record: PerformanceCreate) -> PerformanceOut:
         """Record a measured performance of an artifact on one SKU (publish scope)."""
-        path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/artifacts/{_seg(artifact)}/performance"
-        result: dict[str, Any] = self._json("POST", path, json=record)
-        return result
+        path = f"{_artifact_path(model, version, artifact)}/performance"
+        return self._answer(PerformanceOut, "POST", path, json=record.model_dump(mode="json"))
 
     # -- access control and audit ----------------------------------------------------------------
 
     def create_token(
         self, name: str, scopes: list[str], models: list[str] | None = None, expires_at: datetime | None = None
-    ) -> dict[str, Any]:
+    ) -> TokenCreated:
         """A new API token; the response holds its secret (shown once). `expires_at` (aware) None: the
         server's longest token lifetime."""
-        body: dict[str, Any] = {"name": name, "scopes": scopes, "models": models or []}
+        body: dict[str, str | list[str]] = {"name": name, "scopes": scopes, "models": models or []}
         if expires_at is not None:
             body["expires_at"] = expires_at.isoformat()
-        result: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
-        return result
+        return self._answer(TokenCreated, "POST", "/v1/tokens", json=body)
 
-    def list_tokens(self) -> list[dict[str, Any]]:
-        return self._list("/v1/tokens")
+    def list_tokens(self) -> list[TokenOut]:
+        return self._list(TokenOut, "/v1/tokens")
 
-    def revoke_token(self, token_id: int, reason: str | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", f"/v1/tokens/{token_id}/revoke", json={"reason": reason})
-        return result
+    def revoke_token(self, token_id: int, reason: str | None = None) -> TokenOut:
+        return self._answer(TokenOut, "POST", f"/v1/tokens/{token_id}/revoke", json={"reason": reason})
 
-    def yank(self, model: str, version: str, reason: str) -> dict[str, Any]:
+    def yank(self, model: str, version: str, reason: str) -> ReleaseOut:
         """Yank a sealed release: kept, never resolved, downloaded or promoted again."""
         path = f"/v1/models/{_seg(model)}/releases/{_seg(version)}/yank"
-        result: dict[str, Any] = self._json("POST", path, json={"reason": reason})
-        return result
+        return self._answer(ReleaseOut, "POST", path, json={"reason": reason})
 
-    def audit(self, model: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    def audit(self, model: str | None = None, limit: int = 100) -> list[AuditEventOut]:
         """The newest `limit` audit events (about `model`), newest first, over as many pages as that takes."""
-        params: dict[str, Any] = {"limit": min(limit, MAX_PAGE_LIMIT)} | ({"model": model} if model else {})
-        return self._list("/v1/audit", params, most=limit)
+        params: Query = {"limit": min(limit, MAX_PAGE_LIMIT)} | ({"model": model} if model else {})
+        return self._list(AuditEventOut, "/v1/audit", params, most=limit)
 
     # -- signatures, provenance and trusted keys ---------------------------------------------------
 
     def attach_attestation(
-        self, model: str, version: str, artifact: str, kind: str, path: str | Path
-    ) -> dict[str, Any]:
+        self, model: str, version: str, artifact: str, kind: AttestationKind, path: str | Path
+    ) -> AttestationOut:
         """Upload a Sigstore bundle and attach it to an artifact as its `signature` or `provenance`."""
         blob = self.upload_blob(path)
         body = {"kind": kind, "sha256": blob.sha256, "size": blob.size}
-        result: dict[str, Any] = self._json(
-            "POST", f"{_artifact_path(model, version, artifact)}/attestations", json=body
+        return self._answer(
+            AttestationOut, "POST", f"{_artifact_path(model, version, artifact)}/attestations", json=body
         )
-        return result
 
-    def list_attestations(self, model: str, version: str, artifact: str) -> list[dict[str, Any]]:
-        return self._list(f"{_artifact_path(model, version, artifact)}/attestations")
+    def list_attestations(self, model: str, version: str, artifact: str) -> list[AttestationOut]:
+        return self._list(AttestationOut, f"{_artifact_path(model, version, artifact)}/attestations")
 
-    def get_artifact(self, model: str, version: str, artifact: str) -> dict[str, Any]:
+    def get_artifact(self, model: str, version: str, artifact: str) -> ArtifactDetail:
         """An artifact's manifest, files (with download URLs) and evals."""
-        result: dict[str, Any] = self._json("GET", _artifact_path(model, version, artifact))
-        return result
+        return self._answer(ArtifactDetail, "GET", _artifact_path(model, version, artifact))
 
     def download(self, url_path: str, dest: str | Path) -> None:
         """Stream a registry path (a file or an attestation of an artifact) to `dest` (via a temp file)."""
@@ -527,30 +529,28 @@ class RegistryClient:
             raise Unavailable(f"registry {self.location} unreachable: {exc}") from exc
         tmp.replace(dest)
 
-    def download_artifact(self, model: str, version: str, artifact: str, dest: str | Path) -> dict[str, Any]:
+    def download_artifact(self, model: str, version: str, artifact: str, dest: str | Path) -> ArtifactDetail:
         """Download an artifact's files and its attestations (as `model.sig`, `provenance.sigstore.json`)
         into `dest`; returns the artifact's detail."""
         detail = self.get_artifact(model, version, artifact)
         base = _artifact_path(model, version, artifact)
-        for f in detail["files"]:
-            check_relative_path(f["path"])
-            self.download(f"{base}/files/{quote(f['path'], safe='/')}", Path(dest) / f["path"])
+        for f in detail.files:
+            check_relative_path(f.path)
+            self.download(f"{base}/files/{quote(f.path, safe='/')}", Path(dest) / f.path)
         for a in self.list_attestations(model, version, artifact):
-            self.download(f"{base}/attestations/{a['kind']}", Path(dest) / ATTESTATION_FILES[a["kind"]])
+            self.download(f"{base}/attestations/{a.kind}", Path(dest) / ATTESTATION_FILES[a.kind])
         return detail
 
-    def add_key(self, public_key_pem: str, model_pattern: str) -> dict[str, Any]:
+    def add_key(self, public_key_pem: str, model_pattern: str) -> TrustedKeyOut:
         """Trust a publisher public key for models matching `model_pattern` (admin)."""
         body = {"public_key_pem": public_key_pem, "model_pattern": model_pattern}
-        result: dict[str, Any] = self._json("POST", "/v1/keys", json=body)
-        return result
+        return self._answer(TrustedKeyOut, "POST", "/v1/keys", json=body)
 
-    def list_keys(self) -> list[dict[str, Any]]:
-        return self._list("/v1/keys")
+    def list_keys(self) -> list[TrustedKeyOut]:
+        return self._list(TrustedKeyOut, "/v1/keys")
 
-    def revoke_key(self, key_id: str, reason: str | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", f"/v1/keys/{_seg(key_id)}/revoke", json={"reason": reason})
-        return result
+    def revoke_key(self, key_id: str, reason: str | None = None) -> TrustedKeyOut:
+        return self._answer(TrustedKeyOut, "POST", f"/v1/keys/{_seg(key_id)}/revoke", json={"reason": reason})
 
 
 def _artifact_path(model: str, version: str, artifact: str) -> str:

@@ -12,12 +12,17 @@ from __future__ import annotations
 import math
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
+from kiln.core.error_codes import Codes
 from kiln.core.errors import DataFileInvalid, InvalidInput
+
+R = TypeVar("R", bound=BaseModel)
 
 MAX_DATA_FILE_BYTES = 1 << 20
 MAX_DEPTH = 64  # levels of nesting; every file kiln reads needs a handful
@@ -113,3 +118,12 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DataFileInvalid(f"{path}: {what} must be a mapping of fields", details={"file": str(path)})
     return data
+
+
+def parse_record(record: type[R], data: Mapping[str, Any], where: str, code: str = Codes.INVALID_INPUT) -> R:
+    """`data` (a file's, or a request's) as `record`, or InvalidInput with `code` naming each bad field."""
+    try:
+        return record.model_validate(dict(data))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}" for err in e.errors())
+        raise InvalidInput(f"{where}: {problems}", code=code) from None

@@ -275,6 +275,11 @@ class Codes:
     METHOD_NOT_ALLOWED = Code(Kind.INVALID, "the route does not take this method", http=405)
     UNSUPPORTED_MEDIA_TYPE = Code(Kind.INVALID, "a body of a content type the route does not take", http=415)
     HTTP_ERROR = Code(Kind.FAILED, "another HTTP error of the web framework, with its status", http_varies=True)
+    STORED_VALUE_UNREADABLE = Code(
+        Kind.FAILED,
+        "in a 200 answer, in place of a JSON value an older registry stored outside today's bounds; the row is kept",
+        http=200,
+    )
 
     # The registry: tokens, webhooks and hardware.
     INVALID_TOKEN = Code(Kind.UNAUTHORIZED, "the token is malformed, unknown, revoked or expired")

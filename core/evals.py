@@ -12,12 +12,37 @@ strings "NaN", "Infinity" and "-Infinity", and read back as floats.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
-from typing import Literal, Self
+from typing import Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 EvalStatus = Literal["passed", "failed", "not_evaluated"]
+# A runtime name, optionally `@<hardware>` for an eval made on one GPU SKU (`tensorrt_llm@h100`,
+# as the publish stage names a GPU runner's eval); the SKU is a hardware profile name (lowercase).
+RUNTIME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+:-]*(@[a-z0-9][a-z0-9._-]*)?$"
+RUNTIME_MAX_LENGTH = 64  # what the registry stores it in
+# What a runtime reports as its version ("transformers 5.17.0, torch 2.9.0+cu128", "vLLM 0.32.0 (CPU)"):
+# printable and conservative, no leading or trailing space, no quotes or angle brackets.
+RUNTIME_VERSION_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9 ._+:()/,=-]*[A-Za-z0-9._+:()/,=-])?$"
+RUNTIME_VERSION_MAX_LENGTH = 200  # what the registry stores it in
+
+
+class HasStatus(Protocol):
+    @property
+    def status(self) -> str: ...
+
+
+def eval_status(evals: Iterable[HasStatus]) -> EvalStatus:
+    """An artifact's gate status, judged from its evals (all of them, or those a channel was promoted with):
+    failed if any runtime failed it, passed if any passed, else not_evaluated."""
+    statuses = {e.status for e in evals}
+    if "failed" in statuses:
+        return "failed"
+    if "passed" in statuses:
+        return "passed"
+    return "not_evaluated"
 
 
 class EvalMetrics(BaseModel):
@@ -149,6 +174,8 @@ class PublishedEval(BaseModel):
 
 
 class RecordedEval(PublishedEval):
-    """A `PublishedEval` as the registry holds it: what it answers for an artifact's evals."""
+    """A `PublishedEval` as the registry holds it: what it answers for an artifact's evals, read from its row."""
+
+    model_config = ConfigDict(frozen=True, from_attributes=True)
 
     created_at: datetime

@@ -17,10 +17,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticUndefined
 
-from kiln.core.datafile import read_data_file
+from kiln.core.datafile import parse_record, read_data_file
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput, UnknownName
 
@@ -213,6 +213,19 @@ class HardwareProfile(_Frozen):
         return self.products[0] if self.products else self.name
 
 
+HardwareSource = Literal["builtin", "registry", "registry (overrides builtin)"]
+
+
+class HardwareOut(HardwareProfile):
+    """A catalog entry as the registry answers it, with where it comes from."""
+
+    source: HardwareSource = Field(description="kiln's built-in catalog, or an entry admins gave this registry")
+
+    @classmethod
+    def of(cls, profile: HardwareProfile, source: HardwareSource) -> HardwareOut:
+        return cls(**profile.model_dump(), source=source)
+
+
 class HardwareCatalog:
     """SKU name -> profile, with the error that lists the known names."""
 
@@ -253,11 +266,19 @@ class HardwareCatalog:
 
 def parse_profile(data: Mapping[str, Any], where: str = "hardware entry") -> HardwareProfile:
     """A validated profile, or HARDWARE_CATALOG_INVALID naming each bad field."""
-    try:
-        return HardwareProfile.model_validate(dict(data))
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"{where}: {problems}", code=Codes.HARDWARE_CATALOG_INVALID) from None
+    return parse_record(HardwareProfile, data, where, Codes.HARDWARE_CATALOG_INVALID)
+
+
+def parse_entry(name: str, data: Mapping[str, Any]) -> HardwareProfile:
+    """The catalog entry for SKU `name` as a file or a request gives it (`kiln hardware set`, `PUT /v1/hardware`):
+    its name left out or `name`, and its `source` (as a listing shows one) ignored."""
+    if "name" in data and data["name"] != name:
+        raise InvalidInput(
+            f"hardware entry {name!r}: name: the body names {str(data['name'])[:40]!r}; it must name the SKU of "
+            "the path, or leave the name out",
+            code=Codes.HARDWARE_CATALOG_INVALID,
+        )
+    return parse_profile({**{k: v for k, v in data.items() if k != "source"}, "name": name}, f"hardware entry {name!r}")
 
 
 def load_catalog(path: Path = CATALOG_FILE, what: str = "a hardware catalog") -> HardwareCatalog:

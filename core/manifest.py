@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from kiln.core.digest import sha256_json
-from kiln.core.rows import FromRow
+from kiln.core.rows import FromRow, StoredOrSentJSON
 from kiln.core.untrusted import JSONObject
 
 # A segment may start with '_' (orbax writes _CHECKPOINT_METADATA and _METADATA), never with '.' or '-'.
@@ -85,7 +85,7 @@ class ArtifactIdentity(FromRow):
     hardware: list[Annotated[str, StringConstraints(pattern=HARDWARE_NAME)]] = Field(
         max_length=1000, description="hardware profile names this artifact runs on"
     )
-    runtime: JSONObject = Field(default_factory=dict, description="runtime requirements")
+    runtime: StoredOrSentJSON = Field(default_factory=dict, description="runtime requirements")
 
     @field_validator("name")
     @classmethod

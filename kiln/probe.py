@@ -446,8 +446,27 @@ class Row:
     peak: float | None  # the catalog's, in the reading's unit; None: the entry has no such peak
     fraction: float | None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.reading.model_dump(), "peak": self.peak, "fraction": self.fraction}
+    def as_reading(self) -> Reading:
+        return Reading(**self.reading.model_dump(), peak=self.peak, fraction=self.fraction)
+
+
+class Reading(ProbeReading):
+    """A reading as `kiln hardware probe --json` shows it: beside its peak, and the share of it reached."""
+
+    peak: float | None
+    fraction: float | None
+
+
+class ProbeReport(BaseModel):
+    """What `kiln hardware probe` found: the SKU, the run, each reading against its peak, the `measured` record
+    they make (None without the memory read), what was left out, and where it was published (if it was)."""
+
+    hardware: str
+    run: ProbeRun
+    readings: list[Reading]
+    measured: MeasuredEfficiency | None
+    problems: list[str]
+    published: str | None = None
 
 
 def _peak(profile: HardwareProfile, key: str) -> float | None:

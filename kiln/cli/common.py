@@ -11,10 +11,12 @@ import json
 import os
 import sys
 from contextvars import ContextVar
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic_core import to_jsonable_python
 
 from kiln.console import err, safe_text
 from kiln.core.error_codes import Kind
@@ -128,7 +130,14 @@ def allowed_roots(values: list[Path] | None) -> list[Path]:
 
 
 def emit(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    """`data` as JSON on stdout; a record (or a list of them) as its API writes it, field names and all."""
+    plain = to_jsonable_python(data, by_alias=True, inf_nan_mode="strings")
+    sys.stdout.write(json.dumps(plain, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def stamp(at: datetime) -> str:
+    """A time as the CLI prints it: ISO 8601 to the second, UTC as `Z`."""
+    return at.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def answer(out: Any, as_json: bool, line: str) -> None:

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, hardware_app, split_ref
 from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
-from kiln.core.datafile import read_mapping
+from kiln.core.datafile import parse_record, read_mapping
 from kiln.core.device import resolve_device
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput
-from kiln.core.hardware import HardwareCatalog, builtin_catalog, parse_profile
-from kiln.probe import ProbeRun, device_name, efficiency, identify, measure, table
+from kiln.core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_entry
+from kiln.core.performance import PerformanceCreate
+from kiln.probe import ProbeReport, ProbeRun, device_name, efficiency, identify, measure, table
 
 
 @hardware_app.command("list")
@@ -28,13 +28,13 @@ def hardware_list(registry: RegistryOpt = DEFAULT_REGISTRY, as_json: JsonOpt = F
         emit(rows)
         return
     for h in rows:
-        price = f"${h['price_per_device_hour']:g}/h" if h.get("price_per_device_hour") is not None else "no price"
-        fp8 = h.get("fp8") or "no fp8"
+        price = f"${h.price_per_device_hour:g}/h" if h.price_per_device_hour is not None else "no price"
+        fp8 = h.fp8 or "no fp8"
         stdout.print(
             safe_text(
-                f"{h['name']:<10} {h['family']:<5} {h['arch']:<8} {h['memory_gib']:>6g} GiB "
-                f"{h['bandwidth_gbs']:>6g} GB/s bf16 {h['tflops']['bf16']:>6g} TFLOP/s {fp8:<8} "
-                f"×{h['devices_per_node']:<2} {price:<12} {h['source']}"
+                f"{h.name:<10} {h.family:<5} {h.arch:<8} {h.memory_gib:>6g} GiB "
+                f"{h.bandwidth_gbs:>6g} GB/s bf16 {h.tflops.bf16:>6g} TFLOP/s {fp8:<8} "
+                f"×{h.devices_per_node:<2} {price:<12} {h.source}"
             )
         )
 
@@ -47,10 +47,10 @@ def hardware_set(
     as_json: JsonOpt = False,
 ) -> None:
     """Add an SKU to the registry's catalog, or override its entry (admin; audited)."""
-    spec = read_mapping(entry, "a hardware entry")
+    profile = parse_entry(name, read_mapping(entry, "a hardware entry"))
     with RegistryClient.connect(registry) as client:
-        out = client.put_hardware(name, spec)
-    answer(out, as_json, f"hardware {name}: {out['source']}")
+        out = client.put_hardware(profile)
+    answer(out, as_json, f"hardware {name}: {out.source}")
 
 
 @hardware_app.command("delete")
@@ -67,20 +67,13 @@ def hardware_delete(
 
 def _registry_catalog(client: RegistryClient) -> HardwareCatalog:
     """The registry's catalog as it serves it (its own entries over the built-in ones)."""
-    return HardwareCatalog(
-        parse_profile({k: v for k, v in e.items() if k != "source"}, f"registry hardware entry {e.get('name')!r}")
-        for e in client.hardware()
-    )
+    return HardwareCatalog(HardwareProfile.model_validate(e.model_dump(exclude={"source"})) for e in client.hardware())
 
 
 def _saved_run(path: Path) -> ProbeRun:
     """A run printed by `kiln hardware probe --json` (the whole document, or its `run`)."""
     data = read_mapping(path, "a probe run (kiln hardware probe --json)")
-    try:
-        return ProbeRun.model_validate(data.get("run", data))
-    except ValidationError as e:
-        found = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'run'}: {err['msg']}" for err in e.errors())
-        raise InvalidInput(f"{path}: not a probe run: {found}", code=Codes.INVALID_INPUT) from None
+    return parse_record(ProbeRun, data.get("run", data), f"{path}: not a probe run")
 
 
 @hardware_app.command("probe")
@@ -127,13 +120,13 @@ def hardware_probe(
             profile = identify(device_name(where), where.is_cuda, catalog, hardware)
             run = measure(where, profile)
         record, rows, problems = efficiency(run, profile)
-        out: dict[str, Any] = {
-            "hardware": profile.name,
-            "run": run.model_dump(mode="json"),
-            "readings": [row.as_dict() for row in rows],
-            "measured": record.model_dump(mode="json") if record is not None else None,
-            "problems": problems,
-        }
+        out = ProbeReport(
+            hardware=profile.name,
+            run=run,
+            readings=[row.as_reading() for row in rows],
+            measured=record,
+            problems=problems,
+        )
         if client is not None:
             if record is None or problems:
                 raise InvalidInput(
@@ -142,8 +135,8 @@ def hardware_probe(
                     details={"hardware": profile.name, "problems": problems},
                 )
             entry = client.hardware_entry(profile.name)
-            put = client.put_hardware(profile.name, {**entry, "measured": record.model_dump(mode="json")})
-            out["published"] = put["source"]
+            put = client.put_hardware(entry.model_copy(update={"measured": record}))
+            out = out.model_copy(update={"published": put.source})
     finally:
         if client is not None:
             client.close()
@@ -154,8 +147,8 @@ def hardware_probe(
         stdout.print(safe_text(line))
     for problem in problems:
         err.print(safe_text(f"left out: {problem}"))
-    if "published" in out:
-        err.print(safe_text(f"hardware {profile.name}: measured shares recorded ({out['published']})"))
+    if out.published is not None:
+        err.print(safe_text(f"hardware {profile.name}: measured shares recorded ({out.published})"))
 
 
 @app.command()
@@ -174,12 +167,11 @@ def performance(
 ) -> None:
     """Record a measured serving performance of an artifact on one SKU (resolve prefers it to its estimates)."""
     model, version = split_ref(ref)
-    measured = read_mapping(record, "a performance record")
+    measured = parse_record(PerformanceCreate, read_mapping(record, "a performance record"), "a performance record")
     with RegistryClient.connect(registry) as client:
         out = client.post_performance(model, version, artifact, measured)
     answer(
         out,
         as_json,
-        f"{model}@{version}/{artifact} on {out['hardware']} (TP {out['tp']}): {out['tokens_per_s']:g} tokens/s "
-        f"recorded",
+        f"{model}@{version}/{artifact} on {out.hardware} (TP {out.tp}): {out.tokens_per_s:g} tokens/s recorded",
     )

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, fmt_size, split_ref
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, fmt_size, split_ref, stamp
 from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
 
@@ -22,7 +22,7 @@ def seal(
     model, version = split_ref(ref)
     with RegistryClient.connect(registry) as client:
         out = client.seal_release(model, version)
-    answer(out, as_json, f"{model}@{version} sealed: {len(out['planned_artifacts'])} artifacts")
+    answer(out, as_json, f"{model}@{version} sealed: {len(out.planned_artifacts)} artifacts")
 
 
 @app.command()
@@ -77,12 +77,8 @@ def split(
             raise typer.BadParameter(f"{item!r}: expected VERSION=PERCENT, e.g. 1.5.0=5")
     with RegistryClient.connect(registry) as client:
         out = client.set_split(model, channel, parsed, force=force, reason=reason, actor=os.environ.get("USER"))
-    members = out.get("split") or [{"version": out["version"], "weight": 100}]
-    answer(
-        out,
-        as_json,
-        f"{model}: channel {channel} -> " + ", ".join(f"{m['version']} {m['weight']:g} %" for m in members),
-    )
+    members = ", ".join(f"{m.version} {m.weight:g} %" for m in out.members())
+    answer(out, as_json, f"{model}: channel {channel} -> {members}")
 
 
 @app.command()
@@ -178,7 +174,7 @@ def audit(
         emit(events)
         return
     for e in events:
-        why = f"  reason: {e['reason']}" if e.get("reason") else ""
-        change = e.get("details", {})
+        why = f"  reason: {e.reason}" if e.reason else ""
+        change = e.details
         before_after = f"  {change.get('before')} -> {change.get('after')}" if "after" in change else ""
-        stdout.print(safe_text(f"{e['at']}  {e['actor']:<28} {e['action']:<24} {e['target']}{before_after}{why}"))
+        stdout.print(safe_text(f"{stamp(e.at)}  {e.actor:<28} {e.action:<24} {e.target}{before_after}{why}"))

@@ -11,7 +11,7 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, app, emit, split_ref, stamp
 from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
 from kiln.core.datafile import read_data_bytes
@@ -19,7 +19,6 @@ from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput
 from kiln.core.signing import (
     PROVENANCE_FILE,
-    ArtifactClaims,
     SignatureInvalid,
     key_id,
     load_public_key,
@@ -64,20 +63,18 @@ def verify(
         with RegistryClient.connect(registry) as client:
             _check_not_revoked(client, public)
             detail = client.download_artifact(model, version, artifact, dest)
-        expected = {"model": model, "version": version, "artifact": artifact}
-        expected |= {f: detail[f] for f in ArtifactClaims.FIELDS if f in detail}
-        _verify(dest, public, target, as_json, expected)
+        _verify(dest, public, target, as_json, detail.claims(model=model, version=version))
 
 
 def _check_not_revoked(client: RegistryClient, public: ec.EllipticCurvePublicKey) -> None:
     """KEY_REVOKED when the registry lists `public` as revoked: what it signed no longer counts."""
     kid = key_id(public)
     for key in client.list_keys():
-        if key["key_id"] == kid and key["revoked_at"] is not None:
+        if key.key_id == kid and key.revoked_at is not None:
             raise SignatureInvalid(
-                f"key {kid} was revoked at {key['revoked_at']} on the registry: nothing it signed is trusted",
+                f"key {kid} was revoked at {stamp(key.revoked_at)} on the registry: nothing it signed is trusted",
                 code=Codes.KEY_REVOKED,
-                details={"key_id": kid, "revoked_at": key["revoked_at"]},
+                details={"key_id": kid, "revoked_at": stamp(key.revoked_at)},
             )
 
 
@@ -134,7 +131,7 @@ def keys_add(
     load_public_key(pem)  # refused here, before the registry is asked
     with RegistryClient.connect(registry) as client:
         out = client.add_key(pem.decode("ascii"), model)
-    answer(out, as_json, f"key {out['key_id']} trusted for {out['model_pattern']!r}")
+    answer(out, as_json, f"key {out.key_id} trusted for {out.model_pattern!r}")
 
 
 @keys_app.command("list")
@@ -146,8 +143,8 @@ def keys_list(registry: RegistryOpt = DEFAULT_REGISTRY, as_json: JsonOpt = False
         emit(keys)
         return
     for k in keys:
-        state = f"revoked {k['revoked_at']}" if k["revoked_at"] else "active"
-        stdout.print(safe_text(f"{k['key_id']}  {k['model_pattern']:<24} {k['created_by']:<16} {state}"))
+        state = f"revoked {stamp(k.revoked_at)}" if k.revoked_at else "active"
+        stdout.print(safe_text(f"{k.key_id}  {k.model_pattern:<24} {k.created_by:<16} {state}"))
 
 
 @keys_app.command("revoke")
@@ -160,4 +157,4 @@ def keys_revoke(
     """Revoke a trusted key (admin, audited): nothing it signed counts as signed any more."""
     with RegistryClient.connect(registry) as client:
         out = client.revoke_key(key, reason)
-    answer(out, as_json, f"key {out['key_id']} revoked")
+    answer(out, as_json, f"key {out.key_id} revoked")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, token_app
+from kiln.cli.common import DEFAULT_REGISTRY, JsonOpt, RegistryOpt, answer, emit, stamp, token_app
 from kiln.client import RegistryClient
 from kiln.console import err, safe_text, stdout
 from kiln.core.error_codes import Codes
@@ -63,13 +63,9 @@ def token_create(
     if as_json:
         emit(out)
         return
-    until = f"expires {out['expires_at']}" if out["expires_at"] else "never expires"
-    err.print(
-        safe_text(
-            f"token {out['id']} {out['name']!r}: scopes {', '.join(out['scopes'])}; {until}; store the secret now"
-        )
-    )
-    stdout.print(safe_text(out["token"]))
+    until = f"expires {stamp(out.expires_at)}" if out.expires_at else "never expires"
+    err.print(safe_text(f"token {out.id} {out.name!r}: scopes {', '.join(out.scopes)}; {until}; store the secret now"))
+    stdout.print(safe_text(out.token))
 
 
 @token_app.command("list")
@@ -81,17 +77,14 @@ def token_list(registry: RegistryOpt = DEFAULT_REGISTRY, as_json: JsonOpt = Fals
         emit(tokens)
         return
     for t in tokens:
-        expired = t["expires_at"] is not None and datetime.fromisoformat(t["expires_at"]) <= datetime.now(UTC)
-        if t["revoked_at"]:
-            state = f"revoked {t['revoked_at']}"
-        elif t["expires_at"]:
-            state = f"{'expired' if expired else 'expires'} {t['expires_at']}"
+        if t.revoked_at:
+            state = f"revoked {stamp(t.revoked_at)}"
+        elif t.expires_at:
+            state = f"{'expired' if t.expires_at <= datetime.now(UTC) else 'expires'} {stamp(t.expires_at)}"
         else:
             state = "active, never expires"
-        models = ", ".join(t["models"]) or "all models"
-        stdout.print(
-            safe_text(f"{t['id']:>4}  {t['name']:<24} {t['prefix']}…  {','.join(t['scopes']):<22} {models:<20} {state}")
-        )
+        models = ", ".join(t.models) or "all models"
+        stdout.print(safe_text(f"{t.id:>4}  {t.name:<24} {t.prefix}…  {','.join(t.scopes):<22} {models:<20} {state}"))
 
 
 @token_app.command("revoke")
@@ -104,4 +97,4 @@ def token_revoke(
     """Revoke an API token (audited)."""
     with RegistryClient.connect(registry) as client:
         out = client.revoke_token(token_id, reason)
-    answer(out, as_json, f"token {out['id']} {out['name']!r} revoked")
+    answer(out, as_json, f"token {out.id} {out.name!r} revoked")

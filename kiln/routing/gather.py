@@ -154,7 +154,7 @@ def gather_routing(
     With `modelcars`, each placement's model car must be among the registry's tags (ROUTING_NO_MODELCARS
     where it serves none, ROUTING_MODELCAR_MISSING where one is not served)."""
     parsed = parse_pool_options(pools)
-    catalog: dict[str, Any] = {h["name"]: h["family"] for h in client.hardware()}
+    catalog = {h.name: h.family for h in client.hardware()}
     for _ in range(ATTEMPTS):
         try:
             routing = _read(client, model, channel, parsed, sizing, catalog)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kiln.client import RegistryClient
 from kiln.core import __version__
+from kiln.core.access import AttestationKind
 from kiln.core.evals import PublishedEval
 from kiln.core.manifest import ArtifactManifest
 from kiln.eval.report import EvalReport
@@ -119,7 +120,7 @@ def _attach_signed(
         evals={runtime: r.model_dump(mode="json", exclude_none=True) for runtime, r in reports.items()},
         recipe_digest=p.get("recipe_digest"),
     )
-    bundles = {
+    bundles: dict[AttestationKind, bytes] = {
         "signature": sign_files(ctx.input("artifact").files_dir, manifest, key, model=p["model"], version=p["version"]),
         "provenance": sign_provenance(statement, key),
     }

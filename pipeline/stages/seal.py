@@ -17,7 +17,7 @@ def run(ctx: StageContext) -> SealRecord:
     p = ctx.node.params
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
         release = client.seal_release(p["model"], p["version"])
-    return SealRecord(model=p["model"], version=p["version"], status=release["status"])
+    return SealRecord(model=p["model"], version=p["version"], status=release.status)
 
 
 STAGE = Stage(

@@ -43,11 +43,3 @@ AfterKey = Annotated[
 ]
 AfterId = Annotated[int | None, Query(ge=1, le=MAX_ROW_ID, description="the id of the last row of the page before")]
 Sha256 = Annotated[str, Path(pattern=SHA256_PATTERN, description="lowercase hex sha256 of the content")]
-
-# A serving workload, as resolve asks it (query) and a performance record states it (body): ranges far
-# past any real replica and within which resolve's arithmetic stays finite. Floats are (low, high).
-MAX_CONTEXT = 10_000_000  # tokens per sequence
-MAX_CONCURRENCY = 100_000  # sequences at once
-TOKENS_PER_S = (0.001, 10_000_000.0)  # decode tokens/s (of a replica, or per sequence)
-TTFT_MS = (0.001, 86_400_000.0)  # time to first token: a microsecond to a day
-ITL_MS = (0.001, 3_600_000.0)  # inter-token latency: a microsecond to an hour

@@ -7,14 +7,16 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 
+from kiln.core.evals import RecordedEval
 from kiln.core.manifest import ArtifactManifest, FileOut
+from kiln.core.releases import ArtifactDetail, ArtifactSummary
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import AfterArtifact, ArtifactName, ModelName, PageLimit, Version
 from kiln.registry.api.urls import artifact_file_url, base_url
 from kiln.registry.artifacts import service
-from kiln.registry.artifacts.schemas import ArtifactDetail, ArtifactSummary, EvalCreate, EvalOut
+from kiln.registry.artifacts.schemas import EvalCreate
 from kiln.registry.blobs.download import blob_response
 from kiln.registry.deps import BlobStoreDep, SessionDep, SettingsDep, WriteSessionDep, require
 from kiln.registry.paging import PAGE_LIMIT
@@ -135,7 +137,10 @@ def download_file(
     dependencies=[PUBLISH],
     status_code=201,
     summary="Record one runtime's eval result (200 if identical, 409 if different)",
-    responses={200: {"model": EvalOut, "description": "an identical result existed"}, **error_responses(404, 409, 422)},
+    responses={
+        200: {"model": RecordedEval, "description": "an identical result existed"},
+        **error_responses(404, 409, 422),
+    },
 )
 def post_eval(
     model: ModelName,
@@ -144,9 +149,9 @@ def post_eval(
     spec: EvalCreate,
     session: WriteSessionDep,
     response: Response,
-) -> EvalOut:
+) -> RecordedEval:
     row, created = contents.post_eval(session, model, version, name, spec)
     session.commit()
     if not created:
         response.status_code = 200
-    return EvalOut.of(row)
+    return RecordedEval.model_validate(row)

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
+from kiln.core.access import AttestationKind, AttestationOut, TrustedKeyOut
 from kiln.core.errors import Forbidden, NotFound
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
@@ -20,14 +21,7 @@ from kiln.registry.api.params import AfterKey, ArtifactName, ModelName, PageLimi
 from kiln.registry.api.urls import base_url
 from kiln.registry.attestations import service
 from kiln.registry.attestations.models import Attestation
-from kiln.registry.attestations.schemas import (
-    AttestationCreate,
-    AttestationKind,
-    AttestationOut,
-    KeyRevoke,
-    TrustedKeyCreate,
-    TrustedKeyOut,
-)
+from kiln.registry.attestations.schemas import AttestationCreate, KeyRevoke, TrustedKeyCreate
 from kiln.registry.auth.principal import Principal
 from kiln.registry.blobs.download import blob_response
 from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.core.rows import FromRow
+from kiln.core.access import AttestationKind
 from kiln.registry.api.params import SHA256_PATTERN
-
-AttestationKind = Literal["signature", "provenance"]
 
 
 class AttestationCreate(BaseModel):
@@ -27,16 +24,6 @@ class AttestationCreate(BaseModel):
     size: int = Field(strict=True, ge=1, le=16 * 1024**2)
 
 
-class AttestationOut(FromRow):
-    kind: AttestationKind
-    media_type: str
-    sha256: str
-    size: int
-    signer: str = Field(description="id of the trusted key it verified with")
-    created_at: datetime
-    url: str = Field(description="where to download it")
-
-
 class TrustedKeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -45,15 +32,6 @@ class TrustedKeyCreate(BaseModel):
         description="model names it signs for (fnmatch), e.g. llama-*",
     )
     public_key_pem: str = Field(max_length=4096, description="PEM public key, EC P-256, P-384 or P-521")
-
-
-class TrustedKeyOut(FromRow):
-    key_id: str = Field(description="sha256 of the public key's DER")
-    model_pattern: str
-    public_key_pem: str
-    created_by: str
-    created_at: datetime
-    revoked_at: datetime | None
 
 
 class KeyRevoke(BaseModel):

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
+from kiln.core.access import AuditEventOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import MODEL_NAME_PATTERN, AfterId, PageLimit
 from kiln.registry.audit import service
-from kiln.registry.audit.schemas import AuditEventOut
 from kiln.registry.deps import PrincipalDep, SessionDep
 from kiln.registry.paging import PAGE_LIMIT
 

@@ -7,13 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
+from kiln.core.access import TokenCreated, TokenOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import AfterId, PageLimit, RowId
 from kiln.registry.auth import service
 from kiln.registry.auth.principal import Principal
-from kiln.registry.auth.schemas import TokenCreate, TokenCreated, TokenOut, TokenRevoke
+from kiln.registry.auth.schemas import TokenCreate, TokenRevoke
 from kiln.registry.deps import SessionDep, SettingsDep, WriteSessionDep, require
 from kiln.registry.paging import PAGE_LIMIT
 

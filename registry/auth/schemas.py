@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from kiln.core.rows import FromRow
 from kiln.registry.auth.principal import Scope
 
 
@@ -27,19 +24,3 @@ class TokenRevoke(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str | None = Field(default=None, max_length=10_000)
-
-
-class TokenOut(FromRow):
-    id: int
-    name: str
-    prefix: str
-    scopes: list[str]
-    models: list[str]
-    created_by: str
-    created_at: datetime
-    revoked_at: datetime | None
-    expires_at: datetime | None
-
-
-class TokenCreated(TokenOut):
-    token: str = Field(description="the secret; shown once, store it now")

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
+from kiln.core.channels import ChannelDetail, ChannelEventOut, ChannelOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
@@ -14,7 +15,7 @@ from kiln.registry.api.params import AfterChannel, AfterId, ChannelName, ModelNa
 from kiln.registry.auth.principal import Principal
 from kiln.registry.channels import service
 from kiln.registry.channels.models import Channel, ChannelEvent
-from kiln.registry.channels.schemas import ChannelDetail, ChannelEventOut, ChannelOut, PromoteRequest, SplitRequest
+from kiln.registry.channels.schemas import PromoteRequest, SplitRequest
 from kiln.registry.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
 from kiln.registry.paging import PAGE_LIMIT
 

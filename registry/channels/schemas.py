@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.registry.api.params import VERSION_PATTERN
@@ -74,32 +72,3 @@ class SplitRequest(BaseModel):
         if self.force and not (self.reason and self.reason.strip()):
             raise ValueError("a forced split needs a non-empty reason")
         return self
-
-
-class SplitMemberOut(BaseModel):
-    version: str
-    weight: float = Field(description="percent of the traffic")
-
-
-class ChannelEventOut(BaseModel):
-    from_version: str | None
-    to_version: str
-    forced: bool
-    split: list[SplitMemberOut] | None = Field(default=None, description="the weights after a split change")
-    reason: str | None
-    actor: str | None
-    at: datetime
-
-
-class ChannelOut(BaseModel):
-    model: str
-    name: str
-    version: str = Field(description="the release the channel points at (of a split: the largest member)")
-    split: list[SplitMemberOut] | None = Field(default=None, description="a weighted split over releases (canary)")
-    updated_at: datetime
-
-
-class ChannelDetail(ChannelOut):
-    history: list[ChannelEventOut] = Field(
-        description="promotions, newest first: a page of them (`limit`; the next page is the answer's `Link`)"
-    )

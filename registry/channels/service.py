@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, joinedload, selectinload
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, GateFailed, NotFound
-from kiln.registry.artifacts.evals import eval_status
+from kiln.core.evals import eval_status
 from kiln.registry.artifacts.service import WITH_EVALS, release_artifacts
 from kiln.registry.attestations.policy import unsigned_artifacts
 from kiln.registry.audit import service as audit

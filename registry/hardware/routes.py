@@ -8,14 +8,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, Request, Response
 
-from kiln.core.hardware import HARDWARE_NAME_PATTERN
+from kiln.core.hardware import HARDWARE_NAME_PATTERN, HardwareOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import AfterHardware, PageLimit
 from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from kiln.registry.hardware import service
-from kiln.registry.hardware.schemas import HardwareOut, entry_request_schema
+from kiln.registry.hardware.schemas import entry_request_schema
 from kiln.registry.paging import PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["hardware"], route_class=SessionRoute)
@@ -40,7 +40,7 @@ def list_hardware(
 @router.get("/hardware/{name}", summary="One SKU of the hardware catalog", responses=error_responses(404))
 def get_hardware(name: HardwareName, session: SessionDep) -> HardwareOut:
     profile, source = service.get_entry(session, name)
-    return HardwareOut(**profile.model_dump(), source=source)  # type: ignore[arg-type]
+    return HardwareOut.of(profile, source)
 
 
 @router.put(
@@ -57,11 +57,10 @@ def put_hardware(
     entry: Annotated[dict[str, Any], Body(description="a catalog entry, as GET /v1/hardware/{name} shows one")],
 ) -> HardwareOut:
     principal.require_unlimited_admin("changing the hardware catalog")
-    entry = {k: v for k, v in entry.items() if k != "source"}
     profile = service.put_entry(session, name, entry, principal.name)
     session.commit()
     # What was committed, not a read-back: a DELETE committed in between must not turn this 200 into a 404.
-    return HardwareOut(**profile.model_dump(), source=service.registry_source(name))  # type: ignore[arg-type]
+    return HardwareOut.of(profile, service.registry_source(name))
 
 
 @router.delete(

@@ -1,18 +1,10 @@
-"""API shapes for the hardware catalog."""
+"""The hardware catalog's request body, as the API documents it (the answers are `core.hardware.HardwareOut`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from pydantic import Field
+from typing import Any
 
 from kiln.core.hardware import HardwareProfile
-
-
-class HardwareOut(HardwareProfile):
-    source: Literal["builtin", "registry", "registry (overrides builtin)"] = Field(
-        description="kiln's built-in catalog, or an entry admins gave this registry"
-    )
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:

@@ -12,8 +12,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kiln.core.error_codes import Codes
-from kiln.core.errors import InvalidInput, NotFound
-from kiln.core.hardware import HardwareCatalog, HardwareProfile, builtin_catalog, parse_profile
+from kiln.core.errors import NotFound
+from kiln.core.hardware import (
+    HardwareCatalog,
+    HardwareProfile,
+    HardwareSource,
+    builtin_catalog,
+    parse_entry,
+    parse_profile,
+)
 from kiln.registry.audit import service as audit
 from kiln.registry.db import bytewise
 from kiln.registry.hardware.models import HardwareEntry
@@ -35,7 +42,7 @@ def effective_catalog(session: Session) -> HardwareCatalog:
     return builtin_catalog().extended(registry_entries(session))
 
 
-def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
+def get_entry(session: Session, name: str) -> tuple[HardwareProfile, HardwareSource]:
     """One SKU of the effective catalog and where its entry comes from; HARDWARE_NOT_FOUND lists the known."""
     entries = {p.name: (p, source) for p, source in catalog_entries(session)}
     if name not in entries:
@@ -48,7 +55,7 @@ def get_entry(session: Session, name: str) -> tuple[HardwareProfile, str]:
     return entries[name]
 
 
-def catalog_entries(session: Session) -> list[tuple[HardwareProfile, str]]:
+def catalog_entries(session: Session) -> list[tuple[HardwareProfile, HardwareSource]]:
     """The effective catalog, each entry with where it comes from (builtin | registry | registry (overrides
     builtin)), from one read of the registry's entries: two reads could see a PUT committed between them."""
     own = registry_entries(session)
@@ -56,13 +63,13 @@ def catalog_entries(session: Session) -> list[tuple[HardwareProfile, str]]:
     return [(p, registry_source(p.name) if p.name in names else "builtin") for p in builtin_catalog().extended(own)]
 
 
-def catalog_page(session: Session, after: str | None, limit: int) -> Page[tuple[HardwareProfile, str], str]:
+def catalog_page(session: Session, after: str | None, limit: int) -> Page[tuple[HardwareProfile, HardwareSource], str]:
     """Up to `limit` entries of the effective catalog, by name past `after`, each with where it comes from (as
     `catalog_entries`). The built-in entries are merged with a page of the registry's own: of the names past
     a cursor, the first `n` are among the first `n` of each, so `n` registry rows are all a page reads."""
     builtin = builtin_catalog().profiles
 
-    def fetch(past: str | None, n: int) -> list[tuple[HardwareProfile, str]]:
+    def fetch(past: str | None, n: int) -> list[tuple[HardwareProfile, HardwareSource]]:
         name = bytewise(session, HardwareEntry.name)
         query = select(HardwareEntry).order_by(name).limit(n)
         rows = session.scalars(query if past is None else query.where(name > past))
@@ -73,20 +80,14 @@ def catalog_page(session: Session, after: str | None, limit: int) -> Page[tuple[
     return keyset_page(fetch, lambda entry: entry[0].name, after, limit)
 
 
-def registry_source(name: str) -> str:
+def registry_source(name: str) -> HardwareSource:
     """How `catalog_entries` names the source of the registry's own entry for `name`."""
     return "registry (overrides builtin)" if name in builtin_catalog().profiles else "registry"
 
 
 def put_entry(session: Session, name: str, data: dict[str, Any], actor: str) -> HardwareProfile:
     """Add SKU `name`, or replace its entry (a built-in one is overridden, not changed); audited."""
-    if "name" in data and data["name"] != name:
-        raise InvalidInput(
-            f"hardware entry {name!r}: name: the body names {str(data['name'])[:40]!r}; it must name the SKU of "
-            "the path, or leave the name out",
-            code=Codes.HARDWARE_CATALOG_INVALID,
-        )
-    profile = parse_profile({**data, "name": name}, f"hardware entry {name!r}")
+    profile = parse_entry(name, data)
     # First: the routing state's row lock serialises catalog writers (PostgreSQL; SQLite's write lock
     # already does), so two first PUTs of one SKU do not both insert it, and `before` is what was there.
     bump_routing_revision(session)

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
+from kiln.core.releases import ModelDetail, ModelOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
@@ -14,7 +15,7 @@ from kiln.registry.auth.principal import Principal
 from kiln.registry.channels.service import model_channel_versions
 from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, require
 from kiln.registry.models import service
-from kiln.registry.models.schemas import ModelCreate, ModelDetail, ModelOut
+from kiln.registry.models.schemas import ModelCreate
 from kiln.registry.paging import PAGE_LIMIT
 from kiln.registry.releases.service import releases_page
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from kiln.core.performance import PerformanceCreate, PerformanceOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
@@ -12,7 +13,6 @@ from kiln.registry.deps import PrincipalDep, SessionDep, WriteSessionDep, requir
 from kiln.registry.paging import PAGE_LIMIT
 from kiln.registry.performance import service
 from kiln.registry.performance.models import PerformanceRecord
-from kiln.registry.performance.schemas import PerformanceCreate, PerformanceOut
 
 router = APIRouter(prefix="/v1", tags=["performance"], route_class=SessionRoute)
 PATH = "/models/{model}/releases/{version}/artifacts/{name}/performance"

@@ -7,10 +7,10 @@ from sqlalchemy.orm import Session
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput
+from kiln.core.performance import PerformanceCreate
 from kiln.registry.hardware.service import effective_catalog
 from kiln.registry.paging import Page, keyset_page
 from kiln.registry.performance.models import PerformanceRecord
-from kiln.registry.performance.schemas import PerformanceCreate
 from kiln.registry.releases.contents import get_artifact
 from kiln.registry.releases.service import lock_release
 from kiln.registry.resolve.service import bump_routing_revision

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, NotFound
+from kiln.core.releases import ReleaseStatus
 from kiln.registry.db import Base, utcnow
 from kiln.registry.models.models import Model
 
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from kiln.registry.artifacts.models import Artifact
 
 
-ReleaseStatus = Literal["open", "sealed", "abandoned"]
 RELEASE_STATUSES: tuple[ReleaseStatus, ...] = ("open", "sealed", "abandoned")
 
 

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Request, Response
 
+from kiln.core.releases import ArtifactSummary, ReleaseDetail, ReleaseOut
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import AfterVersion, ModelName, PageLimit, Version
-from kiln.registry.artifacts.schemas import ArtifactSummary
 from kiln.registry.artifacts.service import WITH_EVALS
 from kiln.registry.auth.principal import Principal
 from kiln.registry.channels.service import channels_of_release, drop_from_splits
@@ -19,7 +19,7 @@ from kiln.registry.oci.modelcar import record_release_layers
 from kiln.registry.paging import PAGE_LIMIT
 from kiln.registry.releases import service
 from kiln.registry.releases.models import Release
-from kiln.registry.releases.schemas import ReasonRequest, ReleaseCreate, ReleaseDetail, ReleaseOut
+from kiln.registry.releases.schemas import ReasonRequest, ReleaseCreate
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["releases"], route_class=SessionRoute)

@@ -1,27 +1,16 @@
-"""API shapes for releases."""
+"""API shapes for releases: what a request sends (the answers are `core.releases`)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from kiln.core.releases import MODEL_CONFIG_DOC
 from kiln.core.shape import ShapeRecord
 from kiln.core.untrusted import JSONObject
 from kiln.registry.api.params import ARTIFACT_NAME_PATTERN, SHA256_PATTERN, VERSION_PATTERN
-from kiln.registry.api.rows import StoredJSON
-from kiln.registry.artifacts.schemas import ArtifactSummary
-from kiln.registry.releases.models import ReleaseStatus
 
-MODEL_CONFIG_DOC = (
-    "the model's shape: the record kiln publishes (core.shape.ShapeRecord: "
-    + ", ".join(ShapeRecord.model_fields)
-    + "), or any config such as a Hugging Face config.json; stored as sent. Resolve reads it leniently: it sizes "
-    "the KV cache from num_layers (or num_hidden_layers), num_kv_heads (or num_key_value_heads, else "
-    "num_attention_heads) and head_dim (else hidden_size / num_attention_heads), and prefill from the "
-    "parameters the other sizes give; a value that is not an integer from 1 to 2^24 counts as missing"
-)
 # Documented, not enforced: a release from another tool may send any object (resolve reads it leniently).
 MODEL_CONFIG_EXAMPLE = ShapeRecord(
     architecture="LlamaForCausalLM",
@@ -67,34 +56,7 @@ class ReleaseCreate(BaseModel):
         return sorted(names)
 
 
-class ReleaseOut(BaseModel):
-    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
-
-    model: str
-    version: str
-    status: ReleaseStatus = Field(
-        description="open: artifacts still arriving, not resolvable, promotable or downloadable by revision; "
-        "sealed: complete and immutable; abandoned: never sealed, its artifacts dropped"
-    )
-    source_digest: str
-    planned_artifacts: list[str]
-    lineage: StoredJSON
-    architecture: StoredJSON = Field(alias="model_config", description=MODEL_CONFIG_DOC)
-    created_at: datetime
-    sealed_at: datetime | None = None
-    abandoned_at: datetime | None = None
-    abandon_reason: str | None = None
-    yanked_at: datetime | None = Field(default=None, description="set when yanked: resolve never returns it")
-    yank_reason: str | None = None
-
-
 class ReasonRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: Reason = Field(description="why (audited)")
-
-
-class ReleaseDetail(ReleaseOut):
-    artifacts: list[ArtifactSummary]
-    missing: list[str] = Field(description="planned artifacts not published yet")
-    channels: list[str] = Field(description="channels that point at this release")

@@ -22,10 +22,10 @@ from typing import Any, Literal
 from kiln.core.error_codes import Codes
 from kiln.core.errors import NotFound
 from kiln.core.hardware import HardwareCatalog, HardwareProfile
+from kiln.core.performance import ITL_MS, TOKENS_PER_S, TTFT_MS
 from kiln.core.resolve import MeasurementOut
 from kiln.core.shape import ShapeRecord
 from kiln.placement.fit import ReplicaPlan, kv_dtype_of, plan_replica
-from kiln.registry.api.params import ITL_MS, TOKENS_PER_S, TTFT_MS
 from kiln.registry.resolve.query import Policy, Pool, ResolveQuery
 from kiln.registry.resolve.views import ArtifactView, ReleaseView
 

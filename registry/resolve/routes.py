@@ -13,18 +13,11 @@ from starlette.concurrency import run_in_threadpool
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput
 from kiln.core.manifest import FileOut
+from kiln.core.performance import MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
 from kiln.core.resolve import ResolveCandidate, ResolvedArtifact, ResolveOut, ResolveReason, SplitMember
 from kiln.registry.api.errors import error_responses
 from kiln.registry.api.lean_route import LeanRoute
-from kiln.registry.api.params import (
-    CHANNEL_PATTERN,
-    MAX_CONCURRENCY,
-    MAX_CONTEXT,
-    MODEL_NAME_PATTERN,
-    TOKENS_PER_S,
-    TTFT_MS,
-    VERSION_PATTERN,
-)
+from kiln.registry.api.params import CHANNEL_PATTERN, MODEL_NAME_PATTERN, VERSION_PATTERN
 from kiln.registry.api.urls import artifact_file_url, base_url
 from kiln.registry.channels.buckets import BASIS_POINTS
 from kiln.registry.deps import require

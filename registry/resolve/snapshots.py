@@ -12,11 +12,11 @@ from sqlalchemy.orm import Session
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import NotFound
+from kiln.core.evals import eval_status
 from kiln.core.hardware import HardwareCatalog
 from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import MeasurementOut
 from kiln.core.shape import ShapeRecord
-from kiln.registry.artifacts.evals import eval_status
 from kiln.registry.artifacts.service import WITH_EVALS, WITH_FILES_AND_EVALS, Artifact, release_artifacts
 from kiln.registry.channels.buckets import BASIS_POINTS, merged, reassign
 from kiln.registry.channels.service import channel_names

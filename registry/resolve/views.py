@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kiln.core.evals import EvalStatus
 from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import MeasurementOut
 from kiln.core.shape import ShapeRecord
-from kiln.registry.artifacts.evals import EvalStatus
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,13 @@ from pydantic import BeforeValidator, Field
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput, KilnError, NotFound
 from kiln.core.hardware import HardwareCatalog
+from kiln.core.performance import MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
 from kiln.placement.fit import MEMORY_UTILIZATION
 from kiln.registry.api.endpoint import SessionRoute
 from kiln.registry.api.errors import http_status
 from kiln.registry.api.pages import next_page_url
 from kiln.registry.api.params import (
-    MAX_CONCURRENCY,
-    MAX_CONTEXT,
     MODEL_NAME_PATTERN,
-    TOKENS_PER_S,
-    TTFT_MS,
     AfterId,
     AfterModel,
     AfterVersion,

@@ -17,10 +17,9 @@ from functools import partial
 from typing import Any, Literal
 
 from kiln.core.errors import KilnError
-from kiln.core.evals import EvalMetrics, Gate
+from kiln.core.evals import EvalMetrics, Gate, eval_status
 from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import Policy
-from kiln.registry.artifacts.evals import eval_status
 from kiln.registry.artifacts.service import Artifact, EvalResult
 from kiln.registry.audit.service import AuditEvent
 from kiln.registry.resolve.explain import explain_choice

@@ -6,8 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.core.rows import FromRow
-from kiln.registry.api.rows import StoredJSON
+from kiln.core.rows import FromRow, StoredJSON
 from kiln.registry.webhooks.delivery import ERROR_CLASSES
 from kiln.registry.webhooks.outbox import EVENTS
 

@@ -82,14 +82,14 @@ def write_artifact(root: Path, files: dict[str, bytes]) -> ArtifactManifest:
 def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactManifest:
     files = {"model.gguf": os.urandom(3 * 1024 * 1024 + 5), "tokenizer/tokenizer.json": b"{}"}
     manifest = write_artifact(root, files)
-    assert client.ensure_model(model, "a test model")["name"] == model
+    assert client.ensure_model(model, "a test model").name == model
     client.ensure_model(model)  # exists: fine
     client.create_release(model, "1.0", SOURCE_DIGEST, ["gguf-q8"], {"hf": "x"}, LLAMA_CONFIG)
     client.create_release(model, "1.0", SOURCE_DIGEST, ["gguf-q8"], {"hf": "x"}, LLAMA_CONFIG)  # idempotent
-    assert [r["status"] for r in client.list_releases(model)] == ["open"]
+    assert [r.status for r in client.list_releases(model)] == ["open"]
     published = client.publish_artifact(model, "1.0", manifest, files_root=root)
-    assert published["manifest_digest"] == manifest.content_digest()
-    assert client.publish_artifact(model, "1.0", manifest)["manifest_digest"] == manifest.content_digest()
+    assert published.manifest_digest == manifest.content_digest()
+    assert client.publish_artifact(model, "1.0", manifest).manifest_digest == manifest.content_digest()
     report = judged(METRICS, gate_for("q8_0"), runtime="llama.cpp", runtime_version="llama-cpp-python 0.3.36")
     posted = PublishedEval.of_report("llama.cpp", report)
     recorded = client.post_eval(model, "1.0", "gguf-q8", posted)
@@ -98,13 +98,13 @@ def publish_flow(client: RegistryClient, root: Path, model: str) -> ArtifactMani
     assert recorded.model_dump(exclude={"created_at"}) == posted.model_dump()
     assert (recorded.metrics, recorded.gates, recorded.status) == (report.metrics, report.gate, "passed")
     assert client.artifact_evals(model, "1.0", "gguf-q8") == [recorded]
-    assert client.seal_release(model, "1.0")["status"] == "sealed"
-    assert client.seal_release(model, "1.0")["status"] == "sealed"  # idempotent
+    assert client.seal_release(model, "1.0").status == "sealed"
+    assert client.seal_release(model, "1.0").status == "sealed"  # idempotent
     channel = client.promote(model, "1.0", "prod", actor="ci")
-    assert channel["version"] == "1.0"
+    assert channel.version == "1.0"
     release = client.get_release(model, "1.0")
-    assert release["artifacts"][0]["eval_status"] == "passed"
-    assert release["artifacts"][0]["evals"][0]["runtime_version"] == "llama-cpp-python 0.3.36"
+    assert release.artifacts[0].eval_status == "passed"
+    assert release.artifacts[0].evals[0].runtime_version == "llama-cpp-python 0.3.36"
     return manifest
 
 
@@ -177,7 +177,7 @@ def test_client_follows_a_real_servers_pages(server_url: str, server_app: FastAP
         session.execute(insert(Model), [{"name": n, "description": ""} for n in names])
         session.commit()
     with RegistryClient.connect(server_url, token=make_token(server_app, ["read"])) as client:
-        listed = [m["name"] for m in client.list_models()]
+        listed = [m.name for m in client.list_models()]
     assert [n for n in listed if n.startswith("paged-")] == names and listed == sorted(listed)
 
 
@@ -193,7 +193,7 @@ def test_embedded_client(tmp_path: Path) -> None:
         assert client.resolve("embedded-model", "cpu", context=1024).artifact.name == "gguf-q8"
     assert (registry_dir / "registry.db").is_file()
     with RegistryClient.connect(str(registry_dir)) as client:  # a second process would see the same
-        assert client.get_release("embedded-model", "1.0")["version"] == "1.0"
+        assert client.get_release("embedded-model", "1.0").version == "1.0"
         with pytest.raises(errors.NotFound):
             client.resolve("embedded-model", "cpu", channel="staging")
 

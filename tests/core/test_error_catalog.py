@@ -36,6 +36,7 @@ DYNAMIC_CODES = {
     ("registry/hf_compat/service.py", "code"): "HubError passes on its caller's Codes.* name",
     ("targets/lint/findings.py", "first.code"): "a lint code (targets.lint.CODES, docs/targets.md)",
     ("targets/trtllm/export.py", "code"): "`model_refusal`'s Codes.* name",
+    ("core/datafile.py", "code"): "`parse_record`'s caller's Codes.* name (INVALID_INPUT by default)",
     ("formats/gguf/reader.py", "e.code"): "the code of the InvalidInput it adds the file name to",
     ("kiln/routing/gather.py", "exc.code"): "the code of the error it adds the pool to",
     ("registry/web/routes.py", "code"): "an error page's template argument, not an error",

@@ -61,6 +61,23 @@ def test_the_identity_checks_what_the_manifest_checked() -> None:
             ArtifactIdentity(**{**IDENTITY, field: bad})
 
 
+def test_a_runtime_stored_before_the_bounds_is_read_in_its_place_and_refused_when_sent() -> None:
+    """What an older registry stored past today's JSON bounds: read from its row as STORED_VALUE_UNREADABLE (the
+    row answers), refused where a publisher sends it."""
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    for bad in ({"x": deep}, {"x": 10**3999}, {"x": float("nan")}):
+        row = SimpleNamespace(**{**IDENTITY, "runtime": bad})
+        read = ArtifactIdentity.of(row)
+        assert read.runtime["error"]["code"] == "STORED_VALUE_UNREADABLE" and read.name == IDENTITY["name"]
+        assert ResolvedArtifact.of(row, manifest_digest="cd" * 32, files=[]).runtime == read.runtime
+        with pytest.raises(ValidationError):
+            ArtifactIdentity.model_validate({**IDENTITY, "runtime": bad})
+        with pytest.raises(ValidationError):
+            ArtifactManifest.model_validate({**IDENTITY, "runtime": bad, "files": [FILE.model_dump()]})
+
+
 def test_a_signatures_claims_are_the_identity_in_its_release() -> None:
     manifest = _manifest()
     claims = claims_of(manifest, model="m", version="1.0")

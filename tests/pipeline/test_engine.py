@@ -203,13 +203,13 @@ def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe:
 
     with RegistryClient.connect(registry) as client:
         release = client.get_release("m", "1")
-    artifacts = {a["name"]: a for a in release["artifacts"]}
+    artifacts = {a.name: a for a in release.artifacts}
     assert set(artifacts) == {"trtllm-bf16", "trtllm-int4-rtn"}  # no engine from here
     # The release plans what this build can make, and is sealed without the deferred engine; the GPU evals
     # still waiting for their runners hold nothing back.
-    assert release["status"] == "sealed"
-    assert release["planned_artifacts"] == ["trtllm-bf16", "trtllm-int4-rtn"]
-    int4_eval = artifacts["trtllm-int4-rtn"]["evals"][0]
-    assert (int4_eval["runtime"], int4_eval["status"]) == ("tensorrt_llm", "not_evaluated")
-    assert "GPU runner" in int4_eval["reason"] and artifacts["trtllm-int4-rtn"]["eval_status"] == "not_evaluated"
-    assert artifacts["trtllm-int4-rtn"]["hardware"] == ["a100", "l40s", "h100", "h200"]
+    assert release.status == "sealed"
+    assert release.planned_artifacts == ["trtllm-bf16", "trtllm-int4-rtn"]
+    int4_eval = artifacts["trtllm-int4-rtn"].evals[0]
+    assert (int4_eval.runtime, int4_eval.status) == ("tensorrt_llm", "not_evaluated")
+    assert "GPU runner" in (int4_eval.reason or "") and artifacts["trtllm-int4-rtn"].eval_status == "not_evaluated"
+    assert artifacts["trtllm-int4-rtn"].hardware == ["a100", "l40s", "h100", "h200"]

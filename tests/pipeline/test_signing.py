@@ -182,10 +182,8 @@ def test_publish_signs_every_artifact_and_verify_checks_the_download(tmp_path: P
     kiln("publish", str(root / "kiln.yaml"), "--work-dir", work, "--registry", registry, "--signing-key", str(key.path))
     with RegistryClient.connect(registry) as client:
         release = client.get_release("m", "1")
-        assert release["status"] == "sealed"
-        kinds = {
-            a["name"]: [x["kind"] for x in client.list_attestations("m", "1", a["name"])] for a in release["artifacts"]
-        }
+        assert release.status == "sealed"
+        kinds = {a.name: [x.kind for x in client.list_attestations("m", "1", a.name)] for a in release.artifacts}
     assert kinds == {"gguf-f16": ["provenance", "signature"], "gguf-q8_0": ["provenance", "signature"]}
     out = kiln("verify", "m@1/gguf-q8_0", "--key", str(pub), "--registry", registry, "--json")
     assert json.loads(out.stdout)["verified"] is True

@@ -396,15 +396,15 @@ def test_the_client_follows_the_pages(app: FastAPI, client: TestClient) -> None:
         )
         session.commit()
     registry = RegistryClient(client, "test", on_close=lambda: None)
-    assert [r["version"] for r in registry.list_releases("tiny")] == ["1.0", *releases]
-    assert [m["name"] for m in registry.list_models()] == ["tiny"]
-    listed = [h["name"] for h in registry.hardware()]
+    assert [r.version for r in registry.list_releases("tiny")] == ["1.0", *releases]
+    assert [m.name for m in registry.list_models()] == ["tiny"]
+    listed = [h.name for h in registry.hardware()]
     assert listed == sorted({*hardware, *builtin_catalog().profiles}) and len(listed) > PAGE_LIMIT
-    assert [k["key_id"] for k in registry.list_keys()] == keys
-    assert [str(t["id"]) for t in registry.list_tokens()][-EXTRA:] == tokens
+    assert [k.key_id for k in registry.list_keys()] == keys
+    assert [str(t.id) for t in registry.list_tokens()][-EXTRA:] == tokens
     events = registry.audit("tiny", limit=MAX_PAGE_LIMIT + 5)
-    assert len(events) == MAX_PAGE_LIMIT + 5 and len({e["id"] for e in events}) == len(events)
-    assert [e["id"] for e in events] == sorted((e["id"] for e in events), reverse=True)
+    assert len(events) == MAX_PAGE_LIMIT + 5 and len({e.id for e in events}) == len(events)
+    assert [e.id for e in events] == sorted((e.id for e in events), reverse=True)
     assert len(registry.audit(limit=3)) == 3
 
 

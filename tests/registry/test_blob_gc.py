@@ -317,8 +317,8 @@ def test_client_uploads_again_when_a_blob_it_skipped_was_collected(tmp_path: Pat
                 collections.append(gc(app))
 
         client._http.event_hooks["request"].append(collect_before_first_publish)
-        spec = manifest("gguf-q8", {"model.gguf": ORPHAN}, ["cpu"])
+        spec = ArtifactManifest.model_validate(manifest("gguf-q8", {"model.gguf": ORPHAN}, ["cpu"]))
         published = client.publish_artifact("tiny", "1.0", spec, files_root=files)
         assert [b.sha256 for b in collections[0].deleted] == [sha(ORPHAN)]
-        assert published["name"] == "gguf-q8"
+        assert published.name == "gguf-q8"
         assert app.state.blob_store.exists(sha(ORPHAN))

@@ -21,9 +21,10 @@ from sqlalchemy import func, select, update
 from starlette.testclient import TestClient
 
 from kiln.registry.api.boundary import STREAMED_BODY
+from kiln.registry.artifacts.models import Artifact
 from kiln.registry.releases.models import Release
 from kiln.registry.schema import registry_metadata
-from tests.registry.helpers import SOURCE_DIGEST, make_release, serve_in_thread
+from tests.registry.helpers import SOURCE_DIGEST, make_release, post_eval, promote, publish, seal, serve_in_thread
 
 RELEASE = "/v1/models/tiny/releases/1.0"
 DEEP = "[" * 300 + "]" * 300
@@ -201,3 +202,33 @@ def test_a_stored_value_too_deep_or_too_large_does_not_break_reads(
         page = client.get(f"/ui/models/tiny/releases/{version}")
         assert page.status_code == 200, page.text[:300]
     assert client.get("/ui/models/tiny").status_code == 200
+
+
+def test_an_artifact_runtime_stored_past_the_bounds_does_not_break_reads(app: FastAPI, client: TestClient) -> None:
+    """An artifact's runtime as an older registry could have stored it: the release, the artifact, resolve and the
+    release's page answer, the value reported with a code where it stood; the row is left as it was."""
+    make_release(client, version="1.0")
+    publish(client, "gguf-q8", {"model.gguf": b"weights"}, ["h100"])
+    assert post_eval(client, "gguf-q8", "passed", metrics={}).status_code in (200, 201)
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    with app.state.session_factory() as session:
+        session.execute(update(Artifact).where(Artifact.name == "gguf-q8").values(runtime={"x": deep}))
+        session.commit()
+    seal(client)
+    assert promote(client).status_code == 200
+    unreadable = "STORED_VALUE_UNREADABLE"
+    release = client.get("/v1/models/tiny/releases/1.0")
+    assert release.status_code == 200, release.text[:300]
+    assert release.json()["artifacts"][0]["runtime"]["error"]["code"] == unreadable
+    listing = client.get("/v1/models/tiny/releases/1.0/artifacts")
+    assert listing.status_code == 200 and listing.json()[0]["runtime"]["error"]["code"] == unreadable
+    detail = client.get("/v1/models/tiny/releases/1.0/artifacts/gguf-q8")
+    assert detail.status_code == 200 and detail.json()["manifest"]["runtime"]["error"]["code"] == unreadable
+    resolved = client.get("/v1/resolve", params={"model": "tiny", "hardware": "h100"})
+    assert resolved.status_code == 200, resolved.text[:300]
+    assert resolved.json()["artifact"]["runtime"]["error"]["code"] == unreadable
+    assert client.get("/ui/models/tiny/releases/1.0").status_code == 200
+    with app.state.session_factory() as session:
+        assert session.scalars(select(Artifact.runtime)).one() == {"x": deep}

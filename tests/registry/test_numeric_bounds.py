@@ -25,9 +25,9 @@ from starlette.testclient import TestClient
 
 from kiln.core.errors import InvalidInput
 from kiln.core.hardware import builtin_catalog, parse_profile
+from kiln.core.performance import MAX_CONCURRENCY, MAX_CONTEXT
 from kiln.core.shape import MAX_DIMENSION, ShapeRecord
 from kiln.placement.fit import MAX_WEIGHTS_BYTES, plan_replica
-from kiln.registry.api.params import MAX_CONCURRENCY, MAX_CONTEXT
 from tests.registry.conftest import make_token
 from tests.registry.helpers import (
     LLAMA_CONFIG,

@@ -1,4 +1,10 @@
-"""API shapes for measured performance records."""
+"""Measured performance as it crosses the wire: one measurement of an artifact served on one SKU, as a
+runner sends it (`PerformanceCreate`) and the registry records and answers it (`PerformanceOut`), with the
+ranges of a serving workload that resolve's queries share.
+
+They live here, in the ground layer, because the registry and the client both speak them; how resolve
+ranks candidates by them stays in `registry.resolve`.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,16 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core.evals import RUNTIME_MAX_LENGTH, RUNTIME_PATTERN, RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 from kiln.core.hardware import DEVICES_PER_NODE, HARDWARE_NAME_PATTERN
-from kiln.registry.api.params import ITL_MS, MAX_CONCURRENCY, MAX_CONTEXT, TOKENS_PER_S, TTFT_MS
-from kiln.registry.artifacts.schemas import (
-    RUNTIME_MAX_LENGTH,
-    RUNTIME_PATTERN,
-    RUNTIME_VERSION_MAX_LENGTH,
-    RUNTIME_VERSION_PATTERN,
-)
+
+# A serving workload, as resolve asks it (query) and a performance record states it (body): ranges far
+# past any real replica and within which resolve's arithmetic stays finite. Floats are (low, high).
+MAX_CONTEXT = 10_000_000  # tokens per sequence
+MAX_CONCURRENCY = 100_000  # sequences at once
+TOKENS_PER_S = (0.001, 10_000_000.0)  # decode tokens/s (of a replica, or per sequence)
+TTFT_MS = (0.001, 86_400_000.0)  # time to first token: a microsecond to a day
+ITL_MS = (0.001, 3_600_000.0)  # inter-token latency: a microsecond to an hour
 
 
 class PerformanceCreate(BaseModel):
