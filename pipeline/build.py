@@ -27,7 +27,21 @@ from kiln.pipeline.executors.node import NodeOutcome, Reporter, Status, run_node
 from kiln.pipeline.machine import Machine, this_machine
 from kiln.pipeline.placement import computes_on_device, placed, with_device
 from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.records import ArtifactRecord, IgnoredFile, IngestRecord
+from kiln.pipeline.records import (
+    ArtifactRecord,
+    CalibrationParams,
+    DerivedParams,
+    EvalParams,
+    ExportParams,
+    IgnoredFile,
+    IngestParams,
+    IngestRecord,
+    PrepareParams,
+    PublishParams,
+    QuantizeParams,
+    ReferenceParams,
+    SealParams,
+)
 from kiln.pipeline.remote_source import S3Source
 from kiln.pipeline.report import BuildSummary, BuiltArtifact, DeferredStage, RuntimeEval
 from kiln.pipeline.requirements import (
@@ -93,8 +107,17 @@ class PlannedArtifact:
 
 def eval_column(node: Node) -> str:
     """The name an evaluating node's report has in the registry: its runtime, `@<sku>` for one GPU SKU's."""
-    runtime = str(node.params["runtime"])
-    return f"{runtime}@{node.params['sku']}" if "sku" in node.params else runtime
+    if node.stage is eval_stage.STAGE:
+        return EvalParams.model_validate(node.params).runtime
+    p = DerivedParams.model_validate(node.params)  # a target's eval on a GPU runner
+    return f"{p.runtime}@{p.sku}"
+
+
+def made_by(node: Node) -> ExportParams | DerivedParams:
+    """The params of a node that makes an artifact: an export, or a target's derived stage (an engine)."""
+    if node.stage is export_stage.STAGE:
+        return ExportParams.model_validate(node.params)
+    return DerivedParams.model_validate(node.params)
 
 
 def plan(
@@ -214,7 +237,7 @@ def _build_graph(
         ingest = Node(
             "ingest/source",
             ingest_stage.STAGE,
-            params={},
+            params=IngestParams().as_params(),
             external={"source": sha256_json(config)},
             args={"source_dir": str(recipe.source_dir), "shape_only": True},
         )
@@ -237,14 +260,14 @@ def _build_graph(
         Node(
             "reference/source",
             reference_stage.STAGE,
-            params={
-                "window": ev.window,
-                "max_tokens": ev.max_tokens,
-                "greedy_prompts": ev.greedy_prompts,
-                "greedy_tokens": ev.greedy_tokens,
-                "tail_mass": ev.tail_mass,
-                "max_entries": ev.max_entries,
-            },
+            params=ReferenceParams(
+                window=ev.window,
+                max_tokens=ev.max_tokens,
+                greedy_prompts=ev.greedy_prompts,
+                greedy_tokens=ev.greedy_tokens,
+                tail_mass=ev.tail_mass,
+                max_entries=ev.max_entries,
+            ).as_params(),
             inputs={"ingest": ingest.id},
             external={"text": text_digest} if text_digest is not None else {},
         ),
@@ -271,7 +294,7 @@ def _build_graph(
                 prepared[spec.name] = Node(
                     f"prepare/{spec.name}",
                     prepare_stage.STAGE,
-                    params={"target": spec.name, "target_code_version": spec.code_version},
+                    params=PrepareParams(target=spec.name, target_code_version=spec.code_version).as_params(),
                     inputs={"ingest": ingest.id},
                 )
                 nodes.append(prepared[spec.name])
@@ -292,15 +315,15 @@ def _build_graph(
         export = Node(
             f"export/{name}",
             export_stage.STAGE,
-            params={
-                "artifact": name,
-                "model": recipe.model,
-                "target": spec.name,
-                "target_code_version": spec.code_version,
-                "quant": quant,
-                "params": entry.params,
-                "hardware": entry.hardware,
-            },
+            params=ExportParams(
+                artifact=name,
+                model=recipe.model,
+                target=spec.name,
+                target_code_version=spec.code_version,
+                quant=quant,
+                params=entry.params,
+                hardware=entry.hardware,
+            ).as_params(),
             inputs=export_inputs,
         )
         # One eval per runtime that serves the artifact: `eval/<artifact>` for the first, `@<runtime>` after.
@@ -309,15 +332,16 @@ def _build_graph(
                 Node(
                     f"eval/{name}" if i == 0 else f"eval/{name}@{runtime}",
                     eval_stage.STAGE,
-                    params={
-                        "artifact": name,
-                        "quant": quant,
-                        "runtime": runtime,
+                    params=EvalParams(
+                        artifact=name,
+                        quant=quant,
+                        runtime=runtime,
                         **eval_stage.runtime_params(runtime, device.kind),
-                        "gate": gate_for(quant, ev.gates.get(quant)).model_dump(),
-                    },
+                        gate=gate_for(quant, ev.gates.get(quant)),
+                    ).as_params(),
                     inputs={"reference": reference.id, "export": export.id},
                 ),
+                runtime,
                 device,
             )
             for i, runtime in enumerate(spec.runtimes_for(quant))
@@ -326,13 +350,12 @@ def _build_graph(
         roles = {"export": export.id, "ingest": ingest.id, "reference": reference.id}
         made: list[PlannedArtifact] = []
         for derived in spec.derived(name, quant, entry.params, sizing.shape) if spec.derived is not None else []:
-            params = derived.params
-            if derived.evaluates is not None:  # an eval on other hardware: judged by the same gate
-                params = {**params, "gate": gate_for(quant, ev.gates.get(quant)).model_dump()}
+            # An eval on other hardware is judged by the same gate.
+            gate = gate_for(quant, ev.gates.get(quant)) if derived.evaluates is not None else None
             node = Node(
                 f"{derived.kind}/{derived.name}",
                 derived_stage.stage_of(derived.stage),
-                params=params,
+                params=DerivedParams.model_validate({**derived.params, "gate": gate}).as_params(),
                 inputs={role: roles[role] for role in derived.inputs},
             )
             nodes.append(node)
@@ -372,36 +395,30 @@ def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_sour
     return ingest_stage.node(source, source_dir, hash_cache, copy=recipe.source_copy, origin=origin), source
 
 
-def _on_runtime_device(node: Node, device: Device) -> Node:
+def _on_runtime_device(node: Node, runtime: str, device: Device) -> Node:
     """An eval node placed on `device` when its runtime runs on the stage's device (transformers, JAX)."""
-    return with_device(node, device) if RUNTIME_FACTS[node.params["runtime"]].on_stage_device else node
+    return with_device(node, device) if RUNTIME_FACTS[runtime].on_stage_device else node
 
 
 def _quantize_node(
     recipe: Recipe, quant: str, ingest: Node, calibration_digest: str | None, device: Device = CPU
 ) -> Node:
     scheme = get_scheme(quant, recipe.lm_head(quant))
-    params: dict[str, Any] = {"scheme": scheme.model_dump(mode="json")}
+    calibration: dict[str, Any] = {}
     external = {}
     if scheme.calibrated:
         cal = recipe.calibration
-        params["calibration"] = {
-            "samples": cal.samples,
-            "seq_len": cal.seq_len,
-            "skip_tokens": recipe.calibration_skip_tokens,
-        }
+        calibration = {"samples": cal.samples, "seq_len": cal.seq_len, "skip_tokens": recipe.calibration_skip_tokens}
         external = {"calibration_text": calibration_digest} if calibration_digest is not None else {}
     if scheme.by_llmcompressor:
         # What the device computes fast (a GPU: bf16; a CPU: quant.calibrated.calibration_dtype); it
         # changes the result, so it is part of the key (and recorded with the quantize stage).
-        params["calibration"] = {
-            **params.get("calibration", {}),
-            "compute_dtype": calibration_dtype(device=device.kind),
-        }
+        calibration["compute_dtype"] = calibration_dtype(device=device.kind)
+    params = QuantizeParams(scheme=scheme, calibration=CalibrationParams(**calibration) if calibration else None)
     node = Node(
         f"quantize/{quant}",
         quantize_stage.STAGE,
-        params=params,
+        params=params.as_params(),
         inputs={"ingest": ingest.id},
         external=external,
     )
@@ -450,7 +467,7 @@ def _release_nodes(
     GPU this machine lacks) is never published, so it is not planned, and the release seals without it.
     """
     planned = [a.name for a in artifacts if a.maker.id not in deferred]
-    publish = []
+    publish: dict[str, Node] = {}  # by artifact
     for a in artifacts:
         inputs = {"ingest": ingest.id, "artifact": a.maker.id}
         # Each eval is published with the artifact once it is made (here, or by its runner into the
@@ -458,30 +475,28 @@ def _release_nodes(
         for evaluator in a.evaluators:
             if evaluator.id not in deferred:
                 inputs[f"eval@{eval_column(evaluator)}"] = evaluator.id
-        publish.append(
-            Node(
-                f"publish/{a.name}",
-                publish_stage.STAGE,
-                params={
-                    "model": recipe.model,
-                    "version": recipe.version,
-                    "artifact": a.name,
-                    "description": recipe.description,
-                    "planned": planned,
-                    "recipe_digest": recipe.digest(),
-                },
-                inputs=inputs,
-                args={"registry": registry},
-            )
+        publish[a.name] = Node(
+            f"publish/{a.name}",
+            publish_stage.STAGE,
+            params=PublishParams(
+                model=recipe.model,
+                version=recipe.version,
+                artifact=a.name,
+                description=recipe.description,
+                planned=planned,
+                recipe_digest=recipe.digest(),
+            ).as_params(),
+            inputs=inputs,
+            args={"registry": registry},
         )
     seal = Node(
         "seal/release",
         seal_stage.STAGE,
-        params={"model": recipe.model, "version": recipe.version, "artifacts": planned},
-        inputs={n.params["artifact"]: n.id for n in publish if n.params["artifact"] in planned},
+        params=SealParams(model=recipe.model, version=recipe.version, artifacts=planned).as_params(),
+        inputs={name: n.id for name, n in publish.items() if name in planned},
         args={"registry": registry},
     )
-    return [*publish, seal]
+    return [*publish.values(), seal]
 
 
 @dataclass
@@ -495,16 +510,13 @@ class BuildResult:
         evaluators: dict[str, list[Node]] = {}
         for n in self.nodes:
             if n.stage is eval_stage.STAGE:
-                evaluators.setdefault(n.params["artifact"], []).append(n)
-        return [
-            self._row(
-                PlannedArtifact(
-                    n.params["artifact"], n.params["quant"], n, tuple(evaluators.get(n.params["artifact"], ()))
-                )
-            )
-            for n in self.nodes
-            if n.stage.record is ArtifactRecord  # the nodes that make artifacts: exports and derived stages
-        ]
+                evaluators.setdefault(EvalParams.model_validate(n.params).artifact, []).append(n)
+        rows = []
+        for n in self.nodes:
+            if n.stage.record is ArtifactRecord:  # the nodes that make artifacts: exports and derived stages
+                p = made_by(n)
+                rows.append(self._row(PlannedArtifact(p.artifact, p.quant, n, tuple(evaluators.get(p.artifact, ())))))
+        return rows
 
     def _row(self, a: PlannedArtifact) -> BuiltArtifact:
         made = self.outcomes[a.maker.id]
@@ -527,7 +539,7 @@ class BuildResult:
                 failures=[],
                 reason=made.reason or None,
                 runner=made.details.get("runner"),
-                command=a.maker.params.get("commands"),
+                command=maker.commands if isinstance(maker := made_by(a.maker), DerivedParams) else None,
                 runtime=record.runtime_name if record else None,
             )
         evals = [self._eval(n) for n in a.evaluators]

@@ -68,5 +68,9 @@ def stage_device(node: Node) -> Device:
 
 
 def with_device(node: Node, device: Device) -> Node:
-    """`node` placed on `device` (a copy; the kind goes in its params, so in its key)."""
-    return replace(node, params={**node.params, **device_params(device)}, args={**node.args, **device_args(device)})
+    """`node` placed on `device` (a copy; the kind goes in its params, so in its key). The stage's params record
+    (`pipeline.records`) holds the kind: a stage that cannot be placed refuses it."""
+    params = {**node.params, **device_params(device)}
+    if node.stage.params is not None:
+        node.stage.params.model_validate(params)
+    return replace(node, params=params, args={**node.args, **device_args(device)})

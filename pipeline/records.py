@@ -1,4 +1,5 @@
-"""What each stage hands the next: frozen, validated records, one type per stage, stored in `stage.json`.
+"""What each stage hands the next: frozen, validated records, one type per stage, stored in `stage.json`; and
+what each stage is given: its node's params, one record per stage kind.
 
 A stage returns its record; the executor writes `record.model_dump(mode="json")` as the output's
 `result` (with the record's name) and reads it back through the same type, so a consumer gets typed
@@ -7,18 +8,29 @@ match its schema is an error, not a KeyError three stages later.
 
 The eval stage's record is `core.evals.EvalReport`; the publish stage sends it to the registry as a
 `core.evals.PublishedEval`.
+
+A node's params cross processes as JSON (`kiln run-stage`, a Ray task) and are hashed into its cache key.
+The planner makes them from the stage kind's params record (`StageParams.as_params`) and the stage reads
+them back through it (`XParams.model_validate(node.params)`), so a param the record does not know, or one
+it needs and does not find, is refused with the field named, never a KeyError inside the stage. An optional
+param left unset is left out of the JSON (`StageParams.absent_when_default`), so a param added to a record
+later leaves every existing key as it was.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+from kiln.core.device import DeviceKind
+from kiln.core.evals import Gate
 from kiln.core.manifest import ArtifactIdentity, FileEntry
 from kiln.core.shape import ShapeRecord
 from kiln.eval.reference_rows import MAX_ENTRIES, TAIL_MASS
+from kiln.eval.runtimes.capabilities import VllmCapabilities
 from kiln.formats.prequantized import QuantizationRecord
+from kiln.quant.schemes import Scheme
 
 
 class Record(BaseModel):
@@ -54,14 +66,146 @@ class IngestRecord(Record):
         return data
 
 
-class ReferenceParams(Record):
+class StageParams(Record):
+    """A stage kind's node params. A field named in `absent_when_default` is left out of the JSON while it holds
+    its default, so a param added to a record leaves the keys of the nodes that do not set it as they were."""
+
+    absent_when_default: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _defaults_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self.absent_when_default:
+            field = type(self).model_fields[name]
+            if getattr(self, name) == field.default:
+                data.pop(field.alias or name, None)
+                data.pop(name, None)
+        return data
+
+    def as_params(self) -> dict[str, Any]:
+        """The node's params: the JSON its cache key hashes and its stage validates back."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class IngestParams(StageParams):
+    """`copy`: the recipe's `source_copy`, asked for; a linked source (the default) has no params at all."""
+
+    copy_source: bool = Field(default=False, alias="copy")  # `copy` would shadow BaseModel.copy
+    absent_when_default = ("copy_source",)
+
+
+class PrepareParams(StageParams):
+    target: str
+    target_code_version: str
+
+
+class ReferenceParams(StageParams):
     window: int
     max_tokens: int
     greedy_prompts: int
     greedy_tokens: int
     tail_mass: float = TAIL_MASS  # the stored rows' cut (eval.reference_rows)
     max_entries: int = MAX_ENTRIES
-    device: Literal["cpu", "cuda"] = "cpu"  # the kind of device it was computed on (`pipeline.placement`)
+    device: DeviceKind = "cpu"  # the kind of device it was computed on (`pipeline.placement`)
+
+
+class CalibrationParams(StageParams):
+    """What llm-compressor calibrates with: the calibration text's samples (the schemes that calibrate on text:
+    GPTQ, AWQ, NVFP4's activation scales) and the dtype it computes in (every scheme it quantizes)."""
+
+    samples: int | None = None
+    seq_len: int | None = None
+    skip_tokens: int | None = None
+    compute_dtype: Literal["bfloat16", "float32"] | None = None
+    absent_when_default = ("samples", "seq_len", "skip_tokens", "compute_dtype")
+
+    @model_validator(mode="after")
+    def _samples_whole(self) -> CalibrationParams:
+        given = [f for f in ("samples", "seq_len", "skip_tokens") if getattr(self, f) is not None]
+        if given and len(given) != 3:
+            raise ValueError(f"calibration samples need samples, seq_len and skip_tokens together; given: {given}")
+        return self
+
+    @property
+    def tokens(self) -> int:
+        """The tokens calibration runs through the model (0: it calibrates on no text)."""
+        return (self.samples or 0) * (self.seq_len or 0)
+
+
+class QuantizeParams(StageParams):
+    scheme: Scheme
+    calibration: CalibrationParams | None = None  # None: round-to-nearest
+    device: DeviceKind | None = None  # placed on the build's device when llm-compressor computes it
+    absent_when_default = ("calibration", "device")
+
+    @model_validator(mode="after")
+    def _calibrated_as_planned(self) -> QuantizeParams:
+        cal = self.calibration
+        if self.scheme.by_llmcompressor and (cal is None or cal.compute_dtype is None):
+            raise ValueError(
+                f"scheme {self.scheme.name!r} is computed by llm-compressor: calibration.compute_dtype needed"
+            )
+        if self.scheme.calibrated and (cal is None or cal.samples is None):
+            raise ValueError(f"scheme {self.scheme.name!r} calibrates on text: calibration samples needed")
+        return self
+
+
+class ExportParams(StageParams):
+    artifact: str
+    model: str
+    target: str
+    target_code_version: str
+    quant: str
+    params: dict[str, Any]  # the recipe's params for its target, checked by the target
+    hardware: list[str] | None  # the recipe's narrowing of the profiles it serves; None: all it can
+
+
+class EvalParams(StageParams):
+    artifact: str
+    quant: str
+    runtime: str
+    capabilities: VllmCapabilities | None = None  # vLLM on the CPU: what it can run there, decided at plan time
+    environment: str | None = None  # vLLM on a GPU: its environment's lock digest
+    gate: Gate
+    device: DeviceKind | None = None  # placed on the build's device when the runtime runs on the stage's device
+    absent_when_default = ("capabilities", "environment", "device")
+
+
+class DerivedParams(StageParams):
+    """A target's derived node (`targets.base.DerivedNode`): the artifact it evaluates or makes, on a GPU runner of
+    one SKU with the runtime pinned under its name (`tensorrt_llm`, the one runtime targets derive stages for).
+    An eval names its `runtime` and gets its `gate`; an engine its `limits` and the `commands` that build it."""
+
+    artifact: str
+    quant: str
+    runtime: str | None = None
+    sku: str
+    limits: dict[str, int] | None = None
+    tensorrt_llm: str
+    commands: list[list[str]] | None = None
+    gate: Gate | None = None
+    absent_when_default = ("runtime", "limits", "commands", "gate")
+
+    def pinned(self, runtime: str) -> str:
+        """The version of `runtime` (the stage's `DerivedStage.runtime`) the runner has."""
+        if runtime != "tensorrt_llm":
+            raise ValueError(f"derived stages pin tensorrt_llm, not {runtime!r}")
+        return self.tensorrt_llm
+
+
+class PublishParams(StageParams):
+    model: str
+    version: str
+    artifact: str
+    description: str
+    planned: list[str]  # the artifacts the release plans (those this build can make)
+    recipe_digest: str
+
+
+class SealParams(StageParams):
+    model: str
+    version: str
+    artifacts: list[str]
 
 
 class ReferenceRecord(Record):

@@ -112,12 +112,19 @@ from kiln.formats.architectures.shape import ModelShape
 from kiln.formats.gguf.constants import QUANTS as GGUF_QUANTS
 from kiln.formats.hf_model import SourceModel
 from kiln.formats.safetensors import DTYPES
+from kiln.pipeline.records import (
+    CalibrationParams,
+    EvalParams,
+    ExportParams,
+    IngestParams,
+    QuantizeParams,
+    ReferenceParams,
+)
 from kiln.placement.cost import StageWork
 from kiln.placement.fit import MEMORY_UTILIZATION
 from kiln.placement.model import kv_cache_bytes, paged_kv_cache, tp_degrees, vllm_defaults
 from kiln.placement.weights import artifact_bytes, gguf_bytes, gguf_repacked_bytes, source_bytes
 from kiln.quant.footprint import quantized_bytes
-from kiln.quant.schemes import Scheme
 
 MiB = 1024 * 1024
 KV_BYTES = 2  # a serving runtime's KV cache element (bf16)
@@ -556,13 +563,13 @@ def reference_forward(sizing: Sizing, kind: DeviceKind) -> Footprint:
     return holding(sizing, kind, base, held_whole(sizing, kind), layer_streamed(sizing, sizing.max_tokens), resident)
 
 
-def calibrated(sizing: Sizing, calibration: Mapping[str, Any], method: str) -> Footprint:
+def calibrated(sizing: Sizing, calibration: CalibrationParams, method: str) -> Footprint:
     """llm-compressor's pipelines: one layer, one sample and the method's working set (GPTQ's Hessians and
     the widest one's factorisation; AWQ's grid search over its largest mapping; FP4's min-max observers:
     one Linear's float32 copy). Data-free (weight-only FP4) has no samples."""
     sh = sizing.shape
-    samples, seq_len = int(calibration.get("samples", 0)), int(calibration.get("seq_len", 0))
-    element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
+    samples, seq_len = calibration.samples or 0, calibration.seq_len or 0
+    element = 2 if calibration.compute_dtype == "bfloat16" else 4
     linears = [t.shape for t in sizing.layer_linears]
     if method == "minmax":
         working = element * sizing.layer_params + 4 * max(math.prod(s) for s in linears)
@@ -755,7 +762,7 @@ def requirements(stage: str, sizing: Sizing, node: Any = None) -> Requirements:
 
 
 def calibrated_requirements(
-    sizing: Sizing, calibration: Mapping[str, Any], method: str, device: DeviceKind
+    sizing: Sizing, calibration: CalibrationParams, method: str, device: DeviceKind
 ) -> Requirements:
     """A quantize node llm-compressor computes (`method` gptq, awq or minmax) on `device`."""
     needs = _stage("quantize-calibrated")
@@ -860,17 +867,19 @@ def stage_kind(node: Any) -> str:
     (`eval:vllm:fp8`). An estimate takes the most specific kind measured (`placement.cost.estimate`)."""
     from kiln.targets.base import get_target
 
-    p, stage = node.params, node.stage.name
+    stage = node.stage.name
     if stage == "quantize":
-        scheme = Scheme.model_validate(p["scheme"])
+        scheme = QuantizeParams.model_validate(node.params).scheme
         return f"quantize{':calibrated' if scheme.calibrated else ''}:{scheme.name}"
     if stage == "export":
-        spec = get_target(p["target"])
-        gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
-        writer = f"export:{p['target']}" + ("-llama.cpp" if gguf is not None and gguf.llama_ftype else "")
-        return f"{writer}:{p['quant']}"
+        export = ExportParams.model_validate(node.params)
+        spec = get_target(export.target)
+        gguf = GGUF_QUANTS.get(export.quant) if spec.runtime == "llama.cpp" else None
+        writer = f"export:{export.target}" + ("-llama.cpp" if gguf is not None and gguf.llama_ftype else "")
+        return f"{writer}:{export.quant}"
     if stage == "eval":
-        return f"eval:{p['runtime']}:{p['quant']}"
+        ev = EvalParams.model_validate(node.params)
+        return f"eval:{ev.runtime}:{ev.quant}"
     return str(stage)
 
 
@@ -883,21 +892,23 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
     tokens. Reports and records: nothing."""
     from kiln.targets.base import get_target
 
-    p = node.params
     params = sum(t.elements for t in sizing.shape.tensors())
     stage = node.stage.name
     if stage == "ingest":
-        return StageWork(read_bytes, ingest_written_bytes(read_bytes, bool(p.get("copy", False))))
+        copied = IngestParams.model_validate(node.params).copy_source
+        return StageWork(read_bytes, ingest_written_bytes(read_bytes, copied))
     if stage == "prepare":  # the tokenizer and the reference's vocabulary, not the weights
         return StageWork()
     if stage == "reference":
         return StageWork(
-            read_bytes, reference_rows_bytes(sizing, int(p["max_entries"])), flops=2 * params * sizing.max_tokens
+            read_bytes,
+            reference_rows_bytes(sizing, ReferenceParams.model_validate(node.params).max_entries),
+            flops=2 * params * sizing.max_tokens,
         )
     if stage == "quantize":
-        scheme = Scheme.model_validate(p["scheme"])
-        calibration = p.get("calibration", {})
-        tokens = int(calibration.get("samples", 0)) * int(calibration.get("seq_len", 0))
+        quantize = QuantizeParams.model_validate(node.params)
+        scheme, calibration = quantize.scheme, quantize.calibration or CalibrationParams()
+        tokens = calibration.tokens
         try:
             written = quantized_bytes(sizing.config, scheme.name, scheme.lm_head)
         except KilnError:  # a scheme quant.catalog does not name (a test's): sized as its whole checkpoint
@@ -905,12 +916,13 @@ def stage_work(node: Any, sizing: Sizing, read_bytes: int) -> StageWork:
         # llm-compressor calibrates a pre-quantized source from a dequantized copy in its compute dtype
         # (`formats.hf_model.write_dequantized`), removed when the stage ends.
         copy = scheme.by_llmcompressor and sizing.shape.source_quant is not None
-        element = 2 if calibration.get("compute_dtype") == "bfloat16" else 4
+        element = 2 if calibration.compute_dtype == "bfloat16" else 4
         return StageWork(read_bytes, written, element * params if copy else 0, flops=2 * params * tokens)
     if stage == "export":
-        spec = get_target(p["target"])
-        written = sizing.weights_bytes(p["quant"], spec.runtime)
-        gguf = GGUF_QUANTS.get(p["quant"]) if spec.runtime == "llama.cpp" else None
+        export = ExportParams.model_validate(node.params)
+        spec = get_target(export.target)
+        written = sizing.weights_bytes(export.quant, spec.runtime)
+        gguf = GGUF_QUANTS.get(export.quant) if spec.runtime == "llama.cpp" else None
         scratch = 0
         if gguf is not None and gguf.llama_ftype:  # the lossless intermediate: the source's floats (a release's
             # pre-quantized weights dequantized into bf16: targets.gguf.convert.plan_tensors)

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from kiln.core import __version__
 from kiln.core.digest import sha256_json
 from kiln.core.manifest import FileEntry
+from kiln.pipeline.records import StageParams
 from kiln.pipeline.requirements import Requirements, Sizing, requirements
 
 STAGE_FILE = "stage.json"
@@ -134,6 +135,9 @@ class Stage:
     needs: Callable[[Node, Sizing], Requirements] | None = None
     # What a user can try when a node of this stage fails unexpectedly (quoted in its STAGE_FAILED message).
     hint: Callable[[Node], str] | None = None
+    # The record its nodes' params are (`pipeline.records.StageParams`): the planner writes them from it and the
+    # stage reads them back through it. None: params of any shape.
+    params: type[StageParams] | None = None
 
     def requirements(self, node: Node, sizing: Sizing) -> Requirements:
         return self.needs(node, sizing) if self.needs is not None else requirements(self.name, sizing, node)

@@ -25,10 +25,9 @@ import shutil
 from typing import Any
 
 from kiln.core.errors import Deferred
-from kiln.eval.gates import Gate
 from kiln.eval.report import EvalReport
 from kiln.eval.run import evaluate_artifact
-from kiln.pipeline.records import ArtifactRecord, IngestRecord
+from kiln.pipeline.records import ArtifactRecord, DerivedParams, IngestRecord
 from kiln.pipeline.requirements import Requirements, Sizing, runner_requirements
 from kiln.pipeline.stage import Node, Stage, StageContext
 from kiln.pipeline.stages.reference import stored_reference, stored_text
@@ -36,8 +35,9 @@ from kiln.targets.base import BuildRequest, DerivedArtifact, DerivedStage
 
 
 def deferral(derived: DerivedStage, node: Node) -> dict[str, Any] | None:
-    """What this machine lacks to run `node` (the runner it needs, what is missing), or None if nothing."""
-    return derived.deferral(node.params)
+    """What this machine lacks to run `node` (the runner it needs, what is missing), or None if nothing. The
+    target's `deferral` reads the params it declared (`DerivedParams`, checked here first) as JSON."""
+    return derived.deferral(DerivedParams.model_validate(node.params).as_params())
 
 
 def _on_runner(derived: DerivedStage, ctx: StageContext) -> None:
@@ -53,6 +53,9 @@ def _on_runner(derived: DerivedStage, ctx: StageContext) -> None:
 def evaluate(derived: DerivedStage, ctx: StageContext) -> EvalReport:
     """The export, in the stage's runtime on this runner, compared with the stored reference."""
     _on_runner(derived, ctx)
+    gate = DerivedParams.model_validate(ctx.node.params).gate
+    if gate is None:
+        raise ValueError(f"{ctx.node.id}: an eval on a runner is judged by a gate, and its params have none")
     export = ctx.input("export")
     text = stored_text(ctx.input("reference"))
     return evaluate_artifact(
@@ -60,7 +63,7 @@ def evaluate(derived: DerivedStage, ctx: StageContext) -> EvalReport:
         derived.runtime,
         export.files_dir,
         text,
-        Gate(**ctx.node.params["gate"]),
+        gate,
     )
 
 
@@ -68,26 +71,26 @@ def build(derived: DerivedStage, ctx: StageContext) -> ArtifactRecord:
     """The target's artifact, built on this runner from the ingested source, with its record."""
     assert derived.build is not None
     _on_runner(derived, ctx)
-    p = ctx.node.params
+    p = DerivedParams.model_validate(ctx.node.params)
     ingest = ctx.input("ingest")
     work = ctx.out_dir.parent / "work"
     work.mkdir()
     try:
         made = derived.build(
-            BuildRequest(p, ingest.files_dir, ingest.record(IngestRecord).architecture, ctx.out_dir, work)
+            BuildRequest(p.as_params(), ingest.files_dir, ingest.record(IngestRecord).architecture, ctx.out_dir, work)
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return artifact_record(p, made)
 
 
-def artifact_record(params: dict[str, Any], made: DerivedArtifact) -> ArtifactRecord:
+def artifact_record(params: DerivedParams, made: DerivedArtifact) -> ArtifactRecord:
     """A derived artifact's record, as an export's: its name and quant from the node's params."""
     return ArtifactRecord(
-        name=params["artifact"],
+        name=params.artifact,
         target=made.target,
         format=made.format,
-        quant=params["quant"],
+        quant=params.quant,
         hardware=made.hardware,
         unsupported=made.unsupported,
         runtime=made.runtime,
@@ -99,9 +102,9 @@ def artifact_record(params: dict[str, Any], made: DerivedArtifact) -> ArtifactRe
 def needs(derived: DerivedStage, node: Node, sizing: Sizing) -> Requirements:
     """A replica of the artifact on GPUs of the node's SKU (as many as its weights need), with the runtime
     pinned as its params say; an eval also holds the comparison on the host."""
-    p = node.params
+    p = DerivedParams.model_validate(node.params)
     host = sizing.compare_bytes if derived.build is None else 0
-    return runner_requirements(sizing, derived.runtime, p["quant"], p["sku"], p[derived.runtime], host=host)
+    return runner_requirements(sizing, derived.runtime, p.quant, p.sku, p.pinned(derived.runtime), host=host)
 
 
 @functools.cache
@@ -115,4 +118,5 @@ def stage_of(derived: DerivedStage) -> Stage:
         derived.description,
         deferral=functools.partial(deferral, derived),
         needs=functools.partial(needs, derived),
+        params=DerivedParams,
     )

@@ -23,7 +23,7 @@ from kiln.core.error_codes import Codes
 from kiln.core.errors import SourceInvalid, StageFailed
 from kiln.core.manifest import FileEntry
 from kiln.formats.hf_model import SourceModel, open_source
-from kiln.pipeline.records import IgnoredFile, IngestRecord
+from kiln.pipeline.records import IgnoredFile, IngestParams, IngestRecord
 from kiln.pipeline.remote_source import S3Source
 from kiln.pipeline.stage import Node, Stage, StageContext, StageOutput
 from kiln.storage.links import place
@@ -78,7 +78,7 @@ def _place_local(ctx: StageContext) -> SourceModel:
             f"{source_dir}: {', '.join(files)} changed since the build was planned; plan again",
             details={"source": str(source_dir), "files": files},
         )
-    copy = bool(ctx.node.params.get("copy", False))
+    copy = IngestParams.model_validate(ctx.node.params).copy_source
     total = sum(f.size for f in source.files)
     for f in source.files:
         src, dest = source_dir / f.path, ctx.out_dir / f.path
@@ -144,6 +144,7 @@ STAGE = Stage(
     "check the SafeTensors release and record the sha256 of every file",
     on_driver=True,
     references=True,
+    params=IngestParams,
 )
 
 
@@ -153,7 +154,7 @@ def remote_node(source: SourceModel, url: str) -> Node:
     return Node(
         "ingest/source",
         STAGE,
-        params={},
+        params=IngestParams().as_params(),
         external={"source": source.digest},
         args={"source_url": url, "files": {f.path: f.sha256 for f in source.files}},
     )
@@ -184,7 +185,11 @@ def node(
         args["origin"] = origin
     # Linked or copied, the output is the same files: `copy` keys another output only when it is asked for.
     return Node(
-        "ingest/source", STAGE, params={"copy": True} if copy else {}, external={"source": source.digest}, args=args
+        "ingest/source",
+        STAGE,
+        params=IngestParams(copy=copy).as_params(),
+        external={"source": source.digest},
+        args=args,
     )
 
 
@@ -194,7 +199,7 @@ def unhashed_node(source: SourceModel, source_dir: Path, unhashed: list[str]) ->
     return Node(
         "ingest/source",
         STAGE,
-        params={},
+        params=IngestParams().as_params(),
         external={"source": "unhashed"},
         args={"source_dir": str(source_dir), "unhashed": unhashed},
     )

@@ -28,7 +28,7 @@ from kiln.core.evals import PublishedEval
 from kiln.core.manifest import ArtifactManifest
 from kiln.eval.report import EvalReport
 from kiln.formats.architectures.shape import ModelShape
-from kiln.pipeline.records import ArtifactRecord, IngestRecord, PublishRecord
+from kiln.pipeline.records import ArtifactRecord, IngestRecord, PublishParams, PublishRecord
 from kiln.pipeline.signing import SigningKey, provenance_statement, sign_files, sign_provenance
 from kiln.pipeline.stage import Stage, StageContext, StageOutput
 from kiln.targets.base import get_target
@@ -50,7 +50,7 @@ def _source_use(r: ArtifactRecord) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> PublishRecord:
-    p = ctx.node.params
+    p = PublishParams.model_validate(ctx.node.params)
     ingest = ctx.record("ingest", IngestRecord)
     artifact = ctx.input("artifact")
     record = artifact.record(ArtifactRecord)
@@ -68,12 +68,12 @@ def run(ctx: StageContext) -> PublishRecord:
             f"on {', '.join(record.hardware)} only",
         )
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
-        client.ensure_model(p["model"], p["description"])
+        client.ensure_model(p.model, p.description)
         client.create_release(
-            p["model"],
-            p["version"],
+            p.model,
+            p.version,
             source_digest=ingest.source_digest,
-            planned_artifacts=p["planned"],
+            planned_artifacts=p.planned,
             lineage={"source_files": [f.model_dump() for f in ingest.source_files], "built_by": f"kiln {__version__}"},
             model_config=ingest.shape.model_dump(mode="json"),
         )
@@ -81,9 +81,9 @@ def run(ctx: StageContext) -> PublishRecord:
         for f in artifact.files:
             client.upload_blob(artifact.files_dir / f.path, f.sha256)
             ctx.progress(f.size, total)
-        client.publish_artifact(p["model"], p["version"], manifest)
+        client.publish_artifact(p.model, p.version, manifest)
         for runtime, each in sorted(reports.items()):
-            client.post_eval(p["model"], p["version"], manifest.name, PublishedEval.of_report(runtime, each))
+            client.post_eval(p.model, p.version, manifest.name, PublishedEval.of_report(runtime, each))
         key = SigningKey.from_env()
         if key is not None:
             _attach_signed(ctx, client, manifest, ingest, reports, key)
@@ -109,26 +109,26 @@ def _attach_signed(
     key: SigningKey,
 ) -> None:
     """Sign the artifact's files and its provenance with `key`, and attach both to the artifact."""
-    p = ctx.node.params
+    p = PublishParams.model_validate(ctx.node.params)
     statement = provenance_statement(
         manifest,
-        model=p["model"],
-        version=p["version"],
+        model=p.model,
+        version=p.version,
         source_digest=ingest.source_digest,
         source_files=[f.model_dump() for f in ingest.source_files],
         stages={output.node_id: output.provenance for output in ctx.inputs.values()},
         evals={runtime: r.model_dump(mode="json", exclude_none=True) for runtime, r in reports.items()},
-        recipe_digest=p.get("recipe_digest"),
+        recipe_digest=p.recipe_digest,
     )
     bundles: dict[AttestationKind, bytes] = {
-        "signature": sign_files(ctx.input("artifact").files_dir, manifest, key, model=p["model"], version=p["version"]),
+        "signature": sign_files(ctx.input("artifact").files_dir, manifest, key, model=p.model, version=p.version),
         "provenance": sign_provenance(statement, key),
     }
     with tempfile.TemporaryDirectory(prefix="kiln-attest-") as tmp:
         for kind, data in bundles.items():
             path = Path(tmp) / kind
             path.write_bytes(data)
-            client.attach_attestation(p["model"], p["version"], manifest.name, kind, path)
+            client.attach_attestation(p.model, p.version, manifest.name, kind, path)
 
 
 STAGE = Stage(
@@ -139,4 +139,5 @@ STAGE = Stage(
     "upload blobs, manifest and eval result to the registry",
     cacheable=False,
     on_driver=True,
+    params=PublishParams,
 )

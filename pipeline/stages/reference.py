@@ -4,7 +4,7 @@ The stage tokenises the held-out text once and stores the ids it was cut into (`
 the logits; every eval stage replays both from the stage's output instead of loading the tokenizer and
 the reference model again.
 
-It is a compute stage, placed on the build's device (`params["device"]`, `pipeline.placement`). It holds
+It is a compute stage, placed on the build's device (`ReferenceParams.device`, `pipeline.placement`). It holds
 the model as its plan decided (`node.requires.weights`, `eval.runtimes.residency`): whole where that fits
 the memory budget of its device, else streamed by `LayerStream`, one decoder layer at a time over every
 window, then the output head one window at a time, keeping resident what the budget allows for its greedy
@@ -122,4 +122,5 @@ STAGE = Stage(
     ReferenceRecord,
     "reference distributions of the source model (transformers, whole or one layer at a time, float32, on the "
     "stage's device)",
+    params=ReferenceParams,
 )

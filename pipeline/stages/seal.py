@@ -9,15 +9,15 @@ open release.
 from __future__ import annotations
 
 from kiln.client import RegistryClient
-from kiln.pipeline.records import SealRecord
+from kiln.pipeline.records import SealParams, SealRecord
 from kiln.pipeline.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> SealRecord:
-    p = ctx.node.params
+    p = SealParams.model_validate(ctx.node.params)
     with RegistryClient.connect(ctx.node.args["registry"]) as client:
-        release = client.seal_release(p["model"], p["version"])
-    return SealRecord(model=p["model"], version=p["version"], status=release.status)
+        release = client.seal_release(p.model, p.version)
+    return SealRecord(model=p.model, version=p.version, status=release.status)
 
 
 STAGE = Stage(
@@ -28,4 +28,5 @@ STAGE = Stage(
     "seal the release in the registry once all its artifacts are published",
     cacheable=False,
     on_driver=True,
+    params=SealParams,
 )

@@ -16,6 +16,7 @@ import yaml
 
 from kiln.core.hardware import PROFILES
 from kiln.core.manifest import FileEntry
+from kiln.pipeline.records import DerivedParams
 from kiln.pipeline.stage import StageOutput
 from kiln.pipeline.stages.derived import artifact_record
 from kiln.pipeline.stages.publish import manifest_for
@@ -109,7 +110,7 @@ def test_a_built_engine_is_offered_to_its_sku_alone() -> None:
         "commands": legacy_commands("fp8", "h100", MATRIX, "llama"),
     }
     made = engine_artifact(params, {"tensorrt": "10.11.0", "tensorrt_llm": "0.21.0"}, ["rank0.engine"])
-    result = artifact_record(params, made)
+    result = artifact_record(DerivedParams.model_validate(params), made)
     output = StageOutput(
         "engine/trtllm-fp8-h100", "k", Path("."), result, [FileEntry(path="rank0.engine", sha256="0" * 64, size=1)], {}
     )
