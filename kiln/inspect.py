@@ -10,14 +10,33 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from kiln.core.errors import InvalidInput
 
 GGUF_MAGIC = b"GGUF"
 
 
-def inspect_file(path: Path) -> dict[str, Any]:
+class TensorInfo(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int | None  # None: a GGUF tensor type this reader cannot size
+
+
+class FileInfo(BaseModel):
+    """What a weights file's header says: its format, its metadata and its tensors."""
+
+    format: Literal["safetensors", "gguf"]
+    # The file's own key/value metadata (SafeTensors' `__metadata__`, GGUF's keys), whatever the writer put there:
+    # open by nature, printed as read.
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+
+def inspect_file(path: Path) -> FileInfo:
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -38,15 +57,15 @@ def inspect_file(path: Path) -> dict[str, Any]:
     raise InvalidInput(f"{path}: neither a GGUF file (magic {magic!r}) nor a .safetensors file")
 
 
-def _safetensors(path: Path) -> dict[str, Any]:
+def _safetensors(path: Path) -> FileInfo:
     from kiln.formats.safetensors import read_header
 
     tensors, meta = read_header(path, path.name)
-    return {
-        "format": "safetensors",
-        "metadata": meta,
-        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes} for t in tensors],
-    }
+    return FileInfo(
+        format="safetensors",
+        metadata=meta,
+        tensors=[TensorInfo(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes) for t in tensors],
+    )
 
 
 def _json_value(value: Any) -> Any:
@@ -58,7 +77,7 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _gguf(path: Path) -> dict[str, Any]:
+def _gguf(path: Path) -> FileInfo:
     from kiln.formats.gguf.reader import read_header, tensor_nbytes
 
     header = read_header(path)
@@ -67,11 +86,11 @@ def _gguf(path: Path) -> dict[str, Any]:
         if isinstance(value, list) and len(value) > 8:
             value = f"[{len(value)} items]"
         meta[key] = _json_value(value)
-    return {
-        "format": "gguf",
-        "metadata": meta,
-        "tensors": [
-            {"name": t.name, "dtype": t.type_name, "shape": list(t.shape), "nbytes": tensor_nbytes(t)}
+    return FileInfo(
+        format="gguf",
+        metadata=meta,
+        tensors=[
+            TensorInfo(name=t.name, dtype=t.type_name, shape=list(t.shape), nbytes=tensor_nbytes(t))
             for t in header.tensors
         ],
-    }
+    )

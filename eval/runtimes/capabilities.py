@@ -166,7 +166,7 @@ def decide(
         torch = installed.env.torch.partition("==")[2] or installed.env.torch
     return VllmCapabilities(
         environment=installed.env.digest() if installed is not None else None,
-        vllm=str(installed.record.get("version")) if installed is not None else None,
+        vllm=installed.record.version if installed is not None else None,
         torch=torch,
         cpu_flags=tuple(f for f in DECIDING_FLAGS if f in flags),
         amx=amx,

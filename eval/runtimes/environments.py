@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.core.digest import sha256_json
 from kiln.core.error_codes import Codes
@@ -144,13 +145,30 @@ def environment_dir(env: Environment, root: Path | None = None) -> Path:
     return (root or runtimes_root()) / f"{env.name}-{env.digest()[:16]}"
 
 
+class InstallRecord(BaseModel):
+    """What an install writes to its `environment.json`: what was installed, from what, and what it took."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    label: str
+    digest: str
+    version: str = Field(description="what the environment's check printed: the runtime's own version")
+    torch: str | None
+    lock: str
+    excluded: dict[str, str]
+    python: str
+    bytes: int
+    install_seconds: float
+
+
 @dataclass(frozen=True)
 class Installed:
     """An installed environment: where it is and what `environment.json` says of it."""
 
     env: Environment
     path: Path
-    record: dict[str, Any]
+    record: InstallRecord
 
     @property
     def python(self) -> Path:
@@ -164,7 +182,7 @@ def find(name: str, root: Path | None = None) -> Installed | None:
     marker = path / MARKER
     if not marker.is_file():
         return None
-    return Installed(env, path, json.loads(marker.read_text()))
+    return Installed(env, path, InstallRecord.model_validate_json(marker.read_text()))
 
 
 @contextmanager
@@ -229,26 +247,26 @@ def install(
                     step(f"installing {env.torch} first, with its own dependencies", [*pip, env.torch])
                 step(f"installing {env.lock} (pinned, --no-deps)", [*pip, "--no-deps", "-r", str(env.lock_path)])
                 version = step("checking that it imports", [py, "-c", env.check]).strip().splitlines()[-1]
-            record: dict[str, Any] = {
-                "name": env.name,
-                "label": env.label,
-                "digest": env.digest(),
-                "version": version,
-                "torch": env.torch,
-                "lock": env.lock,
-                "excluded": env.excluded,
-                "python": sys.version.split()[0],
-                "bytes": _tree_bytes(building),
-                "install_seconds": round(time.perf_counter() - started, 1),
-            }
-            (building / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True))
+            record = InstallRecord(
+                name=env.name,
+                label=env.label,
+                digest=env.digest(),
+                version=version,
+                torch=env.torch,
+                lock=env.lock,
+                excluded=env.excluded,
+                python=sys.version.split()[0],
+                bytes=_tree_bytes(building),
+                install_seconds=round(time.perf_counter() - started, 1),
+            )
+            (building / MARKER).write_text(json.dumps(record.model_dump(mode="json"), indent=2, sort_keys=True))
             if final.exists():  # a crashed install's leftovers under the final name: never marked installed
                 shutil.rmtree(final)
             os.replace(building, final)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
-        say(f"{env.label}: installed at {final} in {record['install_seconds']} s, {record['bytes'] / 2**30:.1f} GiB")
+        say(f"{env.label}: installed at {final} in {record.install_seconds} s, {record.bytes / 2**30:.1f} GiB")
         return Installed(env, final, record)
 
 

@@ -443,13 +443,13 @@ def inspect(file: Path, as_json: JsonOpt = False) -> None:
     if as_json:
         emit(info)
         return
-    err.print(safe_text(f"{file}: {info['format']}, {len(info['tensors'])} tensors"))
-    for k, v in info["metadata"].items():
+    err.print(safe_text(f"{file}: {info.format}, {len(info.tensors)} tensors"))
+    for k, v in info.metadata.items():
         text = str(v)
         stdout.print(f"  {safe_text(k)} = {safe_text(text[:100] + '...' if len(text) > 100 else text)}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "bytes"):
         table.add_column(col)
-    for t in info["tensors"]:
-        table.add_row(*(safe_text(c) for c in (t["name"], t["dtype"], t["shape"], t["nbytes"])))
+    for t in info.tensors:
+        table.add_row(*(safe_text(c) for c in (t.name, t.dtype, t.shape, t.nbytes)))
     err.print(table)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
+from kiln.eval.runtimes.environments import Environment, Installed, InstallRecord
 from kiln.eval.text import EvalText, tokenize_text
 from tests.model_factory import make_model
 
@@ -50,3 +51,20 @@ def reference(llama_dir: Path) -> Iterator[CachedRuntime]:
     rt = CachedRuntime(TransformersRuntime(llama_dir))
     yield rt
     rt.close()
+
+
+def installed(env: Environment, path: Path, version: str = "0.32.0") -> Installed:
+    """`env` as if installed at `path`, its check having printed `version`."""
+    record = InstallRecord(
+        name=env.name,
+        label=env.label,
+        digest=env.digest(),
+        version=version,
+        torch=env.torch,
+        lock=env.lock,
+        excluded=env.excluded,
+        python="3.11",
+        bytes=0,
+        install_seconds=0.0,
+    )
+    return Installed(env, path, record)

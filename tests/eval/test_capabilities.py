@@ -18,20 +18,21 @@ import yaml
 from kiln.core.errors import InvalidInput, StageFailed
 from kiln.eval.runtimes import capabilities
 from kiln.eval.runtimes.capabilities import VllmCapabilities, cpu_flags, decide, vllm_capabilities
-from kiln.eval.runtimes.environments import Installed, get_environment
+from kiln.eval.runtimes.environments import get_environment
 from kiln.eval.runtimes.vllm_runtime import VllmRuntime
 from kiln.eval.runtimes.vllm_support import WeightScheme, cpu_limitation
 from kiln.pipeline.build import plan
 from kiln.pipeline.recipe import load_recipe
 from kiln.pipeline.stage import Node
 from kiln.pipeline.store import WorkDir
+from tests.eval.conftest import installed
 from tests.model_factory import make_model
 
 # The flags lines of the machine kinds the builds run on (trimmed to what matters, order as the kernel prints).
 EPYC_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx f16c avx2 fma bmi2\n"
 EPYC_AVX512 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512_bf16 avx512_vnni\n"
 XEON_AMX = "flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 avx512_vnni\n"
-INSTALLED = Installed(get_environment("vllm"), Path("/opt/vllm-env"), {"version": "0.32.0"})
+INSTALLED = installed(get_environment("vllm"), Path("/opt/vllm-env"))
 FP8 = [WeightScheme("float", 8, "channel", True)]
 BLOCK_FP8 = [WeightScheme("float", 8, "block", True)]
 HELLO = {"vllm": "0.32.0", "kernels": {"cpu_gemm_wna16": True}}

@@ -39,7 +39,7 @@ def test_install_once_then_find_it(tiny_env: Environment, tmp_path: Path) -> Non
     assert find("tiny", root) is None
     said: list[str] = []
     installed = install("tiny", root=root, say=said.append)
-    assert installed.record["version"] == "1.16.0" and installed.record["bytes"] > 0
+    assert installed.record.version == "1.16.0" and installed.record.bytes > 0
     assert installed.path.name == f"tiny-{tiny_env.digest()[:16]}"
     ran = subprocess.run([str(installed.python), "-c", "import six"], check=False)
     assert ran.returncode == 0

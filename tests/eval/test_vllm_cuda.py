@@ -12,12 +12,13 @@ import pytest
 
 from kiln.core.device import Device
 from kiln.core.errors import Deferred
+from kiln.core.evals import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 from kiln.core.hardware import builtin_catalog
 from kiln.eval.runtimes import environments, vllm_runtime
-from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.environments import find, get_environment
 from kiln.eval.runtimes.vllm_runtime import VllmRuntime, cuda_version, shared_worker
 from kiln.eval.runtimes.vllm_support import CUDA_KERNELS, WeightScheme, cuda_verdict
-from kiln.registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
+from tests.eval.conftest import installed
 
 FP8 = WeightScheme("float", 8, "channel", True)
 FP8_BLOCK = WeightScheme("float", 8, "block", True)
@@ -132,7 +133,7 @@ def on_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.setattr(vllm_runtime, "resolve_device", lambda device: Device("cuda"))
     monkeypatch.setattr(vllm_runtime, "visible_gpus", lambda device: ["0"])
     env = get_environment("vllm-cuda")
-    monkeypatch.setattr(environments, "find", lambda name: Installed(env, tmp_path / "env", {"version": "0.32.0"}))
+    monkeypatch.setattr(environments, "find", lambda name: installed(env, tmp_path / "env"))
 
     def with_worker(sm: int | None) -> _GpuWorker:
         worker = _GpuWorker(sm)

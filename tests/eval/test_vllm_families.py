@@ -26,7 +26,7 @@ from kiln.eval.metrics import log_softmax
 from kiln.eval.run import evaluate_artifact
 from kiln.eval.runtimes import CachedRuntime, TransformersRuntime
 from kiln.eval.runtimes.capabilities import AmxVerdict, decide, vllm_capabilities
-from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.environments import find, get_environment
 from kiln.eval.runtimes.vllm_runtime import VllmRuntime, WorkerError, shared_worker
 from kiln.eval.runtimes.vllm_support import (
     CPU_EXPERTS_LIMITS,
@@ -40,6 +40,7 @@ from kiln.eval.runtimes.vllm_support import (
     head_size,
 )
 from kiln.eval.text import EvalText, tokenize_text
+from tests.eval.conftest import installed
 from tests.model_factory import NEW_FAMILIES, make_bundle, make_model, sharpen
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -73,7 +74,7 @@ MOE_CASES = [("qwen3_moe", s) for s in VLLM_REFUSALS] + [("mixtral", s) for s in
 # What an AMD EPYC with AVX-512 decides (no AMX), and one with AMX.
 NO_AMX = decide(
     frozenset({"avx2", "avx512f", "avx512_vnni"}),
-    Installed(get_environment("vllm"), Path("/opt/vllm-env"), {"version": "0.32.0"}),
+    installed(get_environment("vllm"), Path("/opt/vllm-env")),
 )
 WITH_AMX = NO_AMX.model_copy(update={"amx": AmxVerdict(advertised=True, used=True, reason="AMX code ran here")})
 HELLO = {"vllm": "0.32.0", "kernels": {"cpu_gemm_wna16": True}}

@@ -21,23 +21,24 @@ from safetensors.torch import load_file, save_file
 
 from kiln.core.device import Device, DeviceUnavailable
 from kiln.core.errors import Deferred, InvalidInput, StageFailed
+from kiln.core.evals import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
 from kiln.core.shape import ShapeRecord
 from kiln.eval.gates import gate_for
 from kiln.eval.run import evaluate, evaluate_artifact, measure
 from kiln.eval.runtimes import CachedRuntime, TransformersRuntime, vllm_runtime
 from kiln.eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, Int8MatmulVerdict, decide, vllm_capabilities
-from kiln.eval.runtimes.environments import Installed, find, get_environment
+from kiln.eval.runtimes.environments import find, get_environment
 from kiln.eval.runtimes.vllm_runtime import VllmRuntime, shared_worker, tensor_parallel_size
 from kiln.eval.runtimes.vllm_support import WeightScheme, bundle_config, bundle_schemes, cpu_limitation, head_size
 from kiln.eval.runtimes.vllm_worker import amx_decision, probe_amx
 from kiln.eval.text import EvalText, tokenize_text
-from kiln.registry.artifacts.schemas import RUNTIME_VERSION_MAX_LENGTH, RUNTIME_VERSION_PATTERN
+from tests.eval.conftest import installed
 from tests.eval.test_capabilities import busy_cpus
 from tests.model_factory import make_bundle, make_model
 
 HELLO = {"vllm": "0.32.0", "kernels": {"cpu_gemm_wna16": True}}
 # What an AMD EPYC with AVX2 decides (no AMX; FP8 matmuls in float32).
-CAPS = decide(frozenset({"avx2"}), Installed(get_environment("vllm"), Path("/opt/vllm-env"), {"version": "0.32.0"}))
+CAPS = decide(frozenset({"avx2"}), installed(get_environment("vllm"), Path("/opt/vllm-env")))
 
 
 @pytest.fixture(scope="module")
