@@ -15,6 +15,7 @@ from kiln.core.error_codes import Codes
 from kiln.core.errors import UnknownName
 from kiln.routing.records import ChannelRouting, RenderOptions
 
+# A Kubernetes or KServe document as the renderer writes it: YAML for another system's schema, open by nature.
 Document = dict[str, Any]
 
 

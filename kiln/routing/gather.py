@@ -10,12 +10,12 @@ again, so a render never mixes two splits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import urlsplit
 
 from kiln.client import RegistryClient
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput, KilnError, NotFound
+from kiln.core.hardware import Family
 from kiln.core.manifest import ArtifactIdentity
 from kiln.core.resolve import ResolveOut
 from kiln.registry.channels.buckets import BASIS_POINTS
@@ -114,7 +114,12 @@ def _placement(answer: ResolveOut, weight: int) -> Placement:
 
 
 def _read(
-    client: RegistryClient, model: str, channel: str, pools: tuple[Pool, ...], sizing: Sizing, catalog: dict[str, Any]
+    client: RegistryClient,
+    model: str,
+    channel: str,
+    pools: tuple[Pool, ...],
+    sizing: Sizing,
+    catalog: dict[str, Family],
 ) -> ChannelRouting:
     first = _resolve(client, model, channel, pools[0], sizing, None)
     split = _split_of(first)
