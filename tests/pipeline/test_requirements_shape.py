@@ -274,10 +274,10 @@ def test_a_source_of_config_json_alone_plans_shape_only_without_the_flag(tmp_pat
     loaded = load_recipe(tmp_path / "kiln.yaml")
     assert not loaded.shape_only and loaded.is_shape_only
     rows = build.status(loaded, WorkDir(tmp_path / "work"))
-    assert {r["state"] for r in rows} == {"shape only"}
+    assert {r.state for r in rows} == {"shape only"}
     flagged = load_recipe(RECIPE)
     # The same sizes as the example that says `shape_only: true`.
-    assert [r["requires"] for r in rows] == [r["requires"] for r in build.status(flagged, WorkDir(tmp_path / "w2"))]
+    assert [r.requires for r in rows] == [r.requires for r in build.status(flagged, WorkDir(tmp_path / "w2"))]
     with pytest.raises(build.SourceShapeOnly, match="no weights beside it"):
         build.refuse_shape_only(loaded)
 
