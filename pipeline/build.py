@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from kiln.core.device import CPU, Device, resolve_device
 from kiln.core.digest import HashCache, sha256_json
@@ -43,7 +43,22 @@ from kiln.pipeline.records import (
     SealParams,
 )
 from kiln.pipeline.remote_source import S3Source
-from kiln.pipeline.report import BuildSummary, BuiltArtifact, DeferredStage, RuntimeEval
+from kiln.pipeline.report import (
+    BuildSummary,
+    BuiltArtifact,
+    DeferredStage,
+    DeviceMisfit,
+    DiskMisfit,
+    DiskUse,
+    Matrix,
+    MatrixEntry,
+    MatrixLevel,
+    MemoryMisfit,
+    Misfits,
+    PlanRow,
+    PlanState,
+    RuntimeEval,
+)
 from kiln.pipeline.requirements import (
     PlanDevice,
     Sizing,
@@ -727,7 +742,7 @@ def _where_ci() -> dict[str, Any]:
 
 def status(
     recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None, machine: Machine | None = None
-) -> list[dict[str, Any]]:
+) -> list[PlanRow]:
     """What `kiln plan` shows: each node, what it needs on `device` (sized for the catalog's `gpu`, or this
     machine's), its cache key, and whether its output is stored (`shape only`: a source that has none); the disk it
     reads and writes and its estimated seconds (`placement.cost`); and, for a node still to build, what of
@@ -741,8 +756,9 @@ def status(
     written = 0  # what the stages to build before this one leave on disk
     rows = []
     for node in nodes:
-        key, state = done[node.id].key, "cached" if done[node.id].digest is not None else "to build"
-        extra: dict[str, Any] = {}
+        key = done[node.id].key
+        state: PlanState = "cached" if done[node.id].digest is not None else "to build"
+        extra: dict[str, Any] = {}  # the row's reason, or what the stage's deferral says
         # A stage this machine cannot run is deferred to a runner (and so is everything that waits on it).
         blocked = [i for i in node.inputs.values() if i in deferred]
         needs = node.stage.deferral(node) if node.stage.deferral is not None and state != "cached" else None
@@ -758,71 +774,78 @@ def status(
         if recipe.is_shape_only:
             state = "shape only"
         cost, rates = work[node.id], _rates(node, sizing)
-        misfits: dict[str, Any] = {}
+        misfits = Misfits()
         if state in ("to build", "shape only"):
             misfits = _misfits(node, sizing, machine, cost, written)
             written += cost.written_bytes
+        timing = _timing(node, cost, rates)
         rows.append(
-            {
-                "node": node.id,
-                "stage": node.stage.name,
-                "inputs": node.inputs,
-                "key": key,
-                "state": state,
-                "requires": node.requires.model_dump(),
-                "disk": {
-                    "read_bytes": cost.read_bytes,
-                    "written_bytes": cost.written_bytes,
-                    "scratch_bytes": cost.scratch_bytes,
-                },
-                "flops": cost.flops,
-                **_timing(node, cost, rates),
-                "rates": rates.basis if rates is not None else None,
-                "misfits": misfits,
+            PlanRow(
+                node=node.id,
+                stage=node.stage.name,
+                inputs=node.inputs,
+                key=key,
+                state=state,
+                requires=node.requires,
+                disk=DiskUse(
+                    read_bytes=cost.read_bytes, written_bytes=cost.written_bytes, scratch_bytes=cost.scratch_bytes
+                ),
+                flops=cost.flops,
+                kind=timing.kind,
+                seconds=timing.seconds,
+                timed=timing.timed,
+                floor_seconds=timing.floor_seconds,
+                rates=rates.basis if rates is not None else None,
+                misfits=misfits,
                 **extra,
-            }
+            )
         )
     return rows
 
 
-def _timing(node: Node, cost: StageWork, rates: Rates | None) -> dict[str, Any]:
+class _Timing(NamedTuple):
     """A plan row's time: `seconds`, the estimate on the node's device (`placement.cost.estimate`) for its `kind` of
-    work, `timed` whether that kind was measured there (else it is the floor), and `floor_seconds`; None for a
-    device of unknown kind."""
+    work, `timed` whether that kind was measured there (else it is the floor), and `floor_seconds`."""
+
+    kind: str
+    seconds: float | None
+    timed: bool
+    floor_seconds: float | None
+
+
+def _timing(node: Node, cost: StageWork, rates: Rates | None) -> _Timing:
+    """A plan row's time; no seconds on a device of unknown kind."""
     kind = stage_kind(node)
     if rates is None:
-        return {"kind": kind, "seconds": None, "timed": False, "floor_seconds": None}
+        return _Timing(kind, None, False, None)
     estimated, timed = estimate(cost, rates, kind)
-    floor = round(seconds(cost, rates), 1)
-    return {"kind": kind, "seconds": round(estimated, 1), "timed": timed, "floor_seconds": floor}
+    return _Timing(kind, round(estimated, 1), timed, round(seconds(cost, rates), 1))
 
 
-def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, before: int) -> dict[str, Any]:
+def _misfits(node: Node, sizing: Sizing, machine: Machine, cost: StageWork, before: int) -> Misfits:
     """What of `machine` a node to build would not fit: host memory beyond what its stages may use (with a catalog GPU
     that would hold it, for a node that can compute on one), a GPU it was sized for that is too small, the disk
     once the stages before it (`before` bytes) have written theirs."""
-    out: dict[str, Any] = {}
     req = node.requires
+    memory = device = disk = None
     if req.memory_bytes > machine.memory_bytes:
-        out["memory"] = {
-            "needed_bytes": req.memory_bytes,
-            "memory_bytes": machine.memory_bytes,
-            "fix": _memory_fix(node, sizing, machine),
-        }
+        memory = MemoryMisfit(
+            needed_bytes=req.memory_bytes,
+            memory_bytes=machine.memory_bytes,
+            fix=_memory_fix(node, sizing, machine),
+        )
     if not req.fits:
-        out["device"] = {
-            "needed_bytes": req.device_memory_bytes,
-            "gpus": req.gpus,
-            "fix": _memory_fix(node, sizing, machine),
-        }
+        device = DeviceMisfit(
+            needed_bytes=req.device_memory_bytes, gpus=req.gpus, fix=_memory_fix(node, sizing, machine)
+        )
     need = before + cost.disk_peak_bytes
     if cost.disk_peak_bytes and need > machine.disk_free_bytes:
-        out["disk"] = {
-            "needed_bytes": need,
-            "free_bytes": machine.disk_free_bytes,
-            "fix": f"free {(need - machine.disk_free_bytes) / 1e9:.1f} GB more, or build fewer targets at a time",
-        }
-    return out
+        disk = DiskMisfit(
+            needed_bytes=need,
+            free_bytes=machine.disk_free_bytes,
+            fix=f"free {(need - machine.disk_free_bytes) / 1e9:.1f} GB more, or build fewer targets at a time",
+        )
+    return Misfits(memory=memory, device=device, disk=disk)
 
 
 def _memory_fix(node: Node, sizing: Sizing, machine: Machine) -> str:
@@ -840,7 +863,7 @@ def _memory_fix(node: Node, sizing: Sizing, machine: Machine) -> str:
     return f"a machine with {node.requires.memory_bytes / 2**30:.1f} GiB of memory"
 
 
-def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> dict[str, Any]:
+def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str | None = None) -> Matrix:
     """The graph for a CI workflow: its stages by level (a stage's inputs are all in earlier levels), each
     with the runner labels its requirements need (the recipe's `runners:` first, then
     `pipeline.requirements.RUNNER_LABELS`), and the same stages grouped by runner labels.
@@ -850,24 +873,24 @@ def matrix(recipe: Recipe, store: StageStore, *, device: Device = CPU, gpu: str 
     The compute stages are placed on `device` (a plan sized for the catalog's `gpu` asks for its runners)."""
     nodes = plan(recipe, store, device=device, gpu=gpu, hash_source=False)
     depth: dict[str, int] = {}
-    levels: list[list[dict[str, Any]]] = []
+    levels: list[list[MatrixEntry]] = []
     by_runner: dict[str, list[str]] = {}
     for node in nodes:
         depth[node.id] = 1 + max((depth[i] for i in node.inputs.values()), default=-1)
         labels = runner_labels(node.requires, recipe.runners)
-        entry = {
-            "stage": node.id,
-            "runs_on": labels,
-            "accelerator": node.requires.accelerator,
-            "runtime_env": node.requires.runtime_env,
-        }
+        entry = MatrixEntry(
+            stage=node.id,
+            runs_on=labels,
+            accelerator=node.requires.accelerator,
+            runtime_env=node.requires.runtime_env,
+        )
         while len(levels) <= depth[node.id]:
             levels.append([])
         levels[depth[node.id]].append(entry)
         by_runner.setdefault(",".join(labels), []).append(node.id)
-    return {
-        "model": recipe.model,
-        "version": recipe.version,
-        "levels": [{"include": level} for level in levels],
-        "by_runner": by_runner,
-    }
+    return Matrix(
+        model=recipe.model,
+        version=recipe.version,
+        levels=[MatrixLevel(include=level) for level in levels],
+        by_runner=by_runner,
+    )

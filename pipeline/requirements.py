@@ -87,7 +87,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from kiln.core.device import (
     CPU,
@@ -176,6 +176,21 @@ class Requirements(BaseModel):
     # How a transformers forward holds the model (`eval.runtimes.residency.hold`), which the memory above is
     # sized for; the stage holds it so. None: a stage that holds no model that way.
     weights: Residency | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _computed_agree(cls, data: Any) -> Any:
+        """Its own dump (a plan row's `requires`) reads back: `device` and `devices`, which it computes from `gpus`,
+        are refused unless they are what it computes."""
+        if not isinstance(data, dict) or not {"device", "devices"} & data.keys():
+            return data
+        given = {k: data[k] for k in ("device", "devices") if k in data}
+        data = {k: v for k, v in data.items() if k not in given}
+        gpus = data.get("gpus", 0)
+        computed = {"device": "cuda" if gpus else "cpu", "devices": gpus or 1}
+        if any(computed[k] != v for k, v in given.items()):
+            raise ValueError(f"{given} is not what {gpus} GPUs make ({computed})")
+        return data
 
     @computed_field  # type: ignore[prop-decorator]
     @property

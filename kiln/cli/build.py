@@ -39,6 +39,7 @@ from kiln.core.errors import InvalidInput
 
 if TYPE_CHECKING:
     from kiln.pipeline.report import BuiltArtifact
+    from kiln.pipeline.requirements import Requirements
 
 DeviceOpt = Annotated[
     str,
@@ -343,16 +344,16 @@ def plan(
     loaded = load_recipe(recipe, allowed_roots=allowed_roots(allow_outside))
     if as_matrix:
         graph = build.matrix(loaded, open_store(store, work_dir), device=placed, gpu=gpu)
-        if levels is not None and len(graph["levels"]) > levels:
+        if levels is not None and len(graph.levels) > levels:
             raise InvalidInput(
-                f"the graph has {len(graph['levels'])} levels and the workflow runs {levels}: add level jobs",
+                f"the graph has {len(graph.levels)} levels and the workflow runs {levels}: add level jobs",
                 code=Codes.WORKFLOW_TOO_SHALLOW,
             )
         if github_output is not None:
             with open(github_output, "a", encoding="utf-8") as out:
-                for i, level in enumerate(graph["levels"]):
-                    out.write(f"level{i}={json.dumps(level, separators=(',', ':'))}\n")
-                out.write(f"model={graph['model']}\nversion={graph['version']}\n")
+                for i, level in enumerate(graph.levels):
+                    out.write(f"level{i}={json.dumps(level.model_dump(mode='json'), separators=(',', ':'))}\n")
+                out.write(f"model={graph.model}\nversion={graph.version}\n")
         emit(graph)
         return
     rows = build.status(loaded, open_store(store, work_dir), device=placed, gpu=gpu)
@@ -367,27 +368,27 @@ def plan(
         right = col in ("writes", "reads", "time")
         table.add_column(col, no_wrap=col not in ("needs", "state"), justify="right" if right else "left")
     for r in rows:
-        req, disk = r["requires"], r["disk"]
-        host = fmt_size(req["memory_bytes"]) + (" !" if "memory" in r["misfits"] else "")
-        writes = fmt_size(disk["written_bytes"]) + (" !" if "disk" in r["misfits"] else "")
+        req, disk = r.requires, r.disk
+        host = fmt_size(req.memory_bytes) + (" !" if r.misfits.memory is not None else "")
+        writes = fmt_size(disk.written_bytes) + (" !" if r.misfits.disk is not None else "")
         cells = (
-            r["node"],
+            r.node,
             _device_cell(req),
             host,
             writes,
-            fmt_size(disk["read_bytes"]),
-            _duration(r["seconds"], r["timed"]),
+            fmt_size(disk.read_bytes),
+            _duration(r.seconds, r.timed),
         )
-        table.add_row(*(safe_text(c) for c in (*cells, _needs(req), (r["key"] or "-")[:12], r["state"])))
-    pending = [r for r in rows if r["state"] in ("to build", "shape only")]
-    total_s = sum(r["seconds"] or 0 for r in pending)
+        table.add_row(*(safe_text(c) for c in (*cells, _needs(req), (r.key or "-")[:12], r.state)))
+    pending = [r for r in rows if r.state in ("to build", "shape only")]
+    total_s = sum(r.seconds or 0 for r in pending)
     table.add_row(
         "total (to build)",
         "",
-        fmt_size(max((r["requires"]["memory_bytes"] for r in pending), default=0)),
-        fmt_size(sum(r["disk"]["written_bytes"] for r in pending)),
-        fmt_size(sum(r["disk"]["read_bytes"] for r in pending)),
-        _duration(total_s, all(r["timed"] for r in pending)),
+        fmt_size(max((r.requires.memory_bytes for r in pending), default=0)),
+        fmt_size(sum(r.disk.written_bytes for r in pending)),
+        fmt_size(sum(r.disk.read_bytes for r in pending)),
+        _duration(total_s, all(r.timed for r in pending)),
         "",
         "",
         "",
@@ -395,17 +396,17 @@ def plan(
     err.print(table)
     # What this machine cannot hold, with the numbers and what would.
     for r in rows:
-        for what, m in r["misfits"].items():
-            have = m.get("memory_bytes", m.get("free_bytes"))
+        for what, m in r.misfits.found().items():
+            have = m.have_bytes
             where = {"memory": "memory here", "disk": "disk free", "device": "the GPU"}[what]
-            numbers = f"needs {fmt_size(m['needed_bytes'])}" + (f", {fmt_size(have)} {where}" if have else "")
-            err.print(safe_text(f"[does not fit] {r['node']}: {what} {numbers}; {m['fix']}"), soft_wrap=True)
+            numbers = f"needs {fmt_size(m.needed_bytes)}" + (f", {fmt_size(have)} {where}" if have else "")
+            err.print(safe_text(f"[does not fit] {r.node}: {what} {numbers}; {m.fix}"), soft_wrap=True)
     # Deferred stages on lines of their own, the runner each waits for whole (a cell would wrap it).
     for r in rows:
-        if r["state"] == "deferred" and "runner" in r:
-            err.print(safe_text(f"{r['node']}: deferred to {r['runner']}"), soft_wrap=True)
-        elif r["state"] == "to build" and r.get("reason"):  # an ingest whose source no build has hashed yet
-            err.print(safe_text(f"{r['node']}: {r['reason']}"), soft_wrap=True)
+        if r.state == "deferred" and r.runner is not None:
+            err.print(safe_text(f"{r.node}: deferred to {r.runner}"), soft_wrap=True)
+        elif r.state == "to build" and r.reason:  # an ingest whose source no build has hashed yet
+            err.print(safe_text(f"{r.node}: {r.reason}"), soft_wrap=True)
 
 
 def _duration(seconds: float | None, timed: bool = True) -> str:
@@ -420,18 +421,18 @@ def _duration(seconds: float | None, timed: bool = True) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
-def _device_cell(req: dict[str, Any]) -> str:
+def _device_cell(req: Requirements) -> str:
     """`cpu`, or `cuda x 2: 66.0 GiB each` (`does not fit` where the share exceeds the GPU's memory)."""
-    if not req["gpus"]:
+    if not req.gpus:
         return "cpu"
-    count = f" x {req['gpus']}" if req["gpus"] > 1 else ""
-    fits = "" if req["fits"] else ", does not fit"
-    return f"cuda{count}: {fmt_size(req['device_memory_bytes'])}{' each' if count else ''}{fits}"
+    count = f" x {req.gpus}" if req.gpus > 1 else ""
+    fits = "" if req.fits else ", does not fit"
+    return f"cuda{count}: {fmt_size(req.device_memory_bytes)}{' each' if count else ''}{fits}"
 
 
-def _needs(req: dict[str, Any]) -> str:
+def _needs(req: Requirements) -> str:
     """`2 cpu, nvidia:h100, tensorrt_llm==0.21.0`: a node's cores, accelerator and runtime, in a table cell."""
-    return ", ".join([f"{req['cpus']} cpu", *(v for v in (req["accelerator"], req["runtime_env"]) if v)])
+    return ", ".join([f"{req.cpus} cpu", *(v for v in (req.accelerator, req.runtime_env) if v)])
 
 
 @app.command()

@@ -17,6 +17,7 @@ import yaml
 from kiln.core.hardware import PROFILES
 from kiln.core.manifest import FileEntry
 from kiln.pipeline.records import DerivedParams
+from kiln.pipeline.report import PlanRow
 from kiln.pipeline.stage import StageOutput
 from kiln.pipeline.stages.derived import artifact_record
 from kiln.pipeline.stages.publish import manifest_for
@@ -184,6 +185,8 @@ def test_build_plan_and_publish_show_gpu_stages_deferred_to_their_runner(recipe:
     assert "deferred engine/trtllm-bf16-a100 to a runner with a100 GPU with tensorrt_llm==0.21.0" in text
 
     plan = json.loads(kiln("plan", str(recipe), "--json", "--work-dir", work).stdout)
+    # Each row is a PlanRow's dump: a deferred one with what its stage's deferral says, others without those keys.
+    assert [PlanRow.model_validate(r).model_dump(mode="json") for r in plan] == plan
     states = {r["node"]: r for r in plan}
     assert states["export/trtllm-int4-rtn"]["state"] == "cached"
     gpu = states["gpu-eval/trtllm-int4-rtn@a100"]

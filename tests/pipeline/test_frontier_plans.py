@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -24,6 +24,9 @@ from kiln.formats.architectures.shape import ModelShape
 from kiln.placement.fit import plan_replica
 from kiln.placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
 from kiln.placement.weights import artifact_bytes, source_bytes
+
+if TYPE_CHECKING:
+    from kiln.pipeline.report import PlanRow
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GiB = 2**30
@@ -212,7 +215,7 @@ TP: dict[tuple[str, str], dict[str, int | None]] = {
 
 
 @cache
-def planned(example: str, gpu: str) -> dict[str, dict[str, Any]]:
+def planned(example: str, gpu: str) -> dict[str, PlanRow]:
     """`kiln plan --json --device cuda --gpu GPU`'s rows for an example (the CLI's own function, in this process)."""
     import tempfile
 
@@ -224,8 +227,8 @@ def planned(example: str, gpu: str) -> dict[str, dict[str, Any]]:
     recipe = load_recipe(EXAMPLES / example / "kiln.yaml")
     with tempfile.TemporaryDirectory() as work:
         rows = build.status(recipe, open_store(None, Path(work)), device=planning_device("cuda", gpu), gpu=gpu)
-    assert {r["state"] for r in rows} == {"shape only"}
-    return {r["node"]: r for r in rows}
+    assert {r.state for r in rows} == {"shape only"}
+    return {r.node: r for r in rows}
 
 
 @pytest.mark.parametrize("example", ["deepseek-v3", *OSS])
@@ -263,7 +266,7 @@ def test_each_vllm_eval_takes_the_tp_the_hand_calculation_gives(example: str, gp
     rows = planned(example, gpu)
     # ingest reads the source as released: FP8 blocks with the prediction layer, or MXFP4 experts.
     source = DS_FP8_SOURCE + DS_MTP_BYTES if example == "deepseek-v3" else oss(example)["source"]
-    assert rows["ingest/source"]["disk"]["read_bytes"] == source
+    assert rows["ingest/source"].disk.read_bytes == source
     for quant, expected in TP[(example, gpu)].items():
 
         def share(tp: int, quant: str = quant) -> int:
@@ -273,9 +276,9 @@ def test_each_vllm_eval_takes_the_tp_the_hand_calculation_gives(example: str, gp
         # fit".
         tp = next((t for t in (1, 2, 4, 8) if share(t) <= usable), None)
         assert tp == expected, quant
-        node = rows[f"eval/hf-bundle-{quant}@vllm"]["requires"]
-        assert (node["gpus"], node["device_memory_bytes"], node["fits"]) == (tp or 8, share(tp or 8), tp is not None)
-        assert node["accelerator"] == f"nvidia:{gpu}"
+        node = rows[f"eval/hf-bundle-{quant}@vllm"].requires
+        assert (node.gpus, node.device_memory_bytes, node.fits) == (tp or 8, share(tp or 8), tp is not None)
+        assert node.accelerator == f"nvidia:{gpu}"
 
 
 # -- the release as shipped, on each GPU (resolve's replica plan) -------------------------------------------------

@@ -60,8 +60,8 @@ def test_ingest_links_the_source_and_stores_no_second_copy(tmp_path: Path) -> No
     assert copied.digest == out.digest and copied.files == out.files
     # A build re-uses the linked ingest: the source's digests stayed recorded through the link.
     store = WorkDir(tmp_path / "work")
-    rows = {r["node"]: r for r in build.status(load_recipe(recipe), store)}
-    assert rows["ingest/source"]["state"] == "cached" and rows["ingest/source"]["key"] == out.key
+    rows = {r.node: r for r in build.status(load_recipe(recipe), store)}
+    assert rows["ingest/source"].state == "cached" and rows["ingest/source"].key == out.key
 
 
 def test_a_source_on_another_filesystem_is_referenced_in_place_and_shared_as_bytes(
@@ -146,12 +146,12 @@ def test_kiln_plan_reads_no_weights_and_uses_the_digests_ingest_recorded(
         return hash_file(path)
 
     monkeypatch.setattr(core_digest, "sha256_file", counting)
-    rows = {r["node"]: r for r in build.status(recipe, store)}
+    rows = {r.node: r for r in build.status(recipe, store)}
     assert not [n for n in read if n.endswith(".safetensors")], read  # the held-out text, nothing of the model
     ingest = rows["ingest/source"]
-    assert ingest["key"] is None and ingest["state"] == "to build" and "hashed once, at ingest" in ingest["reason"]
-    assert "model.safetensors" in ingest["reason"]
-    assert all(r["key"] is None for r in rows.values())  # nothing after an unhashed ingest has a key either
+    assert ingest.key is None and ingest.state == "to build" and "hashed once, at ingest" in (ingest.reason or "")
+    assert "model.safetensors" in (ingest.reason or "")
+    assert all(r.key is None for r in rows.values())  # nothing after an unhashed ingest has a key either
 
     # A build hashes the source once; the ingest links it (no second read), and records the digests.
     read.clear()
@@ -159,7 +159,7 @@ def test_kiln_plan_reads_no_weights_and_uses_the_digests_ingest_recorded(
     LocalExecutor(store).run(nodes[:1])
     assert read.count("model.safetensors") == 1
     read.clear()
-    rows = {r["node"]: r for r in build.status(recipe, store)}
+    rows = {r.node: r for r in build.status(recipe, store)}
     assert not [n for n in read if n.endswith(".safetensors")], read
-    assert rows["ingest/source"]["state"] == "cached" and rows["ingest/source"]["key"] is not None
-    assert rows["reference/source"]["key"] is not None  # keyed by the stored ingest's digest
+    assert rows["ingest/source"].state == "cached" and rows["ingest/source"].key is not None
+    assert rows["reference/source"].key is not None  # keyed by the stored ingest's digest

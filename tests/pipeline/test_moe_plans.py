@@ -15,13 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 
 from kiln.formats.architectures.shape import ModelShape
 from kiln.placement.model import active_parameters, kv_bytes_per_token, kv_cache_bytes, parameters
+
+if TYPE_CHECKING:
+    from kiln.pipeline.requirements import Requirements
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GiB = 2**30
@@ -164,7 +167,7 @@ def shape_of(m: Hand) -> Any:
     return ModelShape.from_config(json.loads((EXAMPLES / m.example / "config.json").read_text())).record()
 
 
-Plan = Callable[[str, str], dict[str, dict[str, Any]]]
+Plan = Callable[[str, str], dict[str, "Requirements"]]
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +182,11 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Plan:
     work = tmp_path_factory.mktemp("plans")
 
     @cache
-    def plan(example: str, gpu: str) -> dict[str, dict[str, Any]]:
+    def plan(example: str, gpu: str) -> dict[str, Requirements]:
         recipe = load_recipe(EXAMPLES / example / "kiln.yaml")
         rows = build.status(recipe, open_store(None, work), device=planning_device("cuda", gpu), gpu=gpu)
-        assert {r["state"] for r in rows} == {"shape only"}
-        return {r["node"]: r["requires"] for r in rows}
+        assert {r.state for r in rows} == {"shape only"}
+        return {r.node: r.requires for r in rows}
 
     return plan
 
@@ -236,8 +239,8 @@ def test_each_vllm_eval_takes_the_tp_the_hand_calculation_gives(planned: Plan, e
         assert tp == TP[(example, gpu)][quant], quant
         assert tp == 1 or share(tp // 2) > usable
         node = req[f"eval/hf-bundle-{quant}@vllm"]
-        assert (node["gpus"], node["device_memory_bytes"], node["fits"]) == (tp, share(tp), True), quant
-        assert node["accelerator"] == f"nvidia:{gpu}" and node["runtime_env"] == "vllm==0.32.0"
+        assert (node.gpus, node.device_memory_bytes, node.fits) == (tp, share(tp), True), quant
+        assert node.accelerator == f"nvidia:{gpu}" and node.runtime_env == "vllm==0.32.0"
 
 
 def test_kiln_plan_prints_each_stage_and_the_tp_of_the_vllm_evals(tmp_path: Path) -> None:

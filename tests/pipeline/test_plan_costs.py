@@ -18,6 +18,7 @@ import yaml
 from kiln.pipeline import build
 from kiln.pipeline.machine import Machine
 from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.report import DiskUse, Misfits, PlanRow
 from kiln.pipeline.store import open_store
 from kiln.placement.cost import BUILD_HOST_TIMES, HOST_DISK_BYTES_S
 
@@ -152,9 +153,9 @@ EXPECTED: dict[str, tuple[int | None, int, int, int, int]] = {
 BIG = Machine(memory_bytes=2**50, disk_free_bytes=2**60)
 
 
-def plan(tmp_path: Path, machine: Machine = BIG) -> dict[str, dict]:
+def plan(tmp_path: Path, machine: Machine = BIG) -> dict[str, PlanRow]:
     recipe = load_recipe(RECIPE)
-    return {r["node"]: r for r in build.status(recipe, open_store(None, tmp_path / "work"), machine=machine)}
+    return {r.node: r for r in build.status(recipe, open_store(None, tmp_path / "work"), machine=machine)}
 
 
 def test_the_70b_plan_equals_the_hand_calculation_stage_by_stage(tmp_path: Path) -> None:
@@ -162,24 +163,22 @@ def test_the_70b_plan_equals_the_hand_calculation_stage_by_stage(tmp_path: Path)
     for node, (memory, read, written, scratch, flops) in EXPECTED.items():
         row = rows[node]
         if memory is not None:
-            assert row["requires"]["memory_bytes"] == memory, node
-        assert row["disk"] == {"read_bytes": read, "written_bytes": written, "scratch_bytes": scratch}, node
-        assert row["flops"] == flops, node
-        assert row["kind"] == KIND[node][0], node
-        assert row["floor_seconds"] == round(floor(read, written, scratch, flops), 1), node
-        assert (row["seconds"], row["timed"]) == estimate(node, read, written, scratch, flops), node
-        assert row["misfits"] == {}, node
+            assert row.requires.memory_bytes == memory, node
+        assert row.disk == DiskUse(read_bytes=read, written_bytes=written, scratch_bytes=scratch), node
+        assert row.flops == flops, node
+        assert row.kind == KIND[node][0], node
+        assert row.floor_seconds == round(floor(read, written, scratch, flops), 1), node
+        assert (row.seconds, row.timed) == estimate(node, read, written, scratch, flops), node
+        assert row.misfits == Misfits(), node
     # The exports and quantizes the scale target (2 GiB + 2 x the largest tensor: 5.9 GiB) is meant for: under it but
     # llama.cpp's quantizer and orbax's writer, which were measured to hold 2.6 copies at 8B (docs/building.md).
     target = 2 * GiB + 2 * LARGEST
     over = {
-        n
-        for n, r in rows.items()
-        if n.split("/")[0] in ("export", "quantize") and r["requires"]["memory_bytes"] > target
+        n for n, r in rows.items() if n.split("/")[0] in ("export", "quantize") and r.requires.memory_bytes > target
     }
     assert over == {"export/gguf-q4_k_m", "export/orbax-bf16", "quantize/w4a16-gptq", "quantize/w4a16-awq"}
     # vLLM on the CPU: 1.6 x its weights, KV reservation, imports, largest tensor and comparison (measured 1.25-1.59 x).
-    vllm = rows["eval/hf-bundle-fp8@vllm"]["requires"]["memory_bytes"]
+    vllm = rows["eval/hf-bundle-fp8@vllm"].requires.memory_bytes
     cpu_kv = 2 * L * kv * 4 * 128 * (-(-(W + G + 1) // 128) + 1)
     assert vllm == -(-16 * (2000 * MiB + LARGEST + COMPARE + FP8_BUNDLE + cpu_kv) // 10)
 
@@ -188,30 +187,32 @@ def test_a_machine_too_small_is_told_which_stages_do_not_fit_and_what_would(tmp_
     # 23 GiB of memory and 80 GB of disk, the box the issue describes.
     small = Machine(memory_bytes=23 * GiB, disk_free_bytes=80 * GB)
     rows = plan(tmp_path, small)
-    memory = {n for n, r in rows.items() if "memory" in r["misfits"]}
-    assert memory == {n for n, r in rows.items() if r["requires"]["memory_bytes"] > 23 * GiB}
+    memory = {n for n, r in rows.items() if r.misfits.memory is not None}
+    assert memory == {n for n, r in rows.items() if r.requires.memory_bytes > 23 * GiB}
     assert {"eval/gguf-q4_k_m", "eval/hf-bundle-bf16@vllm", "quantize/w4a16-gptq", "quantize/w4a16-awq"} <= memory
     assert "reference/source" not in memory and "export/gguf-q4_k_m" not in memory
-    gguf = rows["eval/gguf-q4_k_m"]["misfits"]["memory"]
-    assert gguf["needed_bytes"] == EXPECTED["eval/gguf-q4_k_m"][0] and gguf["memory_bytes"] == 23 * GiB
-    assert "machine with" in gguf["fix"]  # llama.cpp computes on the CPU: no GPU makes it fit
+    gguf = rows["eval/gguf-q4_k_m"].misfits.memory
+    assert gguf is not None
+    assert gguf.needed_bytes == EXPECTED["eval/gguf-q4_k_m"][0] and gguf.memory_bytes == 23 * GiB
+    assert "machine with" in gguf.fix  # llama.cpp computes on the CPU: no GPU makes it fit
     # A stage that can compute on a GPU is told which catalog GPU would hold it.
-    assert rows["quantize/w4a16-gptq"]["misfits"]["memory"]["fix"].startswith("--device cuda --gpu ")
-    assert rows["eval/hf-bundle-bf16@vllm"]["misfits"]["memory"]["fix"].startswith("--device cuda --gpu ")
+    for node in ("quantize/w4a16-gptq", "eval/hf-bundle-bf16@vllm"):
+        fits_on_gpu = rows[node].misfits.memory
+        assert fits_on_gpu is not None and fits_on_gpu.fix.startswith("--device cuda --gpu "), node
     # The disk: ingest links the source (nothing written); the artifacts fill the 80 GB free in plan order: a stage
     # is flagged once what it keeps and its scratch, with what the stages before it keep, pass it.
     before = 0
     over = False
     for node, row in rows.items():
-        peak = row["disk"]["written_bytes"] + row["disk"]["scratch_bytes"]
+        peak = row.disk.written_bytes + row.disk.scratch_bytes
+        disk = row.misfits.disk
         if peak and before + peak > 80 * GB:
             over = True
-            disk = row["misfits"]["disk"]
-            assert (disk["needed_bytes"], disk["free_bytes"]) == (before + peak, 80 * GB), node
+            assert disk is not None and (disk.needed_bytes, disk.free_bytes) == (before + peak, 80 * GB), node
         else:
-            assert "disk" not in row["misfits"], node
-        before += row["disk"]["written_bytes"]
-    assert over and "disk" not in rows["ingest/source"]["misfits"]
+            assert disk is None, node
+        before += row.disk.written_bytes
+    assert over and rows["ingest/source"].misfits.disk is None
 
 
 @pytest.fixture()

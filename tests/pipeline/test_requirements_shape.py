@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kiln.pipeline.report import Matrix
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "llama-3-70b"
 RECIPE = EXAMPLE / "kiln.yaml"
 MiB, GiB = 2**20, 2**30
@@ -219,10 +221,12 @@ def test_a_cpu_plan_for_70b_holds_everything_in_host_memory(tmp_path: Path, monk
 def test_the_matrix_of_a_gpu_plan_sends_the_compute_stages_to_that_gpus_runners(tmp_path: Path) -> None:
     out = kiln("plan", str(RECIPE), "--matrix", "--device", "auto", "--gpu", "h200", "--work-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    jobs = {job["stage"]: job for level in json.loads(out.stdout)["levels"] for job in level["include"]}
-    assert jobs["reference/source"]["runs_on"] == ["self-hosted", "gpu", "h200"]
-    assert jobs["quantize/w4a16-gptq"]["runs_on"] == ["self-hosted", "gpu", "h200"]
-    assert jobs["export/gguf-q4_k_m"]["runs_on"] == ["ubuntu-latest"]
+    graph = Matrix.model_validate_json(out.stdout)
+    assert graph.model_dump(mode="json") == json.loads(out.stdout)  # the JSON is the record's dump, no more
+    jobs = {job.stage: job for level in graph.levels for job in level.include}
+    assert jobs["reference/source"].runs_on == ["self-hosted", "gpu", "h200"]
+    assert jobs["quantize/w4a16-gptq"].runs_on == ["self-hosted", "gpu", "h200"]
+    assert jobs["export/gguf-q4_k_m"].runs_on == ["ubuntu-latest"]
 
 
 @pytest.mark.parametrize(
@@ -274,10 +278,10 @@ def test_a_source_of_config_json_alone_plans_shape_only_without_the_flag(tmp_pat
     loaded = load_recipe(tmp_path / "kiln.yaml")
     assert not loaded.shape_only and loaded.is_shape_only
     rows = build.status(loaded, WorkDir(tmp_path / "work"))
-    assert {r["state"] for r in rows} == {"shape only"}
+    assert {r.state for r in rows} == {"shape only"}
     flagged = load_recipe(RECIPE)
     # The same sizes as the example that says `shape_only: true`.
-    assert [r["requires"] for r in rows] == [r["requires"] for r in build.status(flagged, WorkDir(tmp_path / "w2"))]
+    assert [r.requires for r in rows] == [r.requires for r in build.status(flagged, WorkDir(tmp_path / "w2"))]
     with pytest.raises(build.SourceShapeOnly, match="no weights beside it"):
         build.refuse_shape_only(loaded)
 

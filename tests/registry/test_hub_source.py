@@ -76,8 +76,8 @@ def test_a_hub_source_is_pinned_to_its_commit_and_used_in_place(hub: str, client
     assert local.external == ingest.external
     assert LocalExecutor(WorkDir(tmp_path / "w2")).run([local])["ingest/source"].output.digest == out.digest  # type: ignore[union-attr]
     # Planned again: the snapshot is in the cache, the digests recorded; the ingest is cached.
-    rows = {r["node"]: r for r in build.status(recipe, store)}
-    assert rows["ingest/source"]["state"] == "cached"
+    rows = {r.node: r for r in build.status(recipe, store)}
+    assert rows["ingest/source"].state == "cached"
 
 
 @pytest.mark.parametrize(
