@@ -87,7 +87,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, computed_field, model_validator
 
 from kiln.core.device import (
     CPU,
@@ -177,13 +177,20 @@ class Requirements(BaseModel):
     # sized for; the stage holds it so. None: a stage that holds no model that way.
     weights: Residency | None = None
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _computed_agree(cls, data: Any) -> Any:
+    def _computed_agree(cls, data: Any, handler: ModelWrapValidatorHandler[Requirements]) -> Requirements:
         """Its own dump (a plan row's `requires`) reads back: `device` and `devices`, which it computes from `gpus`,
         are refused unless they are what it computes."""
-        if not isinstance(data, dict) or not {"device", "devices"} & data.keys():
-            return data
+        given: dict[str, Any] = {}
+        if isinstance(data, dict):
+            given = {k: data[k] for k in ("device", "devices") if k in data}
+            data = {k: v for k, v in data.items() if k not in given}
+        read = handler(data)
+        computed = {k: getattr(read, k) for k in given}
+        if computed != given:
+            raise ValueError(f"{given} is not what {read.gpus} GPUs make ({computed})")
+        return read
         given = {k: data[k] for k in ("device", "devices") if k in data}
         data = {k: v for k, v in data.items() if k not in given}
         gpus = data.get("gpus", 0)
