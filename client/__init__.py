@@ -10,6 +10,7 @@ come back as the matching `core.errors` class, carrying the server's code, messa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -242,7 +243,7 @@ class RegistryClient:
     ) -> list[Answer]:
         """The rows of a listing, page after page, each read into `record`: all of them, or the first `most`."""
         rows: list[Answer] = []
-        page = TypeAdapter(list[record])  # type: ignore[valid-type]
+        page = _rows_of(record)
         for response in self._pages(path, params):
             rows.extend(page.validate_python(response.json()))
             if most is not None and len(rows) >= most:
@@ -551,6 +552,12 @@ class RegistryClient:
 
     def revoke_key(self, key_id: str, reason: str | None = None) -> TrustedKeyOut:
         return self._answer(TrustedKeyOut, "POST", f"/v1/keys/{_seg(key_id)}/revoke", json={"reason": reason})
+
+
+@functools.cache
+def _rows_of(record: type[Answer]) -> TypeAdapter[list[Answer]]:
+    """The reader of a page of `record`s: built once per record type (building one is the costly part)."""
+    return TypeAdapter(list[record])  # type: ignore[valid-type]
 
 
 def _artifact_path(model: str, version: str, artifact: str) -> str:

@@ -161,6 +161,22 @@ class InstallRecord(BaseModel):
     bytes: int
     install_seconds: float
 
+    @classmethod
+    def of(cls, env: Environment, version: str, size: int, seconds: float) -> InstallRecord:
+        """What installing `env` in this Python made: its check printed `version`; `size` bytes in `seconds`."""
+        return cls(
+            name=env.name,
+            label=env.label,
+            digest=env.digest(),
+            version=version,
+            torch=env.torch,
+            lock=env.lock,
+            excluded=env.excluded,
+            python=sys.version.split()[0],
+            bytes=size,
+            install_seconds=round(seconds, 1),
+        )
+
 
 @dataclass(frozen=True)
 class Installed:
@@ -247,18 +263,7 @@ def install(
                     step(f"installing {env.torch} first, with its own dependencies", [*pip, env.torch])
                 step(f"installing {env.lock} (pinned, --no-deps)", [*pip, "--no-deps", "-r", str(env.lock_path)])
                 version = step("checking that it imports", [py, "-c", env.check]).strip().splitlines()[-1]
-            record = InstallRecord(
-                name=env.name,
-                label=env.label,
-                digest=env.digest(),
-                version=version,
-                torch=env.torch,
-                lock=env.lock,
-                excluded=env.excluded,
-                python=sys.version.split()[0],
-                bytes=_tree_bytes(building),
-                install_seconds=round(time.perf_counter() - started, 1),
-            )
+            record = InstallRecord.of(env, version, _tree_bytes(building), time.perf_counter() - started)
             (building / MARKER).write_text(json.dumps(record.model_dump(mode="json"), indent=2, sort_keys=True))
             if final.exists():  # a crashed install's leftovers under the final name: never marked installed
                 shutil.rmtree(final)

@@ -55,16 +55,4 @@ def reference(llama_dir: Path) -> Iterator[CachedRuntime]:
 
 def installed(env: Environment, path: Path, version: str = "0.32.0") -> Installed:
     """`env` as if installed at `path`, its check having printed `version`."""
-    record = InstallRecord(
-        name=env.name,
-        label=env.label,
-        digest=env.digest(),
-        version=version,
-        torch=env.torch,
-        lock=env.lock,
-        excluded=env.excluded,
-        python="3.11",
-        bytes=0,
-        install_seconds=0.0,
-    )
-    return Installed(env, path, record)
+    return Installed(env, path, InstallRecord.of(env, version, 0, 0.0))
