@@ -32,9 +32,8 @@ from kiln.registry.api.errors import error_responses, install_error_handlers
 from kiln.registry.api.head import answer_head_like_get
 from kiln.registry.api.health import router as health_router
 from kiln.registry.api.lean_route import LeanLane
-from kiln.registry.artifacts.routes import router as artifacts_router
 from kiln.registry.artifacts.service import ArtifactFileBlobs
-from kiln.registry.attestations.routes import router as attestations_router
+from kiln.registry.attestations.routes import router as keys_router
 from kiln.registry.attestations.service import AttestationBlobs
 from kiln.registry.audit.routes import router as audit_router
 from kiln.registry.auth.cache import TokenCache
@@ -43,17 +42,23 @@ from kiln.registry.blobs.references import BlobReferences
 from kiln.registry.blobs.routes import router as blobs_router
 from kiln.registry.blobs.stores import open_blob_store
 from kiln.registry.channels.routes import router as channels_router
+from kiln.registry.channels.service import channels_of_release, drop_from_splits
 from kiln.registry.db import create_db_engine, create_session_factory
 from kiln.registry.deps import ENDING_THREADS, require
 from kiln.registry.hardware.routes import router as hardware_router
 from kiln.registry.hf_compat.routes import router as hf_compat_router
 from kiln.registry.models.routes import router as models_router
 from kiln.registry.oci.base_image import load_base_image
+from kiln.registry.oci.modelcar import record_release_layers
 from kiln.registry.oci.routes import router as oci_router
 from kiln.registry.oci.service import ModelCarLayerBlobs
 from kiln.registry.ops.metrics import RegistryMetrics
 from kiln.registry.ops.middleware import ObservabilityMiddleware, RequestLog
 from kiln.registry.performance.routes import router as performance_router
+from kiln.registry.releases.artifact_routes import router as artifacts_router
+from kiln.registry.releases.attestation_routes import router as attestations_router
+from kiln.registry.releases.contents import check_blob_readable
+from kiln.registry.releases.followers import ReleaseFollowers
 from kiln.registry.releases.routes import router as releases_router
 from kiln.registry.resolve.cache import ChannelFingerprints, ResolveCache
 from kiln.registry.resolve.routes import router as resolve_router
@@ -188,7 +193,13 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
     app.state.ending_limiter = anyio.CapacityLimiter(ENDING_THREADS)
     app.state.blob_store = storage.blob_store
     app.state.blob_references = storage.blob_references
+    app.state.blob_readable = check_blob_readable  # registry.blobs.references.BlobReadable
     app.state.modelcar = modelcar_base
+    app.state.release_followers = ReleaseFollowers(
+        serving=channels_of_release,
+        yanked=drop_from_splits,
+        sealed=record_release_layers if modelcar_base is not None else None,
+    )
     app.state.webhook_destinations = DestinationPolicy.from_settings(settings, webhook_resolver)
     app.state.resolve_cache = ResolveCache(ChannelFingerprints(engine))
     app.state.token_cache = TokenCache(app.state.session_factory)
@@ -206,6 +217,7 @@ def create_app(settings: RegistrySettings | None = None, *, webhook_resolver: Re
         releases_router,
         artifacts_router,
         attestations_router,
+        keys_router,
         blobs_router,
         channels_router,
         audit_router,

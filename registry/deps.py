@@ -21,7 +21,6 @@ from kiln.core.error_codes import Codes
 from kiln.core.errors import Unauthorized
 from kiln.registry.auth.cache import Missing
 from kiln.registry.auth.principal import ANONYMOUS, ANONYMOUS_READER, LOCAL, Principal, Scope
-from kiln.registry.resolve.cache import ResolveCache
 from kiln.registry.settings import RegistrySettings
 from kiln.storage.store import BlobStore
 
@@ -91,18 +90,12 @@ async def get_settings(request: Request) -> RegistrySettings:
     return settings
 
 
-async def get_resolve_cache(request: Request) -> ResolveCache:
-    cache: ResolveCache = request.app.state.resolve_cache
-    return cache
-
-
 # scope="function": the session (and its pooled connection) is given back when the route returns,
 # not after the response has been sent, so slow clients and long downloads hold no connection.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
 BlobStoreDep = Annotated[BlobStore, Depends(get_blob_store)]
 SettingsDep = Annotated[RegistrySettings, Depends(get_settings)]
-ResolveCacheDep = Annotated[ResolveCache, Depends(get_resolve_cache)]
 
 
 def _credentials(request: Request) -> Principal | str:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from kiln.core.evals import EvalMetrics, Gate
 from kiln.registry.db import Base, RecordJSON, utcnow
-
-if TYPE_CHECKING:
-    from kiln.registry.releases.models import Release
 
 
 class Artifact(Base):
@@ -35,7 +32,6 @@ class Artifact(Base):
     total_size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
-    release: Mapped[Release] = relationship(back_populates="artifacts", lazy="raise")
     files: Mapped[list[ArtifactFile]] = relationship(
         back_populates="artifact", lazy="raise", order_by="ArtifactFile.path"
     )

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 from sqlalchemy import ColumnElement, Select, exists, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import InstrumentedAttribute, Session, joinedload, selectinload
+from sqlalchemy.orm import InstrumentedAttribute, Session, selectinload
 
 from kiln.core.error_codes import Codes
 from kiln.core.errors import Conflict, InvalidInput, NotFound
@@ -129,15 +129,9 @@ def served_artifacts(
     digest_prefix: str | None = None,
 ) -> list[Artifact]:
     """The artifacts of the served (sealed, not yanked) releases in the `served_release_ids` subquery
-    (`registry.releases.service.served_release_ids`), by id, each with its release loaded (and loader
-    `options`); only the one with `artifact_id`, or those whose manifest digest starts with `digest_prefix`,
-    when given."""
-    query = (
-        select(Artifact)
-        .where(Artifact.release_id.in_(served_release_ids))
-        .options(joinedload(Artifact.release, innerjoin=True), *options)
-        .order_by(Artifact.id)
-    )
+    (`registry.releases.contents.served_artifacts` names their versions), by id, with loader `options`; only
+    the one with `artifact_id`, or those whose manifest digest starts with `digest_prefix`, when given."""
+    query = select(Artifact).where(Artifact.release_id.in_(served_release_ids)).options(*options).order_by(Artifact.id)
     if artifact_id is not None:
         query = query.where(Artifact.id == artifact_id)
     if digest_prefix is not None:

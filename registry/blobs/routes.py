@@ -1,7 +1,8 @@
 """HTTP routes for blobs: streamed, verified uploads and ranged downloads.
 
-Reads by digest answer only for blobs the caller may read (`registry.releases.contents.check_blob_readable`): what a
-served release of its models holds, its models' open releases for publishers, and its own uploads.
+Reads by digest answer only for blobs the caller may read (`registry.releases.contents.check_blob_readable`, which
+`create_app` hands these routes as `BlobReadable`): what a served release of its models holds, its models' open
+releases for publishers, and its own uploads.
 Anonymous callers, where anonymous read is on, read what served releases hold and nothing else. A
 blob the caller may not read is a 404, as if it did not exist, on GET and HEAD alike. Uploading bytes
 already stored is answered at once for a caller who may read them; anyone else sends the bytes,
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import anyio.from_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
 from kiln.core.error_codes import Codes
@@ -28,9 +29,9 @@ from kiln.registry.auth.principal import Principal
 from kiln.registry.blobs import service
 from kiln.registry.blobs.download import blob_response
 from kiln.registry.blobs.models import Blob
+from kiln.registry.blobs.references import BlobReadable
 from kiln.registry.blobs.schemas import BlobOut
 from kiln.registry.deps import BlobStoreDep, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep, require, transact
-from kiln.registry.releases.contents import check_blob_readable
 from kiln.storage.store import DEFAULT_CHUNK, BlobNotFound, BlobStore
 
 PUBLISH = require("publish")
@@ -119,6 +120,7 @@ async def upload_blob(
     store: BlobStoreDep,
     settings: SettingsDep,
     principal: PrincipalDep,
+    readable: BlobReadableDep,
 ) -> BlobOut:
     limit = settings.max_upload_bytes
     declared = request.headers.get("content-length", "")
@@ -128,7 +130,7 @@ async def upload_blob(
     existing = await transact(session, service.confirm_stored, session, store, sha256)  # kept from collection
     if existing is not None:
         # Bytes someone else stored: the caller reads them back only once it has sent the same bytes.
-        if await transact(session, _may_read, session, principal, sha256):
+        if await transact(session, _may_read, readable, session, principal, sha256):
             async for _ in request.stream():  # read what was sent, so the connection stays usable
                 pass
         else:
@@ -157,9 +159,17 @@ def _store(
     return row, created
 
 
-def _may_read(session: Session, principal: Principal, sha256: str) -> bool:
+async def get_blob_readable(request: Request) -> BlobReadable:
+    readable: BlobReadable = request.app.state.blob_readable
+    return readable
+
+
+BlobReadableDep = Annotated[BlobReadable, Depends(get_blob_readable)]
+
+
+def _may_read(readable: BlobReadable, session: Session, principal: Principal, sha256: str) -> bool:
     try:
-        check_blob_readable(session, principal, sha256)
+        readable(session, principal, sha256)
     except BlobNotFound:
         return False
     return True
@@ -202,8 +212,13 @@ BLOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     responses=BLOB_RESPONSES,
 )
 def download_blob(
-    sha256: Sha256, request: Request, session: SessionDep, store: BlobStoreDep, principal: PrincipalDep
+    sha256: Sha256,
+    request: Request,
+    session: SessionDep,
+    store: BlobStoreDep,
+    principal: PrincipalDep,
+    readable: BlobReadableDep,
 ) -> Response:
-    check_blob_readable(session, principal, sha256)
+    readable(session, principal, sha256)
     service.get_blob(session, store, sha256)  # the row and the bytes: a blob being collected is not served
     return blob_response(request, store, sha256)

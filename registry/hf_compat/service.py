@@ -24,10 +24,11 @@ from sqlalchemy.orm import Session
 from kiln.core.error_codes import Codes
 from kiln.core.errors import InvalidInput, NotFound
 from kiln.registry.api.params import MODEL_NAME_PATTERN
-from kiln.registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact, served_artifacts
+from kiln.registry.artifacts.service import WITH_FILES, Artifact, ArtifactFile, find_artifact
 from kiln.registry.channels.service import find_channel
 from kiln.registry.models.service import find_model
-from kiln.registry.releases.service import find_release, served_release_ids
+from kiln.registry.releases.contents import served_artifacts
+from kiln.registry.releases.service import find_release
 
 NAMESPACE = "kiln"
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -87,10 +88,10 @@ def resolve_revision(session: Session, repo_id: str, revision: str) -> Resolved:
         raise HubError(f"repository {repo_id!r} not found", "RepoNotFound", Codes.REPO_NOT_FOUND, {"repo_id": repo_id})
     if COMMIT.fullmatch(revision):
         # Only a served release's artifacts: a yanked or unsealed one is not served by any name.
-        found = served_artifacts(session, served_release_ids(model_row.id), *WITH_FILES, digest_prefix=revision)
+        found = served_artifacts(session, model_row.id, *WITH_FILES, digest_prefix=revision)
         if not found:
             raise _revision_not_found(repo_id, revision, f"no served artifact of {model!r} has commit {revision}")
-        return Resolved(repo_id, model, found[0].release.version, found[0])
+        return Resolved(repo_id, model, *found[0])
     match = _REVISION.fullmatch(revision)
     if match is None:
         raise InvalidRevision(

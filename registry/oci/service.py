@@ -44,6 +44,7 @@ from kiln.registry.oci import modelcar
 from kiln.registry.oci.base_image import BaseImage
 from kiln.registry.oci.documents import Document, Served, kiln_annotations
 from kiln.registry.oci.models import TarLayer, TarLayerBlob
+from kiln.registry.releases import contents
 from kiln.registry.releases.service import served_release_ids
 
 NAMESPACE = "kiln"
@@ -100,12 +101,12 @@ def tag(ref: str, artifact: str) -> str | None:
 def tag_table(session: Session, model: Model) -> dict[str, int]:
     """Every tag of the model's repository -> the id of the artifact it names."""
     # By release, then artifact: a tag two (version, artifact) pairs spell names the newer release's.
-    rows = sorted(artifacts.served_artifacts(session, served_release_ids(model.id)), key=lambda a: (a.release_id, a.id))
+    rows = sorted(contents.served_artifacts(session, model.id), key=lambda va: (va[1].release_id, va[1].id))
     by_release: dict[int, list[tuple[int, str]]] = {}
     tags: dict[str, int] = {}
-    for a in rows:
+    for version, a in rows:
         by_release.setdefault(a.release_id, []).append((a.id, a.name))
-        if (t := tag(a.release.version, a.name)) is not None:
+        if (t := tag(version, a.name)) is not None:
             tags[t] = a.id
     for channel, release_id in channel_release_ids(
         session, model.id
@@ -118,10 +119,8 @@ def tag_table(session: Session, model: Model) -> dict[str, int]:
 
 def served_artifacts(session: Session, model: Model, artifact_id: int | None = None) -> list[Served]:
     """The model's artifacts in served releases (or the one with `artifact_id`, if served), files loaded."""
-    served = artifacts.served_artifacts(
-        session, served_release_ids(model.id), *artifacts.WITH_FILES, artifact_id=artifact_id
-    )
-    return [Served(model.name, a.release.version, a) for a in served]
+    served = contents.served_artifacts(session, model.id, *artifacts.WITH_FILES, artifact_id=artifact_id)
+    return [Served(model.name, version, a) for version, a in served]
 
 
 def model_config(served: Served) -> Document:

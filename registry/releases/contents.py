@@ -8,6 +8,9 @@ reverse.
 
 from __future__ import annotations
 
+from typing import Any
+
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kiln.core.errors import NotFound
@@ -21,7 +24,14 @@ from kiln.registry.attestations.service import Attestation
 from kiln.registry.auth.principal import Principal
 from kiln.registry.blobs.service import uploaded_by
 from kiln.registry.paging import Page
-from kiln.registry.releases.service import get_release, lock_release, release_id_of, releases_with_models
+from kiln.registry.releases.models import Release
+from kiln.registry.releases.service import (
+    get_release,
+    lock_release,
+    release_id_of,
+    releases_with_models,
+    served_release_ids,
+)
 from kiln.storage.store import BlobNotFound, BlobStore
 
 
@@ -58,6 +68,27 @@ def post_eval(session: Session, model: str, version: str, name: str, spec: EvalC
     # every eval insert that started before it has committed.
     release = lock_release(session, model, version, shared=True)
     return artifacts.post_eval(session, release, model, name, spec)
+
+
+def served_artifacts(
+    session: Session,
+    model_id: int,
+    *options: Any,
+    artifact_id: int | None = None,
+    digest_prefix: str | None = None,
+) -> list[tuple[str, Artifact]]:
+    """The artifacts of the model's served (sealed, not yanked) releases, by id, each with its release's
+    version (`registry.artifacts.service.served_artifacts`: loader `options`, one `artifact_id`, a
+    `digest_prefix`)."""
+    rows = artifacts.served_artifacts(
+        session, served_release_ids(model_id), *options, artifact_id=artifact_id, digest_prefix=digest_prefix
+    )
+    ids = {a.release_id for a in rows}
+    versions: dict[int, str] = {
+        release_id: version
+        for release_id, version in session.execute(select(Release.id, Release.version).where(Release.id.in_(ids)))
+    }
+    return [(versions[a.release_id], a) for a in rows]
 
 
 def get_artifact_file(session: Session, model: str, version: str, name: str, path: str) -> ArtifactFile:

@@ -51,7 +51,7 @@ class Release(Base):
     yank_reason: Mapped[str | None] = mapped_column(Text, default=None)
 
     model: Mapped[Model] = relationship(lazy="raise")
-    artifacts: Mapped[list[Artifact]] = relationship(back_populates="release", lazy="raise", order_by="Artifact.name")
+    artifacts: Mapped[list[Artifact]] = relationship(lazy="raise", order_by="Artifact.name")
 
     def check_open(self, model: str, doing: str) -> None:
         """Conflict unless artifacts may still be added to the release (it is open)."""

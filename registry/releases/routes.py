@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, Request, Response
 
 from kiln.core.releases import ArtifactSummary, ReleaseDetail, ReleaseOut
 from kiln.registry.api.endpoint import SessionRoute
@@ -13,17 +13,24 @@ from kiln.registry.api.pages import PAGED, page_rows
 from kiln.registry.api.params import AfterVersion, ModelName, PageLimit, Version
 from kiln.registry.artifacts.service import WITH_EVALS
 from kiln.registry.auth.principal import Principal
-from kiln.registry.channels.service import channels_of_release, drop_from_splits
 from kiln.registry.deps import BlobStoreDep, SessionDep, WriteSessionDep, require
-from kiln.registry.oci.modelcar import record_release_layers
 from kiln.registry.paging import PAGE_LIMIT
 from kiln.registry.releases import service
+from kiln.registry.releases.followers import ReleaseFollowers
 from kiln.registry.releases.models import Release
 from kiln.registry.releases.schemas import ReasonRequest, ReleaseCreate
 
 PUBLISH = require("publish")
 router = APIRouter(prefix="/v1", tags=["releases"], route_class=SessionRoute)
 RELEASE = "/models/{model}/releases/{version}"
+
+
+async def get_followers(request: Request) -> ReleaseFollowers:
+    followers: ReleaseFollowers = request.app.state.release_followers
+    return followers
+
+
+FollowersDep = Annotated[ReleaseFollowers, Depends(get_followers)]
 
 
 def _fields(row: Release, model: str) -> dict[str, object]:
@@ -88,14 +95,14 @@ def list_releases(
     summary="A release with its artifacts, their eval results and gate status",
     responses=error_responses(404),
 )
-def get_release(model: ModelName, version: Version, session: SessionDep) -> ReleaseDetail:
+def get_release(model: ModelName, version: Version, session: SessionDep, followers: FollowersDep) -> ReleaseDetail:
     row = service.get_release(session, model, version, service.with_artifacts(*WITH_EVALS))
     return ReleaseDetail.model_validate(
         {
             **_fields(row, model),
             "artifacts": [ArtifactSummary.of(a) for a in row.artifacts],
             "missing": service.missing_artifacts(row),
-            "channels": channels_of_release(session, row.id),
+            "channels": followers.serving(session, row.id),
         }
     )
 
@@ -115,15 +122,16 @@ def seal_release(
     response: Response,
     background: BackgroundTasks,
     principal: Annotated[Principal, PUBLISH],
+    followers: FollowersDep,
 ) -> ReleaseOut:
-    """Seal the release. Where the registry offers model cars, their file layers are then hashed in the
-    background, after the answer, so the first pull of a model car finds them recorded."""
+    """Seal the release. What follows a seal (where the registry offers model cars, hashing their file layers,
+    so the first pull of a model car finds them recorded) runs in the background, after the answer."""
     row, sealed_now = service.seal_release(session, model, version, principal.name)
     session.commit()
     if not sealed_now:
         response.status_code = 200
-    elif request.app.state.modelcar is not None:
-        background.add_task(record_release_layers, request.app.state.write_session_factory, store, row.id)
+    elif followers.sealed is not None:
+        background.add_task(followers.sealed, request.app.state.write_session_factory, store, row.id)
     return _out(row, model)
 
 
@@ -155,10 +163,11 @@ def yank_release(
     body: ReasonRequest,
     session: WriteSessionDep,
     principal: Annotated[Principal, require("promote")],
+    followers: FollowersDep,
 ) -> ReleaseOut:
     release = service.get_release(session, model, version)
-    channels = channels_of_release(session, release.id)
+    channels = followers.serving(session, release.id)
     row = service.yank_release(session, model, version, body.reason, principal.name, channels)
-    drop_from_splits(session, model, release.id, version, principal.name)
+    followers.yanked(session, model, release.id, version, principal.name)
     session.commit()
     return _out(row, model)

@@ -24,3 +24,12 @@ def test_every_domain_with_tables_is_protected_by_a_contract() -> None:
         contract = protected.get(f"kiln.registry.{domain}.models")
         assert contract is not None, f"registry/{domain}/models.py has no protected contract in pyproject.toml"
         assert set(contract["allowed_importers"]) == {f"kiln.registry.{domain}", "kiln.registry.schema"}, domain
+
+
+def test_the_registry_inner_layers_hold_without_exceptions() -> None:
+    """The domains' layers (docs/registry.md) have no listed exceptions: a domain above hands a lower one
+    what it needs (`releases.followers`, `blobs.references`), it is never imported from below."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["kiln.registry"]]
+    assert {"oci", "channels", "releases", "attestations", "artifacts", "blobs"} <= set(layers["layers"])
+    assert not layers.get("ignore_imports"), layers["ignore_imports"]

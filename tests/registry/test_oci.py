@@ -209,7 +209,9 @@ def _attest(app: FastAPI, client: TestClient, artifact: str, kind: str, media_ty
     digest = upload(client, content)
     with app.state.session_factory() as session:
         artifact_id = session.scalars(
-            select(Artifact.id).join(Artifact.release).where(Release.version == "1.0.0", Artifact.name == artifact)
+            select(Artifact.id)
+            .join(Release, Release.id == Artifact.release_id)
+            .where(Release.version == "1.0.0", Artifact.name == artifact)
         ).one()
         session.add(
             Attestation(

@@ -1,4 +1,5 @@
-"""HTTP routes for artifacts, their file downloads and eval results."""
+"""HTTP routes for a release's artifacts, their file downloads and eval results: what a release holds is
+addressed, published and read through it (`registry.releases.contents`)."""
 
 from __future__ import annotations
 
