@@ -85,6 +85,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Ite
         log.close()
 
 
+@pytest.fixture(scope="module")
+def published(server: str, env: dict[str, str]) -> str:
+    """The example published and promoted to prod, once for the module (a publish of the 29 artifacts takes
+    10-20 s); yields the registry's URL. Publishing again is test_publish_promote_resolve_download_and_load's."""
+    kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
+    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    return server
+
+
 def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
     first = json.loads(kiln("build", str(RECIPE), "--json", env=env).stdout)
     assert first["failed_gates"] == []
@@ -108,8 +117,8 @@ def test_build_twice_reuses_every_stage(env: dict[str, str]) -> None:
     assert second["stages"] == {"cached": sum(first["stages"].values()) - 7, "deferred": 7}
 
 
-def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, str], tmp_path: Path) -> None:
-    kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
+def test_publish_promote_resolve_download_and_load(published: str, env: dict[str, str], tmp_path: Path) -> None:
+    server = published
     again = json.loads(kiln("publish", str(RECIPE), "--registry", server, "--json", env=env).stdout)
     assert again["failed_gates"] == []  # re-publishing identical content is accepted as is
     # Sealed with the key trusted, so every artifact carries a verified signature; one checked offline here.
@@ -149,10 +158,9 @@ def test_publish_promote_resolve_download_and_load(server: str, env: dict[str, s
         llm.close()
 
 
-def test_huggingface_hub_pulls_the_gguf_and_the_bundle(server: str, env: dict[str, str], tmp_path: Path) -> None:
+def test_huggingface_hub_pulls_the_gguf_and_the_bundle(published: str, env: dict[str, str], tmp_path: Path) -> None:
     """A serving node with HF_ENDPOINT at the registry pulls with the stock client, then loads what it got."""
-    kiln("publish", str(RECIPE), "--registry", server, env=env)
-    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    server = published
     script = (
         "import sys; from huggingface_hub import snapshot_download; "
         "print(snapshot_download('tiny-llama', revision=sys.argv[1], cache_dir=sys.argv[2]))"
@@ -187,12 +195,11 @@ def test_huggingface_hub_pulls_the_gguf_and_the_bundle(server: str, env: dict[st
 
 
 def test_tpu_pools_resolve_to_orbax_which_restores_from_the_registry(
-    server: str, env: dict[str, str], tmp_path: Path
+    published: str, env: dict[str, str], tmp_path: Path
 ) -> None:
     """A TPU v5e pool is offered only the orbax artifacts; every published file downloads, and the
     checkpoint restores and runs in the JAX runtime from that download alone."""
-    kiln("publish", str(RECIPE), "--registry", server, "--json", env=env)
-    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    server = published
     answer = json.loads(
         kiln("resolve", "tiny-llama", "--hardware", "tpu-v5e", "--registry", server, "--json", env=env).stdout
     )
@@ -226,14 +233,13 @@ def test_unknown_hardware_and_missing_model_give_clear_errors(server: str, env: 
     assert missing.returncode == 4
 
 
-def test_oras_and_skopeo_fetch_the_gguf_from_the_registry(server: str, env: dict[str, str], tmp_path: Path) -> None:
+def test_oras_and_skopeo_fetch_the_gguf_from_the_registry(published: str, env: dict[str, str], tmp_path: Path) -> None:
     """OCI clients pull the example's GGUF by its channel tag: the files are the published ones, byte for byte."""
     import shutil
 
     import oras.client
 
-    kiln("publish", str(RECIPE), "--registry", server, env=env)
-    kiln("promote", "tiny-llama@1.0.0", "--channel", "prod", "--registry", server, env=env)
+    server = published
     resolved = json.loads(
         kiln("resolve", "tiny-llama", "--hardware", "cpu", "--registry", server, "--json", env=env).stdout
     )
@@ -267,10 +273,12 @@ def test_oras_and_skopeo_fetch_the_gguf_from_the_registry(server: str, env: dict
     assert set(published.values()) <= blobs
 
 
-def test_skopeo_copies_the_orbax_checkpoint_as_a_model_car(server: str, env: dict[str, str], tmp_path: Path) -> None:
+def test_skopeo_copies_the_orbax_checkpoint_as_a_model_car(published: str, env: dict[str, str], tmp_path: Path) -> None:
     """The example's orbax checkpoint (144 files) as a KServe model car: packed into 100 file layers above
     the base's, which unpack (in order, with tar) to the published files under /models."""
     import shutil
+
+    server = published
 
     skopeo = shutil.which("skopeo")
     if skopeo is None and os.environ.get("KILN_REQUIRE_SKOPEO") != "1":
