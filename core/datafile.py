@@ -39,27 +39,29 @@ _JsonValuesLoader.yaml_implicit_resolvers = {
 }
 
 
-def read_data_bytes(path: Path, what: str, max_bytes: int = MAX_DATA_FILE_BYTES) -> bytes:
+def read_data_bytes(
+    path: Path, what: str, max_bytes: int = MAX_DATA_FILE_BYTES, error: type[InvalidInput] = DataFileInvalid
+) -> bytes:
     """The bytes of the regular file `path`, at most `max_bytes`; a directory, a FIFO or a device is refused
-    without being opened for reading (a FIFO would block)."""
+    without being opened for reading (a FIFO would block), as `error`."""
     where = {"file": str(path)}
     try:
         mode = path.stat().st_mode
     except OSError as e:
-        raise DataFileInvalid(f"{path}: cannot read {what} ({e.strerror or e})", details=where) from None
+        raise error(f"{path}: cannot read {what} ({e.strerror or e})", details=where) from None
     if not stat.S_ISREG(mode):
-        raise DataFileInvalid(f"{path}: {what} must be a regular file", details=where)
+        raise error(f"{path}: {what} must be a regular file", details=where)
     try:
         # O_NONBLOCK: a file swapped for a FIFO after the check is not waited on.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise DataFileInvalid(f"{path}: {what} must be a regular file", details=where)
+                raise error(f"{path}: {what} must be a regular file", details=where)
             raw = f.read(max_bytes + 1)
     except OSError as e:
-        raise DataFileInvalid(f"{path}: cannot read {what} ({e.strerror or e})", details=where) from None
+        raise error(f"{path}: cannot read {what} ({e.strerror or e})", details=where) from None
     if len(raw) > max_bytes:
-        raise DataFileInvalid(f"{path}: {what} is larger than {max_bytes} bytes", details=where)
+        raise error(f"{path}: {what} is larger than {max_bytes} bytes", details=where)
     return raw
 
 

@@ -74,6 +74,12 @@ class DataFileInvalid(InvalidInput):
     code = Codes.DATA_FILE_INVALID
 
 
+class ModelCarBaseInvalid(InvalidInput):
+    """The model-car base image (or the busybox it is written from) is not one kiln can build on."""
+
+    code = Codes.MODELCAR_BASE_INVALID
+
+
 class OutputPathInvalid(InvalidInput):
     """A path given for kiln to write is not one it can write a file at (a directory, a FIFO, a device)."""
 

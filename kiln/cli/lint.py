@@ -14,7 +14,6 @@ import typer
 
 from kiln.cli.common import EXIT_INVALID_INPUT, JsonOpt, app, emit
 from kiln.console import err, safe_text, stdout
-from kiln.core.errors import InvalidInput
 
 ConfigOpt = Annotated[
     Path | None,
@@ -34,17 +33,12 @@ TargetOpt = Annotated[
 def _source_shape(path: Path | None) -> Any:
     if path is None:
         return None
+    from kiln.core.datafile import read_data_bytes
     from kiln.core.untrusted import loads_json
     from kiln.formats.architectures.shape import ModelShape
 
     file = path / "config.json" if path.is_dir() else path
-    try:
-        raw = file.read_bytes()
-    except OSError as e:
-        raise InvalidInput(
-            f"--config {file}: cannot be read ({e.strerror or e})", details={"file": str(file)}
-        ) from None
-    return ModelShape.from_config(loads_json(raw, what=str(file)))
+    return ModelShape.from_config(loads_json(read_data_bytes(file, "--config (a model's config.json)"), what=str(file)))
 
 
 @app.command()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from kiln.core.datafile import read_data_bytes
 from kiln.core.digest import canonical_json
-from kiln.core.error_codes import Codes
-from kiln.core.errors import InvalidInput
+from kiln.core.errors import ModelCarBaseInvalid
 from kiln.registry.oci import media_types as mt
 
 # The largest JSON document (index, manifest, config) read from a layout; real ones are a few KiB.
@@ -30,6 +30,7 @@ ELF_ARCHITECTURES: Final = {62: "amd64", 183: "arm64", 243: "riscv64", 21: "ppc6
 ELF_PT_INTERP: Final = 3  # a program header naming the dynamic loader
 # What `kiln modelcar-base` links to busybox: what KServe's command and a look inside need.
 BUSYBOX_APPLETS: Final = ("sh", "ln", "sleep", "ls", "cat", "sha256sum")
+MAX_BUSYBOX_BYTES: Final = 64 * 1024 * 1024  # a static busybox is 1-3 MiB
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,8 @@ class BaseImage:
         return self.layout / "blobs" / "sha256" / sha256
 
 
-def _invalid(layout: Path, message: str) -> InvalidInput:
-    return InvalidInput(
-        f"model car base image {str(layout)!r}: {message}",
-        code=Codes.MODELCAR_BASE_INVALID,
-        details={"layout": str(layout)},
-    )
+def _invalid(layout: Path, message: str) -> ModelCarBaseInvalid:
+    return ModelCarBaseInvalid(f"model car base image {str(layout)!r}: {message}", details={"layout": str(layout)})
 
 
 def _check_blob(layout: Path, descriptor: Any) -> Path:
@@ -200,7 +197,7 @@ def static_elf_architecture(binary: bytes, name: str) -> str:
     """The OCI architecture of a statically linked 64-bit ELF executable; MODELCAR_BASE_INVALID otherwise
     (a dynamically linked shell would not start in an image that has no loader)."""
     if len(binary) < 64 or binary[:4] != b"\x7fELF" or binary[4] != 2 or binary[5] not in (1, 2):
-        raise InvalidInput(f"{name!r} is not a 64-bit ELF executable", code=Codes.MODELCAR_BASE_INVALID)
+        raise ModelCarBaseInvalid(f"{name!r} is not a 64-bit ELF executable")
     order: Literal["little", "big"] = "little" if binary[5] == 1 else "big"
 
     def field(offset: int, size: int) -> int:
@@ -208,14 +205,11 @@ def static_elf_architecture(binary: bytes, name: str) -> str:
 
     architecture = ELF_ARCHITECTURES.get(field(18, 2))
     if architecture is None:
-        raise InvalidInput(f"{name!r} is for an architecture kiln does not name", code=Codes.MODELCAR_BASE_INVALID)
+        raise ModelCarBaseInvalid(f"{name!r} is for an architecture kiln does not name")
     table, entry_size, count = field(32, 8), field(54, 2), field(56, 2)
     for i in range(count):
         if field(table + i * entry_size, 4) == ELF_PT_INTERP:
-            raise InvalidInput(
-                f"{name!r} is dynamically linked; use a static one (Debian: busybox-static)",
-                code=Codes.MODELCAR_BASE_INVALID,
-            )
+            raise ModelCarBaseInvalid(f"{name!r} is dynamically linked; use a static one (Debian: busybox-static)")
     return architecture
 
 
@@ -224,7 +218,7 @@ def write_busybox_base(busybox: Path, layout: Path, name: str = "busybox") -> st
 
     Deterministic (mtime 0, root-owned, fixed order): the same binary always gives the same digests.
     Returns the manifest's digest."""
-    binary = Path(busybox).read_bytes()
+    binary = read_data_bytes(Path(busybox), "a busybox", MAX_BUSYBOX_BYTES, ModelCarBaseInvalid)
     architecture = static_elf_architecture(binary, str(busybox))
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
