@@ -23,7 +23,7 @@ from typing import Any
 DEFAULT_CACHE = Path.home() / ".cache" / "kiln" / "converters"
 
 # Runs the converter as its own __main__ once per job ([model dir, out file, outtype]), with the vocabulary step of
-# the model class it picks skipped; writes {model dir: "ok" or the error} to the results file.
+# the model class it picks skipped; writes {out file: "ok" or the error} to the results file.
 DRIVER = """
 import json, runpy, sys, traceback
 vendored, jobs, results_file = sys.argv[1:4]
@@ -41,9 +41,9 @@ for model, outfile, outtype in json.loads(jobs):
     sys.argv[:] = [script, model, "--outfile", outfile, "--outtype", outtype]
     try:
         runpy.run_path(script, run_name="__main__")
-        results[model] = "ok"
+        results[outfile] = "ok"
     except BaseException as e:
-        results[model] = "".join(traceback.format_exception_only(e)).strip() or type(e).__name__
+        results[outfile] = "".join(traceback.format_exception_only(e)).strip() or type(e).__name__
 with open(results_file, "w") as f:
     json.dump(results, f)
 """
@@ -78,7 +78,7 @@ def vendored_llama_cpp(cache: Path | None = None) -> Path:
 
 
 def convert(vendored: Path, jobs: list[tuple[Path, Path, str]], results: Path) -> dict[str, str]:
-    """Run the converter on each (model dir, out file, outtype) in one process; {model dir: "ok" or its error}."""
+    """Run the converter on each (model dir, out file, outtype) in one process; {out file: "ok" or its error}."""
     payload = json.dumps([[str(m), str(o), t] for m, o, t in jobs])
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, str(vendored), payload, str(results)], capture_output=True, text=True

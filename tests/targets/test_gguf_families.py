@@ -136,7 +136,7 @@ def converted(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     results = convert(vendored, jobs, root / "results.json")
 
     def get(family: str) -> Path:
-        status = results[str(models[family])]
+        status = results[str(root / f"{family}.gguf")]
         if status != "ok":
             pytest.skip(f"llama.cpp's converter cannot convert {family}: {status}")
         return root / f"{family}.gguf"

@@ -197,14 +197,10 @@ def converted(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     except RuntimeError as e:
         pytest.skip(f"llama.cpp's converter is not available: {e}")
     root = tmp_path_factory.mktemp("frontier-converter")
-    results: dict[str, str] = {}
-    for quant in sorted({q for _, q in CONVERTED}):  # the driver reports per model directory: one run per quant
-        jobs = [(models[m], root / f"{m}-{q}.gguf", q) for m, q in CONVERTED if q == quant]
-        for model_dir, status in convert(vendored, jobs, root / f"results-{quant}.json").items():
-            results[f"{model_dir}:{quant}"] = status
+    results = convert(vendored, [(models[m], root / f"{m}-{q}.gguf", q) for m, q in CONVERTED], root / "results.json")
 
     def get(model: str, quant: str) -> Path:
-        status = results[f"{models[model]}:{quant}"]
+        status = results[str(root / f"{model}-{quant}.gguf")]
         assert status == "ok", f"llama.cpp's converter failed on {model} ({quant}): {status}"
         return root / f"{model}-{quant}.gguf"
 
