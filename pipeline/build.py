@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from kiln.core import __version__
 from kiln.core.device import CPU, Device, resolve_device
 from kiln.core.digest import HashCache, sha256_json
 from kiln.core.error_codes import Codes
@@ -68,7 +69,7 @@ from kiln.pipeline.requirements import (
     stage_kind,
     stage_work,
 )
-from kiln.pipeline.stage import Node
+from kiln.pipeline.stage import Node, distribution_version
 from kiln.pipeline.stages import derived as derived_stage
 from kiln.pipeline.stages import eval as eval_stage
 from kiln.pipeline.stages import export as export_stage
@@ -84,10 +85,12 @@ from kiln.placement.weights import source_bytes
 from kiln.quant.calibrated import calibration_dtype
 from kiln.quant.catalog import SCHEMES, check_source, get_method, get_scheme
 from kiln.quant.rtn import HeadTied, check_shapes
-from kiln.targets.base import get_target
+from kiln.targets.base import TargetSpec, get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
+UNRECORDED = "0" * 64  # a source file's digest where none was recorded (planned without hashing)
+SOURCE_CHECKS_DIR = "source-checks"  # a file per source check passed (`_check_source`)
 
 
 class SourceShapeOnly(InvalidInput):
@@ -301,7 +304,7 @@ def _build_graph(
             check_source(get_method(quant), sizing.shape.source_quant)
         spec.check_model(sizing.shape, sizing.config, quant, entry.params)
         if source is not None and spec.name not in checked:  # its files (the tokenizer), once per target
-            spec.check_source(source)
+            _check_source(spec, source, work_dir / SOURCE_CHECKS_DIR)
             checked.add(spec.name)
         export_inputs = {"ingest": ingest.id}
         if spec.prepare is not None:
@@ -382,6 +385,28 @@ def _build_graph(
     return nodes, artifacts, sizing
 
 
+def _check_source(spec: TargetSpec, source: SourceModel, passed: Path) -> None:
+    """`spec.check_source(source)`, remembered once passed: a file under `passed` named by the digest of the
+    target, its code version, the source's files and the libraries the check reads them with. A build planned
+    again (warm, or a publish after a build) does not load the tokenizer again. A source whose files have no
+    digest yet (planned from recorded digests, some unrecorded) is checked every time; the stage that writes the
+    files checks them again when it runs either way."""
+    if spec.check_source_fn is None:
+        return
+    if any(f.sha256 == UNRECORDED for f in source.files):
+        spec.check_source(source)
+        return
+    libraries = {name: distribution_version(name) for name in ("transformers", "tokenizers")}
+    key = sha256_json(
+        {"target": spec.name, "code": [__version__, spec.code_version], "source": source.digest, **libraries}
+    )
+    if (passed / key).is_file():
+        return
+    spec.check_source(source)
+    passed.mkdir(parents=True, exist_ok=True)
+    (passed / key).touch()
+
+
 def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_source: bool) -> tuple[Node, SourceModel]:
     """The ingest node of a source on this machine (a directory, or a hub repo's snapshot in the hub cache),
     and the source checked from its headers. Its files are hashed (once: `hashes` remembers them by stat)
@@ -401,7 +426,7 @@ def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_sour
         digest = hashes.recorded(path)
         if digest is None:
             unhashed.append(path.name)
-            return "0" * 64  # stands for a digest nobody recorded: this node gets no key
+            return UNRECORDED  # stands for a digest nobody recorded: this node gets no key
         return digest
 
     source = open_source(source_dir, hasher=hashes.sha256 if hash_source else recorded, allowed_roots=roots)

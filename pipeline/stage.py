@@ -142,6 +142,13 @@ class Stage:
     def requirements(self, node: Node, sizing: Sizing) -> Requirements:
         return self.needs(node, sizing) if self.needs is not None else requirements(self.name, sizing, node)
 
+    def lacks(self, node: Node) -> tuple[str, dict[str, Any]] | None:
+        """Why this machine cannot run `node` (`deferral`): the message and details its deferral reports, or None."""
+        needs = self.deferral(node) if self.deferral is not None else None
+        if needs is None:
+            return None
+        return f"{node.id}: deferred to a runner with {needs['runner']} ({'; '.join(needs['missing'])})", needs
+
 
 @dataclass(frozen=True)
 class Node:
@@ -264,11 +271,12 @@ def library_versions() -> dict[str, str]:
     by_module = _distributions_by_module()
     loaded = {name.partition(".")[0] for name in list(sys.modules)} - set(sys.stdlib_module_names)
     names = sorted({dist for module in loaded for dist in by_module.get(module, [])})
-    return {name: version for name in names if (version := _version(name)) is not None}
+    return {name: version for name in names if (version := distribution_version(name)) is not None}
 
 
 @functools.cache
-def _version(distribution: str) -> str | None:
+def distribution_version(distribution: str) -> str | None:
+    """The installed version of `distribution`, or None where it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

@@ -104,16 +104,13 @@ def _artifact_table(rows: list[BuiltArtifact]) -> Table:
 
 def _prepare_stages() -> None:
     """Before a stage runs here: cap oneDNN below the AMX some CPUs advertise but fault on, and show our progress
-    bars, not each library's (transformers draws one per model load, compressed-tensors one per decompression,
-    both through tqdm, which honours TQDM_DISABLE)."""
+    bars and lines, not each library's (transformers draws one per model load, compressed-tensors one per
+    decompression, both through tqdm, which honours TQDM_DISABLE). Set in the environment, which the libraries
+    read when a stage first imports them: a build whose stages are all cached imports none of them."""
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _run_build(

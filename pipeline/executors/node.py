@@ -149,7 +149,9 @@ def run_node(
     cached = store.lookup(node, key)
     if cached is not None:
         return NodeOutcome(node, "cached", key, cached)
-    short = _host_memory_short(node)
+    # Before anything is set up for it: what the stage needs of this machine (`Stage.lacks`: a GPU runner), and
+    # the memory it was planned to hold.
+    short = node.stage.lacks(node) or _host_memory_short(node)
     if short is not None:
         return NodeOutcome(node, "deferred", key, reason=short[0], details=short[1])
     # A compute stage's device, checked before anything runs (DEVICE_UNAVAILABLE: this machine, or the Ray

@@ -40,19 +40,16 @@ def deferral(derived: DerivedStage, node: Node) -> dict[str, Any] | None:
     return derived.deferral(DerivedParams.model_validate(node.params).as_params())
 
 
-def _on_runner(derived: DerivedStage, ctx: StageContext) -> None:
+def _on_runner(ctx: StageContext) -> None:
     """Deferred, naming the runner, where this machine is not one that can run the node."""
-    needs = deferral(derived, ctx.node)
-    if needs is not None:
-        raise Deferred(
-            f"{ctx.node.id}: deferred to a runner with {needs['runner']} ({'; '.join(needs['missing'])})",
-            details=needs,
-        )
+    lacks = ctx.node.stage.lacks(ctx.node)
+    if lacks is not None:
+        raise Deferred(lacks[0], details=lacks[1])
 
 
 def evaluate(derived: DerivedStage, ctx: StageContext) -> EvalReport:
     """The export, in the stage's runtime on this runner, compared with the stored reference."""
-    _on_runner(derived, ctx)
+    _on_runner(ctx)
     gate = DerivedParams.model_validate(ctx.node.params).gate
     if gate is None:
         raise ValueError(f"{ctx.node.id}: an eval on a runner is judged by a gate, and its params have none")
@@ -70,7 +67,7 @@ def evaluate(derived: DerivedStage, ctx: StageContext) -> EvalReport:
 def build(derived: DerivedStage, ctx: StageContext) -> ArtifactRecord:
     """The target's artifact, built on this runner from the ingested source, with its record."""
     assert derived.build is not None
-    _on_runner(derived, ctx)
+    _on_runner(ctx)
     p = DerivedParams.model_validate(ctx.node.params)
     ingest = ctx.input("ingest")
     work = ctx.out_dir.parent / "work"

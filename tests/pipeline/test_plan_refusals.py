@@ -123,3 +123,41 @@ def test_plan_refuses_what_the_stage_would_and_build_refuses_it_before_ingest(ca
         # Nothing ran: no stage wrote its output (a build keeps only the hash cache of the source it read).
         written = [p.name for p in work.iterdir() if p.is_dir()] if work.exists() else []
         assert written == [], written
+
+
+def test_a_source_check_passed_is_remembered_and_a_changed_tokenizer_checked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan (every warm build, every publish) loads the tokenizer for the GGUF check only the first time the
+    source's files pass it; a source whose tokenizer changed is checked, and refused, again."""
+    from kiln.pipeline.build import SOURCE_CHECKS_DIR, plan
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.store import open_store
+    from kiln.targets.gguf import tokenizer
+
+    model = make_model(tmp_path / "model", "qwen2", vocab_size=512, num_heads=4, num_kv_heads=2)
+    (tmp_path / "heldout.txt").write_text(HELDOUT)
+    recipe = {
+        "model": "m",
+        "version": "1",
+        "source": "model",
+        "eval": {"text": "heldout.txt"},
+        "targets": [{"target": "gguf", "quants": ["f16"]}],
+    }
+    (tmp_path / "kiln.yaml").write_text(yaml.safe_dump(recipe))
+    checks: list[Path] = []
+    check = tokenizer.check_special_tokens
+    monkeypatch.setattr(tokenizer, "check_special_tokens", lambda root, n: (checks.append(root), check(root, n))[1])
+    store = open_store(None, tmp_path / "work")
+
+    for _ in range(2):
+        plan(load_recipe(tmp_path / "kiln.yaml"), store)
+    assert checks == [model]
+    assert len(list((tmp_path / "work" / SOURCE_CHECKS_DIR).iterdir())) == 1
+
+    qwen2_without_specials(tmp_path / "bad")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((tmp_path / "bad" / name).read_bytes())
+    with pytest.raises(KilnError) as refused:
+        plan(load_recipe(tmp_path / "kiln.yaml"), store)
+    assert refused.value.code == "GGUF_VOCAB_MISMATCH" and checks == [model, model]
