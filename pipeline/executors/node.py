@@ -158,7 +158,8 @@ def run_node(
     # worker, lacks the GPU it was placed on), and described in its provenance.
     device = describe(stage_device(node)) if computes_on_device(node) else None
     reporter.start(node, key)
-    _computing_threads(node.requires.cpus)
+    if node.stage.cacheable:  # what publishes (effects outside the store, run every time) computes nothing
+        _computing_threads(node.requires.cpus)
     started = time.time()
     tmp = store.new_temp(node.stage.name, key)
     ctx = StageContext(
