@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -70,7 +71,8 @@ def running_ray_cluster(
     worker_gpus: int = 0,
 ) -> Iterator[RayCluster]:
     """`ray start` a head and a second node on loopback, `cpus` CPUs each, with these custom resources (and
-    `worker_gpus` GPUs on the second); `ray stop` on exit. The benchmarks use it too."""
+    `worker_gpus` GPUs on the second); its processes, and only they, stopped on exit (`stop_cluster`). The
+    benchmarks use it too."""
     if not Path(RAY).is_file():
         raise RuntimeError("ray is not installed in this environment (make install installs it)")
     port = free_port()
@@ -108,8 +110,55 @@ def running_ray_cluster(
             time.sleep(0.5)
         yield cluster
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, command line)} of this machine's processes (Linux's /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            found[int(entry.name)] = (
+                parent,
+                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"),
+            )
+        except (OSError, ValueError, IndexError):
+            continue  # ended while being read
+    return found
+
+
+def stop_cluster(temp_dir: Path, timeout: float = 30) -> None:
+    """Stop this cluster's processes, those started with its `temp_dir` and their children (the raylets' workers
+    and agents), and nothing else: `ray stop` would stop every Ray process of this user on the machine."""
+    processes = _processes()
+    ours = {pid for pid, (_, command) in processes.items() if str(temp_dir) in command}
+    while True:  # and their descendants
+        more = {pid for pid, (parent, _) in processes.items() if parent in ours} - ours
+        if not more:
+            break
+        ours |= more
+    me = os.getpid()
+    while me in processes:  # never this process or one it runs under (a shell whose command names the dir)
+        ours.discard(me)
+        me = processes[me][0] if me != processes[me][0] else 0
+    for pid in ours:  # as `ray stop --force` does: Ray's daemons take their time over a SIGTERM
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(pid) for pid in ours):
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (not ended, nor ended and waiting to be reaped)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split() or ["Z"])[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")
