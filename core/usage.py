@@ -256,15 +256,16 @@ class MemorySampler:
             self._known.add(pid)
 
     def _poll(self) -> None:
-        next_scan = time.monotonic()
-        scan_every = SCAN_INTERVAL_S
+        # `__enter__` has just scanned: the first scan here is one interval on. Each turn samples before it
+        # scans, so a slow scan (a loaded machine, many processes) never delays the work's first samples.
+        next_scan = time.monotonic() + SCAN_INTERVAL_S
         while not self._stop.is_set():
+            self._sample()
             if self._children and time.monotonic() >= next_scan:
                 cpu0 = time.thread_time()  # the scan's own CPU time: waiting for the GIL is not its cost
                 self._scan()
                 scan_every = max(SCAN_INTERVAL_S, (time.thread_time() - cpu0) * SCAN_BUDGET)
                 next_scan = time.monotonic() + scan_every
-            self._sample()
             self._stop.wait(self._interval)
 
     def children_io(self) -> IOCounters | None:

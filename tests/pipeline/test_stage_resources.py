@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import subprocess
 import sys
 import time
@@ -24,9 +25,12 @@ class Held(Record):
 def _allocate(ctx: StageContext) -> Held:
     """Hold `mib` MiB for 0.2 s, write `write_mib` MiB, and run a child holding `child_mib` MiB."""
     mib = int(ctx.node.params["mib"])
-    block = bytearray(mib * MIB)
-    time.sleep(0.2)
-    del block
+    # New pages, each written: what malloc would hand out may be memory this process already holds (freed,
+    # not yet returned), which the stage would then not add to the process's anonymous memory.
+    with mmap.mmap(-1, mib * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:
+        for page in range(0, mib * MIB, mmap.PAGESIZE):
+            block[page] = 1
+        time.sleep(0.2)
     (ctx.out_dir / "out.bin").write_bytes(bytes(int(ctx.node.params.get("write_mib", 0)) * MIB))
     if child := ctx.node.params.get("child_mib"):
         code = f"import time; b = bytearray({child} << 20); time.sleep(0.6)"
