@@ -174,6 +174,16 @@ class SourceModel:
         """Kept for callers that scope a source with try/finally; tensors hold their own mappings."""
 
 
+# A file's digest where none was recorded: a source planned without hashing (its node gets no key), or a working
+# copy no key is made from (calibration's dequantized release).
+UNRECORDED_DIGEST = "0" * 64
+
+
+def unrecorded(path: Path) -> str:
+    """`open_source`'s hasher for files whose digests nobody will read."""
+    return UNRECORDED_DIGEST
+
+
 def open_source(
     root: str | Path,
     known_files: list[FileEntry] | None = None,

@@ -22,7 +22,7 @@ from kiln.core.hardware import PROFILES, get_profile
 from kiln.eval.gates import gate_for
 from kiln.eval.report import EvalReport
 from kiln.eval.runtimes.facts import RUNTIME_FACTS
-from kiln.formats.hf_model import SourceModel, open_shape, open_source
+from kiln.formats.hf_model import UNRECORDED_DIGEST, SourceModel, open_shape, open_source
 from kiln.pipeline.executors.local import LocalExecutor
 from kiln.pipeline.executors.node import NodeOutcome, Reporter, Status, run_node
 from kiln.pipeline.machine import Machine, this_machine
@@ -89,7 +89,6 @@ from kiln.targets.base import TargetSpec, get_target
 
 HASH_CACHE = "hash-cache.json"
 SOURCES_DIR = "sources"  # header mirrors of sources in a bucket, by listing
-UNRECORDED = "0" * 64  # a source file's digest where none was recorded (planned without hashing)
 SOURCE_CHECKS_DIR = "source-checks"  # a file per source check passed (`_check_source`)
 
 
@@ -393,7 +392,7 @@ def _check_source(spec: TargetSpec, source: SourceModel, passed: Path) -> None:
     files checks them again when it runs either way."""
     if spec.check_source_fn is None:
         return
-    if any(f.sha256 == UNRECORDED for f in source.files):
+    if any(f.sha256 == UNRECORDED_DIGEST for f in source.files):
         spec.check_source(source)
         return
     libraries = {name: distribution_version(name) for name in ("transformers", "tokenizers")}
@@ -426,7 +425,7 @@ def _local_ingest(recipe: Recipe, hashes: HashCache, hash_cache: Path, hash_sour
         digest = hashes.recorded(path)
         if digest is None:
             unhashed.append(path.name)
-            return UNRECORDED  # stands for a digest nobody recorded: this node gets no key
+            return UNRECORDED_DIGEST  # stands for a digest nobody recorded: this node gets no key
         return digest
 
     source = open_source(source_dir, hasher=hashes.sha256 if hash_source else recorded, allowed_roots=roots)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING
 
-from kiln.formats.hf_model import open_source, write_dequantized
+from kiln.formats.hf_model import open_source, unrecorded, write_dequantized
 from kiln.pipeline.placement import stage_device
 from kiln.pipeline.records import QuantizeParams, QuantizeRecord
 from kiln.pipeline.requirements import Requirements, Sizing, calibrated_requirements, placed_kind, requirements
@@ -64,7 +64,7 @@ def run(ctx: StageContext) -> QuantizeRecord:
             # llm-compressor reads the model from disk through transformers: it gets the release dequantized, in the
             # dtype it computes in (`pipeline.requirements.stage_work` plans the copy's disk).
             plain = write_dequantized(source, offload / "dequantized-source", cal.compute_dtype)
-            calibrating = open_source(plain, hasher=lambda p: "0" * 64)
+            calibrating = open_source(plain, hasher=unrecorded)
         calibrated = calibrate(
             calibrating,
             scheme,
