@@ -15,6 +15,7 @@ from kiln.core.errors import InvalidInput
 from kiln.pipeline.records import Record
 from kiln.pipeline.requirements import Requirements
 from kiln.pipeline.stage import Node, Stage, StageContext
+from tests.memory import new_pages
 
 
 class ToyRecord(Record):
@@ -38,9 +39,8 @@ def _run(ctx: StageContext) -> ToyRecord:
     if ctx.node.params.get("fail"):
         raise InvalidInput(f"{ctx.node.id} refuses its input", code=Codes.SOURCE_INVALID)
     if mib := ctx.node.params.get("hold_mib"):
-        block = bytearray(int(mib) << 20)  # every page written: resident for the 0.2 s it is held
-        time.sleep(0.2)
-        del block
+        with new_pages(int(mib)):  # resident for the 0.2 s it is held
+            time.sleep(0.2)
     text = json.dumps({"node": ctx.node.id, "value": ctx.node.params["value"], "upstream": upstream})
     (ctx.out_dir / "out.txt").write_text(text)
     return ToyRecord(value=ctx.node.params["value"], upstream=upstream)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import mmap
 import subprocess
 import sys
 import time
@@ -14,8 +13,7 @@ from kiln.pipeline.executors.local import LocalExecutor
 from kiln.pipeline.records import Record
 from kiln.pipeline.stage import Node, Stage, StageContext
 from kiln.pipeline.store import WorkDir
-
-MIB = 1 << 20
+from tests.memory import MIB, new_pages
 
 
 class Held(Record):
@@ -25,11 +23,7 @@ class Held(Record):
 def _allocate(ctx: StageContext) -> Held:
     """Hold `mib` MiB for 0.2 s, write `write_mib` MiB, and run a child holding `child_mib` MiB."""
     mib = int(ctx.node.params["mib"])
-    # New pages, each written: what malloc would hand out may be memory this process already holds (freed,
-    # not yet returned), which the stage would then not add to the process's anonymous memory.
-    with mmap.mmap(-1, mib * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:
-        for page in range(0, mib * MIB, mmap.PAGESIZE):
-            block[page] = 1
+    with new_pages(mib):
         time.sleep(0.2)
     (ctx.out_dir / "out.bin").write_bytes(bytes(int(ctx.node.params.get("write_mib", 0)) * MIB))
     if child := ctx.node.params.get("child_mib"):
@@ -43,7 +37,7 @@ ALLOCATE = Stage("allocate", "1", _allocate, Held)
 
 class _Cycle:
     def __init__(self, mib: int) -> None:
-        self.block = bytearray(mib * MIB)
+        self.block = new_pages(mib)
         self.me = self  # only a full garbage collection frees it
 
 
