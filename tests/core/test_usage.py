@@ -3,7 +3,6 @@ processes' peak, and the bytes it read and wrote. Allocations are held for longe
 
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
@@ -22,23 +21,15 @@ from kiln.core.usage import (
     read_io,
     status_kb,
 )
-
-MIB = 1 << 20
+from tests.memory import MIB, new_pages
 
 pytestmark = pytest.mark.skipif(read_io() is None or status_kb("RssAnon") is None, reason="needs Linux /proc")
 
 
 def _hold(mib: int, seconds: float = 0.1) -> None:
-    """Map `mib` MiB of fresh anonymous memory, touch every page, hold it, unmap it. Fresh from the kernel: a
-    bytearray may reuse pages this process freed but still holds (a test runner's worker after other tests),
-    which the resident size already counts."""
-    block = mmap.mmap(-1, mib * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: RssAnon
-    try:
-        for offset in range(0, mib * MIB, mmap.PAGESIZE):
-            block[offset] = 1
+    """Hold `mib` MiB of new pages (`tests.memory`) for `seconds`."""
+    with new_pages(mib):
         time.sleep(seconds)
-    finally:
-        block.close()
 
 
 def _child(mib: int, seconds: float) -> list[str]:
