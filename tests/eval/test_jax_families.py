@@ -6,10 +6,7 @@ against the source, bit for bit, and in int8 against the quantize stage's values
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +19,12 @@ from kiln.eval.metrics import compare
 from kiln.eval.runtimes import JaxRuntime, TransformersRuntime
 from kiln.formats.architectures.shape import ModelShape
 from kiln.formats.hf_model import open_source
-from kiln.quant.catalog import get_scheme
-from kiln.quant.store import open_quantized, write_quantized
-from kiln.targets.base import ExportRequest, get_target
 from kiln.targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
 from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
+from tests.eval.orbax_models import dequantized_model, entropy, exports, on_an_8_device_mesh
+from tests.eval.orbax_models import references as opened_references
 from tests.model_factory import make_model, sharpen
 
-ROOT = Path(__file__).resolve().parents[2]
 IDS = list(range(3, 500, 7))  # 71 tokens: longer than every window below, padded to a 128-token bucket
 WINDOW = 16
 # Per family: the tiny model's config beyond model_factory's, and the keys whose removal must change transformers'
@@ -69,50 +64,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def export(model_dir: Path, out: Path, quant: str = "bf16", **params: Any) -> Path:
-    """The orbax artifact of `model_dir` in `out` (with the quantize stage's output beside it for int8)."""
-    source = open_source(model_dir)
-    quantized = None
-    if quant != "bf16":
-        qdir = out.parent / f"{out.name}-quantize"
-        qdir.mkdir(parents=True)
-        write_quantized(source, get_scheme(quant), qdir)
-        quantized = open_quantized(qdir, quant)
-    out.mkdir(parents=True)
-    get_target("orbax").export(source, ExportRequest(quant=quant, out_dir=out, params=params, quantized=quantized))
-    return out
-
-
 @pytest.fixture(scope="module")
 def exported(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    root = tmp_path_factory.mktemp("jax-families-orbax")
-    cache: dict[tuple[str, str], Path] = {}
-
-    def get(family: str, quant: str) -> Path:
-        if (family, quant) not in cache:
-            cache[family, quant] = export(models[family], root / f"{family}-{quant}", quant)
-        return cache[family, quant]
-
-    return get
+    return exports(models, tmp_path_factory.mktemp("jax-families-orbax"))
 
 
 @pytest.fixture(scope="module")
 def references(models: dict[str, Path]) -> Iterator[Callable[[str], TransformersRuntime]]:
-    opened: dict[str, TransformersRuntime] = {}
-
-    def get(family: str) -> TransformersRuntime:
-        if family not in opened:
-            opened[family] = TransformersRuntime(models[family])
-        return opened[family]
-
-    yield get
-    for rt in opened.values():
-        rt.close()
-
-
-def entropy(logits: np.ndarray) -> float:
-    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    return float(-(np.exp(logp) * logp).sum(-1).mean())
+    with opened_references(models) as get:
+        yield get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -217,26 +177,6 @@ def test_stacked_experts_and_split_linears_hold_the_source_weights(
         assert np.array_equal(np.concatenate([stored(m + "gate_proj.weight"), stored(m + "up_proj.weight")]), gate_up)
 
 
-def _dequantized_model(model_dir: Path, quant_dir: Path, out: Path) -> Path:
-    """The model whose Linear weights are the quantize stage's q * scale, in float32 (exactly what int8 stores)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from kiln.quant.rtn import dequantize, quantizes
-
-    quantized = open_quantized(quant_dir, INT8)
-    shutil.copytree(model_dir, out)
-    tensors = load_file(out / "model.safetensors")
-    for name in list(tensors):
-        if quantizes(quantized.scheme, name):
-            stored = {q: quantized.tensor(q) for q in quantized.module_tensors(name)}
-            tensors[name] = dequantize(quantized.scheme, name.removesuffix(".weight"), stored).float().contiguous()
-        else:
-            tensors[name] = tensors[name].to(torch.float32)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "phi3"])
 def test_int8_stacks_and_splits_the_quantize_stages_values(
     family: str,
@@ -261,7 +201,7 @@ def test_int8_stacks_and_splits_the_quantize_stages_values(
         got = rt.logits(IDS)
     finally:
         rt.close()
-    dequantized = _dequantized_model(models[family], art.parent / f"{art.name}-quantize", tmp_path / "dq")
+    dequantized = dequantized_model(models[family], art.parent / f"{art.name}-quantize", tmp_path / "dq")
     exact = TransformersRuntime(dequantized)
     try:
         m = compare(exact.logits(IDS)[:-1], got[:-1], IDS[1:])
@@ -327,12 +267,7 @@ def test_expert_parallel_artifact_computes_the_same_on_an_8_device_mesh(exported
     rt = JaxRuntime(art)
     np.savez(f"{art}-expected.npz", logits=rt.logits(IDS))
     rt.close()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", MESH_CHECK, str(art)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = on_an_8_device_mesh(MESH_CHECK, str(art))
     assert r["spec"][0] == "model" and r["shard"] == [2, 64, 64], r
     assert r["max_abs"] < 1e-3, r
 

@@ -10,10 +10,7 @@ plan (experts stacked and expert-parallel, MLA's per-head tensors split by heads
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,8 @@ from kiln.formats.architectures.shape import ModelShape
 from kiln.formats.hf_model import open_source
 from kiln.targets.orbax.layout import INT8, QUANTS, checkpoint_tensors, plan_checkpoint
 from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
-from tests.eval.test_jax_families import _dequantized_model, entropy, export
+from tests.eval.orbax_models import dequantized_model, entropy, exports, on_an_8_device_mesh
+from tests.eval.orbax_models import references as opened_references
 from tests.model_factory import make_model, sharpen
 
 IDS = list(range(3, 500, 7))  # 71 tokens, past gpt-oss's 16-token window
@@ -106,29 +104,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def exported(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    root = tmp_path_factory.mktemp("jax-frontier-orbax")
-    cache: dict[tuple[str, str], Path] = {}
-
-    def get(name: str, quant: str) -> Path:
-        if (name, quant) not in cache:
-            cache[name, quant] = export(models[name], root / f"{name}-{quant}", quant)
-        return cache[name, quant]
-
-    return get
+    return exports(models, tmp_path_factory.mktemp("jax-frontier-orbax"))
 
 
 @pytest.fixture(scope="module")
 def references(models: dict[str, Path]) -> Iterator[Callable[[str], TransformersRuntime]]:
-    opened: dict[str, TransformersRuntime] = {}
-
-    def get(name: str) -> TransformersRuntime:
-        if name not in opened:
-            opened[name] = TransformersRuntime(models[name])
-        return opened[name]
-
-    yield get
-    for rt in opened.values():
-        rt.close()
+    with opened_references(models) as get:
+        yield get
 
 
 def _variant(model_dir: Path, out: Path, change: dict[str, Any]) -> np.ndarray:
@@ -205,7 +187,7 @@ def test_int8_computes_the_quantize_stages_model(
         got = rt.logits(IDS)
     finally:
         rt.close()
-    dequantized = _dequantized_model(models[name], art.parent / f"{art.name}-quantize", tmp_path / "dq")
+    dequantized = dequantized_model(models[name], art.parent / f"{art.name}-quantize", tmp_path / "dq")
     exact = TransformersRuntime(dequantized)
     try:
         m = compare(exact.logits(IDS)[:-1], got[:-1], IDS[1:])
@@ -345,16 +327,5 @@ def test_both_compute_the_same_on_an_8_device_mesh(exported: Callable[[str, str]
         rt = JaxRuntime(art)
         np.save(f"{art}-expected.npy", rt.logits(IDS))
         rt.close()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", MESH_CHECK, *map(str, arts)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    diffs = on_an_8_device_mesh(MESH_CHECK, *map(str, arts))
     assert all(d < 1e-3 for d in diffs.values()), diffs
