@@ -188,7 +188,8 @@ def sliding_layer_count(s: ShapeRecord) -> int:
 VLLM_BLOCK_SIZE = 16
 VLLM_CPU_BLOCK_SIZE = 128
 # MLA on the CPU: platforms/cpu.py sets every MLA model's block size to 16 whatever was asked (the CPU MLA decode
-# kernel, csrc/cpu/mla_decode.cpp, compiles for 16 only), but where its AMX MLA backend runs (an x86 CPU with AMX).
+# kernel, csrc/cpu/mla_decode.cpp, compiles for 16 only), but where its AMX MLA backend runs (an x86 CPU with AMX:
+# bfloat16 only, 128-token pages). kiln's CPU eval asks for the reference backend on every CPU (`vllm_worker`).
 VLLM_CPU_MLA_BLOCK_SIZE = 16
 VLLM_TPU_BATCHED_TOKENS = {"v6e": 1024, "v5e": 512, "v5p": 256}
 # The blocks vLLM's block pool keeps back for itself (v1/core/block_pool.py, its null block), which its memory

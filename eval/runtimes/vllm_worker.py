@@ -67,6 +67,17 @@ def amx_decision(advertised: bool, probe_returncode: int | None, override: str =
     return True, "advertised, and AMX code ran here"
 
 
+def uses_mla(model: str) -> bool:
+    """Whether the model in directory `model` has multi-head latent attention (its config names a KV latent rank,
+    as DeepSeek-V2/V3's do)."""
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False  # vLLM reports what is wrong with the model when it loads it
+    return isinstance(config, dict) and bool(config.get("kv_lora_rank"))
+
+
 def probe_amx(python: str = sys.executable, code: str = AMX_PROBE, timeout: float = 600.0) -> int:
     """Run `code` with oneDNN allowed AMX, in a child; its return code (negative: killed by that signal).
 
@@ -246,6 +257,11 @@ class Worker:
             options["block_size"] = int(req["block_size"])
         if int(req.get("tensor_parallel_size", 1)) > 1:
             options["tensor_parallel_size"] = int(req["tensor_parallel_size"])
+        if not self.torch.cuda.is_available() and uses_mla(req["model"]):
+            # Where AMX tiles are usable vLLM picks its AMX MLA backend, which computes in bfloat16 only and pages
+            # 128 tokens; kiln's CPU eval computes in the dtype it asks for and sizes 16-token pages
+            # (`placement.model.VLLM_CPU_MLA_BLOCK_SIZE`): the reference CPU MLA backend, on every CPU alike.
+            options["attention_backend"] = "CPU_MLA"
         try:
             self.llm = LLM(
                 model=req["model"],

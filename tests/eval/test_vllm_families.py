@@ -204,11 +204,17 @@ def _agree(reference: CachedRuntime, bundle: Path, scheme: str, text: EvalText, 
     in_transformers = evaluate_artifact(reference, "transformers", bundle, text, gate_for(scheme))
     assert in_vllm.metrics is not None and in_transformers.metrics is not None, (case, in_vllm.reason)
     vllm, transformers = in_vllm.metrics, in_transformers.metrics
-    # Same weights, same activation quantization: only the kernels differ (and bf16 activations where vLLM's
-    # kernel takes no float32). Measured (KL vs the source, vLLM/transformers): Qwen3 FP8 1.0635e-4/1.0638e-4,
-    # Gemma 3 int4 5.449e-3/5.442e-3, Phi-3 int8 4.62e-6/4.65e-6; top-1 within 0.006.
-    assert abs(vllm.kl - transformers.kl) < 0.1 * transformers.kl, case
-    assert abs(vllm.top1 - transformers.top1) <= 0.02, case
+    # Same weights, same activation quantization: only the kernels differ, and the activations' dtype where vLLM's
+    # kernel takes no float32 (transformers computes in float32). Measured (KL vs the source, vLLM/transformers),
+    # without AMX: Qwen3 FP8 1.0635e-4/1.0638e-4, Gemma 3 int4 5.449e-3/5.442e-3, Phi-3 int8 4.62e-6/4.65e-6, top-1
+    # within 0.006. Where vLLM uses AMX its int8 and FP8 kernels take bfloat16 activations only, whose rounding
+    # moves these tiny models' KL by more: Phi-3 int8 5.38e-6/4.65e-6, Mixtral int8 8.3e-6/1.09e-5, Qwen3-MoE block
+    # FP8 experts 1.12e-4/1.72e-4 (top-1 0.911/0.868: routing follows the rounding). A misread scale or layout
+    # moves it by orders of magnitude.
+    bf16 = "bfloat16 activations" in (in_vllm.runtime_version or "")
+    kl_within, top1_within = (0.5, 0.05) if bf16 else (0.1, 0.02)
+    assert abs(vllm.kl - transformers.kl) < kl_within * transformers.kl, (case, vllm.kl, transformers.kl)
+    assert abs(vllm.top1 - transformers.top1) <= top1_within, (case, vllm.top1, transformers.top1)
 
 
 def _here(bundle: Path) -> str | None:

@@ -30,7 +30,7 @@ from kiln.eval.runtimes.capabilities import AmxVerdict, Fp8MatmulVerdict, Int8Ma
 from kiln.eval.runtimes.environments import find, get_environment
 from kiln.eval.runtimes.vllm_runtime import VllmRuntime, shared_worker, tensor_parallel_size
 from kiln.eval.runtimes.vllm_support import WeightScheme, bundle_config, bundle_schemes, cpu_limitation, head_size
-from kiln.eval.runtimes.vllm_worker import amx_decision, probe_amx
+from kiln.eval.runtimes.vllm_worker import amx_decision, probe_amx, uses_mla
 from kiln.eval.text import EvalText, tokenize_text
 from tests.eval.conftest import installed
 from tests.eval.test_capabilities import busy_cpus
@@ -143,6 +143,17 @@ def test_amx_is_used_only_where_it_was_advertised_and_ran() -> None:
     assert amx_decision(True, 1)[0] is False
     assert amx_decision(True, 0, "off")[0] is False
     assert amx_decision(True, None, "on")[0] is True
+
+
+def test_the_worker_knows_a_latent_attention_model_by_its_config(tmp_path: Path) -> None:
+    """What decides the reference CPU MLA backend (vLLM's AMX one computes in bfloat16 only): a KV latent rank."""
+    for name, config in {"mla": {"kv_lora_rank": 512}, "gqa": {"kv_lora_rank": None}, "list": [1]}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    assert uses_mla(str(tmp_path / "mla"))
+    assert not any(uses_mla(str(tmp_path / name)) for name in ("gqa", "list", "broken", "absent"))
 
 
 def test_the_probe_reports_a_child_killed_by_an_illegal_instruction() -> None:
