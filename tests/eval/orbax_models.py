@@ -19,14 +19,14 @@ from kiln.eval.runtimes import TransformersRuntime
 from kiln.formats.hf_model import open_source
 from kiln.quant.catalog import get_scheme
 from kiln.quant.store import open_quantized, write_quantized
-from kiln.targets.base import ExportRequest, get_target
+from kiln.targets.base import ExportRequest, ExportResult, get_target
 from kiln.targets.orbax.layout import INT8
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def export(model_dir: Path, out: Path, quant: str = "bf16", **params: Any) -> Path:
-    """The orbax artifact of `model_dir` in `out` (with the quantize stage's output beside it for int8)."""
+def export_orbax(model_dir: Path, out: Path, quant: str, **params: Any) -> ExportResult:
+    """The orbax export of `model_dir` into `out`, with the quantize stage's output beside it for a quantized quant."""
     source = open_source(model_dir)
     quantized = None
     if quant != "bf16":
@@ -34,8 +34,15 @@ def export(model_dir: Path, out: Path, quant: str = "bf16", **params: Any) -> Pa
         qdir.mkdir(parents=True)
         write_quantized(source, get_scheme(quant), qdir)
         quantized = open_quantized(qdir, quant)
-    out.mkdir(parents=True)
-    get_target("orbax").export(source, ExportRequest(quant=quant, out_dir=out, params=params, quantized=quantized))
+    out.mkdir(parents=True, exist_ok=True)
+    return get_target("orbax").export(
+        source, ExportRequest(quant=quant, out_dir=out, params=params, quantized=quantized)
+    )
+
+
+def export(model_dir: Path, out: Path, quant: str = "bf16", **params: Any) -> Path:
+    """`export_orbax`'s artifact directory."""
+    export_orbax(model_dir, out, quant, **params)
     return out
 
 

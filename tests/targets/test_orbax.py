@@ -24,11 +24,11 @@ from kiln.eval.metrics import compare
 from kiln.eval.runtimes import JaxRuntime
 from kiln.formats.architectures.record import TensorKind
 from kiln.formats.hf_model import SourceModel, open_source
-from kiln.quant.catalog import get_scheme
-from kiln.quant.store import open_quantized, write_quantized
-from kiln.targets.base import ExportRequest, ExportResult, get_target
+from kiln.quant.store import open_quantized
+from kiln.targets.base import ExportRequest, get_target
 from kiln.targets.orbax.layout import INT8, CheckpointTensor
 from kiln.targets.orbax.sharding import HeadLayout, Mesh, plan_sharding
+from tests.eval.orbax_models import export_orbax
 from tests.model_factory import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,21 +64,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[name] = make_model(root / name, **kw)
         _sharpen(out[name], kw.get("tie_word_embeddings", False))
     return out
-
-
-def export_orbax(model_dir: Path, out: Path, quant: str, **params: Any) -> ExportResult:
-    """The orbax export of `model_dir` into `out`, with the quantize stage's output for a quantized quant."""
-    source = open_source(model_dir)
-    quantized = None
-    if quant != "bf16":
-        qdir = out.parent / f"{out.name}-quantize"
-        qdir.mkdir(parents=True)
-        write_quantized(source, get_scheme(quant), qdir)
-        quantized = open_quantized(qdir, quant)
-    out.mkdir(parents=True, exist_ok=True)
-    return get_target("orbax").export(
-        source, ExportRequest(quant=quant, out_dir=out, params=params, quantized=quantized)
-    )
 
 
 @pytest.fixture(scope="module")
